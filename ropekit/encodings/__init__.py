@@ -1,0 +1,18 @@
+"""Rotary position encodings for N-dimensional coordinates, behind one interface (``create_pe``)."""
+
+from .base import PositionEncoding, check_coords
+from .cayley import CayleySTRING
+from .circulant import CirculantSTRING
+from .comrope import ComRoPEAP, ComRoPELD
+from .liere import LieRE
+from .registry import PE_REGISTRY, create_pe, list_pes, pe_options
+from .relaxed import RelaxedSTRING
+from .rope import AxialRoPE, FrequencyRoPE, LieRECommute, MixedRoPE, NoPE
+from .string import GeneralSTRING
+from .tensor import TensorSTRING
+
+__all__ = [
+    "PositionEncoding", "check_coords", "create_pe", "list_pes", "pe_options", "PE_REGISTRY",
+    "NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute", "CayleySTRING", "CirculantSTRING",
+    "TensorSTRING", "GeneralSTRING", "LieRE", "ComRoPEAP", "ComRoPELD", "RelaxedSTRING",
+]

@@ -1,0 +1,76 @@
+"""Circulant-STRING: block-circulant commuting generators, applied through the real FFT.
+
+``L_k = C_k - C_k^T`` with ``C_k`` block-circulant, block size ``b`` (``b`` divides ``d``), each block
+defined by its first column ``c`` (``C[i, j] = c[(i - j) mod b]``, as ``scipy.linalg.circulant``). The DFT
+diagonalises every circulant, so per block::
+
+    R(r) z = irfft( exp(i * sum_k r_k lambda_k) * rfft(z), n=b ),   lambda_k = 2 Im(rfft(c_k))
+
+O(d log b) per token. The DC mode (and the Nyquist mode for even ``b``) has ``lambda = 0``: those
+dimensions are never rotated (2 of every ``b``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .base import PositionEncoding
+from .functional import mixed_frequencies, skew
+
+__all__ = ["CirculantSTRING", "circulant"]
+
+
+def circulant(col: Tensor) -> Tensor:
+    """Dense circulant matrices ``C[i, j] = col[(i - j) mod b]`` from first columns ``(..., b)`` -> ``(..., b, b)``."""
+    b = col.shape[-1]
+    i = torch.arange(b, device=col.device)
+    return col[..., (i[:, None] - i[None, :]) % b]
+
+
+class CirculantSTRING(PositionEncoding):
+    name = "circulant"
+
+    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int | None = None,
+                 base: float = 100.0, per_head: bool = False) -> None:
+        super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
+        b = head_dim if block_size is None else block_size
+        if b < 3 or head_dim % b:
+            raise ValueError(f"circulant block_size must divide head_dim={head_dim} and be >= 3, got {b}")
+        self.block_size = b
+        nb = head_dim // b
+        nf = b // 2 + 1  # rfft modes
+        usable = (b - 1) // 2  # modes 1 .. usable rotate; DC (and Nyquist for even b) never do
+        # Initialise so that the mode frequencies lambda have RoPE-Mixed's scale: rfft(c) = i lambda / 2.
+        lam = torch.zeros(self.param_heads, coord_dim, nb, nf)
+        init = mixed_frequencies(2 * nb * usable, coord_dim, self.param_heads, base)  # (Hp, c, nb*usable)
+        lam[..., 1:1 + usable] = init.reshape(self.param_heads, coord_dim, nb, usable)
+        col = torch.fft.irfft(torch.complex(torch.zeros_like(lam), lam / 2), n=b)  # (Hp, c, nb, b)
+        self.circ_params = nn.Parameter(col)
+
+    def mode_frequencies(self, dtype: torch.dtype | None = None) -> Tensor:
+        """``lambda = 2 Im(rfft(c))``: ``(Hp, c, nb, b//2 + 1)``."""
+        c = self.circ_params if dtype is None else self.circ_params.to(dtype)
+        return 2 * torch.fft.rfft(c, dim=-1).imag
+
+    def _prepare(self, coords: Tensor, dtype: torch.dtype):
+        lam = self.mode_frequencies(dtype).flatten(-2)  # (Hp, c, nb*F)
+        if coords.dim() == 2:
+            theta = torch.einsum("mc,hcf->hmf", coords, lam).unsqueeze(0)  # (1, Hp, M, nb*F)
+        else:
+            theta = torch.einsum("bmc,hcf->bhmf", coords, lam)  # (B, Hp, M, nb*F)
+        theta = theta.unflatten(-1, (-1, self.block_size // 2 + 1))  # (.., Hp, M, nb, F)
+        return torch.complex(torch.cos(theta), torch.sin(theta))
+
+    def _apply(self, x: Tensor, phase: Tensor) -> Tensor:
+        b = self.block_size
+        spec = torch.fft.rfft(x.unflatten(-1, (-1, b)), dim=-1)  # (B, H, M, nb, F)
+        return torch.fft.irfft(spec * phase, n=b, dim=-1).flatten(-2)  # (B, H, M, d)
+
+    def generators(self) -> Tensor:
+        blocks = skew(circulant(self.circ_params))  # (Hp, c, nb, b, b)
+        hp, c, nb, b, _ = blocks.shape
+        out = blocks.new_zeros(hp, c, nb, b, nb, b)
+        idx = torch.arange(nb)
+        out[:, :, idx, :, idx, :] = blocks.permute(2, 0, 1, 3, 4)
+        return out.reshape(hp, c, nb * b, nb * b).expand(self.num_heads, -1, -1, -1)

@@ -1,0 +1,125 @@
+"""ComRoPE (Yu et al. 2025): block-diagonal commuting generators with one skew base per block.
+
+* ``comrope-ap`` (axis-partitioned): block ``j`` belongs to axis ``j mod c`` only; block ``j`` of
+  ``R(r)`` is ``expm(r_{j mod c} K_j)``, ``K_j = B_j - B_j^T``. Needs ``d / b`` to be a multiple of ``c``.
+* ``comrope-ld`` (linearly dependent): ``L_k = blockdiag_j(lambda_{k,j} K_j)``; block ``j`` of ``R(r)`` is
+  ``expm(s_j K_j)`` with ``s_j = sum_k r_k lambda_{k,j}``. With ``b = 2`` it is RoPE-Mixed.
+
+Fast path: each block's generator is fixed, so one Hermitian eigendecomposition per block serves all
+tokens: ``expm(s K) = U diag(exp(i s mu)) U^H`` (``functional.scaled_block_exp_apply``), with an exact
+backward pass that stays finite at ``K = 0``. No per-token matrix exponential, no dense ``d x d`` scatter.
+
+Initialisation ``init="rope"`` (default) makes the encoding start as axial RoPE (each block holds ``b/2``
+RoPE planes of its axis); ``init="zero"`` starts at the identity (for fine-tuning a model trained
+without it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .base import PositionEncoding
+from .functional import _block_diag, scaled_block_exp_apply, skew
+
+__all__ = ["ComRoPEAP", "ComRoPELD"]
+
+
+def _rope_block_bases(head_dim: int, coord_dim: int, block_size: int, base: float) -> Tensor:
+    """Bases ``B_j`` ``(nb, b, b)`` such that ``B_j - B_j^T`` rotates the planes of block ``j`` like axial RoPE.
+
+    Block ``j`` belongs to axis ``j mod c``; its ``b/2`` planes are planes ``floor(j / c) * b/2 + i`` of
+    that axis, with axial frequencies ``base ** (-2n / (d / c))``.
+    """
+    nb, half = head_dim // block_size, block_size // 2
+    d_axis = head_dim / coord_dim
+    bases = torch.zeros(nb, block_size, block_size, dtype=torch.float64)
+    for j in range(nb):
+        for i in range(half):
+            n = (j // coord_dim) * half + i
+            bases[j, 2 * i, 2 * i + 1] = -base ** (-2.0 * n / d_axis)
+    return bases.float()
+
+
+class _ComRoPE(PositionEncoding):
+    def __init__(self, head_dim: int, coord_dim: int, num_heads: int, block_size: int, init: str, base: float,
+                 per_head: bool) -> None:
+        super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
+        if block_size < 2 or block_size % 2 or head_dim % block_size:
+            raise ValueError(f"{self.name}: block_size must be even and divide head_dim={head_dim}, got {block_size}")
+        if init not in ("rope", "zero"):
+            raise ValueError(f"{self.name}: init must be 'rope' or 'zero', got {init!r}")
+        self.block_size = block_size
+        self.num_blocks = head_dim // block_size
+        bases = _rope_block_bases(head_dim, coord_dim, block_size, base) if init == "rope" else \
+            torch.zeros(self.num_blocks, block_size, block_size)
+        self.block_params = nn.Parameter(bases.unsqueeze(0).repeat(self.param_heads, 1, 1, 1))  # (Hp, nb, b, b)
+        owner = torch.arange(self.num_blocks) % coord_dim
+        self.register_buffer("block_axis", owner, persistent=False)
+
+    def block_generators(self) -> Tensor:
+        """``K_j = B_j - B_j^T``: ``(Hp, nb, b, b)``."""
+        return skew(self.block_params)
+
+    def block_scales(self, coords: Tensor) -> Tensor:
+        """``s_j(r)``: ``(Hp, M, nb)`` for ``(M, c)`` coords, ``(B, Hp, M, nb)`` per example."""
+        raise NotImplementedError
+
+    def _axis_weights(self) -> Tensor:
+        """``lambda``: ``(Hp, c, nb)``."""
+        raise NotImplementedError
+
+    def _prepare(self, coords: Tensor, dtype: torch.dtype):
+        return self.block_scales(coords), self.block_generators().to(dtype)
+
+    def _apply(self, x: Tensor, state) -> Tensor:
+        s, k = state
+        return scaled_block_exp_apply(x, s, k)
+
+    def generators(self) -> Tensor:
+        lam = self._axis_weights()  # (Hp, c, nb)
+        blocks = lam[..., None, None] * self.block_generators().unsqueeze(1)  # (Hp, c, nb, b, b)
+        return _block_diag(blocks).expand(self.num_heads, -1, -1, -1)
+
+
+class ComRoPEAP(_ComRoPE):
+    name = "comrope-ap"
+
+    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int = 8,
+                 init: str = "rope", base: float = 10000.0, per_head: bool = False) -> None:
+        if block_size > 0 and head_dim % block_size == 0 and (head_dim // block_size) % coord_dim:
+            raise ValueError(
+                f"comrope-ap needs head_dim / block_size to be a multiple of coord_dim: {head_dim} / {block_size} = "
+                f"{head_dim // block_size} blocks cannot be split evenly over {coord_dim} axes"
+            )
+        super().__init__(head_dim, coord_dim, num_heads, block_size, init, base, per_head)
+
+    def _axis_weights(self) -> Tensor:
+        lam = torch.zeros(self.param_heads, self.coord_dim, self.num_blocks, device=self.block_params.device,
+                          dtype=self.block_params.dtype)
+        lam[:, self.block_axis, torch.arange(self.num_blocks)] = 1.0
+        return lam
+
+    def block_scales(self, coords: Tensor) -> Tensor:
+        s = coords[..., self.block_axis]  # (M, nb) or (B, M, nb)
+        return s.unsqueeze(-3)  # (1, M, nb) or (B, 1, M, nb): shared by all parameter heads
+
+
+class ComRoPELD(_ComRoPE):
+    name = "comrope-ld"
+
+    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int = 8,
+                 init: str = "rope", base: float = 10000.0, per_head: bool = False) -> None:
+        super().__init__(head_dim, coord_dim, num_heads, block_size, init, base, per_head)
+        lam = torch.zeros(self.param_heads, coord_dim, self.num_blocks)
+        lam[:, self.block_axis, torch.arange(self.num_blocks)] = 1.0  # starts axis-partitioned
+        self.axis_weights = nn.Parameter(lam)
+
+    def _axis_weights(self) -> Tensor:
+        return self.axis_weights
+
+    def block_scales(self, coords: Tensor) -> Tensor:
+        lam = self.axis_weights.to(coords.dtype)
+        if coords.dim() == 2:
+            return torch.einsum("mc,hcn->hmn", coords, lam)
+        return torch.einsum("bmc,hcn->bhmn", coords, lam)

@@ -1,0 +1,60 @@
+"""LieRE (Ostmeier et al. 2024): ``R(r) = expm(sum_k r_k L_k)`` with dense, non-commuting generators.
+
+``L_k = triu(A_k, 1) - triu(A_k, 1)^T``, ``A_k`` unconstrained: dense ``d x d`` (``block_size=None``) or
+block diagonal with blocks of size ``b``. Raw parameters start uniform in ``[0, init_scale)`` (the
+authors' ``2 pi``). Not translation invariant for ``c >= 2`` unless the coordinates are collinear.
+
+Fast path: the exponential depends on the coordinates and the generators only, so it is computed once
+per parameter head and token -- not once per example when the coordinates are shared by the batch,
+nor once per head when the generators are shared by heads -- and applied block by block (never as a
+dense ``d x d`` scatter of the blocks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .base import PositionEncoding
+from .functional import _block_diag
+
+__all__ = ["LieRE"]
+
+
+class LieRE(PositionEncoding):
+    name = "liere"
+    commuting = False
+
+    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int | None = None,
+                 init_scale: float = 2 * math.pi, per_head: bool = False) -> None:
+        super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
+        b = head_dim if block_size is None else block_size
+        if b < 2 or head_dim % b:
+            raise ValueError(f"liere block_size must divide head_dim={head_dim} and be >= 2, got {b}")
+        self.block_size = b
+        nb = head_dim // b
+        self.generator_params = nn.Parameter(torch.rand(self.param_heads, coord_dim, nb, b, b) * init_scale)
+        if coord_dim == 1 or b == 2:
+            self.commuting = True  # a single generator (or 2x2 blocks) always commutes with itself
+
+    def block_generators(self) -> Tensor:
+        """``(Hp, c, nb, b, b)`` skew blocks ``triu(A, 1) - triu(A, 1)^T``."""
+        a = torch.triu(self.generator_params, diagonal=1)
+        return a - a.transpose(-1, -2)
+
+    def generators(self) -> Tensor:
+        return _block_diag(self.block_generators()).expand(self.num_heads, -1, -1, -1)
+
+    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
+        gen = self.block_generators().to(dtype)
+        if coords.dim() == 2:
+            g = torch.einsum("mc,hcnij->hmnij", coords, gen).unsqueeze(0)  # (1, Hp, M, nb, b, b)
+        else:
+            g = torch.einsum("bmc,hcnij->bhmnij", coords, gen)  # (B, Hp, M, nb, b, b)
+        return torch.linalg.matrix_exp(g)
+
+    def _apply(self, x: Tensor, rot: Tensor) -> Tensor:
+        xb = x.unflatten(-1, (-1, self.block_size))  # (B, H, M, nb, b)
+        return torch.einsum("bhmnij,bhmnj->bhmni", rot, xb).flatten(-2)

@@ -1,0 +1,77 @@
+"""``create_pe``: one factory for every position encoding, by name."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from .base import PositionEncoding
+from .cayley import CayleySTRING
+from .circulant import CirculantSTRING
+from .comrope import ComRoPEAP, ComRoPELD
+from .liere import LieRE
+from .relaxed import RelaxedSTRING
+from .rope import AxialRoPE, LieRECommute, MixedRoPE, NoPE
+from .string import GeneralSTRING
+from .tensor import TensorSTRING
+
+__all__ = ["PE_REGISTRY", "create_pe", "list_pes"]
+
+PE_REGISTRY: dict[str, type[PositionEncoding]] = {
+    "none": NoPE,
+    "axial": AxialRoPE,
+    "mixed": MixedRoPE,
+    "cayley": CayleySTRING,
+    "circulant": CirculantSTRING,
+    "tensor": TensorSTRING,
+    "string": GeneralSTRING,
+    "liere": LieRE,
+    "liere-commute": LieRECommute,
+    "comrope-ap": ComRoPEAP,
+    "comrope-ld": ComRoPELD,
+    "relaxed": RelaxedSTRING,
+}
+
+
+def list_pes() -> list[str]:
+    """Names accepted by ``create_pe``."""
+    return list(PE_REGISTRY)
+
+
+def pe_options(name: str) -> list[str]:
+    """Keyword options accepted by the encoding ``name`` (besides head_dim, coord_dim, num_heads)."""
+    cls = _lookup(name)
+    params = inspect.signature(cls.__init__).parameters
+    return [p for p in params if p not in ("self", "head_dim", "coord_dim", "num_heads")]
+
+
+def _lookup(name: str) -> type[PositionEncoding]:
+    key = name.lower().replace("_", "-") if isinstance(name, str) else name
+    if key not in PE_REGISTRY:
+        raise ValueError(f"unknown position encoding {name!r}; known: {', '.join(PE_REGISTRY)}")
+    return PE_REGISTRY[key]
+
+
+def create_pe(name: str, *, head_dim: int, coord_dim: int, num_heads: int = 1, **options: Any) -> PositionEncoding:
+    """Build the position encoding ``name``.
+
+    Args:
+        name: one of ``none, axial, mixed, cayley, circulant, tensor, string, liere, liere-commute,
+            comrope-ap, comrope-ld, relaxed``.
+        head_dim: ``d``, even.
+        coord_dim: ``c``, the number of coordinates per token (2 for images, 3 for RGB-D or video).
+        num_heads: ``H``.
+        **options: encoding options, e.g. ``per_head`` (parameters per head instead of shared by heads),
+            ``block_size`` (circulant, liere, comrope-*), ``base`` (rotation base / frequency scale),
+            ``init_scale`` (liere), ``init`` (comrope: "rope" or "zero"), ``exact`` and ``active_planes``
+            (relaxed), ``band`` (cayley), ``num_features`` (tensor), ``learnable_freqs`` (axial).
+
+    Raises:
+        ValueError: unknown name, unknown option, or a configuration that does not fit the head dimension.
+    """
+    cls = _lookup(name)
+    allowed = pe_options(name)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(allowed)}")
+    return cls(head_dim, coord_dim, num_heads, **options)

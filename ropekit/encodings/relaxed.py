@@ -1,0 +1,96 @@
+"""Relaxed STRING: ``R_sp(r) = R_STR(r) . P_sp`` with ``R_STR(r) = expm(sum_k r_k L_k)``.
+
+The generators act on the first ``2m`` coordinates (the *active* subspace, ``m = active_planes``); the other
+``d - 2m`` form the *null* subspace. ``P_sp`` is a learnable rotation of all ``d`` coordinates.
+
+* ``exact=False`` (the relaxed configuration, default): dense skew ``L_k`` on the active part with no
+  commuting constraint (initialised as RoPE-Mixed planes plus a dense perturbation of size
+  ``relax_scale``), and ``P_sp = expm(G - G^T)`` free to mix active and null coordinates. Not translation
+  invariant; one matrix exponential per token.
+* ``exact=True`` (the exact configuration): commuting 2x2-block ``L_k`` on the active part (cos/sin fast
+  path) and ``P_sp = I_active (+) Q_null``, so ``R_sp(r)^T R_sp(s) = R_sp(0)^T R_sp(s - r)`` holds exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .base import PositionEncoding
+from .functional import mixed_frequencies, pair_generators, rope_angles, rotate_pairs, skew
+from .string import dense_expm_rotations
+
+__all__ = ["RelaxedSTRING"]
+
+
+class RelaxedSTRING(PositionEncoding):
+    name = "relaxed"
+    post_rotation = True
+
+    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, exact: bool = False,
+                 active_planes: int | None = None, base: float = 100.0, relax_scale: float = 0.1,
+                 per_head: bool = False) -> None:
+        super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
+        m = head_dim // 4 if active_planes is None else active_planes
+        if not 1 <= m <= head_dim // 2:
+            raise ValueError(f"relaxed: active_planes must be in [1, {head_dim // 2}], got {m}")
+        self.exact = bool(exact)
+        self.commuting = self.exact
+        self.active_planes = m
+        n_act, n_null = 2 * m, head_dim - 2 * m
+        hp = self.param_heads
+        self.freq_param = nn.Parameter(mixed_frequencies(n_act, coord_dim, hp, base))  # (Hp, c, m)
+        if self.exact:
+            self.null_params = nn.Parameter(torch.randn(hp, n_null, n_null) * relax_scale)
+        else:
+            self.relax_params = nn.Parameter(torch.randn(hp, coord_dim, n_act, n_act) * relax_scale)
+            self.mix_params = nn.Parameter(torch.randn(hp, head_dim, head_dim) * relax_scale)
+
+    @property
+    def active_dim(self) -> int:
+        return 2 * self.active_planes
+
+    def active_generators(self) -> Tensor:
+        """``L_k`` restricted to the active subspace: ``(Hp, c, 2m, 2m)``."""
+        gen = pair_generators(self.freq_param)
+        return gen if self.exact else gen + skew(self.relax_params)
+
+    def generators(self) -> Tensor:
+        a = self.active_dim
+        act = self.active_generators()
+        full = act.new_zeros(*act.shape[:2], self.head_dim, self.head_dim)
+        full[..., :a, :a] = act
+        return full.expand(self.num_heads, -1, -1, -1)
+
+    def _post_rotation(self) -> Tensor:
+        """``P_sp``: ``(Hp, d, d)``."""
+        if not self.exact:
+            return torch.linalg.matrix_exp(skew(self.mix_params))
+        a = self.active_dim
+        p = torch.eye(self.head_dim, dtype=self.null_params.dtype, device=self.null_params.device)
+        p = p.unsqueeze(0).repeat(self.param_heads, 1, 1)
+        p[:, a:, a:] = torch.linalg.matrix_exp(skew(self.null_params))
+        return p
+
+    def post_rotation_matrix(self) -> Tensor:
+        return self._post_rotation().expand(self.num_heads, -1, -1)
+
+    def _prepare(self, coords: Tensor, dtype: torch.dtype):
+        p = self._post_rotation().to(dtype)
+        if self.exact:
+            theta = rope_angles(coords, self.freq_param.to(dtype))
+            theta = theta.unsqueeze(0) if theta.dim() == 3 else theta
+            return p, (torch.cos(theta), torch.sin(theta))
+        r = dense_expm_rotations(coords, self.active_generators().to(dtype))
+        return p, (r.unsqueeze(0) if r.dim() == 4 else r)  # (B|1, Hp, M, 2m, 2m)
+
+    def _apply(self, x: Tensor, state) -> Tensor:
+        p, rot = state
+        a = self.active_dim
+        x = torch.einsum("hij,bhmj->bhmi", p, x)  # P_sp x
+        act, null = x[..., :a], x[..., a:]
+        if self.exact:
+            act = rotate_pairs(act, *rot)
+        else:
+            act = torch.einsum("bhmij,bhmj->bhmi", rot, act)
+        return torch.cat([act, null], dim=-1)

@@ -1,0 +1,55 @@
+"""Tensor-product STRING (``name="tensor"``): ``z -> vec(phi(r) (x) z)``, widening q and k by ``2m``.
+
+``phi(r) = m^(-1/2) [cos(w_i^T r), sin(w_i^T r)]_{i=1..m}`` with learnable ``w_i``; then
+``<vec(phi(r) (x) q), vec(phi(s) (x) k)> = (q^T k) * (1/m) sum_i cos(w_i^T (s - r))``: translation invariant
+but not a rotation. Values are not widened; attention must use the scale ``1 / sqrt(head_dim)``.
+Prefix tokens are encoded as if at the coordinate origin (``phi(0)``, unit norm), so prefix-prefix
+logits are exactly ``q^T k``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .base import PositionEncoding
+from .functional import mixed_frequencies
+
+__all__ = ["TensorSTRING"]
+
+
+class TensorSTRING(PositionEncoding):
+    name = "tensor"
+    is_rotation = False
+
+    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, num_features: int = 2,
+                 base: float = 100.0, per_head: bool = False) -> None:
+        super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
+        if num_features < 1:
+            raise ValueError(f"tensor: num_features must be >= 1, got {num_features}")
+        self.num_features = num_features
+        w = mixed_frequencies(2 * num_features, coord_dim, self.param_heads, base)  # (Hp, c, m)
+        self.feature_freqs = nn.Parameter(w.transpose(1, 2).contiguous())  # (Hp, m, c)
+
+    @property
+    def out_dim(self) -> int:
+        return 2 * self.num_features * self.head_dim
+
+    def features(self, coords: Tensor) -> Tensor:
+        """``phi(r)``: ``(Hp, M, 2m)`` for shared coords, ``(B, Hp, M, 2m)`` per example."""
+        w = self.feature_freqs.to(coords.dtype)
+        ang = torch.einsum("...mc,hfc->...hmf", coords, w) if coords.dim() == 3 else torch.einsum("mc,hfc->hmf", coords, w)
+        return torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1) / math.sqrt(self.num_features)
+
+    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
+        phi = self.features(coords)
+        return phi.unsqueeze(0) if phi.dim() == 3 else phi  # (B|1, Hp, M, 2m)
+
+    def _apply(self, x: Tensor, phi: Tensor) -> Tensor:
+        return (phi.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)  # (B, H, M, 2m*d), index i*d + j
+
+    def _apply_prefix(self, x: Tensor) -> Tensor:
+        phi0 = torch.cat([x.new_ones(self.num_features), x.new_zeros(self.num_features)]) / math.sqrt(self.num_features)
+        return (phi0[:, None] * x.unsqueeze(-2)).flatten(-2)
