@@ -65,7 +65,7 @@ class PositionEncoding(nn.Module):
 
     * ``_prepare(coords, dtype) -> state``: everything that depends on the coordinates only (angles,
       cos/sin tables, basis changes), computed once per forward and shared by q and k;
-    * ``_apply(x, state) -> x``: the action on ``x`` of shape ``(B, H, M, d)`` in the compute dtype.
+    * ``_transform(x, state) -> x``: the action on ``x`` of shape ``(B, H, M, d)`` in the compute dtype.
 
     Class attributes describe the mathematics: ``commuting`` (relative: ``R(r)^T R(s) = R(0)^T R(s - r)``),
     ``post_rotation`` (``R(0) != I``), ``is_rotation`` (``False`` for the tensor-product encoding, which widens
@@ -95,10 +95,10 @@ class PositionEncoding(nn.Module):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Any:
         raise NotImplementedError
 
-    def _apply(self, x: Tensor, state: Any) -> Tensor:
+    def _transform(self, x: Tensor, state: Any) -> Tensor:
         raise NotImplementedError
 
-    def _apply_prefix(self, x: Tensor) -> Tensor:
+    def _transform_prefix(self, x: Tensor) -> Tensor:
         """Action on prefix tokens ``(B, H, P0, d)``: the identity for rotations."""
         return x
 
@@ -211,7 +211,7 @@ class PositionEncoding(nn.Module):
         dtype = self._compute_dtype(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
             if num_prefix_tokens == 0:
-                return self._apply(x.to(dtype), state).to(x.dtype)
+                return self._transform(x.to(dtype), state).to(x.dtype)
             prefix, rest = x[:, :, :num_prefix_tokens], x[:, :, num_prefix_tokens:]
-            out = torch.cat([self._apply_prefix(prefix.to(dtype)), self._apply(rest.to(dtype), state)], dim=2)
+            out = torch.cat([self._transform_prefix(prefix.to(dtype)), self._transform(rest.to(dtype), state)], dim=2)
             return out.to(x.dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import cayley_transform, rope_angles, rotate_pairs, skew
+from .functional import cayley_transform, rotate_pairs, skew
 from .rope import MixedRoPE
 
 __all__ = ["CayleySTRING"]
@@ -48,7 +48,7 @@ class CayleySTRING(MixedRoPE):
         p = cayley_transform(self.skew_matrix().to(dtype))  # (Hp, d, d)
         return cos, sin, p
 
-    def _apply(self, x: Tensor, state) -> Tensor:
+    def _transform(self, x: Tensor, state) -> Tensor:
         cos, sin, p = state
         x = torch.einsum("hij,bhmj->bhmi", p, x)  # P x per token: (B, H, M, d)
         return rotate_pairs(x, cos, sin)

@@ -62,7 +62,7 @@ class CirculantSTRING(PositionEncoding):
         theta = theta.unflatten(-1, (-1, self.block_size // 2 + 1))  # (.., Hp, M, nb, F)
         return torch.complex(torch.cos(theta), torch.sin(theta))
 
-    def _apply(self, x: Tensor, phase: Tensor) -> Tensor:
+    def _transform(self, x: Tensor, phase: Tensor) -> Tensor:
         b = self.block_size
         spec = torch.fft.rfft(x.unflatten(-1, (-1, b)), dim=-1)  # (B, H, M, nb, F)
         return torch.fft.irfft(spec * phase, n=b, dim=-1).flatten(-2)  # (B, H, M, d)

@@ -72,7 +72,7 @@ class _ComRoPE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         return self.block_scales(coords), self.block_generators().to(dtype)
 
-    def _apply(self, x: Tensor, state) -> Tensor:
+    def _transform(self, x: Tensor, state) -> Tensor:
         s, k = state
         return scaled_block_exp_apply(x, s, k)
 

@@ -55,6 +55,6 @@ class LieRE(PositionEncoding):
             g = torch.einsum("bmc,hcnij->bhmnij", coords, gen)  # (B, Hp, M, nb, b, b)
         return torch.linalg.matrix_exp(g)
 
-    def _apply(self, x: Tensor, rot: Tensor) -> Tensor:
+    def _transform(self, x: Tensor, rot: Tensor) -> Tensor:
         xb = x.unflatten(-1, (-1, self.block_size))  # (B, H, M, nb, b)
         return torch.einsum("bhmnij,bhmnj->bhmni", rot, xb).flatten(-2)

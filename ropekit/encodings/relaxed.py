@@ -84,7 +84,7 @@ class RelaxedSTRING(PositionEncoding):
         r = dense_expm_rotations(coords, self.active_generators().to(dtype))
         return p, (r.unsqueeze(0) if r.dim() == 4 else r)  # (B|1, Hp, M, 2m, 2m)
 
-    def _apply(self, x: Tensor, state) -> Tensor:
+    def _transform(self, x: Tensor, state) -> Tensor:
         p, rot = state
         a = self.active_dim
         x = torch.einsum("hij,bhmj->bhmi", p, x)  # P_sp x

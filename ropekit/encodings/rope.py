@@ -26,7 +26,7 @@ class NoPE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> None:
         return None
 
-    def _apply(self, x: Tensor, state: None) -> Tensor:
+    def _transform(self, x: Tensor, state: None) -> Tensor:
         return x
 
     def generators(self) -> Tensor:
@@ -53,7 +53,7 @@ class FrequencyRoPE(PositionEncoding):
             theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
         return torch.cos(theta), torch.sin(theta)
 
-    def _apply(self, x: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
+    def _transform(self, x: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
         cos, sin = state
         return rotate_pairs(x, cos, sin)
 

@@ -30,7 +30,7 @@ def dense_expm_rotations(coords: Tensor, generators: Tensor) -> Tensor:
         g = torch.einsum("mc,hcij->hmij", coords, generators)
     else:
         g = torch.einsum("bmc,hcij->bhmij", coords, generators)
-    return torch.linalg.matrix_exp(g)
+    return torch.linalg.matrix_exp(g.contiguous())
 
 
 class GeneralSTRING(PositionEncoding):
@@ -58,5 +58,5 @@ class GeneralSTRING(PositionEncoding):
         r = dense_expm_rotations(coords, self._generators(dtype))
         return r.unsqueeze(0) if r.dim() == 4 else r  # (B|1, Hp, M, d, d)
 
-    def _apply(self, x: Tensor, rot: Tensor) -> Tensor:
+    def _transform(self, x: Tensor, rot: Tensor) -> Tensor:
         return torch.einsum("bhmij,bhmj->bhmi", rot, x)

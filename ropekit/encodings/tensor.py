@@ -47,9 +47,9 @@ class TensorSTRING(PositionEncoding):
         phi = self.features(coords)
         return phi.unsqueeze(0) if phi.dim() == 3 else phi  # (B|1, Hp, M, 2m)
 
-    def _apply(self, x: Tensor, phi: Tensor) -> Tensor:
+    def _transform(self, x: Tensor, phi: Tensor) -> Tensor:
         return (phi.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)  # (B, H, M, 2m*d), index i*d + j
 
-    def _apply_prefix(self, x: Tensor) -> Tensor:
+    def _transform_prefix(self, x: Tensor) -> Tensor:
         phi0 = torch.cat([x.new_ones(self.num_features), x.new_zeros(self.num_features)]) / math.sqrt(self.num_features)
         return (phi0[:, None] * x.unsqueeze(-2)).flatten(-2)
