@@ -44,8 +44,13 @@ class FrequencyRoPE(PositionEncoding):
         raise NotImplementedError
 
     def angles(self, coords: Tensor) -> Tensor:
-        """Rotation angles ``(Hp, M, d/2)`` for ``(M, c)`` coords or ``(B, Hp, M, d/2)`` per example."""
-        return rope_angles(coords, self.freqs.to(coords.dtype))
+        """Rotation angles ``(Hp, M, d/2)`` for ``(M, c)`` coords or ``(B, Hp, M, d/2)`` per example.
+
+        Computed in float32 (float64 for float64 coords) with autocast disabled.
+        """
+        dtype = torch.float64 if coords.dtype == torch.float64 else torch.float32
+        with torch.autocast(device_type=coords.device.type, enabled=False):
+            return rope_angles(coords.to(dtype), self.freqs.to(dtype))
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         theta = rope_angles(coords, self.freqs.to(dtype))
