@@ -1,0 +1,66 @@
+"""3-D detection from RGB-D (SPEC §6.8): synthetic scenes, box geometry, matching, loss and metrics.
+
+pybullet is imported only when scenes are rendered, so the geometry, loss and metrics work without it.
+"""
+
+from .boxes import (
+    CORNER_SIGNS,
+    box12_from_parts,
+    box12_to_corners,
+    box_iou_3d,
+    box_iou_3d_pairwise,
+    box_volume,
+    corners_to_box12,
+    points_in_box,
+    rotation_from_6d,
+)
+from .matching import (
+    DetectionEvaluator,
+    DetectionLossConfig,
+    average_precision,
+    detection_loss,
+    hungarian_match,
+    linear_assignment,
+    match_cost,
+    postprocess,
+)
+from .scenes import (
+    CLASS_NAMES,
+    SceneConfig,
+    SceneDataset,
+    SceneSet,
+    collate_detection,
+    generate_scenes,
+    make_scenes_main,
+    project_points,
+    render_scene,
+)
+
+__all__ = [
+    "CORNER_SIGNS",
+    "box12_from_parts",
+    "box12_to_corners",
+    "box_iou_3d",
+    "box_iou_3d_pairwise",
+    "box_volume",
+    "corners_to_box12",
+    "points_in_box",
+    "rotation_from_6d",
+    "DetectionEvaluator",
+    "DetectionLossConfig",
+    "average_precision",
+    "detection_loss",
+    "hungarian_match",
+    "linear_assignment",
+    "match_cost",
+    "postprocess",
+    "CLASS_NAMES",
+    "SceneConfig",
+    "SceneDataset",
+    "SceneSet",
+    "collate_detection",
+    "generate_scenes",
+    "make_scenes_main",
+    "project_points",
+    "render_scene",
+]
