@@ -1,0 +1,215 @@
+"""Tests of the diffusion policy, its training and the robot study (SPEC §6.9)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ropekit.robot.diffusion import DiffusionSchedule, add_noise, ddim_timesteps
+from ropekit.robot.env import ACTION_DIM, STATE_DIM
+from ropekit.robot.policy import DiffusionPolicy, Normalizer, PolicyConfig, images_from_obs, init_from_2d
+from ropekit.robot.train import DemoChunks, PolicyTrainConfig, load_policy, save_policy, train_policy
+
+SMALL = dict(vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48, "num_heads": 1},
+             pe_options={"block_size": 8}, image_size=32, hidden_dim=64, cond_dim=64, num_blocks=2,
+             num_inference_steps=3, horizon=4, n_action_steps=2)
+B = 3
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_one_thread():
+    # one thread: these models are tiny, and intra-op threads only add waiting on a shared machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _batch(b: int = B, size: int = 32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    rgb = torch.randint(0, 256, (b, size, size, 3), generator=g, dtype=torch.uint8)
+    depth = 0.8 + 0.6 * torch.rand(b, size, size, generator=g)
+    state = torch.randn(b, STATE_DIM, generator=g)
+    actions = torch.cat([0.1 * torch.randn(b, 4, 3, generator=g) + state[:, None, :3],
+                         (torch.rand(b, 4, 1, generator=g) > 0.5).float()], dim=-1)  # (B, H, A)
+    return rgb, depth, state, actions
+
+
+def _policy(modality: str = "image", **kw) -> DiffusionPolicy:
+    return DiffusionPolicy(PolicyConfig(modality=modality, **{**SMALL, **kw}))
+
+
+@pytest.mark.parametrize("modality", ["image", "rgbd"])
+def test_forward_backward_shapes(modality):
+    policy = _policy(modality)
+    rgb, depth, state, actions = _batch()
+    images = images_from_obs(rgb, depth if modality == "rgbd" else None)
+    assert images.shape == (B, 3 if modality == "image" else 4, 32, 32)
+    policy.fit_normalizers(actions, state)
+    t = torch.randint(0, 100, (B,))
+    out = policy(images, state, torch.randn(B, 4, ACTION_DIM), t)
+    assert out.shape == (B, 4, ACTION_DIM)
+    # after one step every parameter is reached (the denoiser's output layers start at zero)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = policy.loss(images, state, actions, noise_samples=2)
+        loss.backward()
+        opt.step()
+    for name, p in policy.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        if not name.endswith("depth_lift.bias"):  # a common shift of every z changes nothing (commuting PE)
+            assert p.grad.abs().sum() > 0, name
+    chunk = policy.predict(images, state, torch.Generator().manual_seed(0))
+    assert chunk.shape == (B, 4, ACTION_DIM) and torch.isfinite(chunk).all()
+    assert set(chunk[..., 3].unique().tolist()) <= {0.0, 1.0}
+
+
+def test_training_steps_lower_the_loss():
+    policy = _policy("rgbd")
+    rgb, depth, state, actions = _batch(8)
+    images = images_from_obs(rgb, depth)
+    policy.fit_normalizers(actions, state)
+
+    def fixed_loss() -> float:  # same timesteps and noise every time
+        with torch.no_grad():
+            return policy.loss(images, state, actions, noise_samples=4, generator=torch.Generator().manual_seed(1)).item()
+
+    before = fixed_loss()
+    opt = torch.optim.Adam(policy.parameters(), lr=2e-3)
+    for i in range(5):
+        opt.zero_grad()
+        policy.loss(images, state, actions, noise_samples=4, generator=torch.Generator().manual_seed(1)).backward()
+        opt.step()
+    assert fixed_loss() < 0.8 * before
+
+
+def test_3d_policy_from_2d_starts_equal():
+    p2 = _policy("image")
+    rgb, depth, state, actions = _batch()
+    p2.fit_normalizers(actions, state)
+    opt = torch.optim.Adam(p2.parameters(), lr=1e-2)  # move away from the zero-initialised output layers
+    for _ in range(3):
+        opt.zero_grad()
+        p2.loss(images_from_obs(rgb), state, actions).backward()
+        opt.step()
+    p3 = _policy("rgbd", depth_scale_init=0.0)
+    widened = init_from_2d(p3, p2.state_dict())
+    assert widened and all("circ_params" in n for n in widened)
+    assert p3.encoder.depth_lift.scale.item() == 0.0 and p3.encoder.depth_lift.bias.item() == 0.0
+    x2, x3 = images_from_obs(rgb), images_from_obs(rgb, depth)
+    noisy, t = torch.randn(B, 4, ACTION_DIM), torch.tensor([0, 50, 99])
+    p2.eval(), p3.eval()
+    torch.testing.assert_close(p3(x3, state, noisy, t), p2(x2, state, noisy, t), atol=1e-5, rtol=1e-5)
+    a2 = p2.predict(x2, state, torch.Generator().manual_seed(3))
+    a3 = p3.predict(x3, state, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(a3, a2, atol=1e-4, rtol=1e-4)
+    # the depth lift can learn from zero: its scale gets a gradient
+    p3.train()
+    p3.loss(x3, state, actions).backward()
+    assert p3.encoder.depth_lift.scale.grad.abs() > 0
+    # a mismatching encoding is refused with a readable error
+    with pytest.raises(ValueError, match="does not match|cannot widen"):
+        init_from_2d(_policy("rgbd", pe="mixed", pe_options={}), p2.state_dict())
+
+
+def test_normalizer_and_relative_actions_round_trip():
+    policy = _policy("image")
+    _, _, state, actions = _batch(16)
+    policy.fit_normalizers(actions, state)
+    targets = policy.chunk_targets(actions, state)
+    torch.testing.assert_close(targets[..., :3], actions[..., :3] - state[:, None, :3])
+    norm = policy.action_norm.normalize(targets)
+    assert norm.min() >= -1 - 1e-6 and norm.max() <= 1 + 1e-6
+    back = policy.chunk_to_env(policy.action_norm.unnormalize(norm), state)
+    torch.testing.assert_close(back, actions, atol=1e-5, rtol=1e-5)
+    n = Normalizer(2).fit_meanstd(torch.tensor([[1.0, 5.0], [3.0, 5.0]]))
+    assert n.scale[1] > 0  # constant columns do not divide by zero
+
+
+def test_ddim_recovers_x0_with_an_oracle_denoiser():
+    x0 = torch.rand(2, 4, ACTION_DIM) * 1.6 - 0.8
+    for prediction in ("epsilon", "sample"):
+        sched = DiffusionSchedule(100, prediction)
+        abar = sched.alphas_cumprod
+
+        def oracle(x_t, t):
+            if prediction == "sample":
+                return x0
+            a = abar[t].view(-1, 1, 1)
+            return (x_t - a.sqrt() * x0) / (1 - a).sqrt()
+
+        out = sched.sample(oracle, x0.shape, num_steps=5, generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(out, x0, atol=1e-4, rtol=1e-4)
+    assert ddim_timesteps(100, 10) == [99, 89, 79, 69, 59, 49, 39, 29, 19, 9]
+    noise = torch.randn_like(x0)
+    t = torch.tensor([0, 99])
+    xt = add_noise(x0, noise, t, sched.alphas_cumprod)
+    assert torch.allclose(xt[0], x0[0], atol=0.1) and xt[1].sub(noise[1]).abs().max() < 0.1
+
+
+def test_demo_chunks_pad_at_episode_end(tmp_path):
+    n_ep, length, size = 2, 3, 32
+    rows = n_ep * length
+    demos = {
+        "rgb": np.zeros((rows, size, size, 3), np.uint8), "depth": np.ones((rows, size, size), np.float32),
+        "state": np.zeros((rows, STATE_DIM), np.float32),
+        "action": np.arange(rows, dtype=np.float32)[:, None].repeat(ACTION_DIM, 1),
+        "episode": np.repeat(np.arange(n_ep), length), "step": np.tile(np.arange(length), n_ep),
+        "episode_length": np.full(n_ep, length), "episode_success": np.array([True, False]),
+    }
+    data = DemoChunks(demos, PolicyConfig(modality="rgbd", horizon=4))
+    assert len(data) == length and data.depth is not None
+    np.testing.assert_array_equal(data.actions[:, :, 0].numpy(), [[0, 1, 2, 2], [1, 2, 2, 2], [2, 2, 2, 2]])
+    assert len(DemoChunks(demos, PolicyConfig(horizon=4), only_successful=False)) == rows
+    # save / load round trip keeps the weights and statistics
+    policy = _policy("image")
+    policy.fit_normalizers(torch.randn(5, 4, ACTION_DIM), torch.randn(5, STATE_DIM))
+    save_policy(policy, tmp_path / "p.pt")
+    again = load_policy(tmp_path / "p.pt")
+    for (k, v), (k2, v2) in zip(policy.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    pytest.importorskip("pybullet")
+    from ropekit.cli import main
+
+    out = tmp_path_factory.mktemp("robot") / "quick"
+    assert main(["robot", "experiment", "--quick", "--out", str(out), "--no-progress", "--episodes", "1"]) == 0
+    return out
+
+
+def test_quick_experiment_writes_its_files(quick_run):
+    for name in ("experiment.json", "demos.npz", "results.csv", "results.json", "results.md", "success_rates.png",
+                 "training.png", "rollouts.png", "rollout_2d.gif", "rollout_3d.gif", "rollout_2d_ft.gif"):
+        assert (quick_run / name).is_file() and (quick_run / name).stat().st_size > 0, name
+    summary = json.loads((quick_run / "results.json").read_text())
+    rows = summary["results"]
+    assert {r["policy"] for r in rows} == {"2d", "2d_ft", "3d"}
+    assert {r["condition"] for r in rows} == {"in_distribution", "ood_table_height", "ood_large_distractors",
+                                              "ood_light"}
+    assert all(0.0 <= r["ci95_low"] <= r["success_rate"] <= r["ci95_high"] <= 1.0 for r in rows)
+    assert load_policy(quick_run / "policies" / "3d").config.modality == "rgbd"
+    init = json.loads((quick_run / "policies" / "3d" / "config.json").read_text())["init_from"]
+    assert init.endswith("2d")
+
+
+def test_cli_train_and_eval(quick_run, tmp_path):
+    from ropekit.cli import main
+
+    demos = str(quick_run / "demos.npz")
+    run3d = tmp_path / "3d"
+    args = ["robot", "train", "--demos", demos, "--out", str(run3d), "--modality", "rgbd", "--init-from",
+            str(quick_run / "policies" / "2d"), "--steps", "1", "--batch-size", "4", "--all-episodes", "--no-progress"]
+    assert main(args) == 0  # (--all-episodes: the 6-step quick demos rarely succeed)
+    out = tmp_path / "eval.json"
+    assert main(["robot", "eval", str(run3d), "--conditions", "ood_light", "--episodes", "1", "--max-steps", "2",
+                 "--workers", "1", "--out", str(out), "--no-progress"]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["condition"] == "ood_light" and row["episodes"] == 1
