@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import cayley_transform, rotate_pairs, skew
+from .functional import basis_change, cayley_transform, rotate_pairs, skew
 from .rope import MixedRoPE
 
 __all__ = ["CayleySTRING"]
@@ -50,7 +50,7 @@ class CayleySTRING(MixedRoPE):
 
     def _transform(self, x: Tensor, state) -> Tensor:
         cos, sin, p = state
-        x = torch.einsum("hij,bhmj->bhmi", p, x)  # P x per token: (B, H, M, d)
+        x = basis_change(x, p)  # P x per token, one GEMM: (B, H, M, d)
         return rotate_pairs(x, cos, sin)
 
     def generators(self) -> Tensor:

@@ -8,17 +8,22 @@ diagonalises every circulant, so per block::
 
 O(d log b) per token. The DC mode (and the Nyquist mode for even ``b``) has ``lambda = 0``: those
 dimensions are never rotated (2 of every ``b``).
+
+Fast path (``_PhaseFFT``): the backward pass is again one ``rfft``/``irfft`` pair, ``gx = R(r)^T g =
+irfft(conj(phase) rfft(g))``, and the phase gradient one reduction over the batch and heads -- instead of
+autograd's ``rfft`` backward, which zero-pads to a full complex FFT.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from .base import PositionEncoding
-from .functional import mixed_frequencies, skew
+from .functional import _is_compiling, _reduce_to, mixed_frequencies, skew
 
-__all__ = ["CirculantSTRING", "circulant"]
+__all__ = ["CirculantSTRING", "circulant", "phase_fft_apply"]
 
 
 def circulant(col: Tensor) -> Tensor:
@@ -26,6 +31,59 @@ def circulant(col: Tensor) -> Tensor:
     b = col.shape[-1]
     i = torch.arange(b, device=col.device)
     return col[..., (i[:, None] - i[None, :]) % b]
+
+
+def phase_fft_apply(x: Tensor, phase: Tensor, block_size: int) -> Tensor:
+    """``irfft(phase * rfft(z), n=b)`` on every block ``z`` of size ``b`` of every token.
+
+    Args:
+        x: ``(B, H, M, nb * b)``.
+        phase: ``(B | 1, Hp, M, nb, b // 2 + 1)`` complex, unit modulus, ``1`` on the DC (and Nyquist) mode.
+        block_size: ``b``.
+
+    Returns:
+        ``(B, H, M, nb * b)``; differentiable in ``x`` and ``phase``.
+    """
+    if _is_compiling() or x.dtype not in (torch.float32, torch.float64):
+        spec = torch.fft.rfft(x.unflatten(-1, (-1, block_size)), dim=-1)  # (B, H, M, nb, F)
+        return torch.fft.irfft(spec * phase, n=block_size, dim=-1).flatten(-2)  # (B, H, M, d)
+    return _PhaseFFT.apply(x, phase, block_size)
+
+
+class _PhaseFFT(torch.autograd.Function):
+    """``y = irfft(phase * rfft(x))`` per block with a real-FFT backward.
+
+    With ``G = rfft(g)``: ``gx = irfft(conj(phase) G)`` (the exact adjoint, any phase), and
+    ``gphase = sum (alpha_f / b) G conj(S)`` over the broadcast dimensions, ``S = rfft(x)``, ``alpha_f = 1`` on
+    the DC and Nyquist modes and 2 elsewhere (the Hermitian half counts the other modes twice). ``conj(S)`` is
+    recovered from the saved product ``Z = phase S`` as ``conj(Z) phase / |phase|^2``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, phase: Tensor, b: int) -> Tensor:
+        z = torch.fft.rfft(x.unflatten(-1, (-1, b)), dim=-1) * phase  # (B, H, M, nb, F)
+        ctx.b = b
+        ctx.save_for_backward(phase, z if ctx.needs_input_grad[1] else None)
+        return torch.fft.irfft(z, n=b, dim=-1).flatten(-2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: Tensor):
+        phase, z = ctx.saved_tensors
+        b = ctx.b
+        spec_g = torch.fft.rfft(g.unflatten(-1, (-1, b)), dim=-1)  # G: (B, H, M, nb, F)
+        gx = gp = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.fft.irfft(spec_g * phase.conj(), n=b, dim=-1).flatten(-2)
+        if ctx.needs_input_grad[1]:
+            nf = spec_g.shape[-1]
+            alpha = torch.full((nf,), 2.0 / b, dtype=g.dtype, device=g.device)
+            alpha[0] = 1.0 / b
+            if b % 2 == 0:
+                alpha[-1] = 1.0 / b
+            acc = _reduce_to(spec_g * z.conj(), phase.shape)  # sum G conj(Z)
+            gp = acc * alpha * phase / (phase.real.square() + phase.imag.square())
+        return gx, gp, None
 
 
 class CirculantSTRING(PositionEncoding):
@@ -63,9 +121,7 @@ class CirculantSTRING(PositionEncoding):
         return torch.complex(torch.cos(theta), torch.sin(theta))
 
     def _transform(self, x: Tensor, phase: Tensor) -> Tensor:
-        b = self.block_size
-        spec = torch.fft.rfft(x.unflatten(-1, (-1, b)), dim=-1)  # (B, H, M, nb, F)
-        return torch.fft.irfft(spec * phase, n=b, dim=-1).flatten(-2)  # (B, H, M, d)
+        return phase_fft_apply(x, phase, self.block_size)
 
     def generators(self) -> Tensor:
         blocks = skew(circulant(self.circ_params))  # (Hp, c, nb, b, b)

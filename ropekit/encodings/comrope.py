@@ -5,9 +5,13 @@
 * ``comrope-ld`` (linearly dependent): ``L_k = blockdiag_j(lambda_{k,j} K_j)``; block ``j`` of ``R(r)`` is
   ``expm(s_j K_j)`` with ``s_j = sum_k r_k lambda_{k,j}``. With ``b = 2`` it is RoPE-Mixed.
 
-Fast path: each block's generator is fixed, so one Hermitian eigendecomposition per block serves all
-tokens: ``expm(s K) = U diag(exp(i s mu)) U^H`` (``functional.scaled_block_exp_apply``), with an exact
-backward pass that stays finite at ``K = 0``. No per-token matrix exponential, no dense ``d x d`` scatter.
+Fast path: each block's generator is fixed, so one real block-diagonalisation per block,
+``K = Q blockdiag(mu J) Q^T``, serves all tokens: ``expm(s K) = Q RoPE(s mu) Q^T``. The ``b x b`` block
+exponentials are built once per forward for every distinct (coordinate, parameter head, block) -- ``M * nb``
+matrices for an image grid shared by the batch, never one per example and head -- shared by q and k, and
+applied with batched products (``functional.scaled_block_exp_matrices`` and ``functional.block_apply``). The
+backward pass is the exact Frechet derivative in the basis ``Q`` (``sinc`` form: finite at ``K = 0`` and for
+coinciding eigenvalues). No per-token matrix exponential, no dense ``d x d`` scatter.
 
 Initialisation ``init="rope"`` (default) makes the encoding start as axial RoPE (each block holds ``b/2``
 RoPE planes of its axis); ``init="zero"`` starts at the identity (for fine-tuning a model trained
@@ -20,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import _block_diag, scaled_block_exp_apply, skew
+from .functional import _block_diag, block_apply, scaled_block_exp_matrices, skew
 
 __all__ = ["ComRoPEAP", "ComRoPELD"]
 
@@ -69,12 +73,12 @@ class _ComRoPE(PositionEncoding):
         """``lambda``: ``(Hp, c, nb)``."""
         raise NotImplementedError
 
-    def _prepare(self, coords: Tensor, dtype: torch.dtype):
-        return self.block_scales(coords), self.block_generators().to(dtype)
+    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
+        # (1 | B, Hp, M, nb, b, b): once per forward, shared by q and k
+        return scaled_block_exp_matrices(self.block_scales(coords), self.block_generators().to(dtype))
 
-    def _transform(self, x: Tensor, state) -> Tensor:
-        s, k = state
-        return scaled_block_exp_apply(x, s, k)
+    def _transform(self, x: Tensor, blocks: Tensor) -> Tensor:
+        return block_apply(blocks, x)
 
     def generators(self) -> Tensor:
         lam = self._axis_weights()  # (Hp, c, nb)

@@ -20,9 +20,11 @@ This is the layout of the original RoFormer and of every 2x2 block-diagonal gene
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "rope_angles",
@@ -32,6 +34,10 @@ __all__ = [
     "mixed_frequencies",
     "skew",
     "cayley_transform",
+    "basis_change",
+    "block_apply",
+    "skew_real_schur",
+    "scaled_block_exp_matrices",
     "scaled_block_exp_apply",
     "scaled_block_exp_reference",
 ]
@@ -61,9 +67,86 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     Returns:
         ``(..., d)``, a new tensor (``x`` is not modified).
+
+    Fast path (float32/float64, eager): one complex multiply per pair and a hand-written backward
+    (``_RotatePairs``) that saves only the output and the cos/sin table; the reduction for the gradient of
+    cos/sin over the broadcast (batch, head) dimensions is one pass. Under ``torch.compile`` the real-arithmetic
+    form below is used instead, which the compiler fuses into one kernel.
     """
+    if _fast_rotation_ok(x, cos, sin):
+        return _RotatePairs.apply(x, cos, sin)
+    return _rotate_pairs_real(x, cos, sin)
+
+
+def _rotate_pairs_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Reference form of ``rotate_pairs`` in real arithmetic (any dtype; used under ``torch.compile``)."""
     x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)  # (..., P) each
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def _fast_rotation_ok(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    return (not _is_compiling() and x.dtype in (torch.float32, torch.float64) and cos.dtype == x.dtype
+            and sin.dtype == x.dtype and x.dim() >= 1 and x.shape[-1] % 2 == 0)
+
+
+def _is_compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # torch < 2.3
+        return False
+
+
+def _complex_pairs(x: Tensor) -> Tensor:
+    """View ``(..., d)`` real as ``(..., d / 2)`` complex (pair ``n`` -> ``x_2n + i x_2n+1``); copies if the
+    strides do not allow a view."""
+    xr = x.unflatten(-1, (-1, 2))  # (..., P, 2)
+    if xr.stride(-1) != 1 or xr.storage_offset() % 2 or any(st % 2 for st in xr.stride()[:-1]):
+        xr = xr.contiguous()
+    return torch.view_as_complex(xr)
+
+
+def _reduce_to(t: Tensor, shape: Sequence[int]) -> Tensor:
+    """Sum ``t`` over the dimensions that ``shape`` broadcasts (the inverse of broadcasting), in one reduction."""
+    lead = t.dim() - len(shape)
+    dims = list(range(lead)) + [lead + i for i, n in enumerate(shape) if n == 1 and t.shape[lead + i] != 1]
+    if dims:
+        t = t.sum(dim=dims, keepdim=True)
+    return t.reshape(shape)
+
+
+class _RotatePairs(torch.autograd.Function):
+    """``y = x * w`` per pair in complex form, ``w = cos + i sin``.
+
+    Backward: ``gx = g * conj(w)``; the gradient of ``w`` is ``sum(g * conj(x))`` over the broadcast
+    dimensions, recovered from the saved output as ``sum(g * conj(y)) * w / |w|^2`` (``x = y / w``) so that
+    the input need not be kept alive (only the output, which attention saves anyway, and the small table).
+    Exact for any ``w != 0`` (``|w| = 1`` for a rotation).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        w = torch.complex(cos, sin)  # (..., P) broadcastable
+        y = torch.view_as_real(_complex_pairs(x) * w).flatten(-2)  # (..., d)
+        ctx.cos_shape, ctx.sin_shape = cos.shape, sin.shape
+        ctx.save_for_backward(cos, sin, y if (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]) else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        cos, sin, y = ctx.saved_tensors
+        w = torch.complex(cos, sin)  # recomputed (small) so that double backward sees cos and sin
+        gc = _complex_pairs(g)  # (..., P)
+        gx = gcos = gsin = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.view_as_real(gc * w.conj()).flatten(-2)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            acc = _reduce_to(gc * _complex_pairs(y).conj(), w.shape)  # sum g conj(y), shape of w
+            gw = acc * w / (w.real.square() + w.imag.square())  # = sum g conj(x)
+            if ctx.needs_input_grad[1]:
+                gcos = _reduce_to(gw.real, ctx.cos_shape)
+            if ctx.needs_input_grad[2]:
+                gsin = _reduce_to(gw.imag, ctx.sin_shape)
+        return gx, gcos, gsin
 
 
 def pair_generators(freqs: Tensor) -> Tensor:
@@ -156,84 +239,251 @@ def cayley_transform(s: Tensor) -> Tensor:
     return p
 
 
-class _ScaledBlockExp(torch.autograd.Function):
-    """``y_t = expm(s_t K) x_t`` for a fixed skew ``K`` per block and a scalar ``s_t`` per token.
+def basis_change(x: Tensor, p: Tensor) -> Tensor:
+    """``P x`` for every token: ``y_i = sum_j p[h, i, j] x_j``.
 
-    One Hermitian eigendecomposition per block serves every token (``K = U diag(i mu) U^H``); the
-    backward pass uses the exact Frechet derivative of the exponential of a normal matrix, written
-    with divided differences in ``sinc`` form so it stays finite when eigenvalues coincide (e.g. at
-    ``K = 0``) -- no ``eigh`` backward, whose ``1 / (mu_i - mu_j)`` terms blow up there.
+    Args:
+        x: ``(B, H, M, d)``.
+        p: ``(Hp, d, d)`` with ``Hp`` 1 (shared by heads) or ``H``.
+
+    Returns:
+        ``(B, H, M, d)``. One GEMM over all tokens when ``P`` is shared by the heads (its gradient is then
+        one GEMM too), a batched GEMM per head otherwise.
     """
+    if p.shape[0] == 1:
+        return torch.matmul(x, p[0].transpose(0, 1))  # (B, H, M, d) @ (d, d)
+    return torch.matmul(x, p.transpose(-1, -2))  # (B, H, M, d) @ (H, d, d)
+
+
+# ----------------------------------------------------------------------------- per-block matrices
+def block_apply(e: Tensor, x: Tensor) -> Tensor:
+    """Apply a ``b x b`` matrix to every block of every token: ``y[.., j, :] = e[.., j, :, :] @ x[.., j, :]``.
+
+    Args:
+        e: ``(Be, He, M, nb, b, b)`` with ``Be`` 1 (shared by the batch: an image grid) or ``B``, and ``He`` 1
+            (shared by the heads) or ``H`` -- one matrix per distinct (coordinate, parameter head, block).
+        x: ``(B, H, M, nb * b)``.
+
+    Returns:
+        ``(B, H, M, nb * b)``, differentiable in ``e`` and ``x``.
+
+    The matrices are never expanded over the batch or heads they are shared by: the shared dimensions become
+    the columns of one batched matrix product per (coordinate, block), and the backward pass sums the outer
+    products ``g x^T`` over them with one batched product per coordinate (``_BlockApply``).
+    """
+    return _BlockApply.apply(e, x)
+
+
+def _block_matvec(e: Tensor, x: Tensor) -> Tensor:
+    """Forward of ``block_apply`` (no autograd). Shapes as in ``block_apply``."""
+    bsz, h, m, d = x.shape
+    be, he, _, nb, b, _ = e.shape
+    hr = h // he
+    xv = x.reshape(bsz, he, hr, m, nb, b)  # (B, He, Hr, M, nb, b)
+    if be == 1:
+        cols = xv.permute(1, 3, 4, 5, 0, 2).reshape(he, m, nb, b, bsz * hr)  # (He, M, nb, b, B*Hr)
+        y = torch.matmul(e[0], cols)  # (He, M, nb, b, B*Hr)
+        y = y.view(he, m, nb, b, bsz, hr).permute(4, 0, 5, 1, 2, 3)  # (B, He, Hr, M, nb, b)
+    else:
+        cols = xv.permute(0, 1, 3, 4, 5, 2)  # (B, He, M, nb, b, Hr)
+        y = torch.matmul(e, cols).permute(0, 1, 5, 2, 3, 4)  # (B, He, Hr, M, nb, b)
+    return y.reshape(bsz, h, m, d)
+
+
+def _block_outer_sum(g: Tensor, x: Tensor, eshape: Sequence[int]) -> Tensor:
+    """``sum g_j x_j^T`` per block over the dimensions a ``block_apply`` matrix of shape ``eshape`` is shared by.
+
+    Computed as one ``(d x R) @ (R x d)`` product per coordinate (``R`` the shared batch x head columns), whose
+    diagonal ``b x b`` blocks are kept: on CPU this beats a batched product of ``b x b`` outer products.
+    """
+    bsz, h, m, d = x.shape
+    be, he, _, nb, b, _ = eshape
+    hr = h // he
+    if be == bsz and hr == 1:  # nothing is shared: plain per-token outer products
+        return g.reshape(bsz, h, m, nb, b, 1) * x.reshape(bsz, h, m, nb, 1, b)
+    gv, xv = g.reshape(bsz, he, hr, m, d), x.reshape(bsz, he, hr, m, d)
+    if be == 1:
+        gm = gv.permute(1, 3, 4, 0, 2).reshape(he, m, d, bsz * hr)  # (He, M, d, R)
+        xm = xv.permute(1, 3, 0, 2, 4).reshape(he, m, bsz * hr, d)  # (He, M, R, d)
+        full = torch.matmul(gm, xm).unsqueeze(0)  # (1, He, M, d, d)
+    elif he == 1:  # per-example coordinates, shared by heads: one strided batched product per example
+        out = g.new_empty(bsz, m * nb, b, b)
+        for i in range(bsz):
+            gi = g[i].reshape(h, m * nb, b).permute(1, 2, 0)  # (M*nb, b, H)
+            xi = x[i].reshape(h, m * nb, b).permute(1, 0, 2)  # (M*nb, H, b)
+            torch.bmm(gi, xi, out=out[i])
+        return out.view(bsz, 1, m, nb, b, b)
+    else:
+        gm = gv.permute(0, 1, 3, 4, 2).contiguous()  # (B, He, M, d, Hr)
+        xm = xv.permute(0, 1, 3, 2, 4).contiguous()  # (B, He, M, Hr, d)
+        full = torch.matmul(gm, xm)  # (B, He, M, d, d)
+    if nb == 1:
+        return full.unsqueeze(-3)  # (Be, He, M, 1, d, d)
+    blocks = full.view(be, he, m, nb, b, nb, b).diagonal(dim1=3, dim2=5)  # (Be, He, M, b, b, nb)
+    return blocks.permute(0, 1, 2, 5, 3, 4)  # (Be, He, M, nb, b, b)
+
+
+class _BlockApply(torch.autograd.Function):
+    """``block_apply`` with a backward that keeps the shared matrices un-expanded (see ``block_apply``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, s: Tensor, k: Tensor) -> Tensor:
-        # x: (B, H, M, nb, b); s: (B|1, Hp, M, nb); k: (Hp, nb, b, b)
-        mu, u = _skew_eigh(k)  # (Hp, nb, b), (Hp, nb, b, b) complex
-        y = _expm_apply(x, s, mu, u)
-        ctx.save_for_backward(x, s, k, mu, u, y)
-        return y
+    def forward(ctx, e: Tensor, x: Tensor) -> Tensor:
+        ctx.save_for_backward(e, x)
+        return _block_matvec(e, x)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        x, s, k, mu, u, y = ctx.saved_tensors
-        gx = gs = gk = None
-        if ctx.needs_input_grad[0]:
-            gx = _expm_apply(g, -s, mu, u)  # R^T g = expm(-s K) g
+        e, x = ctx.saved_tensors
+        ge = gx = None
         if ctx.needs_input_grad[1]:
-            ky = torch.einsum("hnab,...hmnb->...hmna", k, y)  # K y: (B, H, M, nb, b)
-            gs = _sum_to(torch.einsum("...a,...a->...", g, ky), s.shape)  # (.., Hp, M, nb)
-        if ctx.needs_input_grad[2]:
-            uc = u.conj()
-            p = torch.einsum("hnai,...hmna->...hmni", uc, g.to(u.dtype))  # U^H g
-            q = torch.einsum("hnai,...hmna->...hmni", uc, x.to(u.dtype))  # U^H x
-            # Sum p q^H over the batch first when the coordinates (hence s) are shared.
-            pq = torch.einsum("...hmni,...hmnj->...hmnij", p, q.conj())  # (B, H, M, nb, b, b)
-            if s.shape[0] == 1:
-                pq = pq.sum(0, keepdim=True)
-            if k.shape[0] == 1 and pq.shape[-5] != 1:
-                pq = pq.sum(-5, keepdim=True)
-            # s * Phi_ij with Phi the divided difference of exp at i s mu: s e^{i s m} sinc(s delta / 2)
-            st = s.unsqueeze(-1).unsqueeze(-1)  # (.., Hp, M, nb, 1, 1)
-            mean = 0.5 * (mu.unsqueeze(-1) + mu.unsqueeze(-2))  # (Hp, nb, b, b)
-            diff = mu.unsqueeze(-1) - mu.unsqueeze(-2)
-            mean = mean.unsqueeze(-4)  # (Hp, 1, nb, b, b) for broadcasting over M
-            diff = diff.unsqueeze(-4)
-            phase = (st * torch.sinc(st * diff / (2 * math.pi))) * _cis(-st * mean)  # conj(s Phi)
-            m = (phase * pq).sum(dim=(-4,))  # sum over tokens: (B|1, Hp, nb, b, b)
-            if m.dim() == 5:
-                m = m.sum(0)
-            gk = torch.einsum("hnai,hnij,hnbj->hnab", u, m, uc).real.to(k.dtype)
-        return gx, gs, gk
+            gx = _block_matvec(e.transpose(-1, -2), g)  # R^T g
+        if ctx.needs_input_grad[0]:
+            ge = _block_outer_sum(g, x, e.shape)
+        return ge, gx
 
 
-def _skew_eigh(k: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigen-decomposition of skew ``K = U diag(i mu) U^H`` via the Hermitian ``-i K`` (in float64)."""
-    herm = (-1j) * k.to(torch.complex128)
-    mu, u = torch.linalg.eigh(herm)
-    cdtype = torch.complex128 if k.dtype == torch.float64 else torch.complex64
-    return mu.to(k.dtype), u.to(cdtype)
+def skew_real_schur(k: Tensor, rtol: float = 1e-8) -> tuple[Tensor, Tensor]:
+    """Real block-diagonal form of skew matrices: ``K = Q blockdiag_n(mu_n J) Q^T``, ``J = [[0, -1], [1, 0]]``.
+
+    Args:
+        k: ``(..., b, b)`` skew-symmetric, ``b`` even.
+        rtol: eigenvalues ``mu <= rtol * max(mu)`` of a matrix count as zero.
+
+    Returns:
+        ``(Q, mu)``: ``Q`` ``(..., b, b)`` orthogonal, its columns ``(2n, 2n + 1)`` spanning rotation plane ``n``,
+        and ``mu`` ``(..., b / 2)`` >= 0 (ascending), in ``k``'s dtype; computed in float64, not differentiable.
+
+    From one Hermitian eigendecomposition of ``-iK`` (backward stable whatever the eigenvalue gaps): an
+    eigenvector ``u`` of ``mu > 0`` gives the real orthonormal pair ``sqrt(2) (Im u, Re u)`` -- also when several
+    ``mu`` coincide. The eigenvectors of (near-)zero eigenvalues have no such pairing (their real and imaginary
+    parts need not be orthogonal), so the null space gets a real orthonormal basis of its own, from the
+    projector onto the complement of the good pairs; its planes turn by 0 (``K = 0`` gives a valid ``Q``).
+    """
+    b = k.shape[-1]
+    half = b // 2
+    kd = k.detach().to(torch.float64)
+    mu_all, u = torch.linalg.eigh((-1j) * kd.to(torch.complex128))  # ascending, -mu_max .. mu_max
+    mu, u = mu_all[..., half:], u[..., :, half:]  # (..., h), (..., b, h): the non-negative half
+    pairs = torch.stack((u.imag, u.real), dim=-1).flatten(-2) * math.sqrt(2.0)  # (..., b, b)
+    good = mu > rtol * mu.abs().amax(dim=-1, keepdim=True)  # (..., h); the null pairs come first
+    good_cols = good.repeat_interleave(2, dim=-1)  # (..., b)
+    kept = pairs * good_cols.unsqueeze(-2).to(pairs.dtype)
+    eye = torch.eye(b, dtype=kd.dtype, device=kd.device)
+    _, null_vecs = torch.linalg.eigh(eye - kept @ kept.transpose(-1, -2))  # last 2r columns: the null space
+    r2 = 2 * (~good).sum(dim=-1, keepdim=True)  # (..., 1)
+    idx = (torch.arange(b, device=kd.device) + b - r2).clamp(max=b - 1)  # (..., b): column c <- b - 2r + c
+    null_cols = torch.gather(null_vecs, -1, idx.unsqueeze(-2).expand(null_vecs.shape))
+    q = torch.where(good_cols.unsqueeze(-2), pairs, null_cols)
+    mu = torch.where(good, mu, torch.zeros_like(mu))
+    return q.to(k.dtype), mu.to(k.dtype)
 
 
-def _expm_apply(x: Tensor, s: Tensor, mu: Tensor, u: Tensor) -> Tensor:
-    """``Re(U diag(exp(i s mu)) U^H x)`` per token and block. Shapes as in ``_ScaledBlockExp``."""
-    c = torch.einsum("hnai,...hmna->...hmni", u.conj(), x.to(u.dtype))  # U^H x: (B, H, M, nb, b)
-    c = c * _cis(s.unsqueeze(-1) * mu.unsqueeze(-3))  # (.., Hp, M, nb, b)
-    return torch.einsum("hnai,...hmni->...hmna", u, c).real.to(x.dtype)
+def _plane_basis(q: Tensor) -> Tensor:
+    """``(A_n, B_n)`` with ``Q RoPE(theta) Q^T = sum_n cos(theta_n) A_n + sin(theta_n) B_n``.
+
+    ``A_n = q0 q0^T + q1 q1^T`` (projector on plane ``n``), ``B_n = q1 q0^T - q0 q1^T`` (its generator), from the
+    column pair ``(q0, q1) = (Q[:, 2n], Q[:, 2n+1])``. Args: ``q`` ``(..., b, b)``. Returns ``(..., b, b * b)``:
+    rows ``0 .. b/2 - 1`` the ``A_n``, rows ``b/2 .. b - 1`` the ``B_n``, each flattened.
+    """
+    q0, q1 = q.unflatten(-1, (-1, 2)).unbind(-1)  # (..., b, h): plane n's two columns
+    a = q0.transpose(-1, -2).unsqueeze(-1) * q0.transpose(-1, -2).unsqueeze(-2)  # (..., h, b, b)
+    a = a + q1.transpose(-1, -2).unsqueeze(-1) * q1.transpose(-1, -2).unsqueeze(-2)
+    g = q1.transpose(-1, -2).unsqueeze(-1) * q0.transpose(-1, -2).unsqueeze(-2)
+    g = g - g.transpose(-1, -2)
+    return torch.cat((a, g), dim=-3).flatten(-2)  # (..., 2h, b*b)
 
 
-def _cis(angle: Tensor) -> Tensor:
-    """``exp(i * angle)`` as a complex tensor."""
-    return torch.complex(torch.cos(angle), torch.sin(angle))
+class _ScaledBlockExpm(torch.autograd.Function):
+    """``E = expm(s K)`` for a fixed skew ``K`` per block and a scalar ``s`` per (coordinate, block).
+
+    Forward: one real block-diagonalisation per block (``skew_real_schur``) serves every coordinate:
+    ``expm(s K) = Q RoPE(s mu) Q^T = sum_n cos(s mu_n) A_n + sin(s mu_n) B_n`` -- one small matrix product
+    per block for all coordinates (``_plane_basis``).
+
+    Backward: the exact Frechet derivative of the exponential, in the real basis ``Q``. ``G^ = Q^T gE Q`` (one
+    product with ``Q (x) Q`` per block); every 2x2 block ``(n, m)`` of ``G^`` splits into a part commuting with
+    the plane rotations, ``a I + b J``, and an anti-commuting one, ``c Z + e W``; integrating
+    ``expm(-(1 - t) s D) G^ expm(-t s D)`` over ``t`` multiplies them by ``s sinc(s (mu_n - mu_m) / 2)`` and
+    ``s sinc(s (mu_n + mu_m) / 2)`` phase factors -- finite and exact also when eigenvalues coincide
+    (``K = 0``, zero initialisation), where an eigendecomposition backward would divide by zero.
+    """
+
+    @staticmethod
+    def forward(ctx, s: Tensor, k: Tensor) -> Tensor:
+        # s: (Bs, Hp, M, nb); k: (Hp, nb, b, b)
+        bs, hp, m, nb = s.shape
+        b = k.shape[-1]
+        q, mu = skew_real_schur(k)  # (Hp, nb, b, b), (Hp, nb, h)
+        st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M coordinates
+        theta = st * mu.unsqueeze(-2)  # (Hp, nb, T, h)
+        cs = torch.cat((torch.cos(theta), torch.sin(theta)), dim=-1)  # (Hp, nb, T, 2h)
+        e = torch.matmul(cs, _plane_basis(q))  # (Hp, nb, T, b*b)
+        ctx.save_for_backward(st, q, mu)
+        ctx.shape = (bs, hp, m, nb)
+        return e.view(hp, nb, bs, m, b, b).permute(2, 0, 3, 1, 4, 5).contiguous()  # (Bs, Hp, M, nb, b, b)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, ge: Tensor):
+        st, q, mu = ctx.saved_tensors
+        bs, hp, m, nb = ctx.shape
+        b, h = q.shape[-1], mu.shape[-1]
+        gs = gk = None
+        kron = (q.unsqueeze(-1).unsqueeze(-3) * q.unsqueeze(-2).unsqueeze(-4)).reshape(hp, nb, b * b, b * b)
+        ge = ge.permute(1, 3, 0, 2, 4, 5).reshape(hp, nb, bs * m, b * b)  # (Hp, nb, T, b*b)
+        gh = torch.matmul(ge, kron).view(hp, nb, bs * m, h, 2, h, 2)  # Q^T gE Q in 2x2 blocks (n, m)
+        # (Hp, nb, 2, 2, T, h*h): every later op runs on contiguous (T, h*h) planes, no small broadcast dims
+        gh = gh.permute(0, 1, 4, 6, 2, 3, 5).reshape(hp, nb, 2, 2, bs * m, h * h)
+        g00, g01, g10, g11 = gh[:, :, 0, 0], gh[:, :, 0, 1], gh[:, :, 1, 0], gh[:, :, 1, 1]  # (Hp, nb, T, h*h)
+        ca, cb = (g00 + g11) * 0.5, (g10 - g01) * 0.5  # commuting part a I + b J of block (n, m)
+        half = st * mu.unsqueeze(-2) * 0.5  # alpha_n = s mu_n / 2: (Hp, nb, T, h)
+        ch, sh = torch.cos(half), torch.sin(half)
+        if ctx.needs_input_grad[0]:
+            diag = torch.arange(h, device=ge.device) * (h + 1)  # (n, n) in the flattened h*h
+            ca_d, sa_d = ch * ch - sh * sh, 2.0 * sh * ch  # cos, sin of s mu_n
+            da, db = ca[..., diag], cb[..., diag]  # (Hp, nb, T, h)
+            # <G^_nn, mu_n J Rot(s mu_n)> = 2 mu_n Im((a + ib) exp(-i s mu_n))
+            gst = 2.0 * (mu.unsqueeze(-2) * (db * ca_d - da * sa_d)).sum(-1)
+            gs = gst.view(hp, nb, bs, m).permute(2, 0, 3, 1)  # (Bs, Hp, M, nb)
+        if ctx.needs_input_grad[1]:
+            aa, ae = (g00 - g11) * 0.5, (g01 + g10) * 0.5  # anti-commuting part c Z + e W
+            hd = (mu.unsqueeze(-1) - mu.unsqueeze(-2)).flatten(-2).unsqueeze(-2) * 0.5  # (Hp, nb, 1, h*h)
+            hs = (mu.unsqueeze(-1) + mu.unsqueeze(-2)).flatten(-2).unsqueeze(-2) * 0.5  # (mu_n -+ mu_m) / 2
+            x1, x2 = st * hd, st * hs  # (Hp, nb, T, h*h)
+            c1, s1, c2, s2 = torch.cos(x1), torch.sin(x1), torch.cos(x2), torch.sin(x2)
+            # s sinc(s (mu_n -+ mu_m) / 2) = sin(x) / ((mu_n -+ mu_m) / 2), and s where the difference is 0:
+            # exact for tiny differences too (sin is accurate relative to its argument), no Taylor branch
+            u1 = torch.where(hd == 0, st, s1 / torch.where(hd == 0, torch.ones_like(hd), hd))
+            u2 = torch.where(hs == 0, st, s2 / torch.where(hs == 0, torch.ones_like(hs), hs))
+            # commuting part times w_c = u1 exp(-i x2); anti-commuting part times conj(w_a) = u2 exp(-i x1)
+            zcr = (u1 * (ca * c2 + cb * s2)).sum(2)  # (Hp, nb, h*h)
+            zci = (u1 * (cb * c2 - ca * s2)).sum(2)
+            zar = (u2 * (aa * c1 + ae * s1)).sum(2)
+            zai = (u2 * (ae * c1 - aa * s1)).sum(2)
+            mt = torch.stack((zcr + zar, zai - zci, zci + zai, zcr - zar), dim=-1)  # (Hp, nb, h*h, 4): 2x2 blocks
+            mt = mt.view(hp, nb, h, h, 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(hp, nb, b, b)
+            gk = q @ mt @ q.transpose(-1, -2)
+        return gs, gk
 
 
-def _sum_to(t: Tensor, shape: torch.Size) -> Tensor:
-    """Sum ``t`` over broadcast dimensions so that it has ``shape`` (the inverse of broadcasting)."""
-    while t.dim() > len(shape):
-        t = t.sum(0)
-    for i, n in enumerate(shape):
-        if n == 1 and t.shape[i] != 1:
-            t = t.sum(i, keepdim=True)
-    return t
+def scaled_block_exp_matrices(s: Tensor, k: Tensor) -> Tensor:
+    """``expm(s_{t,j} K_j)`` for every coordinate ``t`` and block ``j`` (the ``b x b`` blocks only).
+
+    Args:
+        s: ``(Hp, M, nb)`` shared by the batch or ``(B, Hp, M, nb)`` per example.
+        k: ``(Hp, nb, b, b)`` skew-symmetric block generators, ``b`` even.
+
+    Returns:
+        ``(1 | B, Hp, M, nb, b, b)``; differentiable in ``s`` and ``k`` (finite at ``k = 0``).
+    """
+    if s.dim() == 3:
+        s = s.unsqueeze(0)  # (1, Hp, M, nb)
+    hp = max(s.shape[1], k.shape[0])
+    s = s.expand(s.shape[0], hp, *s.shape[2:])
+    k = k.expand(hp, *k.shape[1:])
+    if k.shape[-1] % 2:
+        return torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4))
+    return _ScaledBlockExpm.apply(s, k)
 
 
 def scaled_block_exp_apply(x: Tensor, s: Tensor, k: Tensor) -> Tensor:
@@ -247,12 +497,12 @@ def scaled_block_exp_apply(x: Tensor, s: Tensor, k: Tensor) -> Tensor:
 
     Returns:
         ``(B, H, M, d)``; differentiable in ``x``, ``s`` and ``k`` (finite at ``k = 0``).
+
+    The block exponentials are built once per distinct (coordinate, parameter head, block) -- for an image
+    grid shared by the batch that is ``M * nb`` small matrices, never one per example and head -- from one
+    real block-diagonalisation per block (``scaled_block_exp_matrices``), then applied with ``block_apply``.
     """
-    hp, nb, b, _ = k.shape
-    xb = x.unflatten(-1, (nb, b))  # (B, H, M, nb, b)
-    if s.dim() == 3:
-        s = s.unsqueeze(0)  # (1, Hp, M, nb)
-    return _ScaledBlockExp.apply(xb, s, k).flatten(-2)
+    return block_apply(scaled_block_exp_matrices(s, k), x)
 
 
 def scaled_block_exp_reference(s: Tensor, k: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import _block_diag
+from .functional import _block_diag, block_apply
 
 __all__ = ["LieRE"]
 
@@ -56,5 +56,4 @@ class LieRE(PositionEncoding):
         return torch.linalg.matrix_exp(g)
 
     def _transform(self, x: Tensor, rot: Tensor) -> Tensor:
-        xb = x.unflatten(-1, (-1, self.block_size))  # (B, H, M, nb, b)
-        return torch.einsum("bhmnij,bhmnj->bhmni", rot, xb).flatten(-2)
+        return block_apply(rot, x)  # rot: (B|1, Hp, M, nb, b, b), never expanded over batch or heads
