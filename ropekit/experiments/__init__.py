@@ -1,0 +1,17 @@
+"""The SPEC §6 experiment protocols behind ``ropekit experiment NAME`` (kept apart from the core library).
+
+>>> from ropekit.experiments import run_experiment
+>>> result = run_experiment("offset", quick=True, out="runs/experiments/offset")      # doctest: +SKIP
+>>> print(result.table)                                                               # doctest: +SKIP
+
+Studies: ``classify``, ``resolution``, ``offset``, ``shuffle``, ``data-efficiency``, ``exact-vs-relaxed``,
+``video``, ``ablations``. Each trains (or takes from the run cache) the same backbone for every encoding and
+seed, and writes ``<study>.csv``, ``<study>.json``, ``table.md``, ``<study>.png`` and ``config.json``.
+"""
+
+from .common import StudyResult
+from .registry import STUDIES, run_experiment, study_config
+from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig, default_config, quick_config
+
+__all__ = ["run_experiment", "study_config", "STUDIES", "StudyResult", "ExperimentConfig", "default_config",
+           "quick_config", "DEFAULT_PES", "QUICK_PES"]

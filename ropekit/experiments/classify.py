@@ -1,0 +1,75 @@
+"""SPEC §6.1 — classification accuracy of every encoding (same backbone, data, schedule and seeds)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from .common import StudyContext, StudyResult, headline
+from .report import aggregate, fmt_pm, markdown_table, mean_std, pe_label, setup_matplotlib
+from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
+
+__all__ = ["run_classify"]
+
+
+def run_classify(cfg: ExperimentConfig, out: Any) -> StudyResult:
+    """Train every encoding of ``cfg`` over ``cfg.seeds``; report final test accuracy and loss."""
+    pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
+    ctx = StudyContext("classify", cfg, out, total=len(pes) * len(cfg.seeds))
+    rows: List[Dict[str, Any]] = []
+    curves: List[Dict[str, Any]] = []
+    for pe in pes:
+        for seed in cfg.seeds:
+            rec = ctx.run(cfg.train_config(pe, seed))
+            f = rec.final
+            rows.append({"pe": pe, "seed": seed, "test_acc": f.get("test_acc"), "test_loss": f.get("test_loss"),
+                         "train_acc": f.get("train_acc"), "train_loss": f.get("train_loss"),
+                         "num_params": rec.summary.get("num_params"), "wall_time": rec.summary.get("wall_time"),
+                         "run": rec.run_dir.name})
+            for h in rec.history:
+                curves.append({"pe": pe, "seed": seed, "epoch": int(h["epoch"]), "test_acc": h["test_acc"],
+                               "train_loss": h["train_loss"], "test_loss": h["test_loss"]})
+            ctx.advance(f"{pe} s{seed}")
+
+    stats = {k: {r["pe"]: r for r in aggregate(rows, ["pe"], k)} for k in
+             ("test_acc", "test_loss", "train_acc", "num_params", "wall_time")}
+    table_rows = []
+    for pe in pes:
+        table_rows.append([pe_label(pe), fmt_pm(stats["test_acc"][pe], 4), fmt_pm(stats["test_loss"][pe], 3),
+                           fmt_pm(stats["train_acc"][pe], 4), f"{int(stats['num_params'][pe]['mean']):,}",
+                           f"{stats['wall_time'][pe]['mean']:.0f}"])
+    table = (f"**Classification** — {headline(cfg)}. Test accuracy and loss after the last epoch, "
+             f"mean ± std across seeds.\n\n"
+             + markdown_table(["encoding", "test accuracy", "test loss", "train accuracy", "parameters",
+                               "train time / run (s)"], table_rows))
+
+    plt = setup_matplotlib()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.45 * len(pes) + 2.2),
+                                   gridspec_kw={"width_ratios": [1.1, 1]})
+    ys = list(range(len(pes)))[::-1]
+    means = [stats["test_acc"][pe]["mean"] for pe in pes]
+    errs = [0 if stats["test_acc"][pe]["n"] < 2 else stats["test_acc"][pe]["std"] for pe in pes]
+    ax1.barh(ys, means, xerr=errs, color="tab:blue", alpha=0.6, capsize=3, label="mean ± std")
+    for y, pe in zip(ys, pes):
+        vals = [r["test_acc"] for r in rows if r["pe"] == pe]
+        ax1.plot(vals, [y] * len(vals), "k.", ms=4, label="one seed" if y == ys[0] else None)
+    ax1.set_yticks(ys, [pe_label(pe) for pe in pes])
+    lo = min(min(r["test_acc"] for r in rows) - 0.05, max(0.0, min(means) - 0.1))
+    ax1.set_xlim(max(0.0, lo), min(1.0, max(r["test_acc"] for r in rows) + 0.03))
+    ax1.set_xlabel("test accuracy (last epoch)")
+    ax1.set_title("final test accuracy")
+    ax1.legend(loc="lower right", fontsize=8)
+    for pe in pes:
+        epochs = sorted({c["epoch"] for c in curves if c["pe"] == pe})
+        st = [mean_std(c["test_acc"] for c in curves if c["pe"] == pe and c["epoch"] == e) for e in epochs]
+        ax2.errorbar(epochs, [s["mean"] for s in st], yerr=[0 if s["n"] < 2 else s["std"] for s in st],
+                     marker="o", ms=3, capsize=2, label=pe_label(pe))
+    ax2.set_xlabel("epoch")
+    ax2.set_ylabel("test accuracy")
+    ax2.set_title("learning curves (mean ± std)")
+    ax2.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"Classification: {headline(cfg)}")
+    fig.tight_layout()
+
+    summary = {"test_acc": stats["test_acc"], "test_loss": stats["test_loss"], "train_acc": stats["train_acc"]}
+    return ctx.finish(rows=rows, summary=summary, table=table, figure=fig, options={"pes": pes},
+                      extra_csv={"curves.csv": curves})

@@ -1,0 +1,139 @@
+"""``ropekit experiment NAME``: the SPEC §6 studies from the command line.
+
+Every option defaults to the study's preset (:mod:`ropekit.experiments.settings`; ``--quick`` for the tiny
+one); options given on the command line override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Dict, List, Optional
+
+__all__ = ["add_arguments", "run"]
+
+S = argparse.SUPPRESS
+
+
+def _list(text: str) -> List[str]:
+    return [t for t in text.replace(",", " ").split() if t]
+
+
+def _floats(text: str) -> List[float]:
+    return [float(t) for t in _list(text)]
+
+
+def _ints(text: str) -> List[int]:
+    return [int(t) for t in _list(text)]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .registry import STUDIES
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = "Run a SPEC §6 experiment protocol: train (or reuse cached runs of) the same backbone for each " \
+                    "encoding and seed, then write CSV/JSON, a markdown table and one PNG into --out.\n\nstudies:\n" + \
+                    "\n".join(f"  {name:<17} {s.help}" for name, s in STUDIES.items()) + \
+                    "\n  all               every study above, one after the other (--out is then a parent folder)"
+    p.epilog = ("Examples: `ropekit experiment offset --quick`; `ropekit experiment classify --pe mixed,cayley "
+                "--seeds 0,1,2 --out results/classify`. Trained runs are cached in --cache-dir by a hash of their "
+                "configuration, so studies that need the same models train them once.")
+    p.add_argument("name", choices=list(STUDIES) + ["all"], metavar="NAME", help="the study (see above)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 10%% of the data, 1 epoch, 1 seed, 2-3 encodings")
+    p.add_argument("--out", metavar="DIR", default=None, help="output folder (default runs/experiments/NAME)")
+    p.add_argument("--cache-dir", metavar="DIR", default=S, help="trained runs (default .cache/ropekit-experiments)")
+    p.add_argument("--pe", type=_list, metavar="LIST", default=S,
+                   help="encodings, comma-separated (default: the study's list; none, absolute, axial, mixed, "
+                        "cayley, circulant, liere, liere-commute, comrope-ap, comrope-ld)")
+    p.add_argument("--seeds", type=_ints, metavar="LIST", default=S, help="seeds, comma-separated (default 0,1,2)")
+    d = p.add_argument_group("data and backbone (shared by every run of the study)")
+    d.add_argument("--data", default=S, help="dataset (default mnist; video: moving-digits)")
+    d.add_argument("--data-root", metavar="PATH", default=S)
+    d.add_argument("--data-opt", metavar="KEY=VALUE", action="append", default=S, help="dataset option (repeatable)")
+    d.add_argument("--image-size", type=int, metavar="N", default=S, help="training image size")
+    d.add_argument("--train-fraction", type=float, metavar="F", default=S, help="fraction of the training set")
+    d.add_argument("--model", default=S, help="ViT size preset (tiny, small, base), then --model-opt overrides")
+    d.add_argument("--model-opt", metavar="KEY=VALUE", action="append", default=S,
+                   help="ViTConfig field, e.g. embed_dim=64 (repeatable; replaces the preset's width/depth/heads)")
+    d.add_argument("--patch-size", type=int, metavar="P", default=S)
+    d.add_argument("--tubelet-size", type=int, metavar="T", default=S)
+    o = p.add_argument_group("schedule")
+    o.add_argument("--epochs", type=int, default=S)
+    o.add_argument("--batch-size", type=int, default=S)
+    o.add_argument("--lr", type=float, default=S)
+    o.add_argument("--weight-decay", type=float, default=S)
+    o.add_argument("--warmup-epochs", type=float, default=S)
+    o.add_argument("--augment-shift", type=int, metavar="PIXELS", default=S)
+    o.add_argument("--set", metavar="KEY=VALUE", action="append", default=S,
+                   help="any other TrainConfig field for every run (repeatable)")
+    e = p.add_argument_group("evaluation and running")
+    e.add_argument("--eval-limit", type=int, metavar="N", default=S, help="evaluate on the first N test examples")
+    e.add_argument("--threads", type=int, default=S, help="torch CPU threads (default 1)")
+    e.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bars")
+    s = p.add_argument_group("study options")
+    s.add_argument("--rhos", type=_floats, metavar="LIST", default=S,
+                   help="offset: std of the global offset, in patches (default 0,0.5,1,2,4,8)")
+    s.add_argument("--cls-pe", type=_list, metavar="LIST", default=S,
+                   help="offset: encodings also trained with an unrotated and a centroid CLS token (default mixed)")
+    s.add_argument("--sizes", type=_ints, metavar="LIST", default=S,
+                   help="resolution: evaluation image sizes (default: training size -2..+3 patches)")
+    s.add_argument("--fractions", type=_floats, metavar="LIST", default=S,
+                   help="data-efficiency: fractions of the training set (default 0.1,0.25,0.5,1)")
+    s.add_argument("--deltas", type=_floats, metavar="LIST", default=S,
+                   help="exact-vs-relaxed: global shifts in patches (default 0,0.2,...,1)")
+    s.add_argument("--groups", type=_list, metavar="LIST", default=S,
+                   help="ablations: sharing, block, jitter (default all three)")
+    s.add_argument("--sharing-pe", type=_list, metavar="LIST", default=S,
+                   help="ablations: encodings trained with model/layer/head sharing (default cayley,liere)")
+    s.add_argument("--block-pe", type=_list, metavar="LIST", default=S,
+                   help="ablations: encodings whose block size varies (default liere,comrope-ap,comrope-ld,circulant)")
+    s.add_argument("--block-sizes", dest="block_sizes_", type=_ints, metavar="LIST", default=S,
+                   help="ablations: block sizes (default 2,4,8 for LieRE/ComRoPE, 4..64 for Circulant; "
+                        "the full head dimension is always included for LieRE and Circulant)")
+    s.add_argument("--jitter-pe", type=_list, metavar="LIST", default=S,
+                   help="ablations: encodings trained with position jitter 0 and 1 (default mixed,cayley)")
+
+
+_CFG_FIELDS = ("cache_dir", "pes", "seeds", "data", "data_root", "image_size", "train_fraction", "model",
+               "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
+               "augment_shift", "eval_limit", "threads", "progress")
+_OPTION_FIELDS = ("rhos", "cls_pe", "sizes", "fractions", "deltas", "groups", "sharing_pe", "block_pe", "jitter_pe",
+                  "block_sizes_")
+
+
+def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
+    from ..train import parse_key_values
+
+    given = vars(args)
+    out: Dict[str, Any] = {}
+    for name in _CFG_FIELDS:
+        key = "pe" if name == "pes" else name
+        if key in given:
+            out[name] = given[key]
+    if "data_opt" in given:
+        out["data_options"] = parse_key_values(given["data_opt"], "--data-opt")
+    if "model_opt" in given:
+        out["model_options"] = parse_key_values(given["model_opt"], "--model-opt")
+    if "set" in given:
+        out["train_options"] = parse_key_values(given["set"], "--set")
+    return out
+
+
+def run(args: argparse.Namespace) -> Optional[int]:
+    from pathlib import Path
+
+    from .registry import STUDIES, run_experiment
+
+    names = list(STUDIES) if args.name == "all" else [args.name]
+    overrides = _overrides(args)
+    options = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS}
+    for name in names:
+        if args.out is None:
+            out = Path("runs") / "experiments" / name
+        else:
+            out = Path(args.out) / name if args.name == "all" else Path(args.out)
+        result = run_experiment(name, out=out, quick=args.quick, overrides=overrides, **options)
+        print(result.table)
+        print(f"wrote {len(result.files)} files to {result.out_dir}: "
+              f"{', '.join(p.name for p in result.files)}", file=sys.stderr)
+    return 0

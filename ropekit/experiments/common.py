@@ -1,0 +1,99 @@
+"""What every study shares: a context (settings, run cache, bars, writer) and the result it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..train import TrainConfig
+from .report import StudyWriter, pe_label
+from .runs import Progress, RunCache, RunRecord, memo_data
+from .settings import ExperimentConfig
+
+__all__ = ["StudyContext", "StudyResult", "run_label"]
+
+
+@dataclass
+class StudyResult:
+    """What a study returns: its name, output folder, the files written, the markdown table and the summary."""
+
+    name: str
+    out_dir: Path
+    files: List[Path]
+    table: str
+    summary: Dict[str, Any] = field(default_factory=dict)
+
+
+def run_label(tcfg: TrainConfig, extra: str = "") -> str:
+    name = pe_label(tcfg.pe)
+    return f"{name}{' ' + extra if extra else ''} s{tcfg.seed}"
+
+
+class StudyContext:
+    """Settings, run cache, progress bars and output writer of one study run."""
+
+    def __init__(self, name: str, cfg: ExperimentConfig, out: Any, total: int) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.out = Path(out)
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
+        self.progress = Progress(total, f"experiment {name}", enabled=cfg.progress)
+        self.cache = RunCache(cfg.cache_dir, threads=cfg.threads, progress=self.progress)
+        self.writer = StudyWriter(self.out, name)
+        self.runs: List[RunRecord] = []
+
+    # ------------------------------------------------------------------ runs and data
+    def run(self, tcfg: TrainConfig, label: Optional[str] = None) -> RunRecord:
+        """Train (or load from the cache) one run, and remember it for ``config.json``."""
+        rec = self.cache.get(tcfg, label or run_label(tcfg))
+        if all(r.key != rec.key for r in self.runs):
+            self.runs.append(rec)
+        return rec
+
+    def test_data(self, tcfg: TrainConfig, image_size: Any = None) -> Tuple[Tensor, Tensor, Any]:
+        """``(images, labels, info)`` of the run's test set (at ``image_size``), the first ``eval_limit`` examples."""
+        _, test_ds, info = memo_data(tcfg.replace(train_fraction=1.0), image_size)
+        n = len(test_ds) if self.cfg.eval_limit is None else min(len(test_ds), int(self.cfg.eval_limit))
+        return test_ds.images[:n], test_ds.labels[:n], info
+
+    def advance(self, note: Optional[str] = None) -> None:
+        self.progress.advance(1, note)
+
+    # ------------------------------------------------------------------ outputs
+    def finish(self, *, rows: List[Dict[str, Any]], summary: Dict[str, Any], table: str, figure: Any,
+               options: Dict[str, Any], extra_csv: Optional[Dict[str, List[Dict[str, Any]]]] = None) -> StudyResult:
+        """Write the CSV, JSON, table, figure and config; close the bars."""
+        w = self.writer
+        w.csv(rows)
+        for name, extra in (extra_csv or {}).items():
+            w.csv(extra, name)
+        config = {"study": self.name, "experiment": self.cfg.to_dict(), "options": options,
+                  "runs": [r.describe() for r in self.runs]}
+        w.json({"study": self.name, "rows": rows, "summary": summary, "options": options,
+                "experiment": self.cfg.to_dict(), **({"extra": extra_csv} if extra_csv else {})})
+        w.table(table)
+        w.figure(figure)
+        w.config(config)
+        self.progress.close()
+        return StudyResult(self.name, self.out, list(w.files), table, summary)
+
+    def close(self) -> None:
+        self.progress.close()
+
+
+def headline(cfg: ExperimentConfig, data_label: Optional[str] = None) -> str:
+    """One line naming the backbone and schedule, for figure titles and tables."""
+    mo = cfg.model_options
+    width = mo.get("embed_dim", "?")
+    depth = mo.get("depth", "?")
+    heads = mo.get("num_heads", "?")
+    n = len(cfg.seeds)
+    data = data_label or cfg.data
+    frac = f", {cfg.train_fraction:g} of train" if cfg.train_fraction < 1 else ""
+    return (f"{data}{frac}; ViT width {width}, depth {depth}, {heads} heads, patch {cfg.patch_size}; "
+            f"{cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''}; {n} seed{'s' if n != 1 else ''}")

@@ -1,0 +1,125 @@
+"""SPEC §6.5 — data efficiency: test accuracy against the fraction of the training set (same epochs, so fewer
+steps on less data), and the number of epochs each encoding needs to reach the absolute-embedding model's final
+accuracy (the mean over seeds of ``absolute`` at the same fraction; ``absolute`` is added to the list if missing).
+
+Fractions are relative to the training set the experiment uses (``train_fraction`` of the settings); subsets are
+stratified (the first examples of each class), so every smaller set is contained in the larger ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from .common import StudyContext, StudyResult, headline
+from .report import aggregate, fmt_pm, markdown_table, mean_std, pe_label, setup_matplotlib
+from .runs import memo_data
+from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
+
+__all__ = ["run_data_efficiency", "DEFAULT_FRACTIONS", "epochs_to_reach"]
+
+DEFAULT_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
+REFERENCE = "absolute"
+
+
+def epochs_to_reach(history: Sequence[Dict[str, float]], target: float) -> Optional[int]:
+    """The first epoch whose test accuracy is at least ``target`` (``None`` if never)."""
+    for h in history:
+        if h["test_acc"] >= target - 1e-12:
+            return int(h["epoch"])
+    return None
+
+
+def run_data_efficiency(cfg: ExperimentConfig, out: Any, fractions: Optional[Sequence[float]] = None) -> StudyResult:
+    pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
+    if REFERENCE not in pes:
+        pes = [REFERENCE] + pes
+    fractions = sorted(float(f) for f in (fractions or ((0.5, 1.0) if cfg.quick else DEFAULT_FRACTIONS)))
+    if any(not 0 < f <= 1 for f in fractions):
+        raise ValueError(f"fractions must be in (0, 1], got {fractions}")
+    ctx = StudyContext("data-efficiency", cfg, out, total=len(pes) * len(cfg.seeds) * len(fractions))
+    rows: List[Dict[str, Any]] = []
+    histories: Dict[tuple, List[Dict[str, float]]] = {}
+    for frac in fractions:  # reference first within each fraction, so targets are known
+        for pe in pes:
+            for seed in cfg.seeds:
+                tcfg = cfg.train_config(pe, seed, train_fraction=cfg.train_fraction * frac)
+                rec = ctx.run(tcfg, f"{pe_label(pe)} {frac:g} s{seed}")
+                n_train = len(memo_data(tcfg)[0])
+                histories[(pe, seed, frac)] = rec.history
+                rows.append({"pe": pe, "seed": seed, "fraction": frac, "train_fraction": tcfg.train_fraction,
+                             "train_examples": n_train, "test_acc": rec.final.get("test_acc"),
+                             "test_loss": rec.final.get("test_loss")})
+                ctx.advance(f"{pe} {frac:g} s{seed}")
+
+    targets = {f: mean_std(r["test_acc"] for r in rows if r["pe"] == REFERENCE and r["fraction"] == f)["mean"]
+               for f in fractions}
+    for r in rows:
+        e = epochs_to_reach(histories[(r["pe"], r["seed"], r["fraction"])], targets[r["fraction"]])
+        r["target_acc"] = targets[r["fraction"]]
+        r["epochs_to_target"] = e
+        r["reached_target"] = e is not None
+
+    acc = {(s["pe"], s["fraction"]): s for s in aggregate(rows, ["pe", "fraction"], "test_acc")}
+    ep = {(s["pe"], s["fraction"]): s for s in aggregate(rows, ["pe", "fraction"], "epochs_to_target")}
+    n_seeds = len(cfg.seeds)
+    reached = {(pe, f): sum(1 for r in rows if r["pe"] == pe and r["fraction"] == f and r["reached_target"])
+               for pe in pes for f in fractions}
+    n_ex = {f: next(r["train_examples"] for r in rows if r["fraction"] == f) for f in fractions}
+    full = fractions[-1]
+
+    def ep_text(pe: str, f: float) -> str:
+        k = reached[(pe, f)]
+        if k == 0:
+            return f"not reached (0/{n_seeds})"
+        return f"{fmt_pm(ep[(pe, f)], 1)} ({k}/{n_seeds})"
+
+    acc_table = markdown_table(["encoding"] + [f"{f:g} ({n_ex[f]} images)" for f in fractions],
+                               [[pe_label(pe)] + [fmt_pm(acc[(pe, f)], 3) for f in fractions] for pe in pes])
+    ep_table = markdown_table(["encoding"] + [f"{f:g} (target {targets[f]:.3f})" for f in fractions],
+                              [[pe_label(pe)] + [ep_text(pe, f) for f in fractions] for pe in pes])
+    table = (f"**Data efficiency** — {headline(cfg)} at every fraction (fewer examples, same epochs).\n\n"
+             f"Test accuracy against the fraction of the training set (mean ± std across seeds):\n\n{acc_table}\n"
+             f"Epochs to reach the absolute-embedding model's final accuracy at the same fraction (mean ± std over "
+             f"the seeds that reached it; reached/seeds in brackets; max {cfg.epochs}):\n\n{ep_table}")
+
+    plt = setup_matplotlib()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for pe in pes:
+        st = [acc[(pe, f)] for f in fractions]
+        ax1.errorbar([n_ex[f] for f in fractions], [s["mean"] for s in st],
+                     yerr=[0 if s["n"] < 2 else s["std"] for s in st], marker="o", ms=3, capsize=2,
+                     label=pe_label(pe), ls="--" if pe in ("none", "absolute") else "-")
+    ax1.set_xscale("log")
+    ax1.set_xticks([n_ex[f] for f in fractions], [f"{n_ex[f]}\n({f:g})" for f in fractions])
+    ax1.minorticks_off()
+    ax1.set_xlabel("training images (fraction of the training set)")
+    ax1.set_ylabel("test accuracy after the last epoch")
+    ax1.set_title("accuracy vs. training data (mean ± std)")
+    ax1.legend(fontsize=7, ncol=2)
+    xs = list(range(len(pes)))
+    means, errs, colors = [], [], []
+    for pe in pes:
+        k = reached[(pe, full)]
+        s = ep[(pe, full)]
+        means.append(s["mean"] if k else cfg.epochs + 1)
+        errs.append(0 if k < 2 or s["std"] != s["std"] else s["std"])
+        colors.append("tab:green" if k == n_seeds else ("tab:olive" if k else "lightgrey"))
+    ax2.bar(xs, means, yerr=errs, capsize=3, color=colors)
+    for i, pe in enumerate(pes):
+        k = reached[(pe, full)]
+        ax2.text(i, means[i] + 0.1, f"{k}/{n_seeds}", ha="center", va="bottom", fontsize=7)
+    ax2.axhline(cfg.epochs, color="grey", ls=":", lw=1)
+    ax2.set_xticks(xs, [pe_label(pe) for pe in pes], rotation=30, ha="right")
+    ax2.set_ylabel("epochs to reach the target (grey bar: never)")
+    ax2.set_title(f"epochs to reach APE's final accuracy {targets[full]:.3f} (fraction {full:g});\n"
+                  f"label: seeds that reached it", fontsize=9)
+    fig.suptitle(f"Data efficiency: {headline(cfg)}")
+    fig.tight_layout()
+    summary = {"accuracy": {f"{pe}@{f:g}": acc[(pe, f)] for pe in pes for f in fractions},
+               "epochs_to_target": {f"{pe}@{f:g}": {**ep[(pe, f)], "reached": reached[(pe, f)]}
+                                    for pe in pes for f in fractions},
+               "targets": {f"{f:g}": targets[f] for f in fractions}}
+    curves = [{"pe": pe, "seed": s, "fraction": f, **h} for (pe, s, f), hist in histories.items() for h in hist]
+    return ctx.finish(rows=rows, summary=summary, table=table, figure=fig,
+                      options={"pes": pes, "fractions": fractions, "reference": REFERENCE},
+                      extra_csv={"curves.csv": curves})
