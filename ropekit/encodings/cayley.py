@@ -57,3 +57,10 @@ class CayleySTRING(MixedRoPE):
         p = self.post_rotation_matrix()  # (H, d, d)
         j = super().generators()  # (H, c, d, d)
         return p.transpose(-1, -2).unsqueeze(1) @ j @ p.unsqueeze(1)
+
+    def to_rope(self) -> tuple[Tensor, Tensor]:
+        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: the Cayley rotation and the mixed
+        frequencies (``R(r) = RoPE(r) P`` exactly). ``(H, d, d)``, ``(H, c, d/2)``, detached."""
+        with torch.no_grad():
+            p = cayley_transform(self.skew_matrix().double()).to(self.cayley_params.dtype)
+        return p.expand(self.num_heads, -1, -1), self.freqs.detach().expand(self.num_heads, -1, -1)

@@ -16,6 +16,8 @@ autograd's ``rfft`` backward, which zero-pads to a full complex FFT.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
@@ -130,3 +132,38 @@ class CirculantSTRING(PositionEncoding):
         idx = torch.arange(nb)
         out[:, :, idx, :, idx, :] = blocks.permute(2, 0, 1, 3, 4)
         return out.reshape(hp, c, nb * b, nb * b).expand(self.num_heads, -1, -1, -1)
+
+    def to_rope(self) -> tuple[Tensor, Tensor]:
+        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` (here ``R(r) = P^T RoPE_freqs(r) P``).
+
+        ``P`` is the orthonormal real DFT basis of each block: mode ``f`` (``1 <= f < b/2``) of block ``j`` is the
+        pair ``(sqrt(2/b) sin(2 pi f n / b), sqrt(2/b) cos(2 pi f n / b))``, which turns with ``lambda_f`` (the
+        ``rfft`` phase ``exp(i theta)`` rotates ``(Im, Re)`` of the spectrum's conjugate by ``+theta``). The
+        never-rotated DC (and Nyquist) rows come last, paired with frequency 0. Returns ``(H, d, d)`` and
+        ``(H, c, d/2)``, detached.
+        """
+        b, d = self.block_size, self.head_dim
+        nb, usable = d // b, (b - 1) // 2
+        with torch.no_grad():
+            lam = self.mode_frequencies(torch.float64)  # (Hp, c, nb, F)
+            n = torch.arange(b, dtype=torch.float64)
+            p = torch.zeros(d, d, dtype=torch.float64)
+            hp, c = lam.shape[:2]
+            freqs = torch.zeros(hp, c, d // 2, dtype=torch.float64)
+            row = 0
+            for j in range(nb):
+                for f in range(1, usable + 1):
+                    ang = 2 * math.pi * f * n / b
+                    p[row, j * b:(j + 1) * b] = math.sqrt(2.0 / b) * torch.sin(ang)
+                    p[row + 1, j * b:(j + 1) * b] = math.sqrt(2.0 / b) * torch.cos(ang)
+                    freqs[:, :, row // 2] = lam[:, :, j, f]
+                    row += 2
+            for j in range(nb):  # DC (and Nyquist) rows: frequency 0
+                p[row, j * b:(j + 1) * b] = 1.0 / math.sqrt(b)
+                row += 1
+                if b % 2 == 0:
+                    p[row, j * b:(j + 1) * b] = torch.cos(math.pi * n) / math.sqrt(b)
+                    row += 1
+        dtype = self.circ_params.dtype
+        return (p.to(dtype).expand(self.num_heads, -1, -1),
+                freqs.to(dtype).expand(self.num_heads if hp == 1 else hp, -1, -1).expand(self.num_heads, -1, -1))

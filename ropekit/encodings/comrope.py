@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import _block_diag, block_apply, scaled_block_exp_matrices, skew
+from .functional import _block_diag, block_apply, scaled_block_exp_matrices, skew, skew_real_schur
 
 __all__ = ["ComRoPEAP", "ComRoPELD"]
 
@@ -79,6 +79,22 @@ class _ComRoPE(PositionEncoding):
 
     def _transform(self, x: Tensor, blocks: Tensor) -> Tensor:
         return block_apply(blocks, x)
+
+    def to_rope(self) -> tuple[Tensor, Tensor]:
+        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` (here ``R(r) = P^T RoPE_freqs(r) P``).
+
+        Each block generator is brought to real block-diagonal form, ``K_j = Q_j blockdiag_n(mu_{j,n} J) Q_j^T``
+        (``functional.skew_real_schur``: zero and repeated eigenvalues included), so ``P = blockdiag_j(Q_j^T)``
+        and pair ``n`` of block ``j`` turns with frequency ``lambda_{k,j} mu_{j,n}`` along axis ``k``.
+        Returns ``(H, d, d)`` and ``(H, c, d/2)``, detached.
+        """
+        with torch.no_grad():
+            q, mu = skew_real_schur(self.block_generators().double())  # (Hp, nb, b, b), (Hp, nb, b/2)
+            lam = self._axis_weights().double()  # (Hp, c, nb)
+            freqs = (lam.unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, nb * b/2)
+            p = _block_diag(q.transpose(-1, -2))  # (Hp, d, d)
+        dtype = self.block_params.dtype
+        return (p.to(dtype).expand(self.num_heads, -1, -1), freqs.to(dtype).expand(self.num_heads, -1, -1))
 
     def generators(self) -> Tensor:
         lam = self._axis_weights()  # (Hp, c, nb)

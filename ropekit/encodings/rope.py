@@ -32,6 +32,12 @@ class NoPE(PositionEncoding):
     def generators(self) -> Tensor:
         return torch.zeros(self.num_heads, self.coord_dim, self.head_dim, self.head_dim)
 
+    def to_rope(self) -> tuple[Tensor, Tensor]:
+        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: the identity and zero frequencies."""
+        dtype = self._param_dtype()
+        eye = torch.eye(self.head_dim, dtype=dtype).expand(self.num_heads, -1, -1)
+        return eye, torch.zeros(self.num_heads, self.coord_dim, self.head_dim // 2, dtype=dtype)
+
 
 class FrequencyRoPE(PositionEncoding):
     """RoPE with a frequency matrix ``freqs`` of shape ``(Hp, c, d/2)``; subclasses choose how it is stored.
@@ -65,6 +71,15 @@ class FrequencyRoPE(PositionEncoding):
     def generators(self) -> Tensor:
         gen = pair_generators(self.freqs)  # (Hp, c, d, d)
         return gen.expand(self.num_heads, -1, -1, -1)
+
+    def to_rope(self) -> tuple[Tensor, Tensor]:
+        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: ``P = I`` (already RoPE).
+
+        Returns ``P`` ``(H, d, d)`` and ``freqs`` ``(H, c, d/2)``, detached.
+        """
+        f = self.freqs.detach()
+        eye = torch.eye(self.head_dim, dtype=f.dtype, device=f.device).expand(self.num_heads, -1, -1)
+        return eye, f.expand(self.num_heads, -1, -1)
 
 
 class AxialRoPE(FrequencyRoPE):
