@@ -186,11 +186,11 @@ def quick_run(tmp_path_factory):
 
 
 def test_quick_experiment_writes_its_files(quick_run):
-    for name in ("experiment.json", "demos.npz", "results.csv", "results.json", "results.md", "success_rates.png",
-                 "training.png", "rollouts.png", "rollout_2d.gif", "rollout_3d.gif", "rollout_2d_ft.gif"):
+    for name in ("config.json", "demos.npz", "robot.csv", "robot.json", "table.md", "robot.png", "training.png",
+                 "rollouts.png", "rollout_2d.gif", "rollout_3d.gif", "rollout_2d_ft.gif"):
         assert (quick_run / name).is_file() and (quick_run / name).stat().st_size > 0, name
-    summary = json.loads((quick_run / "results.json").read_text())
-    rows = summary["results"]
+    doc = json.loads((quick_run / "robot.json").read_text())
+    rows = doc["rows"]
     assert {r["policy"] for r in rows} == {"2d", "2d_ft", "3d"}
     assert {r["condition"] for r in rows} == {"in_distribution", "ood_table_height", "ood_large_distractors",
                                               "ood_light"}

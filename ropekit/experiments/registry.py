@@ -47,6 +47,8 @@ STUDIES: Dict[str, Study] = {
                    VIDEO_DEFAULTS, VIDEO_QUICK),
     "ablations": Study(run_ablations, "sharing model/layer/head, block size, position jitter (§6.10)",
                        ("groups", "sharing_pe", "block_pe", "jitter_pe", "block_sizes_")),
+    "robot": Study(lambda cfg, out, **o: __import__("ropekit.robot.experiment", fromlist=["run_study"]).run_study(
+        cfg, out, **o), "2-D vs 3-D STRING robot policies in and out of distribution (§6.9; needs pybullet)"),
 }
 
 

@@ -13,16 +13,19 @@ Stages (each skipped when its output already exists in the folder, so an interru
 5. Evaluation: every policy on every condition (``in_distribution``, ``ood_table_height``,
    ``ood_large_distractors``, ``ood_light``) over the same ``eval_episodes`` episode seeds (disjoint from the
    demos'); success = the target lifted above the success height within ``max_steps`` steps.
-6. Reports: ``results.csv`` / ``results.json`` (every number, per-episode outcomes), ``results.md`` (table
-   with 95 % Wilson intervals), ``success_rates.png`` (bars with binomial error bars), ``training.png``
-   (loss curves), ``rollouts.png`` (an image strip of one rollout per policy and condition) and
-   ``rollout_<policy>.gif``.
+   Each result is cached in ``<run>/eval_<condition>.json`` (reused while the checkpoint and settings match).
+6. Reports, in the layout of the other ``ropekit experiment`` studies: ``robot.csv`` / ``robot.json`` (every
+   number, per-episode outcomes), ``table.md`` (success rates with 95 % Wilson intervals), ``robot.png``
+   (bars with binomial error bars), ``config.json`` (the settings and a key per trained run), plus
+   ``training.png`` (loss curves), ``rollouts.png`` (an image strip of one rollout per policy and condition)
+   and ``rollout_<policy>.gif``.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -39,8 +42,8 @@ from ..train.metrics import atomic_write_text
 from .demos import collect_demos, episode_seeds, load_demos, rollout
 from .env import PickConfig, PickEnv
 
-__all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "evaluate_policy", "wilson_interval",
-           "add_arguments", "run"]
+__all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study", "evaluate_policy",
+           "wilson_interval", "add_arguments", "run"]
 
 CONDITIONS = ("in_distribution", "ood_table_height", "ood_large_distractors", "ood_light")
 PathLike = Union[str, Path]
@@ -49,7 +52,7 @@ LABELS = {"2d": "2-D (RGB)", "2d_ft": "2-D (RGB), fine-tuned", "3d": "3-D STRING
 
 @dataclass
 class RobotExperimentConfig:
-    """Settings of :func:`run_experiment` (saved as ``experiment.json`` in the output folder).
+    """Settings of :func:`run_experiment` (saved in ``config.json`` of the output folder).
 
     ``policy``: :class:`~ropekit.robot.policy.PolicyConfig` overrides shared by every policy (``modality``
     and ``pe`` are set per policy from ``pe_2d`` / ``pe_3d``). ``train`` and ``finetune``:
@@ -63,23 +66,24 @@ class RobotExperimentConfig:
     pe_2d: str = "circulant"
     pe_3d: str = "circulant"
     policy: Dict[str, Any] = field(default_factory=dict)
-    train: Dict[str, Any] = field(default_factory=lambda: {"steps": 1500})
-    finetune: Dict[str, Any] = field(default_factory=lambda: {"steps": 600, "warmup_steps": 50})
+    train: Dict[str, Any] = field(default_factory=lambda: {"steps": 2000})
+    finetune: Dict[str, Any] = field(default_factory=lambda: {"steps": 800, "warmup_steps": 50})
     control: bool = True
     env: Dict[str, Any] = field(default_factory=dict)
     conditions: Tuple[str, ...] = CONDITIONS
-    eval_episodes: int = 50
+    eval_episodes: int = 100
     eval_seed: int = 1000
     workers: int = 2
     frame_size: int = 128
     strip_frames: int = 8
     progress: bool = True
+    quick: bool = False
 
     @classmethod
     def quick(cls, **overrides: Any) -> "RobotExperimentConfig":
         """A few-second end-to-end run for CI: tiny encoder, a handful of demos, steps and episodes."""
         base = dict(
-            demo_episodes=3, workers=1, eval_episodes=2, frame_size=64, strip_frames=4,
+            quick=True, demo_episodes=3, workers=1, eval_episodes=2, frame_size=64, strip_frames=4,
             policy={"vit_overrides": {"depth": 1, "patch_size": 16, "embed_dim": 48, "num_heads": 1},
                     "pe_options": {"block_size": 8}, "hidden_dim": 64, "cond_dim": 64, "num_blocks": 1,
                     "num_inference_steps": 2},
@@ -150,8 +154,23 @@ def evaluate_policy(policy: Any, condition: str, episodes: int, seed: int = 1000
 
 
 def _eval_job(args: Tuple[str, str, str, int, int, Dict[str, Any]]) -> Dict[str, Any]:
+    """Evaluate one (policy, condition); the result is kept in ``<run>/eval_<condition>.json`` and reused
+    while the run's checkpoint and the evaluation settings are unchanged."""
     name, run_dir, condition, episodes, seed, overrides = args
-    return {"policy": name, **evaluate_policy(run_dir, condition, episodes, seed, overrides)}
+    from .train import CHECKPOINT
+
+    ckpt = Path(run_dir) / CHECKPOINT
+    cache = Path(run_dir) / f"eval_{condition}.json"
+    key = {"episodes": episodes, "seed": seed, "env": overrides,
+           "checkpoint_sha256": hashlib.sha256(ckpt.read_bytes()).hexdigest() if ckpt.exists() else None}
+    if cache.exists():
+        hit = json.loads(cache.read_text())
+        if hit.get("key") == key:
+            return hit["result"]
+    result = {"policy": name, **evaluate_policy(run_dir, condition, episodes, seed, overrides)}
+    if ckpt.exists():
+        atomic_write_text(cache, json.dumps({"key": key, "result": result}))
+    return result
 
 
 def _map(fn, jobs: Sequence[Any], workers: int, progress: bool, desc: str) -> List[Any]:
@@ -202,6 +221,7 @@ def _train_stage(cfg: RobotExperimentConfig, out: Path, demos: Mapping[str, Any]
     runs["3d"] = out / "policies" / "3d"
     source = {"demos": str(out / "demos.npz")}
     if not (runs["2d"] / CHECKPOINT).exists():
+        _say("training 2d")
         policy = DiffusionPolicy(_policy_config(cfg, "image", cfg.pe_2d, image_size))
         tc = PolicyTrainConfig(**cfg.train)
         train_policy(policy, DemoChunks(demos, policy.config, tc.only_successful), tc, runs["2d"],
@@ -216,16 +236,21 @@ def _train_stage(cfg: RobotExperimentConfig, out: Path, demos: Mapping[str, Any]
             init_from_2d(policy, base.state_dict())
         else:
             policy = base
+        _say(f"fine-tuning {name} from {runs['2d']}")
         train_policy(policy, DemoChunks(demos, policy.config, ft.only_successful), ft, runs[name], fit_normalizers=False,
                      progress=cfg.progress, extra_config={**source, "init_from": str(runs["2d"])})
     return runs
 
 
+def _say(msg: str) -> None:
+    print(f"[robot {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
 def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, Any]:
-    """Run (or resume) the study into ``out_dir``; return the summary written to ``results.json``."""
+    """Run (or resume) the study into ``out_dir``; return the document written to ``robot.json``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "experiment.json", json.dumps(cfg.to_dict(), indent=2))
+    atomic_write_text(out / "config.json", json.dumps({"experiment": cfg.to_dict(), "runs": []}, indent=2))
     t0 = time.time()
     timings: Dict[str, float] = {}
     demo_path = out / "demos.npz"
@@ -235,26 +260,37 @@ def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, A
                       noise=cfg.demo_noise)
     demos = load_demos(demo_path)
     timings["demos"] = time.time() - t0
+    _say(f"demos: {len(demos['episode_success'])} episodes, {len(demos['state'])} steps ({timings['demos']:.0f} s)")
     runs = _train_stage(cfg, out, demos)
     timings["train"] = time.time() - t0 - timings["demos"]
+    _say(f"policies trained ({timings['train']:.0f} s); evaluating")
 
     jobs = [(name, str(path), cond, cfg.eval_episodes, cfg.eval_seed, dict(cfg.env))
             for name, path in runs.items() for cond in cfg.conditions]
     rows = _map(_eval_job, jobs, cfg.workers, cfg.progress, "evaluate")
     timings["eval"] = time.time() - t0 - timings["demos"] - timings["train"]
-    summary = {
-        "config": cfg.to_dict(),
-        "demos": {"episodes": int(len(demos["episode_success"])),
-                  "expert_success_rate": float(np.mean(demos["episode_success"])),
-                  "steps": int(len(demos["state"]))},
-        "results": rows,
-        "timings_s": timings,
+    _say(f"evaluated ({timings['eval']:.0f} s); writing reports")
+    doc = {
+        "study": "robot",
+        "rows": rows,
+        "summary": {"demos": {"episodes": int(len(demos["episode_success"])),
+                              "expert_success_rate": float(np.mean(demos["episode_success"])),
+                              "steps": int(len(demos["state"]))},
+                    "timings_s": timings},
     }
-    write_reports(out, summary, runs)
+    write_reports(out, doc, runs)
     _rollout_media(cfg, out, runs)
-    summary["timings_s"]["total"] = time.time() - t0
-    atomic_write_text(out / "results.json", json.dumps(summary, indent=2))
-    return summary
+    timings["total"] = time.time() - t0
+    atomic_write_text(out / "robot.json", json.dumps(doc, indent=2))
+    atomic_write_text(out / "config.json", json.dumps({"experiment": cfg.to_dict(), "runs": [
+        {"name": name, "dir": str(path.relative_to(out)), "key": _run_key(path)} for name, path in runs.items()
+    ]}, indent=2))
+    return doc
+
+
+def _run_key(run_dir: Path) -> str:
+    """16 hex digits of the SHA-256 of a run's ``config.json`` (policy, training and data settings)."""
+    return hashlib.sha256((run_dir / "config.json").read_bytes()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -267,9 +303,9 @@ def _pct(r: Mapping[str, Any]) -> str:
             f"[{100 * r['ci95_low']:.0f}, {100 * r['ci95_high']:.0f}]")
 
 
-def write_reports(out: Path, summary: Mapping[str, Any], runs: Mapping[str, Path]) -> None:
-    """``results.csv``, ``results.json``, ``results.md``, ``success_rates.png`` and ``training.png``."""
-    rows = summary["results"]
+def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[str, Path]) -> None:
+    """``robot.csv``, ``robot.json``, ``table.md``, ``robot.png`` (success rates) and ``training.png``."""
+    rows = doc["rows"]
     cols = ["policy", "condition", "episodes", "successes", "success_rate", "ci95_low", "ci95_high",
             "mean_steps_to_success"]
     buf = io.StringIO()
@@ -277,8 +313,8 @@ def write_reports(out: Path, summary: Mapping[str, Any], runs: Mapping[str, Path
     writer.writeheader()
     for r in rows:
         writer.writerow({k: (f"{r[k]:.4f}" if isinstance(r[k], float) else r[k]) for k in cols})
-    atomic_write_text(out / "results.csv", buf.getvalue())
-    atomic_write_text(out / "results.json", json.dumps(summary, indent=2))
+    atomic_write_text(out / "robot.csv", buf.getvalue())
+    atomic_write_text(out / "robot.json", json.dumps(doc, indent=2))
 
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     conditions = list(dict.fromkeys(r["condition"] for r in rows))
@@ -286,9 +322,9 @@ def write_reports(out: Path, summary: Mapping[str, Any], runs: Mapping[str, Path
     lines = ["| policy | " + " | ".join(conditions) + " |", "|---|" + "---|" * len(conditions)]
     for p in policies:
         lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(_pct(table[p, c]) for c in conditions) + " |")
-    atomic_write_text(out / "results.md", "Success rate, successes/episodes = rate [95 % Wilson interval].\n\n"
+    atomic_write_text(out / "table.md", "Success rate, successes/episodes = rate [95 % Wilson interval].\n\n"
                       + "\n".join(lines) + "\n")
-    _plot_success(out / "success_rates.png", rows, policies, conditions)
+    _plot_success(out / "robot.png", rows, policies, conditions)
     _plot_training(out / "training.png", runs)
 
 
@@ -430,8 +466,36 @@ def config_from_args(args: Any) -> RobotExperimentConfig:
     return dataclasses.replace(cfg, **changes)
 
 
+def run_study(exp_cfg: Any, out: PathLike, **options: Any):
+    """The ``robot`` entry of ``ropekit experiment`` (:mod:`ropekit.experiments.registry`).
+
+    From the shared :class:`~ropekit.experiments.settings.ExperimentConfig` it takes ``quick`` (the preset),
+    ``progress``, ``pes`` (one name: both policies' encoding; two: the 2-D then the 3-D policy's) and the first
+    of ``seeds`` (demos and training; the study runs one seed -- its cost is the training, not the evaluation).
+    The backbone and schedule of the classification studies do not apply; use ``ropekit robot experiment`` to
+    change this study's own settings.
+    """
+    from ..experiments.common import StudyResult
+
+    if options:
+        raise ValueError(f"experiment robot takes no option {', '.join(sorted(options))}")
+    cfg = RobotExperimentConfig.quick() if exp_cfg.quick else RobotExperimentConfig()
+    seed = int(exp_cfg.seeds[0]) if exp_cfg.seeds else 0
+    changes: Dict[str, Any] = {"progress": bool(exp_cfg.progress), "demo_seed": seed,
+                               "train": {**cfg.train, "seed": seed}}
+    if exp_cfg.pes:
+        if len(exp_cfg.pes) > 2:
+            raise ValueError("experiment robot takes one encoding (both policies) or two (2-D, then 3-D) in --pe")
+        changes["pe_2d"], changes["pe_3d"] = exp_cfg.pes[0], exp_cfg.pes[-1]
+    cfg = dataclasses.replace(cfg, **changes)
+    doc = run_experiment(cfg, out)
+    out = Path(out)
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    return StudyResult("robot", out, files, (out / "table.md").read_text(), doc["summary"])
+
+
 def run(args: Any) -> int:
-    summary = run_experiment(config_from_args(args), args.out)
-    print((Path(args.out) / "results.md").read_text())
-    print(f"results in {args.out} ({summary['timings_s']['total']:.0f} s)")
+    doc = run_experiment(config_from_args(args), args.out)
+    print((Path(args.out) / "table.md").read_text())
+    print(f"results in {args.out} ({doc['summary']['timings_s']['total']:.0f} s)")
     return 0
