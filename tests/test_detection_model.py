@@ -1,0 +1,207 @@
+"""Detector model (ViT / ViTD backbone + per-token heads), its training loop and the detect3d experiment."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ropekit.detection.model import Detector3D, detector_config, intrinsics_features, token_rays
+from ropekit.detection.plot import draw_boxes
+from ropekit.detection.scenes import SceneSet, project_points
+from ropekit.detection.train import DetTrainConfig, evaluate_detector, mean_box, train_detector
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: one thread is faster, and far faster on a shared, oversubscribed machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _toy_scenes(n: int = 8, size: int = 32, seed: int = 0) -> SceneSet:
+    """Scenes without the renderer: random images and depth, 1–3 boxes in front of the camera."""
+    rng = np.random.default_rng(seed)
+    m = 6
+    boxes = np.zeros((n, m, 12), np.float32)
+    valid = np.zeros((n, m), bool)
+    labels = np.full((n, m), -1, np.int64)
+    for i in range(n):
+        k = int(rng.integers(1, 4))
+        valid[i, :k] = True
+        labels[i, :k] = rng.integers(0, 4, k)
+        yaw = rng.uniform(-np.pi, np.pi, k)
+        boxes[i, :k, 0:2] = rng.uniform(-0.3, 0.3, (k, 2))
+        boxes[i, :k, 2] = rng.uniform(0.8, 1.5, k)
+        boxes[i, :k, 3:6] = np.stack([np.cos(yaw), np.zeros(k), np.sin(yaw)], 1)
+        boxes[i, :k, 6:9] = [0.0, 1.0, 0.0]
+        boxes[i, :k, 9:12] = rng.uniform(0.05, 0.3, (k, 3))
+    f = size / 2 / np.tan(np.radians(rng.uniform(45, 70, n)) / 2)
+    K = np.zeros((n, 3, 3), np.float32)
+    K[:, 0, 0], K[:, 1, 1], K[:, 0, 2], K[:, 1, 2], K[:, 2, 2] = f, f, (size - 1) / 2, (size - 1) / 2, 1
+    depth = rng.uniform(0.5, 2.0, (n, size, size)).astype(np.float32)
+    depth[:, :2] = 0.0  # some invalid pixels
+    return SceneSet(rgb=rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8), depth=depth, K=K,
+                    extrinsics=np.tile(np.eye(4, dtype=np.float32), (n, 1, 1)), boxes=boxes, labels=labels,
+                    valid=valid, pixels=valid.astype(np.int32) * 10, instance=np.full((n, size, size), -1, np.int8))
+
+
+@pytest.mark.parametrize("pe, inp, depth_as", [
+    ("none", "rgb", None), ("cayley", "rgb", None), ("cayley", "rgbd", "coord"), ("circulant", "rgbd", "coord"),
+    ("none", "rgbd", "channel"), ("axial", "rgbd-channel", "channel"),
+])
+def test_forward_shapes(pe, inp, depth_as):
+    torch.manual_seed(0)
+    model = Detector3D(detector_config(pe, inp, image_size=32, patch_size=8, depth=2))
+    assert model.cfg.vit.resolved_depth_input == depth_as
+    assert (model.backbone.depth_lift is not None) == (depth_as == "coord")
+    scenes = _toy_scenes(3)
+    x = torch.cat([torch.from_numpy(scenes.rgb).permute(0, 3, 1, 2).float() / 255,
+                   torch.from_numpy(scenes.depth)[:, None]], dim=1)  # (3, 4, 32, 32)
+    out = model(x, torch.from_numpy(scenes.K))
+    assert out["logits"].shape == (3, 16, 5) and out["boxes"].shape == (3, 16, 12)
+    assert torch.isfinite(out["boxes"]).all()
+    if inp == "rgb":  # an RGB model ignores the depth channel and also takes 3-channel input
+        x2 = x.clone()
+        x2[:, 3] = 7.0
+        assert torch.equal(model(x2, torch.from_numpy(scenes.K))["boxes"], out["boxes"])
+        assert torch.equal(model(x[:, :3], torch.from_numpy(scenes.K))["boxes"], out["boxes"])
+    else:  # depth changes the prediction
+        x2 = x.clone()
+        x2[:, 3] *= 2.0
+        assert not torch.allclose(model(x2, torch.from_numpy(scenes.K))["boxes"], out["boxes"])
+        with pytest.raises(ValueError):
+            model(x[:, :3], torch.from_numpy(scenes.K))
+
+
+def test_intrinsics_conditioning():
+    K = torch.tensor([[[40.0, 0, 15.5], [0, 40.0, 15.5], [0, 0, 1]]])
+    feats = intrinsics_features(K, 32, 32)
+    assert torch.allclose(feats, torch.tensor([[0.4, 0.4, 0.0, 0.0]]))
+    model = Detector3D(detector_config("mixed", "rgb", image_size=32, depth=1))
+    x = torch.rand(1, 3, 32, 32)
+    with pytest.raises(ValueError, match="intrinsics"):
+        model(x)
+    K2 = K.clone()
+    K2[:, :2, :2] *= 1.5
+    assert not torch.allclose(model(x, K)["boxes"], model(x, K2)["boxes"])  # the box head sees the focal length
+    assert torch.equal(model(x, K)["logits"], model(x, K2)["logits"])  # the class head does not
+    with pytest.raises(ValueError, match="intrinsics"):  # the ray parametrisation needs K as well
+        Detector3D(detector_config("mixed", "rgb", image_size=32, depth=1, intrinsics="none"))(x)
+    blind = Detector3D(detector_config("mixed", "rgb", image_size=32, depth=1, intrinsics="none", box_param="direct"))
+    assert blind(x)["boxes"].shape == (1, 16, 12)  # pixels only: no K needed
+
+
+def test_token_rays_and_ray_parametrisation():
+    K = torch.tensor([[[50.0, 0, 15.5], [0, 40.0, 15.5], [0, 0, 1]]])
+    rays = token_rays(K, 32, 32, 8)  # (1, 16, 2)
+    # a point on the ray of token m (row i, column j) projects to the centre of patch (i, j)
+    z = 1.7
+    pts = torch.cat([rays[0] * z, torch.full((16, 1), z)], dim=-1)  # (16, 3)
+    uv = project_points(pts.numpy(), K[0].numpy())[:, :2]
+    i, j = np.divmod(np.arange(16), 4)
+    assert np.allclose(uv, np.stack([8 * j + 3.5, 8 * i + 3.5], 1), atol=1e-4)
+    # with a zero box MLP the centre of token m is its ray at the prior depth
+    model = Detector3D(detector_config("axial", "rgb", image_size=32, depth=1))
+    prior = torch.tensor([0.3, -0.2, z, 1, 0, 0, 0, 1, 0, 0.1, 0.2, 0.3])
+    model.init_box_prior(prior)
+    torch.nn.init.zeros_(model.box_head.fc3.weight)
+    boxes = model(torch.rand(1, 3, 32, 32), K)["boxes"][0]  # (16, 12)
+    assert torch.allclose(boxes[:, :3], pts, atol=1e-5)
+    assert torch.allclose(boxes[:, 3:], prior[3:].expand(16, -1))
+    direct = Detector3D(detector_config("axial", "rgb", image_size=32, depth=1, box_param="direct"))
+    direct.init_box_prior(prior)
+    torch.nn.init.zeros_(direct.box_head.fc3.weight)
+    assert torch.allclose(direct(torch.rand(1, 3, 32, 32), K)["boxes"][0], prior.expand(16, -1))
+
+
+def test_box_prior_and_no_weight_decay():
+    scenes = _toy_scenes(6)
+    model = Detector3D(detector_config("cayley", "rgbd", image_size=32, depth=1))
+    model.init_box_prior(mean_box(scenes))
+    mean = torch.from_numpy(scenes.boxes[scenes.valid].mean(0))
+    assert torch.allclose(model.box_head.fc3.bias[2:], mean[2:])  # ray parametrisation: lateral offsets start at 0
+    assert torch.all(model.box_head.fc3.bias[:2] == 0)
+    names = model.no_weight_decay()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert names and all(n in params for n in names)
+    assert any("depth_lift" in n for n in names) and any("pe" in n for n in names)
+
+
+def test_training_lowers_the_loss():
+    torch.manual_seed(0)
+    scenes = _toy_scenes(8)
+    model = Detector3D(detector_config("cayley", "rgbd", image_size=32, patch_size=8, depth=1, embed_dim=48))
+    model.init_box_prior(mean_box(scenes))
+    cfg = DetTrainConfig(steps=30, batch_size=8, lr=2e-3, warmup_steps=2, log_every=5, iou_samples=256,
+                         max_train_objects=6)
+    before = evaluate_detector(model, scenes, cfg)
+    rows = train_detector(model, scenes, cfg)
+    after = evaluate_detector(model, scenes, cfg)
+    assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
+    assert after["loss"] < 0.7 * before["loss"]
+    assert not model.training  # left in eval mode
+    for k in ("mean_iou", "mAP@0.25", "mAP@0.5"):
+        assert 0.0 <= after[k] <= 1.0
+    assert after["num_targets"] == scenes.valid.sum()
+
+
+def test_draw_boxes_marks_projected_edges():
+    scenes = _toy_scenes(1, size=32)
+    box = np.array([[0, 0, 1.0, 1, 0, 0, 0, 1, 0, 0.3, 0.3, 0.3]], np.float32)
+    small = box.copy()
+    small[:, 9:] *= 0.5
+    img = np.asarray(draw_boxes(np.zeros((32, 32, 3), np.uint8), scenes.K[0], true_boxes=box, pred_boxes=small,
+                                scale=4))
+    assert img.shape == (128, 128, 3)
+    green = (img[..., 1] > 150) & (img[..., 0] < 50) & (img[..., 2] < 50)
+    blue = (img[..., 2] > 200) & (img[..., 0] < 100)
+    assert green.sum() > 50 and blue.sum() > 50
+    assert not green[60:68, 60:68].any()  # the box centre is not on an edge
+
+
+def test_quick_experiment_writes_its_files(tmp_path):
+    pytest.importorskip("pybullet")
+    from ropekit.detection.experiment import main
+
+    out = tmp_path / "d3"
+    argv = ["--quick", "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+    assert main(argv) == 0
+    for name in ("results.csv", "results.json", "summary.csv", "summary.json", "table.md", "command.txt",
+                 "plots/mean_iou.png", "plots/mAP_at_0.25.png", "plots/mAP_at_0.5.png", "plots/training_loss.png",
+                 "examples/examples.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert {(r["encoding"], r["input"]) for r in runs} == {("none", "rgb"), ("none", "rgbd"), ("cayley", "rgb"),
+                                                           ("cayley", "rgbd")}
+    assert {r["depth_as"] for r in runs if r["input"] == "rgbd"} == {"channel", "coordinate"}
+    for r in runs:
+        assert 0.0 <= r["mean_iou"] <= 1.0
+        run_dir = out / "runs" / f"{r['encoding']}-{r['input']}-s{r['seed']}"
+        assert (run_dir / "config.json").is_file() and (run_dir / "curve.csv").is_file()
+    table = (out / "table.md").read_text()
+    assert "cayley" in table and "RGB-D (ViTD)" in table and "±" in table
+    # a second call resumes: every run is found done and skipped, the report is rewritten
+    mtime = (out / "runs" / "none-rgb-s0" / "metrics.json").stat().st_mtime
+    assert main(argv) == 0
+    assert (out / "runs" / "none-rgb-s0" / "metrics.json").stat().st_mtime == mtime
+
+
+@pytest.mark.parametrize("pe", ["axial", "cayley", "circulant"])
+def test_depth_as_coordinate_sees_relative_depth_only(pe):
+    """With a commuting encoding, a ViTD that takes depth as a coordinate is exactly invariant to a global depth
+    offset (logits depend on coordinate differences only): absolute depth must come from the image itself.
+    Depth as a channel is not invariant.  (This is why the README's RGB-D results split by how depth enters.)"""
+    torch.manual_seed(0)
+    x = torch.rand(2, 4, 32, 32)
+    x[:, 3] = 0.5 + x[:, 3]  # all pixels valid
+    K = torch.tensor([[40.0, 0, 15.5], [0, 40.0, 15.5], [0, 0, 1]]).expand(2, 3, 3)
+    shifted = x.clone()
+    shifted[:, 3] += 0.7
+    coord = Detector3D(detector_config(pe, "rgbd", image_size=32, depth=2)).double()
+    a, b = coord(x.double(), K.double()), coord(shifted.double(), K.double())
+    assert torch.allclose(a["boxes"], b["boxes"], atol=1e-9) and torch.allclose(a["logits"], b["logits"], atol=1e-9)
+    channel = Detector3D(detector_config(pe, "rgbd-channel", image_size=32, depth=2))
+    assert not torch.allclose(channel(x, K)["boxes"], channel(shifted, K)["boxes"])
