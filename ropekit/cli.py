@@ -1,0 +1,165 @@
+"""The ``ropekit`` command line: ``ropekit <subcommand> [options]``.
+
+Subcommands live in a registry (name -> :class:`Subcommand`) and are imported lazily: only the module of the
+subcommand being run is imported, so ``ropekit --help`` is fast and a broken optional module never breaks
+``ropekit train``. A module adds a subcommand in one of two ways:
+
+* declare it in :data:`SUBCOMMANDS` with ``"module:function"`` strings (the module is imported only when the
+  subcommand is used), e.g. ``"bench": Subcommand("benchmark the encodings", "ropekit.bench.cli:add_arguments",
+  "ropekit.bench.cli:run")``;
+* or call :func:`register_subcommand` with callables at import time of something ``ropekit`` imports.
+
+``run(args)`` returns the exit code (``None`` means 0). User mistakes are reported as one line on stderr,
+``ropekit <subcommand>: error: <message>``, exit code 2, without a traceback: raise :class:`CommandError`
+(``ValueError``, ``FileNotFoundError`` and checkpoint errors are reported the same way). Set
+``ROPEKIT_DEBUG=1`` or pass ``--debug`` to see the traceback instead. Ctrl-C exits with code 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Union
+
+__all__ = ["CommandError", "Subcommand", "SUBCOMMANDS", "register_subcommand", "available_subcommands", "main"]
+
+Target = Union[str, Callable]
+
+
+class CommandError(Exception):
+    """A user error: printed as one line, exit code 2, no traceback."""
+
+
+@dataclass
+class Subcommand:
+    """``help`` shown by ``ropekit --help``; ``add_arguments(parser)`` and ``run(args) -> int | None`` as callables
+    or lazy ``"module:function"`` strings; ``optional``: hidden when its module is not installed."""
+
+    help: str
+    add_arguments: Target
+    run: Target
+    optional: bool = False
+
+
+SUBCOMMANDS: Dict[str, Subcommand] = {
+    "train": Subcommand("train a Vision Transformer with a rotary position encoding",
+                        "ropekit.train.commands:add_train_arguments", "ropekit.train.commands:run_train"),
+    "eval": Subcommand("evaluate a run's checkpoint (optionally at another resolution or with coordinate offsets)",
+                       "ropekit.train.commands:add_eval_arguments", "ropekit.train.commands:run_eval"),
+    # Declared for the modules that provide them (each exposes add_arguments(parser) and run(args));
+    # hidden until the module exists.
+    "bench": Subcommand("benchmark the encodings", "ropekit.bench.cli:add_arguments", "ropekit.bench.cli:run",
+                        optional=True),
+    "experiment": Subcommand("run the SPEC §6 experiment protocols", "ropekit.experiments.cli:add_arguments",
+                             "ropekit.experiments.cli:run", optional=True),
+    "data": Subcommand("inspect and prepare datasets", "ropekit.data.cli:add_arguments", "ropekit.data.cli:run",
+                       optional=True),
+    "robot": Subcommand("train and evaluate the RGB-D robot policy", "ropekit.robot.cli:add_arguments",
+                        "ropekit.robot.cli:run", optional=True),
+}
+
+
+def register_subcommand(name: str, add_arguments: Target, run: Target, help: str = "") -> None:
+    """Add (or replace) the subcommand ``name``."""
+    SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
+
+
+def _module_of(target: Target) -> Optional[str]:
+    return target.partition(":")[0] if isinstance(target, str) else None
+
+
+def _exists(module: str) -> bool:
+    """Whether ``module`` can be imported, decided without importing anything (a ``ropekit.*`` module is looked
+    up as a file, so that e.g. a package importing an optional simulator is not loaded for ``--help``)."""
+    parts = module.split(".")
+    if parts[0] == "ropekit":
+        base = Path(__file__).resolve().parent.joinpath(*parts[1:])
+        return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+    try:
+        return importlib.util.find_spec(parts[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available_subcommands() -> List[str]:
+    """Names of the subcommands that can run here (optional ones only when their module exists)."""
+    names = []
+    for name, sub in SUBCOMMANDS.items():
+        module = _module_of(sub.run)
+        if sub.optional and module is not None and not _exists(module):
+            continue
+        names.append(name)
+    return names
+
+
+def _resolve(target: Target) -> Callable:
+    if callable(target):
+        return target
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+#: Reported as one line (checkpoint errors are ``ValueError`` subclasses).
+USER_ERRORS = (CommandError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, (FileNotFoundError, PermissionError)) and e.filename and str(e.filename) not in msg:
+        msg = f"{msg}: {e.filename}"
+    return msg
+
+
+def build_parser(command: Optional[str]) -> argparse.ArgumentParser:
+    """The top-level parser; only ``command``'s arguments are added (and its module imported)."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="ropekit", description="Learnable N-dimensional rotary position encodings for Vision Transformers.")
+    parser.add_argument("--version", action="version", version=f"ropekit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for name in available_subcommands():
+        spec = SUBCOMMANDS[name]
+        p = sub.add_parser(name, help=spec.help, description=spec.help)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the full traceback of errors")
+        if name == command:
+            _resolve(spec.add_arguments)(p)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``ropekit`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    debug = bool(os.environ.get("ROPEKIT_DEBUG")) or "--debug" in argv
+    prog = f"ropekit {command}" if command else "ropekit"
+    try:
+        parser = build_parser(command if command in SUBCOMMANDS else None)
+        args = parser.parse_args(argv)
+        if not getattr(args, "command", None):
+            parser.print_help(sys.stderr)
+            return 2
+        run = _resolve(SUBCOMMANDS[args.command].run)
+        code = run(args)
+        return int(code or 0)
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # python -m ropekit.cli (also under torchrun -m ropekit.cli)
+    # run the imported module's main, so that exception classes match the ones subcommands import
+    from ropekit.cli import main as _main
+
+    sys.exit(_main())
