@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..encodings import PositionEncoding, create_pe
 from ..nn.coords import COORD_MODES, grid_coords
+from .finetune import logits_match
 
 try:  # timm is an optional dependency: ``pip install ropekit[timm]``
     from timm.layers import Attention as _TimmAttention
@@ -310,25 +311,11 @@ class GridCoordinates(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- conversion
-def _is_identity(pe: PositionEncoding, coord_dim: int) -> bool:
-    """``True`` if ``pe`` leaves q/k logits unchanged at a few random coordinates (checked numerically)."""
-    gen = torch.Generator().manual_seed(0)
-    p = next(pe.parameters(), None)
-    device = p.device if p is not None else torch.device("cpu")
-    q = torch.randn(1, pe.num_heads, 5, pe.head_dim, generator=gen, dtype=torch.float64).to(device)
-    k = torch.randn(1, pe.num_heads, 5, pe.head_dim, generator=gen, dtype=torch.float64).to(device)
-    coords = (torch.randn(5, coord_dim, generator=gen, dtype=torch.float64) * 7).to(device)
-    pe64 = copy.deepcopy(pe).double()
-    with torch.no_grad():
-        qe, ke = pe64(q, k, coords)
-    return bool(torch.allclose(qe @ ke.transpose(-1, -2), q @ k.transpose(-1, -2), atol=1e-9, rtol=1e-9))
-
-
-def _make_identity_(pe: PositionEncoding, coord_dim: int, name: str) -> None:
+def _make_identity_(pe: PositionEncoding, name: str) -> None:
     with torch.no_grad():
         for p in pe.parameters():
             p.zero_()
-    if not _is_identity(pe, coord_dim):
+    if not logits_match(pe, None):
         raise ValueError(f"init_identity: the encoding {name!r} is not the identity with its parameters at zero "
                          f"(e.g. 'axial' has fixed frequencies); use mixed, cayley, circulant, liere, "
                          f"liere-commute, comrope-* or none")
@@ -402,7 +389,7 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         pe = shared if shared is not None else create_pe(name, head_dim=head_dim, coord_dim=coord_dim,
                                                          num_heads=attn.num_heads, **pe_opts)
         if init_identity and pe is not shared:
-            _make_identity_(pe, coord_dim, name)
+            _make_identity_(pe, name)
         p = next(attn.parameters())
         attn.pe = pe.to(device=p.device)
         attn.rope_prefix = prefix
