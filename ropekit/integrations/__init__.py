@@ -1,9 +1,17 @@
-"""Adapters that bring ropekit encodings to other libraries' models.
+"""Fitting ropekit into the ecosystem: other libraries' models, fine-tuning, streaming.
 
-Each adapter lives in its own module and imports its library lazily, so ``import ropekit`` never needs it:
+Each module is imported on its own (``import ropekit`` imports none of them), so an optional dependency is needed
+only by the module that uses it:
 
-* :mod:`ropekit.integrations.timm` -- ``apply_pe(model, name, ...)`` turns a timm ``VisionTransformer`` or
-  ``Eva`` into one whose attention applies any ``create_pe`` encoding (``pip install ropekit[timm]``).
+* :mod:`ropekit.integrations.timm` -- ``apply_pe(model, name, ...)`` turns a timm ``VisionTransformer`` or ``Eva``
+  into one whose attention applies any ``create_pe`` encoding (``pip install ropekit[timm]``).
+* :mod:`ropekit.integrations.finetune` -- ``init_3d_from_2d(model3d, model2d)``: an RGB-D model with a 3-D
+  encoding that starts as the 2-D checkpoint's function.
+* :mod:`ropekit.integrations.streaming` -- ``VideoStream(model)``: a video ViT fed one tubelet at a time with a
+  KV cache of encoded keys.
+
+Related: linear attention is :mod:`ropekit.nn.linear_attention`, canonical coordinates :mod:`ropekit.coords`,
+ONNX export of folded models ``docs/integrations/export.md``.
 """
 
 __all__: list = []
