@@ -169,11 +169,14 @@ def test_quick_experiment_writes_its_files(tmp_path):
     out = tmp_path / "d3"
     argv = ["--quick", "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
     assert main(argv) == 0
-    for name in ("results.csv", "results.json", "summary.csv", "summary.json", "table.md", "command.txt",
-                 "plots/mean_iou.png", "plots/mAP_at_0.25.png", "plots/mAP_at_0.5.png", "plots/training_loss.png",
-                 "examples/examples.png"):
+    for name in ("detect3d.csv", "detect3d.json", "summary.csv", "table.md", "detect3d.png", "config.json",
+                 "training.png", "examples.png", "command.txt"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
-    runs = json.loads((out / "results.json").read_text())["runs"]
+    doc = json.loads((out / "detect3d.json").read_text())
+    assert doc["study"] == "detect3d" and doc["config"]["quick"] is True
+    runs = doc["rows"]
+    config = json.loads((out / "config.json").read_text())
+    assert len(config["runs"]) == 4 and all(len(r["key"]) == 16 for r in config["runs"])
     assert {(r["encoding"], r["input"]) for r in runs} == {("none", "rgb"), ("none", "rgbd"), ("cayley", "rgb"),
                                                            ("cayley", "rgbd")}
     assert {r["depth_as"] for r in runs if r["input"] == "rgbd"} == {"channel", "coordinate"}
@@ -182,7 +185,7 @@ def test_quick_experiment_writes_its_files(tmp_path):
         run_dir = out / "runs" / f"{r['encoding']}-{r['input']}-s{r['seed']}"
         assert (run_dir / "config.json").is_file() and (run_dir / "curve.csv").is_file()
     table = (out / "table.md").read_text()
-    assert "cayley" in table and "RGB-D (ViTD)" in table and "±" in table
+    assert "cayley" in table and "RGB-D (ViTD)" in table and "| none |" in table
     # a second call resumes: every run is found done and skipped, the report is rewritten
     mtime = (out / "runs" / "none-rgb-s0" / "metrics.json").stat().st_mtime
     assert main(argv) == 0
@@ -205,3 +208,28 @@ def test_depth_as_coordinate_sees_relative_depth_only(pe):
     assert torch.allclose(a["boxes"], b["boxes"], atol=1e-9) and torch.allclose(a["logits"], b["logits"], atol=1e-9)
     channel = Detector3D(detector_config(pe, "rgbd-channel", image_size=32, depth=2))
     assert not torch.allclose(channel(x, K)["boxes"], channel(shifted, K)["boxes"])
+
+
+def test_registered_in_ropekit_experiment(tmp_path, monkeypatch):
+    """``ropekit experiment detect3d`` maps the shared settings (encodings, seeds, quick, threads) onto the study."""
+    from ropekit.cli import main as cli_main
+    from ropekit.detection import experiment as ex
+    from ropekit.experiments.registry import STUDIES
+
+    assert "detect3d" in STUDIES
+    seen = {}
+
+    def fake_run(cfg, argv=None, progress=True):
+        seen["cfg"], seen["argv"] = cfg, argv
+        (tmp_path / "table.md").write_text("| table |")
+        return {"summary": [], "runs": []}
+
+    monkeypatch.setattr(ex, "run_detect3d", fake_run)
+    assert cli_main(["experiment", "detect3d", "--pe", "none,mixed", "--seeds", "3,4", "--threads", "1",
+                     "--out", str(tmp_path), "--no-progress"]) == 0
+    cfg = seen["cfg"]
+    assert cfg.encodings == ("none", "mixed") and cfg.seeds == (3, 4) and cfg.threads == 1 and not cfg.quick
+    assert cfg.out == str(tmp_path) and cfg.inputs == ("rgb", "rgbd")
+    assert seen["argv"][:3] == ["ropekit", "experiment", "detect3d"] and "--seeds" in seen["argv"]
+    assert cli_main(["experiment", "detect3d", "--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert seen["cfg"].quick and seen["cfg"].encodings == ("none", "cayley")

@@ -7,12 +7,13 @@ Monte Carlo IoU with ``iou_samples`` points per predicted box).  The output dire
 
 * ``runs/<encoding>-<input>-s<seed>/``: ``config.json`` (resolved detector + training + data settings),
   ``curve.csv`` (training losses), ``metrics.json``, ``model.pt`` (state dict; git-ignored);
-* ``results.csv`` / ``results.json``: one row per run;
-* ``summary.csv`` / ``summary.json`` and ``table.md``: per encoding × input, mean ± sample standard deviation
-  over seeds and the best seed (Hungarian training sometimes sticks in a poor minimum);
-* ``plots/``: metric bars and training curves; ``examples/``: test scenes with predicted (blue) and true
-  (green) boxes;
-* ``command.txt``: the command line.
+* the layout of the other ``ropekit experiment`` studies: ``detect3d.csv`` (one row per run),
+  ``detect3d.json`` (the rows, the summary and the settings), ``table.md`` (per encoding × input, mean ±
+  sample standard deviation over seeds and the best seed -- Hungarian training sometimes sticks in a poor
+  minimum), ``detect3d.png`` (bars of the three metrics), ``config.json`` (settings, command line, a key per
+  run);
+* ``summary.csv``, ``training.png`` (loss curves), ``examples.png`` (test scenes with predicted (blue) and
+  true (green) boxes) and ``command.txt`` (the command line).
 
 A run whose ``metrics.json`` exists with the same settings is not trained again, so an interrupted experiment
 resumes where it stopped.  Scenes are rendered once into ``cache_dir`` (npz shards, outside git).
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import hashlib
 import json
 import math
 import shlex
@@ -44,7 +46,8 @@ from .model import BOX_PARAMS, INPUTS, INTRINSICS, Detector3D, detector_config
 from .scenes import CLASS_NAMES, SceneSet, generate_scenes
 from .train import DetTrainConfig, evaluate_detector, mean_box, predict, seed_everything, train_detector
 
-__all__ = ["Detect3DConfig", "quick_config", "run_detect3d", "add_arguments", "run", "main", "INPUT_LABELS"]
+__all__ = ["Detect3DConfig", "quick_config", "run_detect3d", "run_study", "add_arguments", "run", "main",
+           "INPUT_LABELS"]
 
 DEFAULT_ENCODINGS = ("none", "axial", "mixed", "cayley", "circulant")
 INPUT_LABELS = {"rgb": "RGB (ViT)", "rgbd": "RGB-D (ViTD)", "rgbd-channel": "RGB-D (depth channel)"}
@@ -260,7 +263,8 @@ def markdown_table(summary: Sequence[Dict[str, Any]], encodings: Sequence[str], 
                 if s is None:
                     cells.append("–")
                     continue
-                cell = f"{s[f'{m}_mean']:.3f} ± {s[f'{m}_std']:.3f} ({s[f'{m}_best']:.3f})"
+                spread = f" ± {s[f'{m}_std']:.3f}" if s["seeds"] > 1 else ""
+                cell = f"{s[f'{m}_mean']:.3f}{spread} ({s[f'{m}_best']:.3f})"
                 if inp != "rgb" and s["depth_as"] == "channel" and inp == "rgbd":
                     cell += " †"
                 cells.append(cell)
@@ -306,30 +310,38 @@ def render_examples(cfg: Detect3DConfig, test_set: SceneSet, configs: Sequence[T
     return example_grid(panels, labels, path)
 
 
+def _run_key(settings: Dict[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(settings, sort_keys=True, default=_json_default).encode()).hexdigest()[:16]
+
+
 def write_report(cfg: Detect3DConfig, runs: Sequence[Dict[str, Any]], test_set: SceneSet, argv: Sequence[str]) -> Dict:
     """Aggregate files, table, plots and examples from the run rows."""
     from .plot import plot_metric_bars, plot_training_curves
 
     out = Path(cfg.out)
     summary = summarise(runs, cfg.encodings, cfg.inputs)
-    _write_csv(out / "results.csv", runs)
-    _write_json(out / "results.json", {"config": cfg.to_dict(), "runs": list(runs)})
+    command = " ".join(shlex.quote(a) for a in argv)
+    _write_csv(out / "detect3d.csv", runs)
     _write_csv(out / "summary.csv", summary)
-    _write_json(out / "summary.json", {"config": cfg.to_dict(), "summary": summary})
+    _write_json(out / "detect3d.json", {"study": "detect3d", "rows": list(runs), "summary": summary,
+                                        "config": cfg.to_dict(), "command": command})
     header = (f"# detect3d results\n\n{len(runs)} runs: {len(cfg.encodings)} encodings × {len(cfg.inputs)} inputs × "
               f"{len(cfg.seeds)} seeds; {cfg.n_train} training / {cfg.n_test} test scenes of "
               f"{cfg.image_size}×{cfg.image_size}; {cfg.train.steps} steps of {cfg.train.batch_size}; Monte Carlo "
               f"IoU with {cfg.train.iou_samples} points per predicted box.\n\n")
     (out / "table.md").write_text(header + markdown_table(summary, cfg.encodings, cfg.inputs))
-    for m in METRICS:
-        plot_metric_bars(runs, m, out / "plots" / f"{m.replace('@', '_at_')}.png", cfg.encodings, cfg.inputs,
-                         INPUT_LABELS)
+    plot_metric_bars(runs, METRICS, out / "detect3d.png", cfg.encodings, cfg.inputs, INPUT_LABELS)
     curves: Dict[Tuple[str, str], List[List[Dict[str, float]]]] = {}
+    run_index = []
     for r in runs:
-        mp = out / "runs" / _run_name(r["encoding"], r["input"], r["seed"]) / "metrics.json"
+        name = _run_name(r["encoding"], r["input"], r["seed"])
+        mp = out / "runs" / name / "metrics.json"
         if mp.exists():
-            curves.setdefault((r["encoding"], r["input"]), []).append(json.loads(mp.read_text())["curve"])
-    plot_training_curves(curves, out / "plots" / "training_loss.png", "loss", INPUT_LABELS)
+            doc = json.loads(mp.read_text())
+            curves.setdefault((r["encoding"], r["input"]), []).append(doc["curve"])
+            run_index.append({"name": name, "dir": f"runs/{name}", "key": _run_key(doc["settings"])})
+    plot_training_curves(curves, out / "training.png", "loss", INPUT_LABELS)
+    _write_json(out / "config.json", {"experiment": cfg.to_dict(), "command": command, "runs": run_index})
     # examples: the best seed of "none" and of the best encoding, for each input
     best = {}
     for s in summary:
@@ -340,8 +352,8 @@ def write_report(cfg: Detect3DConfig, runs: Sequence[Dict[str, Any]], test_set: 
         for s in summary:
             if s["input"] == inp and (s["encoding"] == "none" or s is best.get(inp)):
                 chosen.append((s["encoding"], inp, s["best_seed"]))
-    render_examples(cfg, test_set, chosen, out / "examples" / "examples.png")
-    (out / "command.txt").write_text(" ".join(shlex.quote(a) for a in argv) + "\n")
+    render_examples(cfg, test_set, chosen, out / "examples.png")
+    (out / "command.txt").write_text(command + "\n")
     return {"summary": summary, "runs": list(runs)}
 
 
@@ -373,6 +385,38 @@ def run_detect3d(cfg: Detect3DConfig, argv: Optional[Sequence[str]] = None, prog
     result = write_report(cfg, runs, test_set, argv)
     _log(f"done in {time.perf_counter() - t0:.0f}s; results in {out}")
     return result
+
+
+def run_study(exp_cfg: Any, out: Any, **options: Any):
+    """The ``detect3d`` entry of ``ropekit experiment`` (:mod:`ropekit.experiments.registry`).
+
+    From the shared :class:`~ropekit.experiments.settings.ExperimentConfig` it takes ``quick`` (the preset),
+    ``pes`` (the encodings; default :data:`DEFAULT_ENCODINGS`), ``seeds``, ``threads`` and ``progress``; a
+    ``cache_dir`` other than the default puts the rendered scenes in ``<cache_dir>/scenes`` (otherwise they go
+    to this study's ``.cache/scenes``).  The classification backbone, data and schedule settings do not apply;
+    ``python -m ropekit.detection.experiment`` exposes this study's own settings (scenes, steps, inputs...).
+    """
+    from ..experiments.common import StudyResult
+    from ..experiments.settings import ExperimentConfig
+
+    if options:
+        raise ValueError(f"experiment detect3d takes no option {', '.join(sorted(options))}")
+    out = Path(out)
+    base = quick_config(out=str(out)) if exp_cfg.quick else Detect3DConfig(out=str(out))
+    changes: Dict[str, Any] = {"threads": int(exp_cfg.threads or 0)}
+    if exp_cfg.cache_dir != ExperimentConfig().cache_dir:
+        changes["cache_dir"] = str(Path(exp_cfg.cache_dir) / "scenes")
+    if exp_cfg.pes:
+        changes["encodings"] = tuple(exp_cfg.pes)
+    if exp_cfg.seeds and not exp_cfg.quick:
+        changes["seeds"] = tuple(int(s) for s in exp_cfg.seeds)
+    cfg = dataclasses.replace(base, **changes)
+    argv = ["ropekit", "experiment", "detect3d"] + (["--quick"] if cfg.quick else []) + \
+        (["--pe", ",".join(cfg.encodings)] if exp_cfg.pes else []) + \
+        (["--seeds", ",".join(str(s) for s in cfg.seeds)] if not cfg.quick else []) + ["--out", str(out)]
+    result = run_detect3d(cfg, argv=argv, progress=bool(exp_cfg.progress))
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    return StudyResult("detect3d", out, files, (out / "table.md").read_text(), {"summary": result["summary"]})
 
 
 def _csv_list(text: str) -> Tuple[str, ...]:

@@ -94,18 +94,8 @@ def example_grid(panels: Sequence[Sequence], row_labels: Sequence[str], path: Pa
     return path
 
 
-def plot_metric_bars(runs: Sequence[Dict], metric: str, path: PathLike, encodings: Sequence[str],
-                     inputs: Sequence[str], input_labels: Optional[Dict[str, str]] = None,
-                     title: Optional[str] = None) -> Path:
-    """Grouped bars: ``metric`` per encoding (groups) and input (bars), height = mean over seeds, error bar =
-    sample standard deviation, one dot per seed (the best seed ringed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    input_labels = input_labels or {}
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(encodings), 3.4))
+def _bars(ax, runs: Sequence[Dict], metric: str, encodings: Sequence[str], inputs: Sequence[str],
+          input_labels: Dict[str, str]) -> None:
     width = 0.8 / max(1, len(inputs))
     colors = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c"]
     for j, inp in enumerate(inputs):
@@ -125,12 +115,29 @@ def plot_metric_bars(runs: Sequence[Dict], metric: str, path: PathLike, encoding
     ax.set_ylabel(metric)
     ax.set_ylim(bottom=0)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title or f"{metric}: mean ± std over seeds (dots: seeds, ring: best)", fontsize=9)
+
+
+def plot_metric_bars(runs: Sequence[Dict], metrics: Sequence[str], path: PathLike, encodings: Sequence[str],
+                     inputs: Sequence[str], input_labels: Optional[Dict[str, str]] = None,
+                     title: Optional[str] = None) -> Path:
+    """One panel per metric: grouped bars per encoding (groups) and input (bars), height = mean over seeds,
+    error bar = ±1 sample standard deviation, one dot per seed (the best seed ringed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    input_labels = input_labels or {}
+    fig, axes = plt.subplots(1, len(metrics), figsize=((1.6 + 1.1 * len(encodings)) * len(metrics), 3.6),
+                             squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        _bars(ax, runs, m, encodings, inputs, input_labels)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title or "mean ± std over seeds (dots: seeds, ring: best seed)", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
