@@ -125,7 +125,8 @@ def test_round_trips_and_frames():
         torch.testing.assert_close(from_spherical(spherical(pts, **kw), **kw), pts)
         torch.testing.assert_close(from_spherical(spherical(pts, radius="linear", **kw), radius="linear", **kw), pts)
         for radius in ("linear", "log"):
-            torch.testing.assert_close(from_cylindrical(cylindrical(pts, radius=radius, **kw), radius=radius, **kw), pts)
+            cyl = cylindrical(pts, radius=radius, **kw)
+            torch.testing.assert_close(from_cylindrical(cyl, radius=radius, **kw), pts)
     frame = axis_frame((0.0, 0.0, 1.0), dtype=torch.float64)
     torch.testing.assert_close(frame, torch.eye(3, dtype=torch.float64))
     f = axis_frame((1.0, 2.0, 3.0), dtype=torch.float64)

@@ -82,7 +82,8 @@ def test_positive_features_approximate_softmax():
     errs = []
     for m in (64, 4096):
         w = random_projection(m, 8, seed=1, dtype=torch.float64)
-        out = rotary_linear_attention(q, k, v / 0.5, lambda x, iq: positive_features(x, w, is_query=iq, scale=8 ** -0.25))
+        out = rotary_linear_attention(q, k, v / 0.5,
+                                      lambda x, iq: positive_features(x, w, is_query=iq, scale=8 ** -0.25))
         errs.append((out - ref).abs().max().item())
     assert errs[1] < 0.06 and errs[1] < errs[0], errs
 

@@ -58,8 +58,8 @@ try:  # timm is an optional dependency: ``pip install ropekit[timm]``
 except ImportError as exc:  # pragma: no cover - exercised only without timm
     raise ImportError("ropekit.integrations.timm needs timm: pip install 'ropekit[timm]'") from exc
 
-__all__ = ["apply_pe", "encodings", "encode_qk", "SHARING", "PREFIX_MODES", "RopeAttention", "RopeEvaAttention", "RopeBlock",
-           "RopeResPostBlock", "RopeVisionTransformer", "RopeEva", "GridCoordinates"]
+__all__ = ["apply_pe", "encodings", "encode_qk", "SHARING", "PREFIX_MODES", "RopeAttention", "RopeEvaAttention",
+           "RopeBlock", "RopeResPostBlock", "RopeVisionTransformer", "RopeEva", "GridCoordinates"]
 
 #: ``"model"``: one encoding module reused by every block; ``"layer"``: one per block; ``"head"``: one per block
 #: with parameters per head (``per_head=True``).
