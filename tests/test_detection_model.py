@@ -9,7 +9,7 @@ import torch
 from ropekit.detection.model import Detector3D, detector_config, intrinsics_features, token_rays
 from ropekit.detection.plot import draw_boxes
 from ropekit.detection.scenes import SceneSet, project_points
-from ropekit.detection.train import DetTrainConfig, evaluate_detector, mean_box, train_detector
+from ropekit.detection.train import DetTrainConfig, evaluate_detector, matched_errors, mean_box, train_detector
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -146,6 +146,9 @@ def test_training_lowers_the_loss():
     for k in ("mean_iou", "mAP@0.25", "mAP@0.5"):
         assert 0.0 <= after[k] <= 1.0
     assert after["num_targets"] == scenes.valid.sum()
+    errors = matched_errors(model, scenes, cfg)
+    assert set(errors) == {"lateral_err", "depth_err", "size_err", "rot_err_deg", "class_acc", "depth_err_const"}
+    assert all(np.isfinite(v) and v >= 0 for v in errors.values()) and errors["rot_err_deg"] <= 180
 
 
 def test_draw_boxes_marks_projected_edges():
