@@ -1,0 +1,83 @@
+"""``ropekit bench`` / ``python -m ropekit.bench``: argument parsing on top of :mod:`ropekit.bench.core`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from .core import CASES, ROWS, VIT_PES, BenchConfig, run_bench
+from .report import format_report
+
+__all__ = ["add_arguments", "run", "main"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.description = ("Speed and peak memory of every position encoding (the encoding alone, forward and "
+                     "forward+backward), as ratios against no encoding, the elementwise floor (q*k) and "
+                     "scaled_dot_product_attention measured in the same rounds; naive reference forms; folded "
+                     "inference; and a ViT training step per encoding against the absolute-embedding ViT.")
+    p.epilog = ("Examples: `ropekit bench --quick`; `ropekit bench --json bench.json --markdown bench.md`; "
+                "`ropekit bench --rows cayley circulant --cases grid2d --no-vit`. Rows: "
+                + ", ".join(r.label for r in ROWS) + ".")
+    d = BenchConfig()
+    p.add_argument("--quick", action="store_true", help="reduced run: 3 rounds per row, no naive reference rows, tiny ViT "
+                                                        "only (under two minutes on 2 idle cores)")
+    p.add_argument("--json", metavar="FILE", help="write the records (a JSON list) to FILE")
+    p.add_argument("--markdown", metavar="FILE", help="also write the markdown report to FILE")
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(d.cases), help="coordinate cases")
+    p.add_argument("--rows", nargs="+", metavar="ROW", help="rows to run (labels or encoding names; default: all)")
+    p.add_argument("--batch", type=int, default=d.batch, help="B")
+    p.add_argument("--heads", type=int, default=d.heads, help="H")
+    p.add_argument("--head-dim", type=int, default=d.head_dim, help="d")
+    p.add_argument("--grid", type=int, default=d.grid, help="g: M = g * g tokens")
+    p.add_argument("--repeats", type=int, help=f"timed rounds per row (default {d.repeats}, quick 3)")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak / saved memory measurements")
+    p.add_argument("--no-check", action="store_true", help="skip comparing naive rows' outputs and gradients")
+    p.add_argument("--vit", nargs="*", choices=("tiny", "small", "base"), metavar="SIZE",
+                   help="ViT sizes of the training-step table (default: tiny base; quick: tiny; none: skip)")
+    p.add_argument("--no-vit", action="store_true", help="skip the training-step table")
+    p.add_argument("--vit-pes", nargs="+", default=list(VIT_PES), metavar="PE", help="encodings of the ViT table")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    kw = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, grid=args.grid, cases=tuple(args.cases),
+              rows=tuple(args.rows) if args.rows else None, threads=args.threads, memory=not args.no_memory,
+              check=not args.no_check, vit_pes=tuple(args.vit_pes))
+    if args.repeats is not None:
+        kw["repeats"] = args.repeats
+    if args.no_vit:
+        kw["vit"] = ()
+    elif args.vit is not None:
+        kw["vit"] = tuple(args.vit)
+    return BenchConfig.quick_config(**kw) if args.quick else BenchConfig(**kw)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if getattr(args, "_argv", None) is not None:  # python -m ropekit.bench
+        command = "python -m ropekit.bench " + " ".join(shlex.quote(a) for a in args._argv)
+    else:  # ropekit bench (sys.argv: ropekit, bench, options)
+        command = "ropekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    records = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    report = format_report(records, command=command.strip())
+    print(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(report + "\n")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ropekit.bench")
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args._argv = argv
+    return run(args)

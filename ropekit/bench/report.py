@@ -1,0 +1,171 @@
+"""Markdown tables and the issue-5 targets from ``ropekit bench`` records (see :mod:`ropekit.bench.core`)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+__all__ = ["format_report", "evaluate_targets"]
+
+
+def _find(records: List[Dict[str, Any]], label: str, case: str) -> Optional[Dict[str, Any]]:
+    for r in records:
+        if r.get("label") == label and r.get("case") == case and "skipped" not in r:
+            return r
+    return None
+
+
+def _f(v: Optional[float], fmt: str = "{:.2f}") -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def _case_title(case: str, rec: Dict[str, Any]) -> str:
+    what = ("a 14 x 14 grid shared by the batch" if case == "grid2d" else "per-example 3-D coordinates")
+    if case == "grid2d" and rec.get("tokens") != 196:
+        what = "a grid shared by the batch"
+    return (f"`{case}`: q, k of shape ({rec['batch']}, {rec['heads']}, {rec['tokens']}, {rec['head_dim']}), "
+            f"fp32, {what}")
+
+
+def evaluate_targets(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The targets of issue 5, each with the measured value, the bound and whether it is met (None: not measured)."""
+    out: List[Dict[str, Any]] = []
+
+    def add(target: str, case: str, value: Optional[float], bound: float, unit: str, lower_is_better: bool = True):
+        met = None if value is None else (value <= bound if lower_is_better else value >= bound)
+        out.append({"target": target, "case": case, "value": value, "bound": bound, "unit": unit, "met": met})
+
+    for case in ("grid2d", "rgbd3d"):
+        for label in ("axial", "mixed"):
+            r = _find(records, label, case)
+            add(f"{label} fwd+bwd <= 2x elementwise floor", case, r and r["x_floor"], 2.0, "x floor")
+        for label in ("cayley", "circulant"):
+            r = _find(records, label, case)
+            add(f"{label} fwd+bwd <= 10% of SDPA", case, r and r["frac_sdpa"], 0.10, "of SDPA")
+        bound = 0.10 if case == "grid2d" else 0.25
+        for label in ("comrope-ap (b=8)", "comrope-ld (b=8)"):
+            r = _find(records, label, case)
+            add(f"{label} fwd+bwd <= {bound:.0%} of SDPA", case, r and r["frac_sdpa"], bound, "of SDPA")
+            dense = _find(records, f"dense d x d {label}", case)
+            ratio = (r["peak_mb"] / dense["peak_mb"]) if (r and dense and "peak_mb" in r and "peak_mb" in dense) else None
+            add(f"{label} peak memory <= 1/5 of dense per-token d x d", case, ratio, 0.2, "of dense")
+        for label in ("liere (b=8)", "liere (dense)"):
+            naive = _find(records, f"naive {label}", case)
+            add(f"{label} fwd+bwd >= 5x faster than one matrix_exp per token", case,
+                naive and naive["speedup_fwdbwd"], 5.0, "x faster", lower_is_better=False)
+        for label in ("cayley", "circulant"):
+            r = _find(records, f"folded {label}", case)
+            add(f"folded {label} inference (fwd) within 5% of axial RoPE", case, r and r["x_axial_fwd"], 1.05,
+                "x axial")
+    for pe in ("cayley", "circulant"):
+        r = _find(records, pe, "vit-tiny")
+        add(f"tiny-ViT training step with {pe} <= 1.15x absolute embedding", "vit-tiny", r and r["x_absolute"],
+            1.15, "x absolute")
+    return out
+
+
+def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
+    """A markdown report: one table per case, the naive baselines, folded inference, the ViT steps, the targets."""
+    lines: List[str] = []
+    meta = next((r for r in records), {})
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    if meta:
+        load = ""
+        if meta.get("load_avg_start"):
+            load = (f"; load average (1, 5, 15 min) {meta['load_avg_start']} at the start, "
+                    f"{meta.get('load_avg_end')} at the end")
+        lines += [f"Machine: {meta.get('cpu')}, {meta.get('cpus')} cores visible, {meta.get('threads')} torch threads, "
+                  f"torch {meta.get('torch')}{load}" + (" (quick run)" if meta.get("quick") else ""), ""]
+    for case in ("grid2d", "rgbd3d"):
+        rows = [r for r in records if r.get("case") == case and r.get("kind") == "pe"]
+        if not rows:
+            continue
+        ok = [r for r in rows if "skipped" not in r]
+        if not ok:
+            continue
+        floor = sorted(r["floor_fwdbwd_ms"] for r in ok)[len(ok) // 2]
+        sdpa = sorted(r["sdpa_fwdbwd_ms"] for r in ok)[len(ok) // 2]
+        lines += [f"### Encoding alone, {_case_title(case, ok[0])}", "",
+                  f"References (medians over the rows' rounds): elementwise floor q*k fwd+bwd {floor:.2f} ms, "
+                  f"SDPA fwd+bwd {sdpa:.2f} ms. Every ratio below uses the references timed in the same rounds "
+                  f"as its row: medians, and (min) the ratio of the fastest rounds, less sensitive to other jobs on "
+                  f"a shared machine.", "",
+                  "| encoding | fwd ms | fwd+bwd ms | x none | x floor | % of SDPA | x floor (min) | % of SDPA (min) "
+                  "| peak MB | saved MB |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            if "skipped" in r:
+                lines.append(f"| {r['label']} | – | – | – | – | – | – | – | – | – |")
+                continue
+            x_min = r["fwdbwd_ms_min"] / r["floor_fwdbwd_ms_min"]
+            s_min = r["fwdbwd_ms_min"] / r["sdpa_fwdbwd_ms_min"]
+            lines.append(f"| {r['label']} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {r['x_none']:.2f} | "
+                         f"{r['x_floor']:.2f} | {100 * r['frac_sdpa']:.1f}% | {x_min:.2f} | {100 * s_min:.1f}% | "
+                         f"{_f(r.get('peak_mb'), '{:.1f}')} | {_f(r.get('saved_mb'), '{:.1f}')} |")
+        skipped = [r for r in rows if "skipped" in r]
+        for r in skipped:
+            lines.append(f"\n*{r['label']}* not run: {r['skipped']}")
+        lines.append("")
+
+    naive = [r for r in records if r.get("kind") == "naive"]
+    if naive:
+        lines += ["### Naive reference forms (timed in the same rounds as the fast row)", "",
+                  "| case | reference form | its fwd+bwd ms | fast row | fast fwd+bwd ms | speed-up | peak MB "
+                  "(reference / fast) | max rel. error (outputs, grads) |",
+                  "|---|---|---:|---|---:|---:|---:|---:|"]
+        for r in naive:
+            if "skipped" in r:
+                lines.append(f"| {r['case']} | {r['label']} | – | {r['base']} | – | – | – | not run: {r['skipped']} |")
+                continue
+            fast = _find(records, r["base"], r["case"])
+            mem = (f"{r['peak_mb']:.0f} / {fast['peak_mb']:.0f}" if fast and "peak_mb" in r and "peak_mb" in fast
+                   else "–")
+            lines.append(f"| {r['case']} | {r['label']} | {r['fwdbwd_ms']:.1f} | {r['base']} | "
+                         f"{r['fast_fwdbwd_ms']:.1f} | {r['speedup_fwdbwd']:.1f}x | {mem} | "
+                         f"{_f(r.get('check_max_rel_err'), '{:.1e}')} |")
+        lines.append("")
+
+    folded = [r for r in records if r.get("kind") == "folded" and "skipped" not in r]
+    if folded:
+        lines += ["### Folded inference (`ropekit.fold`: the basis merged into the q/k projections)", "",
+                  "| case | encoding | folded fwd ms | axial RoPE fwd ms | x axial | unfolded fwd ms |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for r in folded:
+            lines.append(f"| {r['case']} | {r['base']} | {r['fwd_ms']:.2f} | {r['axial_fwd_ms']:.2f} | "
+                         f"{r['x_axial_fwd']:.2f} | {r['unfolded_fwd_ms']:.2f} |")
+        lines.append("")
+
+    vit = [r for r in records if r.get("kind") == "vit"]
+    if vit:
+        sizes = sorted({r["size"] for r in vit}, key=["tiny", "small", "base"].index)
+        head = " | ".join(f"{s} step ms | {s} x absolute" for s in sizes)
+        desc = "; ".join(f"{s}: batch {r['batch']}, {r['image_size']}x{r['image_size']} images, {r['tokens']} tokens"
+                         for s in sizes for r in [next(v for v in vit if v["size"] == s)])
+        lines += ["### Training step of the ViT (forward, loss, backward, AdamW) against the absolute-embedding ViT",
+                  "", f"{desc}. The absolute-embedding step is timed in alternation with each encoding's.", "",
+                  f"| encoding | {head} |", "|---|" + "---:|---:|" * len(sizes)]
+        for pe in dict.fromkeys(r["pe"] for r in vit):
+            cells = []
+            for s in sizes:
+                r = next((v for v in vit if v["pe"] == pe and v["size"] == s), None)
+                if r is None or "skipped" in r:
+                    cells += ["–", "–"]
+                else:
+                    cells += [f"{r['step_ms']:.1f}", f"{r['x_absolute']:.2f}"]
+            lines.append(f"| {pe} | " + " | ".join(cells) + " |")
+        lines.append("")
+
+    targets = evaluate_targets(records)
+    if targets:
+        lines += ["### Targets (issue 5)", "", "| target | case | measured | bound | met |", "|---|---|---:|---:|---|"]
+        for t in targets:
+            if t["unit"] == "of SDPA" or t["unit"] == "of dense":
+                val = _f(None if t["value"] is None else 100 * t["value"], "{:.1f}%")
+                bound = f"{100 * t['bound']:.0f}%"
+            else:
+                val, bound = _f(t["value"]), f"{t['bound']:g}"
+            met = "not measured" if t["met"] is None else ("yes" if t["met"] else "**no**")
+            lines.append(f"| {t['target']} | {t['case']} | {val} {t['unit'] if t['value'] is not None else ''} | "
+                         f"{bound} | {met} |")
+        lines.append("")
+    return "\n".join(lines)
