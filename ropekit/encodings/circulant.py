@@ -73,7 +73,8 @@ class _PhaseFFT(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         phase, z = ctx.saved_tensors
         b = ctx.b
-        spec_g = torch.fft.rfft(g.unflatten(-1, (-1, b)), dim=-1)  # G: (B, H, M, nb, F)
+        # contiguous: attention's gradients come in its own layout, on which the reduction below is ~40x slower
+        spec_g = torch.fft.rfft(g.contiguous().unflatten(-1, (-1, b)), dim=-1)  # G: (B, H, M, nb, F)
         gx = gp = None
         if ctx.needs_input_grad[0]:
             gx = torch.fft.irfft(spec_g * phase.conj(), n=b, dim=-1).flatten(-2)

@@ -135,11 +135,14 @@ class _RotatePairs(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         cos, sin, y = ctx.saved_tensors
         w = torch.complex(cos, sin)  # recomputed (small) so that double backward sees cos and sin
-        gc = _complex_pairs(g)  # (..., P)
+        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        # attention hands back gradients in its own layout (e.g. (B, N, H, d) strides); products inherit it, and
+        # the reduction over (B, H) for the cos/sin gradient is ~40x slower on that layout than on a contiguous one
+        gc = _complex_pairs(g.contiguous() if need_w else g)  # (..., P)
         gx = gcos = gsin = None
         if ctx.needs_input_grad[0]:
             gx = torch.view_as_real(gc * w.conj()).flatten(-2)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        if need_w:
             acc = _reduce_to(gc * _complex_pairs(y).conj(), w.shape)  # sum g conj(y), shape of w
             gw = acc * w / (w.real.square() + w.imag.square())  # = sum g conj(x)
             if ctx.needs_input_grad[1]:
