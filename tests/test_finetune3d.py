@@ -129,10 +129,6 @@ def test_from_a_run_folder(run2d):
     assert_same_function(m3, m2)
 
 
-@pytest.mark.xfail(reason="`ropekit train --init-from` (ropekit/train/trainer.py) loads only tensors of equal shape: "
-                          "the 3-D encoding's widened parameters keep their random initialisation. Fix: call "
-                          "ropekit.integrations.finetune.init_3d_from_2d when a 2-D checkpoint initialises a 3-D "
-                          "model.", strict=False)
 def test_cli_init_from_first_forward_equals_the_2d_model(run2d, tmp_path):
     # one epoch at a vanishing learning rate: the weights move by ~1e-12, so the checkpoint holds the initialisation
     run3d = cli_train(tmp_path / "3d", "--pe", "cayley", "--depth-input", "coord", "--depth-scale-init", "0",

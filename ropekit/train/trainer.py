@@ -129,6 +129,25 @@ def random_shift(x: Tensor, max_shift: int) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _is_2d_to_3d(src: Dict[str, Any], vit_cfg: Any) -> bool:
+    """Whether checkpoint ``src`` holds a model without a depth coordinate and ``vit_cfg`` lifts depth to one."""
+    if "vit_config" not in src or getattr(vit_cfg, "modality", None) != "rgbd":
+        return False
+    try:
+        src_model = VisionTransformer(ViTConfig.from_dict(src["vit_config"]))
+    except (TypeError, ValueError):
+        return False
+    new_model = VisionTransformer(vit_cfg)
+    return _coord_dim(src_model) < _coord_dim(new_model)
+
+
+def _coord_dim(model: Any) -> int:
+    from ..encodings import PositionEncoding
+
+    dims = [m.coord_dim for m in model.modules() if isinstance(m, PositionEncoding)]
+    return max(dims, default=0)
+
+
 def build_model(cfg: TrainConfig, info: Any) -> Tuple[VisionTransformer, ViTConfig]:
     vit_cfg = build_vit_config(cfg, info)
     return VisionTransformer(vit_cfg), vit_cfg
@@ -343,9 +362,21 @@ def _train(cfg: TrainConfig, ctx: DistContext, *, resume: bool, on_step: Optiona
     model, vit_cfg = build_model(cfg, info)
     if cfg.init_from and ckpt is None:
         src = load_checkpoint(cfg.init_from)
-        report = load_model_state(model, src["model"], strict=False, source=f"checkpoint {src['path']}")
-        _log(f"initialised {len(report['loaded'])} tensors from {src['path']} "
-             f"({len(report['missing'])} new, {len(report['skipped'])} skipped)", ctx, quiet)
+        if _is_2d_to_3d(src, vit_cfg):
+            # SPEC §4: a 2-D checkpoint into a 3-D (RGB-D) model -- encoding parameters widened 2 -> 3 with the new
+            # axis at zero, depth lift at zero, so the first forward pass equals the 2-D model's.
+            from ..integrations.finetune import init_3d_from_2d
+
+            source = VisionTransformer(ViTConfig.from_dict(src["vit_config"]))
+            load_model_state(source, src["model"], source=f"checkpoint {src['path']}")
+            report = init_3d_from_2d(model, source.eval())
+            _log(f"initialised the 3-D model from the 2-D checkpoint {src['path']} "
+                 f"({len(report['copied'])} copied, {len(report['widened'])} encoding tensors widened, "
+                 f"{len(report['zeroed']) + len(report['depth_lift'])} new set to zero)", ctx, quiet)
+        else:
+            report = load_model_state(model, src["model"], strict=False, source=f"checkpoint {src['path']}")
+            _log(f"initialised {len(report['loaded'])} tensors from {src['path']} "
+                 f"({len(report['missing'])} new, {len(report['skipped'])} skipped)", ctx, quiet)
     model.to(device)
 
     per_rank_bs = max(1, cfg.batch_size // ctx.world_size)
