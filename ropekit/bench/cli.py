@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", type=int, default=d.grid, help="g: M = g * g tokens")
     p.add_argument("--repeats", type=int, help=f"timed rounds per row (default {d.repeats}, quick 3)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    p.add_argument("--clock", choices=("wall", "cpu"), default=d.clock,
+                   help="wall: wall-clock time; cpu: process CPU time (use with --threads 1 on a shared machine)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak / saved memory measurements")
     p.add_argument("--no-check", action="store_true", help="skip comparing naive rows' outputs and gradients")
     p.add_argument("--vit", nargs="*", choices=("tiny", "small", "base"), metavar="SIZE",
@@ -47,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     kw = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, grid=args.grid, cases=tuple(args.cases),
-              rows=tuple(args.rows) if args.rows else None, threads=args.threads, memory=not args.no_memory,
+              rows=tuple(args.rows) if args.rows else None, threads=args.threads, clock=args.clock, memory=not args.no_memory,
               check=not args.no_check, vit_pes=tuple(args.vit_pes))
     if args.repeats is not None:
         kw["repeats"] = args.repeats

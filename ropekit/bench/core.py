@@ -19,6 +19,9 @@ plus, for a naive row, the fast row it is the reference of, and for a folded row
 encoding. Times are medians over the rounds after warm-up (minima are recorded too); ratios are ratios of
 medians from the same rounds, so a slow phase of a shared machine affects both sides. Threads are fixed
 (``torch.set_num_threads``). Slow rows get fewer rounds (at least 3) so that every row fits a time budget.
+The clock is wall time by default; ``clock="cpu"`` times with the process CPU time instead, which -- with one
+thread -- ignores the time the process spends descheduled, so it stays meaningful on a machine shared with
+other jobs (with several threads it would add up their CPU time, spin-waits included).
 
 **Cases.** ``grid2d``: the coordinates are the ``g x g`` patch grid ``(M, 2)`` shared by the batch (integer
 patch indices). ``rgbd3d``: per-example 3-D coordinates ``(B, M, 3)`` -- the grid plus a depth per patch
@@ -125,6 +128,7 @@ class BenchConfig:
     repeats: int = 9  # timed rounds per row (fewer for slow rows)
     warmup: int = 2
     threads: int = 2
+    clock: str = "wall"  # "wall" (perf_counter) or "cpu" (process CPU time: with 1 thread, blind to other jobs)
     row_budget_s: float = 30.0  # a row gets at most this much timing (but at least 3 rounds)
     memory: bool = True
     check: bool = True  # compare naive rows' outputs and gradients with the fast rows
@@ -152,17 +156,21 @@ class BenchConfig:
 
 
 # ----------------------------------------------------------------------------- measurement primitives
-def _round_times(fns: Dict[str, Callable[[], Any]], repeats: int, warmup: int) -> Dict[str, List[float]]:
-    """Wall-clock ms of every function, interleaved: each round calls every function once, in turn."""
+CLOCKS: Dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _round_times(fns: Dict[str, Callable[[], Any]], repeats: int, warmup: int,
+                 clock: Callable[[], float] = time.perf_counter) -> Dict[str, List[float]]:
+    """Milliseconds of every function on ``clock``, interleaved: each round calls every function once, in turn."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
+            times[name].append((clock() - t0) * 1e3)
     return times
 
 
@@ -368,7 +376,7 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
         per_round = first * (3 if row.kind != "pe" else 2) + 0.05
         repeats = max(3, min(cfg.repeats, int(cfg.row_budget_s / per_round)))
         warmup = cfg.warmup if first < 1.0 else 0
-        times = _round_times(fns, repeats, warmup)
+        times = _round_times(fns, repeats, warmup, CLOCKS[cfg.clock])
     except RuntimeError as e:  # out of memory on a huge naive row
         rec["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return rec
@@ -445,7 +453,7 @@ def _bench_vit(size: str, cfg: BenchConfig, log: Callable[[str], None]) -> List[
             rec["skipped"] = str(e)
             records.append(rec)
             continue
-        times = _round_times({"absolute": reference, "step": step}, repeats, 1)
+        times = _round_times({"absolute": reference, "step": step}, repeats, 1, CLOCKS[cfg.clock])
         rec.update(repeats=repeats, step_ms=_median(times["step"]), step_ms_min=min(times["step"]),
                    absolute_step_ms=_median(times["absolute"]), absolute_step_ms_min=min(times["absolute"]))
         rec["x_absolute"] = rec["step_ms"] / rec["absolute_step_ms"]
@@ -463,6 +471,8 @@ def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = pr
     The number of torch threads is set to ``cfg.threads`` for the run and restored afterwards.
     """
     cfg = cfg or BenchConfig()
+    if cfg.clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {cfg.clock!r}")
     old_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     info = machine_info()
@@ -483,7 +493,7 @@ def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = pr
         torch.set_num_threads(old_threads)
     load_end = machine_info()["load_avg"]
     for rec in records:
-        rec.update(threads=cfg.threads, cpu=info["cpu"], cpus=info["cpus"], torch=info["torch"], quick=cfg.quick,
+        rec.update(threads=cfg.threads, clock=cfg.clock, cpu=info["cpu"], cpus=info["cpus"], torch=info["torch"], quick=cfg.quick,
                    load_avg_start=info["load_avg"], load_avg_end=load_end)
     log(f"done in {elapsed:.0f} s")
     return records

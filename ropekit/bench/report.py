@@ -74,8 +74,10 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
         if meta.get("load_avg_start"):
             load = (f"; load average (1, 5, 15 min) {meta['load_avg_start']} at the start, "
                     f"{meta.get('load_avg_end')} at the end")
+        clock = ("process CPU time" if meta.get("clock") == "cpu" else "wall-clock time")
         lines += [f"Machine: {meta.get('cpu')}, {meta.get('cpus')} cores visible, {meta.get('threads')} torch threads, "
-                  f"torch {meta.get('torch')}{load}" + (" (quick run)" if meta.get("quick") else ""), ""]
+                  f"torch {meta.get('torch')}{load}; times are {clock}" + (" (quick run)" if meta.get("quick") else ""),
+                  ""]
     for case in ("grid2d", "rgbd3d"):
         rows = [r for r in records if r.get("case") == case and r.get("kind") == "pe"]
         if not rows:
