@@ -381,16 +381,15 @@ def write_report(cfg: Detect3DConfig, runs: Sequence[Dict[str, Any]], test_set: 
             run_index.append({"name": name, "dir": f"runs/{name}", "key": _run_key(doc["settings"])})
     plot_training_curves(curves, out / "training.png", "loss", INPUT_LABELS)
     _write_json(out / "config.json", {"experiment": cfg.to_dict(), "command": command, "runs": run_index})
-    # examples: the best seed of "none" and of the best encoding, for each input
-    best = {}
-    for s in summary:
-        if s["input"] not in best or s["mean_iou_mean"] > best[s["input"]]["mean_iou_mean"]:
-            best[s["input"]] = s
+    # examples: for each input, the best seed of "none" and of the best other encoding
     chosen: List[Tuple[str, str, int]] = []
     for inp in cfg.inputs:
-        for s in summary:
-            if s["input"] == inp and (s["encoding"] == "none" or s is best.get(inp)):
-                chosen.append((s["encoding"], inp, s["best_seed"]))
+        rows = [s for s in summary if s["input"] == inp]
+        others = [s for s in rows if s["encoding"] != "none"]
+        picks = [s for s in rows if s["encoding"] == "none"]
+        if others:
+            picks.append(max(others, key=lambda s: s["mean_iou_mean"]))
+        chosen += [(s["encoding"], inp, s["best_seed"]) for s in picks]
     render_examples(cfg, test_set, chosen, out / "examples.png")
     (out / "command.txt").write_text(command + "\n")
     return {"summary": summary, "runs": list(runs)}
@@ -420,7 +419,7 @@ def run_detect3d(cfg: Detect3DConfig, argv: Optional[Sequence[str]] = None, prog
                 _log(f"[{k}/{total}] {_run_name(enc, inp, seed)}")
                 runs.append(train_one(cfg, enc, inp, seed, train_set, test_set,
                                       out / "runs" / _run_name(enc, inp, seed)))
-    argv = list(argv) if argv is not None else ["ropekit", "experiment", "detect3d"] + sys.argv[1:]
+    argv = list(argv) if argv is not None else ["python", "-m", "ropekit.detection.experiment"] + sys.argv[1:]
     result = write_report(cfg, runs, test_set, argv)
     _log(f"done in {time.perf_counter() - t0:.0f}s; results in {out}")
     return result
@@ -516,10 +515,10 @@ def run(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m ropekit.detection.experiment [options]``."""
-    p = argparse.ArgumentParser(prog="ropekit experiment detect3d", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ropekit.detection.experiment", description=__doc__.split("\n")[0])
     add_arguments(p)
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run(p.parse_args(argv), argv=["ropekit", "experiment", "detect3d"] + argv)
+    return run(p.parse_args(argv), argv=["python", "-m", "ropekit.detection.experiment"] + argv)
 
 
 if __name__ == "__main__":
