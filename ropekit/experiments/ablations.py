@@ -48,6 +48,8 @@ def block_sizes(pe: str, head_dim: int, coord_dim: int, candidates: Sequence[Opt
             continue  # b == head_dim is the full block, listed as None
         if pe == "comrope-ap" and (head_dim // b) % coord_dim:
             continue
+        if pe == "circulant" and b < 4:
+            continue  # a 2x2 circulant block has only DC and Nyquist modes: it never rotates
         out.append(b)
     return out
 
@@ -185,7 +187,7 @@ def run_ablations(cfg: ExperimentConfig, out: Any, groups: Optional[Sequence[str
                                 fmt="^", color=f"C{j}", mec="k", ms=6, capsize=2, label=f"{s}, at {big} px")
             ax.set_xticks(range(len(pes)), [pe_label(pe) for pe in pes])
             ax.set_xlabel("encoding")
-            lo = min(r["test_acc"] for r in rows if r["group"] == group)
+            lo = min(min(r["test_acc"], r.get(res_key, 1.0)) for r in rows if r["group"] == group)
             ax.set_ylim(max(0.0, lo - 0.15), 1.0)
         ax.set_ylabel("test accuracy")
         ax.set_title({"sharing": "parameter sharing", "block": "block size", "jitter": "position jitter σ"}[group])

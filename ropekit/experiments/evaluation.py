@@ -18,7 +18,7 @@ from torch import Tensor
 from ..nn import VisionTransformer, patch_units
 
 __all__ = ["predict", "accuracy", "mean_loss", "token_grid", "coord_scale", "random_offsets", "shuffle_patches",
-           "shift_images", "has_coordinate_path", "is_offset_invariant"]
+           "shift_images", "pad_or_crop", "has_coordinate_path", "is_offset_invariant", "summarize_logit_change"]
 
 
 @torch.no_grad()
@@ -146,6 +146,23 @@ def shift_images(x: Tensor, dy: float, dx: float) -> Tensor:
     if dy == 0 and dx == 0:
         return x
     return _shift_axis(_shift_axis(x, dy, x.dim() - 2), dx, x.dim() - 1)
+
+
+def pad_or_crop(x: Tensor, size: Sequence[int], align: int = 1) -> Tensor:
+    """Place ``x`` (``(..., H, W)``) centred on a zero canvas of ``size = (H', W')``, cropping centrally when
+    smaller: the content keeps its pixel scale (unlike resizing), only the field of view changes.
+
+    ``align``: the pad / crop offsets are rounded down to multiples of it (the patch size keeps the content on
+    the same patch boundaries as in training)."""
+    h, w = x.shape[-2:]
+    nh, nw = int(size[0]), int(size[1])
+    out = x.new_zeros(*x.shape[:-2], nh, nw)
+    a = max(1, int(align))
+    sh, sw = max(0, (h - nh) // 2) // a * a, max(0, (w - nw) // 2) // a * a  # crop offsets in x
+    dh, dw = max(0, (nh - h) // 2) // a * a, max(0, (nw - w) // 2) // a * a  # paste offsets in out
+    ch, cw = min(h, nh), min(w, nw)
+    out[..., dh:dh + ch, dw:dw + cw] = x[..., sh:sh + ch, sw:sw + cw]
+    return out
 
 
 def summarize_logit_change(reference: Tensor, changed: Tensor) -> Dict[str, float]:

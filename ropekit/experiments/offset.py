@@ -106,10 +106,10 @@ def run_offset(cfg: ExperimentConfig, out: Any, rhos: Optional[Sequence[float]] 
 
     plt = setup_matplotlib()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = list(plt.rcParams["axes.prop_cycle"].by_key()["color"]) + ["black", "navy", "magenta", "lime"]
     for i, n in enumerate(names):
         ls = ":" if kind[n] == "no coordinate input" else ("-" if kind[n] == "yes" else "--")
-        color = colors[i % len(colors)] if i < len(colors) else plt.cm.tab20(i % 20)
+        color = colors[i % len(colors)]
         st = [acc[(n, r)] for r in rhos]
         ax1.errorbar(rhos, [s["mean"] for s in st], yerr=[0 if s["n"] < 2 else s["std"] for s in st], marker="o",
                      ms=3, capsize=2, ls=ls, color=color, label=labels[n])

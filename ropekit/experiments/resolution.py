@@ -1,8 +1,13 @@
 """SPEC §6.2 — resolution extrapolation: train at one image size, evaluate at smaller and larger ones.
 
 The patch size stays the same, so the token grid shrinks or grows (absolute embeddings are resized
-bilinearly by the model). The test digits are resized to each size (bilinear, antialiased when shrinking),
-so the content scales with the image.
+bilinearly by the model). Two ways to change the size, both reported:
+
+* ``resize`` (the protocol) -- the test images are resized (bilinear, antialiased when shrinking), so the
+  digit scales with the image: more tokens *and* a larger object;
+* ``pad`` -- the test images keep their pixel scale and are centred on a larger zero canvas (or cropped
+  centrally), offsets rounded to whole patches: more tokens, the same object on the same patch boundaries.
+  This separates token-count extrapolation from scale change.
 """
 
 from __future__ import annotations
@@ -10,11 +15,13 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from .common import StudyContext, StudyResult, headline
-from .evaluation import accuracy, mean_loss, predict, token_grid
+from .evaluation import accuracy, mean_loss, pad_or_crop, predict, token_grid
 from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
-__all__ = ["run_resolution", "default_sizes"]
+__all__ = ["run_resolution", "default_sizes", "MODES"]
+
+MODES = ("resize", "pad")
 
 
 def default_sizes(train_size: int, patch: int, quick: bool = False) -> List[int]:
@@ -38,44 +45,55 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
             model = rec.model()
             patch = model.cfg.patch_size
             eval_sizes = list(sizes) if sizes else default_sizes(train_size, patch, cfg.quick)
-            for size in eval_sizes:
-                x, y, _ = ctx.test_data(tcfg, image_size=None if size == train_size else size)
-                logits = predict(model, x, batch_size=cfg.eval_batch_size)
-                grid = token_grid(model, x.shape[1:])
-                rows.append({"pe": pe, "seed": seed, "image_size": size, "grid": "x".join(map(str, grid)),
-                             "num_tokens": int(_prod(grid)), "train_size": train_size,
-                             "test_acc": accuracy(logits, y), "test_loss": mean_loss(logits, y)})
+            x0, y0, _ = ctx.test_data(tcfg)
+            for mode in MODES:
+                for size in eval_sizes:
+                    if mode == "resize":
+                        x, y, _ = ctx.test_data(tcfg, image_size=None if size == train_size else size)
+                    else:
+                        x, y = pad_or_crop(x0, (size, size), align=patch), y0
+                    logits = predict(model, x, batch_size=cfg.eval_batch_size)
+                    grid = token_grid(model, x.shape[1:])
+                    rows.append({"mode": mode, "pe": pe, "seed": seed, "image_size": size,
+                                 "grid": "x".join(map(str, grid)), "num_tokens": int(_prod(grid)),
+                                 "train_size": train_size, "test_acc": accuracy(logits, y),
+                                 "test_loss": mean_loss(logits, y)})
             rec.release()
             ctx.advance(f"{pe} s{seed}")
 
     eval_sizes = sorted({r["image_size"] for r in rows})
-    stats = {(s["pe"], s["image_size"]): s for s in aggregate(rows, ["pe", "image_size"], "test_acc")}
+    stats = {(s["mode"], s["pe"], s["image_size"]): s for s in aggregate(rows, ["mode", "pe", "image_size"], "test_acc")}
     grids = {r["image_size"]: r["grid"] for r in rows}
     headers = ["encoding"] + [f"{s} px ({grids[s]}){' train' if s == train_size else ''}" for s in eval_sizes]
-    table_rows = [[pe_label(pe)] + [fmt_pm(stats[(pe, s)], 3) for s in eval_sizes] for pe in pes]
-    table = (f"**Resolution extrapolation** — trained at {train_size} px; test accuracy at each evaluation size "
-             f"(patch {patch}, token grid in brackets), mean ± std across seeds. {headline(cfg)}.\n\n"
-             + markdown_table(headers, table_rows))
+    what = {"resize": "test images resized to each size (the digit scales with the image)",
+            "pad": "test images at their own scale, centred on a zero canvas of each size (cropped when smaller)"}
+    parts = [f"**Resolution extrapolation** — trained at {train_size} px; test accuracy at each evaluation size "
+             f"(patch {patch}, token grid in brackets), mean ± std across seeds. {headline(cfg)}.\n"]
+    for mode in MODES:
+        table_rows = [[pe_label(pe)] + [fmt_pm(stats[(mode, pe, s)], 3) for s in eval_sizes] for pe in pes]
+        parts.append(f"*{mode}*: {what[mode]}.\n\n" + markdown_table(headers, table_rows))
+    table = "\n".join(parts)
 
     plt = setup_matplotlib()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for i, pe in enumerate(pes):
-        st = [stats[(pe, s)] for s in eval_sizes]
-        ax.errorbar([s + (i - len(pes) / 2) * 0.12 for s in eval_sizes], [v["mean"] for v in st],
-                    yerr=[0 if v["n"] < 2 else v["std"] for v in st], marker="o", ms=3, capsize=2,
-                    label=pe_label(pe), ls="--" if pe in ("none", "absolute") else "-")
-    ax.axvline(train_size, color="grey", ls=":", lw=1)
-    ax.annotate("training size", (train_size, ax.get_ylim()[0]), xytext=(3, 5), textcoords="offset points",
-                fontsize=8, color="grey")
-    ax.set_xticks(eval_sizes, [f"{s}\n({grids[s]})" for s in eval_sizes])
-    ax.set_xlabel("evaluation image size in pixels (token grid)")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"Resolution extrapolation (mean ± std)\n{headline(cfg)}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.9), sharey=True)
+    for ax, mode in zip(axes, MODES):
+        for i, pe in enumerate(pes):
+            st = [stats[(mode, pe, s)] for s in eval_sizes]
+            ax.errorbar([s + (i - len(pes) / 2) * 0.12 for s in eval_sizes], [v["mean"] for v in st],
+                        yerr=[0 if v["n"] < 2 else v["std"] for v in st], marker="o", ms=3, capsize=2,
+                        label=pe_label(pe), ls="--" if pe in ("none", "absolute") else "-")
+        ax.axvline(train_size, color="grey", ls=":", lw=1)
+        ax.set_xticks(eval_sizes, [f"{s}\n({grids[s]})" for s in eval_sizes])
+        ax.set_xlabel("evaluation image size in pixels (token grid); dotted: training size")
+        ax.set_title({"resize": "digits resized with the image (scale changes)",
+                      "pad": "digits at training scale on a padded / cropped canvas"}[mode])
+    axes[0].set_ylabel("test accuracy")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"Resolution extrapolation (mean ± std): {headline(cfg)}")
     fig.tight_layout()
-    summary = {f"{pe}@{s}": stats[(pe, s)] for pe in pes for s in eval_sizes}
+    summary = {f"{mode}/{pe}@{s}": stats[(mode, pe, s)] for mode in MODES for pe in pes for s in eval_sizes}
     return ctx.finish(rows=rows, summary=summary, table=table, figure=fig,
-                      options={"pes": pes, "sizes": eval_sizes, "train_size": train_size})
+                      options={"pes": pes, "sizes": eval_sizes, "train_size": train_size, "modes": list(MODES)})
 
 
 def _prod(xs: Sequence[int]) -> int:
