@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", default=None,
                    help="start from this run's weights (a 2-D run into --modality rgbd: depth lift at zero, "
                         "so the policy starts equal to the 2-D one)")
+    p.add_argument("--depth-scale-init", type=float, default=None,
+                   help="initial scale of the depth lift z = a * depth + b (default: 0 with --init-from, so the "
+                        "RGB-D policy starts equal to the 2-D one; 1 from scratch)")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=5e-4)
@@ -104,13 +107,15 @@ def _train(args: Any) -> int:
             raise ValueError(f"--init-from a {base.config.modality} policy into --modality {args.modality}: "
                              f"only the same modality or image -> rgbd is supported")
         if base is not None:  # the 2-D policy's head and chunking, its encoder widened to 3-D
-            cfg = PolicyConfig(**{**base.config.to_dict(), "modality": "rgbd", "pe": args.pe, "depth_scale_init": 0.0})
+            scale = 0.0 if args.depth_scale_init is None else args.depth_scale_init
+            cfg = PolicyConfig(**{**base.config.to_dict(), "modality": "rgbd", "pe": args.pe, "depth_scale_init": scale})
         else:
             cfg = PolicyConfig(modality=args.modality, pe=args.pe, image_size=int(demos["config"].image_size),
-                               horizon=args.horizon, n_action_steps=args.n_action_steps)
+                               horizon=args.horizon, n_action_steps=args.n_action_steps,
+                               depth_scale_init=1.0 if args.depth_scale_init is None else args.depth_scale_init)
         policy = DiffusionPolicy(cfg)
         if base is not None:
-            init_from_2d(policy, base.state_dict())
+            init_from_2d(policy, base.state_dict(), depth_scale=cfg.depth_scale_init)
     train_policy(policy, DemoChunks(demos, policy.config, tc.only_successful), tc, args.out,
                  fit_normalizers=base is None, progress=not args.no_progress,
                  extra_config={"demos": str(args.demos), "init_from": args.init_from})

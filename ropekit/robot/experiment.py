@@ -43,7 +43,7 @@ from .demos import collect_demos, episode_seeds, load_demos, rollout
 from .env import PickConfig, PickEnv
 
 __all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study", "evaluate_policy",
-           "wilson_interval", "add_arguments", "run"]
+           "depth_diagnostics", "wilson_interval", "add_arguments", "run"]
 
 CONDITIONS = ("in_distribution", "ood_table_height", "ood_large_distractors", "ood_light")
 PathLike = Union[str, Path]
@@ -80,7 +80,7 @@ class RobotExperimentConfig:
     quick: bool = False
 
     @classmethod
-    def quick(cls, **overrides: Any) -> "RobotExperimentConfig":
+    def quick_preset(cls, **overrides: Any) -> "RobotExperimentConfig":
         """A few-second end-to-end run for CI: tiny encoder, a handful of demos, steps and episodes."""
         base = dict(
             quick=True, demo_episodes=3, workers=1, eval_episodes=2, frame_size=64, strip_frames=4,
@@ -278,6 +278,8 @@ def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, A
                               "steps": int(len(demos["state"]))},
                     "timings_s": timings},
     }
+    if "3d" in runs:
+        doc["summary"]["depth_lift"] = depth_diagnostics(runs, demos)
     write_reports(out, doc, runs)
     _rollout_media(cfg, out, runs)
     timings["total"] = time.time() - t0
@@ -286,6 +288,34 @@ def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, A
         {"name": name, "dir": str(path.relative_to(out)), "key": _run_key(path)} for name, path in runs.items()
     ]}, indent=2))
     return doc
+
+
+def depth_diagnostics(runs: Mapping[str, Path], demos: Mapping[str, Any], every: int = 16) -> Dict[str, Any]:
+    """How much the 3-D policy uses depth: its learned lift ``z = a * depth + b``, the range of ``z`` over the
+    patches of every ``every``-th demo image (x and y advance by 1 per patch), and -- when the fine-tuned 2-D
+    control exists -- the mean and largest difference (mm) between the two policies' predicted tip targets on
+    those observations (same diffusion noise)."""
+    import torch
+
+    from .train import DemoChunks, load_policy
+
+    p3 = load_policy(runs["3d"])
+    lift = p3.encoder.depth_lift
+    data3 = DemoChunks(demos, p3.config, only_successful=False)
+    index = torch.arange(0, len(data3), every)
+    images, state, _ = data3.batch(index)
+    with torch.no_grad():
+        z = lift(images[:, 3], p3.encoder.cfg.patch_size)  # (B, M)
+    out: Dict[str, Any] = {"scale": lift.scale.item(), "bias": lift.bias.item(), "observations": len(index),
+                           "z_min": z.min().item(), "z_max": z.max().item()}
+    if "2d_ft" in runs:
+        p2 = load_policy(runs["2d_ft"])
+        a3 = p3.predict(images, state, torch.Generator().manual_seed(0))
+        a2 = p2.predict(images[:, :3], state, torch.Generator().manual_seed(0))
+        diff = (a3[..., :3] - a2[..., :3]).abs() * 1000  # (B, H, 3) mm
+        out.update(action_diff_to_control_mm_mean=diff.mean().item(), action_diff_to_control_mm_max=diff.max().item(),
+                   gripper_disagreement=(a3[..., 3] != a2[..., 3]).float().mean().item())
+    return out
 
 
 def _run_key(run_dir: Path) -> str:
@@ -322,8 +352,17 @@ def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[str, Path]) -
     lines = ["| policy | " + " | ".join(conditions) + " |", "|---|" + "---|" * len(conditions)]
     for p in policies:
         lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(_pct(table[p, c]) for c in conditions) + " |")
-    atomic_write_text(out / "table.md", "Success rate, successes/episodes = rate [95 % Wilson interval].\n\n"
-                      + "\n".join(lines) + "\n")
+    text = "Success rate, successes/episodes = rate [95 % Wilson interval].\n\n" + "\n".join(lines) + "\n"
+    lift = doc["summary"].get("depth_lift")
+    if lift:
+        text += (f"\n3-D policy depth lift: z = {lift['scale']:.4f} * depth + {lift['bias']:.4f} "
+                 f"(z over the demo patches in [{lift['z_min']:.3f}, {lift['z_max']:.3f}]; x, y: 1 per patch)")
+        if "action_diff_to_control_mm_mean" in lift:
+            text += (f"; its tip targets differ from the fine-tuned 2-D control's by "
+                     f"{lift['action_diff_to_control_mm_mean']:.3g} mm on average "
+                     f"(max {lift['action_diff_to_control_mm_max']:.3g} mm) on {lift['observations']} demo observations")
+        text += ".\n"
+    atomic_write_text(out / "table.md", text)
     _plot_success(out / "robot.png", rows, policies, conditions)
     _plot_training(out / "training.png", runs)
 
@@ -445,7 +484,7 @@ def add_arguments(parser: Any) -> None:
 
 
 def config_from_args(args: Any) -> RobotExperimentConfig:
-    cfg = RobotExperimentConfig.quick() if args.quick else RobotExperimentConfig()
+    cfg = RobotExperimentConfig.quick_preset() if args.quick else RobotExperimentConfig()
     changes: Dict[str, Any] = {"progress": not args.no_progress}
     if args.demos is not None:
         changes["demo_episodes"] = args.demos
@@ -479,7 +518,7 @@ def run_study(exp_cfg: Any, out: PathLike, **options: Any):
 
     if options:
         raise ValueError(f"experiment robot takes no option {', '.join(sorted(options))}")
-    cfg = RobotExperimentConfig.quick() if exp_cfg.quick else RobotExperimentConfig()
+    cfg = RobotExperimentConfig.quick_preset() if exp_cfg.quick else RobotExperimentConfig()
     seed = int(exp_cfg.seeds[0]) if exp_cfg.seeds else 0
     changes: Dict[str, Any] = {"progress": bool(exp_cfg.progress), "demo_seed": seed,
                                "train": {**cfg.train, "seed": seed}}

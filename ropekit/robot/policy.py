@@ -343,7 +343,7 @@ class PolicyRunner:
 
 
 @torch.no_grad()
-def init_from_2d(policy3d: DiffusionPolicy, state2d: Mapping[str, Tensor]) -> List[str]:
+def init_from_2d(policy3d: DiffusionPolicy, state2d: Mapping[str, Tensor], depth_scale: float = 0.0) -> List[str]:
     """Load a 2-D (RGB) policy's ``state_dict`` into an RGB-D policy with a 3-D encoding (SPEC §4).
 
     Every tensor is copied. Encoding parameters that carry a coordinate axis (size 2 in the 2-D model, 3 in
@@ -351,6 +351,8 @@ def init_from_2d(policy3d: DiffusionPolicy, state2d: Mapping[str, Tensor]) -> Li
     new ``z`` slice keeps its fresh initialisation, so it can learn. The depth lift ``z = a * depth + b`` is
     set to ``a = b = 0``: every patch then has ``z = 0``, the ``z`` generator contributes nothing, and the
     first forward pass equals the 2-D policy's (up to round-off). Both must use the same encoding and head.
+    A non-zero ``depth_scale`` starts ``a`` there instead (the z axis is then active from the first step, and
+    the first forward pass differs from the 2-D policy's).
 
     Returns:
         The names of the parameters that were widened along the coordinate axis.
@@ -378,5 +380,5 @@ def init_from_2d(policy3d: DiffusionPolicy, state2d: Mapping[str, Tensor]) -> Li
         dst.narrow(axes[0], 0, 2).copy_(src)
         widened.append(name)
     for k in expected:
-        own[k].zero_()
+        own[k].fill_(depth_scale if k.endswith(".scale") else 0.0)
     return sorted(set(widened))
