@@ -11,7 +11,7 @@ import torch
 from ropekit.robot.diffusion import DiffusionSchedule, add_noise, ddim_timesteps
 from ropekit.robot.env import ACTION_DIM, STATE_DIM
 from ropekit.robot.policy import DiffusionPolicy, Normalizer, PolicyConfig, images_from_obs, init_from_2d
-from ropekit.robot.train import DemoChunks, PolicyTrainConfig, load_policy, save_policy, train_policy
+from ropekit.robot.train import DemoChunks, load_policy, save_policy
 
 SMALL = dict(vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48, "num_heads": 1},
              pe_options={"block_size": 8}, image_size=32, hidden_dim=64, cond_dim=64, num_blocks=2,
@@ -77,7 +77,8 @@ def test_training_steps_lower_the_loss():
 
     def fixed_loss() -> float:  # same timesteps and noise every time
         with torch.no_grad():
-            return policy.loss(images, state, actions, noise_samples=4, generator=torch.Generator().manual_seed(1)).item()
+            gen = torch.Generator().manual_seed(1)
+            return policy.loss(images, state, actions, noise_samples=4, generator=gen).item()
 
     before = fixed_loss()
     opt = torch.optim.Adam(policy.parameters(), lr=2e-3)

@@ -108,7 +108,8 @@ def _train(args: Any) -> int:
                              f"only the same modality or image -> rgbd is supported")
         if base is not None:  # the 2-D policy's head and chunking, its encoder widened to 3-D
             scale = 0.0 if args.depth_scale_init is None else args.depth_scale_init
-            cfg = PolicyConfig(**{**base.config.to_dict(), "modality": "rgbd", "pe": args.pe, "depth_scale_init": scale})
+            cfg = PolicyConfig(**{**base.config.to_dict(), "modality": "rgbd", "pe": args.pe,
+                                  "depth_scale_init": scale})
         else:
             cfg = PolicyConfig(modality=args.modality, pe=args.pe, image_size=int(demos["config"].image_size),
                                horizon=args.horizon, n_action_steps=args.n_action_steps,

@@ -30,7 +30,6 @@ import io
 import json
 import math
 import multiprocessing as mp
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..train.metrics import atomic_write_text
-from .demos import collect_demos, episode_seeds, load_demos, rollout
+from .demos import _default_start_method, collect_demos, episode_seeds, load_demos, rollout
 from .env import PickConfig, PickEnv
 
 __all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study", "evaluate_policy",
@@ -185,8 +184,7 @@ def _map(fn, jobs: Sequence[Any], workers: int, progress: bool, desc: str) -> Li
                 out.append(fn(j))
                 bar.update(1)
         else:
-            methods = mp.get_all_start_methods()
-            method = "forkserver" if sys.platform.startswith("linux") and "forkserver" in methods else "spawn"
+            method = _default_start_method()
             ctx = mp.get_context(method)
             if method == "forkserver":
                 ctx.set_forkserver_preload([__name__])
@@ -237,7 +235,8 @@ def _train_stage(cfg: RobotExperimentConfig, out: Path, demos: Mapping[str, Any]
         else:
             policy = base
         _say(f"fine-tuning {name} from {runs['2d']}")
-        train_policy(policy, DemoChunks(demos, policy.config, ft.only_successful), ft, runs[name], fit_normalizers=False,
+        data = DemoChunks(demos, policy.config, ft.only_successful)
+        train_policy(policy, data, ft, runs[name], fit_normalizers=False,
                      progress=cfg.progress, extra_config={**source, "init_from": str(runs["2d"])})
     return runs
 
@@ -360,7 +359,8 @@ def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[str, Path]) -
         if "action_diff_to_control_mm_mean" in lift:
             text += (f"; its tip targets differ from the fine-tuned 2-D control's by "
                      f"{lift['action_diff_to_control_mm_mean']:.3g} mm on average "
-                     f"(max {lift['action_diff_to_control_mm_max']:.3g} mm) on {lift['observations']} demo observations")
+                     f"(max {lift['action_diff_to_control_mm_max']:.3g} mm) on {lift['observations']} "
+                     f"demo observations")
         text += ".\n"
     atomic_write_text(out / "table.md", text)
     _plot_success(out / "robot.png", rows, policies, conditions)
@@ -444,7 +444,8 @@ def _rollout_media(cfg: RobotExperimentConfig, out: Path, runs: Mapping[str, Pat
                 imgs[0].save(out / f"rollout_{name}.gif", save_all=True, append_images=imgs[1:] + [imgs[-1]] * 4,
                              duration=150, loop=0)
             pick = np.linspace(0, len(frames) - 1, min(cfg.strip_frames, len(frames))).round().astype(int)
-            label = f"{LABELS.get(name, name)} | {cond} | {'success' if res.success else 'failure'} | steps {res.num_steps}"
+            outcome = "success" if res.success else "failure"
+            label = f"{LABELS.get(name, name)} | {cond} | {outcome} | steps {res.num_steps}"
             rows.append((label, [frames[i] for i in pick], pick))
     s, pad, head = cfg.frame_size, 2, 14
     ncol = max(len(r[1]) for r in rows)
