@@ -9,7 +9,14 @@ import ropekit
 from ropekit.nn import (Attention, DepthLift, VisionTransformer, ViTConfig, grid_coords, jitter_coords,
                         patch_mean_depth, sincos_pos_embed, vit_config)
 
-torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add overhead on a shared machine
+    yield
+    torch.set_num_threads(previous)
 
 ALL_PES = ropekit.list_pes() + ["absolute", "sincos"]
 COMMUTING = ["axial", "mixed", "cayley", "circulant", "tensor", "string", "liere-commute", "comrope-ap", "comrope-ld"]
@@ -303,3 +310,14 @@ def test_depth_lift_module():
     z = lift(torch.full((2, 4, 4), 2.0), 2)
     assert z.shape == (2, 4) and torch.allclose(z, torch.ones(2, 4))
     assert lift.no_weight_decay() == {"scale", "bias"}
+
+
+def test_readme_python_example_runs():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M)
+    assert blocks
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), {})

@@ -63,9 +63,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="any ViTConfig field, e.g. embed_dim=128 or depth=4 (repeatable)")
     m.add_argument("--init-from", metavar="CKPT", default=S, help="initialise matching weights from a checkpoint")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--epochs", type=int, default=S, help="epochs (default 12)")
-    o.add_argument("--batch-size", type=int, default=S, help="global batch size (default 64)")
-    o.add_argument("--lr", type=float, default=S, help="peak learning rate of AdamW (default 2e-3)")
+    o.add_argument("--epochs", type=int, default=S, help="epochs (default 15)")
+    o.add_argument("--batch-size", type=int, default=S, help="global batch size (default 32)")
+    o.add_argument("--lr", type=float, default=S, help="peak learning rate of AdamW (default 1e-3)")
     o.add_argument("--weight-decay", type=float, default=S, help="AdamW weight decay (default 0.05)")
     o.add_argument("--warmup-epochs", type=float, default=S, help="linear warm-up, then cosine decay")
     o.add_argument("--label-smoothing", type=float, default=S)
@@ -76,7 +76,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--resume", nargs="?", const=True, metavar="RUN_DIR", default=S,
                    help="continue the run in RUN_DIR (or --out) exactly where its checkpoint stopped")
     r.add_argument("--device", default=S, help="auto, cpu, cuda, cuda:1, ...")
-    r.add_argument("--threads", type=int, default=S, help="torch CPU threads")
+    r.add_argument("--threads", type=int, default=S, help="torch CPU threads per process (default: half the cores)")
     r.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
     r.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", default=S,
                    help="no TensorBoard event files")

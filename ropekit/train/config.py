@@ -39,7 +39,8 @@ class TrainConfig:
         zero fill; 0 disables).
     Run:
         seed, out (run folder; ``None``: ``runs/<data>-<pe>-<model>-s<seed>-<time>``), device (``auto``, ``cpu``,
-        ``cuda``...), eval_batch_size, progress (bar), tensorboard (event files when installed), threads.
+        ``cuda``...), eval_batch_size, progress (bar), tensorboard (event files when installed), threads (torch
+        CPU threads; ``None``: half the cores per process, see ``trainer.resolve_threads``).
     """
 
     data: str = "mnist"
@@ -66,9 +67,9 @@ class TrainConfig:
     model_options: Dict[str, Any] = field(default_factory=dict)
     init_from: Optional[str] = None
 
-    epochs: int = 12
-    batch_size: int = 64
-    lr: float = 2e-3
+    epochs: int = 15
+    batch_size: int = 32
+    lr: float = 1e-3
     weight_decay: float = 0.05
     warmup_epochs: float = 1.0
     min_lr: float = 1e-5
