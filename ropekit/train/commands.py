@@ -41,7 +41,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--data-opt", metavar="KEY=VALUE", action="append", default=S, help="dataset option (repeatable)")
     d.add_argument("--train-fraction", type=float, metavar="F", default=S,
                    help="train on this stratified fraction of the training set")
-    d.add_argument("--normalize", action="store_true", default=S, help="standardise the colour channels")
+    d.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=S,
+                   help="standardise the colour channels with the training set's statistics (default on)")
     m = p.add_argument_group("model")
     m.add_argument("--model", default=S, help="ViT size: tiny (default), small, base")
     m.add_argument("--patch-size", type=int, metavar="P", default=S, help="patch size (default: ~7 patches per side)")
@@ -63,13 +64,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="any ViTConfig field, e.g. embed_dim=128 or depth=4 (repeatable)")
     m.add_argument("--init-from", metavar="CKPT", default=S, help="initialise matching weights from a checkpoint")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--epochs", type=int, default=S, help="epochs (default 15)")
+    o.add_argument("--epochs", type=int, default=S, help="epochs (default 12)")
     o.add_argument("--batch-size", type=int, default=S, help="global batch size (default 32)")
     o.add_argument("--lr", type=float, default=S, help="peak learning rate of AdamW (default 1e-3)")
     o.add_argument("--weight-decay", type=float, default=S, help="AdamW weight decay (default 0.05)")
     o.add_argument("--warmup-epochs", type=float, default=S, help="linear warm-up, then cosine decay")
     o.add_argument("--label-smoothing", type=float, default=S)
-    o.add_argument("--augment-shift", type=int, metavar="PIXELS", default=S, help="random translation (0: off)")
+    o.add_argument("--augment-shift", type=int, metavar="PIXELS", default=S,
+                   help="random translation by up to PIXELS (default 1; 0: off)")
+    o.add_argument("--grad-clip", type=float, default=S, help="gradient-norm clipping (default 0: off)")
     r = p.add_argument_group("run")
     r.add_argument("--seed", type=int, default=S, help="seed of initialisation, data order and augmentation")
     r.add_argument("--out", metavar="DIR", default=S, help="run folder (default runs/<data>-<pe>-<model>-s<seed>-<time>)")

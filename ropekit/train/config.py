@@ -48,7 +48,7 @@ class TrainConfig:
     image_size: Optional[Union[int, List[int]]] = None
     data_options: Dict[str, Any] = field(default_factory=dict)
     split_seed: int = 0
-    normalize: bool = False
+    normalize: bool = True
     train_fraction: float = 1.0
 
     model: str = "tiny"
@@ -67,15 +67,15 @@ class TrainConfig:
     model_options: Dict[str, Any] = field(default_factory=dict)
     init_from: Optional[str] = None
 
-    epochs: int = 15
+    epochs: int = 12
     batch_size: int = 32
     lr: float = 1e-3
     weight_decay: float = 0.05
     warmup_epochs: float = 1.0
     min_lr: float = 1e-5
     label_smoothing: float = 0.0
-    grad_clip: float = 1.0
-    augment_shift: int = 2
+    grad_clip: float = 0.0
+    augment_shift: int = 1
 
     seed: int = 0
     out: Optional[str] = None
