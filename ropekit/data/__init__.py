@@ -27,6 +27,11 @@ name               kind    image                           source / split
 ``image_size`` resizes image datasets bilinearly (antialiased when shrinking) and sets the generated size of
 the synthetic ones. ``normalize=True`` standardises the colour channels (never the depth channel) with the
 training set's per-channel mean and std, recorded in ``info.mean`` / ``info.std``.
+
+Bad data fails early and in one line: a file that cannot be read raises :class:`DataFileError` naming it
+(``imagefolder`` can skip undecodable images instead, ``skip_corrupt=True``, with a warning that counts
+them); CIFAR pickles are read with an unpickler that refuses anything but the arrays and lists a batch
+holds; a dataset of fewer than two classes is refused.
 """
 
 from __future__ import annotations
@@ -39,10 +44,14 @@ from . import readers as _readers  # noqa: F401  (registers imagefolder, cifar10
 from . import synthetic as _synthetic  # noqa: F401  (registers moving-digits, rgbd-digits)
 from ._common import (
     DATASET_KINDS,
+    DataFileError,
+    DataRequest,
     DatasetInfo,
+    DatasetSplits,
     PathLike,
     SizeLike,
     TensorImageDataset,
+    check_options,
     get_builder,
     list_datasets,
     register_dataset,
@@ -50,7 +59,7 @@ from ._common import (
     stratified_split,
 )
 from .builtin import load_mnist5k, mnist5k_path, read_digit_csv
-from .readers import read_cifar_batch, read_idx, read_image_folder
+from .readers import read_cifar_batch, read_idx, read_image, read_image_folder
 from .synthetic import DIRECTIONS, make_moving_digits, make_rgbd_digits
 
 __all__ = [
@@ -58,6 +67,9 @@ __all__ = [
     "list_datasets",
     "register_dataset",
     "DatasetInfo",
+    "DataRequest",
+    "DatasetSplits",
+    "DataFileError",
     "TensorImageDataset",
     "DATASET_KINDS",
     "DIRECTIONS",
@@ -68,6 +80,7 @@ __all__ = [
     "read_digit_csv",
     "read_cifar_batch",
     "read_idx",
+    "read_image",
     "read_image_folder",
     "make_moving_digits",
     "make_rgbd_digits",
@@ -97,19 +110,23 @@ def load_dataset(
         normalize: standardise the colour channels with the training set's per-channel mean and std
             (stored in ``info.mean`` / ``info.std``); the depth channel of RGB-D data is left as is.
         **kw: dataset-specific options (e.g. ``num_frames``, ``motion``, ``labels`` for ``moving-digits``;
-            ``mode`` for ``imagefolder``; ``label_type`` for ``cifar100``).
+            ``mode``, ``skip_corrupt`` for ``imagefolder``; ``label_type`` for ``cifar100``).
 
     Returns:
         ``(train_ds, test_ds, info)``: two :class:`TensorImageDataset` and a :class:`DatasetInfo`.
 
     Raises:
-        ValueError: unknown ``name`` (the message lists the known names), or bad options.
+        ValueError: unknown ``name`` (the message lists the known names), an option the dataset does not
+            have (the message lists its options), bad option values, or fewer than two classes.
+        DataFileError: a file of the user's data cannot be read (a ``ValueError``; the message names it).
         FileNotFoundError: ``root`` (or a file the format needs) does not exist.
     """
     builder = get_builder(name)
-    train, test, info = builder(
-        root=root, image_size=image_size, split_seed=split_seed, test_fraction=test_fraction, **kw
-    )
+    check_options(name, builder, kw)
+    request = DataRequest(root=root, image_size=image_size, split_seed=split_seed, test_fraction=test_fraction)
+    train, test, info = builder(request, **kw)
+    if info.num_classes < 2:
+        raise ValueError(f"dataset {info.name!r} has {info.num_classes} class; classification needs at least 2")
     if normalize:
         c = info.in_chans
         x = train.images[:, :c].transpose(0, 1).reshape(c, -1)  # (C, N*...) colour values only

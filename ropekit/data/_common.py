@@ -19,10 +19,11 @@ statistics are recorded in :class:`DatasetInfo`.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -32,6 +33,8 @@ from torch.utils.data import Dataset
 
 __all__ = [
     "DatasetInfo",
+    "DataRequest",
+    "DataFileError",
     "TensorImageDataset",
     "stratified_split",
     "resize_images",
@@ -221,11 +224,63 @@ def require_path(root: Optional[PathLike], name: str) -> Path:
     return path
 
 
+class DataFileError(ValueError):
+    """A file of the user's data cannot be read (corrupt, truncated, of another format, or unsafe).
+
+    The message is one line that starts with the file's path; ``path`` holds it too. A ``ValueError``, so the
+    command line reports it as a user error (one line, exit code 2).
+    """
+
+    def __init__(self, path: PathLike, reason: str) -> None:
+        self.path = Path(path)
+        self.reason = " ".join(str(reason).split())  # one line, whatever the underlying library said
+        super().__init__(f"{self.path}: {self.reason}")
+
+    def __reduce__(self) -> Tuple[Any, ...]:  # picklable (e.g. raised in a DataLoader worker)
+        return type(self), (self.path, self.reason)
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """What :func:`ropekit.data.load_dataset` asks of every dataset builder: where the user's data is, the
+    image size, and how to split.
+
+    Attributes:
+        root: path of user data, or ``None`` (builders of packaged or generated data may accept it as an
+            optional replacement source).
+        image_size: ``(H, W)`` or an int: real images are resized to it, generated ones made at it;
+            ``None`` keeps the dataset's own size.
+        split_seed: seed of the stratified train/test split (and the default seed of generated data).
+        test_fraction: fraction of each class put in the test set by the stratified split; formats with a
+            split of their own ignore it.
+    """
+
+    root: Optional[PathLike] = None
+    image_size: Optional[SizeLike] = None
+    split_seed: int = 0
+    test_fraction: float = 0.2
+
+    def path(self, name: str) -> Path:
+        """``root`` as an existing ``Path``; ``ValueError`` if not given, ``FileNotFoundError`` if absent."""
+        return require_path(self.root, name)
+
+    def resize(self, images: Tensor) -> Tensor:
+        """:func:`resize_images` of float ``(N, C, H, W)`` to ``image_size`` (a no-op when ``None``)."""
+        return resize_images(images, self.image_size)
+
+    def split(self, images: Tensor, labels: Tensor) -> Tuple["TensorImageDataset", "TensorImageDataset"]:
+        """The stratified train/test split of ``images (N, ...)`` / ``labels (N,)`` (see :func:`split_tensors`)."""
+        return split_tensors(images, labels, self.test_fraction, self.split_seed)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # registry
 # ----------------------------------------------------------------------------------------------------------
 
-DatasetBuilder = Callable[..., Tuple[TensorImageDataset, TensorImageDataset, DatasetInfo]]
+#: What a builder returns: ``(train_ds, test_ds, info)``.
+DatasetSplits = Tuple[TensorImageDataset, TensorImageDataset, DatasetInfo]
+#: ``fn(request: DataRequest, **options) -> DatasetSplits``.
+DatasetBuilder = Callable[..., DatasetSplits]
 _REGISTRY: Dict[str, DatasetBuilder] = {}
 
 
@@ -235,8 +290,13 @@ def canonical_name(name: str) -> str:
 
 
 def register_dataset(name: str) -> Callable[[DatasetBuilder], DatasetBuilder]:
-    """Decorator registering a builder ``fn(*, root, image_size, split_seed, test_fraction, **kw)``
-    that returns ``(train_ds, test_ds, info)`` under ``name``."""
+    """Decorator registering a builder under ``name``.
+
+    The builder is called as ``fn(request, **options)``: ``request`` a :class:`DataRequest` (root, image size,
+    split), ``options`` the dataset's own keyword options (declared as keyword parameters, so that
+    :func:`ropekit.data.load_dataset` can name the accepted ones when given another); it returns
+    ``(train_ds, test_ds, info)``.
+    """
 
     def deco(fn: DatasetBuilder) -> DatasetBuilder:
         key = canonical_name(name)
@@ -254,7 +314,24 @@ def list_datasets() -> List[str]:
 
 
 def get_builder(name: str) -> DatasetBuilder:
+    """The builder registered as ``name``; ``ValueError`` listing the known names if there is none."""
     key = canonical_name(name)
     if key not in _REGISTRY:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(list_datasets())}")
     return _REGISTRY[key]
+
+
+def check_options(name: str, builder: DatasetBuilder, options: Mapping[str, Any]) -> None:
+    """``ValueError`` naming the options ``builder`` accepts if ``options`` holds another one.
+
+    A builder with a ``**kwargs`` parameter accepts anything (it checks for itself).
+    """
+    params = list(inspect.signature(builder).parameters.values())[1:]  # after the request
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    known = [p.name for p in params if p.kind in named]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        accepted = ", ".join(known) if known else "none"
+        raise ValueError(f"dataset {canonical_name(name)!r} has no option {', '.join(unknown)} (its options: {accepted})")

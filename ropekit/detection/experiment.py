@@ -179,6 +179,17 @@ def _build(cfg: Detect3DConfig, enc: str, inp: str) -> Detector3D:
     return Detector3D(dcfg)
 
 
+def _load_trained(cfg: Detect3DConfig, enc: str, inp: str, seed: int) -> Detector3D:
+    """The detector of a finished run, its weights read from ``runs/<name>/model.pt``.
+
+    ``weights_only=True``: the file is read as tensors only, so a tampered ``model.pt`` cannot run code.
+    """
+    model = _build(cfg, enc, inp)
+    path = Path(cfg.out) / "runs" / _run_name(enc, inp, seed) / "model.pt"
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return model
+
+
 def _log(msg: str) -> None:
     print(f"[detect3d {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -317,10 +328,7 @@ def render_examples(cfg: Detect3DConfig, test_set: SceneSet, configs: Sequence[T
     scale = max(1, 256 // cfg.image_size)
     panels, labels = [], []
     for enc, inp, seed in configs:
-        model = _build(cfg, enc, inp)
-        state = torch.load(Path(cfg.out) / "runs" / _run_name(enc, inp, seed) / "model.pt", map_location="cpu")
-        model.load_state_dict(state)
-        out = predict(model, test_set, idx)
+        out = predict(_load_trained(cfg, enc, inp, seed), test_set, idx)
         scores, _ = postprocess(out["logits"])  # (B, M)
         row = []
         for b, i in enumerate(idx):
@@ -341,9 +349,7 @@ def run_errors(cfg: Detect3DConfig, row: Dict[str, Any], test_set: SceneSet) -> 
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
             return doc["errors"]
-    model = _build(cfg, row["encoding"], row["input"])
-    model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu"))
-    errors = matched_errors(model, test_set, cfg.train)
+    errors = matched_errors(_load_trained(cfg, row["encoding"], row["input"], row["seed"]), test_set, cfg.train)
     _write_json(path, {"key": key, "errors": errors})
     return errors
 
