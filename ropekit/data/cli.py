@@ -35,10 +35,8 @@ def run(args: argparse.Namespace) -> Optional[int]:
         print("\n".join(list_datasets()))
         return 0
     if action == "make-scenes":
-        try:
-            from ..detection.scenes import make_scenes_main
-        except ImportError as e:  # pybullet missing
-            raise ValueError(f"make-scenes needs pybullet (pip install 'ropekit[sim]'): {e}") from e
+        from ..detection.scenes import make_scenes_main  # pybullet is imported (or named missing) when rendering
+
         return make_scenes_main(args.scene_args)
     train, test, info = load_dataset(args.name, root=args.root)
     x = train.images

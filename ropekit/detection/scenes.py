@@ -55,6 +55,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .._optional import require
+
 __all__ = [
     "CLASS_NAMES",
     "SceneConfig",
@@ -251,7 +253,7 @@ def render_scene(
         ``instance (H, W) int8``: the object slot ``k`` seen at each pixel, −1 for background and
         dropped objects.
     """
-    import pybullet as p
+    p = _pybullet()
 
     own = client is None
     if own:
@@ -413,9 +415,14 @@ def _render(p: Any, client: int, index: int, size: int, seed: int, cfg: SceneCon
 _WORKER_CLIENT: Optional[int] = None
 
 
+def _pybullet() -> Any:
+    """The pybullet module, or :class:`~ropekit._optional.MissingDependency` naming the extra that installs it."""
+    return require("pybullet", "sim", "rendering the RGB-D detection scenes")
+
+
 def _worker_init() -> None:
     global _WORKER_CLIENT
-    import pybullet as p
+    p = _pybullet()
 
     _WORKER_CLIENT = p.connect(p.DIRECT)
 
@@ -534,6 +541,7 @@ def generate_scenes(
             return SceneSet.concatenate(parts)
         cache.mkdir(parents=True, exist_ok=True)
 
+    _pybullet()  # here, not in the workers: a worker that fails to start is restarted, forever
     cfg_dict = dataclasses.asdict(config)
     shard_ranges = [(s, min(s + shard_size, n)) for s in range(0, n, shard_size)]
     pool = None

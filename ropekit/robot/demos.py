@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .env import PickConfig, PickEnv
+from .env import PickConfig, PickEnv, require_pybullet
 from .expert import ScriptedExpert
 
 __all__ = ["collect_demos", "load_demos", "rollout", "RolloutResult", "episode_seeds"]
@@ -186,6 +186,7 @@ def collect_demos(
     """
     if n_episodes < 1:
         raise ValueError(f"n_episodes must be >= 1, got {n_episodes}")
+    require_pybullet()  # here, not in the workers: a worker that fails to start is restarted, forever
     from tqdm.auto import tqdm
 
     config = config if config is not None else PickConfig.in_distribution()

@@ -59,6 +59,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .._optional import require
+
 try:  # pybullet is an optional dependency (extra "sim")
     import pybullet as p
     import pybullet_data
@@ -78,6 +80,12 @@ __all__ = [
 
 STATE_DIM = 11
 ACTION_DIM = 4
+
+
+def require_pybullet() -> None:
+    """Raise :class:`~ropekit._optional.MissingDependency` (one line naming the extra) if pybullet is absent."""
+    if p is None:
+        require("pybullet", "sim", "the robot pick task (PickEnv)")
 #: Slices of ``obs["state"]``.
 STATE_SLICES = {"ee_pos": slice(0, 3), "gripper": slice(3, 4), "joints": slice(4, 11)}
 SHAPES = ("cube", "cylinder", "sphere")
@@ -292,8 +300,7 @@ class PickEnv:
     """
 
     def __init__(self, config: Optional[PickConfig] = None) -> None:
-        if p is None:
-            raise ImportError("PickEnv needs pybullet: pip install pybullet (or ropekit[sim])")
+        require_pybullet()
         self.config = config if config is not None else PickConfig()
         self._client = p.connect(p.DIRECT)
         c = self.config
