@@ -149,7 +149,8 @@ def read_image_folder(
             arr = read_image(path, mode=mode, size=size_hw)
         except DataFileError as e:
             if not skip_corrupt:
-                raise DataFileError(e.path, f"{e.reason}; pass skip_corrupt=True to skip unreadable images") from e
+                raise DataFileError(e.path, f"{e.reason}; to skip unreadable images pass skip_corrupt=True "
+                                            "(command line: --data-opt skip_corrupt=true)") from e
             skipped.append(e)
             continue
         size_hw = size_hw or arr.shape[:2]
