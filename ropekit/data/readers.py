@@ -81,7 +81,7 @@ def read_image(path: PathLike, *, mode: str = "RGB", size: Optional[SizeLike] = 
                 arr = np.asarray(img, dtype=np.float32) / np.float32(_WIDE_MODES[img.mode])  # (H, W)
                 arr = np.clip(arr, 0.0, 1.0)
                 if hw is not None and arr.shape != hw:
-                    arr = np.asarray(Image.fromarray(arr, mode="F").resize((hw[1], hw[0]), Image.BILINEAR))
+                    arr = np.asarray(Image.fromarray(arr).resize((hw[1], hw[0]), Image.BILINEAR))
                 arr = np.repeat(arr[..., None], 3 if pil_mode == "RGB" else 1, axis=-1)  # (H, W, C)
             else:
                 img = img.convert(pil_mode)
