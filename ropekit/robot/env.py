@@ -68,6 +68,13 @@ except ImportError:  # pragma: no cover - exercised only without pybullet
     p = None
     pybullet_data = None
 
+
+def require_pybullet() -> None:
+    """Raise :class:`~ropekit._optional.MissingDependency` (one line naming the extra) if pybullet is absent."""
+    if p is None:
+        require("pybullet", "sim", "the robot pick task (PickEnv)")
+
+
 __all__ = [
     "PickConfig",
     "PickEnv",
@@ -81,11 +88,6 @@ __all__ = [
 STATE_DIM = 11
 ACTION_DIM = 4
 
-
-def require_pybullet() -> None:
-    """Raise :class:`~ropekit._optional.MissingDependency` (one line naming the extra) if pybullet is absent."""
-    if p is None:
-        require("pybullet", "sim", "the robot pick task (PickEnv)")
 #: Slices of ``obs["state"]``.
 STATE_SLICES = {"ee_pos": slice(0, 3), "gripper": slice(3, 4), "joints": slice(4, 11)}
 SHAPES = ("cube", "cylinder", "sphere")
