@@ -306,3 +306,28 @@ def test_data_file_error_pickles():
     e = DataFileError("/x/y.png", "bad\nthing")
     e2 = pickle.loads(pickle.dumps(e))
     assert str(e2) == str(e) == "/x/y.png: bad thing" and e2.path == Path("/x/y.png")
+
+
+@pytest.mark.parametrize("bad", ["crafted-cifar", "garbage-cifar", "corrupt-jpeg", "one-class"])
+def test_train_command_refuses_bad_data_before_training(tmp_path: Path, capsys, bad: str):
+    """``ropekit train --data ... --data-root X`` on each kind of bad data: one line, exit 2, nothing run."""
+    marker, root = tmp_path / "pwned", tmp_path / "data"
+    if bad == "crafted-cifar":
+        _write_cifar10(root, {b"data": _RunsCommand(f"touch {marker}"), b"labels": [0]})
+    elif bad == "garbage-cifar":
+        root.mkdir()
+        (root / "data_batch_1").write_bytes(b"\x00\x01garbage")
+        (root / "test_batch").write_bytes(b"\x00\x01garbage")
+    else:
+        _image_folder(root, classes=("cat",) if bad == "one-class" else ("cat", "dog"), ext=".jpg")
+        if bad == "corrupt-jpeg":
+            (root / "cat" / "9.jpg").write_bytes(_jpeg_bytes()[:300])
+    data = "cifar10" if "cifar" in bad else "imagefolder"
+    code = cli_main(["train", "--data", data, "--data-root", str(root), "--out", str(tmp_path / "run"),
+                     "--epochs", "1", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("ropekit train: error: ") and not marker.exists()
+    expect = {"crafted-cifar": "data_batch_1", "garbage-cifar": "not a CIFAR python batch",
+              "corrupt-jpeg": "9.jpg", "one-class": "at least 2 classes"}[bad]
+    assert expect in err
