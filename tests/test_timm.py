@@ -369,3 +369,12 @@ def test_kept_rope_trains():
     pes = encodings(conv)
     assert len(pes) == 2 and all(pe.freq_param.grad is not None for pe in pes)
     torch.testing.assert_close(pes[1].freq_param.detach(), model.rope.freqs.detach()[[1, 0], 1].transpose(0, 1))
+
+
+@pytest.mark.skipif("num_kv_heads" not in inspect.signature(Eva.__init__).parameters,
+                    reason="this timm has no grouped-query attention in Eva (num_kv_heads)")
+def test_grouped_query_attention_keeps_rope():
+    model = tiny_timm("vit_base_patch16_rope_224", num_heads=4, num_kv_heads=2, qkv_fused=False)
+    x = images(32, 32)
+    conv = convert_quietly(model, "cayley", sharing="head")
+    torch.testing.assert_close(conv.forward_features(x), model.forward_features(x), rtol=0, atol=1e-5)

@@ -19,7 +19,19 @@ What the conversion does (timm ``VisionTransformer`` with ``Block`` / ``ResPostB
 * prefix tokens are left unrotated (``prefix="unrotated"``, timm-compatible; CLS-patch logits then depend on
   absolute patch coordinates) or given the centroid of the patch coordinates (``prefix="centroid"``: they move
   with a global offset, so a commuting encoding keeps the model offset invariant).
-* an ``Eva`` model's own rotary embedding (``model.rope``) is *replaced* by the ropekit encoding.
+* an ``Eva`` model's own rotary embedding (``model.rope``; EVA02, timm's SBB and Perception Encoder ViTs, and
+  timm's ports of rope-vit, whose attention is ``AttentionRope``) is *replaced* by the ropekit encoding. With
+  ``init_identity=True`` the encoding starts as that rotary embedding instead of the identity: ``mixed`` and
+  ``cayley`` (at ``S = 0``) rotate every pair by ``sum_k r_k w_{k,n}`` with a free frequency per pair and axis, so
+  they hold axial RoPE (each pair's frequency on one axis) and RoPE-Mixed (per block and head, with
+  ``sharing="head"``) exactly, on the same coordinates (timm's grid offset and reference-grid rescaling are kept).
+  A model that rotates half-split pairs ``(x_i, x_{i+d/2})`` gets a fixed reordering of the q and k channels
+  (the same for both, so the logits are unchanged) that makes them interleaved pairs. The conversion checks the
+  result against timm's own rotation; where the encoding cannot hold the model's rotary embedding (another
+  encoding, another coordinate mode, a centroid prefix, too coarse a sharing, another kind of rotary embedding) it
+  warns with the reason and the encoding starts as the identity (the model then loses its rotary embedding).
+  The rotary embedding's own parameters (RoPE-Mixed's ``rope.freqs``) leave the ``state_dict``: convert after
+  loading the checkpoint.
 
 The absolute position embedding is kept (``keep_abs_pos=True``) so that, with an encoding that starts as the
 identity (``init_identity=True``, or ``name="none"``), the converted model computes exactly what the original
@@ -529,8 +541,10 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
             block, parameters per head).
         coords: ``"grid"`` (integer patch indices) or ``"normalized"`` (patch centres in ``[0, 1]``).
         prefix: ``"unrotated"`` or ``"centroid"`` (see the module docstring).
-        init_identity: set every encoding parameter to zero and check that the encoding is then the identity,
-            so the converted model computes exactly what ``model`` did (fine-tuning a pretrained checkpoint).
+        init_identity: start from the function of ``model`` (fine-tuning a pretrained checkpoint): for a model
+            without rotary embedding, set every encoding parameter to zero and check that the encoding is then the
+            identity; for an ``Eva`` model with one, start the encoding as that rotary embedding (see the module
+            docstring; a ``UserWarning`` gives the reason where it cannot).
         keep_abs_pos: keep the model's absolute position embedding (``False`` sets ``model.pos_embed = None``:
             the rotary encoding is then the only position information; that parameter is dropped).
         inplace: convert ``model`` itself (default) or a deep copy.
