@@ -378,3 +378,15 @@ def test_grouped_query_attention_keeps_rope():
     x = images(32, 32)
     conv = convert_quietly(model, "cayley", sharing="head")
     torch.testing.assert_close(conv.forward_features(x), model.forward_features(x), rtol=0, atol=1e-5)
+
+
+def test_version_check():
+    from ropekit.integrations import timm as integ
+
+    assert integ._version_tuple("1.0.29.dev0") == (1, 0, 29) and integ._version_tuple("1.1.0+cu") == (1, 1, 0)
+    with pytest.warns(UserWarning, match="tested with timm >= 1.0.29"):
+        integ._check_timm_version("0.9.16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        integ._check_timm_version("1.0.29")
+        integ._check_timm_version(timm.__version__)

@@ -63,6 +63,7 @@ from ..nn.coords import COORD_MODES, grid_coords
 from .finetune import logits_match
 
 try:  # timm is an optional dependency: ``pip install ropekit[timm]``
+    import timm as _timm
     from timm.layers import Attention as _TimmAttention
     from timm.layers import PatchDropout as _PatchDropout
     from timm.layers.patch_dropout import patch_dropout_forward as _patch_dropout_forward
@@ -74,6 +75,29 @@ try:  # timm is an optional dependency: ``pip install ropekit[timm]``
     from timm.models.vision_transformer import VisionTransformer as _VisionTransformer
 except ImportError as exc:  # pragma: no cover - exercised only without timm
     raise ImportError("ropekit.integrations.timm needs timm: pip install 'ropekit[timm]'") from exc
+#: The oldest timm the integration is tested with (see docs/compatibility.md).
+MIN_TIMM = (1, 0, 29)
+
+
+def _version_tuple(version: str) -> Tuple[int, ...]:
+    """``"1.0.29.dev0"`` -> ``(1, 0, 29)``: the leading numeric components."""
+    out = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def _check_timm_version(version: str) -> None:
+    if _version_tuple(version) < MIN_TIMM:
+        warnings.warn(f"ropekit.integrations.timm is tested with timm >= {'.'.join(map(str, MIN_TIMM))}, found "
+                      f"{version}: conversions may fail or differ", UserWarning, stacklevel=3)
+
+
+_check_timm_version(_timm.__version__)
+
 try:  # the attention of timm's rope-vit / Perception Encoder models (attn_type="rope"); absent in old timm
     from timm.layers import AttentionRope as _AttentionRope
 except ImportError:  # pragma: no cover - depends on the timm version
