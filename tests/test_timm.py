@@ -390,3 +390,24 @@ def test_version_check():
         warnings.simplefilter("error")
         integ._check_timm_version("1.0.29")
         integ._check_timm_version(timm.__version__)
+
+
+def test_conversion_check_catches_a_wrong_reading(monkeypatch):
+    """The probe comparison against timm's own rotation is a real check: frequencies read wrongly are caught, and
+    the conversion then warns and falls back to the identity instead of returning a different model."""
+    from ropekit.integrations import timm as integ
+
+    real = integ._read_timm_rope
+
+    def misread(model, head_dim):
+        rope = real(model, head_dim)
+        rope.freqs = rope.freqs * 1.5
+        return rope
+
+    monkeypatch.setattr(integ, "_read_timm_rope", misread)
+    model = tiny_timm("eva02_tiny_patch14_224")
+    with pytest.warns(UserWarning, match="differs from the model's rotary embedding"):
+        conv = apply_pe(model, "mixed", inplace=False, init_identity=True)
+    x = images(32, 32)
+    removed = apply_pe(model, "none", inplace=False)
+    torch.testing.assert_close(conv.forward_features(x), removed.forward_features(x), rtol=0, atol=1e-5)

@@ -512,6 +512,7 @@ def _timm_rotation(model: nn.Module, layer: int, grid: Sequence[int], x: Tensor)
             emb = rope.get_embed(shape=list(grid))
     finally:
         rope.train(was)
+    x = x.to(emb.device)
     return _apply_rot_embed_cat(x, emb.float(), half=bool(getattr(attn, "rotate_half", False)))
 
 
@@ -523,11 +524,11 @@ def _check_keeps_rope(model: nn.Module, pes: List[PositionEncoding], rope: _Timm
     heads, d = pes[0].num_heads, pes[0].head_dim
     m = int(torch.tensor(grid).prod())
     x = torch.randn(1, heads, m, d, generator=gen)
-    r = coords.get_embed(grid)  # (M, 2)
+    r = coords.get_embed(grid).cpu()  # (M, 2)
     perm = rope.perm
     for i, pe in enumerate(pes):
         with torch.no_grad():
-            ref = _timm_rotation(model, i, grid, x.to(r.device)).cpu()
+            ref = _timm_rotation(model, i, grid, x).cpu()
             xp = x if perm is None else x[..., perm]
             ref = ref if perm is None else ref[..., perm]
             got = copy.deepcopy(pe).float().cpu().rotate(xp, r)
@@ -690,7 +691,9 @@ def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, pref
     attn = model.blocks[0].attn
     rope = _read_timm_rope(model, attn.head_dim)
     probe = create_pe(name, head_dim=attn.head_dim, coord_dim=2, num_heads=attn.num_heads, **pe_opts)
-    if not isinstance(probe, MixedRoPE):
+    freq = getattr(probe, "freq_param", None)
+    if not isinstance(probe, MixedRoPE) or not isinstance(freq, nn.Parameter) or \
+            tuple(freq.shape[-2:]) != (2, attn.head_dim // 2):
         raise _CannotKeep("only encodings with a learnable frequency for every pair and axis that start as plain "
                           "RoPE ('mixed', 'cayley') can start from it")
     if coords != "grid":
