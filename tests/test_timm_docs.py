@@ -29,7 +29,8 @@ def _gen_api():
 def test_api_reference_is_up_to_date():
     pytest.importorskip("timm")  # the reference documents the timm integration too
     text = _gen_api().render()
-    assert (DOCS / "api.md").read_text() == text, "docs/api.md is out of date: run PYTHONPATH=$PWD python tools/gen_api.py"
+    assert (DOCS / "api.md").read_text() == text, \
+        "docs/api.md is out of date: run PYTHONPATH=$PWD python tools/gen_api.py"
     for name in ("create_pe", "list_pes", "pe_options", "PositionEncoding", "commutator_error", "apply_pe"):
         assert f"`{name}" in text, name
 

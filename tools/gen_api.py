@@ -79,6 +79,15 @@ def signature(obj: Any) -> str:
     return _ADDRESS.sub("", str(sig))
 
 
+def class_signature(cls: type) -> str:
+    """The constructor's signature if ropekit defines the constructor, else ``""`` (a subclass of another
+    library's class, e.g. a re-classed timm module, whose signature is that library's and version-dependent)."""
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass):
+            return signature(cls) if klass.__module__.split(".")[0] == "ropekit" else ""
+    return ""
+
+
 def _own_members(cls: type) -> List[tuple]:
     """Public methods and properties defined by ``cls`` itself, in source order."""
     out = []
@@ -123,7 +132,7 @@ def document_module(modname: str, summary: str, seen: dict) -> List[str]:
         if inspect.isclass(obj) or inspect.isfunction(obj):
             seen[id(obj)] = modname
         if inspect.isclass(obj):
-            lines += [f"### class `{name}{signature(obj)}`", ""]
+            lines += [f"### class `{name}{class_signature(obj)}`", ""]
             doc = first_paragraph(obj)
             if doc:
                 lines += [doc, ""]

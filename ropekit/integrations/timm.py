@@ -103,8 +103,9 @@ try:  # the attention of timm's rope-vit / Perception Encoder models (attn_type=
 except ImportError:  # pragma: no cover - depends on the timm version
     _AttentionRope = None
 
-__all__ = ["apply_pe", "encodings", "encode_qk", "SHARING", "PREFIX_MODES", "RopeAttention", "RopeEvaAttention",
-           "RopeBlock", "RopeResPostBlock", "RopeVisionTransformer", "RopeEva", "GridCoordinates"]
+__all__ = ["apply_pe", "encodings", "encode_qk", "SHARING", "PREFIX_MODES", "MIN_TIMM", "RopeAttention",
+           "RopeEvaAttention", "RopeAttentionRope", "RopeBlock", "RopeResPostBlock", "RopeVisionTransformer", "RopeEva",
+           "GridCoordinates"]
 
 #: ``"model"``: one encoding module reused by every block; ``"layer"``: one per block; ``"head"``: one per block
 #: with parameters per head (``per_head=True``).
