@@ -411,3 +411,12 @@ def test_conversion_check_catches_a_wrong_reading(monkeypatch):
     x = images(32, 32)
     removed = apply_pe(model, "none", inplace=False)
     torch.testing.assert_close(conv.forward_features(x), removed.forward_features(x), rtol=0, atol=1e-5)
+
+
+def test_kept_rope_after_set_input_size():
+    model = tiny_timm("eva02_tiny_patch14_224")
+    conv = convert_quietly(model, "mixed")
+    for m in (model, conv):
+        m.set_input_size(img_size=(48, 40))
+    x = images(48, 40)
+    torch.testing.assert_close(conv.forward_features(x), model.forward_features(x), rtol=0, atol=1e-5)

@@ -414,6 +414,10 @@ class GridCoordinates(nn.Module):
             coords = coords * scale
         return coords
 
+    def update_feat_shape(self, feat_shape: Sequence[int]) -> None:
+        """Called by ``Eva.set_input_size``: the grid of a model without ``dynamic_img_size``."""
+        self.feat_shape = list(feat_shape)
+
     def extra_repr(self) -> str:
         extra = f", offset={self.offset}" if self.offset else ""
         if self.ref_shape is not None:
