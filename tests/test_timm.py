@@ -285,6 +285,7 @@ ROPE_MODELS = [  # (timm name, sharing that can hold its frequencies)
     ("eva02_tiny_patch14_224", "model"),  # axial, ref_feat_shape (16, 16) rescales the 4x4 grid
     ("vit_base_patch16_rope_224", "model"),  # rope-vit RoPE-Axial, "xy" grid
     ("vit_base_patch16_rope_mixed_224", "head"),  # rope-vit RoPE-Mixed: frequencies per block and head
+    ("vit_base_patch16_rope_mixed_ape_224", "head"),  # RoPE-Mixed beside an absolute embedding
     ("vit_base_patch16_rope_reg1_gap_256", "layer"),  # register token, no class token
     ("vit_pe_core_tiny_patch16_384", "model"),  # grid offset 1, "xy", reference grid
 ]
