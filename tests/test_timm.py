@@ -1,6 +1,8 @@
 """ropekit.integrations.timm: converted timm ViTs keep their weights and, with an identity encoding, their function."""
 
+import inspect
 import io
+import warnings
 
 import pytest
 import torch
@@ -229,8 +231,12 @@ def test_rejects_unsupported():
         apply_pe(tiny_vit(), "rope2")
 
 
+EVA_HAS_QK_NORM = "qk_norm" in inspect.signature(Eva.__init__).parameters  # timm >= 1.0.30
+
+
 def test_eva_identity_and_variable_size():
-    model = tiny_eva(dynamic_img_size=True, qk_norm=True)
+    # ``Eva(qk_norm=...)`` exists from timm 1.0.30 on; older timm builds the same model without q/k norms
+    model = tiny_eva(dynamic_img_size=True, **({"qk_norm": True} if EVA_HAS_QK_NORM else {}))
     x = images(32, 32)
     ref = model(x)
     conv = apply_pe(model, "cayley", inplace=False, init_identity=True)
@@ -248,3 +254,170 @@ def test_eva_replaces_its_rope():
     conv(x).sum().backward()  # patch dropout gathers the coordinates of the kept patches
     assert encodings(conv)[0].freq_param.grad is not None
     assert ropekit.PositionEncoding not in {type(m) for m in model.modules()}
+
+
+# ---------------------------------------------------------------------------------------------- models with RoPE
+def tiny_timm(name, **kw):
+    """A tiny randomly initialised timm model with sharp attention (q/k weights scaled up, layer scale 1), so that
+    its rotary embedding visibly changes the features."""
+    torch.manual_seed(0)
+    args = dict(pretrained=False, img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=4,
+                init_values=1.0)
+    model = timm.create_model(name, **{**args, **kw}).eval()
+    with torch.no_grad():
+        for blk in model.blocks:
+            w = blk.attn.qkv.weight if blk.attn.qkv is not None else None
+            if w is not None:
+                w[: 2 * w.shape[1]] *= 20.0
+            else:
+                blk.attn.q_proj.weight.mul_(20.0)
+                blk.attn.k_proj.weight.mul_(20.0)
+    return model
+
+
+def convert_quietly(model, name, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # keeping the model's RoPE must not warn
+        return apply_pe(model, name, inplace=False, init_identity=True, **kw)
+
+
+ROPE_MODELS = [  # (timm name, sharing that can hold its frequencies)
+    ("eva02_tiny_patch14_224", "model"),  # axial, ref_feat_shape (16, 16) rescales the 4x4 grid
+    ("vit_base_patch16_rope_224", "model"),  # rope-vit RoPE-Axial, "xy" grid
+    ("vit_base_patch16_rope_mixed_224", "head"),  # rope-vit RoPE-Mixed: frequencies per block and head
+    ("vit_base_patch16_rope_mixed_ape_224", "head"),  # RoPE-Mixed beside an absolute embedding
+    ("vit_base_patch16_rope_reg1_gap_256", "layer"),  # register token, no class token
+    ("vit_pe_core_tiny_patch16_384", "model"),  # grid offset 1, "xy", reference grid
+]
+ROPE_MODELS = [(m, s) for m, s in ROPE_MODELS if m in timm.list_models()]
+
+
+@pytest.mark.parametrize("model_name,sharing", ROPE_MODELS)
+@pytest.mark.parametrize("name", ["mixed", "cayley"])
+def test_init_identity_keeps_the_models_rope(model_name, sharing, name):
+    model = tiny_timm(model_name)
+    x = images(32, 32)
+    ref = model.forward_features(x)
+    removed = apply_pe(model, "none", inplace=False).forward_features(x)
+    assert (removed - ref).abs().max() > 1e-3  # the model's RoPE matters: the check below can fail
+    conv = convert_quietly(model, name, sharing=sharing)
+    torch.testing.assert_close(conv.forward_features(x), ref, rtol=0, atol=1e-5)
+    assert not any("rope" in n and "pe." not in n for n, _ in conv.named_parameters())
+
+
+@pytest.mark.parametrize("hw", [(32, 32), (48, 24), (64, 64)])
+def test_kept_rope_at_other_image_sizes(hw):
+    """EVA02 rescales its grid to the reference (pre-training) grid at every size; the converted model does too."""
+    model = tiny_timm("eva02_tiny_patch14_224", dynamic_img_size=True)
+    conv = convert_quietly(model, "cayley")
+    x = images(*hw)
+    torch.testing.assert_close(conv.forward_features(x), model.forward_features(x), rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif("rope_rotate_half" not in inspect.signature(Eva.__init__).parameters,
+                    reason="this timm has no half-split (rotate_half) rotary layout for Eva")
+def test_kept_rope_with_half_split_pairs():
+    """A model rotating pairs (x_i, x_{i+d/2}) is kept by reordering q and k channels alike (logits unchanged)."""
+    model = tiny_timm("eva02_tiny_patch14_224", rope_rotate_half=True)
+    x = images(32, 32)
+    ref = model.forward_features(x)
+    try:
+        from timm.layers.pos_embed_sincos import _rope_layout  # noqa: F401  timm >= 1.0.31: consistent half layout
+    except ImportError:  # older timm: the sin/cos table is interleaved but the rotation half-split (no rotation)
+        with pytest.warns(UserWarning, match="does NOT compute"):
+            apply_pe(model, "mixed", inplace=False, init_identity=True)
+        return
+    conv = convert_quietly(model, "mixed")
+    assert conv.blocks[0].attn.rope_qk_perm is not None
+    torch.testing.assert_close(conv.forward_features(x), ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["no-frequencies", "shared-across-heads", "normalized", "centroid"])
+def test_rope_that_cannot_be_kept_warns(case):
+    """Where the requested encoding cannot hold the model's RoPE, the conversion says so and why; the result is
+    then the model without its RoPE (exactly what the warning says)."""
+    model_name, name, kw, why = {
+        "no-frequencies": ("vit_base_patch16_rope_224", "liere", {}, "learnable frequency"),
+        "shared-across-heads": ("vit_base_patch16_rope_mixed_224", "mixed", {"sharing": "layer"}, "sharing='head'"),
+        "normalized": ("eva02_tiny_patch14_224", "mixed", {"coords": "normalized"}, "coords='grid'"),
+        "centroid": ("eva02_tiny_patch14_224", "mixed", {"prefix": "centroid"}, "unrotated"),
+    }[case]
+    if model_name not in timm.list_models():
+        pytest.skip(f"this timm has no {model_name}")
+    model = tiny_timm(model_name)
+    with pytest.warns(UserWarning, match=why) as rec:
+        conv = apply_pe(model, name, inplace=False, init_identity=True, **kw)
+    assert any("does NOT compute what the original did" in str(w.message) for w in rec)
+    x = images(32, 32)
+    if case in ("no-frequencies", "shared-across-heads", "normalized"):  # prefix unrotated: equal to removing RoPE
+        removed = apply_pe(model, "none", inplace=False)
+        torch.testing.assert_close(conv.forward_features(x), removed.forward_features(x), rtol=0, atol=1e-5)
+
+
+def test_other_rope_kinds_warn():
+    if "rope_type" not in inspect.signature(Eva.__init__).parameters:
+        pytest.skip("this timm has a single kind of Eva rotary embedding")
+    model = tiny_timm("vit_base_patch16_rope_224", rope_type="dinov3")
+    with pytest.warns(UserWarning, match="RotaryEmbeddingDinoV3"):
+        apply_pe(model, "mixed", inplace=False, init_identity=True)
+
+
+def test_kept_rope_trains():
+    model = tiny_timm("vit_base_patch16_rope_mixed_224")
+    conv = convert_quietly(model, "mixed", sharing="head")
+    conv.train()
+    conv(images(32, 32)).sum().backward()
+    pes = encodings(conv)
+    assert len(pes) == 2 and all(pe.freq_param.grad is not None for pe in pes)
+    torch.testing.assert_close(pes[1].freq_param.detach(), model.rope.freqs.detach()[[1, 0], 1].transpose(0, 1))
+
+
+@pytest.mark.skipif("num_kv_heads" not in inspect.signature(Eva.__init__).parameters,
+                    reason="this timm has no grouped-query attention in Eva (num_kv_heads)")
+def test_grouped_query_attention_keeps_rope():
+    model = tiny_timm("vit_base_patch16_rope_224", num_heads=4, num_kv_heads=2, qkv_fused=False)
+    x = images(32, 32)
+    conv = convert_quietly(model, "cayley", sharing="head")
+    torch.testing.assert_close(conv.forward_features(x), model.forward_features(x), rtol=0, atol=1e-5)
+
+
+def test_version_check():
+    from ropekit.integrations import timm as integ
+
+    assert integ._version_tuple("1.0.29.dev0") == (1, 0, 29) and integ._version_tuple("1.1.0+cu") == (1, 1, 0)
+    with pytest.warns(UserWarning, match="tested with timm >= 1.0.29"):
+        integ._check_timm_version("0.9.16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        integ._check_timm_version("1.0.29")
+        integ._check_timm_version(timm.__version__)
+
+
+def test_conversion_check_catches_a_wrong_reading(monkeypatch):
+    """The probe comparison against timm's own rotation is a real check: frequencies read wrongly are caught, and
+    the conversion then warns and falls back to the identity instead of returning a different model."""
+    from ropekit.integrations import timm as integ
+
+    real = integ._read_timm_rope
+
+    def misread(model, head_dim):
+        rope = real(model, head_dim)
+        rope.freqs = rope.freqs * 1.5
+        return rope
+
+    monkeypatch.setattr(integ, "_read_timm_rope", misread)
+    model = tiny_timm("eva02_tiny_patch14_224")
+    with pytest.warns(UserWarning, match="differs from the model's rotary embedding"):
+        conv = apply_pe(model, "mixed", inplace=False, init_identity=True)
+    x = images(32, 32)
+    removed = apply_pe(model, "none", inplace=False)
+    torch.testing.assert_close(conv.forward_features(x), removed.forward_features(x), rtol=0, atol=1e-5)
+
+
+def test_kept_rope_after_set_input_size():
+    model = tiny_timm("eva02_tiny_patch14_224")
+    conv = convert_quietly(model, "mixed")
+    for m in (model, conv):
+        m.set_input_size(img_size=(48, 40))
+    x = images(48, 40)
+    torch.testing.assert_close(conv.forward_features(x), model.forward_features(x), rtol=0, atol=1e-5)

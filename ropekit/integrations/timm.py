@@ -19,7 +19,19 @@ What the conversion does (timm ``VisionTransformer`` with ``Block`` / ``ResPostB
 * prefix tokens are left unrotated (``prefix="unrotated"``, timm-compatible; CLS-patch logits then depend on
   absolute patch coordinates) or given the centroid of the patch coordinates (``prefix="centroid"``: they move
   with a global offset, so a commuting encoding keeps the model offset invariant).
-* an ``Eva`` model's own rotary embedding (``model.rope``) is *replaced* by the ropekit encoding.
+* an ``Eva`` model's own rotary embedding (``model.rope``; EVA02, timm's SBB and Perception Encoder ViTs, and
+  timm's ports of rope-vit, whose attention is ``AttentionRope``) is *replaced* by the ropekit encoding. With
+  ``init_identity=True`` the encoding starts as that rotary embedding instead of the identity: ``mixed`` and
+  ``cayley`` (at ``S = 0``) rotate every pair by ``sum_k r_k w_{k,n}`` with a free frequency per pair and axis, so
+  they hold axial RoPE (each pair's frequency on one axis) and RoPE-Mixed (per block and head, with
+  ``sharing="head"``) exactly, on the same coordinates (timm's grid offset and reference-grid rescaling are kept).
+  A model that rotates half-split pairs ``(x_i, x_{i+d/2})`` gets a fixed reordering of the q and k channels
+  (the same for both, so the logits are unchanged) that makes them interleaved pairs. The conversion checks the
+  result against timm's own rotation; where the encoding cannot hold the model's rotary embedding (another
+  encoding, another coordinate mode, a centroid prefix, too coarse a sharing, another kind of rotary embedding) it
+  warns with the reason and the encoding starts as the identity (the model then loses its rotary embedding).
+  The rotary embedding's own parameters (RoPE-Mixed's ``rope.freqs``) leave the ``state_dict``: convert after
+  loading the checkpoint.
 
 The absolute position embedding is kept (``keep_abs_pos=True``) so that, with an encoding that starts as the
 identity (``init_identity=True``, or ``name="none"``), the converted model computes exactly what the original
@@ -35,6 +47,9 @@ Example::
 from __future__ import annotations
 
 import copy
+import inspect
+import warnings
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,23 +58,54 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..encodings import PositionEncoding, create_pe
+from ..encodings.rope import MixedRoPE
 from ..nn.coords import COORD_MODES, grid_coords
 from .finetune import logits_match
 
 try:  # timm is an optional dependency: ``pip install ropekit[timm]``
+    import timm as _timm
     from timm.layers import Attention as _TimmAttention
     from timm.layers import PatchDropout as _PatchDropout
     from timm.layers.patch_dropout import patch_dropout_forward as _patch_dropout_forward
     from timm.models.eva import Eva as _Eva
     from timm.models.eva import EvaAttention as _EvaAttention
+    from timm.layers.pos_embed_sincos import apply_rot_embed_cat as _apply_rot_embed_cat
     from timm.models.vision_transformer import Block as _Block
     from timm.models.vision_transformer import ResPostBlock as _ResPostBlock
     from timm.models.vision_transformer import VisionTransformer as _VisionTransformer
 except ImportError as exc:  # pragma: no cover - exercised only without timm
     raise ImportError("ropekit.integrations.timm needs timm: pip install 'ropekit[timm]'") from exc
+#: The oldest timm the integration is tested with (see docs/compatibility.md).
+MIN_TIMM = (1, 0, 29)
 
-__all__ = ["apply_pe", "encodings", "encode_qk", "SHARING", "PREFIX_MODES", "RopeAttention", "RopeEvaAttention",
-           "RopeBlock", "RopeResPostBlock", "RopeVisionTransformer", "RopeEva", "GridCoordinates"]
+
+def _version_tuple(version: str) -> Tuple[int, ...]:
+    """``"1.0.29.dev0"`` -> ``(1, 0, 29)``: the leading numeric components."""
+    out = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def _check_timm_version(version: str) -> None:
+    if _version_tuple(version) < MIN_TIMM:
+        warnings.warn(f"ropekit.integrations.timm is tested with timm >= {'.'.join(map(str, MIN_TIMM))}, found "
+                      f"{version}: conversions may fail or differ", UserWarning, stacklevel=3)
+
+
+_check_timm_version(_timm.__version__)
+
+try:  # the attention of timm's rope-vit / Perception Encoder models (attn_type="rope"); absent in old timm
+    from timm.layers import AttentionRope as _AttentionRope
+except ImportError:  # pragma: no cover - depends on the timm version
+    _AttentionRope = None
+
+__all__ = ["apply_pe", "encodings", "encode_qk", "SHARING", "PREFIX_MODES", "MIN_TIMM", "RopeAttention",
+           "RopeEvaAttention", "RopeAttentionRope", "RopeBlock", "RopeResPostBlock", "RopeVisionTransformer", "RopeEva",
+           "GridCoordinates"]
 
 #: ``"model"``: one encoding module reused by every block; ``"layer"``: one per block; ``"head"``: one per block
 #: with parameters per head (``per_head=True``).
@@ -123,6 +169,57 @@ class RopeAttention(_TimmAttention):
         return self.proj_drop(self.proj(x))
 
 
+def _eva_qkv(attn: nn.Module, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """q, k, v ``(B, H, N, d)``, ``(B, Hkv, N, d)`` x2 of a timm ``EvaAttention`` or ``AttentionRope``, as timm
+    computes them (fused or separate projections, EVA's separate q/v biases with a zero k bias)."""
+    b, n, _ = x.shape
+    if attn.qkv is not None:
+        q_bias = getattr(attn, "q_bias", None)
+        if q_bias is None:
+            qkv = attn.qkv(x)
+        else:
+            qkv_bias = torch.cat((q_bias, attn.k_bias, attn.v_bias))
+            if getattr(attn, "qkv_bias_separate", False):
+                qkv = attn.qkv(x) + qkv_bias
+            else:
+                qkv = F.linear(x, weight=attn.qkv.weight, bias=qkv_bias)
+        qkv = qkv.reshape(b, n, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)  # (3, B, H, N, d)
+        q, k, v = qkv.unbind(0)
+        return q, k, v
+    hkv = getattr(attn, "num_kv_heads", attn.num_heads)
+    q = attn.q_proj(x).reshape(b, n, attn.num_heads, -1).transpose(1, 2)  # (B, H, N, d)
+    k = attn.k_proj(x).reshape(b, n, hkv, -1).transpose(1, 2)  # (B, Hkv, N, d)
+    v = attn.v_proj(x).reshape(b, n, hkv, -1).transpose(1, 2)
+    return q, k, v
+
+
+def _eva_attention_forward(attn: nn.Module, x: Tensor, rope: Optional[Tensor], attn_mask: Optional[Tensor],
+                           is_causal: bool) -> Tensor:
+    """The forward of a converted ``EvaAttention`` / ``AttentionRope``: timm's, with ``attn.pe`` in place of timm's
+    rotary table. Keys and values of grouped-query attention are repeated to every query head before encoding.
+    ``attn.rope_qk_perm`` (or ``None``) reorders the channels of q and k alike before encoding: a model that
+    rotates half-split pairs ``(x_i, x_{i+d/2})`` then becomes one that rotates interleaved pairs; the logits
+    ``q . k`` do not change under a common permutation of q and k.
+    """
+    b, n, _ = x.shape
+    gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
+    q, k, v = _eva_qkv(attn, x)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    groups = attn.num_heads // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, N, d)
+    perm = getattr(attn, "rope_qk_perm", None)
+    if perm is not None:
+        q, k = q[..., perm], k[..., perm]
+    q, k = encode_qk(attn.pe, q, k, rope, attn.num_prefix_tokens, attn.rope_prefix)  # (B, H, N, d')
+    x = _sdpa(attn, q, k, v, attn_mask, is_causal)  # (B, H, N, d)
+    x = x.transpose(1, 2).reshape(b, n, -1)  # (B, N, H * d)
+    x = attn.norm(x)
+    if gate is not None:
+        x = x * gate
+    return attn.proj_drop(attn.proj(x))
+
+
 class RopeEvaAttention(_EvaAttention):
     """timm ``EvaAttention`` whose ``rope`` argument carries the patch coordinates ``(M, c)`` (or ``(B, 1, M, c)``
     after patch dropout) instead of timm's sin/cos table: the ``Eva`` model passes whatever ``model.rope.get_embed``
@@ -134,31 +231,26 @@ class RopeEvaAttention(_EvaAttention):
 
     def forward(self, x: Tensor, rope: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                 is_causal: bool = False) -> Tensor:
-        b, n, _ = x.shape
-        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
-        if self.qkv is not None:
-            if self.q_bias is None:
-                qkv = self.qkv(x)
-            else:
-                qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
-                if getattr(self, "qkv_bias_separate", False):
-                    qkv = self.qkv(x) + qkv_bias
-                else:
-                    qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
-            qkv = qkv.reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # (3, B, H, N, d)
-            q, k, v = qkv.unbind(0)  # (B, H, N, d) each
-        else:
-            q = self.q_proj(x).reshape(b, n, self.num_heads, -1).transpose(1, 2)  # (B, H, N, d)
-            k = self.k_proj(x).reshape(b, n, self.num_heads, -1).transpose(1, 2)
-            v = self.v_proj(x).reshape(b, n, self.num_heads, -1).transpose(1, 2)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = encode_qk(self.pe, q, k, rope, self.num_prefix_tokens, self.rope_prefix)  # (B, H, N, d')
-        x = _sdpa(self, q, k, v, attn_mask, is_causal)  # (B, H, N, d)
-        x = x.transpose(1, 2).reshape(b, n, -1)  # (B, N, H * d)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        return self.proj_drop(self.proj(x))
+        return _eva_attention_forward(self, x, rope, attn_mask, is_causal)
+
+
+if _AttentionRope is not None:
+    class RopeAttentionRope(_AttentionRope):
+        """timm ``AttentionRope`` (the ``Eva`` models with ``attn_type="rope"``: timm's ports of rope-vit and the
+        Perception Encoder) converted like :class:`RopeEvaAttention`."""
+
+        pe: PositionEncoding
+        rope_prefix: str
+
+        def forward(self, x: Tensor, rope: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                    is_causal: bool = False) -> Tensor:
+            return _eva_attention_forward(self, x, rope, attn_mask, is_causal)
+else:  # pragma: no cover - depends on the timm version
+    RopeAttentionRope = None  # type: ignore[assignment,misc]
+
+_EVA_ATTENTION = {_EvaAttention: RopeEvaAttention}
+if _AttentionRope is not None:
+    _EVA_ATTENTION[_AttentionRope] = RopeAttentionRope
 
 
 class RopeBlock(_Block):
@@ -294,20 +386,161 @@ class RopeEva(_Eva):
 class GridCoordinates(nn.Module):
     """Replaces an ``Eva`` model's ``rope``: ``get_embed(shape=(gh, gw))`` returns the patch coordinates
     ``(gh * gw, 2)`` (row-major, ``(row, col)``) that ``Eva`` then hands to every block.
+
+    With ``mode="grid"`` the coordinate of row ``i`` is ``(i + offset) * ref[0] / gh`` (columns alike) when a
+    reference grid ``ref_shape`` is given, else ``i + offset``: this is how timm's EVA rotary embedding places the
+    patches (a fine-tuned EVA02 at another resolution keeps the coordinate range of its pre-training grid), so an
+    encoding initialised from the model's own rotary embedding sees the same coordinates.
     """
 
-    def __init__(self, mode: str, feat_shape: Sequence[int]) -> None:
+    def __init__(self, mode: str, feat_shape: Sequence[int], offset: float = 0.0,
+                 ref_shape: Optional[Sequence[int]] = None) -> None:
         super().__init__()
+        if mode != "grid" and (offset or ref_shape is not None):
+            raise ValueError("offset and ref_shape apply to mode='grid' only")
         self.mode = mode
         self.feat_shape = list(feat_shape)
+        self.offset = float(offset)
+        self.ref_shape = None if ref_shape is None else [int(r) for r in ref_shape]
         self.register_buffer("_anchor", torch.empty(0), persistent=False)  # follows .to(device)
 
     def get_embed(self, shape: Optional[Sequence[int]] = None) -> Tensor:
         grid = self.feat_shape if shape is None else shape
-        return grid_coords(grid, self.mode, device=self._anchor.device)  # (M, 2)
+        coords = grid_coords(grid, self.mode, device=self._anchor.device)  # (M, 2)
+        if self.offset:
+            coords = coords + self.offset
+        if self.ref_shape is not None:
+            scale = torch.tensor([r / int(g) for r, g in zip(self.ref_shape, grid)], device=coords.device)
+            coords = coords * scale
+        return coords
+
+    def update_feat_shape(self, feat_shape: Sequence[int]) -> None:
+        """Called by ``Eva.set_input_size``: the grid of a model without ``dynamic_img_size``."""
+        self.feat_shape = list(feat_shape)
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, feat_shape={tuple(self.feat_shape)}"
+        extra = f", offset={self.offset}" if self.offset else ""
+        if self.ref_shape is not None:
+            extra += f", ref_shape={tuple(self.ref_shape)}"
+        return f"mode={self.mode!r}, feat_shape={tuple(self.feat_shape)}{extra}"
+
+
+# ---------------------------------------------------------------------------------------------- timm's own RoPE
+class _CannotKeep(Exception):
+    """The model's own rotary embedding cannot be reproduced by the requested encoding (the message says why)."""
+
+
+@dataclass
+class _TimmRope:
+    """An ``Eva`` model's rotary embedding in ropekit's terms.
+
+    ``freqs`` ``(L, Hs, 2, d/2)``: frequencies of interleaved pair ``n`` along ``(row, col)``, per layer (``L`` 1 when
+    every layer has the same) and per head (``Hs`` 1 when every head has the same); ``perm`` ``(d,)`` or ``None``:
+    the channel order that turns timm's pairs into interleaved ones; ``offset`` / ``ref_shape``: the coordinates
+    (see :class:`GridCoordinates`).
+    """
+
+    freqs: Tensor
+    perm: Optional[Tensor]
+    offset: float
+    ref_shape: Optional[Sequence[int]]
+
+
+def _read_timm_rope(model: nn.Module, head_dim: int) -> _TimmRope:
+    """Read timm's rotary embedding ``model.rope`` (``RotaryEmbeddingCat``: EVA02, timm's SBB and Perception Encoder
+    ViTs; ``RotaryEmbeddingMixed``: rope-vit's RoPE-Mixed) as ropekit frequencies.
+
+    Raises:
+        _CannotKeep: another kind of rotary embedding (DINOv3's, multimodal RoPE) or an unsupported option.
+    """
+    rope = model.rope
+    kind = type(rope).__name__
+    indexing = getattr(rope, "grid_indexing", "ij")
+    if indexing not in ("ij", "xy"):
+        raise _CannotKeep(f"unknown grid indexing {indexing!r}")
+    half = bool(getattr(model.blocks[0].attn, "rotate_half", False))
+    d2 = head_dim // 2
+    perm = torch.stack([torch.arange(d2), torch.arange(d2) + d2], -1).reshape(-1) if half else None
+    if kind == "RotaryEmbeddingCat":
+        grid_type = getattr(rope, "grid_type", "pixel" if getattr(rope, "in_pixels", True) else "index")
+        if grid_type != "index" or getattr(rope, "in_pixels", False):
+            raise _CannotKeep(f"its rotary embedding uses a {grid_type!r} coordinate grid (only integer patch "
+                              f"indices are reproduced)")
+        nb = head_dim // 4
+        bands = getattr(rope, "bands", None)
+        if bands is None:  # older timm keeps only the cached table when the grid is fixed: rebuild the bands
+            from timm.layers.pos_embed_sincos import freq_bands
+            bands = freq_bands(nb, temperature=float(rope.temperature), step=1)
+        bands = bands.detach().float().cpu()
+        if bands.numel() != nb or 4 * nb != head_dim:
+            raise _CannotKeep(f"{bands.numel()} frequency bands for head_dim {head_dim} (expected head_dim / 4)")
+        freqs = torch.zeros(2, d2)
+        first, second = (0, 1) if indexing == "ij" else (1, 0)  # timm's first coordinate channel is the row for "ij"
+        freqs[first, :nb] = bands
+        freqs[second, nb:] = bands
+        ref = getattr(rope, "ref_feat_shape", None)
+        return _TimmRope(freqs[None, None], perm, float(getattr(rope, "grid_offset", 0.0)),
+                         None if ref is None else list(ref))
+    if kind == "RotaryEmbeddingMixed":
+        f = rope.freqs.detach().float().cpu()  # (2, L, H, d/2): multiplies (t_x, t_y)
+        x_axis, y_axis = (0, 1) if indexing == "ij" else (1, 0)  # t_x is the row for "ij", the column for "xy"
+        freqs = torch.zeros(f.shape[1], f.shape[2], 2, f.shape[3])
+        freqs[:, :, x_axis] = f[0]
+        freqs[:, :, y_axis] = f[1]
+        return _TimmRope(freqs, perm, 0.0, None)
+    raise _CannotKeep(f"its rotary embedding {kind} is not one ropekit reproduces (RotaryEmbeddingCat and "
+                      f"RotaryEmbeddingMixed are)")
+
+
+def _keep_rope_(pe: PositionEncoding, rope: _TimmRope, layer: int) -> None:
+    """Set ``pe`` to the model's own rotary embedding of block ``layer``: every parameter zero (no post-rotation),
+    then the frequencies."""
+    freqs = rope.freqs[layer if rope.freqs.shape[0] > 1 else 0]  # (Hs, 2, d/2)
+    with torch.no_grad():
+        for p in pe.parameters():
+            p.zero_()
+        target = pe.freq_param
+        target.copy_(freqs.to(target).expand_as(target))
+
+
+def _timm_rotation(model: nn.Module, layer: int, grid: Sequence[int], x: Tensor) -> Tensor:
+    """Block ``layer``'s rotation by timm's own rotary embedding applied to ``x`` ``(1, H, M, d)`` on ``grid``."""
+    rope, attn = model.rope, model.blocks[layer].attn
+    was = rope.training
+    rope.eval()  # no train-time coordinate augmentation
+    try:
+        if type(rope).__name__ == "RotaryEmbeddingMixed":
+            emb = rope.get_embed(shape=list(grid))[layer]  # (H, M, 2d)
+        elif getattr(rope, "feat_shape", None) is not None:
+            emb = rope.get_embed()  # (M, 2d), cached for the model's grid
+        else:
+            emb = rope.get_embed(shape=list(grid))
+    finally:
+        rope.train(was)
+    x = x.to(emb.device)
+    return _apply_rot_embed_cat(x, emb.float(), half=bool(getattr(attn, "rotate_half", False)))
+
+
+def _check_keeps_rope(model: nn.Module, pes: List[PositionEncoding], rope: _TimmRope,
+                      coords: GridCoordinates) -> Optional[str]:
+    """``None`` if every block's encoding rotates probe queries as timm's rotary embedding does, else the reason."""
+    grid = list(getattr(model.rope, "feat_shape", None) or model.patch_embed.grid_size)
+    gen = torch.Generator().manual_seed(0)
+    heads, d = pes[0].num_heads, pes[0].head_dim
+    m = int(torch.tensor(grid).prod())
+    x = torch.randn(1, heads, m, d, generator=gen)
+    r = coords.get_embed(grid).cpu()  # (M, 2)
+    perm = rope.perm
+    for i, pe in enumerate(pes):
+        with torch.no_grad():
+            ref = _timm_rotation(model, i, grid, x).cpu()
+            xp = x if perm is None else x[..., perm]
+            ref = ref if perm is None else ref[..., perm]
+            got = copy.deepcopy(pe).float().cpu().rotate(xp, r)
+            err = float((got - ref).abs().max())
+        if not err <= 1e-4:
+            return f"block {i}: the encoding differs from the model's rotary embedding by {err:.1e} on a probe"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- conversion
@@ -338,8 +571,10 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
             block, parameters per head).
         coords: ``"grid"`` (integer patch indices) or ``"normalized"`` (patch centres in ``[0, 1]``).
         prefix: ``"unrotated"`` or ``"centroid"`` (see the module docstring).
-        init_identity: set every encoding parameter to zero and check that the encoding is then the identity,
-            so the converted model computes exactly what ``model`` did (fine-tuning a pretrained checkpoint).
+        init_identity: start from the function of ``model`` (fine-tuning a pretrained checkpoint): for a model
+            without rotary embedding, set every encoding parameter to zero and check that the encoding is then the
+            identity; for an ``Eva`` model with one, start the encoding as that rotary embedding (see the module
+            docstring; a ``UserWarning`` gives the reason where it cannot).
         keep_abs_pos: keep the model's absolute position embedding (``False`` sets ``model.pos_embed = None``:
             the rotary encoding is then the only position information; that parameter is dropped).
         inplace: convert ``model`` itself (default) or a deep copy.
@@ -367,40 +602,70 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         kind = "eva"
     else:
         raise TypeError(f"apply_pe supports timm VisionTransformer and Eva models, got {type(model).__name__}")
-    if not inplace:
-        model = copy.deepcopy(model)
-
-    attn_cls = _TimmAttention if kind == "vit" else _EvaAttention
+    if kind == "eva" and coord_dim != 2:
+        raise ValueError("Eva models take their coordinates from the patch grid: coord_dim must be 2")
+    allowed = {_TimmAttention: RopeAttention} if kind == "vit" else _EVA_ATTENTION
     for i, blk in enumerate(model.blocks):
-        if type(blk.attn) is not attn_cls:
+        if type(blk.attn) not in allowed:
             raise TypeError(f"block {i}: attention {type(blk.attn).__name__} is not supported (expected "
-                            f"{attn_cls.__name__})")
+                            f"{' or '.join(c.__name__ for c in allowed)})")
         if kind == "vit" and type(blk) not in _BLOCK_CLASSES:
             raise TypeError(f"block {i}: {type(blk).__name__} is not supported (expected Block or ResPostBlock)")
-
+    if not inplace:
+        model = copy.deepcopy(model)
     if sharing == "head":
         pe_opts = {**pe_opts, "per_head": True}
+
+    own_rope: Optional[_TimmRope] = None
+    if kind == "eva" and init_identity and getattr(model, "rope", None) is not None:
+        try:
+            own_rope = _plan_keep_rope(model, name, sharing, coords, prefix, pe_opts)
+        except _CannotKeep as exc:
+            _warn_rope_removed(model, name, str(exc))
+
+    pes: List[PositionEncoding] = []
     shared: Optional[PositionEncoding] = None
-    for blk in model.blocks:
+    for i, blk in enumerate(model.blocks):
         attn = blk.attn
-        head_dim = attn.head_dim
-        if shared is not None and (shared.head_dim, shared.num_heads) != (head_dim, attn.num_heads):
+        if shared is not None and (shared.head_dim, shared.num_heads) != (attn.head_dim, attn.num_heads):
             raise ValueError("sharing='model' needs the same head_dim and num_heads in every block")
-        pe = shared if shared is not None else create_pe(name, head_dim=head_dim, coord_dim=coord_dim,
+        pe = shared if shared is not None else create_pe(name, head_dim=attn.head_dim, coord_dim=coord_dim,
                                                          num_heads=attn.num_heads, **pe_opts)
-        if init_identity and pe is not shared:
-            _make_identity_(pe, name)
-        p = next(attn.parameters())
-        attn.pe = pe.to(device=p.device)
+        if pe is not shared:
+            if own_rope is not None:
+                _keep_rope_(pe, own_rope, i)
+            elif init_identity:
+                _make_identity_(pe, name)
+        pes.append(pe)
+        if sharing == "model":
+            shared = pe
+
+    grid_source: Optional[GridCoordinates] = None
+    if kind == "eva":
+        if own_rope is not None:
+            grid_source = GridCoordinates("grid", model.patch_embed.grid_size, own_rope.offset, own_rope.ref_shape)
+            reason = _check_keeps_rope(model, pes, own_rope, grid_source)
+            if reason is not None:
+                _warn_rope_removed(model, name, reason)
+                for pe in {id(p): p for p in pes}.values():
+                    _make_identity_(pe, name)
+                own_rope = None
+        if own_rope is None:
+            grid_source = GridCoordinates(coords, model.patch_embed.grid_size)
+
+    for blk, pe in zip(model.blocks, pes):
+        attn = blk.attn
+        device = next(attn.parameters()).device
+        attn.pe = pe.to(device=device)
         attn.rope_prefix = prefix
         if kind == "vit":
             attn.rope_num_prefix_tokens = int(model.num_prefix_tokens)
             attn.__class__ = RopeAttention
             blk.__class__ = _BLOCK_CLASSES[type(blk)]
         else:
-            attn.__class__ = RopeEvaAttention
-        if sharing == "model":
-            shared = pe
+            perm = None if own_rope is None or own_rope.perm is None else own_rope.perm.to(device)
+            attn.register_buffer("rope_qk_perm", perm, persistent=False)
+            attn.__class__ = _EVA_ATTENTION[type(attn)]
 
     if not keep_abs_pos:
         model.pos_embed = None
@@ -409,12 +674,52 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         model.rope_coord_dim = coord_dim
         model.__class__ = RopeVisionTransformer
     else:
-        if coord_dim != 2:
-            raise ValueError("Eva models take their coordinates from the patch grid: coord_dim must be 2")
-        model.rope = GridCoordinates(coords, model.patch_embed.grid_size).to(next(model.parameters()).device)
+        model.rope = grid_source.to(next(model.parameters()).device)
         model.rope_mixed = False
         model.__class__ = RopeEva
     return model
+
+
+def _warn_rope_removed(model: nn.Module, name: str, reason: str) -> None:
+    warnings.warn(f"apply_pe(init_identity=True) cannot keep this {type(model).__name__} model's own rotary position "
+                  f"embedding as a {name!r} encoding: {reason}. The converted model does NOT compute what the original "
+                  f"did: its rotary embedding is replaced by an identity {name!r} encoding.", UserWarning, stacklevel=3)
+
+
+def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, prefix: str,
+                    pe_opts: Dict[str, Any]) -> _TimmRope:
+    """The model's rotary embedding, if a ``name`` encoding with these options can hold it exactly.
+
+    Raises:
+        _CannotKeep: with the reason it cannot.
+    """
+    attn = model.blocks[0].attn
+    rope = _read_timm_rope(model, attn.head_dim)
+    probe = create_pe(name, head_dim=attn.head_dim, coord_dim=2, num_heads=attn.num_heads, **pe_opts)
+    freq = getattr(probe, "freq_param", None)
+    if not isinstance(probe, MixedRoPE) or not isinstance(freq, nn.Parameter) or \
+            tuple(freq.shape[-2:]) != (2, attn.head_dim // 2):
+        raise _CannotKeep("only encodings with a learnable frequency for every pair and axis that start as plain "
+                          "RoPE ('mixed', 'cayley') can start from it")
+    if coords != "grid":
+        raise _CannotKeep(f"coords={coords!r} places the patches differently from the model's rotary embedding "
+                          f"(use coords='grid')")
+    if prefix != "unrotated":
+        raise _CannotKeep(f"prefix={prefix!r}: timm leaves the prefix tokens unrotated (use prefix='unrotated')")
+    freqs = rope.freqs
+    if freqs.shape[0] > 1 and all(torch.equal(f, freqs[0]) for f in freqs):
+        freqs = freqs[:1]
+    if freqs.shape[1] > 1 and all(torch.equal(freqs[:, h], freqs[:, 0]) for h in range(freqs.shape[1])):
+        freqs = freqs[:, :1]
+    if freqs.shape[1] > 1 and not probe.per_head:
+        raise _CannotKeep("its frequencies differ between heads (use sharing='head')")
+    if freqs.shape[0] > 1 and sharing == "model":
+        raise _CannotKeep("its frequencies differ between blocks (use sharing='head' or 'layer')")
+    if getattr(model.rope, "aug_active", False):
+        warnings.warn("apply_pe: timm's train-time augmentation of the rotary embedding's coordinates is not "
+                      "reproduced; the converted model matches the original in eval mode", UserWarning, stacklevel=3)
+    rope.freqs = freqs
+    return rope
 
 
 def encodings(model: nn.Module) -> List[PositionEncoding]:
