@@ -1,0 +1,132 @@
+"""Triton kernels of the fused frequency rotation (imported lazily by :mod:`ropekit.kernels`).
+
+Shape legend: ``B`` batch, ``H`` heads of the tensor being rotated, ``N`` tokens (prefix tokens first), ``M = N -
+prefix`` tokens that carry a coordinate, ``c`` coordinate dimension, ``d`` head dimension, ``P = d / 2`` planes.
+
+One program rotates a tile of ``BLOCK_N`` tokens of one (example, head) of q or of k: the programs of q come first
+in the launch grid, those of k after them, so both tensors are rotated by one launch. In registers, in fp32::
+
+    theta[n, p] = sum_j coords[b, n - prefix, j] * freqs[h, j, p]       (0 for prefix tokens: identity)
+    y0 = x0 cos(theta) - x1 sin(theta),   y1 = x0 sin(theta) + x1 cos(theta)
+
+where ``(x0, x1)`` is plane ``p``: the dimensions ``(2p, 2p + 1)`` (interleaved pairs) or ``(p, p + P)`` (half
+split). The backward pass is the same rotation by ``-theta`` applied to the output gradient, and, when the
+frequencies or coordinates need a gradient, the angle gradient of every (token, plane)::
+
+    g_theta = g0 * dy0/dtheta + g1 * dy1/dtheta = y0 * g1 - y1 * g0     (dy0/dtheta = -y1, dy1/dtheta = y0)
+
+computed from the saved forward output ``y`` and the incoming gradient ``g``. It is reduced in the kernel to per-tile partial sums -- ``sum_n g_theta[n, p] * coords[n, j]`` for
+the frequencies and ``sum_p g_theta[n, p] * freqs[h, j, p]`` for the coordinates -- which the caller sums over
+tiles, heads and examples in one small deterministic reduction (no atomics).
+
+Whether the kernels are compiled for a GPU or run by Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors)
+is decided by Triton when this module is imported; ``INTERPRET`` records it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+# Triton's own library functions (``tl.sum``, ``tl.zeros``, ``tl.cdiv``) are jit functions whose compile-or-interpret mode was
+# fixed when Triton was imported; the kernels below call only builtins (``tl.reduce`` with the library's sum
+# combiner, which the interpreter recognises) so that they also run when TRITON_INTERPRET is set after that.
+_sum_combine = tl.standard._sum_combine
+
+
+@triton.jit
+def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
+                 y_ptr, syb, syh, syn, syd,
+                 o_ptr, sob, soh, son, sod,
+                 r_ptr, srb, w_ptr, swh,
+                 fpart_ptr, cpart_ptr,
+                 t, H, N, prefix, P, sign,
+                 C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
+                 NEED_FREQ: tl.constexpr, NEED_COORD: tl.constexpr):
+    """Rotate the tile ``t`` (local program index over (b, h, token tile)) of one tensor; see the module doc."""
+    tiles = (N + BLOCK_N - 1) // BLOCK_N
+    tile = t % tiles
+    bh = t // tiles
+    h = bh % H
+    b = (bh // H).to(tl.int64)
+    h64 = h.to(tl.int64)
+
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) token index
+    p = tl.arange(0, BLOCK_P)  # (BP,) plane index
+    nmask = n < N
+    pmask = p < P
+    mask = nmask[:, None] & pmask[None, :]
+    m = n - prefix  # coordinate row; < 0 for prefix tokens
+    rmask = nmask & (m >= 0)
+    r_row = r_ptr + b * srb + m.to(tl.int64) * C  # coords are (Bc, M, C) contiguous fp32
+    w_row = w_ptr + h64 * swh  # freqs are (Hf, C, P) contiguous fp32
+
+    theta = tl.full((BLOCK_N, BLOCK_P), 0.0, tl.float32)
+    for j in tl.static_range(C):
+        r = tl.load(r_row + j, mask=rmask, other=0.0)
+        w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
+        theta += r[:, None] * w[None, :]
+    cos = tl.cos(theta)
+    sin = tl.sin(theta) * sign
+
+    if HALF:
+        d0 = p
+        d1 = p + P
+    else:
+        d0 = 2 * p
+        d1 = 2 * p + 1
+    n64 = n.to(tl.int64)
+    x_base = x_ptr + b * sxb + h64 * sxh + n64[:, None] * sxn
+    x0 = tl.load(x_base + d0[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_base + d1[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
+    y0 = x0 * cos - x1 * sin
+    y1 = x0 * sin + x1 * cos
+    y_base = y_ptr + b * syb + h64 * syh + n64[:, None] * syn
+    tl.store(y_base + d0[None, :] * syd, y0.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_base + d1[None, :] * syd, y1.to(y_ptr.dtype.element_ty), mask=mask)
+
+    if NEED_FREQ or NEED_COORD:
+        # x is the output gradient here and o the saved forward output: g_theta = o0 * g1 - o1 * g0
+        o_base = o_ptr + b * sob + h64 * soh + n64[:, None] * son
+        o0 = tl.load(o_base + d0[None, :] * sod, mask=mask, other=0.0).to(tl.float32)
+        o1 = tl.load(o_base + d1[None, :] * sod, mask=mask, other=0.0).to(tl.float32)
+        g_theta = o0 * x1 - o1 * x0  # (BN, BP); zero outside the tile
+        if NEED_FREQ:
+            f_row = fpart_ptr + t.to(tl.int64) * (C * P)  # (tiles total, C, P) partial sums
+            for j in tl.static_range(C):
+                r = tl.load(r_row + j, mask=rmask, other=0.0)
+                tl.store(f_row + j * P + p, tl.reduce(g_theta * r[:, None], 0, _sum_combine), mask=pmask)
+        if NEED_COORD:
+            c_row = cpart_ptr + ((b * H + h64) * N + n64) * C  # (B, H, N, C) partial sums
+            for j in tl.static_range(C):
+                w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
+                tl.store(c_row + j, tl.reduce(g_theta * w[None, :], 1, _sum_combine), mask=nmask)
+
+
+@triton.jit
+def rotary_kernel(q_ptr, sqb, sqh, sqn, sqd, qy_ptr, sqyb, sqyh, sqyn, sqyd, qo_ptr, sqob, sqoh, sqon, sqod,
+                  rq_ptr, srqb, Hq, Nq,
+                  k_ptr, skb, skh, skn, skd, ky_ptr, skyb, skyh, skyn, skyd, ko_ptr, skob, skoh, skon, skod,
+                  rk_ptr, srkb, Hk, Nk,
+                  w_ptr, swh, fpart_ptr, cqpart_ptr, ckpart_ptr,
+                  q_programs, prefix, P, sign,
+                  C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
+                  NEED_FREQ: tl.constexpr, NEED_COORD: tl.constexpr):
+    """q's tiles are programs ``[0, q_programs)``, k's the rest: one launch for both tensors.
+
+    Forward: ``x = q / k``, ``y`` the rotated outputs, ``sign = 1``. Backward: ``x`` the output gradients, ``y`` the
+    input gradients, ``o`` the saved forward outputs, ``sign = -1`` (the inverse rotation).
+    """
+    pid = tl.program_id(0)
+    if pid < q_programs:
+        _rotate_tile(q_ptr, sqb, sqh, sqn, sqd, qy_ptr, sqyb, sqyh, sqyn, sqyd, qo_ptr, sqob, sqoh, sqon, sqod,
+                     rq_ptr, srqb, w_ptr, swh, fpart_ptr, cqpart_ptr,
+                     pid, Hq, Nq, prefix, P, sign, C, BLOCK_N, BLOCK_P, HALF, NEED_FREQ, NEED_COORD)
+    else:
+        _rotate_tile(k_ptr, skb, skh, skn, skd, ky_ptr, skyb, skyh, skyn, skyd, ko_ptr, skob, skoh, skon, skod,
+                     rk_ptr, srkb, w_ptr, swh, fpart_ptr + q_programs * C * P, ckpart_ptr,
+                     pid - q_programs, Hk, Nk, prefix, P, sign, C, BLOCK_N, BLOCK_P, HALF, NEED_FREQ, NEED_COORD)
