@@ -1,8 +1,9 @@
 """The fused Triton rotation (ropekit.kernels.fused_rotary) against a float64 PyTorch reference written here.
 
-On a machine without a GPU the kernels run in Triton's interpreter: this module sets ``TRITON_INTERPRET=1`` for its
-own tests only (restored afterwards; ropekit.kernels re-imports its kernels in the mode the variable asks for), so
-the rest of the suite is unaffected. Sizes are tiny: the interpreter runs every program in Python.
+With a CUDA device the compiled kernels are tested on it. Without one they run in Triton's interpreter: this
+module then sets ``TRITON_INTERPRET=1`` for its own tests only (restored afterwards; ropekit.kernels re-imports its
+kernels in the mode the variable asks for), so the rest of the suite is unaffected. Sizes are tiny: the
+interpreter runs every program in Python.
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ pytest.importorskip("triton")
 from ropekit.kernels import available, fused_rotary  # noqa: E402
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MODE = "0" if DEVICE == "cuda" else "1"  # TRITON_INTERPRET for this module
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
     old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = MODE
     yield
     if old is None:
         del os.environ["TRITON_INTERPRET"]
@@ -76,20 +81,20 @@ def _make(b=2, hq=2, hk=2, nq=5, nk=None, d=8, c=2, prefix=1, dtype=torch.float3
             x = torch.randn(b, n, 3, h, d, generator=g).permute(2, 0, 3, 1, 4)[1]
         else:
             raise AssertionError(layout)
-        return x.to(dtype).requires_grad_()
+        return x.to(DEVICE, dtype).requires_grad_()
 
     q = head_tensor(hq, nq)
     k = head_tensor(hk, nk) if with_k else None
     mq = nq - prefix
     coords = (torch.randn(b, mq, c, generator=g) if per_example else torch.randn(mq, c, generator=g)) * scale
-    coords.requires_grad_()
+    coords = coords.to(DEVICE).requires_grad_()
     freqs = torch.randn(hq, c, d // 2, generator=g) if per_head else torch.randn(c, d // 2, generator=g)
-    freqs.requires_grad_()
+    freqs = freqs.to(DEVICE).requires_grad_()
     k_coords = None
     if k_len is not None:
         k_coords = (torch.randn(b, nk - prefix, c, generator=g) if per_example
                     else torch.randn(nk - prefix, c, generator=g)) * scale
-        k_coords.requires_grad_()
+        k_coords = k_coords.to(DEVICE).requires_grad_()
     return q, k, coords, freqs, k_coords
 
 
@@ -123,10 +128,10 @@ def _check(prefix=1, pairs="interleaved", dtype=torch.float32, **kw):
     assert torch.equal(qo[:, :, :prefix], q[:, :, :prefix])
 
     g = torch.Generator().manual_seed(123)
-    gq = torch.randn(qo.shape, generator=g).to(dtype)
+    gq = torch.randn(qo.shape, generator=g).to(DEVICE, dtype)
     outs, ref_outs, grads = [qo], [eq], [gq]
     if k is not None:
-        gk = torch.randn(ko.shape, generator=g).to(dtype)
+        gk = torch.randn(ko.shape, generator=g).to(DEVICE, dtype)
         outs.append(ko), ref_outs.append(ek), grads.append(gk)
     got = torch.autograd.grad(outs, leaves, grads)
     want = torch.autograd.grad(ref_outs, ref_leaves, [x.double() for x in grads])
@@ -206,16 +211,17 @@ def test_gradients_only_where_asked():
 
 
 def test_available():
-    assert available("cpu")  # TRITON_INTERPRET=1 in this module
+    assert available(DEVICE)  # CUDA, or TRITON_INTERPRET=1 on the CPU in this module
     assert not available("meta")
     os.environ["TRITON_INTERPRET"] = "0"
     try:
         assert not available("cpu")
         q, k, coords, freqs, _ = _make()
+        q, k, coords, freqs = (t.detach().cpu() for t in (q, k, coords, freqs))
         with pytest.raises(ValueError, match="cannot run"):
             fused_rotary(q, k, coords, freqs, num_prefix_tokens=1)
     finally:
-        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["TRITON_INTERPRET"] = MODE
 
 
 @pytest.mark.parametrize("change,match", [
@@ -235,7 +241,7 @@ def test_available():
 def test_bad_input(change, match):
     q, k, coords, freqs, _ = _make()
     args = dict(q=q, k=k, coords=coords, freqs=freqs, prefix=1, pairs="interleaved")
-    args.update(change)
+    args.update({key: v.to(DEVICE) if isinstance(v, Tensor) else v for key, v in change.items()})
     with pytest.raises(ValueError, match=match):
         fused_rotary(args["q"], args["k"], args["coords"], args["freqs"], num_prefix_tokens=args["prefix"],
                      pairs=args["pairs"])
