@@ -39,6 +39,36 @@ _sum_combine = tl.standard._sum_combine
 
 
 @triton.jit
+def _load_pairs(base, stride, nmask, p, pmask, P, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr):
+    """The two halves ``(x0, x1)`` ``(BLOCK_N, BLOCK_P)`` fp32 of every plane of a tile of rows (``base``: row
+    pointers ``(BLOCK_N, 1)``). Interleaved pairs are read as whole contiguous rows and split in registers, so the
+    loads stay coalesced and vectorised; half-split pairs are two contiguous loads."""
+    mask = nmask[:, None] & pmask[None, :]
+    if HALF:
+        x0 = tl.load(base + p[None, :] * stride, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(base + (p + P)[None, :] * stride, mask=mask, other=0.0).to(tl.float32)
+    else:
+        dims = tl.arange(0, 2 * BLOCK_P)
+        x = tl.load(base + dims[None, :] * stride, mask=nmask[:, None] & (dims < 2 * P)[None, :], other=0.0)
+        x0, x1 = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_N, BLOCK_P, 2)))
+    return x0, x1
+
+
+@triton.jit
+def _store_pairs(base, stride, y0, y1, nmask, p, pmask, P, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+                 HALF: tl.constexpr):
+    """Write the plane halves ``y0``, ``y1`` back in the layout :func:`_load_pairs` reads."""
+    mask = nmask[:, None] & pmask[None, :]
+    if HALF:
+        tl.store(base + p[None, :] * stride, y0, mask=mask)
+        tl.store(base + (p + P)[None, :] * stride, y1, mask=mask)
+    else:
+        dims = tl.arange(0, 2 * BLOCK_P)
+        y = tl.reshape(tl.join(y0, y1), (BLOCK_N, 2 * BLOCK_P))
+        tl.store(base + dims[None, :] * stride, y, mask=nmask[:, None] & (dims < 2 * P)[None, :])
+
+
+@triton.jit
 def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
                  y_ptr, syb, syh, syn, syd,
                  o_ptr, sob, soh, son, sod,
@@ -59,7 +89,6 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
     p = tl.arange(0, BLOCK_P)  # (BP,) plane index
     nmask = n < N
     pmask = p < P
-    mask = nmask[:, None] & pmask[None, :]
     m = n - prefix  # coordinate row; < 0 for prefix tokens
     rmask = nmask & (m >= 0)
     r_row = r_ptr + b * srb + m.to(tl.int64) * C  # coords are (Bc, M, C) contiguous fp32
@@ -73,27 +102,19 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
     cos = tl.cos(theta)
     sin = tl.sin(theta) * sign
 
-    if HALF:
-        d0 = p
-        d1 = p + P
-    else:
-        d0 = 2 * p
-        d1 = 2 * p + 1
     n64 = n.to(tl.int64)
     x_base = x_ptr + b * sxb + h64 * sxh + n64[:, None] * sxn
-    x0 = tl.load(x_base + d0[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_base + d1[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
+    y_base = y_ptr + b * syb + h64 * syh + n64[:, None] * syn
+    x0, x1 = _load_pairs(x_base, sxd, nmask, p, pmask, P, BLOCK_N, BLOCK_P, HALF)
     y0 = x0 * cos - x1 * sin
     y1 = x0 * sin + x1 * cos
-    y_base = y_ptr + b * syb + h64 * syh + n64[:, None] * syn
-    tl.store(y_base + d0[None, :] * syd, y0.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(y_base + d1[None, :] * syd, y1.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_pairs(y_base, syd, y0.to(y_ptr.dtype.element_ty), y1.to(y_ptr.dtype.element_ty), nmask, p, pmask, P,
+                 BLOCK_N, BLOCK_P, HALF)
 
     if NEED_FREQ or NEED_COORD:
         # x is the output gradient here and o the saved forward output: g_theta = o0 * g1 - o1 * g0
         o_base = o_ptr + b * sob + h64 * soh + n64[:, None] * son
-        o0 = tl.load(o_base + d0[None, :] * sod, mask=mask, other=0.0).to(tl.float32)
-        o1 = tl.load(o_base + d1[None, :] * sod, mask=mask, other=0.0).to(tl.float32)
+        o0, o1 = _load_pairs(o_base, sod, nmask, p, pmask, P, BLOCK_N, BLOCK_P, HALF)
         g_theta = o0 * x1 - o1 * x0  # (BN, BP); zero outside the tile
         if NEED_FREQ:
             f_row = fpart_ptr + t.to(tl.int64) * (C * P)  # (tiles total, C, P) partial sums
