@@ -174,6 +174,14 @@ def test_grouped_keys():
     _check(hq=2, hk=1, pairs="half", dtype=torch.bfloat16)
 
 
+def test_copies_sharing_angles_in_several_chunks():
+    """More (example, head) copies share one angle table than one program rotates (8): several chunks per table,
+    the last one partly empty; the angle gradients are summed over all of them."""
+    _check(b=3, hq=4, hk=2, nq=5)  # shared coords and freqs: 12 query copies per table, 6 key copies
+    _check(b=9, hq=2, hk=2, nq=4, per_head=True, pairs="half", dtype=torch.bfloat16)  # 9 examples per head's table
+    _check(b=2, hq=6, hk=3, nq=4, per_example=True, prefix=0)  # 6 heads share each example's table
+
+
 def test_keys_of_another_length():
     _check(nq=4, k_len=7, per_example=True, c=3)
     _check(nq=5, k_len=3, prefix=0, hq=2, hk=1)

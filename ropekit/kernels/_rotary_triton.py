@@ -3,8 +3,10 @@
 Shape legend: ``B`` batch, ``H`` heads of the tensor being rotated, ``N`` tokens (prefix tokens first), ``M = N -
 prefix`` tokens that carry a coordinate, ``c`` coordinate dimension, ``d`` head dimension, ``P = d / 2`` planes.
 
-One program rotates a tile of ``BLOCK_N`` tokens of one (example, head) of q or of k: the programs of q come first
-in the launch grid, those of k after them, so both tensors are rotated by one launch. In registers, in fp32::
+One program rotates a tile of ``BLOCK_N`` tokens of q or of k for a few (example, head) copies whose angles are the
+same (the angles depend on the example only through per-example coordinates, on the head only through per-head
+frequencies), so cos and sin are computed once for all of them. The programs of q come first in the launch grid,
+those of k after them: both tensors are rotated by one launch. In registers, in fp32::
 
     theta[n, p] = sum_j coords[b, n - prefix, j] * freqs[h, j, p]       (0 for prefix tokens: identity)
     y0 = x0 cos(theta) - x1 sin(theta),   y1 = x0 sin(theta) + x1 cos(theta)
@@ -15,9 +17,9 @@ frequencies or coordinates need a gradient, the angle gradient of every (token, 
 
     g_theta = g0 * dy0/dtheta + g1 * dy1/dtheta = y0 * g1 - y1 * g0     (dy0/dtheta = -y1, dy1/dtheta = y0)
 
-computed from the saved forward output ``y`` and the incoming gradient ``g``. It is reduced in the kernel to per-tile partial sums -- ``sum_n g_theta[n, p] * coords[n, j]`` for
-the frequencies and ``sum_p g_theta[n, p] * freqs[h, j, p]`` for the coordinates -- which the caller sums over
-tiles, heads and examples in one small deterministic reduction (no atomics).
+computed from the saved forward output ``y`` and the incoming gradient ``g``. It is summed over the program's copies and reduced in the kernel to per-program partial sums --
+``sum_n g_theta[n, p] * coords[n, j]`` for the frequencies and ``sum_p g_theta[n, p] * freqs[h, j, p]`` for the
+coordinates -- which the caller sums over programs in one small deterministic reduction (no atomics).
 
 Whether the kernels are compiled for a GPU or run by Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors)
 is decided by Triton when this module is imported; ``INTERPRET`` records it.
@@ -74,16 +76,24 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
                  o_ptr, sob, soh, son, sod,
                  r_ptr, srb, w_ptr, swh,
                  fpart_ptr, cpart_ptr,
-                 t, H, N, prefix, P, sign,
+                 t, N, keys_h, reuse_h, reuse, chunk_size, n_chunks, prefix, P, sign,
                  C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
                  NEED_FREQ: tl.constexpr, NEED_COORD: tl.constexpr):
-    """Rotate the tile ``t`` (local program index over (b, h, token tile)) of one tensor; see the module doc."""
+    """Rotate one token tile of ``chunk_size`` (example, head) copies that share their angles; see the module doc.
+
+    The angles depend on the example only through per-example coordinates and on the head only through per-head
+    frequencies. An *angle key* ``(bk, hk)`` names one distinct angle table (``keys_h`` = heads with their own
+    frequencies, 1 when shared); the ``reuse`` copies sharing a key are ``(b, h) = (bk + s // reuse_h, hk + s %
+    reuse_h)`` for ``s < reuse``. The local program index ``t`` enumerates (key, token tile, chunk of copies); cos
+    and sin are computed once per program and reused for its copies.
+    """
     tiles = (N + BLOCK_N - 1) // BLOCK_N
-    tile = t % tiles
-    bh = t // tiles
-    h = bh % H
-    b = (bh // H).to(tl.int64)
-    h64 = h.to(tl.int64)
+    chunk = t % n_chunks
+    rest = t // n_chunks
+    tile = rest % tiles
+    key = rest // tiles
+    bk = key // keys_h
+    hk = key % keys_h
 
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) token index
     p = tl.arange(0, BLOCK_P)  # (BP,) plane index
@@ -91,8 +101,8 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
     pmask = p < P
     m = n - prefix  # coordinate row; < 0 for prefix tokens
     rmask = nmask & (m >= 0)
-    r_row = r_ptr + b * srb + m.to(tl.int64) * C  # coords are (Bc, M, C) contiguous fp32
-    w_row = w_ptr + h64 * swh  # freqs are (Hf, C, P) contiguous fp32
+    r_row = r_ptr + bk.to(tl.int64) * srb + m.to(tl.int64) * C  # coords are (Bc, M, C) contiguous fp32
+    w_row = w_ptr + hk.to(tl.int64) * swh  # freqs are (Hf, C, P) contiguous fp32
 
     theta = tl.full((BLOCK_N, BLOCK_P), 0.0, tl.float32)
     for j in tl.static_range(C):
@@ -103,41 +113,47 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
     sin = tl.sin(theta) * sign
 
     n64 = n.to(tl.int64)
-    x_base = x_ptr + b * sxb + h64 * sxh + n64[:, None] * sxn
-    y_base = y_ptr + b * syb + h64 * syh + n64[:, None] * syn
-    x0, x1 = _load_pairs(x_base, sxd, nmask, p, pmask, P, BLOCK_N, BLOCK_P, HALF)
-    y0 = x0 * cos - x1 * sin
-    y1 = x0 * sin + x1 * cos
-    _store_pairs(y_base, syd, y0.to(y_ptr.dtype.element_ty), y1.to(y_ptr.dtype.element_ty), nmask, p, pmask, P,
-                 BLOCK_N, BLOCK_P, HALF)
+    g_acc = tl.full((BLOCK_N, BLOCK_P), 0.0, tl.float32)  # angle gradient summed over the copies
+    for i in range(chunk_size):
+        s = chunk * chunk_size + i
+        live = nmask & (s < reuse)
+        b = (bk + s // reuse_h).to(tl.int64)
+        h = (hk + s % reuse_h).to(tl.int64)
+        x_base = x_ptr + b * sxb + h * sxh + n64[:, None] * sxn
+        y_base = y_ptr + b * syb + h * syh + n64[:, None] * syn
+        x0, x1 = _load_pairs(x_base, sxd, live, p, pmask, P, BLOCK_N, BLOCK_P, HALF)
+        y0 = x0 * cos - x1 * sin
+        y1 = x0 * sin + x1 * cos
+        _store_pairs(y_base, syd, y0.to(y_ptr.dtype.element_ty), y1.to(y_ptr.dtype.element_ty), live, p, pmask, P,
+                     BLOCK_N, BLOCK_P, HALF)
+        if NEED_FREQ or NEED_COORD:
+            # x is the output gradient here and o the saved forward output: g_theta = o0 * g1 - o1 * g0
+            o_base = o_ptr + b * sob + h * soh + n64[:, None] * son
+            o0, o1 = _load_pairs(o_base, sod, live, p, pmask, P, BLOCK_N, BLOCK_P, HALF)
+            g_acc += o0 * x1 - o1 * x0  # (BN, BP); zero outside the tile and for dead copies
 
-    if NEED_FREQ or NEED_COORD:
-        # x is the output gradient here and o the saved forward output: g_theta = o0 * g1 - o1 * g0
-        o_base = o_ptr + b * sob + h64 * soh + n64[:, None] * son
-        o0, o1 = _load_pairs(o_base, sod, nmask, p, pmask, P, BLOCK_N, BLOCK_P, HALF)
-        g_theta = o0 * x1 - o1 * x0  # (BN, BP); zero outside the tile
-        if NEED_FREQ:
-            f_row = fpart_ptr + t.to(tl.int64) * (C * P)  # (tiles total, C, P) partial sums
-            for j in tl.static_range(C):
-                r = tl.load(r_row + j, mask=rmask, other=0.0)
-                tl.store(f_row + j * P + p, tl.reduce(g_theta * r[:, None], 0, _sum_combine), mask=pmask)
-        if NEED_COORD:
-            c_row = cpart_ptr + ((b * H + h64) * N + n64) * C  # (B, H, N, C) partial sums
-            for j in tl.static_range(C):
-                w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
-                tl.store(c_row + j, tl.reduce(g_theta * w[None, :], 1, _sum_combine), mask=nmask)
+    if NEED_FREQ:
+        f_row = fpart_ptr + t.to(tl.int64) * (C * P)  # (programs, C, P) partial sums, program order
+        for j in tl.static_range(C):
+            r = tl.load(r_row + j, mask=rmask, other=0.0)
+            tl.store(f_row + j * P + p, tl.reduce(g_acc * r[:, None], 0, _sum_combine), mask=pmask)
+    if NEED_COORD:
+        c_row = cpart_ptr + ((key * n_chunks + chunk).to(tl.int64) * N + n64) * C  # (keys, chunks, N, C) partials
+        for j in tl.static_range(C):
+            w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
+            tl.store(c_row + j, tl.reduce(g_acc * w[None, :], 1, _sum_combine), mask=nmask)
 
 
 @triton.jit
 def rotary_kernel(q_ptr, sqb, sqh, sqn, sqd, qy_ptr, sqyb, sqyh, sqyn, sqyd, qo_ptr, sqob, sqoh, sqon, sqod,
-                  rq_ptr, srqb, Hq, Nq,
+                  rq_ptr, srqb, Nq, keys_hq, reuse_hq, reuse_q, chunk_q, n_chunks_q,
                   k_ptr, skb, skh, skn, skd, ky_ptr, skyb, skyh, skyn, skyd, ko_ptr, skob, skoh, skon, skod,
-                  rk_ptr, srkb, Hk, Nk,
+                  rk_ptr, srkb, Nk, keys_hk, reuse_hk, reuse_k, chunk_k, n_chunks_k,
                   w_ptr, swh, fpart_ptr, cqpart_ptr, ckpart_ptr,
                   q_programs, prefix, P, sign,
                   C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
                   NEED_FREQ: tl.constexpr, NEED_COORD: tl.constexpr):
-    """q's tiles are programs ``[0, q_programs)``, k's the rest: one launch for both tensors.
+    """q's programs are ``[0, q_programs)``, k's the rest: one launch for both tensors.
 
     Forward: ``x = q / k``, ``y`` the rotated outputs, ``sign = 1``. Backward: ``x`` the output gradients, ``y`` the
     input gradients, ``o`` the saved forward outputs, ``sign = -1`` (the inverse rotation).
@@ -146,8 +162,10 @@ def rotary_kernel(q_ptr, sqb, sqh, sqn, sqd, qy_ptr, sqyb, sqyh, sqyn, sqyd, qo_
     if pid < q_programs:
         _rotate_tile(q_ptr, sqb, sqh, sqn, sqd, qy_ptr, sqyb, sqyh, sqyn, sqyd, qo_ptr, sqob, sqoh, sqon, sqod,
                      rq_ptr, srqb, w_ptr, swh, fpart_ptr, cqpart_ptr,
-                     pid, Hq, Nq, prefix, P, sign, C, BLOCK_N, BLOCK_P, HALF, NEED_FREQ, NEED_COORD)
+                     pid, Nq, keys_hq, reuse_hq, reuse_q, chunk_q, n_chunks_q, prefix, P, sign,
+                     C, BLOCK_N, BLOCK_P, HALF, NEED_FREQ, NEED_COORD)
     else:
         _rotate_tile(k_ptr, skb, skh, skn, skd, ky_ptr, skyb, skyh, skyn, skyd, ko_ptr, skob, skoh, skon, skod,
                      rk_ptr, srkb, w_ptr, swh, fpart_ptr + q_programs * C * P, ckpart_ptr,
-                     pid - q_programs, Hk, Nk, prefix, P, sign, C, BLOCK_N, BLOCK_P, HALF, NEED_FREQ, NEED_COORD)
+                     pid - q_programs, Nk, keys_hk, reuse_hk, reuse_k, chunk_k, n_chunks_k, prefix, P, sign,
+                     C, BLOCK_N, BLOCK_P, HALF, NEED_FREQ, NEED_COORD)

@@ -137,44 +137,78 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+#: (example, head) copies that one program rotates with the same cos/sin (fewer programs, less sin/cos work).
+CHUNK = 8
+
+
+def _geometry(x: Tensor, r: Tensor, w: Tensor, block_n: int) -> Tuple[int, ...]:
+    """How one tensor's programs are laid out: ``(keys_b, keys_h, reuse_h, reuse, chunk, n_chunks, programs)``.
+
+    An angle key is an (example, head) pair with its own angles: ``keys_b`` = B for per-example coordinates (else 1),
+    ``keys_h`` = H for per-head frequencies (else 1); ``reuse`` copies share each key, ``reuse_h`` of them along the
+    heads; programs = keys x token tiles x chunks of ``chunk`` copies.
+    """
+    b, h, n, _ = x.shape
+    keys_b = b if r.shape[0] > 1 else 1
+    keys_h = h if w.shape[0] > 1 else 1
+    reuse_h = h // keys_h
+    reuse = (b // keys_b) * reuse_h
+    chunk = min(CHUNK, reuse)
+    n_chunks = _cdiv(reuse, chunk)
+    return keys_b, keys_h, reuse_h, reuse, chunk, n_chunks, keys_b * keys_h * _cdiv(n, block_n) * n_chunks
+
+
 def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Tensor], y_k: Optional[Tensor],
             o_k: Optional[Tensor], r_k: Optional[Tensor], w: Tensor, prefix: int, half: bool, sign: float,
             need_freq: bool, need_coord: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """One launch over q's and k's tiles. ``r_*``: fp32 contiguous (Bc, M, c); ``w``: fp32 contiguous (Hf, c, P).
+    """One launch over q's and k's programs. ``r_*``: fp32 contiguous (Bc, M, c); ``w``: fp32 contiguous (Hf, c, P).
 
-    Returns the partial sums (frequency partials ``(tiles, c, P)``, coordinate partials of q ``(B, Hq, Nq, c)`` and
-    of k ``(B, Hk, Nk, c)``) when asked for, else None.
+    Returns the reduced angle-gradient products when asked for, else None: the frequency gradient ``(Hf, c, P)``,
+    and the coordinate gradients of q's and of k's tokens ``(Bc, N, c)`` (prefix rows included, summed over heads).
     """
     mod = _kernels()
-    b, hq, nq, d = x_q.shape
+    dev = x_q.device
+    d = x_q.shape[3]
     p = d // 2
     c = w.shape[1]
     block_n, block_p = _blocks(d)
-    q_programs = b * hq * _cdiv(nq, block_n)
+    gq = _geometry(x_q, r_q, w, block_n)
     if x_k is None:
-        x_k, y_k, o_k, r_k, hk, nk, k_programs = x_q, y_q, o_q, r_q, hq, nq, 0
+        x_k, y_k, o_k, r_k, gk = x_q, y_q, o_q, r_q, gq[:-1] + (0,)
     else:
-        hk, nk = x_k.shape[1], x_k.shape[2]
-        k_programs = b * hk * _cdiv(nk, block_n)
-    dev = x_q.device
+        gk = _geometry(x_k, r_k, w, block_n)
+    q_programs, k_programs = gq[-1], gk[-1]
     fpart = torch.empty((q_programs + k_programs, c, p) if need_freq else (1,), device=dev, dtype=torch.float32)
-    cq = torch.empty((b, hq, nq, c) if need_coord else (1,), device=dev, dtype=torch.float32)
-    ck = torch.empty((b, hk, nk, c) if (need_coord and k_programs) else (1,), device=dev, dtype=torch.float32)
+
+    def cpart(x: Tensor, g: Tuple[int, ...], used: bool) -> Tensor:
+        keys = g[0] * g[1]
+        return torch.empty((keys * g[5], x.shape[2], c) if (need_coord and used) else (1,), device=dev,
+                           dtype=torch.float32)
+
+    cq, ck = cpart(x_q, gq, True), cpart(x_k, gk, k_programs > 0)
     srq = r_q.stride(0) if r_q.shape[0] > 1 else 0  # batch stride 0: coordinates shared by the batch
     srk = r_k.stride(0) if r_k.shape[0] > 1 else 0
     mod.rotary_kernel[(q_programs + k_programs,)](
-        x_q, *x_q.stride(), y_q, *y_q.stride(), o_q, *o_q.stride(), r_q, srq, hq, nq,
-        x_k, *x_k.stride(), y_k, *y_k.stride(), o_k, *o_k.stride(), r_k, srk, hk, nk,
+        x_q, *x_q.stride(), y_q, *y_q.stride(), o_q, *o_q.stride(), r_q, srq, x_q.shape[2], *gq[1:6],
+        x_k, *x_k.stride(), y_k, *y_k.stride(), o_k, *o_k.stride(), r_k, srk, x_k.shape[2], *gk[1:6],
         w, w.stride(0) if w.shape[0] > 1 else 0, fpart, cq, ck,
         q_programs, prefix, p, sign,
         C=c, BLOCK_N=block_n, BLOCK_P=block_p, HALF=half, NEED_FREQ=need_freq, NEED_COORD=need_coord,
         num_warps=4)
-    return (fpart if need_freq else None, cq if need_coord else None,
-            ck if (need_coord and k_programs) else None)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    g_w = g_rq = g_rk = None
+    if need_freq:  # program order (key_b, key_h, tile, chunk): sum all but key_h
+        g_w = fpart[:q_programs].view(gq[0], gq[1], -1, c, p).sum((0, 2))
+        if k_programs:
+            g_w = g_w + fpart[q_programs:].view(gk[0], gk[1], -1, c, p).sum((0, 2))
+    if need_coord:  # (key_b, key_h x chunks, N, c): sum over heads and chunks
+        g_rq = cq.view(gq[0], -1, x_q.shape[2], c).sum(1)
+        if k_programs:
+            g_rk = ck.view(gk[0], -1, x_k.shape[2], c).sum(1)
+    return g_w, g_rq, g_rk
 
 
 def _as_rows(coords: Tensor) -> Tensor:
@@ -223,36 +257,24 @@ class _FusedRotary(torch.autograd.Function):
         # gradients of unused outputs arrive as zeros (autograd materialises them), so g_q / g_k are tensors
         gq_in = torch.empty_like(g_q)  # follows the layout the gradient arrives in
         gk_in = None if g_k is None else torch.empty_like(g_k)
-        fpart, cq, ck = _launch(g_q, gq_in, o_q if o_q is not None else g_q, r_q,
-                                g_k, gk_in, o_k if o_k is not None else g_k, r_k, w, ctx.prefix, ctx.half, -1.0,
-                                need_freq, need_coord)
+        g_w, g_rq, g_rk = _launch(g_q, gq_in, o_q if o_q is not None else g_q, r_q,
+                                  g_k, gk_in, o_k if o_k is not None else g_k, r_k, w, ctx.prefix, ctx.half, -1.0,
+                                  need_freq, need_coord)
         g_freqs = g_coords = g_kc = None
         if need_freq:
-            hf = w.shape[0]
-            if hf == 1:
-                g_w = fpart.sum(0, keepdim=True)  # (1, c, P)
-            else:  # per head: the partials of q's tiles, then k's, each (B, H, tiles, c, P)
-                b, hq, nq = g_q.shape[:3]
-                block_n, _ = _blocks(g_q.shape[3])
-                nqt = b * hq * _cdiv(nq, block_n)
-                g_w = fpart[:nqt].view(b, hq, -1, *fpart.shape[1:]).sum((0, 2))
-                if g_k is not None:
-                    hk, nk = g_k.shape[1:3]
-                    g_w = g_w + fpart[nqt:].view(b, hk, -1, *fpart.shape[1:]).sum((0, 2))
             shape, dtype = ctx.freqs_meta
             g_freqs = g_w.reshape(shape).to(dtype)
         if need_coord:
             prefix = ctx.prefix
-            g_rq = cq[:, :, prefix:].sum(1)  # (B, Mq, c)
+            g_rq = g_rq[:, prefix:]  # (Bc, Mq, c)
             if ctx.has_k and not ctx.has_k_coords:
-                g_rq = g_rq + ck[:, :, prefix:].sum(1)
-            shape, dtype = ctx.coords_meta
+                g_rq = g_rq + g_rk[:, prefix:]
             if ctx.needs_input_grad[2]:
-                g_coords = (g_rq if len(shape) == 3 else g_rq.sum(0)).to(dtype)
+                shape, dtype = ctx.coords_meta
+                g_coords = g_rq.reshape(shape).to(dtype)
             if ctx.has_k_coords and ctx.needs_input_grad[4]:
-                g_rk = ck[:, :, prefix:].sum(1)
-                kshape, kdtype = ctx.k_coords_meta
-                g_kc = (g_rk if len(kshape) == 3 else g_rk.sum(0)).to(kdtype)
+                shape, dtype = ctx.k_coords_meta
+                g_kc = g_rk[:, prefix:].reshape(shape).to(dtype)
         return (gq_in if ctx.needs_input_grad[0] else None, gk_in if ctx.has_k and ctx.needs_input_grad[1] else None,
                 g_coords, g_freqs, g_kc, None, None)
 
