@@ -46,8 +46,20 @@ def test_cli_quick_writes_json_and_markdown(tmp_path, capsys):
                "--grid", "3", "--threads", "1", "--no-vit", "--no-memory", "--json", str(out), "--markdown", str(md)])
     assert rc == 0
     recs = json.loads(out.read_text())
-    assert [r["label"] for r in recs] == ["axial"]
+    assert [r["label"] for r in recs] == ["axial"] and recs[0]["device"] == "cpu"
     assert "python -m ropekit.bench --quick" in md.read_text()
+
+
+def test_partial_results_are_reported_after_each_row():
+    seen = []
+    records = run_bench(_tiny(rows=("none", "axial"), cases=("grid2d",), vit=()), log=lambda s: None,
+                        on_record=lambda recs: seen.append([r["label"] for r in recs]))
+    assert seen == [["none"], ["none", "axial"]] and all("cpu" in r and "load_avg_end" in r for r in records)
+
+
+def test_bad_vit_mode():
+    with pytest.raises(ValueError, match="modes"):
+        run_bench(_tiny(rows=("none",), cases=("grid2d",), vit_modes=("fast",)), log=lambda s: None)
 
 
 def _args(argv):
@@ -63,6 +75,8 @@ def test_cuda_config_from_cli():
     cfg = config_from_args(_args(["--device", "cuda", "--vit-batch", "32", "--no-compile", "--no-timm", "--batch", "8",
                                   "--vit-pes", "axial"]))
     assert cfg.vit_batch == 32 and not cfg.compile and not cfg.timm and cfg.batch == 8 and cfg.vit_pes == ("axial",)
+    cfg = config_from_args(_args(["--device", "cuda", "--vit-modes", "compiled"]))
+    assert cfg.vit_modes == ("compiled",)
     cpu = config_from_args(_args([]))
     assert not cpu.on_gpu and cpu.dtype == "fp32" and cpu.batch == 8 and not cpu.compile
 

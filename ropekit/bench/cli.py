@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", dest="compile", action="store_true", default=None,
                    help="also time the training step under torch.compile (default on a GPU)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager training steps only")
+    p.add_argument("--vit-modes", nargs="+", choices=("eager", "compiled"),
+                   help="which training-step tables to run (overrides --compile / --no-compile), e.g. "
+                        "`--vit-modes compiled` for the compiled table alone")
     p.add_argument("--no-timm", action="store_true", help="skip the timm vit_base_patch16_224 reference row")
     p.add_argument("--json", metavar="FILE", help="write the records (a JSON list) to FILE")
     p.add_argument("--markdown", metavar="FILE", help="also write the markdown report to FILE")
@@ -70,6 +73,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     for name in ("batch", "repeats", "dtype", "vit_batch", "compile"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
+    if args.vit_modes:
+        kw["vit_modes"] = tuple(args.vit_modes)
     if args.vit_pes:
         kw["vit_pes"] = tuple(args.vit_pes)
     if args.no_vit:
@@ -89,7 +94,14 @@ def run(args: argparse.Namespace) -> int:
         command = "python -m ropekit.bench " + " ".join(shlex.quote(a) for a in args._argv)
     else:  # ropekit bench (sys.argv: ropekit, bench, options)
         command = "ropekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    records = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+
+    def save(records: list) -> None:  # after every row: a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        if args.markdown:
+            Path(args.markdown).write_text(format_report(records, command=command.strip()) + "\n")
+
+    records = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True), on_record=save)
     report = format_report(records, command=command.strip())
     print(report)
     if args.json:

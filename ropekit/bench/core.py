@@ -166,6 +166,7 @@ class BenchConfig:
     dtype: str = "fp32"  # q/k dtype and autocast dtype ("fp32": no autocast)
     vit_batch: Optional[int] = None  # batch of the ViT steps (None: 32 tiny, 8 base on the CPU; 128 base on a GPU)
     compile: bool = False  # also the training-step table under torch.compile
+    vit_modes: Optional[Tuple[str, ...]] = None  # "eager" and/or "compiled"; None: eager (+ compiled if compile)
     timm: bool = True  # timm's vit_base_patch16_224 row (base size only)
 
     @classmethod
@@ -710,7 +711,7 @@ def _bench_vit(size: str, cfg: BenchConfig, log: Callable[[str], None], compiled
             records.append(rec)
             log(f"  vit-{size:4s} {mode:8s} {label:14s} skipped: {rec['skipped']}")
             continue
-        except (ValueError, RuntimeError) as e:  # an encoding that cannot build or compile
+        except Exception as e:  # an encoding that cannot build, compile (Inductor errors) or fit in memory
             rec["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             records.append(rec)
             log(f"  vit-{size:4s} {mode:8s} {label:14s} skipped: {rec['skipped']}")
@@ -729,8 +730,12 @@ def _bench_vit(size: str, cfg: BenchConfig, log: Callable[[str], None], compiled
 
 
 # ----------------------------------------------------------------------------- driver
-def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
+def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = print,
+              on_record: Optional[Callable[[List[Dict[str, Any]]], None]] = None) -> List[Dict[str, Any]]:
     """Run the benchmark; returns the records (one per row and case, then one per ViT size and encoding).
+
+    ``on_record(records)`` is called with the records so far after each row (e.g. to save partial results of a
+    run that may be cut short).
 
     The number of torch threads is set to ``cfg.threads`` for the run and restored afterwards.
     """
@@ -753,22 +758,40 @@ def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = pr
                 f"{cfg.dtype} on {cfg.device}, {cfg.threads} threads")
             for row in cfg.selected_rows():
                 records.append(_bench_row(row, case, cfg, log))
+                _stamp(records[-1:], cfg, info)
+                if on_record:
+                    on_record(records)
+        modes = cfg.vit_modes or (("eager", "compiled") if cfg.compile else ("eager",))
+        for mode in modes:
+            if mode not in ("eager", "compiled"):
+                raise ValueError(f"ViT modes are 'eager' and 'compiled', got {mode!r}")
         for size in cfg.vit:
-            for compiled in ((False, True) if cfg.compile else (False,)):
+            for mode in modes:
+                compiled = mode == "compiled"
                 log(f"[vit-{size}] training step, batch {_vit_batch(size, cfg)}, {cfg.dtype}"
                     + (", torch.compile" if compiled else ""))
-                records.extend(_bench_vit(size, cfg, log, compiled))
+                recs = _bench_vit(size, cfg, log, compiled)
+                _stamp(recs, cfg, info)
+                records.extend(recs)
+                if on_record:
+                    on_record(records)
         elapsed = time.perf_counter() - t_start
     finally:
         torch.set_num_threads(old_threads)
     load_end = machine_info()["load_avg"]
     for rec in records:
-        rec.update(threads=cfg.threads, clock="cuda events" if cfg.on_gpu else cfg.clock, cpu=info["cpu"],
-                   cpus=info["cpus"], torch=info["torch"], quick=cfg.quick, load_avg_start=info["load_avg"],
-                   load_avg_end=load_end, device=cfg.device, dtype=cfg.dtype,
-                   **{k: info[k] for k in ("gpu", "capability", "cuda", "triton", "tf32_matmul") if k in info})
+        rec["load_avg_end"] = load_end
     log(f"done in {elapsed:.0f} s")
     return records
+
+
+def _stamp(records: List[Dict[str, Any]], cfg: BenchConfig, info: Dict[str, Any]) -> None:
+    """Machine, device and settings into each record."""
+    for rec in records:
+        rec.update(threads=cfg.threads, clock="cuda events" if cfg.on_gpu else cfg.clock, cpu=info["cpu"],
+                   cpus=info["cpus"], torch=info["torch"], quick=cfg.quick, load_avg_start=info["load_avg"],
+                   device=cfg.device, dtype=cfg.dtype,
+                   **{k: info[k] for k in ("gpu", "capability", "cuda", "triton", "tf32_matmul") if k in info})
 
 
 def as_dict(cfg: BenchConfig) -> Dict[str, Any]:
