@@ -296,6 +296,8 @@ def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, 
     Returns:
         ``(q_out, k_out)`` in the inputs' dtype and layout (``k_out`` is None when ``k`` is None). Angles and
         rotation are computed in fp32; gradients reach ``q``, ``k``, ``freqs``, ``coords`` and ``k_coords``.
+        When ``freqs`` or coordinates need a gradient the outputs are saved for the backward pass (attention
+        keeps them anyway), so they must not be modified in place.
 
     Raises:
         ValueError: on inconsistent shapes, dtypes or devices, or when the device cannot run the kernel (a CPU
