@@ -41,18 +41,19 @@ _sum_combine = tl.standard._sum_combine
 
 
 @triton.jit
-def _load_pairs(base, stride, nmask, p, pmask, P, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr):
-    """The two halves ``(x0, x1)`` ``(BLOCK_N, BLOCK_P)`` fp32 of every plane of a tile of rows (``base``: row
+def _load_pairs(base, stride, nmask, p, pmask, P, acc, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+                HALF: tl.constexpr):
+    """The two halves ``(x0, x1)`` ``(BLOCK_N, BLOCK_P)`` in the compute dtype of ``acc`` of every plane of a tile of rows (``base``: row
     pointers ``(BLOCK_N, 1)``). Interleaved pairs are read as whole contiguous rows and split in registers, so the
     loads stay coalesced and vectorised; half-split pairs are two contiguous loads."""
     mask = nmask[:, None] & pmask[None, :]
     if HALF:
-        x0 = tl.load(base + p[None, :] * stride, mask=mask, other=0.0).to(tl.float32)
-        x1 = tl.load(base + (p + P)[None, :] * stride, mask=mask, other=0.0).to(tl.float32)
+        x0 = tl.load(base + p[None, :] * stride, mask=mask, other=0.0).to(acc.dtype)
+        x1 = tl.load(base + (p + P)[None, :] * stride, mask=mask, other=0.0).to(acc.dtype)
     else:
         dims = tl.arange(0, 2 * BLOCK_P)
         x = tl.load(base + dims[None, :] * stride, mask=nmask[:, None] & (dims < 2 * P)[None, :], other=0.0)
-        x0, x1 = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_N, BLOCK_P, 2)))
+        x0, x1 = tl.split(tl.reshape(x.to(acc.dtype), (BLOCK_N, BLOCK_P, 2)))
     return x0, x1
 
 
@@ -101,11 +102,14 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
     pmask = p < P
     m = n - prefix  # coordinate row; < 0 for prefix tokens
     rmask = nmask & (m >= 0)
-    r_row = r_ptr + bk.to(tl.int64) * srb + m.to(tl.int64) * C  # coords are (Bc, M, C) contiguous fp32
-    w_row = w_ptr + hk.to(tl.int64) * swh  # freqs are (Hf, C, P) contiguous fp32
+    # coords (Bc, M, C) and freqs (Hf, C, P) are contiguous in the compute dtype: fp32, or fp64 for fp64 inputs
+    r_row = r_ptr + bk.to(tl.int64) * srb + m.to(tl.int64) * C
+    w_row = w_ptr + hk.to(tl.int64) * swh
 
-    theta = tl.full((BLOCK_N, BLOCK_P), 0.0, tl.float32)
-    for j in tl.static_range(C):
+    r = tl.load(r_row, mask=rmask, other=0.0)
+    w = tl.load(w_row + p, mask=pmask, other=0.0)
+    theta = r[:, None] * w[None, :]  # (BN, BP) in the compute dtype
+    for j in tl.static_range(1, C):
         r = tl.load(r_row + j, mask=rmask, other=0.0)
         w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
         theta += r[:, None] * w[None, :]
@@ -113,7 +117,7 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
     sin = tl.sin(theta) * sign
 
     n64 = n.to(tl.int64)
-    g_acc = tl.full((BLOCK_N, BLOCK_P), 0.0, tl.float32)  # angle gradient summed over the copies
+    g_acc = theta * 0.0  # angle gradient summed over the copies
     for i in range(chunk_size):
         s = chunk * chunk_size + i
         live = nmask & (s < reuse)
@@ -121,7 +125,7 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
         h = (hk + s % reuse_h).to(tl.int64)
         x_base = x_ptr + b * sxb + h * sxh + n64[:, None] * sxn
         y_base = y_ptr + b * syb + h * syh + n64[:, None] * syn
-        x0, x1 = _load_pairs(x_base, sxd, live, p, pmask, P, BLOCK_N, BLOCK_P, HALF)
+        x0, x1 = _load_pairs(x_base, sxd, live, p, pmask, P, theta, BLOCK_N, BLOCK_P, HALF)
         y0 = x0 * cos - x1 * sin
         y1 = x0 * sin + x1 * cos
         _store_pairs(y_base, syd, y0.to(y_ptr.dtype.element_ty), y1.to(y_ptr.dtype.element_ty), live, p, pmask, P,
@@ -129,7 +133,7 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
         if NEED_FREQ or NEED_COORD:
             # x is the output gradient here and o the saved forward output: g_theta = o0 * g1 - o1 * g0
             o_base = o_ptr + b * sob + h * soh + n64[:, None] * son
-            o0, o1 = _load_pairs(o_base, sod, live, p, pmask, P, BLOCK_N, BLOCK_P, HALF)
+            o0, o1 = _load_pairs(o_base, sod, live, p, pmask, P, theta, BLOCK_N, BLOCK_P, HALF)
             g_acc += o0 * x1 - o1 * x0  # (BN, BP); zero outside the tile and for dead copies
 
     if NEED_FREQ:

@@ -7,9 +7,9 @@ dimension, ``P = d / 2`` rotation planes.
 
 Plane ``p`` of a head vector is the pair of dimensions ``(2p, 2p + 1)`` (``pairs="interleaved"``) or
 ``(p, p + d / 2)`` (``pairs="half"``); it turns counter-clockwise by ``theta_p(r) = sum_j r_j * freqs[j, p]``.
-Angles, cos/sin and the rotation are computed in fp32 registers from the coordinates and frequencies -- no
-angle or cos/sin table is written to memory, and no matrix product is involved, so the angles do not depend on
-the TF32 setting. Inputs and outputs keep their dtype (bf16, fp16 or fp32).
+Angles, cos/sin and the rotation are computed in fp32 registers (fp64 when an input is fp64) from the coordinates
+and frequencies -- no angle or cos/sin table is written to memory, and no matrix product is involved, so the
+angles do not depend on the TF32 setting. Inputs and outputs keep their dtype (bf16, fp16, fp32 or fp64).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 
 __all__ = ["available", "fused_rotary"]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MODULE = "ropekit.kernels._rotary_triton"
 
 
@@ -82,7 +82,7 @@ def _validate(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, k_c
     if q.dim() != 4:
         raise ValueError(f"q must be (B, H, N, d), got shape {tuple(q.shape)}")
     if q.dtype not in _DTYPES:
-        raise ValueError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+        raise ValueError(f"q must be float32, float16, bfloat16 or float64, got {q.dtype}")
     b, hq, nq, d = q.shape
     if d % 2:
         raise ValueError(f"head dimension must be even, got {d}")
@@ -106,8 +106,8 @@ def _validate(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, k_c
         return
     if k.dim() != 4 or k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k must be (B={b}, Hk, Nk, d={d}), got shape {tuple(k.shape)}")
-    if k.dtype != q.dtype:
-        raise ValueError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
+    if k.dtype not in _DTYPES:
+        raise ValueError(f"k must be float32, float16, bfloat16 or float64, got {k.dtype}")
     if k.device != q.device:
         raise ValueError(f"k is on {k.device} but q is on {q.device}")
     hk, nk = k.shape[1], k.shape[2]
@@ -165,7 +165,8 @@ def _geometry(x: Tensor, r: Tensor, w: Tensor, block_n: int) -> Tuple[int, ...]:
 def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Tensor], y_k: Optional[Tensor],
             o_k: Optional[Tensor], r_k: Optional[Tensor], w: Tensor, prefix: int, half: bool, sign: float,
             need_freq: bool, need_coord: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """One launch over q's and k's programs. ``r_*``: fp32 contiguous (Bc, M, c); ``w``: fp32 contiguous (Hf, c, P).
+    """One launch over q's and k's programs. ``r_*``: contiguous (Bc, M, c) and ``w``: contiguous (Hf, c, P), both
+    in the compute dtype (fp32, or fp64).
 
     Returns the reduced angle-gradient products when asked for, else None: the frequency gradient ``(Hf, c, P)``,
     and the coordinate gradients of q's and of k's tokens ``(Bc, N, c)`` (prefix rows included, summed over heads).
@@ -182,12 +183,13 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
     else:
         gk = _geometry(x_k, r_k, w, block_n)
     q_programs, k_programs = gq[-1], gk[-1]
-    fpart = torch.empty((q_programs + k_programs, c, p) if need_freq else (1,), device=dev, dtype=torch.float32)
+    acc = w.dtype  # the compute dtype: float32, or float64 for float64 inputs
+    fpart = torch.empty((q_programs + k_programs, c, p) if need_freq else (1,), device=dev, dtype=acc)
 
     def cpart(x: Tensor, g: Tuple[int, ...], used: bool) -> Tensor:
         keys = g[0] * g[1]
         return torch.empty((keys * g[5], x.shape[2], c) if (need_coord and used) else (1,), device=dev,
-                           dtype=torch.float32)
+                           dtype=acc)
 
     cq, ck = cpart(x_q, gq, True), cpart(x_k, gk, k_programs > 0)
     srq = r_q.stride(0) if r_q.shape[0] > 1 else 0  # batch stride 0: coordinates shared by the batch
@@ -211,9 +213,14 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
     return g_w, g_rq, g_rk
 
 
-def _as_rows(coords: Tensor) -> Tensor:
-    """Coordinates as fp32 contiguous ``(Bc, M, c)`` (``Bc = 1`` when shared by the batch)."""
-    r = coords.detach().to(torch.float32)
+def _compute_dtype(*xs: Optional[Tensor]) -> torch.dtype:
+    """float64 when an input is float64, else float32 (the dtype of angles, cos/sin and the rotation)."""
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def _as_rows(coords: Tensor, dtype: torch.dtype) -> Tensor:
+    """Coordinates as contiguous ``(Bc, M, c)`` in ``dtype`` (``Bc = 1`` when shared by the batch)."""
+    r = coords.detach().to(dtype)
     return (r.unsqueeze(0) if r.dim() == 2 else r).contiguous()
 
 
@@ -221,9 +228,10 @@ class _FusedRotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, k_coords: Optional[Tensor],
                 prefix: int, half: bool):
-        r_q = _as_rows(coords)
-        r_k = r_q if k_coords is None else _as_rows(k_coords)
-        w = freqs.detach().to(torch.float32)
+        acc = _compute_dtype(q, k)
+        r_q = _as_rows(coords, acc)
+        r_k = r_q if k_coords is None else _as_rows(k_coords, acc)
+        w = freqs.detach().to(acc)
         w = (w.unsqueeze(0) if w.dim() == 2 else w).contiguous()  # (Hf, c, P)
         q_out = torch.empty_like(q)  # keeps q's layout when it is a dense (permuted) view
         k_out = None if k is None else torch.empty_like(k)
@@ -284,8 +292,10 @@ def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, 
     """Rotate ``q`` and ``k`` by the angles ``coords . freqs`` in one fused launch; differentiable in all four.
 
     Args:
-        q: ``(B, Hq, Nq, d)`` float32 / float16 / bfloat16, any strides (e.g. a transposed ``(B, N, H, d)`` view).
-        k: ``(B, Hk, Nk, d)`` of q's dtype with ``Hk`` dividing ``Hq`` (grouped keys need shared freqs), or None.
+        q: ``(B, Hq, Nq, d)`` float32 / float16 / bfloat16 (float64 too: then computed in float64), any strides
+            (e.g. a transposed ``(B, N, H, d)`` view).
+        k: ``(B, Hk, Nk, d)`` (any of those dtypes) with ``Hk`` dividing ``Hq`` (grouped keys need shared freqs), or
+            None.
         coords: ``(Mq, c)`` shared by the batch or ``(B, Mq, c)`` per example, ``Mq = Nq - num_prefix_tokens``.
         freqs: ``(c, d / 2)`` shared by the heads or ``(H, c, d / 2)`` per head.
         k_coords: the keys' coordinates ``(Mk, c)`` / ``(B, Mk, c)`` when they differ from the queries'
@@ -294,8 +304,9 @@ def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, 
         pairs: ``"interleaved"`` (planes ``(2p, 2p + 1)``) or ``"half"`` (planes ``(p, p + d / 2)``).
 
     Returns:
-        ``(q_out, k_out)`` in the inputs' dtype and layout (``k_out`` is None when ``k`` is None). Angles and
-        rotation are computed in fp32; gradients reach ``q``, ``k``, ``freqs``, ``coords`` and ``k_coords``.
+        ``(q_out, k_out)`` in the inputs' dtypes and layouts (``k_out`` is None when ``k`` is None). Angles and
+        rotation are computed in fp32 (fp64 when an input is fp64); gradients reach ``q``, ``k``, ``freqs``,
+        ``coords`` and ``k_coords``.
         When ``freqs`` or coordinates need a gradient the outputs are saved for the backward pass (attention
         keeps them anyway), so they must not be modified in place.
 
