@@ -37,11 +37,11 @@ def _reference(pe, coords: torch.Tensor) -> torch.Tensor:
     gen = pe.generators().detach().double()  # (H, c, d, d)
     post = pe.post_rotation_matrix()
     post = torch.eye(D, dtype=torch.float64).expand(H, D, D) if post is None else post.detach()
-    if coords.dim() == 2:
-        g = torch.einsum("mc,hcij->hmij", coords, gen)
-        return torch.linalg.matrix_exp(g.contiguous()) @ post.unsqueeze(1)
-    g = torch.einsum("bmc,hcij->bhmij", coords, gen)
-    return torch.linalg.matrix_exp(g.contiguous()) @ post.unsqueeze(1).unsqueeze(0)
+    g = torch.einsum("...mc,hcij->...hmij", coords, gen).contiguous()  # (B?, H, M, d, d)
+    post = post.unsqueeze(1)  # (H, 1, d, d)
+    if pe.name == "cayley":  # Cayley's generators are P^T J_k P: R(r) = P expm(sum_k r_k L_k)
+        return post @ torch.linalg.matrix_exp(g)
+    return torch.linalg.matrix_exp(g) @ post  # R(r) = R_STR(r) P
 
 
 @pytest.mark.parametrize("name", list_pes())

@@ -284,7 +284,7 @@ def test_cayley_matches_explicit_inverse_and_expm_of_implied_generators():
         rope = _expm_blocks([_rot2(v) for v in theta])
         assert torch.allclose(got[t], rope @ p, atol=1e-10)
         gen = pe.generators()[0]
-        assert torch.allclose(got[t], torch.linalg.matrix_exp(torch.einsum("c,cij->ij", coords[t], gen)) @ p, atol=1e-10)
+        assert torch.allclose(got[t], p @ torch.linalg.matrix_exp(torch.einsum("c,cij->ij", coords[t], gen)), atol=1e-10)
 
 
 @pytest.mark.parametrize("name", ["comrope-ap", "comrope-ld"])

@@ -3,8 +3,8 @@
 ``S`` is skew-symmetric, stored by its free entries (the strict upper triangle, ``d (d - 1) / 2`` numbers per
 parameter head; with ``band`` only the entries with ``0 < j - i <= band``); they start at zero, so the
 encoding starts as RoPE-Mixed. ``P`` comes from one factorised solve per forward (``solve_ex``), shared by q,
-k and every token, and is applied as a matrix product. In the ``R(r) = R_STR(r) P`` form shared by the
-encodings with a post-rotation, ``R_STR(r) = expm(sum_k r_k J_k)`` with ``J_k`` the RoPE-Mixed generators.
+k and every token, and is applied as a matrix product. The commuting generators it implies are
+``L_k = P^T J_k P`` (``J_k`` the RoPE-Mixed generators): ``R(r) = P expm(sum_k r_k L_k)`` (``P`` on the left).
 
 Checkpoints that stored a full ``d x d`` matrix ``A`` with ``S = A - A^T`` load unchanged: the state-dict hook
 converts ``A`` to the free entries of ``S`` (``skew.full_to_free``), so the encoding computes the same function.
@@ -59,9 +59,14 @@ class CayleySTRING(MixedRoPE):
         return rotate_pairs(x, cos, sin)
 
     def generators(self) -> Tensor:
-        """The RoPE-Mixed generators ``J_k``: ``R(r) = expm(sum_k r_k J_k) P``, the common ``R_STR(r) P`` form
-        with ``P = post_rotation_matrix()`` (equivalently ``R(r) = P expm(sum_k r_k P^T J_k P)``)."""
-        return super().generators()
+        """``L_k = P^T J_k P`` (``J_k`` the RoPE-Mixed generators): ``R(r) = P expm(sum_k r_k L_k)``.
+
+        ``P`` multiplies on the left here, unlike relaxed STRING's ``R_STR(r) P_sp``: with these generators
+        ``R(r)^T R(s) = R_STR(s - r)`` exactly, which is what the invariance diagnostics compare against.
+        """
+        p = self.post_rotation_matrix()  # (H, d, d)
+        j = super().generators()  # (H, c, d, d)
+        return p.transpose(-1, -2).unsqueeze(1) @ j @ p.unsqueeze(1)
 
     def to_rope(self) -> tuple[Tensor, Tensor]:
         """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: the Cayley rotation and the mixed
