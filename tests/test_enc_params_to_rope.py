@@ -34,7 +34,7 @@ def test_logit_gradients_through_to_rope_equal_direct(name, opts):
         qe, ke = fn(q), fn(k)
         out = ((qe @ ke.transpose(-1, -2)) * w).sum()
         out.backward()
-        return float(out), {n: p.grad.clone() for n, p in pe.named_parameters()}
+        return float(out.detach()), {n: p.grad.clone() for n, p in pe.named_parameters()}
 
     direct, g_direct = loss(lambda x: pe.rotate(x, coords))
     folded, g_folded = loss(lambda x: _folded_rotate(pe, x, coords))
