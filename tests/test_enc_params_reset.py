@@ -11,6 +11,7 @@ OPTS = {"circulant": {"block_size": 4}, "comrope-ap": {"block_size": 4}, "comrop
 VARIANTS = [(n, OPTS.get(n, {})) for n in list_pes()] + [
     ("axial", {"learnable_freqs": True}), ("comrope-ld", {"block_size": 4, "init": "zero"}),
     ("relaxed", {"exact": True}), ("cayley", {"band": 3}), ("liere", {"block_size": 4, "per_head": True}),
+    ("comrope-ld", {"block_size": 4, "init": "normal"}), ("comrope-ap", {"block_size": 4, "init": "normal"}),
 ]
 
 

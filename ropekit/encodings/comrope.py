@@ -15,7 +15,10 @@ coinciding eigenvalues). No per-token matrix exponential, no dense ``d x d`` sca
 
 Initialisation ``init="rope"`` (default) makes the encoding start as axial RoPE (each block holds ``b/2``
 RoPE planes of its axis); ``init="zero"`` starts at the identity (for fine-tuning a model trained
-without it).
+without it); ``init="normal"`` is the authors' random start: full bases ``B_j`` with entries drawn from
+``N(0, init_std^2)`` (``K_j = B_j - B_j^T``) and, for ComRoPE-LD, axis weights from ``N(0, 1)``. The authors'
+``init_std = 1`` goes with coordinates normalised to ``[0, 1]`` over the image; with integer grid coordinates
+scale it down by the grid size.
 
 Parameters: each block's skew generator ``K_j`` is stored by its ``b (b - 1) / 2`` free entries (the strict upper
 triangle), not as a full ``B_j`` with ``K_j = B_j - B_j^T`` (which counts and steps every free entry twice).
@@ -54,21 +57,21 @@ def _rope_block_bases(head_dim: int, coord_dim: int, block_size: int, base: floa
 
 class _ComRoPE(PositionEncoding):
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int, block_size: int, init: str, base: float,
-                 per_head: bool) -> None:
+                 per_head: bool, init_std: float = 1.0) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
         if block_size < 2 or block_size % 2 or head_dim % block_size:
             raise ValueError(f"{self.name}: block_size must be even and divide head_dim={head_dim}, got {block_size}")
-        if init not in ("rope", "zero"):
-            raise ValueError(f"{self.name}: init must be 'rope' or 'zero', got {init!r}")
+        if init not in ("rope", "zero", "normal"):
+            raise ValueError(f"{self.name}: init must be 'rope', 'zero' or 'normal', got {init!r}")
         self.block_size = block_size
         self.num_blocks = head_dim // block_size
-        self.init, self.base = init, base
+        self.init, self.base, self.init_std = init, base, float(init_std)
         self.block_params = nn.Parameter(torch.empty(self.param_heads, self.num_blocks, num_free(block_size)))
         self.register_buffer("block_axis", torch.arange(self.num_blocks) % coord_dim, persistent=False)
         self._init_weights()
 
     def _init_weights(self) -> None:
-        """Bases as RoPE (``init="rope"``) or zero; ``block_axis`` (a derived buffer) refilled."""
+        """Bases as RoPE, zero or random (``init``); ``block_axis`` (a derived buffer) refilled."""
         if self.block_params.is_meta:
             return
         with torch.no_grad():
@@ -76,6 +79,9 @@ class _ComRoPE(PositionEncoding):
             if self.init == "rope":
                 bases = full_to_free(_rope_block_bases(self.head_dim, self.coord_dim, self.block_size, self.base))
                 self.block_params.copy_(bases)  # (nb, F) broadcast over parameter heads
+            elif self.init == "normal":  # the authors' full bases, reduced to the free entries of B - B^T
+                hp, nb, b = self.param_heads, self.num_blocks, self.block_size
+                self.block_params.copy_(full_to_free(torch.randn(hp, nb, b, b) * self.init_std))
             else:
                 self.block_params.zero_()
 
@@ -134,13 +140,13 @@ class ComRoPEAP(_ComRoPE):
     name = "comrope-ap"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int = 8,
-                 init: str = "rope", base: float = 10000.0, per_head: bool = False) -> None:
+                 init: str = "rope", base: float = 10000.0, per_head: bool = False, init_std: float = 1.0) -> None:
         if block_size > 0 and head_dim % block_size == 0 and (head_dim // block_size) % coord_dim:
             raise ValueError(
                 f"comrope-ap needs head_dim / block_size to be a multiple of coord_dim: {head_dim} / {block_size} = "
                 f"{head_dim // block_size} blocks cannot be split evenly over {coord_dim} axes"
             )
-        super().__init__(head_dim, coord_dim, num_heads, block_size, init, base, per_head)
+        super().__init__(head_dim, coord_dim, num_heads, block_size, init, base, per_head, init_std)
 
     def _axis_weights(self) -> Tensor:
         lam = torch.zeros(self.param_heads, self.coord_dim, self.num_blocks, device=self.block_params.device,
@@ -157,17 +163,26 @@ class ComRoPELD(_ComRoPE):
     name = "comrope-ld"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int = 8,
-                 init: str = "rope", base: float = 10000.0, per_head: bool = False) -> None:
-        super().__init__(head_dim, coord_dim, num_heads, block_size, init, base, per_head)
+                 init: str = "rope", base: float = 10000.0, per_head: bool = False, init_std: float = 1.0) -> None:
+        super().__init__(head_dim, coord_dim, num_heads, block_size, init, base, per_head, init_std)
         self.axis_weights = nn.Parameter(torch.empty(self.param_heads, coord_dim, self.num_blocks))
-        self._init_weights()
+        self._init_axis_weights()
 
     def _init_weights(self) -> None:
-        """As ComRoPE-AP, and the axis weights one-hot on the block's axis (starts axis-partitioned)."""
+        """As ComRoPE-AP, then the axis weights (same random draws, in the same order, as the constructor)."""
         super()._init_weights()
-        lam = getattr(self, "axis_weights", None)
-        if lam is not None and not lam.is_meta:
-            with torch.no_grad():
+        if hasattr(self, "axis_weights"):
+            self._init_axis_weights()
+
+    def _init_axis_weights(self) -> None:
+        """One-hot on the block's axis (starts axis-partitioned), or ``N(0, 1)`` for ``init="normal"``."""
+        lam = self.axis_weights
+        if lam.is_meta:
+            return
+        with torch.no_grad():
+            if self.init == "normal":
+                lam.copy_(torch.randn(lam.shape))
+            else:
                 lam.zero_()
                 lam[:, torch.arange(self.num_blocks) % self.coord_dim, torch.arange(self.num_blocks)] = 1.0
 
