@@ -97,3 +97,11 @@ def test_free_entries_round_trip_and_new_checkpoints_load():
     pe2 = create_pe("comrope-ld", head_dim=D, coord_dim=2, block_size=8, init="zero")
     pe2.load_state_dict(pe.state_dict())
     assert torch.equal(pe2.block_params, pe.block_params)
+
+
+def test_model_count_uses_effective_counts_once():
+    from ropekit.encodings.counting import count_parameters
+    pe = create_pe("liere", head_dim=D, coord_dim=2, block_size=4)
+    model = torch.nn.ModuleDict({"a": pe, "b": pe, "lin": torch.nn.Linear(3, 2)})  # the encoding shared twice
+    assert count_parameters(model) == pe.num_effective_parameters() + 3 * 2 + 2
+    assert count_parameters(pe) == pe.num_effective_parameters() < sum(p.numel() for p in pe.parameters())
