@@ -179,12 +179,9 @@ def scaled_block_exp(s: Tensor, k: Tensor) -> Tensor:
         ``(1 | B, Hp, M, nb, b, b)``; first derivatives by the closed-form eigenbasis backward (finite at
         ``k = 0``), second derivatives through a dense ``matrix_exp`` reference.
     """
-    if s.dim() == 3:
-        s = s.unsqueeze(0)  # (1, Hp, M, nb)
-    hp = max(s.shape[1], k.shape[0])
-    s = s.expand(s.shape[0], hp, *s.shape[2:])
-    k = k.expand(hp, *k.shape[1:])
-    if k.shape[-1] % 2:
-        return torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4))
-    return _ScaledBlockExp.apply(s, k)
+    if k.shape[-1] % 2:  # odd blocks: a plain matrix_exp, differentiable to any order
+        return F.scaled_block_exp_matrices(s, k)
+    s = s.unsqueeze(0) if s.dim() == 3 else s  # (1 | B, Hp, M, nb)
+    hp = max(s.shape[1], k.shape[0])  # parameter heads of either input broadcast to the other's
+    return _ScaledBlockExp.apply(s.expand(s.shape[0], hp, *s.shape[2:]), k.expand(hp, *k.shape[1:]))
 
