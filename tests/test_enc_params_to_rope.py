@@ -18,7 +18,8 @@ def _folded_rotate(pe, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name,opts", [("cayley", {}), ("cayley", {"band": 2}), ("comrope-ap", {"block_size": 4}),
-                                       ("comrope-ld", {"block_size": 4}), ("string", {})], ids=str)
+                                       ("comrope-ld", {"block_size": 4}), ("string", {}),
+                                       ("liere", {"block_size": 2}), ("relaxed", {"exact": True})], ids=str)
 def test_logit_gradients_through_to_rope_equal_direct(name, opts):
     torch.manual_seed(0)
     pe = create_pe(name, head_dim=8, coord_dim=2, num_heads=2, **opts).double()
@@ -41,3 +42,25 @@ def test_logit_gradients_through_to_rope_equal_direct(name, opts):
     assert abs(direct - folded) < 1e-9 * max(1.0, abs(direct))
     for n in g_direct:
         assert torch.allclose(g_folded[n], g_direct[n], atol=1e-8), n
+
+
+def test_liere_one_axis_to_rope_differentiable():
+    torch.manual_seed(3)
+    pe = create_pe("liere", head_dim=8, coord_dim=1, num_heads=1, block_size=4, init_scale=1.0).double()
+    x = torch.randn(2, 1, 5, 8, dtype=torch.float64)
+    coords = torch.randn(5, 1, dtype=torch.float64)
+    w = torch.randn(2, 1, 5, 5, dtype=torch.float64)
+    grads = []
+    for fn in (lambda t: pe.rotate(t, coords), lambda t: _folded_rotate(pe, t, coords)):
+        pe.zero_grad()
+        y = fn(x)
+        ((y @ y.transpose(-1, -2)) * w).sum().backward()
+        grads.append(pe.generator_params.grad.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-8)
+
+
+def test_non_commuting_to_rope_raises():
+    for name, opts in (("liere", {"block_size": 4}), ("relaxed", {})):
+        pe = create_pe(name, head_dim=8, coord_dim=2, **opts)
+        with pytest.raises(ValueError, match="does not commute"):
+            pe.to_rope()

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from .base import PositionEncoding
 from .expm import linear_skew_expm
-from .functional import _block_diag, block_apply, skew_real_schur
+from .functional import _block_diag, block_apply
+from .skew import real_schur
 
 __all__ = ["LieRE"]
 
@@ -84,25 +85,25 @@ class LieRE(PositionEncoding):
         """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` -- only where LieRE commutes.
 
         With 2x2 blocks, block ``j`` of ``L_k`` is ``f J`` with ``f = L_k[j][1, 0]``: ``P = I``. With one
-        coordinate, each block generator is brought to real block-diagonal form (``skew_real_schur``).
+        coordinate, each block generator is brought to real block-diagonal form (``skew.real_schur``).
+        Differentiable in the parameters (computed in float64, cast back).
 
         Raises:
             ValueError: for ``c >= 2`` with blocks larger than 2 (the generators do not commute).
         """
-        with torch.no_grad():
-            gen = self.block_generators().double()  # (Hp, c, nb, b, b)
-            hp, c, nb, b, _ = gen.shape
-            if b == 2:
-                freqs = gen[..., 1, 0].reshape(hp, c, nb)  # (Hp, c, d/2)
-                p = torch.eye(self.head_dim, dtype=gen.dtype).expand(hp, -1, -1)
-            elif c == 1:
-                q, mu = skew_real_schur(gen[:, 0])  # (Hp, nb, b, b), (Hp, nb, b/2)
-                freqs = mu.reshape(hp, 1, -1)
-                p = _block_diag(q.transpose(-1, -2))
-            else:
-                raise ValueError(
-                    f"liere with coord_dim={c} and block_size={b} does not commute: R(r)^T R(s) depends on r and s, "
-                    f"not only on s - r, so it has no RoPE form (use block_size=2 or liere-commute)"
-                )
+        gen = self.block_generators().double()  # (Hp, c, nb, b, b)
+        hp, c, nb, b, _ = gen.shape
+        if b == 2:
+            freqs = gen[..., 1, 0].reshape(hp, c, nb)  # (Hp, c, d/2)
+            p = torch.eye(self.head_dim, dtype=gen.dtype, device=gen.device).expand(hp, -1, -1)
+        elif c == 1:
+            q, mu = real_schur(gen[:, 0])  # (Hp, nb, b, b), (Hp, nb, b/2)
+            freqs = mu.reshape(hp, 1, -1)
+            p = _block_diag(q.transpose(-1, -2))
+        else:
+            raise ValueError(
+                f"liere with coord_dim={c} and block_size={b} does not commute: R(r)^T R(s) depends on r and s, "
+                f"not only on s - r, so it has no RoPE form (use block_size=2 or liere-commute)"
+            )
         dtype = self.generator_params.dtype
         return p.to(dtype).expand(self.num_heads, -1, -1), freqs.to(dtype).expand(self.num_heads, -1, -1)

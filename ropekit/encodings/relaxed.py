@@ -92,6 +92,23 @@ class RelaxedSTRING(PositionEncoding):
     def post_rotation_matrix(self) -> Tensor:
         return self._post_rotation().expand(self.num_heads, -1, -1)
 
+    def to_rope(self) -> tuple[Tensor, Tensor]:
+        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` -- the exact configuration only.
+
+        ``R(r) = RoPE_active(r) P_sp``: ``P = P_sp`` and the null pairs get frequency 0. ``(H, d, d)``,
+        ``(H, c, d/2)``, differentiable in the parameters.
+
+        Raises:
+            ValueError: in the relaxed configuration (``exact=False``), which does not commute.
+        """
+        if not self.exact:
+            raise ValueError(f"{self.name} does not commute (R(r)^T R(s) is not a function of s - r): "
+                             f"it cannot be written as RoPE in a fixed basis")
+        f = self.freq_param  # (Hp, c, m)
+        freqs = torch.cat([f, f.new_zeros(*f.shape[:2], self.head_dim // 2 - f.shape[-1])], dim=-1)
+        h = self.num_heads
+        return self._post_rotation().expand(h, -1, -1), freqs.expand(h, -1, -1)
+
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         p = self._post_rotation().to(dtype)
         if self.exact:
