@@ -16,7 +16,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_gradgradcheck_parameters_and_input(name):
+@pytest.mark.parametrize("per_example", [False, True], ids=["shared", "per_example"])
+def test_gradgradcheck_parameters_and_input(name, per_example):
     torch.manual_seed(0)
     pe = create_pe(name, head_dim=8, coord_dim=2, num_heads=1, **CASES[name]).double()
     with torch.no_grad():
@@ -24,13 +25,14 @@ def test_gradgradcheck_parameters_and_input(name):
             p.add_(torch.randn_like(p) * 0.3)
     names = [n for n, _ in pe.named_parameters()]
     params = [p.detach().clone().requires_grad_() for _, p in pe.named_parameters()]
-    x = torch.randn(1, 1, 3, 8, dtype=torch.float64, requires_grad=True)
-    coords = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 1, 3, 8, dtype=torch.float64, requires_grad=True)
+    shape = (2, 3, 2) if per_example else (3, 2)
+    coords = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
 
     def f(x_, c_, *ps):
         return torch.func.functional_call(pe, dict(zip(names, ps)), (x_, x_, c_))[0]
 
-    assert torch.autograd.gradgradcheck(f, (x, coords, *params))
+    assert torch.autograd.gradgradcheck(f, (x, coords, *params), fast_mode=True)
 
 
 def test_comrope_hessian_vector_product_not_silently_zero():

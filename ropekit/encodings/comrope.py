@@ -32,8 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .expm import scaled_block_exp
-from .functional import _block_diag, block_apply
+from .expm import block_apply, scaled_block_exp
+from .functional import _block_diag
 from .skew import free_to_skew, full_to_free, num_free, real_schur
 
 __all__ = ["ComRoPEAP", "ComRoPELD"]

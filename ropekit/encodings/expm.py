@@ -12,6 +12,8 @@ Two pieces, used by LieRE, relaxed STRING and ComRoPE:
   ``exp`` written as ``exp(-i (lam_i + lam_j) / 2) sinc((lam_i - lam_j) / 2)`` (finite for equal eigenvalues).
 * :func:`scaled_block_exp` -- ComRoPE's block exponentials ``expm(s K)`` (see
   ``functional.scaled_block_exp_matrices``), with a backward that supports a second derivative.
+* :func:`block_apply` -- ``functional.block_apply`` (per-block matrices applied to every token) with a
+  backward that supports a second derivative.
 
 Second derivatives: both backward passes are hand-written for speed. When a gradient graph is requested
 (``create_graph=True``, e.g. for a gradient penalty or Hessian-vector products) they recompute the same
@@ -28,7 +30,7 @@ from torch import Tensor
 
 from . import functional as F
 
-__all__ = ["linear_skew_expm", "scaled_block_exp", "DEFAULT_BUDGET"]
+__all__ = ["linear_skew_expm", "scaled_block_exp", "block_apply", "DEFAULT_BUDGET"]
 
 DEFAULT_BUDGET = 1 << 21  # matrix entries per chunk: ~64 MiB of complex128 workspace per array
 
@@ -185,3 +187,44 @@ def scaled_block_exp(s: Tensor, k: Tensor) -> Tensor:
     hp = max(s.shape[1], k.shape[0])  # parameter heads of either input broadcast to the other's
     return _ScaledBlockExp.apply(s.expand(s.shape[0], hp, *s.shape[2:]), k.expand(hp, *k.shape[1:]))
 
+
+
+# ----------------------------------------------------------------------------- block application
+class _BlockApply(torch.autograd.Function):
+    """``functional.block_apply`` whose backward, under ``create_graph``, is written with differentiable ops."""
+
+    @staticmethod
+    def forward(ctx, e: Tensor, x: Tensor) -> Tensor:
+        ctx.save_for_backward(e, x)
+        return F._block_matvec(e, x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        e, x = ctx.saved_tensors
+        if not torch.is_grad_enabled():  # the fast first-order backward
+            view = SimpleNamespace(saved_tensors=(e, x), needs_input_grad=ctx.needs_input_grad)
+            return F._BlockApply.backward(view, g)
+        ge = gx = None
+        if ctx.needs_input_grad[1]:
+            gx = _BlockApply.apply(e.transpose(-1, -2), g)  # R^T g, itself twice differentiable
+        if ctx.needs_input_grad[0]:
+            bsz, h, m, _ = x.shape
+            be, he, _, nb, b, _ = e.shape
+            gv = g.reshape(bsz, he, h // he, m, nb, b)
+            xv = x.reshape(bsz, he, h // he, m, nb, b)
+            ge = torch.einsum("bhrmni,bhrmnj->bhmnij", gv, xv)  # (B, He, M, nb, b, b): per-token outer products
+            if be == 1:
+                ge = ge.sum(0, keepdim=True)
+        return ge, gx
+
+
+def block_apply(e: Tensor, x: Tensor) -> Tensor:
+    """``functional.block_apply`` (same shapes and first-order backward), twice differentiable.
+
+    Args:
+        e: ``(1 | B, 1 | H, M, nb, b, b)``; x: ``(B, H, M, nb * b)``.
+
+    Returns:
+        ``(B, H, M, nb * b)``.
+    """
+    return _BlockApply.apply(e, x)
