@@ -15,10 +15,12 @@ Two pieces, used by LieRE, relaxed STRING and ComRoPE:
 * :func:`block_apply` -- ``functional.block_apply`` (per-block matrices applied to every token) with a
   backward that supports a second derivative.
 
-Second derivatives: both backward passes are hand-written for speed. When a gradient graph is requested
-(``create_graph=True``, e.g. for a gradient penalty or Hessian-vector products) they recompute the same
-gradient from a differentiable reference (``torch.linalg.matrix_exp`` per matrix), so second derivatives are
-exact, at the reference's cost.
+Second derivatives: the backward passes are hand-written for speed. When a gradient graph is requested
+(``create_graph=True``, e.g. for a gradient penalty or Hessian-vector products) they compute the same
+gradient with differentiable operations (for the exponentials: a ``torch.linalg.matrix_exp`` reference per
+matrix), so second derivatives are exact, at the reference's cost. Under ``torch.compile`` (which traces
+first-order training) the functions use traceable forms: a float64 ``matrix_exp`` for
+:func:`linear_skew_expm`, ``functional``'s first-order versions for the other two.
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_B
                          f"{tuple(coords.shape)} and {tuple(generators.shape)}")
     if coords.shape[0] == 0:
         return generators.new_zeros(0, *generators.shape[:1], *generators.shape[2:])
+    if F._is_compiling():  # traceable form: one float64 matrix_exp per token (orthogonal, unchunked)
+        g = _combine(coords.to(torch.float64), generators.to(torch.float64))
+        return torch.linalg.matrix_exp(g).to(generators.dtype)
     return _LinearSkewExpm.apply(coords, generators, int(budget))
 
 
@@ -181,7 +186,7 @@ def scaled_block_exp(s: Tensor, k: Tensor) -> Tensor:
         ``(1 | B, Hp, M, nb, b, b)``; first derivatives by the closed-form eigenbasis backward (finite at
         ``k = 0``), second derivatives through a dense ``matrix_exp`` reference.
     """
-    if k.shape[-1] % 2:  # odd blocks: a plain matrix_exp, differentiable to any order
+    if k.shape[-1] % 2 or F._is_compiling():  # odd blocks: a plain matrix_exp; compiled: the first-order form
         return F.scaled_block_exp_matrices(s, k)
     s = s.unsqueeze(0) if s.dim() == 3 else s  # (1 | B, Hp, M, nb)
     hp = max(s.shape[1], k.shape[0])  # parameter heads of either input broadcast to the other's
@@ -227,4 +232,6 @@ def block_apply(e: Tensor, x: Tensor) -> Tensor:
     Returns:
         ``(B, H, M, nb * b)``.
     """
+    if F._is_compiling():  # the compiler traces the first-order form (it does not run double backward)
+        return F.block_apply(e, x)
     return _BlockApply.apply(e, x)
