@@ -75,7 +75,8 @@ class LieRE(PositionEncoding):
         gen = self.block_generators().to(dtype)  # (Hp, c, nb, b, b)
         lead = coords.shape[:-1]  # (M,) or (B, M)
         rot = linear_skew_expm(coords.reshape(-1, self.coord_dim), gen)  # (T, Hp, nb, b, b), T = [B *] M
-        rot = rot.view(-1, lead[-1], *rot.shape[1:])  # (B | 1, M, Hp, nb, b, b)
+        rot = rot.view(*lead, *rot.shape[1:])  # ([B,] M, Hp, nb, b, b)
+        rot = rot if coords.dim() == 3 else rot.unsqueeze(0)  # (B | 1, M, Hp, nb, b, b)
         return rot.transpose(1, 2).contiguous()  # (B | 1, Hp, M, nb, b, b)
 
     def _transform(self, x: Tensor, rot: Tensor) -> Tensor:

@@ -118,7 +118,8 @@ class RelaxedSTRING(PositionEncoding):
         gen = self.active_generators().to(dtype).unsqueeze(2)  # (Hp, c, 1, 2m, 2m)
         lead = coords.shape[:-1]  # (M,) or (B, M)
         r = linear_skew_expm(coords.reshape(-1, self.coord_dim), gen)  # (T, Hp, 1, 2m, 2m)
-        r = r.view(-1, lead[-1], *r.shape[1:]).transpose(1, 2).contiguous()  # (B | 1, Hp, M, 1, 2m, 2m)
+        r = r.view(*lead, *r.shape[1:])  # ([B,] M, Hp, 1, 2m, 2m)
+        r = (r if coords.dim() == 3 else r.unsqueeze(0)).transpose(1, 2).contiguous()  # (B | 1, Hp, M, 1, 2m, 2m)
         return p, r
 
     def _transform(self, x: Tensor, state) -> Tensor:
