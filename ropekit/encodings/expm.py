@@ -1,15 +1,17 @@
 """Matrix exponentials of skew-symmetric matrices that stay orthogonal and differentiate twice.
 
-Two pieces, used by LieRE, relaxed STRING and ComRoPE:
+Three pieces, used by LieRE, relaxed STRING and ComRoPE:
 
-* :func:`linear_skew_expm` -- ``expm(G(r))``, ``G(r) = sum_k r_k L_k``, for every token, with large norms (LieRE's generators at its
-  authors' initialisation reach ``||G|| ~ 10^3`` at image-grid coordinates). Computed in float64 from one
-  Hermitian eigendecomposition per matrix, ``-iG = U diag(lam) U^H``, ``expm(G) = Re(U diag(exp(i lam)) U^H)``:
-  unitary ``U`` gives an orthogonal result to float64 round-off whatever the norm, where a float32
-  scaling-and-squaring loses orthogonality (``||R^T R - I|| ~ 1e-3``). The cost does not grow with the norm
-  (no squarings), the matrices are processed in chunks (bounded workspace), and the backward pass reuses the
-  eigenbasis: the exact Frechet adjoint ``U ((U^H gE U) * Phi) U^H`` with ``Phi`` the divided differences of
-  ``exp`` written as ``exp(-i (lam_i + lam_j) / 2) sinc((lam_i - lam_j) / 2)`` (finite for equal eigenvalues).
+* :func:`linear_skew_expm` -- ``expm(G(r))``, ``G(r) = sum_k r_k L_k``, for every token, with large norms
+  (LieRE's generators at its authors' initialisation reach ``||G|| ~ 10^3`` at image-grid coordinates). On the
+  CPU it is computed in float64 from one Hermitian eigendecomposition per matrix, ``-iG = U diag(lam) U^H``,
+  ``expm(G) = Re(U diag(exp(i lam)) U^H)``: unitary ``U`` gives an orthogonal result to float64 round-off
+  whatever the norm, where a float32 scaling-and-squaring loses orthogonality (``||R^T R - I|| ~ 1e-3``). The
+  cost does not grow with the norm (no squarings), the generator sum is formed and exponentiated in chunks
+  (bounded workspace, never stored), and the backward pass reuses the eigenbasis: the exact Frechet adjoint
+  ``U ((U^H gE U) * Phi) U^H`` with ``Phi`` the divided differences of ``exp``, written as
+  ``exp(-i (lam_i + lam_j) / 2) sinc((lam_i - lam_j) / 2)`` (finite for equal eigenvalues). On a GPU, whose
+  solvers batch eigendecompositions only for small matrices, it is a float64 ``matrix_exp``, chunk by chunk.
 * :func:`scaled_block_exp` -- ComRoPE's block exponentials ``expm(s K)`` (see
   ``functional.scaled_block_exp_matrices``), with a backward that supports a second derivative.
 * :func:`block_apply` -- ``functional.block_apply`` (per-block matrices applied to every token) with a
@@ -143,9 +145,20 @@ def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_B
     if coords.shape[0] == 0:
         return generators.new_zeros(0, *generators.shape[:1], *generators.shape[2:])
     if F._is_compiling():  # traceable form: one float64 matrix_exp per token (orthogonal, unchunked)
-        g = _combine(coords.to(torch.float64), generators.to(torch.float64))
-        return torch.linalg.matrix_exp(g).to(generators.dtype)
+        return _expm64(coords, generators)
+    if coords.device.type != "cpu":
+        # GPU solvers batch small eigendecompositions only up to n = 32 (larger ones run one by one), while the
+        # float64 matrix_exp is batched: use it there, chunk by chunk (bounded workspace)
+        hp, _, nb, n, _ = generators.shape
+        step = _chunk_tokens(hp * nb * n * n, budget)
+        return torch.cat([_expm64(part, generators) for part in coords.split(step)])
     return _LinearSkewExpm.apply(coords, generators, int(budget))
+
+
+def _expm64(coords: Tensor, generators: Tensor) -> Tensor:
+    """``expm(sum_k r_k L_k)`` by float64 ``torch.linalg.matrix_exp`` (differentiable to any order)."""
+    g = _combine(coords.to(torch.float64), generators.to(torch.float64))  # (T, Hp, nb, n, n)
+    return torch.linalg.matrix_exp(g).to(generators.dtype)
 
 
 # ----------------------------------------------------------------------------- ComRoPE's block exponentials
