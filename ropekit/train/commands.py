@@ -86,7 +86,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                                                "own GPU; --device cpu runs every process on the CPU with gloo)")
     r.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=S,
                    help="autocast precision of the forward pass (fp16 with a gradient scaler; bf16 also on the CPU)")
-    r.add_argument("--compile", action="store_true", default=S, help="torch.compile the model")
+    r.add_argument("--compile", nargs="?", const=True, metavar="BACKEND", default=S,
+                   help="torch.compile the model (optionally with another backend than inductor, e.g. aot_eager)")
     r.add_argument("--threads", type=int, default=S, help="torch CPU threads per process (default: half the cores)")
     r.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
     r.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", default=S,

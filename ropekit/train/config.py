@@ -45,7 +45,8 @@ class TrainConfig:
         zero fill; 0 disables).
     Run:
         seed, out (run folder; ``None``: ``runs/<data>-<pe>-<model>-s<seed>-<time>``), device (``auto``, ``cpu``,
-        ``cuda``...), precision (``fp32``, ``bf16`` or ``fp16`` autocast), compile (``torch.compile`` the model),
+        ``cuda``...), precision (``fp32``, ``bf16`` or ``fp16`` autocast), compile (``torch.compile`` the model: ``True`` or a
+        backend name such as ``aot_eager``),
         eval_batch_size, progress (bar), tensorboard (event files when installed), threads (torch
         CPU threads; ``None``: half the cores per process, see ``trainer.resolve_threads``).
     """
@@ -88,7 +89,7 @@ class TrainConfig:
     out: Optional[str] = None
     device: str = "auto"
     precision: str = "fp32"
-    compile: bool = False
+    compile: Union[bool, str] = False
     eval_batch_size: int = 250
     progress: bool = True
     tensorboard: bool = True

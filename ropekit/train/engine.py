@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
@@ -571,7 +572,9 @@ def _fit(task: Any, schedule: Schedule, epochs: int, opts: EngineOptions, run: O
                     nn.utils.clip_grad_norm_(params, schedule.grad_clip)
                 scaler.step(opt)
                 scaler.update()
-                sched.step()
+                with warnings.catch_warnings():  # (fp16: the scaler skips the steps whose gradients overflowed)
+                    warnings.simplefilter("ignore", UserWarning)
+                    sched.step()
                 _call(task, "after_step", global_step)
                 global_step += 1
                 for k, v in sums.items():
