@@ -128,7 +128,21 @@ class EngineOptions:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
+        check_compile_backend(self.compile)
         return self
+
+
+def check_compile_backend(compile: Union[bool, str]) -> None:
+    """One-line ``ValueError`` unless ``compile`` is a bool or a ``torch.compile`` backend name."""
+    if isinstance(compile, bool):
+        return
+    if not isinstance(compile, str):
+        raise ValueError(f"compile must be true, false or a torch.compile backend name, got {compile!r}")
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if compile not in known:
+        raise ValueError(f"unknown torch.compile backend {compile!r}; known: {', '.join(sorted(known))}")
 
 
 @dataclass

@@ -393,6 +393,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
     train_ds, test_ds, info = load_data(cfg)
     _seed_everything(cfg.seed)  # model initialisation: identical on every rank
     model, vit_cfg = build_model(cfg, info)
+    if ckpt is not None:  # (checked here, before anything is said or written; the engine restores the rest)
+        load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
     if cfg.init_from and ckpt is None:
         from ..integrations.finetune import init_from_checkpoint
 
