@@ -1,4 +1,4 @@
-"""Training and evaluation of :class:`~ropekit.detection.model.Detector3D` on a :class:`SceneSet` (SPEC §6.8).
+"""Training and evaluation of :class:`~ropekit.detection.model.Detector3D` on a :class:`SceneSet`.
 
 Shape legend: ``B`` images, ``M`` predictions (patch tokens) per image, ``T`` padded targets per image.
 
@@ -6,7 +6,7 @@ Shape legend: ``B`` images, ``M`` predictions (patch tokens) per image, ``T`` pa
   encoding parameters and the depth lift, linear warm-up then cosine decay, gradient clipping, mixed precision,
   DDP, exact resume) with the Hungarian set loss :func:`~ropekit.detection.detection_loss`.
   Each training image contributes at most ``max_train_objects`` objects, drawn at random every time it is
-  seen (SPEC §6.8); the remaining objects are simply absent from that step's targets.
+  seen; the remaining objects are simply absent from that step's targets.
 * Evaluation uses every object: :class:`~ropekit.detection.DetectionEvaluator` (AP at 3-D IoU thresholds
   and the mean IoU of Hungarian-matched pairs; Monte Carlo IoU with ``iou_samples`` points per predicted box
   and a fixed generator seed).
@@ -48,7 +48,7 @@ class DetTrainConfig:
     weight_decay: float = 0.05
     warmup_steps: int = 30
     grad_clip: float = 1.0
-    max_train_objects: int = 4  # objects per training image sampled each step (SPEC §6.8); all at evaluation
+    max_train_objects: int = 4  # objects per training image sampled each step; all at evaluation
     class_weight: float = 1.0
     box_weight: float = 5.0
     corner_weight: float = 5.0

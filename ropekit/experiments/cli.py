@@ -1,4 +1,4 @@
-"""``ropekit experiment NAME``: the SPEC §6 studies from the command line.
+"""``ropekit experiment NAME``: the studies from the command line.
 
 Every option defaults to the study's preset (:mod:`ropekit.experiments.settings`; ``--quick`` for the tiny
 one); options given on the command line override it.
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .registry import STUDIES
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.description = "Run a SPEC §6 experiment protocol: train (or reuse cached runs of) the same backbone for each " \
+    p.description = "Run an experiment study: train (or reuse cached runs of) the same backbone for each " \
                     "encoding and seed, then write CSV/JSON, a markdown table and one PNG into --out.\n\nstudies:\n" + \
                     "\n".join(f"  {name:<17} {s.help}" for name, s in STUDIES.items()) + \
                     "\n  all               every study above, one after the other (--out is then a parent folder)"

@@ -1,4 +1,4 @@
-"""Fine-tuning a 2-D checkpoint into an RGB-D model with a 3-D encoding, starting from the same function (SPEC §4).
+"""Fine-tuning a 2-D checkpoint into an RGB-D model with a 3-D encoding, starting from the same function.
 
 Shape legend: ``Hp`` heads that own encoding parameters, ``c`` coordinate dimension (2 -> 3), ``d`` head dimension.
 
@@ -15,7 +15,7 @@ the 2-D model's on the same input:
   when the checkpoint had no rotary encoding (``none`` or an absolute embedding), and Cayley's basis starts at
   ``P = I`` when the checkpoint was RoPE-Mixed. (From a checkpoint without a rotary encoding, the zero ``z``
   generator and the zero depth lift give each other no gradient: depth then enters only once the ``y, x``
-  generators have moved, as SPEC §4 describes; start from a rotary checkpoint to learn depth at once.)
+  generators have moved; start from a rotary checkpoint to learn depth at once.)
 * any other tensor that grew along exactly one axis keeps the old slice and zeros the rest (the patch embedding of
   a model that takes depth as an extra input channel: the depth channel starts with zero weights).
 
