@@ -2,7 +2,6 @@
 
 import errno
 import json
-import warnings
 
 import pytest
 import torch

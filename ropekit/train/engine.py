@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
@@ -387,7 +387,6 @@ class FitResult:
     global_step: int = 0
     resumed_from: Optional[int] = None  # global step of the checkpoint a resumed run started from
     num_params: int = 0
-    extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_main(self) -> bool:

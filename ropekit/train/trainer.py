@@ -1,4 +1,7 @@
-"""The training loop behind ``ropekit train`` and the evaluation behind ``ropekit eval``.
+"""Image / RGB-D / video classification behind ``ropekit train`` and the evaluation behind ``ropekit eval``.
+
+The loop itself is the shared engine (:func:`ropekit.train.engine.fit`); this module supplies the task
+(:class:`ClassificationTask`: data, ViT, cross-entropy, per-epoch evaluation), the resume rules and the run folder.
 
 Reproducibility contract (CPU): the data order of epoch ``e`` is a function of ``(seed, e)`` only
 (``DistributedSampler`` with ``set_epoch``); every other random draw (position jitter, augmentation, dropout)
@@ -8,7 +11,10 @@ written mid-epoch by Ctrl-C (the batches already done are skipped).
 
 Run folder layout::
 
-    config.json      resolved TrainConfig ("train"), ViTConfig ("model"), dataset info ("data")
+    config.json      resolved TrainConfig ("train"), ViTConfig ("model"), dataset info ("data"), "versions"
+                     (ropekit, torch, python, git), "engine" (precision, compile, device) and "resumes"
+                     (where each resume started and which options it changed)
+    .lock            held while a run writes the folder
     checkpoint.pt    latest checkpoint (written atomically after every epoch and on Ctrl-C)
     metrics.csv      epoch,train_loss,train_acc,test_loss,test_acc,lr,epoch_time,elapsed_time
     curves.png       learning curves
@@ -304,10 +310,12 @@ class ClassificationTask:
     def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: DistContext) -> Dict[str, Any]:
         loss_sum, correct, count = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("correct", 0.0),
                                                        sums.get("count", 0.0)])
+        t0 = time.time()
         ev = evaluate(self.model, self.test_ds, batch_size=self.cfg.eval_batch_size, device=ctx.device, ctx=ctx)
+        t_eval = time.time() - t0  # (the epoch's time includes its evaluation)
         return {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
                 "test_loss": ev["test_loss"], "test_acc": ev["test_acc"], "lr": info["lr"],
-                "epoch_time": info["epoch_time"], "elapsed_time": info["elapsed"]}
+                "epoch_time": info["epoch_time"] + t_eval, "elapsed_time": info["elapsed"] + t_eval}
 
     def describe(self, row: Dict[str, Any]) -> str:
         return (f"epoch {row['epoch']}/{self.cfg.epochs}  train loss {row['train_loss']:.4f} acc "
