@@ -18,9 +18,7 @@ from ropekit.train.engine import EngineOptions
 
 def main(out: Path) -> None:
     torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    # one process group for both runs (each run would otherwise set one up and tear it down again)
-    torch.distributed.init_process_group("gloo")
+    rank = int(os.environ["RANK"])  # (both runs share the process group the first one sets up)
     opts = EngineOptions(device="cpu", progress=False, tensorboard=False, plots=False)
 
     torch.manual_seed(0)  # the same initial weights on both ranks (DDP also broadcasts rank 0's)
@@ -37,7 +35,6 @@ def main(out: Path) -> None:
                                                                 ema_decay=0.0), out / "policy", progress=False,
                         options=opts)
     torch.save({"state": policy.state_dict(), "rows": rows}, out / f"policy-rank{rank}.pt")
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Shape legend: ``B`` images, ``M`` predictions (patch tokens) per image, ``T`` pa
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..train import engine
+from ..train.engine import seed_everything
 from .boxes import rotation_from_6d
 from .matching import DetectionEvaluator, DetectionLossConfig, detection_loss, hungarian_match
 from .model import Detector3D
@@ -68,12 +68,6 @@ class DetTrainConfig:
         d = asdict(self)
         d["iou_thresholds"] = list(self.iou_thresholds)
         return d
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def scene_batch(scenes: SceneSet, index: Sequence[int], max_targets: Optional[int] = None) -> Batch:

@@ -6,6 +6,7 @@ group is initialised with gloo on CPU (nccl on GPU). Rank 0 writes every file.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from typing import Any, List
@@ -61,9 +62,10 @@ class DistContext:
             dist.barrier()
 
     def close(self) -> None:
-        if self.initialized_here and dist.is_initialized():
-            dist.destroy_process_group()
-            self.initialized_here = False
+        """Done with this context. A process group set up here stays up until the process exits (then it is
+        destroyed), so that a second run in the same ``torchrun`` process reuses it: tearing a group down and
+        setting it up again on the same ``torchrun`` store can hang."""
+        self.initialized_here = False
 
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -122,4 +124,10 @@ def init_distributed(device: str = "auto") -> DistContext:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=world)
         ctx.initialized_here = True
+        atexit.register(_destroy_process_group)
     return ctx
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

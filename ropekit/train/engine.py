@@ -45,7 +45,7 @@ from .metrics import TensorBoardLogger, atomic_write_text, write_metrics_csv
 
 __all__ = ["Task", "EngineOptions", "Schedule", "FitResult", "fit", "build_optimizer", "warmup_cosine",
            "NonFiniteLossError", "SaveError", "RunLock", "RunLockedError", "PRECISIONS", "versions",
-           "autocast_dtype"]
+           "autocast_dtype", "seed_everything"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 StepCallback = Callable[[int], Optional[bool]]
@@ -198,6 +198,17 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
         (no_decay if id(p) in skip_ids or p.ndim < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed the python, numpy and torch global random number generators."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def autocast_dtype(precision: str) -> Optional[torch.dtype]:

@@ -27,14 +27,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -43,6 +41,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from ..nn.vit import ViTConfig, VisionTransformer
 from . import engine
 from .augment import random_shift
+from .engine import seed_everything
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
 from .config import TrainConfig, build_vit_config
 from .distributed import DistContext, init_distributed, resolve_device
@@ -213,12 +212,6 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
 def default_run_dir(cfg: TrainConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{cfg.data}-{cfg.pe}-{cfg.model}-s{cfg.seed}-{stamp}"
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _log(msg: str, ctx: DistContext, quiet: bool = False) -> None:
@@ -399,7 +392,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
                          f"another --out")
 
     train_ds, test_ds, info = load_data(cfg)
-    _seed_everything(cfg.seed)  # model initialisation: identical on every rank
+    seed_everything(cfg.seed)  # model initialisation: identical on every rank
     model, vit_cfg = build_model(cfg, info)
     if ckpt is not None:  # (checked here, before anything is said or written; the engine restores the rest)
         load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
@@ -446,7 +439,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
          f", run folder {run_dir}", ctx, quiet)
 
     def fresh_start(c: DistContext) -> None:
-        _seed_everything(cfg.seed + 1_000_003 * (c.rank + 1))  # per-rank stream for jitter/augmentation/dropout
+        seed_everything(cfg.seed + 1_000_003 * (c.rank + 1))  # per-rank stream for jitter/augmentation/dropout
 
     res = engine.fit(
         task, schedule, cfg.epochs, options=cfg.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
