@@ -139,7 +139,7 @@ class PolicyTask:
     def __init__(self, policy: DiffusionPolicy, data: DemoChunks, cfg: PolicyTrainConfig, rank: int = 0,
                  world_size: int = 1) -> None:
         self.model, self.data, self.cfg = policy, data, cfg
-        self.name = f"train {policy.config.modality}"
+        self.name = f"train {getattr(getattr(policy, 'config', None), 'modality', 'policy')}"
         self.gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * rank)
         self.per_rank_bs = max(1, cfg.batch_size // world_size)
         self.params = [p for p in policy.parameters() if p.requires_grad]
@@ -169,12 +169,15 @@ class PolicyTask:
         loss, count = ctx.all_reduce_sum([sums.get("loss", 0.0), sums.get("count", 0.0)])
         row = {"step": info["global_step"], "loss": loss / max(count, 1.0), "lr": info["lr"],
                "elapsed": info["elapsed"]}
-        if self.model.encoder.depth_lift is not None:
-            row["depth_scale"] = self.model.encoder.depth_lift.scale.item()
+        lift = getattr(getattr(self.model, "encoder", None), "depth_lift", None)
+        if lift is not None:
+            row["depth_scale"] = lift.scale.item()
         return row
 
     def compile_targets(self) -> List[nn.Module]:
-        return [self.model.encoder, self.model.denoiser]
+        """The networks ``loss`` runs (the policy's own ``forward`` is not on the training path)."""
+        found = [getattr(self.model, n, None) for n in ("encoder", "denoiser")]
+        return [m for m in found if isinstance(m, nn.Module)] or [self.model]
 
     def state_dict(self) -> Dict[str, Any]:
         return {"generator": self.gen.get_state(), "ema": list(self.ema) if self.ema is not None else None}
