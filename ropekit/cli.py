@@ -55,7 +55,7 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
     # hidden until the module exists.
     "bench": Subcommand("benchmark the encodings", "ropekit.bench.cli:add_arguments", "ropekit.bench.cli:run",
                         optional=True),
-    "experiment": Subcommand("run the SPEC §6 experiment protocols", "ropekit.experiments.cli:add_arguments",
+    "experiment": Subcommand("run the experiment studies (offset, resolution, data efficiency, ...)", "ropekit.experiments.cli:add_arguments",
                              "ropekit.experiments.cli:run", optional=True),
     "data": Subcommand("inspect and prepare datasets", "ropekit.data.cli:add_arguments", "ropekit.data.cli:run",
                        optional=True),

@@ -1,4 +1,4 @@
-"""``ropekit experiment NAME``: the SPEC §6 studies from the command line.
+"""``ropekit experiment NAME``: the studies from the command line.
 
 Every option defaults to the study's preset (:mod:`ropekit.experiments.settings`; ``--quick`` for the tiny
 one); options given on the command line override it.
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .registry import STUDIES
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.description = "Run a SPEC §6 experiment protocol: train (or reuse cached runs of) the same backbone for each " \
+    p.description = "Run an experiment study: train (or reuse cached runs of) the same backbone for each " \
                     "encoding and seed, then write CSV/JSON, a markdown table and one PNG into --out.\n\nstudies:\n" + \
                     "\n".join(f"  {name:<17} {s.help}" for name, s in STUDIES.items()) + \
                     "\n  all               every study above, one after the other (--out is then a parent folder)"
@@ -71,34 +71,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--threads", type=int, default=S, help="torch CPU threads (default 1)")
     e.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bars")
     s = p.add_argument_group("study options")
-    s.add_argument("--rhos", type=_floats, metavar="LIST", default=S,
-                   help="offset: std of the global offset, in patches (default 0,0.5,1,2,4,8)")
-    s.add_argument("--cls-pe", type=_list, metavar="LIST", default=S,
-                   help="offset: encodings also trained with an unrotated and a centroid CLS token (default mixed)")
-    s.add_argument("--sizes", type=_ints, metavar="LIST", default=S,
-                   help="resolution: evaluation image sizes (default: training size -2..+3 patches)")
-    s.add_argument("--fractions", type=_floats, metavar="LIST", default=S,
-                   help="data-efficiency: fractions of the training set (default 0.1,0.25,0.5,1)")
-    s.add_argument("--deltas", type=_floats, metavar="LIST", default=S,
-                   help="exact-vs-relaxed: global shifts in patches (default 0,0.2,...,1)")
-    s.add_argument("--groups", type=_list, metavar="LIST", default=S,
-                   help="ablations: sharing, block, jitter (default all three)")
-    s.add_argument("--sharing-pe", type=_list, metavar="LIST", default=S,
-                   help="ablations: encodings trained with model/layer/head sharing (default cayley,liere)")
-    s.add_argument("--block-pe", type=_list, metavar="LIST", default=S,
-                   help="ablations: encodings whose block size varies (default liere,comrope-ap,comrope-ld,circulant)")
-    s.add_argument("--block-sizes", dest="block_sizes_", type=_ints, metavar="LIST", default=S,
-                   help="ablations: block sizes (default 2,4,8 for LieRE/ComRoPE, 4..64 for Circulant; "
-                        "the full head dimension is always included for LieRE and Circulant)")
-    s.add_argument("--jitter-pe", type=_list, metavar="LIST", default=S,
-                   help="ablations: encodings trained with position jitter 0 and 1 (default mixed,cayley)")
+    for flag, parse, dest, text in _STUDY_OPTIONS:
+        s.add_argument(flag, dest=dest, type=parse, metavar="LIST", default=S, help=text)
+
+
+#: The options of single studies: (flag, parser of the comma list, namespace name, help).
+_STUDY_OPTIONS = (
+    ("--rhos", _floats, "rhos", "offset: std of the global offset, in patches (default 0,0.5,1,2,4,8)"),
+    ("--cls-pe", _list, "cls_pe", "offset: encodings also trained with an unrotated and a centroid CLS token "
+                                  "(default mixed)"),
+    ("--sizes", _ints, "sizes", "resolution: evaluation image sizes (default: training size -2..+3 patches)"),
+    ("--fractions", _floats, "fractions", "data-efficiency: fractions of the training set (default 0.1,0.25,0.5,1)"),
+    ("--deltas", _floats, "deltas", "exact-vs-relaxed: global shifts in patches (default 0,0.2,...,1)"),
+    ("--groups", _list, "groups", "ablations: sharing, block, jitter (default all three)"),
+    ("--sharing-pe", _list, "sharing_pe", "ablations: encodings trained with model/layer/head sharing "
+                                          "(default cayley,liere)"),
+    ("--block-pe", _list, "block_pe", "ablations: encodings whose block size varies "
+                                      "(default liere,comrope-ap,comrope-ld,circulant)"),
+    ("--block-sizes", _ints, "block_sizes_", "ablations: block sizes (default 2,4,8 for LieRE/ComRoPE, 4..64 for "
+                                             "Circulant; the full head dimension is always included for LieRE and "
+                                             "Circulant)"),
+    ("--jitter-pe", _list, "jitter_pe", "ablations: encodings trained with position jitter 0 and 1 "
+                                        "(default mixed,cayley)"),
+)
 
 
 _CFG_FIELDS = ("cache_dir", "pes", "seeds", "data", "data_root", "image_size", "train_fraction", "model",
                "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
                "augment_shift", "eval_limit", "threads", "progress")
-_OPTION_FIELDS = ("rhos", "cls_pe", "sizes", "fractions", "deltas", "groups", "sharing_pe", "block_pe", "jitter_pe",
-                  "block_sizes_")
+_OPTION_FIELDS = tuple(dest for _, _, dest, _ in _STUDY_OPTIONS)
 
 
 def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
