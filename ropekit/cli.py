@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
+from ._optional import MissingDependency
+
 __all__ = ["CommandError", "Subcommand", "SUBCOMMANDS", "register_subcommand", "available_subcommands", "main"]
 
 Target = Union[str, Callable]
@@ -105,7 +107,7 @@ def _resolve(target: Target) -> Callable:
 
 
 #: Reported as one line (checkpoint errors are ``ValueError`` subclasses).
-USER_ERRORS = (CommandError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+USER_ERRORS = (CommandError, MissingDependency, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 def _one_line(e: BaseException) -> str:
