@@ -1,18 +1,30 @@
-"""Inference folding: every commuting STRING is RoPE in a learned basis, so at inference it costs what RoPE costs.
+"""Folding: every commuting STRING is RoPE in a learned basis, so in training and at inference it costs what
+RoPE costs.
 
-SPEC §2: a commuting encoding satisfies ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` for one orthogonal ``P``
-(per head) and a frequency matrix ``freqs``. Attention only sees ``R(r_i)^T R(r_j)``, so the folded
-encoding ``R'(r) = RoPE_freqs(r) P`` gives the same logits -- and ``P`` can be merged into the query and key
-projection weights once, leaving a fixed-frequency RoPE rotation (the axial RoPE code path) at inference.
+A commuting encoding satisfies ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` for one orthogonal ``P`` (per head) and
+a frequency matrix ``freqs``. Attention only sees ``R(r_i)^T R(r_j)``, so the folded encoding
+``R'(r) = RoPE_freqs(r) P`` gives the same logits; and since ``q = W_q x``, applying ``P`` to every query is the
+same as using the weight ``P W_q``. Two uses:
 
-* :func:`to_rope` -- ``(P (H, d, d), freqs (H, c, d/2))`` of any commuting encoding (each encoding's
-  ``to_rope()`` method where it has one: cayley, circulant, comrope-ap/ld, liere when it commutes, and the RoPE
-  family with ``P = I``; general STRING and exact relaxed STRING are handled here).
+* Training (``ropekit.nn.Attention(fold=True)``, the default of the ViT's ``pe_fold_train``): at every forward
+  pass :func:`rope_form` gives ``(P, freqs, T)`` differentiably in the encoding's parameters,
+  :func:`fold_qkv_weight` merges ``P`` into the q/k rows of the projection (one ``d x d`` by ``d x D`` product per
+  head), and :func:`frequency_rope` rotates each token by its angles -- plain RoPE's per-token work, with the
+  gradients of the unfolded form.
+* Inference (:func:`fold`): the same merge done once, in float64, into a copy of the model, whose encodings
+  become :class:`FoldedRoPE` (fixed frequencies).
+
+The pieces:
+
+* :func:`rope_form` / :func:`to_rope` -- ``(P, freqs)`` of any commuting encoding: the RoPE family has ``P = I``;
+  cayley's ``P`` is its Cayley rotation; circulant's the fixed real DFT basis of its blocks; general STRING's the
+  transpose of its learned basis; exact relaxed STRING's its post-rotation; comrope's (and one-coordinate LieRE's)
+  the eigenbases of its skew blocks. The frequencies are read off the generators in that basis.
+* :func:`foldable_kind` -- which of these applies, from the encoding's type alone (``None``: not foldable).
 * :class:`FoldedRoPE` -- the fixed-frequency RoPE that is left, with the transform of prefix tokens.
 * :func:`fold_pe` -- ``(FoldedRoPE, P)`` for one encoding: ``folded(P q, P k, coords)`` has the logits of
   ``pe(q, k, coords)``.
-* :func:`fold` -- a model (or an encoding) in, a folded copy out: in every ``ropekit.nn.Attention`` the basis is
-  merged into the q and k rows of the ``qkv`` projection and the encoding replaced by a :class:`FoldedRoPE`.
+* :func:`fold` -- a model (or an encoding) in, a folded copy out.
 
 Prefix tokens (CLS, registers) are left unrotated by every encoding. After folding, their q and k carry the
 basis ``P`` too, so the folded encoding applies ``T = P R(0)^T P^T`` to them (from ``R(s) = R(0) P^T RoPE(s) P``):
@@ -21,8 +33,8 @@ the identity when ``R(0) = I`` (circulant, comrope, general STRING), ``P^T`` for
 logit (prefix-prefix, prefix-patch, patch-patch) is unchanged.
 
 Only softmax attention (``ropekit.nn.Attention``) is folded: with linear attention the feature map is applied
-to the rotated queries and keys, so the left ``P`` is not redundant (SPEC §2). Folded models are for inference:
-their frequencies and basis are fixed (persistent buffers, saved with ``state_dict``), not trained.
+to the rotated queries and keys, so the left ``P`` no longer cancels. Models folded by :func:`fold` are for
+inference: their frequencies and basis are fixed (persistent buffers, saved with ``state_dict``), not trained.
 """
 
 from __future__ import annotations

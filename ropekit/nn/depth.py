@@ -1,4 +1,4 @@
-"""ViTD depth lifting: each patch's third coordinate from the mean *valid* depth under it (SPEC §4).
+"""ViTD depth lifting: each patch's third coordinate from the mean *valid* depth under it.
 
 Shape legend: ``B`` batch, ``H, W`` pixels, ``p`` patch size, ``(gh, gw)`` patch grid, ``M = gh * gw``.
 

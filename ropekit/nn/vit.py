@@ -344,7 +344,7 @@ class VisionTransformer(nn.Module):
         # (an eigenvector derivative) cannot reproduce the exact one there, so such a model keeps the exact path
         fold = cfg.pe_fold_train and not (cfg.rotary in ("comrope-ap", "comrope-ld")
                                           and cfg.pe_options.get("init") == "zero")
-        dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]  # no tensor: meta-safe
         self.blocks = nn.ModuleList([
             Block(dim, cfg.num_heads, encodings[i], cfg.mlp_ratio, cfg.qkv_bias, cfg.drop_rate, cfg.attn_drop_rate,
                   dpr[i], fold=fold) for i in range(cfg.depth)
