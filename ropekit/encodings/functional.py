@@ -27,6 +27,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 __all__ = [
+    "frequency_angles",
+    "apply_frequency_rope",
     "rope_angles",
     "rotate_pairs",
     "pair_generators",
@@ -43,8 +45,30 @@ __all__ = [
 ]
 
 
+def frequency_angles(coords: Tensor, freqs: Tensor) -> Tensor:
+    """Angles ``theta_n(r) = sum_k r_k * freqs[k, n]`` by elementwise products and sums.
+
+    Never a matrix product: on a GPU with TF32 enabled (``torch.backends.cuda.matmul.allow_tf32``) a matmul or
+    einsum would round the coordinates and frequencies to 10 mantissa bits, an angle error of ~1e-3 relative.
+    The ``c`` products are accumulated in the dtype of the inputs (callers pass float32 or float64).
+
+    Args:
+        coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example.
+        freqs: ``(Hp, c, P)``.
+
+    Returns:
+        ``(Hp, M, P)`` for shared coordinates, ``(B, Hp, M, P)`` per example.
+    """
+    theta = None
+    for j in range(freqs.shape[-2]):
+        # (..., 1, M, 1) * (Hp, 1, P) -> (..., Hp, M, P)
+        term = coords[..., j].unsqueeze(-2).unsqueeze(-1) * freqs[:, j].unsqueeze(-2)
+        theta = term if theta is None else theta + term
+    return theta
+
+
 def rope_angles(coords: Tensor, freqs: Tensor) -> Tensor:
-    """Angles ``theta_n(r) = sum_k r_k * freqs[k, n]`` of every rotation plane.
+    """Angles ``theta_n(r) = sum_k r_k * freqs[k, n]`` of every rotation plane (see ``frequency_angles``).
 
     Args:
         coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example.
@@ -53,26 +77,31 @@ def rope_angles(coords: Tensor, freqs: Tensor) -> Tensor:
     Returns:
         ``(Hp, M, P)`` for shared coordinates, ``(B, Hp, M, P)`` per example; dtype of ``coords``.
     """
-    if coords.dim() == 2:
-        return torch.einsum("mc,hcp->hmp", coords, freqs)  # (Hp, M, P)
-    return torch.einsum("bmc,hcp->bhmp", coords, freqs)  # (B, Hp, M, P)
+    return frequency_angles(coords, freqs.to(coords.dtype))
 
 
-def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each interleaved pair ``(x_2n, x_2n+1)`` of ``x`` by the angle whose cos/sin are given.
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, pairs: str = "interleaved") -> Tensor:
+    """Rotate each pair of ``x`` by the angle whose cos/sin are given.
 
     Args:
         x: ``(..., d)``.
         cos, sin: ``(..., d / 2)``, broadcastable against ``x``'s leading dimensions.
+        pairs: ``"interleaved"`` -- pair ``n`` is ``(x_2n, x_2n+1)``; ``"half"`` -- pair ``n`` is
+            ``(x_n, x_{n + d/2})`` (HF / Llama ``rotate_half``).
 
     Returns:
         ``(..., d)``, a new tensor (``x`` is not modified).
 
-    Fast path (float32/float64, eager): one complex multiply per pair and a hand-written backward
+    Fast path (interleaved float32/float64, eager): one complex multiply per pair and a hand-written backward
     (``_RotatePairs``) that saves only the output and the cos/sin table; the reduction for the gradient of
-    cos/sin over the broadcast (batch, head) dimensions is one pass. Under ``torch.compile`` the real-arithmetic
-    form below is used instead, which the compiler fuses into one kernel.
+    cos/sin over the broadcast (batch, head) dimensions is one pass. Under ``torch.compile`` (and for half
+    pairs) the real-arithmetic form is used instead, which the compiler fuses into one kernel; no complex tensor
+    reaches the compiler.
     """
+    if pairs == "half":
+        return _rotate_half_real(x, cos, sin)
+    if pairs != "interleaved":
+        raise ValueError(f"pairs must be 'interleaved' or 'half', got {pairs!r}")
     if _fast_rotation_ok(x, cos, sin):
         return _RotatePairs.apply(x, cos, sin)
     return _rotate_pairs_real(x, cos, sin)
@@ -82,6 +111,12 @@ def _rotate_pairs_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Reference form of ``rotate_pairs`` in real arithmetic (any dtype; used under ``torch.compile``)."""
     x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)  # (..., P) each
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def _rotate_half_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``rotate_pairs`` for half-split pairs ``(x_n, x_{n+d/2})``: ``x * cos2 + rotate_half(x) * sin2``."""
+    x0, x1 = x.unflatten(-1, (2, -1)).unbind(-2)  # (..., P) each: first and second half
+    return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
 
 
 def _fast_rotation_ok(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
@@ -135,21 +170,130 @@ class _RotatePairs(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         cos, sin, y = ctx.saved_tensors
         w = torch.complex(cos, sin)  # recomputed (small) so that double backward sees cos and sin
+        w_conj = torch.complex(cos, -sin)  # physical conjugate: a lazily conjugated operand is ~4x slower
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         # attention hands back gradients in its own layout (e.g. (B, N, H, d) strides); products inherit it, and
         # the reduction over (B, H) for the cos/sin gradient is ~40x slower on that layout than on a contiguous one
         gc = _complex_pairs(g.contiguous() if need_w else g)  # (..., P)
         gx = gcos = gsin = None
         if ctx.needs_input_grad[0]:
-            gx = torch.view_as_real(gc * w.conj()).flatten(-2)
+            gx = torch.view_as_real(gc * w_conj).flatten(-2)
         if need_w:
-            acc = _reduce_to(gc * _complex_pairs(y).conj(), w.shape)  # sum g conj(y), shape of w
+            acc = _reduce_to(gc * _complex_pairs(y).conj_physical(), w.shape)  # sum g conj(y), shape of w
             gw = acc * w / (w.real.square() + w.imag.square())  # = sum g conj(x)
             if ctx.needs_input_grad[1]:
                 gcos = _reduce_to(gw.real, ctx.cos_shape)
             if ctx.needs_input_grad[2]:
                 gsin = _reduce_to(gw.imag, ctx.sin_shape)
         return gx, gcos, gsin
+
+
+def _rope_table(coords: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 (or fp64) cos/sin tables ``(1 | B, Hp, M, P)`` from coords ``(M, c)`` / ``(B, M, c)`` and freqs
+    ``(Hp, c, P)``, autocast disabled."""
+    dtype = torch.float64 if torch.float64 in (coords.dtype, freqs.dtype) else torch.float32
+    with torch.autocast(device_type=coords.device.type, enabled=False):
+        theta = frequency_angles(coords.to(dtype), freqs.to(dtype))
+        if theta.dim() == 3:
+            theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
+        return torch.cos(theta), torch.sin(theta)
+
+
+def _rotate_tokens(x: Tensor, cos: Tensor, sin: Tensor, num_prefix_tokens: int, pairs: str) -> Tensor:
+    """Rotate ``x`` ``(B, H, N, d)`` after its prefix tokens, math in the tables' dtype, output in ``x``'s."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        xr = x[:, :, num_prefix_tokens:] if num_prefix_tokens else x
+        y = rotate_pairs(xr.to(cos.dtype), cos, sin, pairs).to(x.dtype)
+        return torch.cat((x[:, :, :num_prefix_tokens], y), dim=2) if num_prefix_tokens else y
+
+
+def _check_rope_args(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, k_coords: Tensor | None,
+                     num_prefix_tokens: int, pairs: str) -> Tensor:
+    """Validate ``apply_frequency_rope``'s arguments; return freqs as ``(Hp, c, P)``."""
+    if q.dim() != 4 or (k is not None and k.dim() != 4):
+        raise ValueError(f"q and k must be (B, H, N, d), got {tuple(q.shape)} and "
+                         f"{None if k is None else tuple(k.shape)}")
+    if pairs not in ("interleaved", "half"):
+        raise ValueError(f"pairs must be 'interleaved' or 'half', got {pairs!r}")
+    d = q.shape[-1]
+    f = freqs.unsqueeze(0) if freqs.dim() == 2 else freqs
+    if f.dim() != 3 or f.shape[-1] * 2 != d or f.shape[-2] != coords.shape[-1]:
+        raise ValueError(f"freqs must be (c, d/2) or (H, c, d/2) = (.., {coords.shape[-1]}, {d // 2}), "
+                         f"got {tuple(freqs.shape)}")
+    if f.shape[0] not in (1, q.shape[1]):
+        raise ValueError(f"per-head freqs have {f.shape[0]} heads, q has {q.shape[1]}")
+    if not isinstance(num_prefix_tokens, int) or not 0 <= num_prefix_tokens <= q.shape[-2]:
+        raise ValueError(f"num_prefix_tokens must be an int in [0, {q.shape[-2]}], got {num_prefix_tokens!r}")
+    if coords.dim() not in (2, 3) or coords.shape[-2] != q.shape[-2] - num_prefix_tokens:
+        raise ValueError(f"coords must be (M, c) or (B, M, c) with M = {q.shape[-2] - num_prefix_tokens} "
+                         f"(q tokens minus prefix), got {tuple(coords.shape)}")
+    if k is not None:
+        if k.shape[-1] != d or k.shape[0] != q.shape[0]:
+            raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head dim")
+        if k.shape[1] != q.shape[1] and (q.shape[1] % k.shape[1] or f.shape[0] != 1):
+            raise ValueError(f"k has {k.shape[1]} heads, q {q.shape[1]}: grouped keys need a head count dividing "
+                             f"q's and frequencies shared by heads")
+        kc = coords if k_coords is None else k_coords
+        if k_coords is None and k.shape[-2] != q.shape[-2]:
+            raise ValueError(f"q has {q.shape[-2]} tokens and k has {k.shape[-2]}: pass k_coords for the keys")
+        if kc.dim() not in (2, 3) or kc.shape[-2] != k.shape[-2] - num_prefix_tokens or kc.shape[-1] != coords.shape[-1]:
+            raise ValueError(f"k_coords must be (M, c) or (B, M, c) with M = {k.shape[-2] - num_prefix_tokens}, "
+                             f"got {tuple(kc.shape)}")
+    return f
+
+
+def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, *,
+                         k_coords: Tensor | None = None, num_prefix_tokens: int = 0,
+                         pairs: str = "interleaved") -> tuple[Tensor, Tensor | None]:
+    """Rotate q and k by the angles ``theta = r . omega``: the per-token work of every frequency RoPE.
+
+    Args:
+        q: ``(B, Hq, Nq, d)``; any strides (a ``(B, N, H, d)`` tensor transposed is fine).
+        k: ``(B, Hk, Nk, d)`` with ``Hk`` dividing ``Hq`` (grouped keys need shared frequencies), or ``None``.
+        coords: ``(Mq, c)`` shared by the batch or ``(B, Mq, c)`` per example, ``Mq = Nq - num_prefix_tokens``.
+        freqs: ``(c, d/2)`` shared by heads or ``(Hq, c, d/2)`` per head.
+        k_coords: key coordinates ``(Mk, c)`` / ``(B, Mk, c)``, ``Mk = Nk - num_prefix_tokens``; ``None``: keys
+            use ``coords`` (then ``Nk`` must equal ``Nq``).
+        num_prefix_tokens: leading tokens of q and k passed through unrotated.
+        pairs: ``"interleaved"`` (planes ``(x_2n, x_2n+1)``) or ``"half"`` (planes ``(x_n, x_{n+d/2})``).
+
+    Returns:
+        ``(q_out, k_out)`` in the input dtypes and shapes (``k_out`` is ``None`` when ``k`` is); differentiable
+        in q, k, freqs and coords.
+
+    Numerics: angles by elementwise products and sums in float32 (float64 if an input is float64) -- never a
+    matrix product, so TF32 settings do not round them -- and the rotation in that dtype, autocast disabled.
+    On CUDA the fused Triton kernel ``ropekit.kernels.fused_rotary`` runs when it is installed and available
+    for the device; otherwise (CPU, or no kernel) the PyTorch path below, which is also the reference.
+
+    Raises:
+        ValueError: shapes that do not fit together.
+    """
+    f = _check_rope_args(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
+    if q.is_cuda:
+        kernel = _fused_kernel(q.device)
+        if kernel is not None:
+            return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
+    cos, sin = _rope_table(coords, f)
+    q_out = _rotate_tokens(q, cos, sin, num_prefix_tokens, pairs)
+    if k is None:
+        return q_out, None
+    if k_coords is not None:
+        cos, sin = _rope_table(k_coords, f)
+    return q_out, _rotate_tokens(k, cos, sin, num_prefix_tokens, pairs)
+
+
+def _fused_kernel(device: torch.device):
+    """``ropekit.kernels.fused_rotary`` if that optional module is present and usable on ``device``, else None."""
+    try:
+        from .. import kernels  # imported lazily: the kernels package is optional
+    except ImportError:
+        return None
+    try:
+        ok = kernels.available(device)
+    except Exception:  # a broken Triton install must not break the PyTorch path
+        return None
+    return kernels.fused_rotary if ok else None
 
 
 def pair_generators(freqs: Tensor) -> Tensor:

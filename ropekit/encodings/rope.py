@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import axial_frequencies, mixed_frequencies, pair_generators, rope_angles, rotate_pairs
+from .functional import axial_frequencies, frequency_angles, mixed_frequencies, pair_generators, rotate_pairs
 
 __all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute"]
 
@@ -22,6 +22,7 @@ class NoPE(PositionEncoding):
     """The identity: no position information (``name="none"``)."""
 
     name = "none"
+    _native_half_pairs = True
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> None:
         return None
@@ -42,8 +43,15 @@ class NoPE(PositionEncoding):
 class FrequencyRoPE(PositionEncoding):
     """RoPE with a frequency matrix ``freqs`` of shape ``(Hp, c, d/2)``; subclasses choose how it is stored.
 
-    Subclasses provide the property ``freqs``.
+    Subclasses provide the property ``freqs``. The prepared data are the cos/sin tables ``(1 | B, Hp, M, d/2)``
+    in the compute dtype (angles by elementwise products, never a TF32-rounded matmul); both pair conventions
+    are handled natively (by subclasses that keep this class's ``_transform``; one that overrides it, e.g.
+    with a basis change, gets the base class's permutation instead).
     """
+
+    @property
+    def _native_half_pairs(self) -> bool:  # type: ignore[override]
+        return type(self)._transform is FrequencyRoPE._transform
 
     @property
     def freqs(self) -> Tensor:  # (Hp, c, P)
@@ -56,17 +64,17 @@ class FrequencyRoPE(PositionEncoding):
         """
         dtype = torch.float64 if coords.dtype == torch.float64 else torch.float32
         with torch.autocast(device_type=coords.device.type, enabled=False):
-            return rope_angles(coords.to(dtype), self.freqs.to(dtype))
+            return frequency_angles(coords.to(dtype), self.freqs.to(dtype))
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        theta = rope_angles(coords, self.freqs.to(dtype))
+        theta = frequency_angles(coords, self.freqs.to(dtype))  # (Hp, M, P) or (B, Hp, M, P)
         if theta.dim() == 3:
             theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
         return torch.cos(theta), torch.sin(theta)
 
     def _transform(self, x: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
         cos, sin = state
-        return rotate_pairs(x, cos, sin)
+        return rotate_pairs(x, cos, sin, self.pairs)
 
     def generators(self) -> Tensor:
         gen = pair_generators(self.freqs)  # (Hp, c, d, d)
@@ -75,9 +83,10 @@ class FrequencyRoPE(PositionEncoding):
     def to_rope(self) -> tuple[Tensor, Tensor]:
         """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: ``P = I`` (already RoPE).
 
-        Returns ``P`` ``(H, d, d)`` and ``freqs`` ``(H, c, d/2)``, detached.
+        Returns ``P`` ``(H, d, d)`` and ``freqs`` ``(H, c, d/2)``, differentiable in the frequencies (a view of
+        the parameter), so training through the RoPE form updates them.
         """
-        f = self.freqs.detach()
+        f = self.freqs
         eye = torch.eye(self.head_dim, dtype=f.dtype, device=f.device).expand(self.num_heads, -1, -1)
         return eye, f.expand(self.num_heads, -1, -1)
 
