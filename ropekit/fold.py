@@ -48,13 +48,8 @@ import torch
 from torch import Tensor, nn
 
 from .encodings import PositionEncoding
-from .encodings.base import check_coords
-from .encodings.functional import _block_diag, basis_change, rope_angles, rotate_pairs, skew_real_schur
+from .encodings.functional import _block_diag, apply_frequency_rope, basis_change, skew_real_schur
 
-try:  # the shared frequency-RoPE entry point (fused kernel on CUDA), where this ropekit has it
-    from .encodings.functional import apply_frequency_rope as _apply_frequency_rope
-except ImportError:  # pragma: no cover - older functional module
-    _apply_frequency_rope = None
 from .encodings.circulant import CirculantSTRING
 from .encodings.comrope import _ComRoPE
 from .encodings.liere import LieRE
@@ -75,6 +70,8 @@ class RoPEForm(NamedTuple):
         freqs: ``(Hp, c, d/2)``: pair ``n`` of ``P x`` turns by ``sum_k r_k freqs[k, n]``.
         prefix: ``T = P R(0)^T P^T`` ``(Hp, d, d)`` for prefix tokens whose q and k already carry ``P``, or
             ``None`` for the identity (``R(0) = I``).
+        pairs: the pair convention of the frequency rotation (``"half"`` only for a RoPE-family encoding
+            configured with half-split pairs; with a basis, the permutation to interleaved pairs is in ``P``).
 
     ``Hp`` is 1 when the encoding's parameters are shared by its heads, else ``H``. Every tensor is differentiable
     in the encoding's parameters.
@@ -83,6 +80,7 @@ class RoPEForm(NamedTuple):
     basis: Optional[Tensor]
     freqs: Tensor
     prefix: Optional[Tensor]
+    pairs: str = "interleaved"
 
 
 def foldable_kind(pe: Optional[PositionEncoding]) -> Optional[str]:
@@ -216,7 +214,7 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
             freqs = _pair_frequencies(gen[:hp], None)
         if isinstance(pe, FoldedRoPE) and pe.prefix_matrix is not None:
             prefix = pe.prefix_matrix
-        return RoPEForm(None, freqs, prefix)
+        return RoPEForm(None, freqs, prefix, getattr(pe, "pairs", "interleaved"))
     if kind == "post":  # R(r) = RoPE(r) P exactly
         basis = pe.post_rotation_matrix()[:hp]
         freqs = pe.freqs[:hp]
@@ -236,6 +234,10 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
     if post is not None:  # T = P R(0)^T P^T
         post = post[:hp]
         prefix = basis @ post.transpose(-1, -2) @ basis.transpose(-1, -2)
+    if getattr(pe, "pairs", "interleaved") == "half":  # R_half(r) = Pi^T R(r) Pi: fold the permutation into P
+        d = pe.head_dim
+        order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(basis.device)
+        basis = basis[..., order]  # P Pi (T is unchanged: Pi cancels in P Pi Pi^T R(0)^T Pi Pi^T P^T)
     return RoPEForm(basis, freqs, prefix)
 
 
@@ -259,6 +261,9 @@ def to_rope(pe: PositionEncoding) -> Tuple[Tensor, Tensor]:
     p = form.basis
     if p is None:
         p = torch.eye(pe.head_dim, dtype=freqs.dtype, device=freqs.device).unsqueeze(0)
+        if form.pairs == "half":  # half-split pairs: the permutation to interleaved ones
+            d = pe.head_dim
+            p = p[..., torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(p.device)]
     return p.expand(h, -1, -1), freqs.expand(h, -1, -1)
 
 
@@ -298,45 +303,27 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
     return w, b
 
 
-def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, freqs: Tensor, num_prefix_tokens: int = 0,
-                   prefix: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """RoPE by the angles ``coords . freqs`` on q and k, with the prefix tokens transformed by ``prefix``.
+def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0
+                   ) -> Tuple[Tensor, Tensor]:
+    """The per-token part of a folded encoding: RoPE by the angles ``coords . freqs`` on q and k (whose projection
+    already holds the basis), with the prefix tokens transformed by ``form.prefix``.
 
     Args:
         q, k: ``(B, H, N, d)``.
         coords: ``(M, c)`` shared or ``(B, M, c)`` per example, ``M = N - num_prefix_tokens``.
-        freqs: ``(Hp, c, d/2)`` with ``Hp`` 1 or ``H``.
+        form: the encoding's :class:`RoPEForm`.
         num_prefix_tokens: ``P0`` leading tokens without a coordinate.
-        prefix: ``(Hp, d, d)`` applied to the prefix tokens (``T`` of :class:`RoPEForm`), or ``None``.
 
     Returns:
-        ``(q, k)`` of the same shapes and dtypes. The per-token work is ``encodings.functional
-        .apply_frequency_rope`` where the installed ropekit has it (the fused kernel on CUDA), else the cos/sin
-        rotation of ``functional.rotate_pairs``; math in float32 (float64 for float64 inputs).
+        ``(q, k)`` of the same shapes and dtypes, from ``encodings.functional.apply_frequency_rope`` (float32 math,
+        elementwise angles; the fused kernel on CUDA).
     """
-    if prefix is not None and num_prefix_tokens > 0:
+    if form.prefix is not None and num_prefix_tokens > 0:
         p0 = num_prefix_tokens
-        q = torch.cat([basis_change(q[:, :, :p0], prefix.to(q.dtype)), q[:, :, p0:]], dim=2)  # (B, H, N, d)
-        k = torch.cat([basis_change(k[:, :, :p0], prefix.to(k.dtype)), k[:, :, p0:]], dim=2)
-    f = freqs[0] if freqs.shape[0] == 1 else freqs  # (c, d/2) shared or (H, c, d/2)
-    if _apply_frequency_rope is not None:
-        return _apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens)
-    check_coords(coords, freqs.shape[-2], q.shape[-2] - num_prefix_tokens, q.shape[0])
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        theta = rope_angles(coords.to(dtype), freqs.to(dtype))  # (Hp, M, d/2) or (B, Hp, M, d/2)
-        if theta.dim() == 3:
-            theta = theta.unsqueeze(0)
-        cos, sin = torch.cos(theta), torch.sin(theta)
-
-        def rot(x: Tensor) -> Tensor:
-            if num_prefix_tokens == 0:
-                return rotate_pairs(x.to(dtype), cos, sin).to(x.dtype)
-            rest = rotate_pairs(x[:, :, num_prefix_tokens:].to(dtype), cos, sin).to(x.dtype)
-            return torch.cat([x[:, :, :num_prefix_tokens], rest], dim=2)
-
-        return rot(q), rot(k)
-
+        q = torch.cat([basis_change(q[:, :, :p0], form.prefix.to(q.dtype)), q[:, :, p0:]], dim=2)  # (B, H, N, d)
+        k = torch.cat([basis_change(k[:, :, :p0], form.prefix.to(k.dtype)), k[:, :, p0:]], dim=2)
+    f = form.freqs[0] if form.freqs.shape[0] == 1 else form.freqs  # (c, d/2) shared or (H, c, d/2)
+    return apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs)
 
 class FoldedRoPE(FrequencyRoPE):
     """RoPE with fixed frequencies: what a commuting STRING leaves after :func:`fold` (``name="folded"``).

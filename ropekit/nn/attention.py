@@ -24,16 +24,16 @@ from torch import Tensor, nn
 from ..encodings import PositionEncoding
 from ..fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rope_form
 
-__all__ = ["Attention", "PEState"]
+__all__ = ["Attention", "PreparedPE"]
 
 
-class PEState(NamedTuple):
+class PreparedPE(NamedTuple):
     """What an attention layer needs from its encoding for one forward pass, computed by
     :meth:`Attention.prepare` -- once per model forward for an encoding shared by several layers.
 
     Attributes:
-        kind: ``"fold"`` (``value`` is a :class:`ropekit.fold.RoPEForm`), ``"prepared"`` (``value`` is the
-            encoding's own ``prepare`` state) or ``"call"`` (``value`` is ``None``: the encoding is called directly).
+        kind: ``"fold"`` (``value`` is a :class:`ropekit.fold.RoPEForm`) or ``"prepared"`` (``value`` is the
+            encoding's own ``prepare`` state, a ``ropekit.encodings.PEState``).
         pe: the encoding the state belongs to (a state is only used by layers holding this very module).
         value: see ``kind``.
     """
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         """Whether the forward pass folds the encoding's basis into the projection (``fold`` and foldable)."""
         return self.fold and self.pe is not None and foldable_kind(self.pe) is not None
 
-    def prepare(self, coords: Tensor, num_prefix_tokens: int = 0) -> Optional[PEState]:
+    def prepare(self, coords: Tensor, num_prefix_tokens: int = 0) -> Optional[PreparedPE]:
         """The encoding's per-forward state: everything that depends on its parameters and the coordinates but
         not on the tokens. Pass it to every layer that holds the same encoding (``forward(..., pe_state=)``).
 
@@ -96,13 +96,11 @@ class Attention(nn.Module):
         if pe is None:
             return None
         if self.folds:
-            return PEState("fold", pe, rope_form(pe))
-        if hasattr(pe, "prepare") and hasattr(pe, "apply"):
-            return PEState("prepared", pe, pe.prepare(coords, num_prefix_tokens))
-        return PEState("call", pe, None)
+            return PreparedPE("fold", pe, rope_form(pe))
+        return PreparedPE("prepared", pe, pe.prepare(coords, num_prefix_tokens))
 
     def forward(self, x: Tensor, coords: Optional[Tensor] = None, num_prefix_tokens: int = 0,
-                pe_state: Optional[PEState] = None) -> Tensor:
+                pe_state: Optional[PreparedPE] = None) -> Tensor:
         """Args:
             x: ``(B, N, D)``.
             coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example; ignored without an encoding.
@@ -129,11 +127,12 @@ class Attention(nn.Module):
         if state is not None:
             if state.kind == "fold":
                 form: RoPEForm = state.value
-                q, k = frequency_rope(q, k, coords, form.freqs, num_prefix_tokens, form.prefix)  # (B, H, N, d)
-            elif state.kind == "prepared":
-                q, k = pe.apply(q, k, state.value)  # (B, H, N, d') each
+                q, k = frequency_rope(q, k, coords, form, num_prefix_tokens)  # (B, H, N, d)
+            elif getattr(pe, "layout", "bhnd") == "bnhd":  # the encoding takes (B, N, H, d) views
+                q, k = pe.apply(q.transpose(1, 2), k.transpose(1, 2), state.value)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, N, d') each
             else:
-                q, k = pe(q, k, coords, num_prefix_tokens)  # (B, H, N, d') each
+                q, k = pe.apply(q, k, state.value)  # (B, H, N, d') each
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0,
                                              scale=self.scale)  # (B, H, N, d)
         out = out.transpose(1, 2).reshape(b, n, dim)  # (B, N, D)

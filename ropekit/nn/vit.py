@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..encodings import PositionEncoding, create_pe, list_pes
-from .attention import Attention, PEState
+from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
 from .depth import DepthLift, valid_depth_mask
 from .embed import LearnedPosEmbed, PatchEmbed, SinCosPosEmbed, TubeletEmbed
@@ -275,7 +275,7 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
 
     def forward(self, x: Tensor, coords: Optional[Tensor], num_prefix_tokens: int = 0,
-                pe_state: Optional[PEState] = None) -> Tensor:
+                pe_state: Optional[PreparedPE] = None) -> Tensor:
         """``(B, N, D) -> (B, N, D)``; ``pe_state`` as :meth:`Attention.forward`."""
         x = x + self.drop_path(self.attn(self.norm1(x), coords, num_prefix_tokens, pe_state))
         return x + self.drop_path(self.mlp(self.norm2(x)))
@@ -496,7 +496,7 @@ class VisionTransformer(nn.Module):
             tokens = blk(tokens, coords, num_prefix, states.get(id(pe)) if pe is not None else None)
         return self.norm(tokens)
 
-    def prepare_encodings(self, coords: Optional[Tensor], num_prefix_tokens: int = 0) -> Dict[int, PEState]:
+    def prepare_encodings(self, coords: Optional[Tensor], num_prefix_tokens: int = 0) -> Dict[int, PreparedPE]:
         """The state of every encoding held by more than one layer, computed once for this forward pass (the
         folded basis and frequencies, or the encoding's prepared angles), keyed by ``id(encoding)``. Encodings
         of a single layer are prepared by that layer."""
