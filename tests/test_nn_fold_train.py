@@ -73,21 +73,6 @@ def test_folded_attention_matches_unfolded(name, opts, p0, per_example, dtype, t
         assert _rel(g_f[n], g_u[n], scale) < tol * 10, n
 
 
-@pytest.mark.parametrize("name,opts", [("cayley", {}), ("circulant", {"block_size": 8}), ("comrope-ld", {"block_size": 4}),
-                                       ("string", {})])
-def test_folded_attention_per_head(name, opts):
-    torch.manual_seed(0)
-    pe = ropekit.create_pe(name, head_dim=16, coord_dim=2, num_heads=2, per_head=True, **opts)
-    att = Attention(32, 2, pe).double()
-    _perturb(att)
-    x, coords = torch.randn(2, 1 + 9, 32, dtype=torch.float64), torch.randn(9, 2, dtype=torch.float64)
-    out_f, g_f = _run(att, x, coords, 1, True)
-    out_u, g_u = _run(att, x, coords, 1, False)
-    assert _rel(out_f, out_u) < 1e-9
-    for n in g_u:
-        assert _rel(g_f[n], g_u[n], _grad_scale(g_u) * 1e-3) < 1e-8, n
-
-
 @pytest.mark.parametrize("name,opts", [("liere", {"block_size": 4}), ("relaxed", {}), ("tensor", {})])
 def test_non_commuting_encodings_take_the_unfolded_path(name, opts):
     pe = ropekit.create_pe(name, head_dim=16, coord_dim=2, num_heads=2, **opts)
@@ -189,11 +174,12 @@ def test_fold_train_option_and_inference_fold():
 
 
 @pytest.mark.parametrize("name,opts", [("cayley", {}), ("mixed", {}), ("circulant", {"block_size": 8}),
-                                       ("comrope-ld", {"block_size": 4})])
-@pytest.mark.parametrize("conv", [dict(pairs="half"), dict(layout="bnhd"), dict(pairs="half", layout="bnhd")])
-def test_folded_attention_with_pair_and_layout_conventions(name, opts, conv):
-    """Half-split pairs (HF / Llama) and the (B, N, H, d) layout of the encoding: the folded layer still equals the
-    unfolded one (the pair permutation goes into the folded basis)."""
+                                       ("comrope-ld", {"block_size": 4}), ("string", {})])
+@pytest.mark.parametrize("conv", [dict(per_head=True), dict(pairs="half"), dict(layout="bnhd"),
+                                  dict(pairs="half", layout="bnhd", per_head=True)])
+def test_folded_attention_per_head_and_conventions(name, opts, conv):
+    """Parameters per head, half-split pairs (HF / Llama) and the (B, N, H, d) layout of the encoding: the folded
+    layer still equals the unfolded one (a per-head basis per head; the pair permutation goes into the basis)."""
     torch.manual_seed(0)
     pe = ropekit.create_pe(name, head_dim=16, coord_dim=2, num_heads=2, **opts, **conv)
     att = Attention(32, 2, pe).double()
