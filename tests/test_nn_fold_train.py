@@ -158,6 +158,22 @@ def test_shared_encoding_is_prepared_once_per_forward(monkeypatch):
     assert len(calls) == 2 and len(set(calls)) == 2
 
 
+def test_unfolded_shared_encoding_is_prepared_once_per_forward():
+    """LieRE (not foldable, one set for the model): its matrix exponentials are prepared once per model forward."""
+    model, _ = _vit_pair("liere", "unrotated", pe_options={"block_size": 4})
+    pe = model.encodings[0]
+    assert len(model.encodings) == 1 and not model.blocks[0].attn.folds
+    calls = []
+    real = pe.prepare
+    pe.prepare = lambda *a, **k: calls.append(1) or real(*a, **k)
+    x = torch.rand(2, 1, 12, 12, dtype=torch.float64)
+    out = model(x)
+    assert len(calls) == 1
+    del pe.prepare
+    want = model(x)  # nothing stale or random in the shared state
+    assert torch.equal(out, want)
+
+
 def test_fold_train_option_and_inference_fold():
     """``pe_fold_train=False`` keeps the per-token path; the inference ``fold()`` still works on a folded-training
     model and gives the same logits."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -86,9 +87,14 @@ class Attention(nn.Module):
         """Whether the forward pass folds the encoding's basis into the projection (``fold`` and foldable)."""
         return self.fold and self.pe is not None and foldable_kind(self.pe) is not None
 
-    def prepare(self, coords: Tensor, num_prefix_tokens: int = 0) -> Optional[PreparedPE]:
+    def prepare(self, coords: Tensor, num_prefix_tokens: int = 0,
+                dtype: Optional[torch.dtype] = None) -> Optional[PreparedPE]:
         """The encoding's per-forward state: everything that depends on its parameters and the coordinates but
         not on the tokens. Pass it to every layer that holds the same encoding (``forward(..., pe_state=)``).
+
+        Args:
+            coords, num_prefix_tokens: as :meth:`forward`.
+            dtype: the tokens' dtype (float64 tokens get a float64 state; anything else float32).
 
         Returns ``None`` without an encoding.
         """
@@ -97,7 +103,9 @@ class Attention(nn.Module):
             return None
         if self.folds:
             return PreparedPE("fold", pe, rope_form(pe))
-        return PreparedPE("prepared", pe, pe.prepare(coords, num_prefix_tokens))
+        wide = dtype == torch.float64 or coords.dtype == torch.float64 or pe._param_dtype() == torch.float64
+        return PreparedPE("prepared", pe, pe.prepare(coords, num_prefix_tokens,
+                                                     dtype=torch.float64 if wide else torch.float32))
 
     def forward(self, x: Tensor, coords: Optional[Tensor] = None, num_prefix_tokens: int = 0,
                 pe_state: Optional[PreparedPE] = None) -> Tensor:
@@ -116,7 +124,8 @@ class Attention(nn.Module):
             raise ValueError("this attention layer has a position encoding: pass coords")
         state = None
         if pe is not None:
-            state = pe_state if pe_state is not None and pe_state.pe is pe else self.prepare(coords, num_prefix_tokens)
+            state = pe_state if pe_state is not None and pe_state.pe is pe else \
+                self.prepare(coords, num_prefix_tokens, x.dtype)
         if state is not None and state.kind == "fold" and state.value.basis is not None:
             weight, bias = fold_qkv_weight(self.qkv.weight, self.qkv.bias, state.value.basis, self.num_heads)
             qkv = F.linear(x, weight, bias)  # (B, N, 3D), q and k already in the encoding's basis

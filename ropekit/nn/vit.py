@@ -490,13 +490,14 @@ class VisionTransformer(nn.Module):
     def forward_features(self, x: Tensor, coord_offset: Optional[Tensor] = None) -> Tensor:
         """All normalised tokens ``(B, N, D)`` (CLS first when there is one)."""
         tokens, coords, num_prefix = self.embed(x, coord_offset)
-        states = self.prepare_encodings(coords, num_prefix)
+        states = self.prepare_encodings(coords, num_prefix, tokens.dtype)
         for blk in self.blocks:
             pe = blk.attn.pe
             tokens = blk(tokens, coords, num_prefix, states.get(id(pe)) if pe is not None else None)
         return self.norm(tokens)
 
-    def prepare_encodings(self, coords: Optional[Tensor], num_prefix_tokens: int = 0) -> Dict[int, PreparedPE]:
+    def prepare_encodings(self, coords: Optional[Tensor], num_prefix_tokens: int = 0,
+                          dtype: Optional[torch.dtype] = None) -> Dict[int, PreparedPE]:
         """The state of every encoding held by more than one layer, computed once for this forward pass (the
         folded basis and frequencies, or the encoding's prepared angles), keyed by ``id(encoding)``. Encodings
         of a single layer are prepared by that layer."""
@@ -506,7 +507,8 @@ class VisionTransformer(nn.Module):
         for blk in self.blocks:
             if blk.attn.pe is not None:
                 owners.setdefault(id(blk.attn.pe), []).append(blk.attn)
-        return {key: layers[0].prepare(coords, num_prefix_tokens) for key, layers in owners.items() if len(layers) > 1}
+        return {key: layers[0].prepare(coords, num_prefix_tokens, dtype)
+                for key, layers in owners.items() if len(layers) > 1}
 
     def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool ``(B, N, D)`` features (CLS token, or the mean of the patch tokens) and classify: ``(B, K)``."""
