@@ -40,7 +40,6 @@ inference: their frequencies and basis are fixed (persistent buffers, saved with
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from typing import NamedTuple, Optional, Tuple, Union
 
@@ -122,14 +121,19 @@ def _pair_frequencies(gen: Tensor, basis: Optional[Tensor]) -> Tensor:
     return g[..., 1::2, 0::2].diagonal(dim1=-2, dim2=-1)  # (Hp, c, d/2)
 
 
-@functools.lru_cache(maxsize=64)
+_DFT_BASES: dict = {}
+
+
 def _real_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """The orthonormal real DFT basis of every block of size ``b``: ``(1, d, d)``, built in float64 once per
-    (size, device, dtype) -- a constant, so no host-to-device copy per forward pass.
+    (size, device, dtype) and kept -- a constant, so no host-to-device copy per forward pass.
 
     Rows ``(2i, 2i + 1)`` hold mode ``f`` of block ``j`` as ``sqrt(2/b) (sin, cos)(2 pi f n / b)``; the DC (and,
     for even ``b``, Nyquist) rows, which no circulant generator turns, come last.
     """
+    key = (head_dim, block_size, str(device), dtype)
+    if key in _DFT_BASES:
+        return _DFT_BASES[key]
     b, nb = block_size, head_dim // block_size
     n = torch.arange(b, dtype=torch.float64)
     f = torch.arange(1, (b - 1) // 2 + 1, dtype=torch.float64)
@@ -138,7 +142,8 @@ def _real_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype:
     fixed = [torch.ones(b, dtype=torch.float64)] + ([torch.cos(math.pi * n)] if b % 2 == 0 else [])
     still = torch.stack(fixed) / math.sqrt(b)  # (1 or 2, b): DC (and Nyquist)
     p = torch.cat([torch.block_diag(*[modes] * nb), torch.block_diag(*[still] * nb)], dim=0)  # (d, d)
-    return p.to(device=device, dtype=dtype).unsqueeze(0)
+    _DFT_BASES[key] = p.to(device=device, dtype=dtype).unsqueeze(0)
+    return _DFT_BASES[key]
 
 
 def _block_eigenbasis(k: Tensor, rtol: float = 1e-6) -> Tensor:
