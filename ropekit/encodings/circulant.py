@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import frequency_angles, mixed_frequencies, rotate_pairs, skew
+from .functional import mixed_frequencies, rope_cos_sin, rotate_pairs, skew
 
 __all__ = ["CirculantSTRING", "circulant", "real_dft_basis"]
 
@@ -127,10 +127,7 @@ class CirculantSTRING(PositionEncoding):
         return lam.flatten(-2)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        theta = frequency_angles(coords, self._pair_frequencies(dtype))  # (Hp, M, F) or (B, Hp, M, F)
-        if theta.dim() == 3:
-            theta = theta.unsqueeze(0)
-        return torch.cos(theta), torch.sin(theta)
+        return rope_cos_sin(coords, self._pair_frequencies(dtype), dtype)  # (1 | B, Hp, M, F) each
 
     def _transform(self, x: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
         cos, sin = state

@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 __all__ = [
     "frequency_angles",
+    "rope_cos_sin",
     "apply_frequency_rope",
     "rope_angles",
     "rotate_pairs",
@@ -188,15 +189,32 @@ class _RotatePairs(torch.autograd.Function):
         return gx, gcos, gsin
 
 
-def _rope_table(coords: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 (or fp64) cos/sin tables ``(1 | B, Hp, M, P)`` from coords ``(M, c)`` / ``(B, M, c)`` and freqs
-    ``(Hp, c, P)``, autocast disabled."""
-    dtype = torch.float64 if torch.float64 in (coords.dtype, freqs.dtype) else torch.float32
+def rope_cos_sin(coords: Tensor, freqs: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """cos/sin tables of the angles ``theta = r . freqs``, accurate to float32 round-off at any coordinate.
+
+    The angles are formed in float64 by elementwise products and sums (``frequency_angles``), reduced by
+    ``cos``/``sin`` in float64, then rounded to ``dtype``. A float32 angle of ``4096 * 2 pi`` already carries an
+    error of ~1e-3 rad (its ulp); in float64 the table is exact to float32 precision whatever the coordinate
+    scale. The tables are small (one row per coordinate, not per head and example), so the cost is negligible.
+    On devices without float64 (MPS) the angles are formed in float32.
+
+    Args:
+        coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example.
+        freqs: ``(Hp, c, P)``.
+        dtype: table dtype; ``None``: float64 if an input is float64, else float32.
+
+    Returns:
+        ``(cos, sin)``, each ``(1, Hp, M, P)`` for shared coordinates or ``(B, Hp, M, P)`` per example;
+        differentiable in ``coords`` and ``freqs``.
+    """
+    if dtype is None:
+        dtype = torch.float64 if torch.float64 in (coords.dtype, freqs.dtype) else torch.float32
+    wide = torch.float32 if coords.device.type == "mps" else torch.float64
     with torch.autocast(device_type=coords.device.type, enabled=False):
-        theta = frequency_angles(coords.to(dtype), freqs.to(dtype))
+        theta = frequency_angles(coords.to(wide), freqs.to(wide))
         if theta.dim() == 3:
             theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
-        return torch.cos(theta), torch.sin(theta)
+        return torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
 
 
 def _rotate_tokens(x: Tensor, cos: Tensor, sin: Tensor, num_prefix_tokens: int, pairs: str) -> Tensor:
@@ -261,8 +279,9 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         ``(q_out, k_out)`` in the input dtypes and shapes (``k_out`` is ``None`` when ``k`` is); differentiable
         in q, k, freqs and coords.
 
-    Numerics: angles by elementwise products and sums in float32 (float64 if an input is float64) -- never a
-    matrix product, so TF32 settings do not round them -- and the rotation in that dtype, autocast disabled.
+    Numerics: angles by elementwise products and sums in float64 (``rope_cos_sin``) -- never a matrix product,
+    so TF32 settings do not round them -- cos/sin and the rotation in float32 (float64 if an input is float64),
+    autocast disabled.
     On CUDA the fused Triton kernel ``ropekit.kernels.fused_rotary`` runs when it is installed and available
     for the device; otherwise (CPU, or no kernel) the PyTorch path below, which is also the reference.
 
@@ -274,12 +293,12 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         kernel = _fused_kernel(q.device)
         if kernel is not None:
             return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
-    cos, sin = _rope_table(coords, f)
+    cos, sin = rope_cos_sin(coords, f)
     q_out = _rotate_tokens(q, cos, sin, num_prefix_tokens, pairs)
     if k is None:
         return q_out, None
     if k_coords is not None:
-        cos, sin = _rope_table(k_coords, f)
+        cos, sin = rope_cos_sin(k_coords, f)
     return q_out, _rotate_tokens(k, cos, sin, num_prefix_tokens, pairs)
 
 
@@ -454,12 +473,13 @@ def _block_outer_sum(g: Tensor, x: Tensor, eshape: Sequence[int]) -> Tensor:
         xm = xv.permute(1, 3, 0, 2, 4).reshape(he, m, bsz * hr, d)  # (He, M, R, d)
         full = torch.matmul(gm, xm).unsqueeze(0)  # (1, He, M, d, d)
     elif he == 1:  # per-example coordinates, shared by heads: one strided batched product per example
-        out = g.new_empty(bsz, m * nb, b, b)
+        # (no ``out=``: it would break double backward, where these products are recorded by autograd)
+        per_example = []
         for i in range(bsz):
             gi = g[i].reshape(h, m * nb, b).permute(1, 2, 0)  # (M*nb, b, H)
             xi = x[i].reshape(h, m * nb, b).permute(1, 0, 2)  # (M*nb, H, b)
-            torch.bmm(gi, xi, out=out[i])
-        return out.view(bsz, 1, m, nb, b, b)
+            per_example.append(torch.bmm(gi, xi))
+        return torch.stack(per_example).view(bsz, 1, m, nb, b, b)
     else:
         gm = gv.permute(0, 1, 3, 4, 2).contiguous()  # (B, He, M, d, Hr)
         xm = xv.permute(0, 1, 3, 2, 4).contiguous()  # (B, He, M, Hr, d)

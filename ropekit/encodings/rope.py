@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import axial_frequencies, frequency_angles, mixed_frequencies, pair_generators, rotate_pairs
+from .functional import (axial_frequencies, frequency_angles, mixed_frequencies, pair_generators, rope_cos_sin,
+                         rotate_pairs)
 
 __all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute"]
 
@@ -44,7 +45,8 @@ class FrequencyRoPE(PositionEncoding):
     """RoPE with a frequency matrix ``freqs`` of shape ``(Hp, c, d/2)``; subclasses choose how it is stored.
 
     Subclasses provide the property ``freqs``. The prepared data are the cos/sin tables ``(1 | B, Hp, M, d/2)``
-    in the compute dtype (angles by elementwise products, never a TF32-rounded matmul); both pair conventions
+    in the compute dtype (angles by elementwise products in float64, never a TF32-rounded matmul, see
+    ``functional.rope_cos_sin``); both pair conventions
     are handled natively (by subclasses that keep this class's ``_transform``; one that overrides it, e.g.
     with a basis change, gets the base class's permutation instead).
     """
@@ -67,10 +69,7 @@ class FrequencyRoPE(PositionEncoding):
             return frequency_angles(coords.to(dtype), self.freqs.to(dtype))
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        theta = frequency_angles(coords, self.freqs.to(dtype))  # (Hp, M, P) or (B, Hp, M, P)
-        if theta.dim() == 3:
-            theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
-        return torch.cos(theta), torch.sin(theta)
+        return rope_cos_sin(coords, self.freqs, dtype)  # (1 | B, Hp, M, P) each
 
     def _transform(self, x: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
         cos, sin = state
