@@ -50,8 +50,8 @@ def test_bf16_inputs_keep_fp32_angles(name):
     assert err.abs().max() <= 1e-3
     # the state itself: fp32 tables, angles within fp32 round-off of float64
     state = pe.prepare(coords)
-    cos, sin = state.q
-    assert cos.dtype == torch.float32
+    theta, cos, sin = state.q
+    assert theta.dtype == torch.float64 and cos.dtype == torch.float32
     table_err = torch.remainder(torch.atan2(sin.double(), cos.double()) - want + math.pi, 2 * math.pi) - math.pi
     assert table_err.abs().max() <= 1e-3
 

@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 __all__ = [
     "frequency_angles",
     "rope_cos_sin",
+    "rotate_angles",
     "apply_frequency_rope",
     "rope_angles",
     "rotate_pairs",
@@ -150,6 +151,26 @@ def _reduce_to(t: Tensor, shape: Sequence[int]) -> Tensor:
     return t.reshape(shape)
 
 
+def _sum_times_conj(a: Tensor, b: Tensor, shape: Sequence[int]) -> Tensor:
+    """``sum a * conj(b)`` over the dimensions that ``shape`` broadcasts, without a temporary of ``a``'s size.
+
+    ``a``, ``b``: complex ``(n, ...)`` of equal shapes. Computed one leading slice at a time in one reused scratch
+    buffer: a fresh buffer of q's size costs more in page faults than the arithmetic does on a CPU. No autograd.
+    """
+    if a.dim() != len(shape) or a.dim() < 2:
+        return _reduce_to(a * b.conj_physical(), shape)
+    scratch = torch.empty(a.shape[1:], dtype=a.dtype, device=a.device)
+    parts, acc = [], None
+    for i in range(a.shape[0]):
+        torch.conj_physical(b[i], out=scratch)
+        part = _reduce_to(scratch.mul_(a[i]), shape[1:])
+        if shape[0] != 1:
+            parts.append(part.clone() if part.data_ptr() == scratch.data_ptr() else part)
+        else:
+            acc = part.clone() if acc is None else acc.add_(part)
+    return torch.stack(parts) if shape[0] != 1 else acc.unsqueeze(0)
+
+
 class _RotatePairs(torch.autograd.Function):
     """``y = x * w`` per pair in complex form, ``w = cos + i sin``.
 
@@ -176,17 +197,86 @@ class _RotatePairs(torch.autograd.Function):
         # attention hands back gradients in its own layout (e.g. (B, N, H, d) strides); products inherit it, and
         # the reduction over (B, H) for the cos/sin gradient is ~40x slower on that layout than on a contiguous one
         gc = _complex_pairs(g.contiguous() if need_w else g)  # (..., P)
-        gx = gcos = gsin = None
-        if ctx.needs_input_grad[0]:
-            gx = torch.view_as_real(gc * w_conj).flatten(-2)
+        gx = gcos = gsin = acc = None
+        if not torch.is_grad_enabled():  # first-order backward: no temporary of the input's size
+            if need_w:
+                acc = _sum_times_conj(gc, _complex_pairs(y), w.shape)  # sum g conj(y), shape of w
+            if ctx.needs_input_grad[0]:
+                gx = torch.view_as_real(gc * w_conj).flatten(-2)
+        else:  # double backward: out-of-place, so that autograd records every step
+            if ctx.needs_input_grad[0]:
+                gx = torch.view_as_real(gc * w_conj).flatten(-2)
+            if need_w:
+                acc = _reduce_to(gc * _complex_pairs(y).conj_physical(), w.shape)
         if need_w:
-            acc = _reduce_to(gc * _complex_pairs(y).conj_physical(), w.shape)  # sum g conj(y), shape of w
             gw = acc * w / (w.real.square() + w.imag.square())  # = sum g conj(x)
             if ctx.needs_input_grad[1]:
                 gcos = _reduce_to(gw.real, ctx.cos_shape)
             if ctx.needs_input_grad[2]:
                 gsin = _reduce_to(gw.imag, ctx.sin_shape)
         return gx, gcos, gsin
+
+
+class _RotateAngles(torch.autograd.Function):
+    """``y = x * exp(i theta)`` per interleaved pair, differentiable in ``x`` and ``theta`` only.
+
+    ``cos`` / ``sin`` (``theta``'s, rounded to ``x``'s dtype, no autograd history) are passed in so that they are
+    computed once per table, not per call. Backward: ``gx = g * exp(-i theta)``; ``gtheta = sum Im(g conj(y))``
+    over the broadcast dimensions (``dy/dtheta = i y``), from the saved output -- no gradient through cos/sin
+    tables, no small-tensor chain. Under double backward every step is recomputed from ``theta`` with
+    differentiable operations.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, theta: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        y = torch.view_as_real(_complex_pairs(x) * torch.complex(cos, sin)).flatten(-2)  # (..., d)
+        ctx.save_for_backward(theta, cos, sin, y if ctx.needs_input_grad[1] else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        theta, cos, sin, y = ctx.saved_tensors
+        gx = gtheta = None
+        if torch.is_grad_enabled():  # double backward: rebuild the rotation from theta, out-of-place
+            c, s = torch.cos(theta).to(g.dtype), torch.sin(theta).to(g.dtype)
+            gx = _RotateAngles.apply(g, -theta, c, -s) if ctx.needs_input_grad[0] else None
+            if ctx.needs_input_grad[1]:
+                gy = _complex_pairs(g) * _complex_pairs(y).conj_physical()
+                gtheta = _reduce_to(gy.imag, theta.shape).to(theta.dtype)
+            return gx, gtheta, None, None
+        gc = _complex_pairs(g.contiguous() if ctx.needs_input_grad[1] else g)  # (..., P)
+        if ctx.needs_input_grad[1]:
+            gtheta = _sum_times_conj(gc, _complex_pairs(y), theta.shape).imag.to(theta.dtype)
+        if ctx.needs_input_grad[0]:
+            gx = torch.view_as_real(gc * torch.complex(cos, -sin)).flatten(-2)
+        return gx, gtheta, None, None
+
+
+def rotate_angles(x: Tensor, theta: Tensor, cos: Tensor | None = None, sin: Tensor | None = None,
+                  pairs: str = "interleaved") -> Tensor:
+    """Rotate each pair of ``x`` by ``theta``; differentiable in ``x`` and ``theta``.
+
+    Args:
+        x: ``(..., d)`` float32 or float64 (the compute dtype).
+        theta: ``(..., d / 2)`` broadcastable against ``x``'s leading dimensions, any float dtype (float64 for
+            exact tables, see ``rope_cos_sin``).
+        cos, sin: optional ``cos(theta)`` / ``sin(theta)`` in ``x``'s dtype, already computed (treated as
+            constants: the gradient reaches ``theta`` directly).
+        pairs: ``"interleaved"`` or ``"half"`` (see ``rotate_pairs``).
+
+    Returns:
+        ``(..., d)`` in ``x``'s dtype.
+
+    The eager interleaved path (``_RotateAngles``) returns the angle gradient as one reduction of
+    ``Im(g conj(y))`` -- the cheapest backward of a learnable-frequency RoPE; other cases use ``rotate_pairs``
+    with differentiable cos/sin.
+    """
+    if pairs == "interleaved" and _fast_rotation_ok(x, x.new_empty(0), x.new_empty(0)) and theta.is_floating_point():
+        if cos is None or sin is None:
+            with torch.no_grad():
+                cos, sin = torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype)
+        return _RotateAngles.apply(x, theta, cos.detach(), sin.detach())
+    return rotate_pairs(x, torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype), pairs)
 
 
 def rope_cos_sin(coords: Tensor, freqs: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:

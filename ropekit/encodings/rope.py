@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .base import PositionEncoding
 from .functional import (axial_frequencies, frequency_angles, mixed_frequencies, pair_generators, rope_cos_sin,
-                         rotate_pairs)
+                         rotate_angles, rotate_pairs)
 
 __all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute"]
 
@@ -44,9 +44,10 @@ class NoPE(PositionEncoding):
 class FrequencyRoPE(PositionEncoding):
     """RoPE with a frequency matrix ``freqs`` of shape ``(Hp, c, d/2)``; subclasses choose how it is stored.
 
-    Subclasses provide the property ``freqs``. The prepared data are the cos/sin tables ``(1 | B, Hp, M, d/2)``
-    in the compute dtype (angles by elementwise products in float64, never a TF32-rounded matmul, see
-    ``functional.rope_cos_sin``); both pair conventions
+    Subclasses provide the property ``freqs``. The prepared data are ``(theta, cos, sin)`` (``(cos, sin)``,
+    differentiable, for a subclass that overrides ``_transform``), each
+    ``(1 | B, Hp, M, d/2)``: the angles in float64 (elementwise products, never a TF32-rounded matmul; exact at
+    any coordinate scale) and their cos/sin in the compute dtype; both pair conventions
     are handled natively (by subclasses that keep this class's ``_transform``; one that overrides it, e.g.
     with a basis change, gets the base class's permutation instead).
     """
@@ -68,12 +69,20 @@ class FrequencyRoPE(PositionEncoding):
         with torch.autocast(device_type=coords.device.type, enabled=False):
             return frequency_angles(coords.to(dtype), self.freqs.to(dtype))
 
-    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return rope_cos_sin(coords, self.freqs, dtype)  # (1 | B, Hp, M, P) each
+    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
+            return rope_cos_sin(coords, self.freqs, dtype)
+        wide = torch.float32 if coords.device.type == "mps" else torch.float64
+        theta = frequency_angles(coords.to(wide), self.freqs.to(wide))  # (Hp, M, P) or (B, Hp, M, P)
+        if theta.dim() == 3:
+            theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
+        with torch.no_grad():  # constants for the rotation; the gradient reaches theta directly
+            cos, sin = torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
+        return theta, cos, sin
 
-    def _transform(self, x: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
-        cos, sin = state
-        return rotate_pairs(x, cos, sin, self.pairs)
+    def _transform(self, x: Tensor, state: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        theta, cos, sin = state
+        return rotate_angles(x, theta, cos, sin, self.pairs)
 
     def generators(self) -> Tensor:
         gen = pair_generators(self.freqs)  # (Hp, c, d, d)
