@@ -136,6 +136,8 @@ def _is_compiling() -> bool:
 def _complex_pairs(x: Tensor) -> Tensor:
     """View ``(..., d)`` real as ``(..., d / 2)`` complex (pair ``n`` -> ``x_2n + i x_2n+1``); copies if the
     strides do not allow a view."""
+    if x.is_contiguous():  # the common case, without the stride checks below (this runs on every call)
+        return torch.view_as_complex(x.view(x.shape[:-1] + (x.shape[-1] // 2, 2)))
     xr = x.unflatten(-1, (-1, 2))  # (..., P, 2)
     if xr.stride(-1) != 1 or xr.storage_offset() % 2 or any(st % 2 for st in xr.stride()[:-1]):
         xr = xr.contiguous()
@@ -246,7 +248,8 @@ class _RotateAngles(torch.autograd.Function):
             return gx, gtheta, None, None
         gc = _complex_pairs(g.contiguous() if ctx.needs_input_grad[1] else g)  # (..., P)
         if ctx.needs_input_grad[1]:
-            gtheta = _sum_times_conj(gc, _complex_pairs(y), theta.shape).imag.to(theta.dtype)
+            gtheta = _sum_times_conj(gc, _complex_pairs(y), theta.shape).imag
+            gtheta = gtheta if gtheta.dtype == theta.dtype else gtheta.to(theta.dtype)
         if ctx.needs_input_grad[0]:
             gx = torch.view_as_real(gc * torch.complex(cos, -sin)).flatten(-2)
         return gx, gtheta, None, None
@@ -271,7 +274,8 @@ def rotate_angles(x: Tensor, theta: Tensor, cos: Tensor | None = None, sin: Tens
     ``Im(g conj(y))`` -- the cheapest backward of a learnable-frequency RoPE; other cases use ``rotate_pairs``
     with differentiable cos/sin.
     """
-    if pairs == "interleaved" and _fast_rotation_ok(x, x.new_empty(0), x.new_empty(0)) and theta.is_floating_point():
+    if (pairs == "interleaved" and not _is_compiling() and x.dtype in (torch.float32, torch.float64)
+            and x.shape[-1] % 2 == 0):
         if cos is None or sin is None:
             with torch.no_grad():
                 cos, sin = torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype)

@@ -73,7 +73,9 @@ class FrequencyRoPE(PositionEncoding):
         if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
             return rope_cos_sin(coords, self.freqs, dtype)
         wide = torch.float32 if coords.device.type == "mps" else torch.float64
-        theta = frequency_angles(coords.to(wide), self.freqs.to(wide))  # (Hp, M, P) or (B, Hp, M, P)
+        f = self.freqs
+        theta = frequency_angles(coords if coords.dtype == wide else coords.to(wide),
+                                 f if f.dtype == wide else f.to(wide))  # (Hp, M, P) or (B, Hp, M, P)
         if theta.dim() == 3:
             theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
         with torch.no_grad():  # constants for the rotation; the gradient reaches theta directly
