@@ -401,6 +401,14 @@ class PositionEncoding(nn.Module):
         cols = self._encode(basis, state.q, 0, state.dtype)  # (d, H, M, d): cols[j] = R e_j
         return cols.permute(1, 2, 3, 0)  # (H, M, d, d), [..., :, j] = R e_j
 
+    def reset_parameters(self) -> None:
+        """Re-initialise the learnable parameters as the constructor does (same draws under the same RNG state).
+
+        With ``torch.device("meta")`` construction and ``to_empty(device=...)``, calling this gives the module an
+        eager build would have. Raises ``NotImplementedError`` for an encoding that does not provide it.
+        """
+        raise NotImplementedError(f"{self.name} does not implement reset_parameters")
+
     def generators(self) -> Tensor:
         """The generators ``L_k`` with ``R_STR(r) = expm(sum_k r_k L_k)``: ``(H, c, d, d)`` (interleaved pairs)."""
         raise NotImplementedError(f"{self.name} has no generators")

@@ -53,11 +53,11 @@ def real_dft_basis(b: int, dtype: torch.dtype = torch.float64, device: torch.dev
         that ``lambda_f = sum_n c_n S[n, f-1] = 2 Im(rfft(c))_f``. Computed in float64, returned in ``dtype``.
     """
     u = (b - 1) // 2
-    n = torch.arange(b, dtype=torch.float64)
-    f = torch.arange(1, u + 1, dtype=torch.float64)
+    n = torch.arange(b, dtype=torch.float64, device="cpu")
+    f = torch.arange(1, u + 1, dtype=torch.float64, device="cpu")
     ang = 2 * math.pi * f[:, None] * n[None, :] / b  # (u, b)
     rows = torch.stack((torch.sin(ang), torch.cos(ang)), dim=1).reshape(2 * u, b) * math.sqrt(2.0 / b)
-    extra = [torch.full((1, b), 1.0 / math.sqrt(b), dtype=torch.float64)]
+    extra = [torch.full((1, b), 1.0 / math.sqrt(b), dtype=torch.float64, device="cpu")]
     if b % 2 == 0:
         extra.append((torch.cos(math.pi * n) / math.sqrt(b)).unsqueeze(0))
     q = torch.cat([rows] + extra, dim=0)  # (b, b)
@@ -87,13 +87,24 @@ class CirculantSTRING(PositionEncoding):
         self.register_buffer("dft_basis", torch.empty(b, b), persistent=False)
         self.register_buffer("mode_table", torch.empty(b, usable), persistent=False)
         self._build_buffers()
-        # Initialise so that the mode frequencies lambda have RoPE-Mixed's scale: c = S lambda / (2b) inverts
-        # lambda = S^T c on the rotating modes (the sine rows are orthogonal with squared norm b/2).
-        lam = mixed_frequencies(2 * nb * usable, coord_dim, self.param_heads, base).double()  # (Hp, c, nb*u)
-        lam = lam.reshape(self.param_heads, coord_dim, nb, usable)
+        self.base = base
+        self.circ_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, nb, b))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Re-draw the first columns so that the mode frequencies have RoPE-Mixed's scale and directions.
+
+        ``c = S lambda / (2b)`` inverts ``lambda = S^T c`` on the rotating modes (the sine rows of ``S`` are
+        orthogonal with squared norm ``b/2``); the DC part of ``c`` is 0. Drawn on the CPU generator.
+        """
+        hp, c, nb, b = self.circ_params.shape
+        u = self.num_modes
+        lam = mixed_frequencies(2 * nb * u, c, hp, self.base).double().reshape(hp, c, nb, u)  # (Hp, c, nb, u)
         _, table = real_dft_basis(b)
         col = (lam.unsqueeze(-2) * table).sum(-1) / (2 * b)  # (Hp, c, nb, b)
-        self.circ_params = nn.Parameter(col.float())
+        if self.circ_params.device.type != "meta":
+            with torch.no_grad():
+                self.circ_params.copy_(col)
 
     def _build_buffers(self) -> None:
         """(Re)compute the fixed basis and sine table exactly (float64, then the buffers' dtype and device)."""

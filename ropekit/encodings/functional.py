@@ -435,7 +435,7 @@ def axial_frequencies(head_dim: int, coord_dim: int, base: float = 10000.0) -> T
     by ``c``) get frequency 0: they are not rotated.
 
     Returns:
-        ``(c, d / 2)`` float32 frequency matrix.
+        ``(c, d / 2)`` float32 frequency matrix, on the CPU (also under a ``torch.device("meta")`` context).
     """
     pairs = head_dim // 2
     per_axis = pairs // coord_dim
@@ -444,8 +444,8 @@ def axial_frequencies(head_dim: int, coord_dim: int, base: float = 10000.0) -> T
             f"axial RoPE needs at least one rotation plane per axis: head_dim={head_dim} gives "
             f"{pairs} planes for coord_dim={coord_dim}; use head_dim >= {2 * coord_dim}"
         )
-    omega = base ** (-2.0 * torch.arange(per_axis, dtype=torch.float64) / (2 * per_axis))
-    freqs = torch.zeros(coord_dim, pairs, dtype=torch.float64)
+    omega = base ** (-2.0 * torch.arange(per_axis, dtype=torch.float64, device="cpu") / (2 * per_axis))
+    freqs = torch.zeros(coord_dim, pairs, dtype=torch.float64, device="cpu")
     for k in range(coord_dim):
         freqs[k, k * per_axis:(k + 1) * per_axis] = omega
     return freqs.float()
@@ -462,21 +462,22 @@ def mixed_frequencies(
     angle ``a`` and the second group is offset by ``pi / 2`` (the authors' initialisation).
 
     Returns:
-        ``(num_heads, c, d / 2)`` float32.
+        ``(num_heads, c, d / 2)`` float32, on the CPU (drawn from the CPU generator, also under a device context).
     """
     pairs = head_dim // 2
     group = math.ceil(pairs / coord_dim)
-    m = torch.arange(pairs, dtype=torch.float64) % group
+    m = torch.arange(pairs, dtype=torch.float64, device="cpu") % group
     mag = base ** (-m / group)  # (P,)
-    owner = torch.arange(pairs) // group  # (P,) which frame axis each pair follows
-    freqs = torch.empty(num_heads, coord_dim, pairs, dtype=torch.float64)
+    owner = torch.arange(pairs, device="cpu") // group  # (P,) which frame axis each pair follows
+    freqs = torch.empty(num_heads, coord_dim, pairs, dtype=torch.float64, device="cpu")
     for h in range(num_heads):
         if coord_dim == 2:
-            a = float(torch.rand((), generator=generator, dtype=torch.float64)) * 2 * math.pi
+            a = float(torch.rand((), generator=generator, dtype=torch.float64, device="cpu")) * 2 * math.pi
             frame = torch.tensor([[math.cos(a), math.cos(a + math.pi / 2)],
-                                  [math.sin(a), math.sin(a + math.pi / 2)]], dtype=torch.float64)
+                                  [math.sin(a), math.sin(a + math.pi / 2)]], dtype=torch.float64,
+                                 device="cpu")
         else:
-            g = torch.randn(coord_dim, coord_dim, generator=generator, dtype=torch.float64)
+            g = torch.randn(coord_dim, coord_dim, generator=generator, dtype=torch.float64, device="cpu")
             frame, _ = torch.linalg.qr(g)  # (c, c) orthonormal columns
         freqs[h] = frame[:, owner] * mag  # (c, P)
     return freqs.float()

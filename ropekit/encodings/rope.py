@@ -28,6 +28,9 @@ class NoPE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> None:
         return None
 
+    def reset_parameters(self) -> None:
+        """Nothing to reset: the identity has no parameters."""
+
     def _transform(self, x: Tensor, state: None) -> Tensor:
         return x
 
@@ -114,16 +117,34 @@ class AxialRoPE(FrequencyRoPE):
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 10000.0,
                  learnable_freqs: bool = False, per_head: bool = False) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head and learnable_freqs)
-        init = axial_frequencies(head_dim, coord_dim, base).unsqueeze(0).repeat(self.param_heads, 1, 1)
         self.base = base
+        shape = (self.param_heads, coord_dim, head_dim // 2)
         if learnable_freqs:
-            self.freq_param = nn.Parameter(init)
+            self.freq_param = nn.Parameter(torch.empty(shape))
         else:
-            self.register_buffer("freq_table", init, persistent=False)
+            self.register_buffer("freq_table", torch.empty(shape), persistent=False)
+        self._reset_axial()
 
     @property
     def freqs(self) -> Tensor:
         return self.freq_param if hasattr(self, "freq_param") else self.freq_table
+
+    def _reset_axial(self) -> None:
+        target = self.freqs
+        if target.device.type != "meta":
+            init = axial_frequencies(self.head_dim, self.coord_dim, self.base)  # (c, P), CPU
+            with torch.no_grad():
+                target.copy_(init.unsqueeze(0).expand_as(target))
+
+    def reset_parameters(self) -> None:
+        """Back to the axial frequencies (learnable or not)."""
+        self._reset_axial()
+
+    def _apply(self, fn, recurse=True):  # device / dtype moves, to_empty: the fixed table is recomputed exactly
+        out = super()._apply(fn, recurse)
+        if not hasattr(self, "freq_param"):
+            self._reset_axial()
+        return out
 
 
 class MixedRoPE(FrequencyRoPE):
@@ -138,20 +159,34 @@ class MixedRoPE(FrequencyRoPE):
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 100.0,
                  per_head: bool = False, freqs: Tensor | None = None) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
-        if freqs is None:
-            freqs = mixed_frequencies(head_dim, coord_dim, self.param_heads, base)
-        else:
-            freqs = torch.as_tensor(freqs, dtype=torch.float32)
+        self.base = base
+        if freqs is not None:
+            freqs = torch.as_tensor(freqs, dtype=torch.float32, device="cpu")
             if freqs.dim() == 2:
                 freqs = freqs.unsqueeze(0).repeat(self.param_heads, 1, 1)
             if freqs.shape != (self.param_heads, coord_dim, head_dim // 2):
                 raise ValueError(f"freqs must have shape ({self.param_heads}, {coord_dim}, {head_dim // 2}) or "
                                  f"({coord_dim}, {head_dim // 2}), got {tuple(freqs.shape)}")
-        self.freq_param = nn.Parameter(freqs.clone())
+            freqs = freqs.clone()
+        self._given_freqs = freqs  # the initial value reset_parameters returns to (None: a random draw)
+        self.freq_param = nn.Parameter(torch.empty(self.param_heads, coord_dim, head_dim // 2))
+        self._reset_mixed()
 
     @property
     def freqs(self) -> Tensor:
         return self.freq_param
+
+    def _reset_mixed(self) -> None:
+        init = self._given_freqs
+        if init is None:  # drawn on the CPU generator, also when the parameter lives on another device
+            init = mixed_frequencies(self.head_dim, self.coord_dim, self.param_heads, self.base)
+        if self.freq_param.device.type != "meta":
+            with torch.no_grad():
+                self.freq_param.copy_(init)
+
+    def reset_parameters(self) -> None:
+        """Re-draw the initial frequencies (or restore the ``freqs`` given to the constructor)."""
+        self._reset_mixed()
 
 
 class LieRECommute(FrequencyRoPE):
@@ -167,7 +202,16 @@ class LieRECommute(FrequencyRoPE):
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, init_scale: float = 2 * math.pi,
                  per_head: bool = False) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
-        self.generator_params = nn.Parameter(torch.rand(self.param_heads, coord_dim, head_dim // 2) * init_scale)
+        self.init_scale = init_scale
+        self.generator_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, head_dim // 2))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Re-draw the raw parameters uniformly in ``[0, init_scale)`` (CPU generator)."""
+        init = torch.rand(self.generator_params.shape, device="cpu") * self.init_scale
+        if self.generator_params.device.type != "meta":
+            with torch.no_grad():
+                self.generator_params.copy_(init)
 
     @property
     def freqs(self) -> Tensor:
