@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import mixed_frequencies, rope_cos_sin, rotate_pairs, skew
+from .functional import _angle_table, mixed_frequencies, rotate_angles, skew
 
 __all__ = ["CirculantSTRING", "circulant", "real_dft_basis"]
 
@@ -68,8 +68,9 @@ def real_dft_basis(b: int, dtype: torch.dtype = torch.float64, device: torch.dev
 class CirculantSTRING(PositionEncoding):
     """Circulant-STRING (see the module docstring): ``circ_params`` ``(Hp, c, nb, b)`` are the first columns.
 
-    Prepared data: ``(cos, sin)`` tables ``(1 | B, Hp, M, nb * b/2)`` of the mode angles (a non-rotating pair of
-    cos 1, sin 0 fills the DC/Nyquist slot of each block for even ``b``).
+    Prepared data: ``(theta, cos, sin)`` tables ``(1 | B, Hp, M, nb * b/2)`` of the mode angles (float64 angles,
+    cos/sin in the compute dtype; a non-rotating pair of angle 0 fills the DC/Nyquist slot of each block for even
+    ``b``).
     """
 
     name = "circulant"
@@ -137,19 +138,19 @@ class CirculantSTRING(PositionEncoding):
             lam = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], 1)), dim=-1)  # (Hp, c, nb, b/2)
         return lam.flatten(-2)
 
-    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return rope_cos_sin(coords, self._pair_frequencies(dtype), dtype)  # (1 | B, Hp, M, F) each
+    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        return _angle_table(coords, self._pair_frequencies(dtype), dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
 
-    def _transform(self, x: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
-        cos, sin = state
+    def _transform(self, x: Tensor, state: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        theta, cos, sin = state
         b = self.block_size
         q = self.dft_basis.to(x.dtype)
         z = torch.matmul(x.unflatten(-1, (-1, b)), q.transpose(0, 1))  # (B, H, M, nb, b): Q z per block
         if b % 2 == 0:
-            z = rotate_pairs(z.flatten(-2), cos, sin)  # (B, H, M, d)
+            z = rotate_angles(z.flatten(-2), theta, cos, sin)  # (B, H, M, d)
         else:  # odd b: the DC coordinate of each block stays out of the pairs
             u2 = 2 * self.num_modes
-            rot = rotate_pairs(z[..., :u2].flatten(-2), cos, sin).unflatten(-1, (-1, u2))
+            rot = rotate_angles(z[..., :u2].flatten(-2), theta, cos, sin).unflatten(-1, (-1, u2))
             z = torch.cat((rot, z[..., u2:]), dim=-1).flatten(-2)
         return torch.matmul(z.unflatten(-1, (-1, b)), q).flatten(-2)  # Q^T per block: (B, H, M, d)
 

@@ -311,11 +311,26 @@ def rope_cos_sin(coords: Tensor, freqs: Tensor, dtype: torch.dtype | None = None
         return torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
 
 
-def _rotate_tokens(x: Tensor, cos: Tensor, sin: Tensor, num_prefix_tokens: int, pairs: str) -> Tensor:
-    """Rotate ``x`` ``(B, H, N, d)`` after its prefix tokens, math in the tables' dtype, output in ``x``'s."""
+def _angle_table(coords: Tensor, freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(theta, cos, sin)``, each ``(1 | B, Hp, M, P)``: float64 angles (differentiable) and their cos/sin in
+    ``dtype`` (constants), for ``rotate_angles``."""
+    wide = torch.float32 if coords.device.type == "mps" else torch.float64
+    theta = frequency_angles(coords if coords.dtype == wide else coords.to(wide),
+                             freqs if freqs.dtype == wide else freqs.to(wide))
+    if theta.dim() == 3:
+        theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
+    with torch.no_grad():
+        return theta, torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
+
+
+def _rotate_tokens(x: Tensor, table: tuple[Tensor, Tensor, Tensor], num_prefix_tokens: int, pairs: str) -> Tensor:
+    """Rotate ``x`` ``(B, H, N, d)`` after its prefix tokens, math in the table's dtype, output in ``x``'s."""
+    theta, cos, sin = table
     with torch.autocast(device_type=x.device.type, enabled=False):
         xr = x[:, :, num_prefix_tokens:] if num_prefix_tokens else x
-        y = rotate_pairs(xr.to(cos.dtype), cos, sin, pairs).to(x.dtype)
+        xr = xr if xr.dtype == cos.dtype else xr.to(cos.dtype)
+        y = rotate_angles(xr, theta, cos, sin, pairs)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
         return torch.cat((x[:, :, :num_prefix_tokens], y), dim=2) if num_prefix_tokens else y
 
 
@@ -387,13 +402,14 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         kernel = _fused_kernel(q.device)
         if kernel is not None:
             return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
-    cos, sin = rope_cos_sin(coords, f)
-    q_out = _rotate_tokens(q, cos, sin, num_prefix_tokens, pairs)
+    dtype = torch.float64 if torch.float64 in (q.dtype, coords.dtype, freqs.dtype) else torch.float32
+    table = _angle_table(coords, f, dtype)
+    q_out = _rotate_tokens(q, table, num_prefix_tokens, pairs)
     if k is None:
         return q_out, None
     if k_coords is not None:
-        cos, sin = rope_cos_sin(k_coords, f)
-    return q_out, _rotate_tokens(k, cos, sin, num_prefix_tokens, pairs)
+        table = _angle_table(k_coords, f, dtype)
+    return q_out, _rotate_tokens(k, table, num_prefix_tokens, pairs)
 
 
 def _fused_kernel(device: torch.device):

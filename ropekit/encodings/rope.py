@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import (axial_frequencies, frequency_angles, mixed_frequencies, pair_generators, rope_cos_sin,
-                         rotate_angles, rotate_pairs)
+from .functional import (_angle_table, axial_frequencies, frequency_angles, mixed_frequencies, pair_generators,
+                         rope_cos_sin, rotate_angles)
 
 __all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute"]
 
@@ -75,15 +75,7 @@ class FrequencyRoPE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
             return rope_cos_sin(coords, self.freqs, dtype)
-        wide = torch.float32 if coords.device.type == "mps" else torch.float64
-        f = self.freqs
-        theta = frequency_angles(coords if coords.dtype == wide else coords.to(wide),
-                                 f if f.dtype == wide else f.to(wide))  # (Hp, M, P) or (B, Hp, M, P)
-        if theta.dim() == 3:
-            theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
-        with torch.no_grad():  # constants for the rotation; the gradient reaches theta directly
-            cos, sin = torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
-        return theta, cos, sin
+        return _angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
 
     def _transform(self, x: Tensor, state: tuple[Tensor, Tensor, Tensor]) -> Tensor:
         theta, cos, sin = state
