@@ -218,3 +218,37 @@ def test_axial_table_rebuilt_after_to_empty():
     ref = pe.freq_table.clone()
     pe = pe.to_empty(device="cpu")
     torch.testing.assert_close(pe.freq_table, ref, rtol=0, atol=0)
+
+
+def test_fused_kernel_dispatch(monkeypatch):
+    """Where ``ropekit.kernels`` says it is available, apply_frequency_rope and the RoPE modules call its
+    ``fused_rotary`` with the agreed signature; a missing package falls back to the PyTorch path."""
+    import sys
+    import types
+
+    import ropekit.encodings.functional as fn
+
+    calls = []
+    reference = apply_frequency_rope
+
+    def fused_rotary(q, k, coords, freqs, *, k_coords=None, num_prefix_tokens=0, pairs="interleaved"):
+        calls.append((tuple(q.shape), k is None, tuple(coords.shape), tuple(freqs.shape), num_prefix_tokens, pairs))
+        with monkeypatch.context() as m:
+            m.setattr(fn, "_fused_kernel", lambda device: None)
+            return reference(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
+
+    fake = types.SimpleNamespace(available=lambda device: True, fused_rotary=fused_rotary)
+    monkeypatch.setitem(sys.modules, "ropekit.kernels", fake)
+    monkeypatch.setattr(fn, "_KERNELS", [fake])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU dispatch only happens in Triton's interpreter mode
+    q, k = torch.randn(2, H, 6, D), torch.randn(2, H, 6, D)
+    coords, freqs = torch.randn(5, 2), torch.randn(2, D // 2)
+    got = apply_frequency_rope(q, k, coords, freqs, num_prefix_tokens=1, pairs="half")
+    assert calls == [((2, H, 6, D), False, (5, 2), (2, D // 2), 1, "half")]
+    pe = create_pe("mixed", head_dim=D, coord_dim=2, num_heads=H)
+    qe, _ = pe(q, k, coords, num_prefix_tokens=1)
+    assert len(calls) == 3 and calls[1][3] == (2, D // 2)  # module path: shared frequencies as (c, d/2)
+    monkeypatch.setattr(fn, "_KERNELS", [None])  # package absent: the PyTorch path gives the same values
+    torch.testing.assert_close(qe, pe(q, k, coords, num_prefix_tokens=1)[0])
+    torch.testing.assert_close(got[0], apply_frequency_rope(q, k, coords, freqs, num_prefix_tokens=1, pairs="half")[0])
+    assert len(calls) == 3

@@ -20,6 +20,7 @@ This is the layout of the original RoFormer and of every 2x2 block-diagonal gene
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
 import torch
@@ -124,6 +125,11 @@ def _rotate_half_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def _fast_rotation_ok(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     return (not _is_compiling() and x.dtype in (torch.float32, torch.float64) and cos.dtype == x.dtype
             and sin.dtype == x.dtype and x.dim() >= 1 and x.shape[-1] % 2 == 0)
+
+
+def _interpreting() -> bool:
+    """Triton's interpreter mode (kernels run on the CPU, for tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _is_compiling() -> bool:
@@ -392,16 +398,16 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
     so TF32 settings do not round them -- cos/sin and the rotation in float32 (float64 if an input is float64),
     autocast disabled.
     On CUDA the fused Triton kernel ``ropekit.kernels.fused_rotary`` runs when it is installed and available
-    for the device; otherwise (CPU, or no kernel) the PyTorch path below, which is also the reference.
+    for the device (on the CPU only in Triton's interpreter mode, ``TRITON_INTERPRET=1``, for tests); otherwise
+    the PyTorch path below, which is also the reference.
 
     Raises:
         ValueError: shapes that do not fit together.
     """
     f = _check_rope_args(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
-    if q.is_cuda:
-        kernel = _fused_kernel(q.device)
-        if kernel is not None:
-            return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
+    kernel = _fused_kernel(q.device) if q.device.type != "cpu" or _interpreting() else None
+    if kernel is not None:
+        return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
     dtype = torch.float64 if torch.float64 in (q.dtype, coords.dtype, freqs.dtype) else torch.float32
     table = _angle_table(coords, f, dtype)
     q_out = _rotate_tokens(q, table, num_prefix_tokens, pairs)
@@ -412,11 +418,23 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
     return q_out, _rotate_tokens(k, table, num_prefix_tokens, pairs)
 
 
+_KERNELS: list = []  # the imported ropekit.kernels module, or None when absent (looked up once)
+
+
 def _fused_kernel(device: torch.device):
-    """``ropekit.kernels.fused_rotary`` if that optional module is present and usable on ``device``, else None."""
-    try:
-        from .. import kernels  # imported lazily: the kernels package is optional
-    except ImportError:
+    """``ropekit.kernels.fused_rotary`` if that optional package is present and usable on ``device``, else None.
+
+    The package is imported lazily (it is merged separately and needs Triton), once; a failing ``available``
+    check falls back to the PyTorch path.
+    """
+    if not _KERNELS:
+        try:
+            from .. import kernels  # noqa: PLC0415 -- optional package
+        except ImportError:
+            kernels = None
+        _KERNELS.append(kernels)
+    kernels = _KERNELS[0]
+    if kernels is None or _is_compiling():
         return None
     try:
         ok = kernels.available(device)

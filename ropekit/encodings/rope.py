@@ -8,12 +8,13 @@ Fast path: cos/sin tables in real arithmetic, computed once per forward and shar
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import (_angle_table, axial_frequencies, frequency_angles, mixed_frequencies, pair_generators,
+from .functional import (_angle_table, _fused_kernel, _interpreting, axial_frequencies, frequency_angles, mixed_frequencies, pair_generators,
                          rope_cos_sin, rotate_angles)
 
 __all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute"]
@@ -44,13 +45,21 @@ class NoPE(PositionEncoding):
         return eye, torch.zeros(self.num_heads, self.coord_dim, self.head_dim // 2, dtype=dtype)
 
 
+class _KernelState(NamedTuple):
+    """Prepared data when the fused rotation kernel runs: the coordinates and frequencies themselves."""
+
+    coords: Tensor  # (M, c) or (B, M, c)
+    freqs: Tensor  # (Hp, c, P)
+
+
 class FrequencyRoPE(PositionEncoding):
     """RoPE with a frequency matrix ``freqs`` of shape ``(Hp, c, d/2)``; subclasses choose how it is stored.
 
     Subclasses provide the property ``freqs``. The prepared data are ``(theta, cos, sin)`` (``(cos, sin)``,
     differentiable, for a subclass that overrides ``_transform``), each
     ``(1 | B, Hp, M, d/2)``: the angles in float64 (elementwise products, never a TF32-rounded matmul; exact at
-    any coordinate scale) and their cos/sin in the compute dtype; both pair conventions
+    any coordinate scale) and their cos/sin in the compute dtype -- or, where the fused rotation kernel of
+    ``ropekit.kernels`` runs (CUDA), the coordinates and frequencies it needs; both pair conventions
     are handled natively (by subclasses that keep this class's ``_transform``; one that overrides it, e.g.
     with a basis change, gets the base class's permutation instead).
     """
@@ -75,9 +84,14 @@ class FrequencyRoPE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
             return rope_cos_sin(coords, self.freqs, dtype)
+        if (coords.device.type != "cpu" or _interpreting()) and _fused_kernel(coords.device) is not None:
+            return _KernelState(coords, self.freqs)  # the fused kernel forms the angles itself
         return _angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
 
-    def _transform(self, x: Tensor, state: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    def _transform(self, x: Tensor, state) -> Tensor:
+        if isinstance(state, _KernelState):
+            freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, P) shared or (H, c, P)
+            return _fused_kernel(x.device)(x, None, state.coords, freqs, pairs=self.pairs)[0]
         theta, cos, sin = state
         return rotate_angles(x, theta, cos, sin, self.pairs)
 
