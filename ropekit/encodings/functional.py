@@ -14,7 +14,13 @@ Pairs are *interleaved*: pair ``n`` is the two coordinates ``(2n, 2n + 1)`` of a
     [y_2n+1] = [sin t   cos t] [x_2n+1]
 
 This is the layout of the original RoFormer and of every 2x2 block-diagonal generator, so that
-"block j" and "pair j" are the same thing.
+"block j" and "pair j" are the same thing. The other common layout, HF / Llama's ``rotate_half`` (pair ``n``
+is ``(x_n, x_{n + d/2})``), is ``pairs="half"`` in ``rotate_pairs``, ``rotate_angles`` and
+``apply_frequency_rope``.
+
+Angles ``theta = r . omega`` are formed by elementwise products and sums (``frequency_angles``), never a
+matrix product, whose TF32 rounding on a GPU would cost ~1e-3 relative; the tables are built in float64
+(``rope_cos_sin``) so that they stay exact to float32 round-off at any coordinate scale.
 """
 
 from __future__ import annotations
