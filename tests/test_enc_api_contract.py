@@ -161,3 +161,94 @@ def test_apply_frequency_rope_gradients():
             return apply_frequency_rope(q, k, coords, freqs, k_coords=k_coords, pairs=pairs)
         torch.autograd.gradcheck(fn, (q, k, coords, k_coords, freqs))
         torch.autograd.gradgradcheck(fn, (q, k, coords, k_coords, freqs))
+
+
+MINE = ["axial", "mixed", "liere-commute", "circulant"]
+
+
+def _dense(pe, coords):
+    """``expm(sum_k r_k L_k)`` per head and token from the generators, float64: ``(..., H, M, d, d)``."""
+    gen = pe.generators().detach().double()  # (H, c, d, d)
+    if coords.dim() == 2:
+        return torch.linalg.matrix_exp(torch.einsum("mc,hcij->hmij", coords, gen).contiguous())
+    return torch.linalg.matrix_exp(torch.einsum("bmc,hcij->bhmij", coords, gen).contiguous())
+
+
+@pytest.mark.parametrize("name", MINE)
+@pytest.mark.parametrize("shared", [True, False])
+def test_per_head_parameters_against_dense_reference(name, shared):
+    opts = {"learnable_freqs": True} if name == "axial" else {}
+    pe = _pe(name, per_head=True, **opts)
+    assert pe.param_heads == H
+    with torch.no_grad():  # make the heads differ
+        for p in pe.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    coords = torch.randn(5, 2, dtype=torch.float64) if shared else torch.randn(2, 5, 2, dtype=torch.float64)
+    q = torch.randn(2, H, 7, D, dtype=torch.float64)
+    qe, _ = pe(q, q, coords, num_prefix_tokens=2)
+    rot = _dense(pe, coords)
+    if shared:
+        rot = rot.unsqueeze(0)
+    want = torch.einsum("bhmij,bhmj->bhmi", rot.expand(2, -1, -1, -1, -1), q[:, :, 2:])
+    torch.testing.assert_close(qe[:, :, 2:], want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(qe[:, :, :2], q[:, :, :2], rtol=0, atol=0)
+    heads = [qe[:, h, 2:] for h in range(H)]
+    assert not torch.allclose(heads[0], heads[1])  # per-head parameters are used per head
+
+
+@pytest.mark.parametrize("name", ["none"] + MINE)
+def test_meta_build_to_empty_reset_equals_eager(name):
+    opts = {"learnable_freqs": True} if name == "axial" else {}
+    torch.manual_seed(3)
+    eager = create_pe(name, head_dim=D, coord_dim=2, num_heads=H, **opts)
+    with torch.device("meta"):
+        lazy = create_pe(name, head_dim=D, coord_dim=2, num_heads=H, **opts)
+    assert all(t.device.type == "meta" for t in list(lazy.parameters()) + list(lazy.buffers()))
+    lazy = lazy.to_empty(device="cpu")
+    torch.manual_seed(3)
+    lazy.reset_parameters()
+    for (n1, a), (n2, b) in zip(eager.state_dict().items(), lazy.state_dict().items()):
+        assert n1 == n2 and torch.equal(a, b), n1
+    q, coords = torch.randn(1, H, 4, D), torch.randn(4, 2)
+    torch.testing.assert_close(lazy(q, q, coords)[0], eager(q, q, coords)[0], rtol=0, atol=0)
+
+
+def test_axial_table_rebuilt_after_to_empty():
+    pe = create_pe("axial", head_dim=D, coord_dim=2, num_heads=H)
+    ref = pe.freq_table.clone()
+    pe = pe.to_empty(device="cpu")
+    torch.testing.assert_close(pe.freq_table, ref, rtol=0, atol=0)
+
+
+def test_fused_kernel_dispatch(monkeypatch):
+    """Where ``ropekit.kernels`` says it is available, apply_frequency_rope and the RoPE modules call its
+    ``fused_rotary`` with the agreed signature; a missing package falls back to the PyTorch path."""
+    import sys
+    import types
+
+    import ropekit.encodings.functional as fn
+
+    calls = []
+    reference = apply_frequency_rope
+
+    def fused_rotary(q, k, coords, freqs, *, k_coords=None, num_prefix_tokens=0, pairs="interleaved"):
+        calls.append((tuple(q.shape), k is None, tuple(coords.shape), tuple(freqs.shape), num_prefix_tokens, pairs))
+        with monkeypatch.context() as m:
+            m.setattr(fn, "_fused_kernel", lambda device: None)
+            return reference(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
+
+    fake = types.SimpleNamespace(available=lambda device: True, fused_rotary=fused_rotary)
+    monkeypatch.setitem(sys.modules, "ropekit.kernels", fake)
+    monkeypatch.setattr(fn, "_KERNELS", [fake])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU dispatch only happens in Triton's interpreter mode
+    q, k = torch.randn(2, H, 6, D), torch.randn(2, H, 6, D)
+    coords, freqs = torch.randn(5, 2), torch.randn(2, D // 2)
+    got = apply_frequency_rope(q, k, coords, freqs, num_prefix_tokens=1, pairs="half")
+    assert calls == [((2, H, 6, D), False, (5, 2), (2, D // 2), 1, "half")]
+    pe = create_pe("mixed", head_dim=D, coord_dim=2, num_heads=H)
+    qe, _ = pe(q, k, coords, num_prefix_tokens=1)
+    assert len(calls) == 3 and calls[1][3] == (2, D // 2)  # module path: shared frequencies as (c, d/2)
+    monkeypatch.setattr(fn, "_KERNELS", [None])  # package absent: the PyTorch path gives the same values
+    torch.testing.assert_close(qe, pe(q, k, coords, num_prefix_tokens=1)[0])
+    torch.testing.assert_close(got[0], apply_frequency_rope(q, k, coords, freqs, num_prefix_tokens=1, pairs="half")[0])
+    assert len(calls) == 3

@@ -27,6 +27,7 @@ Conventions (constructor options of every encoding):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,19 @@ def _is_compiling() -> bool:
         return torch.compiler.is_compiling()
     except AttributeError:  # torch < 2.3
         return False
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Disable autocast on ``device_type`` (a no-op context when it is not enabled: entering one costs time)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # older torch: no device argument
+        enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+    return torch.autocast(device_type=device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
+def _cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _expected(num_tokens: Any, coord_dim: int, batch: Any) -> str:
@@ -254,14 +268,19 @@ class PositionEncoding(nn.Module):
         if k_coords is not None:
             k_coords = normalize_coords(k_coords, self.coord_dim)
             check_coords(k_coords, self.coord_dim, None)
+        return self._prepare_checked(coords, num_prefix_tokens, k_coords, dtype)
+
+    def _prepare_checked(self, coords: Tensor, num_prefix_tokens: int, k_coords: Tensor | None,
+                         dtype: torch.dtype | None) -> PEState:
+        """``prepare`` after validation (``forward`` validates against q/k itself and skips a second check)."""
         if dtype is None:
             wide = coords.dtype == torch.float64 or self._param_dtype() == torch.float64
             dtype = torch.float64 if wide else torch.float32
         elif dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-        with torch.autocast(device_type=coords.device.type, enabled=False):
-            q_data = self._prepare(coords.to(dtype), dtype)
-            k_data = q_data if k_coords is None else self._prepare(k_coords.to(dtype), dtype)
+        with _autocast_off(coords.device.type):
+            q_data = self._prepare(_cast(coords, dtype), dtype)
+            k_data = q_data if k_coords is None else self._prepare(_cast(k_coords, dtype), dtype)
         kc = coords if k_coords is None else k_coords
         return PEState(q=q_data, k=k_data, num_prefix_tokens=num_prefix_tokens, q_tokens=coords.shape[-2],
                        k_tokens=kc.shape[-2], q_batch=coords.shape[0] if coords.dim() == 3 else None,
@@ -346,7 +365,7 @@ class PositionEncoding(nn.Module):
         if k_coords is not None:
             k_coords = normalize_coords(k_coords, self.coord_dim, kb.shape[-2] - num_prefix_tokens, kb.shape[0])
             check_coords(k_coords, self.coord_dim, kb.shape[-2] - num_prefix_tokens, kb.shape[0])
-        state = self.prepare(coords, num_prefix_tokens, k_coords=k_coords, dtype=self._compute_dtype(q))
+        state = self._prepare_checked(coords, num_prefix_tokens, k_coords, self._compute_dtype(q))
         return self.apply(q, k, state)
 
     def rotate(self, x: Tensor, coords: Tensor, num_prefix_tokens: int = 0) -> Tensor:
@@ -357,7 +376,7 @@ class PositionEncoding(nn.Module):
             raise ValueError(f"num_prefix_tokens must be an int in [0, {xb.shape[-2]}], got {num_prefix_tokens!r}")
         coords = normalize_coords(coords, self.coord_dim, xb.shape[-2] - num_prefix_tokens, xb.shape[0])
         check_coords(coords, self.coord_dim, xb.shape[-2] - num_prefix_tokens, xb.shape[0])
-        state = self.prepare(coords, num_prefix_tokens, dtype=self._compute_dtype(x))
+        state = self._prepare_checked(coords, num_prefix_tokens, None, self._compute_dtype(x))
         return self.apply_one(x, state, role="q")
 
     def matrix(self, coords: Tensor) -> Tensor:
@@ -381,6 +400,14 @@ class PositionEncoding(nn.Module):
         state = self.prepare(coords, dtype=dtype)
         cols = self._encode(basis, state.q, 0, state.dtype)  # (d, H, M, d): cols[j] = R e_j
         return cols.permute(1, 2, 3, 0)  # (H, M, d, d), [..., :, j] = R e_j
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the learnable parameters as the constructor does (same draws under the same RNG state).
+
+        With ``torch.device("meta")`` construction and ``to_empty(device=...)``, calling this gives the module an
+        eager build would have. Raises ``NotImplementedError`` for an encoding that does not provide it.
+        """
+        raise NotImplementedError(f"{self.name} does not implement reset_parameters")
 
     def generators(self) -> Tensor:
         """The generators ``L_k`` with ``R_STR(r) = expm(sum_k r_k L_k)``: ``(H, c, d, d)`` (interleaved pairs)."""
@@ -469,10 +496,10 @@ class PositionEncoding(nn.Module):
 
     def _encode(self, x: Tensor, data: Any, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
         """Encode ``x`` ``(B, H, N, d)`` with one coordinate set's data; prefix tokens pass through."""
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with _autocast_off(x.device.type):
             if num_prefix_tokens == 0:
-                return self._transform_any(x.to(dtype), data).to(x.dtype)
+                return _cast(self._transform_any(_cast(x, dtype), data), x.dtype)
             prefix, rest = x[:, :, :num_prefix_tokens], x[:, :, num_prefix_tokens:]
-            out = torch.cat([self._transform_prefix(prefix.to(dtype)), self._transform_any(rest.to(dtype), data)],
+            out = torch.cat([self._transform_prefix(_cast(prefix, dtype)), self._transform_any(_cast(rest, dtype), data)],
                             dim=2)
-            return out.to(x.dtype)
+            return _cast(out, x.dtype)
