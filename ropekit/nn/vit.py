@@ -351,7 +351,7 @@ class VisionTransformer(nn.Module):
         ])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
-        self.reset_parameters()
+        self._reset_own_parameters()
 
     # ------------------------------------------------------------------ construction helpers
     def _train_grid(self) -> Tuple[int, ...]:
@@ -378,7 +378,16 @@ class VisionTransformer(nn.Module):
 
         A model built on the meta device, then ``to_empty(device=...)``, then ``reset_parameters()`` equals an
         eager build re-initialised from the same seed: ``torch.manual_seed(s); model.reset_parameters()``.
+
+        Raises:
+            NotImplementedError: from an encoding that cannot re-initialise itself.
         """
+        for pe in self.encodings:
+            pe.reset_parameters()
+        self._reset_own_parameters()
+
+    def _reset_own_parameters(self) -> None:
+        """Everything but the encodings (which initialise themselves when built): see :meth:`reset_parameters`."""
         self.patch_embed.reset_parameters()
         if self.depth_lift is not None:
             self.depth_lift.reset_parameters()
@@ -386,9 +395,6 @@ class VisionTransformer(nn.Module):
             self.ape.reset_parameters()
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=0.02)
-        for pe in self.encodings:
-            if hasattr(pe, "reset_parameters"):
-                pe.reset_parameters()
         for blk in self.blocks:
             blk.reset_parameters()
         self.norm.reset_parameters()
