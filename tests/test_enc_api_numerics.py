@@ -110,3 +110,37 @@ def test_coordinate_check_does_not_sync_on_accelerators(monkeypatch):
     assert len(calls) == 1
     with pytest.raises(ValueError, match="NaN"):  # on the CPU the error is immediate
         check_coords(torch.tensor([[0.0, float("nan")]]), 2, 1)
+
+
+def _tf32_emulated_matmul(a, b):
+    """A float32 product whose inputs are rounded to TF32 (10 mantissa bits, nearest), as on a GPU with TF32."""
+    def rnd(t):
+        bits = t.contiguous().view(torch.int32)
+        return ((bits + 0x1000) & -8192).view(torch.float32)
+    return torch.matmul(rnd(a).double(), rnd(b).double()).float()
+
+
+def test_precise_matmul_is_tf32_proof(monkeypatch):
+    """The split form used for basis changes on TF32 GPUs: forward and gradients to ~1e-6 relative under an
+    emulated TF32 product, where the plain product is ~1e-3 off."""
+    import ropekit.encodings.functional as fn
+
+    torch.manual_seed(0)
+    a = torch.randn(3, 2, 50, 16, requires_grad=True)
+    b = torch.linalg.qr(torch.randn(16, 16))[0].requires_grad_(True)
+    g = torch.randn(3, 2, 50, 16)
+    a64, b64 = a.detach().double(), b.detach().double()
+    ref = a64 @ b64
+    ref_ga, ref_gb = g.double() @ b64.T, (a64.transpose(-1, -2) @ g.double()).sum((0, 1))
+    plain = _tf32_emulated_matmul(a.detach(), b.detach())
+    rel = lambda x, y: float((x.detach().double() - y).norm() / y.norm())  # noqa: E731
+    assert rel(plain, ref) > 1e-4  # the emulation does round like TF32
+    monkeypatch.setattr(fn, "_mm", _tf32_emulated_matmul)
+    out = fn._PreciseMatmul.apply(a, b)
+    ga, gb = torch.autograd.grad(out, (a, b), g)
+    assert rel(out, ref) < 5e-6 and rel(ga, ref_ga) < 5e-6 and rel(gb, ref_gb) < 5e-6
+    # second derivative flows through the split form too: d/da <d(out.g)/db, v> = g v^T
+    v = torch.randn(16, 16)
+    _, gb2 = torch.autograd.grad(fn._PreciseMatmul.apply(a, b), (a, b), g, create_graph=True)
+    (gga,) = torch.autograd.grad((gb2 * v).sum(), a)
+    assert rel(gga, g.double() @ v.double().T) < 5e-6

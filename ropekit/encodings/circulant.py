@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import _angle_table, mixed_frequencies, rotate_angles, skew
+from .functional import _angle_table, mixed_frequencies, precise_matmul, rotate_angles, skew
 
 __all__ = ["CirculantSTRING", "circulant", "real_dft_basis"]
 
@@ -145,14 +145,14 @@ class CirculantSTRING(PositionEncoding):
         theta, cos, sin = state
         b = self.block_size
         q = self.dft_basis.to(x.dtype)
-        z = torch.matmul(x.unflatten(-1, (-1, b)), q.transpose(0, 1))  # (B, H, M, nb, b): Q z per block
+        z = precise_matmul(x.unflatten(-1, (-1, b)), q.transpose(0, 1))  # (B, H, M, nb, b): Q z per block
         if b % 2 == 0:
             z = rotate_angles(z.flatten(-2), theta, cos, sin)  # (B, H, M, d)
         else:  # odd b: the DC coordinate of each block stays out of the pairs
             u2 = 2 * self.num_modes
             rot = rotate_angles(z[..., :u2].flatten(-2), theta, cos, sin).unflatten(-1, (-1, u2))
             z = torch.cat((rot, z[..., u2:]), dim=-1).flatten(-2)
-        return torch.matmul(z.unflatten(-1, (-1, b)), q).flatten(-2)  # Q^T per block: (B, H, M, d)
+        return precise_matmul(z.unflatten(-1, (-1, b)), q).flatten(-2)  # Q^T per block: (B, H, M, d)
 
     def generators(self) -> Tensor:
         blocks = skew(circulant(self.circ_params))  # (Hp, c, nb, b, b)
