@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from .encodings import PositionEncoding
-from .encodings.functional import _block_diag, apply_frequency_rope, basis_change, skew_real_schur
+from .encodings.functional import _block_diag, apply_frequency_rope, basis_change, precise_matmul, skew_real_schur
 
 from .encodings.circulant import CirculantSTRING
 from .encodings.comrope import _ComRoPE
@@ -117,7 +117,10 @@ def _pair_frequencies(gen: Tensor, basis: Optional[Tensor]) -> Tensor:
     Exact where ``P L_k P^T`` is 2x2-block diagonal, and so is its derivative: a change of ``P`` adds a
     commutator with the block-diagonal matrix, whose diagonal 2x2 blocks vanish (rotations of a plane commute).
     """
-    g = gen if basis is None else basis.unsqueeze(1) @ gen @ basis.transpose(-1, -2).unsqueeze(1)
+    if basis is None:
+        g = gen
+    else:  # float32-accurate also where float32 products run in TF32
+        g = precise_matmul(precise_matmul(basis.unsqueeze(1), gen), basis.transpose(-1, -2).unsqueeze(1))
     return g[..., 1::2, 0::2].diagonal(dim1=-2, dim2=-1)  # (Hp, c, d/2)
 
 
@@ -162,7 +165,7 @@ def _block_eigenbasis(k: Tensor, rtol: float = 1e-6) -> Tensor:
     """
     q0, mu = skew_real_schur(k)  # (Hp, nb, b, b), (Hp, nb, h)
     q0, mu = q0.detach(), mu.detach()
-    e = q0.transpose(-1, -2) @ k @ q0  # (Hp, nb, b, b): blockdiag(mu J) in value
+    e = precise_matmul(precise_matmul(q0.transpose(-1, -2), k), q0)  # (Hp, nb, b, b): blockdiag(mu J) in value
     de = e - e.detach()  # zero in value, carries dK
     h = mu.shape[-1]
     blk = de.unflatten(-2, (h, 2)).unflatten(-1, (h, 2)).transpose(-3, -2)  # (Hp, nb, h, h, 2, 2): block (n, m)
@@ -186,7 +189,7 @@ def _block_eigenbasis(k: Tensor, rtol: float = 1e-6) -> Tensor:
     w10 = wc_j + wa_x
     w = torch.stack((torch.stack((w00, w01), -1), torch.stack((w10, w11), -1)), -2)  # (Hp, nb, h, h, 2, 2)
     w = w.transpose(-3, -2).reshape(de.shape)  # (Hp, nb, b, b)
-    pt = q0.transpose(-1, -2) - w @ q0.transpose(-1, -2)  # (Q0 (I + W))^T = (I - W) Q0^T, W skew
+    pt = q0.transpose(-1, -2) - precise_matmul(w, q0.transpose(-1, -2))  # (Q0 (I + W))^T = (I - W) Q0^T, W skew
     return _block_diag(pt)
 
 
@@ -238,7 +241,7 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
     post = pe.post_rotation_matrix()
     if post is not None:  # T = P R(0)^T P^T
         post = post[:hp]
-        prefix = basis @ post.transpose(-1, -2) @ basis.transpose(-1, -2)
+        prefix = precise_matmul(precise_matmul(basis, post.transpose(-1, -2)), basis.transpose(-1, -2))
     if getattr(pe, "pairs", "interleaved") == "half":  # R_half(r) = Pi^T R(r) Pi: fold the permutation into P
         d = pe.head_dim
         order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(basis.device)
@@ -290,7 +293,8 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
     Returns:
         ``(weight', bias')`` of the same shapes; differentiable in all inputs. Cost: one ``d x d`` by ``d x D_in``
         product per head for q and for k -- once per step, independent of the number of tokens. Computed in
-        the parameters' dtype with autocast off (the projection itself then runs under autocast as usual).
+        the parameters' dtype with autocast off and float32-accurate also under TF32 (the projection itself then
+        runs under autocast and the user's matmul precision, as the unfolded one does).
     """
     three_d, d_in = weight.shape
     dim = three_d // 3
@@ -299,11 +303,11 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
         raise ValueError(f"basis must have shape (1 or {num_heads}, {d}, {d}), got {tuple(basis.shape)}")
     with torch.autocast(device_type=weight.device.type, enabled=False):
         p = basis.to(weight.dtype).unsqueeze(0)  # (1, Hp, d, d)
-        qk = torch.matmul(p, weight[: 2 * dim].view(2, num_heads, d, d_in))  # (2, H, d, D_in)
+        qk = precise_matmul(p, weight[: 2 * dim].view(2, num_heads, d, d_in))  # (2, H, d, D_in)
         w = torch.cat([qk.reshape(2 * dim, d_in), weight[2 * dim:]], dim=0)  # (3 D, D_in)
         b = None
         if bias is not None:
-            bqk = torch.matmul(p, bias[: 2 * dim].view(2, num_heads, d, 1).to(weight.dtype))  # (2, H, d, 1)
+            bqk = precise_matmul(p, bias[: 2 * dim].view(2, num_heads, d, 1).to(weight.dtype))  # (2, H, d, 1)
             b = torch.cat([bqk.reshape(2 * dim).to(bias.dtype), bias[2 * dim:]], dim=0)
     return w, b
 
