@@ -1,4 +1,4 @@
-"""Exactness and robustness diagnostics of a position encoding (SPEC §5).
+"""Exactness and robustness diagnostics of a position encoding: commutativity, mixing, relative-operator error.
 
 All functions take a ``PositionEncoding`` module. Notation: generators ``L_k`` (``pe.generators()``,
 ``(H, c, d, d)``), the generator part ``R_STR(r) = expm(sum_k r_k L_k)``, the optional post-rotation
@@ -103,6 +103,7 @@ def invariant_residual(pe: PositionEncoding, rho: float = 1.0, num_deltas: int =
     c, a = pe.coord_dim, pe.active_dim
     gen = _generators64(pe)
     pe64 = copy.deepcopy(pe).double()  # R_sp(r) exactly as the encoding applies it, in float64
+    pe64.set_conventions(pairs="interleaved")  # the convention of generators()
     deltas = torch.randn(num_deltas, c, generator=generator, dtype=torch.float64) * delta_std
     rs = torch.cat([torch.zeros(1, c, dtype=torch.float64), sample_l1_ball(num_r, c, rho, generator)])
     total = 0.0

@@ -1,18 +1,30 @@
-"""Inference folding: every commuting STRING is RoPE in a learned basis, so at inference it costs what RoPE costs.
+"""Folding: every commuting STRING is RoPE in a learned basis, so in training and at inference it costs what
+RoPE costs.
 
-SPEC §2: a commuting encoding satisfies ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` for one orthogonal ``P``
-(per head) and a frequency matrix ``freqs``. Attention only sees ``R(r_i)^T R(r_j)``, so the folded
-encoding ``R'(r) = RoPE_freqs(r) P`` gives the same logits -- and ``P`` can be merged into the query and key
-projection weights once, leaving a fixed-frequency RoPE rotation (the axial RoPE code path) at inference.
+A commuting encoding satisfies ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` for one orthogonal ``P`` (per head) and
+a frequency matrix ``freqs``. Attention only sees ``R(r_i)^T R(r_j)``, so the folded encoding
+``R'(r) = RoPE_freqs(r) P`` gives the same logits; and since ``q = W_q x``, applying ``P`` to every query is the
+same as using the weight ``P W_q``. Two uses:
 
-* :func:`to_rope` -- ``(P (H, d, d), freqs (H, c, d/2))`` of any commuting encoding (each encoding's
-  ``to_rope()`` method where it has one: cayley, circulant, comrope-ap/ld, liere when it commutes, and the RoPE
-  family with ``P = I``; general STRING and exact relaxed STRING are handled here).
+* Training (``ropekit.nn.Attention(fold=True)``, the default of the ViT's ``pe_fold_train``): at every forward
+  pass :func:`rope_form` gives ``(P, freqs, T)`` differentiably in the encoding's parameters,
+  :func:`fold_qkv_weight` merges ``P`` into the q/k rows of the projection (one ``d x d`` by ``d x D`` product per
+  head), and :func:`frequency_rope` rotates each token by its angles -- plain RoPE's per-token work, with the
+  gradients of the unfolded form.
+* Inference (:func:`fold`): the same merge done once, in float64, into a copy of the model, whose encodings
+  become :class:`FoldedRoPE` (fixed frequencies).
+
+The pieces:
+
+* :func:`rope_form` / :func:`to_rope` -- ``(P, freqs)`` of any commuting encoding: the RoPE family has ``P = I``;
+  cayley's ``P`` is its Cayley rotation; circulant's the fixed real DFT basis of its blocks; general STRING's the
+  transpose of its learned basis; exact relaxed STRING's its post-rotation; comrope's (and one-coordinate LieRE's)
+  the eigenbases of its skew blocks. The frequencies are read off the generators in that basis.
+* :func:`foldable_kind` -- which of these applies, from the encoding's type alone (``None``: not foldable).
 * :class:`FoldedRoPE` -- the fixed-frequency RoPE that is left, with the transform of prefix tokens.
 * :func:`fold_pe` -- ``(FoldedRoPE, P)`` for one encoding: ``folded(P q, P k, coords)`` has the logits of
   ``pe(q, k, coords)``.
-* :func:`fold` -- a model (or an encoding) in, a folded copy out: in every ``ropekit.nn.Attention`` the basis is
-  merged into the q and k rows of the ``qkv`` projection and the encoding replaced by a :class:`FoldedRoPE`.
+* :func:`fold` -- a model (or an encoding) in, a folded copy out.
 
 Prefix tokens (CLS, registers) are left unrotated by every encoding. After folding, their q and k carry the
 basis ``P`` too, so the folded encoding applies ``T = P R(0)^T P^T`` to them (from ``R(s) = R(0) P^T RoPE(s) P``):
@@ -21,23 +33,220 @@ the identity when ``R(0) = I`` (circulant, comrope, general STRING), ``P^T`` for
 logit (prefix-prefix, prefix-patch, patch-patch) is unchanged.
 
 Only softmax attention (``ropekit.nn.Attention``) is folded: with linear attention the feature map is applied
-to the rotated queries and keys, so the left ``P`` is not redundant (SPEC §2). Folded models are for inference:
-their frequencies and basis are fixed (persistent buffers, saved with ``state_dict``), not trained.
+to the rotated queries and keys, so the left ``P`` no longer cancels. Models folded by :func:`fold` are for
+inference: their frequencies and basis are fixed (persistent buffers, saved with ``state_dict``), not trained.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Optional, Tuple, Union
+import math
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .encodings import PositionEncoding
-from .encodings.functional import basis_change
-from .encodings.rope import FrequencyRoPE
+from .encodings.functional import _block_diag, apply_frequency_rope, basis_change, precise_matmul, skew_real_schur
 
-__all__ = ["to_rope", "FoldedRoPE", "fold_pe", "fold", "is_foldable"]
+from .encodings.circulant import CirculantSTRING
+from .encodings.comrope import _ComRoPE
+from .encodings.liere import LieRE
+from .encodings.relaxed import RelaxedSTRING
+from .encodings.rope import FrequencyRoPE, NoPE
+from .encodings.string import GeneralSTRING
+
+__all__ = ["to_rope", "rope_form", "RoPEForm", "foldable_kind", "FoldedRoPE", "fold_pe", "fold", "is_foldable",
+           "fold_qkv_weight", "frequency_rope"]
+
+
+class RoPEForm(NamedTuple):
+    """A commuting encoding written as RoPE in a basis, for one forward pass (see :func:`rope_form`).
+
+    Attributes:
+        basis: ``P`` ``(Hp, d, d)`` orthogonal (``(1, d, d)`` when it does not depend on the head), or ``None``
+            when ``P = I`` (the RoPE family).
+        freqs: ``(Hp, c, d/2)``: pair ``n`` of ``P x`` turns by ``sum_k r_k freqs[k, n]``.
+        prefix: ``T = P R(0)^T P^T`` ``(Hp, d, d)`` for prefix tokens whose q and k already carry ``P``, or
+            ``None`` for the identity (``R(0) = I``).
+        pairs: the pair convention of the frequency rotation (``"half"`` only for a RoPE-family encoding
+            configured with half-split pairs; with a basis, the permutation to interleaved pairs is in ``P``).
+
+    ``Hp`` is 1 when the encoding's parameters are shared by its heads, else ``H``. Every tensor is differentiable
+    in the encoding's parameters.
+    """
+
+    basis: Optional[Tensor]
+    freqs: Tensor
+    prefix: Optional[Tensor]
+    pairs: str = "interleaved"
+
+
+def foldable_kind(pe: Optional[PositionEncoding]) -> Optional[str]:
+    """How :func:`rope_form` writes ``pe`` as RoPE in a basis, decided from its type and configuration alone
+    (no computation, so it works on the meta device and inside ``torch.compile``).
+
+    Returns:
+        ``"rope"`` (already RoPE, ``P = I``: axial, mixed, liere-commute, none, folded), ``"post"`` (RoPE followed
+        by a learned rotation: cayley), ``"fixed"`` (a constant basis: circulant), ``"string"`` (general STRING's
+        learned basis), ``"relaxed"`` (exact relaxed STRING), ``"blocks"`` (one eigenbasis per skew block: comrope,
+        liere with one coordinate), or ``None`` when ``pe`` cannot be folded (non-commuting, tensor product).
+    """
+    if pe is None or not pe.is_rotation:
+        return None
+    if isinstance(pe, (FrequencyRoPE, NoPE)):
+        return "post" if pe.post_rotation and not isinstance(pe, FoldedRoPE) else "rope"
+    if isinstance(pe, CirculantSTRING):
+        return "fixed"
+    if isinstance(pe, GeneralSTRING):
+        return "string"
+    if isinstance(pe, RelaxedSTRING):
+        return "relaxed" if pe.exact else None
+    if isinstance(pe, _ComRoPE):
+        return "blocks"
+    if isinstance(pe, LieRE):
+        if pe.block_size == 2:
+            return "rope"
+        return "blocks" if pe.coord_dim == 1 else None
+    return None
+
+
+def _pair_frequencies(gen: Tensor, basis: Optional[Tensor]) -> Tensor:
+    """Frequencies ``(Hp, c, d/2)`` of generators ``(Hp, c, d, d)`` in the basis ``P``: ``(P L_k P^T)[2n+1, 2n]``.
+
+    Exact where ``P L_k P^T`` is 2x2-block diagonal, and so is its derivative: a change of ``P`` adds a
+    commutator with the block-diagonal matrix, whose diagonal 2x2 blocks vanish (rotations of a plane commute).
+    """
+    if basis is None:
+        g = gen
+    else:  # float32-accurate also where float32 products run in TF32
+        g = precise_matmul(precise_matmul(basis.unsqueeze(1), gen), basis.transpose(-1, -2).unsqueeze(1))
+    return g[..., 1::2, 0::2].diagonal(dim1=-2, dim2=-1)  # (Hp, c, d/2)
+
+
+_DFT_BASES: dict = {}
+
+
+def _real_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The orthonormal real DFT basis of every block of size ``b``: ``(1, d, d)``, built in float64 once per
+    (size, device, dtype) and kept -- a constant, so no host-to-device copy per forward pass.
+
+    Rows ``(2i, 2i + 1)`` hold mode ``f`` of block ``j`` as ``sqrt(2/b) (sin, cos)(2 pi f n / b)``; the DC (and,
+    for even ``b``, Nyquist) rows, which no circulant generator turns, come last.
+    """
+    key = (head_dim, block_size, str(device), dtype)
+    if key in _DFT_BASES:
+        return _DFT_BASES[key]
+    b, nb = block_size, head_dim // block_size
+    n = torch.arange(b, dtype=torch.float64)
+    f = torch.arange(1, (b - 1) // 2 + 1, dtype=torch.float64)
+    ang = 2 * math.pi * f[:, None] * n[None, :] / b  # (usable, b)
+    modes = torch.stack((ang.sin(), ang.cos()), dim=1).flatten(0, 1) * math.sqrt(2.0 / b)  # (2 usable, b)
+    fixed = [torch.ones(b, dtype=torch.float64)] + ([torch.cos(math.pi * n)] if b % 2 == 0 else [])
+    still = torch.stack(fixed) / math.sqrt(b)  # (1 or 2, b): DC (and Nyquist)
+    p = torch.cat([torch.block_diag(*[modes] * nb), torch.block_diag(*[still] * nb)], dim=0)  # (d, d)
+    _DFT_BASES[key] = p.to(device=device, dtype=dtype).unsqueeze(0)
+    return _DFT_BASES[key]
+
+
+def _block_eigenbasis(k: Tensor, rtol: float = 1e-6) -> Tensor:
+    """``P = blockdiag_j(Q_j^T)`` with ``K_j = Q_j blockdiag_n(mu_n J) Q_j^T``, differentiable in ``K``.
+
+    Args:
+        k: ``(Hp, nb, b, b)`` skew blocks.
+
+    Returns:
+        ``(Hp, d, d)``. The value is ``functional.skew_real_schur``'s basis; the derivative is the first-order
+        change of an eigenbasis: ``Q -> Q (I + W)`` with ``W`` skew solving ``[blockdiag(mu J), W] = off-diagonal
+        blocks of Q^T dK Q`` plane by plane (the part commuting with the rotations divided by ``mu_n - mu_m``, the
+        anti-commuting part by ``mu_n + mu_m``). Planes whose frequencies coincide (within ``rtol`` of the largest)
+        have no unique basis and get no basis gradient from each other: the derivative is exact for distinct
+        frequencies (e.g. the RoPE initialisation) and drops the coupling of coinciding ones (e.g. ``K = 0``).
+    """
+    q0, mu = skew_real_schur(k)  # (Hp, nb, b, b), (Hp, nb, h)
+    q0, mu = q0.detach(), mu.detach()
+    e = precise_matmul(precise_matmul(q0.transpose(-1, -2), k), q0)  # (Hp, nb, b, b): blockdiag(mu J) in value
+    de = e - e.detach()  # zero in value, carries dK
+    h = mu.shape[-1]
+    blk = de.unflatten(-2, (h, 2)).unflatten(-1, (h, 2)).transpose(-3, -2)  # (Hp, nb, h, h, 2, 2): block (n, m)
+    y00, y01, y10, y11 = blk[..., 0, 0], blk[..., 0, 1], blk[..., 1, 0], blk[..., 1, 1]
+    ca, cb = (y00 + y11) / 2, (y10 - y01) / 2  # commuting part ca I + cb J
+    aa, ab = (y00 - y11) / 2, (y01 + y10) / 2  # anti-commuting part aa Z + ab X (Z = diag(1, -1), X = [[0,1],[1,0]])
+    scale = mu.amax(dim=-1, keepdim=True).unsqueeze(-1).clamp_min(torch.finfo(mu.dtype).tiny)  # (Hp, nb, 1, 1)
+    diff = mu.unsqueeze(-1) - mu.unsqueeze(-2)  # (Hp, nb, h, h)
+    summ = mu.unsqueeze(-1) + mu.unsqueeze(-2)
+    ok_d = diff.abs() > rtol * scale
+    ok_s = summ.abs() > rtol * scale
+    inv_d = torch.where(ok_d, 1.0 / torch.where(ok_d, diff, torch.ones_like(diff)), torch.zeros_like(diff))
+    inv_s = torch.where(ok_s, 1.0 / torch.where(ok_s, summ, torch.ones_like(summ)), torch.zeros_like(summ))
+    # W_nm = J (commuting part) / (mu_n - mu_m) + J (anti-commuting part) / (mu_n + mu_m); J (a I + b J) = -b I + a J,
+    # J (a Z + b X) = a (J Z) + b (J X) with J Z = [[0, 1], [1, 0]] = X and J X = [[-1, 0], [0, 1]] = -Z
+    wc_i, wc_j = -cb * inv_d, ca * inv_d  # (-b) I + a J
+    wa_z, wa_x = -ab * inv_s, aa * inv_s  # (-b) Z + a X
+    w00 = wc_i + wa_z
+    w11 = wc_i - wa_z
+    w01 = -wc_j + wa_x
+    w10 = wc_j + wa_x
+    w = torch.stack((torch.stack((w00, w01), -1), torch.stack((w10, w11), -1)), -2)  # (Hp, nb, h, h, 2, 2)
+    w = w.transpose(-3, -2).reshape(de.shape)  # (Hp, nb, b, b)
+    pt = q0.transpose(-1, -2) - precise_matmul(w, q0.transpose(-1, -2))  # (Q0 (I + W))^T = (I - W) Q0^T, W skew
+    return _block_diag(pt)
+
+
+def rope_form(pe: PositionEncoding) -> RoPEForm:
+    """Write a commuting encoding as RoPE in a basis, differentiably: ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``.
+
+    This is what training-time folding uses: ``P`` goes into the q/k rows of the attention's projection weight
+    (one ``d x d`` by ``d x D`` product per head and step), ``freqs`` into a plain frequency RoPE per token, and
+    ``prefix`` into the few prefix tokens. Gradients flow to every parameter of the encoding. Computed once per
+    forward pass (once per model forward when the encoding is shared by the layers).
+
+    Raises:
+        ValueError: for an encoding that does not commute or is not a rotation (see :func:`foldable_kind`).
+    """
+    kind = foldable_kind(pe)
+    if kind is None:
+        if isinstance(pe, PositionEncoding) and not pe.is_rotation:
+            raise ValueError(f"{pe.name} is not a rotation (it widens q and k): it has no RoPE form")
+        name = pe.name if isinstance(pe, PositionEncoding) else type(pe).__name__
+        raise ValueError(f"{name} does not commute (R(r)^T R(s) is not a function of s - r): "
+                         f"it cannot be written as RoPE in a fixed basis")
+    hp = pe.param_heads
+    basis: Optional[Tensor] = None
+    prefix: Optional[Tensor] = None
+    if kind == "rope":
+        if isinstance(pe, FrequencyRoPE):
+            freqs = pe.freqs[:hp]
+        else:  # none, liere with 2x2 blocks: read the frequencies off the generators
+            gen = _block_diag(pe.block_generators()) if isinstance(pe, LieRE) else pe.generators()
+            freqs = _pair_frequencies(gen[:hp], None)
+        if isinstance(pe, FoldedRoPE) and pe.prefix_matrix is not None:
+            prefix = pe.prefix_matrix
+        return RoPEForm(None, freqs, prefix, getattr(pe, "pairs", "interleaved"))
+    if kind == "post":  # R(r) = RoPE(r) P exactly
+        basis = pe.post_rotation_matrix()[:hp]
+        freqs = pe.freqs[:hp]
+    else:
+        if kind == "fixed":
+            basis = _real_dft_basis(pe.head_dim, pe.block_size, pe.circ_params.device, pe.circ_params.dtype)
+        elif kind == "string":  # L_k = Q D_k Q^T
+            basis = pe.basis().transpose(-1, -2)[:hp]
+        elif kind == "relaxed":  # R(r) = RoPE_active(r) P_sp
+            basis = pe.post_rotation_matrix()[:hp]
+        else:  # "blocks"
+            k = pe.block_generators()[:, 0] if isinstance(pe, LieRE) else pe.block_generators()  # (Hp, nb, b, b)
+            basis = _block_eigenbasis(k)
+        gen = pe.generators()[:hp]  # (Hp, c, d, d)
+        freqs = _pair_frequencies(gen, basis)  # (Hp, c, d/2)
+    post = pe.post_rotation_matrix()
+    if post is not None:  # T = P R(0)^T P^T
+        post = post[:hp]
+        prefix = precise_matmul(precise_matmul(basis, post.transpose(-1, -2)), basis.transpose(-1, -2))
+    if getattr(pe, "pairs", "interleaved") == "half":  # R_half(r) = Pi^T R(r) Pi: fold the permutation into P
+        d = pe.head_dim
+        order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(basis.device)
+        basis = basis[..., order]  # P Pi (T is unchanged: Pi cancels in P Pi Pi^T R(0)^T Pi Pi^T P^T)
+    return RoPEForm(basis, freqs, prefix)
 
 
 def to_rope(pe: PositionEncoding) -> Tuple[Tensor, Tensor]:
@@ -45,7 +254,8 @@ def to_rope(pe: PositionEncoding) -> Tuple[Tensor, Tensor]:
 
     Returns:
         ``P`` ``(H, d, d)`` orthogonal and ``freqs`` ``(H, c, d/2)`` (pair ``n`` of ``P x`` turns by
-        ``sum_k r_k freqs[k, n]``, as in ``functional.rotate_pairs``), detached, in the encoding's dtype.
+        ``sum_k r_k freqs[k, n]``, as in ``functional.rotate_pairs``), in the encoding's dtype, differentiable in
+        its parameters (:func:`rope_form` with the heads expanded; detach them to keep a snapshot).
 
     Raises:
         ValueError: for an encoding that does not commute (LieRE with ``c >= 2`` and blocks > 2, relaxed STRING
@@ -53,38 +263,76 @@ def to_rope(pe: PositionEncoding) -> Tuple[Tensor, Tensor]:
     """
     if not isinstance(pe, PositionEncoding):
         raise ValueError(f"to_rope needs a PositionEncoding, got {type(pe).__name__}")
-    if not pe.is_rotation:
-        raise ValueError(f"{pe.name} is not a rotation (it widens q and k): it has no RoPE form")
-    if hasattr(pe, "to_rope"):
-        return pe.to_rope()
-    from .encodings.relaxed import RelaxedSTRING
-    from .encodings.string import GeneralSTRING
-
-    with torch.no_grad():
-        if isinstance(pe, GeneralSTRING):  # L_k = Q D_k Q^T: R(r) = Q RoPE(r) Q^T, so P = Q^T
-            p = pe.basis().transpose(-1, -2)
-            freqs = pe.freq_param
-        elif isinstance(pe, RelaxedSTRING) and pe.exact:  # R(r) = RoPE_active(r) P_sp, null pairs never turn
-            p = pe.post_rotation_matrix()[: pe.param_heads]
-            f = pe.freq_param  # (Hp, c, m)
-            freqs = torch.cat([f, f.new_zeros(*f.shape[:2], pe.head_dim // 2 - f.shape[-1])], dim=-1)
-        else:
-            raise ValueError(f"{pe.name} does not commute (R(r)^T R(s) is not a function of s - r): "
-                             f"it cannot be written as RoPE in a fixed basis")
+    form = rope_form(pe)
     h = pe.num_heads
-    return p.detach().expand(h, -1, -1), freqs.detach().expand(h, -1, -1)
+    freqs = form.freqs
+    p = form.basis
+    if p is None:
+        p = torch.eye(pe.head_dim, dtype=freqs.dtype, device=freqs.device).unsqueeze(0)
+        if form.pairs == "half":  # half-split pairs: the permutation to interleaved ones
+            d = pe.head_dim
+            p = p[..., torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(p.device)]
+    return p.expand(h, -1, -1), freqs.expand(h, -1, -1)
 
 
 def is_foldable(pe: Optional[PositionEncoding]) -> bool:
     """Whether :func:`to_rope` succeeds for ``pe`` (``None`` -- no encoding -- is trivially foldable)."""
-    if pe is None:
-        return True
-    try:
-        to_rope(pe)
-    except ValueError:
-        return False
-    return True
+    return pe is None or foldable_kind(pe) is not None
 
+
+def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_heads: int
+                    ) -> Tuple[Tensor, Optional[Tensor]]:
+    """The fused q/k/v projection with the basis merged into its q and k rows: ``W_q -> P_h W_q``, ``b_q -> P_h b_q``.
+
+    Args:
+        weight: ``(3 D, D_in)`` rows ordered q, k, v and, within each, head by head (``D = H d``).
+        bias: ``(3 D,)`` or ``None``.
+        basis: ``(Hp, d, d)`` with ``Hp`` 1 (same basis for every head) or ``H``.
+        num_heads: ``H``.
+
+    Returns:
+        ``(weight', bias')`` of the same shapes; differentiable in all inputs. Cost: one ``d x d`` by ``d x D_in``
+        product per head for q and for k -- once per step, independent of the number of tokens. Computed in
+        the parameters' dtype with autocast off and float32-accurate also under TF32 (the projection itself then
+        runs under autocast and the user's matmul precision, as the unfolded one does).
+    """
+    three_d, d_in = weight.shape
+    dim = three_d // 3
+    d = dim // num_heads
+    if basis.shape[-1] != d or basis.shape[0] not in (1, num_heads):
+        raise ValueError(f"basis must have shape (1 or {num_heads}, {d}, {d}), got {tuple(basis.shape)}")
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        p = basis.to(weight.dtype).unsqueeze(0)  # (1, Hp, d, d)
+        qk = precise_matmul(p, weight[: 2 * dim].view(2, num_heads, d, d_in))  # (2, H, d, D_in)
+        w = torch.cat([qk.reshape(2 * dim, d_in), weight[2 * dim:]], dim=0)  # (3 D, D_in)
+        b = None
+        if bias is not None:
+            bqk = precise_matmul(p, bias[: 2 * dim].view(2, num_heads, d, 1).to(weight.dtype))  # (2, H, d, 1)
+            b = torch.cat([bqk.reshape(2 * dim).to(bias.dtype), bias[2 * dim:]], dim=0)
+    return w, b
+
+
+def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0
+                   ) -> Tuple[Tensor, Tensor]:
+    """The per-token part of a folded encoding: RoPE by the angles ``coords . freqs`` on q and k (whose projection
+    already holds the basis), with the prefix tokens transformed by ``form.prefix``.
+
+    Args:
+        q, k: ``(B, H, N, d)``.
+        coords: ``(M, c)`` shared or ``(B, M, c)`` per example, ``M = N - num_prefix_tokens``.
+        form: the encoding's :class:`RoPEForm`.
+        num_prefix_tokens: ``P0`` leading tokens without a coordinate.
+
+    Returns:
+        ``(q, k)`` of the same shapes and dtypes, from ``encodings.functional.apply_frequency_rope`` (float32 math,
+        elementwise angles; the fused kernel on CUDA).
+    """
+    if form.prefix is not None and num_prefix_tokens > 0:
+        p0 = num_prefix_tokens
+        q = torch.cat([basis_change(q[:, :, :p0], form.prefix.to(q.dtype)), q[:, :, p0:]], dim=2)  # (B, H, N, d)
+        k = torch.cat([basis_change(k[:, :, :p0], form.prefix.to(k.dtype)), k[:, :, p0:]], dim=2)
+    f = form.freqs[0] if form.freqs.shape[0] == 1 else form.freqs  # (c, d/2) shared or (H, c, d/2)
+    return apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs)
 
 class FoldedRoPE(FrequencyRoPE):
     """RoPE with fixed frequencies: what a commuting STRING leaves after :func:`fold` (``name="folded"``).
@@ -140,9 +388,12 @@ def fold_pe(pe: PositionEncoding) -> Tuple[FoldedRoPE, Tensor]:
     that produces ``q`` and ``k`` (what :func:`fold` does). Prefix tokens are handled by ``folded`` (see the
     module docstring).
     """
-    p, freqs = to_rope(pe)
-    p64 = p.double()
-    post = pe.post_rotation_matrix()
+    dtype = pe._param_dtype()
+    with torch.no_grad():  # a snapshot, computed in float64 and rounded once
+        pe64 = copy.deepcopy(pe).double()
+        p64, freqs = to_rope(pe64)
+        post = pe64.post_rotation_matrix()
+    p, freqs = p64.to(dtype), freqs.to(dtype)
     prefix = None
     if post is not None:  # T = P R(0)^T P^T
         prefix = (p64 @ post.detach().double().transpose(-1, -2) @ p64.transpose(-1, -2)).to(p.dtype)

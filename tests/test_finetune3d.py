@@ -54,7 +54,8 @@ def assert_same_function(m3, m2):
     ("circulant", "circulant", dict(pe_sharing="layer")),
     ("liere", "liere", {}),
     ("comrope-ld", "comrope-ld", dict(cls="unrotated")),
-    ("mixed", "cayley", dict(cls="centroid")),      # Cayley's basis starts at P = I
+    # Cayley's basis starts at P = I; one sharing for both (mixed's paper default is per head, cayley's per layer)
+    ("mixed", "cayley", dict(cls="centroid", pe_sharing="layer")),
     ("none", "cayley", {}),                          # no rotary encoding in the checkpoint: generators start at 0
     ("absolute", "absolute", {}),                    # no coordinate path: depth as a zero-weight extra channel
 ])

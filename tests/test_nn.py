@@ -127,7 +127,7 @@ def test_sizes_and_config_validation():
 
 
 def test_pe_sharing_model_layer_head():
-    shared = VisionTransformer(tiny(pe="mixed", depth=3))
+    shared = VisionTransformer(tiny(pe="mixed", depth=3, pe_sharing="model"))  # default for mixed: per head
     assert len(shared.encodings) == 1 and shared.blocks[0].attn.pe is shared.blocks[2].attn.pe
     per_layer = VisionTransformer(tiny(pe="mixed", depth=3, pe_sharing="layer"))
     assert len(per_layer.encodings) == 3 and not per_layer.encodings[0].per_head

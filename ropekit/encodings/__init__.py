@@ -1,6 +1,7 @@
 """Rotary position encodings for N-dimensional coordinates, behind one interface (``create_pe``)."""
 
-from .base import PositionEncoding, check_coords
+from .base import PEState, PositionEncoding, check_coords
+from .functional import apply_frequency_rope
 from .cayley import CayleySTRING
 from .circulant import CirculantSTRING
 from .comrope import ComRoPEAP, ComRoPELD
@@ -12,7 +13,7 @@ from .string import GeneralSTRING
 from .tensor import TensorSTRING
 
 __all__ = [
-    "PositionEncoding", "check_coords", "create_pe", "list_pes", "pe_options", "PE_REGISTRY",
+    "PositionEncoding", "PEState", "check_coords", "apply_frequency_rope", "create_pe", "list_pes", "pe_options", "PE_REGISTRY",
     "NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute", "CayleySTRING", "CirculantSTRING",
     "TensorSTRING", "GeneralSTRING", "LieRE", "ComRoPEAP", "ComRoPELD", "RelaxedSTRING",
 ]

@@ -1,22 +1,43 @@
 """The interface every position encoding implements, and the checks they all share.
 
-Shape legend: ``B`` batch, ``H`` heads, ``N`` tokens in the sequence, ``P0 = num_prefix_tokens`` prefix tokens
-(CLS, registers) at the front of ``N``, ``M = N - P0`` tokens with coordinates, ``d`` head dimension,
-``c`` coordinate dimension, ``Hp`` heads that own parameters (1 when shared by heads, else ``H``).
+Shape legend: ``B`` batch, ``H`` (``Hq``) query heads, ``Hk`` key heads (``Hk`` divides ``H``: grouped-query
+attention), ``N`` tokens in the sequence, ``P0 = num_prefix_tokens`` prefix tokens (CLS, registers) at the
+front of ``N``, ``M = N - P0`` tokens with coordinates, ``d`` head dimension, ``c`` coordinate dimension,
+``Hp`` heads that own parameters (1 when shared by heads, else ``H``).
 
 Coordinates are ``(M, c)`` when shared by the whole batch (an image grid) or ``(B, M, c)`` per example
-(RGB-D patches, point clouds). Rotations are computed in float32 (float64 when the input is float64) with
-autocast disabled, and the result is cast back to the input dtype.
+(RGB-D patches, point clouds); with ``c = 1`` also ``(M,)`` positions or ``(B, M)`` position ids. Rotations
+are computed in float32 (float64 when the input is float64) with autocast disabled, and the result is cast
+back to the input dtype.
+
+Two-step use: ``state = pe.prepare(coords)`` computes everything that depends on the parameters and the
+coordinates but not on q/k (angles, cos/sin tables, bases, block exponentials); ``pe.apply(q, k, state)``
+then costs only the per-token work. A model computes the state of a shared encoding once per forward pass
+and hands it to every layer; ``pe(q, k, coords)`` is the one-call form of the two.
+
+Conventions (constructor options of every encoding):
+
+* ``layout="bhnd"`` (default): q and k are ``(B, H, N, d)``; ``"bnhd"``: ``(B, N, H, d)`` (flash-attn,
+  torchtune). Outputs keep the input layout.
+* ``pairs="interleaved"`` (default): rotation plane ``n`` is ``(x_2n, x_2n+1)``; ``"half"``: plane ``n`` is
+  ``(x_n, x_{n + d/2})``, the ``rotate_half`` convention of HF transformers / Llama checkpoints. For an
+  encoding that mixes planes (Cayley, LieRE, ...), ``"half"`` is the same encoding with its coordinates
+  relabelled (``R' = S^T R S`` for the fixed permutation ``S`` taking one convention to the other).
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["PositionEncoding", "check_coords"]
+__all__ = ["PositionEncoding", "PEState", "check_coords", "normalize_coords", "LAYOUTS", "PAIRS"]
+
+LAYOUTS = ("bhnd", "bnhd")
+PAIRS = ("interleaved", "half")
 
 
 def _is_compiling() -> bool:
@@ -26,36 +47,121 @@ def _is_compiling() -> bool:
         return False
 
 
-def check_coords(coords: Tensor, coord_dim: int, num_tokens: int, batch: int | None = None) -> None:
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Disable autocast on ``device_type`` (a no-op context when it is not enabled: entering one costs time)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # older torch: no device argument
+        enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+    return torch.autocast(device_type=device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
+def _cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _expected(num_tokens: Any, coord_dim: int, batch: Any) -> str:
+    """Human-readable expected coordinate shape (built only when an error is raised: formatting a symbolic
+    token count into a string would make ``torch.compile`` specialise on it)."""
+    return f"({num_tokens}, {coord_dim}) or ({batch if batch is not None else 'B'}, {num_tokens}, {coord_dim})"
+
+
+def _check_finite(coords: Tensor) -> None:
+    """Raise ``ValueError`` if ``coords`` hold NaN or infinity -- without a host synchronisation on a GPU.
+
+    On the CPU the check is a plain reduction. On an accelerator, reading the result back would stall the
+    host every forward pass; there the check runs device-side (``torch._assert_async``), which fails the next
+    synchronising operation instead. Skipped while ``torch.compile`` traces.
+    """
+    if _is_compiling() or not coords.is_floating_point():
+        return
+    if coords.device.type == "cpu":
+        if not bool(torch.isfinite(coords).all()):
+            raise ValueError("coords contain NaN or infinite values; mask invalid tokens before encoding")
+    elif hasattr(torch, "_assert_async"):
+        torch._assert_async(torch.isfinite(coords).all())
+
+
+def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: int | None = None) -> None:
     """Validate a coordinate tensor; raise ``ValueError`` naming the expected shape.
 
     Args:
         coords: ``(M, c)`` or ``(B, M, c)``, real dtype.
         coord_dim: expected ``c``.
-        num_tokens: expected ``M``.
+        num_tokens: expected ``M`` (``None`` skips that check).
         batch: expected ``B`` for per-example coordinates (``None`` skips that check).
+
+    Raises:
+        ValueError: wrong type, dtype, rank, coordinate dimension, token count or batch, or non-finite values
+            (on an accelerator the finiteness check is asynchronous, see ``_check_finite``).
     """
-    expected = f"({num_tokens}, {coord_dim}) or ({batch if batch is not None else 'B'}, {num_tokens}, {coord_dim})"
     if not isinstance(coords, Tensor):
-        raise ValueError(f"coords must be a torch.Tensor of shape {expected}, got {type(coords).__name__}")
+        raise ValueError(f"coords must be a torch.Tensor of shape {_expected(num_tokens, coord_dim, batch)}, "
+                         f"got {type(coords).__name__}")
     if coords.is_complex() or coords.dtype == torch.bool:
         raise ValueError(f"coords must be real numbers, got dtype {coords.dtype}")
     if coords.dim() not in (2, 3):
-        raise ValueError(f"coords must have shape {expected}, got {tuple(coords.shape)}")
+        raise ValueError(f"coords must have shape {_expected(num_tokens, coord_dim, batch)}, got {tuple(coords.shape)}")
     if coords.shape[-1] != coord_dim:
         raise ValueError(
             f"coords have {coords.shape[-1]} coordinate dimensions but the encoding was built for "
-            f"coord_dim={coord_dim}: expected shape {expected}, got {tuple(coords.shape)}"
+            f"coord_dim={coord_dim}: expected shape {_expected(num_tokens, coord_dim, batch)}, got {tuple(coords.shape)}"
         )
-    if coords.shape[-2] != num_tokens:
+    if num_tokens is not None and coords.shape[-2] != num_tokens:
         raise ValueError(
             f"coords hold {coords.shape[-2]} tokens but the input has {num_tokens} tokens after the prefix: "
-            f"expected shape {expected}, got {tuple(coords.shape)}"
+            f"expected shape {_expected(num_tokens, coord_dim, batch)}, got {tuple(coords.shape)}"
         )
-    if coords.dim() == 3 and batch is not None and coords.shape[0] not in (batch,):
-        raise ValueError(f"per-example coords have batch {coords.shape[0]}, input has {batch}: expected {expected}")
-    if not _is_compiling() and coords.is_floating_point() and not bool(torch.isfinite(coords).all()):
-        raise ValueError("coords contain NaN or infinite values; mask invalid tokens before encoding")
+    if coords.dim() == 3 and batch is not None and coords.shape[0] != batch:
+        raise ValueError(f"per-example coords have batch {coords.shape[0]}, input has {batch}: "
+                         f"expected {_expected(num_tokens, coord_dim, batch)}")
+    _check_finite(coords)
+
+
+def normalize_coords(coords: Tensor, coord_dim: int, num_tokens: int | None = None,
+                     batch: int | None = None) -> Tensor:
+    """Bring 1-D position forms to ``(M, 1)`` / ``(B, M, 1)``; other shapes pass through unchanged.
+
+    With ``coord_dim == 1``: ``(M,)`` positions become ``(M, 1)``; ``(B, M)`` position ids (HF's
+    ``position_ids``) become ``(B, M, 1)``. A 2-D tensor whose last dimension is 1 is read as ``(M, 1)``
+    unless ``num_tokens`` (the expected ``M``) says it is ``(B, 1)``.
+    """
+    if coord_dim != 1 or not isinstance(coords, Tensor):
+        return coords
+    if coords.dim() == 1:
+        return coords.unsqueeze(-1)  # (M, 1)
+    if coords.dim() == 2:
+        if coords.shape[-1] != 1:
+            return coords.unsqueeze(-1)  # (B, M) -> (B, M, 1)
+        if num_tokens is not None and coords.shape[0] != num_tokens and num_tokens == 1 and (
+                batch is None or coords.shape[0] == batch):
+            return coords.unsqueeze(-1)  # (B, 1) position ids of one token per example
+    return coords
+
+
+@dataclass
+class PEState:
+    """What ``PositionEncoding.prepare`` computed: reusable by every ``apply`` with the same coordinates.
+
+    Attributes:
+        q: the encoding's own precomputed data for the query coordinates (angles, cos/sin, bases, ...).
+        k: the same for the key coordinates (the same object as ``q`` when no ``k_coords`` were given).
+        num_prefix_tokens: leading tokens left unrotated.
+        q_tokens, k_tokens: ``M`` of the query / key coordinates.
+        q_batch, k_batch: ``B`` of per-example coordinates, ``None`` when shared by the batch.
+        dtype: compute dtype (float32, or float64).
+        separate_k: whether keys have coordinates of their own.
+    """
+
+    q: Any
+    k: Any
+    num_prefix_tokens: int
+    q_tokens: int
+    k_tokens: int
+    q_batch: int | None
+    k_batch: int | None
+    dtype: torch.dtype
+    separate_k: bool = False
 
 
 class PositionEncoding(nn.Module):
@@ -63,21 +169,32 @@ class PositionEncoding(nn.Module):
 
     Subclasses implement two hooks:
 
-    * ``_prepare(coords, dtype) -> state``: everything that depends on the coordinates only (angles,
-      cos/sin tables, basis changes), computed once per forward and shared by q and k;
-    * ``_transform(x, state) -> x``: the action on ``x`` of shape ``(B, H, M, d)`` in the compute dtype.
+    * ``_prepare(coords, dtype) -> data``: everything that depends on the coordinates and parameters only
+      (angles, cos/sin tables, basis changes), computed once per coordinate set and shared by q and k; coords
+      arrive as ``(M, c)`` or ``(B, M, c)`` in the compute dtype, autocast disabled;
+    * ``_transform(x, data) -> x``: the action on ``x`` of shape ``(B, H, M, d)`` in the compute dtype, with
+      interleaved pairs. ``H`` may be smaller than ``num_heads`` (grouped keys) when parameters are shared by
+      heads; the data broadcast over it.
 
     Class attributes describe the mathematics: ``commuting`` (relative: ``R(r)^T R(s) = R(0)^T R(s - r)``),
     ``post_rotation`` (``R(0) != I``), ``is_rotation`` (``False`` for the tensor-product encoding, which widens
     q and k instead).
+
+    Where ``R(0) = P != I``, the rotation splits into the generator part ``R_STR(r) = expm(sum_k r_k L_k)``
+    (``generators()``) and ``P`` (``post_rotation_matrix()``) on the side the encoding defines: relaxed STRING
+    is ``R(r) = R_STR(r) P``; Cayley-STRING is ``R(r) = RoPE(r) P = P R_STR(r)`` (its generators are
+    ``L_k = P^T J_k P``). Either way ``R(r)^T R(s)`` depends on ``s - r`` only for the commuting encodings.
     """
 
     name: str = "base"
     commuting: bool = True
     post_rotation: bool = False
     is_rotation: bool = True
+    #: the encoding handles ``pairs="half"`` itself (no permutation of q/k needed)
+    _native_half_pairs: bool = False
 
-    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, per_head: bool = False) -> None:
+    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, per_head: bool = False, *,
+                 layout: str = "bhnd", pairs: str = "interleaved") -> None:
         super().__init__()
         if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
             raise ValueError(f"{self.name}: head_dim must be a positive even integer, got {head_dim!r}")
@@ -90,6 +207,24 @@ class PositionEncoding(nn.Module):
         self.num_heads = num_heads
         self.per_head = bool(per_head)
         self.param_heads = num_heads if per_head else 1
+        self.layout = "bhnd"
+        self.pairs = "interleaved"
+        self.set_conventions(layout=layout, pairs=pairs)
+
+    def set_conventions(self, *, layout: str | None = None, pairs: str | None = None) -> "PositionEncoding":
+        """Set the tensor layout (``"bhnd"`` / ``"bnhd"``) and pair convention (``"interleaved"`` / ``"half"``).
+
+        Returns ``self``. Raises ``ValueError`` for an unknown value.
+        """
+        if layout is not None:
+            if layout not in LAYOUTS:
+                raise ValueError(f"{self.name}: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+            self.layout = layout
+        if pairs is not None:
+            if pairs not in PAIRS:
+                raise ValueError(f"{self.name}: pairs must be one of {', '.join(PAIRS)}, got {pairs!r}")
+            self.pairs = pairs
+        return self
 
     # ------------------------------------------------------------------ hooks for subclasses
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Any:
@@ -108,42 +243,153 @@ class PositionEncoding(nn.Module):
         return self.head_dim
 
     # ------------------------------------------------------------------ public API
-    def forward(self, q: Tensor, k: Tensor, coords: Tensor, num_prefix_tokens: int = 0) -> tuple[Tensor, Tensor]:
-        """Encode queries and keys.
+    def prepare(self, coords: Tensor, num_prefix_tokens: int = 0, *, k_coords: Tensor | None = None,
+                dtype: torch.dtype | None = None) -> PEState:
+        """Precompute everything that does not depend on q and k.
 
         Args:
-            q, k: ``(B, H, N, d)``.
-            coords: ``(M, c)`` or ``(B, M, c)`` with ``M = N - num_prefix_tokens``.
-            num_prefix_tokens: leading tokens left unrotated (CLS, registers).
+            coords: query coordinates ``(M, c)`` or ``(B, M, c)`` (``c = 1``: also ``(M,)`` or ``(B, M)``).
+            num_prefix_tokens: leading tokens of q and k left unrotated (CLS, registers).
+            k_coords: key coordinates when keys sit elsewhere than queries (KV cache, cross attention);
+                ``None``: keys use ``coords``.
+            dtype: compute dtype; ``None``: float64 if the coordinates or parameters are float64, else float32.
 
         Returns:
-            ``(q, k)`` of shape ``(B, H, N, out_dim)`` in the input dtype.
+            A ``PEState`` for ``apply`` / ``apply_one``, valid as long as the parameters do not change
+            (differentiable: gradients reach the parameters and coordinates through it).
 
         Raises:
             ValueError: on a shape, dtype or non-finite coordinate problem.
         """
-        self._check_x(q, "q")
-        self._check_x(k, "k")
-        if q.shape[-2] != k.shape[-2] and coords.dim() == 3:
-            raise ValueError("q and k must have the same number of tokens for per-example coordinates")
-        state = self._state(q, coords, num_prefix_tokens)
-        return self._encode(q, state, num_prefix_tokens), self._encode(k, state, num_prefix_tokens)
+        if not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+        coords = normalize_coords(coords, self.coord_dim)
+        check_coords(coords, self.coord_dim, None)
+        if k_coords is not None:
+            k_coords = normalize_coords(k_coords, self.coord_dim)
+            check_coords(k_coords, self.coord_dim, None)
+        return self._prepare_checked(coords, num_prefix_tokens, k_coords, dtype)
+
+    def _prepare_checked(self, coords: Tensor, num_prefix_tokens: int, k_coords: Tensor | None,
+                         dtype: torch.dtype | None) -> PEState:
+        """``prepare`` after validation (``forward`` validates against q/k itself and skips a second check)."""
+        if dtype is None:
+            wide = coords.dtype == torch.float64 or self._param_dtype() == torch.float64
+            dtype = torch.float64 if wide else torch.float32
+        elif dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        with _autocast_off(coords.device.type):
+            q_data = self._prepare(_cast(coords, dtype), dtype)
+            k_data = q_data if k_coords is None else self._prepare(_cast(k_coords, dtype), dtype)
+        kc = coords if k_coords is None else k_coords
+        return PEState(q=q_data, k=k_data, num_prefix_tokens=num_prefix_tokens, q_tokens=coords.shape[-2],
+                       k_tokens=kc.shape[-2], q_batch=coords.shape[0] if coords.dim() == 3 else None,
+                       k_batch=kc.shape[0] if kc.dim() == 3 else None, dtype=dtype, separate_k=k_coords is not None)
+
+    def apply(self, q: Tensor, k: Tensor | None, state: PEState) -> tuple[Tensor, Tensor | None]:
+        """Encode queries and keys with a prepared state.
+
+        Args:
+            q: ``(B, H, Nq, d)`` (``(B, Nq, H, d)`` with ``layout="bnhd"``).
+            k: ``(B, Hk, Nk, d)`` with ``Hk`` dividing ``H`` (fewer key heads only when the parameters are shared
+                by heads), or ``None``.
+            state: from ``prepare``.
+
+        Returns:
+            ``(q, k)`` in the input layout and dtype, last dimension ``out_dim`` (``k`` is ``None`` if given so).
+
+        Raises:
+            ValueError: shapes that do not match the encoding or the state.
+        """
+        q_out = self.apply_one(q, state, role="q")
+        return q_out, (None if k is None else self.apply_one(k, state, role="k"))
+
+    def apply_one(self, x: Tensor, state: PEState, role: str = "q") -> Tensor:
+        """Encode one tensor with a prepared state: ``role="q"`` uses the query coordinates, ``"k"`` the keys'.
+
+        Args:
+            x: ``(B, H, N, d)`` (``(B, N, H, d)`` with ``layout="bnhd"``).
+            state: from ``prepare``.
+            role: ``"q"`` or ``"k"``.
+
+        Returns:
+            ``x`` encoded, same layout and dtype, last dimension ``out_dim``.
+        """
+        if role not in ("q", "k"):
+            raise ValueError(f"role must be 'q' or 'k', got {role!r}")
+        if not isinstance(state, PEState):
+            raise ValueError(f"state must come from {self.name}.prepare(...), got {type(state).__name__}")
+        xb = self._to_bhnd(x, "q" if role == "q" else "k")
+        self._check_heads(xb, role)
+        tokens = state.q_tokens if role == "q" else state.k_tokens
+        batch = state.q_batch if role == "q" else state.k_batch
+        p0 = state.num_prefix_tokens
+        if xb.shape[-2] - p0 != tokens:
+            raise ValueError(
+                f"{role} has {xb.shape[-2]} tokens, {p0} prefix tokens and {tokens} coordinates: expected "
+                f"{tokens + p0} tokens (give k_coords when keys sit elsewhere than queries)")
+        if batch is not None and batch != xb.shape[0]:
+            raise ValueError(f"per-example coords have batch {batch}, {role} has batch {xb.shape[0]}")
+        out = self._encode(xb, state.q if role == "q" else state.k, p0, state.dtype)
+        return self._from_bhnd(out)
+
+    def forward(self, q: Tensor, k: Tensor, coords: Tensor, num_prefix_tokens: int = 0,
+                k_coords: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Encode queries and keys: ``prepare`` and ``apply`` in one call.
+
+        Args:
+            q: ``(B, H, Nq, d)`` (``(B, Nq, H, d)`` with ``layout="bnhd"``).
+            k: ``(B, Hk, Nk, d)``, ``Hk`` dividing ``H``.
+            coords: ``(Mq, c)`` or ``(B, Mq, c)`` with ``Mq = Nq - num_prefix_tokens``.
+            num_prefix_tokens: leading tokens left unrotated (CLS, registers).
+            k_coords: ``(Mk, c)`` or ``(B, Mk, c)`` key coordinates; required when ``Nk != Nq``.
+
+        Returns:
+            ``(q, k)`` of the input layout, last dimension ``out_dim``, in the input dtype.
+
+        Raises:
+            ValueError: on a shape, dtype or non-finite coordinate problem, or q and k of different lengths
+                with only one coordinate set.
+        """
+        qb, kb = self._to_bhnd(q, "q"), self._to_bhnd(k, "k")
+        self._check_heads(qb, "q")
+        self._check_heads(kb, "k")
+        if qb.shape[-2] != kb.shape[-2] and k_coords is None:
+            raise ValueError(
+                f"q has {qb.shape[-2]} tokens and k has {kb.shape[-2]}: pass k_coords for the keys (KV cache, "
+                f"cross attention) -- one coordinate set cannot encode both")
+        if not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0 or num_prefix_tokens > qb.shape[-2]:
+            raise ValueError(f"num_prefix_tokens must be an int in [0, {qb.shape[-2]}], got {num_prefix_tokens!r}")
+        coords = normalize_coords(coords, self.coord_dim, qb.shape[-2] - num_prefix_tokens, qb.shape[0])
+        check_coords(coords, self.coord_dim, qb.shape[-2] - num_prefix_tokens, qb.shape[0])
+        if k_coords is not None:
+            k_coords = normalize_coords(k_coords, self.coord_dim, kb.shape[-2] - num_prefix_tokens, kb.shape[0])
+            check_coords(k_coords, self.coord_dim, kb.shape[-2] - num_prefix_tokens, kb.shape[0])
+        state = self._prepare_checked(coords, num_prefix_tokens, k_coords, self._compute_dtype(q))
+        return self.apply(q, k, state)
 
     def rotate(self, x: Tensor, coords: Tensor, num_prefix_tokens: int = 0) -> Tensor:
         """Encode one tensor ``x`` of shape ``(B, H, N, d)`` (separability: KV caches, linear attention)."""
-        self._check_x(x, "x")
-        state = self._state(x, coords, num_prefix_tokens)
-        return self._encode(x, state, num_prefix_tokens)
+        xb = self._to_bhnd(x, "x")
+        self._check_heads(xb, "q")
+        if not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0 or num_prefix_tokens > xb.shape[-2]:
+            raise ValueError(f"num_prefix_tokens must be an int in [0, {xb.shape[-2]}], got {num_prefix_tokens!r}")
+        coords = normalize_coords(coords, self.coord_dim, xb.shape[-2] - num_prefix_tokens, xb.shape[0])
+        check_coords(coords, self.coord_dim, xb.shape[-2] - num_prefix_tokens, xb.shape[0])
+        state = self._prepare_checked(coords, num_prefix_tokens, None, self._compute_dtype(x))
+        return self.apply_one(x, state, role="q")
 
     def matrix(self, coords: Tensor) -> Tensor:
         """The explicit matrices ``R(r)``: ``(H, M, d, d)`` for ``(M, c)`` coords, ``(B, H, M, d, d)`` per example.
 
-        Built by applying the encoding to the basis vectors, so it is exactly what ``rotate`` does.
+        Built by applying the encoding to the basis vectors, so it is exactly what ``rotate`` does (pair
+        convention included; the layout option does not matter here).
         For tests and diagnostics; not available for the tensor-product encoding.
         """
         if not self.is_rotation:
             raise NotImplementedError(f"{self.name} is not a rotation: it has no matrix R(r)")
         d, h = self.head_dim, self.num_heads
+        coords = normalize_coords(coords, self.coord_dim)
         if coords.dim() == 3:
             return torch.stack([self.matrix(c) for c in coords])
         check_coords(coords, self.coord_dim, coords.shape[-2] if coords.dim() >= 2 else -1)
@@ -151,15 +397,19 @@ class PositionEncoding(nn.Module):
         dtype = torch.float64 if self._param_dtype() == torch.float64 else torch.float32
         eye = torch.eye(d, dtype=dtype, device=coords.device)
         basis = eye[:, None, None, :].expand(d, h, m, d)  # (d, H, M, d): batch j holds e_j at every token
-        cols = self.rotate(basis, coords)  # (d, H, M, d): cols[j] = R e_j
+        state = self.prepare(coords, dtype=dtype)
+        cols = self._encode(basis, state.q, 0, state.dtype)  # (d, H, M, d): cols[j] = R e_j
         return cols.permute(1, 2, 3, 0)  # (H, M, d, d), [..., :, j] = R e_j
 
     def generators(self) -> Tensor:
-        """The generators ``L_k`` with ``R_STR(r) = expm(sum_k r_k L_k)``: ``(H, c, d, d)``."""
+        """The generators ``L_k`` with ``R_STR(r) = expm(sum_k r_k L_k)``: ``(H, c, d, d)`` (interleaved pairs)."""
         raise NotImplementedError(f"{self.name} has no generators")
 
     def post_rotation_matrix(self) -> Tensor | None:
-        """The fixed orthogonal ``P`` with ``R(r) = R_STR(r) P`` (``(H, d, d)``), or ``None`` if ``P = I``."""
+        """``P = R(0)`` (``(H, d, d)``, orthogonal), or ``None`` if ``P = I``.
+
+        Relaxed STRING: ``R(r) = R_STR(r) P``; Cayley-STRING: ``R(r) = P R_STR(r)`` (see the class docstring).
+        """
         return None
 
     @property
@@ -194,8 +444,10 @@ class PositionEncoding(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     def extra_repr(self) -> str:
+        extra = "" if (self.layout, self.pairs) == ("bhnd", "interleaved") else \
+            f", layout={self.layout!r}, pairs={self.pairs!r}"
         return (f"head_dim={self.head_dim}, coord_dim={self.coord_dim}, num_heads={self.num_heads}, "
-                f"per_head={self.per_head}")
+                f"per_head={self.per_head}" + extra)
 
     # ------------------------------------------------------------------ internals
     def _param_dtype(self) -> torch.dtype:
@@ -206,34 +458,62 @@ class PositionEncoding(nn.Module):
                 return b.dtype
         return torch.float32
 
-    def _check_x(self, x: Tensor, what: str) -> None:
+    def _to_bhnd(self, x: Tensor, what: str) -> Tensor:
+        """Validate rank and dtype; return the ``(B, H, N, d)`` view of ``x`` for the configured layout."""
         if not isinstance(x, Tensor) or x.dim() != 4:
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"{what} must have shape (B, H, N, d) = (B, {self.num_heads}, N, {self.head_dim}), got {shape}")
-        if x.shape[1] != self.num_heads or x.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"{what} has shape {tuple(x.shape)}; {self.name} was built for (B, H={self.num_heads}, N, "
-                f"d={self.head_dim})"
-            )
+            form = "(B, N, H, d)" if self.layout == "bnhd" else "(B, H, N, d)"
+            raise ValueError(f"{what} must have shape {form} with H={self.num_heads}, d={self.head_dim}"
+                             f" (layout={self.layout!r}), got {shape}")
         if not x.is_floating_point():
             raise ValueError(f"{what} must be floating point, got {x.dtype}")
+        return x.transpose(1, 2) if self.layout == "bnhd" else x
+
+    def _from_bhnd(self, x: Tensor) -> Tensor:
+        return x.transpose(1, 2) if self.layout == "bnhd" else x
+
+    def _check_heads(self, x: Tensor, role: str) -> None:
+        """``x`` is ``(B, H, N, d)``: queries need ``num_heads`` heads; keys may have fewer (dividing it) when the
+        parameters are shared by heads."""
+        h = x.shape[1]
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"{role} has shape {tuple(x.shape)} (as (B, H, N, d)); {self.name} was built for "
+                             f"(B, H={self.num_heads}, N, d={self.head_dim})")
+        if h == self.num_heads:
+            return
+        if role == "k" and h > 0 and self.num_heads % h == 0:
+            if self.param_heads != 1:
+                raise ValueError(
+                    f"{self.name} has parameters per head ({self.num_heads} heads) but k has {h} heads: grouped "
+                    f"keys need an encoding shared by heads (per_head=False)")
+            return
+        raise ValueError(f"{role} has shape {tuple(x.shape)} (as (B, H, N, d)); {self.name} was built for "
+                         f"(B, H={self.num_heads}, N, d={self.head_dim})"
+                         + (" (keys may have a number of heads dividing it)" if role == "k" else ""))
 
     def _compute_dtype(self, x: Tensor) -> torch.dtype:
         return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    def _state(self, x: Tensor, coords: Tensor, num_prefix_tokens: int) -> Any:
-        if not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0 or num_prefix_tokens > x.shape[-2]:
-            raise ValueError(f"num_prefix_tokens must be an int in [0, {x.shape[-2]}], got {num_prefix_tokens!r}")
-        check_coords(coords, self.coord_dim, x.shape[-2] - num_prefix_tokens, x.shape[0])
-        dtype = self._compute_dtype(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            return self._prepare(coords.to(dtype), dtype)
+    def _half_to_interleaved(self, x: Tensor) -> Tensor:
+        """``(..., d)`` half-split pairs ``(x_n, x_{n+d/2})`` -> interleaved ``(x_2n, x_2n+1)``."""
+        return x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
 
-    def _encode(self, x: Tensor, state: Any, num_prefix_tokens: int) -> Tensor:
-        dtype = self._compute_dtype(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+    def _interleaved_to_half(self, x: Tensor) -> Tensor:
+        return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+    def _transform_any(self, x: Tensor, data: Any) -> Tensor:
+        """``_transform`` in the configured pair convention (a permutation around it unless handled natively)."""
+        if self.pairs == "interleaved" or self._native_half_pairs:
+            return self._transform(x, data)
+        y = self._transform(self._half_to_interleaved(x), data)
+        return self._interleaved_to_half(y) if self.is_rotation else y
+
+    def _encode(self, x: Tensor, data: Any, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
+        """Encode ``x`` ``(B, H, N, d)`` with one coordinate set's data; prefix tokens pass through."""
+        with _autocast_off(x.device.type):
             if num_prefix_tokens == 0:
-                return self._transform(x.to(dtype), state).to(x.dtype)
+                return _cast(self._transform_any(_cast(x, dtype), data), x.dtype)
             prefix, rest = x[:, :, :num_prefix_tokens], x[:, :, num_prefix_tokens:]
-            out = torch.cat([self._transform_prefix(prefix.to(dtype)), self._transform(rest.to(dtype), state)], dim=2)
-            return out.to(x.dtype)
+            out = torch.cat([self._transform_prefix(_cast(prefix, dtype)), self._transform_any(_cast(rest, dtype), data)],
+                            dim=2)
+            return _cast(out, x.dtype)

@@ -1,4 +1,4 @@
-"""Circulant-STRING: block-circulant commuting generators, applied through the real FFT.
+"""Circulant-STRING: block-circulant commuting generators, applied as RoPE in a fixed real DFT basis.
 
 ``L_k = C_k - C_k^T`` with ``C_k`` block-circulant, block size ``b`` (``b`` divides ``d``), each block
 defined by its first column ``c`` (``C[i, j] = c[(i - j) mod b]``, as ``scipy.linalg.circulant``). The DFT
@@ -6,12 +6,17 @@ diagonalises every circulant, so per block::
 
     R(r) z = irfft( exp(i * sum_k r_k lambda_k) * rfft(z), n=b ),   lambda_k = 2 Im(rfft(c_k))
 
-O(d log b) per token. The DC mode (and the Nyquist mode for even ``b``) has ``lambda = 0``: those
-dimensions are never rotated (2 of every ``b``).
+The same operator in real arithmetic: the orthonormal real DFT basis ``Q`` (``b x b``, fixed) turns every block
+into RoPE planes -- mode ``f`` of the spectrum is the plane spanned by the rows
+``sqrt(2/b) sin(2 pi f n / b)`` and ``sqrt(2/b) cos(2 pi f n / b)``, turning by ``theta_f = r . lambda_f`` -- so
 
-Fast path (``_PhaseFFT``): the backward pass is again one ``rfft``/``irfft`` pair, ``gx = R(r)^T g =
-irfft(conj(phase) rfft(g))``, and the phase gradient one reduction over the batch and heads -- instead of
-autograd's ``rfft`` backward, which zero-pads to a full complex FFT.
+    R(r) = blockdiag(Q^T) RoPE_lambda(r) blockdiag(Q),   lambda_f = -2 sum_n c_n sin(2 pi f n / b)
+
+with ``lambda`` linear in the parameters (elementwise products with a fixed sine table: exact in fp32, no
+TF32-rounded matmul). The DC mode (and the Nyquist mode for even ``b``) has ``lambda = 0``: those dimensions
+are never rotated (2 of every ``b``). No complex tensor is involved, so ``torch.compile`` (Inductor) compiles it
+and autograd gives exact first and second derivatives. ``Q`` and the sine table are non-persistent buffers,
+rebuilt exactly whenever the module changes device or dtype.
 """
 
 from __future__ import annotations
@@ -20,12 +25,11 @@ import math
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from .base import PositionEncoding
-from .functional import _is_compiling, _reduce_to, mixed_frequencies, skew
+from .functional import _angle_table, mixed_frequencies, precise_matmul, rotate_angles, skew
 
-__all__ = ["CirculantSTRING", "circulant", "phase_fft_apply"]
+__all__ = ["CirculantSTRING", "circulant", "real_dft_basis"]
 
 
 def circulant(col: Tensor) -> Tensor:
@@ -35,61 +39,40 @@ def circulant(col: Tensor) -> Tensor:
     return col[..., (i[:, None] - i[None, :]) % b]
 
 
-def phase_fft_apply(x: Tensor, phase: Tensor, block_size: int) -> Tensor:
-    """``irfft(phase * rfft(z), n=b)`` on every block ``z`` of size ``b`` of every token.
+def real_dft_basis(b: int, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None
+                   ) -> tuple[Tensor, Tensor]:
+    """The orthonormal real DFT basis of one circulant block and the table giving the mode frequencies.
 
     Args:
-        x: ``(B, H, M, nb * b)``.
-        phase: ``(B | 1, Hp, M, nb, b // 2 + 1)`` complex, unit modulus, ``1`` on the DC (and Nyquist) mode.
-        block_size: ``b``.
+        b: block size (>= 3).
 
     Returns:
-        ``(B, H, M, nb * b)``; differentiable in ``x`` and ``phase``.
+        ``(Q, S)``: ``Q`` ``(b, b)`` orthogonal, rows ``2(f-1), 2(f-1)+1`` = ``sqrt(2/b) (sin, cos)(2 pi f n / b)``
+        for the ``u = (b - 1) // 2`` rotating modes ``f = 1..u``, then the DC row ``1/sqrt(b)`` and, for even
+        ``b``, the Nyquist row ``(-1)^n / sqrt(b)``; ``S`` ``(b, u)`` with ``S[n, f-1] = -2 sin(2 pi f n / b)``, so
+        that ``lambda_f = sum_n c_n S[n, f-1] = 2 Im(rfft(c))_f``. Computed in float64, returned in ``dtype``.
     """
-    if _is_compiling() or x.dtype not in (torch.float32, torch.float64):
-        spec = torch.fft.rfft(x.unflatten(-1, (-1, block_size)), dim=-1)  # (B, H, M, nb, F)
-        return torch.fft.irfft(spec * phase, n=block_size, dim=-1).flatten(-2)  # (B, H, M, d)
-    return _PhaseFFT.apply(x, phase, block_size)
-
-
-class _PhaseFFT(torch.autograd.Function):
-    """``y = irfft(phase * rfft(x))`` per block with a real-FFT backward.
-
-    With ``G = rfft(g)``: ``gx = irfft(conj(phase) G)`` (the exact adjoint, any phase), and
-    ``gphase = sum (alpha_f / b) G conj(S)`` over the broadcast dimensions, ``S = rfft(x)``, ``alpha_f = 1`` on
-    the DC and Nyquist modes and 2 elsewhere (the Hermitian half counts the other modes twice). ``conj(S)`` is
-    recovered from the saved product ``Z = phase S`` as ``conj(Z) phase / |phase|^2``.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, phase: Tensor, b: int) -> Tensor:
-        z = torch.fft.rfft(x.unflatten(-1, (-1, b)), dim=-1) * phase  # (B, H, M, nb, F)
-        ctx.b = b
-        ctx.save_for_backward(phase, z if ctx.needs_input_grad[1] else None)
-        return torch.fft.irfft(z, n=b, dim=-1).flatten(-2)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g: Tensor):
-        phase, z = ctx.saved_tensors
-        b = ctx.b
-        # contiguous: attention's gradients come in its own layout, on which the reduction below is ~40x slower
-        spec_g = torch.fft.rfft(g.contiguous().unflatten(-1, (-1, b)), dim=-1)  # G: (B, H, M, nb, F)
-        gx = gp = None
-        if ctx.needs_input_grad[0]:
-            gx = torch.fft.irfft(spec_g * phase.conj(), n=b, dim=-1).flatten(-2)
-        if ctx.needs_input_grad[1]:
-            nf = spec_g.shape[-1]
-            alpha = torch.full((nf,), 2.0 / b, dtype=g.dtype, device=g.device)
-            alpha[0] = 1.0 / b
-            if b % 2 == 0:
-                alpha[-1] = 1.0 / b
-            acc = _reduce_to(spec_g * z.conj(), phase.shape)  # sum G conj(Z)
-            gp = acc * alpha * phase / (phase.real.square() + phase.imag.square())
-        return gx, gp, None
+    u = (b - 1) // 2
+    n = torch.arange(b, dtype=torch.float64, device="cpu")
+    f = torch.arange(1, u + 1, dtype=torch.float64, device="cpu")
+    ang = 2 * math.pi * f[:, None] * n[None, :] / b  # (u, b)
+    rows = torch.stack((torch.sin(ang), torch.cos(ang)), dim=1).reshape(2 * u, b) * math.sqrt(2.0 / b)
+    extra = [torch.full((1, b), 1.0 / math.sqrt(b), dtype=torch.float64, device="cpu")]
+    if b % 2 == 0:
+        extra.append((torch.cos(math.pi * n) / math.sqrt(b)).unsqueeze(0))
+    q = torch.cat([rows] + extra, dim=0)  # (b, b)
+    s = -2.0 * torch.sin(ang).transpose(0, 1)  # (b, u)
+    return q.to(device=device, dtype=dtype), s.to(device=device, dtype=dtype)
 
 
 class CirculantSTRING(PositionEncoding):
+    """Circulant-STRING (see the module docstring): ``circ_params`` ``(Hp, c, nb, b)`` are the first columns.
+
+    Prepared data: ``(theta, cos, sin)`` tables ``(1 | B, Hp, M, nb * b/2)`` of the mode angles (float64 angles,
+    cos/sin in the compute dtype; a non-rotating pair of angle 0 fills the DC/Nyquist slot of each block for even
+    ``b``).
+    """
+
     name = "circulant"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int | None = None,
@@ -98,40 +81,80 @@ class CirculantSTRING(PositionEncoding):
         b = head_dim if block_size is None else block_size
         if b < 3 or head_dim % b:
             raise ValueError(f"circulant block_size must divide head_dim={head_dim} and be >= 3, got {b}")
-        self.block_size, self.base = b, base
-        self.circ_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, head_dim // b, b))
+        self.block_size = b
+        nb = head_dim // b
+        usable = (b - 1) // 2  # modes 1 .. usable rotate; DC (and Nyquist for even b) never do
+        self.num_modes = usable
+        self.register_buffer("dft_basis", torch.empty(b, b), persistent=False)
+        self.register_buffer("mode_table", torch.empty(b, usable), persistent=False)
+        self._build_buffers()
+        self.base = base
+        self.circ_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, nb, b))
         self._init_weights()
 
     def _init_weights(self) -> None:
-        if self.circ_params.is_meta:
-            return
+        """Re-draw the first columns so that the mode frequencies have RoPE-Mixed's scale and directions.
+
+        ``c = S lambda / (2b)`` inverts ``lambda = S^T c`` on the rotating modes (the sine rows of ``S`` are
+        orthogonal with squared norm ``b/2``); the DC part of ``c`` is 0. Drawn on the CPU generator. The fixed
+        basis buffers are rebuilt too.
+        """
+        self._build_buffers()
         hp, c, nb, b = self.circ_params.shape
-        nf = b // 2 + 1  # rfft modes
-        usable = (b - 1) // 2  # modes 1 .. usable rotate; DC (and Nyquist for even b) never do
-        # Initialise so that the mode frequencies lambda have RoPE-Mixed's scale: rfft(c) = i lambda / 2.
-        lam = torch.zeros(hp, c, nb, nf)
-        init = mixed_frequencies(2 * nb * usable, c, hp, self.base)  # (Hp, c, nb*usable)
-        lam[..., 1:1 + usable] = init.reshape(hp, c, nb, usable)
-        col = torch.fft.irfft(torch.complex(torch.zeros_like(lam), lam / 2), n=b)  # (Hp, c, nb, b)
-        with torch.no_grad():
-            self.circ_params.copy_(col)
+        u = self.num_modes
+        lam = mixed_frequencies(2 * nb * u, c, hp, self.base).double().reshape(hp, c, nb, u)  # (Hp, c, nb, u)
+        _, table = real_dft_basis(b)
+        col = (lam.unsqueeze(-2) * table).sum(-1) / (2 * b)  # (Hp, c, nb, b)
+        if self.circ_params.device.type != "meta":
+            with torch.no_grad():
+                self.circ_params.copy_(col)
+
+    def _build_buffers(self) -> None:
+        """(Re)compute the fixed basis and sine table exactly (float64, then the buffers' dtype and device)."""
+        ref = self.dft_basis
+        q, table = real_dft_basis(self.block_size, dtype=ref.dtype, device=ref.device)
+        if ref.device.type != "meta":
+            with torch.no_grad():
+                self.dft_basis.copy_(q)
+                self.mode_table.copy_(table)
+
+    def _apply(self, fn, recurse=True):  # device / dtype moves, to_empty: rebuild the fixed tables exactly
+        out = super()._apply(fn, recurse)
+        self._build_buffers()
+        return out
 
     def mode_frequencies(self, dtype: torch.dtype | None = None) -> Tensor:
-        """``lambda = 2 Im(rfft(c))``: ``(Hp, c, nb, b//2 + 1)``."""
+        """``lambda_f = 2 Im(rfft(c))_f`` of the rotating modes ``f = 1..u``: ``(Hp, c, nb, u)``.
+
+        Elementwise products with the fixed sine table and a sum (linear in the parameters; no FFT, no matmul).
+        """
         c = self.circ_params if dtype is None else self.circ_params.to(dtype)
-        return 2 * torch.fft.rfft(c, dim=-1).imag
+        table = self.mode_table.to(c.dtype)
+        return (c.unsqueeze(-1) * table).sum(-2)  # (Hp, c, nb, b, 1) * (b, u) -> (Hp, c, nb, u)
 
-    def _prepare(self, coords: Tensor, dtype: torch.dtype):
-        lam = self.mode_frequencies(dtype).flatten(-2)  # (Hp, c, nb*F)
-        if coords.dim() == 2:
-            theta = torch.einsum("mc,hcf->hmf", coords, lam).unsqueeze(0)  # (1, Hp, M, nb*F)
-        else:
-            theta = torch.einsum("bmc,hcf->bhmf", coords, lam)  # (B, Hp, M, nb*F)
-        theta = theta.unflatten(-1, (-1, self.block_size // 2 + 1))  # (.., Hp, M, nb, F)
-        return torch.complex(torch.cos(theta), torch.sin(theta))
+    def _pair_frequencies(self, dtype: torch.dtype) -> Tensor:
+        """Frequencies of the ``nb * b/2`` pairs of the DFT-basis coordinates (zero for the DC/Nyquist pair):
+        ``(Hp, c, nb * (b // 2))`` (``b`` even) or ``(Hp, c, nb * u)`` (``b`` odd)."""
+        lam = self.mode_frequencies(dtype)  # (Hp, c, nb, u)
+        if self.block_size % 2 == 0:
+            lam = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], 1)), dim=-1)  # (Hp, c, nb, b/2)
+        return lam.flatten(-2)
 
-    def _transform(self, x: Tensor, phase: Tensor) -> Tensor:
-        return phase_fft_apply(x, phase, self.block_size)
+    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        return _angle_table(coords, self._pair_frequencies(dtype), dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
+
+    def _transform(self, x: Tensor, state: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        theta, cos, sin = state
+        b = self.block_size
+        q = self.dft_basis.to(x.dtype)
+        z = precise_matmul(x.unflatten(-1, (-1, b)), q.transpose(0, 1))  # (B, H, M, nb, b): Q z per block
+        if b % 2 == 0:
+            z = rotate_angles(z.flatten(-2), theta, cos, sin)  # (B, H, M, d)
+        else:  # odd b: the DC coordinate of each block stays out of the pairs
+            u2 = 2 * self.num_modes
+            rot = rotate_angles(z[..., :u2].flatten(-2), theta, cos, sin).unflatten(-1, (-1, u2))
+            z = torch.cat((rot, z[..., u2:]), dim=-1).flatten(-2)
+        return precise_matmul(z.unflatten(-1, (-1, b)), q).flatten(-2)  # Q^T per block: (B, H, M, d)
 
     def generators(self) -> Tensor:
         blocks = skew(circulant(self.circ_params))  # (Hp, c, nb, b, b)
@@ -142,36 +165,19 @@ class CirculantSTRING(PositionEncoding):
         return out.reshape(hp, c, nb * b, nb * b).expand(self.num_heads, -1, -1, -1)
 
     def to_rope(self) -> tuple[Tensor, Tensor]:
-        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` (here ``R(r) = P^T RoPE_freqs(r) P``).
+        """``(P, freqs)`` with ``R(r) = P^T RoPE_freqs(r) P`` (so ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``).
 
-        ``P`` is the orthonormal real DFT basis of each block: mode ``f`` (``1 <= f < b/2``) of block ``j`` is the
-        pair ``(sqrt(2/b) sin(2 pi f n / b), sqrt(2/b) cos(2 pi f n / b))``, which turns with ``lambda_f`` (the
-        ``rfft`` phase ``exp(i theta)`` rotates ``(Im, Re)`` of the spectrum's conjugate by ``+theta``). The
-        never-rotated DC (and Nyquist) rows come last, paired with frequency 0. Returns ``(H, d, d)`` and
-        ``(H, c, d/2)``, detached.
+        ``P`` ``(H, d, d)`` is the orthonormal real DFT basis of every block (``real_dft_basis``), with the rotating
+        pairs of all blocks first and the never-rotated DC (and Nyquist) rows last (frequency 0); ``freqs``
+        ``(H, c, d/2)`` are the mode frequencies ``lambda``, differentiable in ``circ_params`` (``P`` is fixed).
         """
-        b, d = self.block_size, self.head_dim
-        nb, usable = d // b, (b - 1) // 2
-        with torch.no_grad():
-            lam = self.mode_frequencies(torch.float64)  # (Hp, c, nb, F)
-            n = torch.arange(b, dtype=torch.float64)
-            p = torch.zeros(d, d, dtype=torch.float64)
-            hp, c = lam.shape[:2]
-            freqs = torch.zeros(hp, c, d // 2, dtype=torch.float64)
-            row = 0
-            for j in range(nb):
-                for f in range(1, usable + 1):
-                    ang = 2 * math.pi * f * n / b
-                    p[row, j * b:(j + 1) * b] = math.sqrt(2.0 / b) * torch.sin(ang)
-                    p[row + 1, j * b:(j + 1) * b] = math.sqrt(2.0 / b) * torch.cos(ang)
-                    freqs[:, :, row // 2] = lam[:, :, j, f]
-                    row += 2
-            for j in range(nb):  # DC (and Nyquist) rows: frequency 0
-                p[row, j * b:(j + 1) * b] = 1.0 / math.sqrt(b)
-                row += 1
-                if b % 2 == 0:
-                    p[row, j * b:(j + 1) * b] = torch.cos(math.pi * n) / math.sqrt(b)
-                    row += 1
-        dtype = self.circ_params.dtype
-        return (p.to(dtype).expand(self.num_heads, -1, -1),
-                freqs.to(dtype).expand(self.num_heads if hp == 1 else hp, -1, -1).expand(self.num_heads, -1, -1))
+        b, d, nb, u = self.block_size, self.head_dim, self.head_dim // self.block_size, self.num_modes
+        q = self.dft_basis  # (b, b)
+        eye = torch.eye(nb, dtype=q.dtype, device=q.device)
+        full = (eye[:, None, :, None] * q[None, :, None, :]).reshape(nb * b, nb * b)  # blockdiag(Q): (d, d)
+        rows = torch.arange(d, device=q.device).view(nb, b)
+        order = torch.cat((rows[:, :2 * u].reshape(-1), rows[:, 2 * u:].reshape(-1)))  # rotating rows first
+        p = full[order]
+        lam = self.mode_frequencies().flatten(-2)  # (Hp, c, nb*u)
+        freqs = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], d // 2 - nb * u)), dim=-1)  # (Hp, c, d/2)
+        return p.to(lam.dtype).expand(self.num_heads, -1, -1), freqs.expand(self.num_heads, -1, -1)

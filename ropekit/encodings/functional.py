@@ -14,12 +14,19 @@ Pairs are *interleaved*: pair ``n`` is the two coordinates ``(2n, 2n + 1)`` of a
     [y_2n+1] = [sin t   cos t] [x_2n+1]
 
 This is the layout of the original RoFormer and of every 2x2 block-diagonal generator, so that
-"block j" and "pair j" are the same thing.
+"block j" and "pair j" are the same thing. The other common layout, HF / Llama's ``rotate_half`` (pair ``n``
+is ``(x_n, x_{n + d/2})``), is ``pairs="half"`` in ``rotate_pairs``, ``rotate_angles`` and
+``apply_frequency_rope``.
+
+Angles ``theta = r . omega`` are formed by elementwise products and sums (``frequency_angles``), never a
+matrix product, whose TF32 rounding on a GPU would cost ~1e-3 relative; the tables are built in float64
+(``rope_cos_sin``) so that they stay exact to float32 round-off at any coordinate scale.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
 import torch
@@ -27,6 +34,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 __all__ = [
+    "frequency_angles",
+    "rope_cos_sin",
+    "rotate_angles",
+    "apply_frequency_rope",
     "rope_angles",
     "rotate_pairs",
     "pair_generators",
@@ -35,6 +46,7 @@ __all__ = [
     "skew",
     "cayley_transform",
     "basis_change",
+    "precise_matmul",
     "block_apply",
     "skew_real_schur",
     "scaled_block_exp_matrices",
@@ -43,8 +55,30 @@ __all__ = [
 ]
 
 
+def frequency_angles(coords: Tensor, freqs: Tensor) -> Tensor:
+    """Angles ``theta_n(r) = sum_k r_k * freqs[k, n]`` by elementwise products and sums.
+
+    Never a matrix product: on a GPU with TF32 enabled (``torch.backends.cuda.matmul.allow_tf32``) a matmul or
+    einsum would round the coordinates and frequencies to 10 mantissa bits, an angle error of ~1e-3 relative.
+    The ``c`` products are accumulated in the dtype of the inputs (callers pass float32 or float64).
+
+    Args:
+        coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example.
+        freqs: ``(Hp, c, P)``.
+
+    Returns:
+        ``(Hp, M, P)`` for shared coordinates, ``(B, Hp, M, P)`` per example.
+    """
+    theta = None
+    for j in range(freqs.shape[-2]):
+        # (..., 1, M, 1) * (Hp, 1, P) -> (..., Hp, M, P)
+        term = coords[..., j].unsqueeze(-2).unsqueeze(-1) * freqs[:, j].unsqueeze(-2)
+        theta = term if theta is None else theta + term
+    return theta
+
+
 def rope_angles(coords: Tensor, freqs: Tensor) -> Tensor:
-    """Angles ``theta_n(r) = sum_k r_k * freqs[k, n]`` of every rotation plane.
+    """Angles ``theta_n(r) = sum_k r_k * freqs[k, n]`` of every rotation plane (see ``frequency_angles``).
 
     Args:
         coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example.
@@ -53,26 +87,31 @@ def rope_angles(coords: Tensor, freqs: Tensor) -> Tensor:
     Returns:
         ``(Hp, M, P)`` for shared coordinates, ``(B, Hp, M, P)`` per example; dtype of ``coords``.
     """
-    if coords.dim() == 2:
-        return torch.einsum("mc,hcp->hmp", coords, freqs)  # (Hp, M, P)
-    return torch.einsum("bmc,hcp->bhmp", coords, freqs)  # (B, Hp, M, P)
+    return frequency_angles(coords, freqs.to(coords.dtype))
 
 
-def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each interleaved pair ``(x_2n, x_2n+1)`` of ``x`` by the angle whose cos/sin are given.
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, pairs: str = "interleaved") -> Tensor:
+    """Rotate each pair of ``x`` by the angle whose cos/sin are given.
 
     Args:
         x: ``(..., d)``.
         cos, sin: ``(..., d / 2)``, broadcastable against ``x``'s leading dimensions.
+        pairs: ``"interleaved"`` -- pair ``n`` is ``(x_2n, x_2n+1)``; ``"half"`` -- pair ``n`` is
+            ``(x_n, x_{n + d/2})`` (HF / Llama ``rotate_half``).
 
     Returns:
         ``(..., d)``, a new tensor (``x`` is not modified).
 
-    Fast path (float32/float64, eager): one complex multiply per pair and a hand-written backward
+    Fast path (interleaved float32/float64, eager): one complex multiply per pair and a hand-written backward
     (``_RotatePairs``) that saves only the output and the cos/sin table; the reduction for the gradient of
-    cos/sin over the broadcast (batch, head) dimensions is one pass. Under ``torch.compile`` the real-arithmetic
-    form below is used instead, which the compiler fuses into one kernel.
+    cos/sin over the broadcast (batch, head) dimensions is one pass. Under ``torch.compile`` (and for half
+    pairs) the real-arithmetic form is used instead, which the compiler fuses into one kernel; no complex tensor
+    reaches the compiler.
     """
+    if pairs == "half":
+        return _rotate_half_real(x, cos, sin)
+    if pairs != "interleaved":
+        raise ValueError(f"pairs must be 'interleaved' or 'half', got {pairs!r}")
     if _fast_rotation_ok(x, cos, sin):
         return _RotatePairs.apply(x, cos, sin)
     return _rotate_pairs_real(x, cos, sin)
@@ -84,9 +123,20 @@ def _rotate_pairs_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
+def _rotate_half_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``rotate_pairs`` for half-split pairs ``(x_n, x_{n+d/2})``: ``x * cos2 + rotate_half(x) * sin2``."""
+    x0, x1 = x.unflatten(-1, (2, -1)).unbind(-2)  # (..., P) each: first and second half
+    return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+
+
 def _fast_rotation_ok(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     return (not _is_compiling() and x.dtype in (torch.float32, torch.float64) and cos.dtype == x.dtype
             and sin.dtype == x.dtype and x.dim() >= 1 and x.shape[-1] % 2 == 0)
+
+
+def _interpreting() -> bool:
+    """Triton's interpreter mode (kernels run on the CPU, for tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _is_compiling() -> bool:
@@ -99,6 +149,8 @@ def _is_compiling() -> bool:
 def _complex_pairs(x: Tensor) -> Tensor:
     """View ``(..., d)`` real as ``(..., d / 2)`` complex (pair ``n`` -> ``x_2n + i x_2n+1``); copies if the
     strides do not allow a view."""
+    if x.is_contiguous():  # the common case, without the stride checks below (this runs on every call)
+        return torch.view_as_complex(x.view(x.shape[:-1] + (x.shape[-1] // 2, 2)))
     xr = x.unflatten(-1, (-1, 2))  # (..., P, 2)
     if xr.stride(-1) != 1 or xr.storage_offset() % 2 or any(st % 2 for st in xr.stride()[:-1]):
         xr = xr.contiguous()
@@ -112,6 +164,26 @@ def _reduce_to(t: Tensor, shape: Sequence[int]) -> Tensor:
     if dims:
         t = t.sum(dim=dims, keepdim=True)
     return t.reshape(shape)
+
+
+def _sum_times_conj(a: Tensor, b: Tensor, shape: Sequence[int]) -> Tensor:
+    """``sum a * conj(b)`` over the dimensions that ``shape`` broadcasts, without a temporary of ``a``'s size.
+
+    ``a``, ``b``: complex ``(n, ...)`` of equal shapes. Computed one leading slice at a time in one reused scratch
+    buffer: a fresh buffer of q's size costs more in page faults than the arithmetic does on a CPU. No autograd.
+    """
+    if a.dim() != len(shape) or a.dim() < 2:
+        return _reduce_to(a * b.conj_physical(), shape)
+    scratch = torch.empty(a.shape[1:], dtype=a.dtype, device=a.device)
+    parts, acc = [], None
+    for i in range(a.shape[0]):
+        torch.conj_physical(b[i], out=scratch)
+        part = _reduce_to(scratch.mul_(a[i]), shape[1:])
+        if shape[0] != 1:
+            parts.append(part.clone() if part.data_ptr() == scratch.data_ptr() else part)
+        else:
+            acc = part.clone() if acc is None else acc.add_(part)
+    return torch.stack(parts) if shape[0] != 1 else acc.unsqueeze(0)
 
 
 class _RotatePairs(torch.autograd.Function):
@@ -135,21 +207,247 @@ class _RotatePairs(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         cos, sin, y = ctx.saved_tensors
         w = torch.complex(cos, sin)  # recomputed (small) so that double backward sees cos and sin
+        w_conj = torch.complex(cos, -sin)  # physical conjugate: a lazily conjugated operand is ~4x slower
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         # attention hands back gradients in its own layout (e.g. (B, N, H, d) strides); products inherit it, and
         # the reduction over (B, H) for the cos/sin gradient is ~40x slower on that layout than on a contiguous one
         gc = _complex_pairs(g.contiguous() if need_w else g)  # (..., P)
-        gx = gcos = gsin = None
-        if ctx.needs_input_grad[0]:
-            gx = torch.view_as_real(gc * w.conj()).flatten(-2)
+        gx = gcos = gsin = acc = None
+        if not torch.is_grad_enabled():  # first-order backward: no temporary of the input's size
+            if need_w:
+                acc = _sum_times_conj(gc, _complex_pairs(y), w.shape)  # sum g conj(y), shape of w
+            if ctx.needs_input_grad[0]:
+                gx = torch.view_as_real(gc * w_conj).flatten(-2)
+        else:  # double backward: out-of-place, so that autograd records every step
+            if ctx.needs_input_grad[0]:
+                gx = torch.view_as_real(gc * w_conj).flatten(-2)
+            if need_w:
+                acc = _reduce_to(gc * _complex_pairs(y).conj_physical(), w.shape)
         if need_w:
-            acc = _reduce_to(gc * _complex_pairs(y).conj(), w.shape)  # sum g conj(y), shape of w
             gw = acc * w / (w.real.square() + w.imag.square())  # = sum g conj(x)
             if ctx.needs_input_grad[1]:
                 gcos = _reduce_to(gw.real, ctx.cos_shape)
             if ctx.needs_input_grad[2]:
                 gsin = _reduce_to(gw.imag, ctx.sin_shape)
         return gx, gcos, gsin
+
+
+class _RotateAngles(torch.autograd.Function):
+    """``y = x * exp(i theta)`` per interleaved pair, differentiable in ``x`` and ``theta`` only.
+
+    ``cos`` / ``sin`` (``theta``'s, rounded to ``x``'s dtype, no autograd history) are passed in so that they are
+    computed once per table, not per call. Backward: ``gx = g * exp(-i theta)``; ``gtheta = sum Im(g conj(y))``
+    over the broadcast dimensions (``dy/dtheta = i y``), from the saved output -- no gradient through cos/sin
+    tables, no small-tensor chain. Under double backward every step is recomputed from ``theta`` with
+    differentiable operations.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, theta: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        y = torch.view_as_real(_complex_pairs(x) * torch.complex(cos, sin)).flatten(-2)  # (..., d)
+        ctx.save_for_backward(theta, cos, sin, y if ctx.needs_input_grad[1] else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        theta, cos, sin, y = ctx.saved_tensors
+        gx = gtheta = None
+        if torch.is_grad_enabled():  # double backward: rebuild the rotation from theta, out-of-place
+            c, s = torch.cos(theta).to(g.dtype), torch.sin(theta).to(g.dtype)
+            gx = _RotateAngles.apply(g, -theta, c, -s) if ctx.needs_input_grad[0] else None
+            if ctx.needs_input_grad[1]:
+                gy = _complex_pairs(g) * _complex_pairs(y).conj_physical()
+                gtheta = _reduce_to(gy.imag, theta.shape).to(theta.dtype)
+            return gx, gtheta, None, None
+        gc = _complex_pairs(g.contiguous() if ctx.needs_input_grad[1] else g)  # (..., P)
+        if ctx.needs_input_grad[1]:
+            gtheta = _sum_times_conj(gc, _complex_pairs(y), theta.shape).imag
+            gtheta = gtheta if gtheta.dtype == theta.dtype else gtheta.to(theta.dtype)
+        if ctx.needs_input_grad[0]:
+            gx = torch.view_as_real(gc * torch.complex(cos, -sin)).flatten(-2)
+        return gx, gtheta, None, None
+
+
+def rotate_angles(x: Tensor, theta: Tensor, cos: Tensor | None = None, sin: Tensor | None = None,
+                  pairs: str = "interleaved") -> Tensor:
+    """Rotate each pair of ``x`` by ``theta``; differentiable in ``x`` and ``theta``.
+
+    Args:
+        x: ``(..., d)`` float32 or float64 (the compute dtype).
+        theta: ``(..., d / 2)`` broadcastable against ``x``'s leading dimensions, any float dtype (float64 for
+            exact tables, see ``rope_cos_sin``).
+        cos, sin: optional ``cos(theta)`` / ``sin(theta)`` in ``x``'s dtype, already computed (treated as
+            constants: the gradient reaches ``theta`` directly).
+        pairs: ``"interleaved"`` or ``"half"`` (see ``rotate_pairs``).
+
+    Returns:
+        ``(..., d)`` in ``x``'s dtype.
+
+    The eager interleaved path (``_RotateAngles``) returns the angle gradient as one reduction of
+    ``Im(g conj(y))`` -- the cheapest backward of a learnable-frequency RoPE; other cases use ``rotate_pairs``
+    with differentiable cos/sin.
+    """
+    if (pairs == "interleaved" and not _is_compiling() and x.dtype in (torch.float32, torch.float64)
+            and x.shape[-1] % 2 == 0):
+        if cos is None or sin is None:
+            with torch.no_grad():
+                cos, sin = torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype)
+        return _RotateAngles.apply(x, theta, cos.detach(), sin.detach())
+    return rotate_pairs(x, torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype), pairs)
+
+
+def rope_cos_sin(coords: Tensor, freqs: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """cos/sin tables of the angles ``theta = r . freqs``, accurate to float32 round-off at any coordinate.
+
+    The angles are formed in float64 by elementwise products and sums (``frequency_angles``), reduced by
+    ``cos``/``sin`` in float64, then rounded to ``dtype``. A float32 angle of ``4096 * 2 pi`` already carries an
+    error of ~1e-3 rad (its ulp); in float64 the table is exact to float32 precision whatever the coordinate
+    scale. The tables are small (one row per coordinate, not per head and example), so the cost is negligible.
+    On devices without float64 (MPS) the angles are formed in float32.
+
+    Args:
+        coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example.
+        freqs: ``(Hp, c, P)``.
+        dtype: table dtype; ``None``: float64 if an input is float64, else float32.
+
+    Returns:
+        ``(cos, sin)``, each ``(1, Hp, M, P)`` for shared coordinates or ``(B, Hp, M, P)`` per example;
+        differentiable in ``coords`` and ``freqs``.
+    """
+    if dtype is None:
+        dtype = torch.float64 if torch.float64 in (coords.dtype, freqs.dtype) else torch.float32
+    wide = torch.float32 if coords.device.type == "mps" else torch.float64
+    with torch.autocast(device_type=coords.device.type, enabled=False):
+        theta = frequency_angles(coords.to(wide), freqs.to(wide))
+        if theta.dim() == 3:
+            theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
+        return torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
+
+
+def _angle_table(coords: Tensor, freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(theta, cos, sin)``, each ``(1 | B, Hp, M, P)``: float64 angles (differentiable) and their cos/sin in
+    ``dtype`` (constants), for ``rotate_angles``."""
+    wide = torch.float32 if coords.device.type == "mps" else torch.float64
+    theta = frequency_angles(coords if coords.dtype == wide else coords.to(wide),
+                             freqs if freqs.dtype == wide else freqs.to(wide))
+    if theta.dim() == 3:
+        theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
+    with torch.no_grad():
+        return theta, torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
+
+
+def _rotate_tokens(x: Tensor, table: tuple[Tensor, Tensor, Tensor], num_prefix_tokens: int, pairs: str) -> Tensor:
+    """Rotate ``x`` ``(B, H, N, d)`` after its prefix tokens, math in the table's dtype, output in ``x``'s."""
+    theta, cos, sin = table
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        xr = x[:, :, num_prefix_tokens:] if num_prefix_tokens else x
+        xr = xr if xr.dtype == cos.dtype else xr.to(cos.dtype)
+        y = rotate_angles(xr, theta, cos, sin, pairs)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return torch.cat((x[:, :, :num_prefix_tokens], y), dim=2) if num_prefix_tokens else y
+
+
+def _check_rope_args(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, k_coords: Tensor | None,
+                     num_prefix_tokens: int, pairs: str) -> Tensor:
+    """Validate ``apply_frequency_rope``'s arguments; return freqs as ``(Hp, c, P)``."""
+    if q.dim() != 4 or (k is not None and k.dim() != 4):
+        raise ValueError(f"q and k must be (B, H, N, d), got {tuple(q.shape)} and "
+                         f"{None if k is None else tuple(k.shape)}")
+    if pairs not in ("interleaved", "half"):
+        raise ValueError(f"pairs must be 'interleaved' or 'half', got {pairs!r}")
+    d = q.shape[-1]
+    f = freqs.unsqueeze(0) if freqs.dim() == 2 else freqs
+    if f.dim() != 3 or f.shape[-1] * 2 != d or f.shape[-2] != coords.shape[-1]:
+        raise ValueError(f"freqs must be (c, d/2) or (H, c, d/2) = (.., {coords.shape[-1]}, {d // 2}), "
+                         f"got {tuple(freqs.shape)}")
+    if f.shape[0] not in (1, q.shape[1]):
+        raise ValueError(f"per-head freqs have {f.shape[0]} heads, q has {q.shape[1]}")
+    if not isinstance(num_prefix_tokens, int) or not 0 <= num_prefix_tokens <= q.shape[-2]:
+        raise ValueError(f"num_prefix_tokens must be an int in [0, {q.shape[-2]}], got {num_prefix_tokens!r}")
+    if coords.dim() not in (2, 3) or coords.shape[-2] != q.shape[-2] - num_prefix_tokens:
+        raise ValueError(f"coords must be (M, c) or (B, M, c) with M = {q.shape[-2] - num_prefix_tokens} "
+                         f"(q tokens minus prefix), got {tuple(coords.shape)}")
+    if k is not None:
+        if k.shape[-1] != d or k.shape[0] != q.shape[0]:
+            raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head dim")
+        if k.shape[1] != q.shape[1] and (q.shape[1] % k.shape[1] or f.shape[0] != 1):
+            raise ValueError(f"k has {k.shape[1]} heads, q {q.shape[1]}: grouped keys need a head count dividing "
+                             f"q's and frequencies shared by heads")
+        kc = coords if k_coords is None else k_coords
+        if k_coords is None and k.shape[-2] != q.shape[-2]:
+            raise ValueError(f"q has {q.shape[-2]} tokens and k has {k.shape[-2]}: pass k_coords for the keys")
+        if kc.dim() not in (2, 3) or kc.shape[-2] != k.shape[-2] - num_prefix_tokens or kc.shape[-1] != coords.shape[-1]:
+            raise ValueError(f"k_coords must be (M, c) or (B, M, c) with M = {k.shape[-2] - num_prefix_tokens}, "
+                             f"got {tuple(kc.shape)}")
+    return f
+
+
+def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, *,
+                         k_coords: Tensor | None = None, num_prefix_tokens: int = 0,
+                         pairs: str = "interleaved") -> tuple[Tensor, Tensor | None]:
+    """Rotate q and k by the angles ``theta = r . omega``: the per-token work of every frequency RoPE.
+
+    Args:
+        q: ``(B, Hq, Nq, d)``; any strides (a ``(B, N, H, d)`` tensor transposed is fine).
+        k: ``(B, Hk, Nk, d)`` with ``Hk`` dividing ``Hq`` (grouped keys need shared frequencies), or ``None``.
+        coords: ``(Mq, c)`` shared by the batch or ``(B, Mq, c)`` per example, ``Mq = Nq - num_prefix_tokens``.
+        freqs: ``(c, d/2)`` shared by heads or ``(Hq, c, d/2)`` per head.
+        k_coords: key coordinates ``(Mk, c)`` / ``(B, Mk, c)``, ``Mk = Nk - num_prefix_tokens``; ``None``: keys
+            use ``coords`` (then ``Nk`` must equal ``Nq``).
+        num_prefix_tokens: leading tokens of q and k passed through unrotated.
+        pairs: ``"interleaved"`` (planes ``(x_2n, x_2n+1)``) or ``"half"`` (planes ``(x_n, x_{n+d/2})``).
+
+    Returns:
+        ``(q_out, k_out)`` in the input dtypes and shapes (``k_out`` is ``None`` when ``k`` is); differentiable
+        in q, k, freqs and coords.
+
+    Numerics: angles by elementwise products and sums in float64 (``rope_cos_sin``) -- never a matrix product,
+    so TF32 settings do not round them -- cos/sin and the rotation in float32 (float64 if an input is float64),
+    autocast disabled.
+    On CUDA the fused Triton kernel ``ropekit.kernels.fused_rotary`` runs when it is installed and available
+    for the device (on the CPU only in Triton's interpreter mode, ``TRITON_INTERPRET=1``, for tests); otherwise
+    the PyTorch path below, which is also the reference.
+
+    Raises:
+        ValueError: shapes that do not fit together.
+    """
+    f = _check_rope_args(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
+    kernel = _fused_kernel(q.device) if q.device.type != "cpu" or _interpreting() else None
+    if kernel is not None:
+        return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
+    dtype = torch.float64 if torch.float64 in (q.dtype, coords.dtype, freqs.dtype) else torch.float32
+    table = _angle_table(coords, f, dtype)
+    q_out = _rotate_tokens(q, table, num_prefix_tokens, pairs)
+    if k is None:
+        return q_out, None
+    if k_coords is not None:
+        table = _angle_table(k_coords, f, dtype)
+    return q_out, _rotate_tokens(k, table, num_prefix_tokens, pairs)
+
+
+_KERNELS: list = []  # the imported ropekit.kernels module, or None when absent (looked up once)
+
+
+def _fused_kernel(device: torch.device):
+    """``ropekit.kernels.fused_rotary`` if that optional package is present and usable on ``device``, else None.
+
+    The package is imported lazily (it is merged separately and needs Triton), once; a failing ``available``
+    check falls back to the PyTorch path.
+    """
+    if not _KERNELS:
+        try:
+            from .. import kernels  # noqa: PLC0415 -- optional package
+        except ImportError:
+            kernels = None
+        _KERNELS.append(kernels)
+    kernels = _KERNELS[0]
+    if kernels is None or _is_compiling():
+        return None
+    try:
+        ok = kernels.available(device)
+    except Exception:  # a broken Triton install must not break the PyTorch path
+        return None
+    return kernels.fused_rotary if ok else None
 
 
 def pair_generators(freqs: Tensor) -> Tensor:
@@ -178,7 +476,7 @@ def axial_frequencies(head_dim: int, coord_dim: int, base: float = 10000.0) -> T
     by ``c``) get frequency 0: they are not rotated.
 
     Returns:
-        ``(c, d / 2)`` float32 frequency matrix.
+        ``(c, d / 2)`` float32 frequency matrix, on the CPU (also under a ``torch.device("meta")`` context).
     """
     pairs = head_dim // 2
     per_axis = pairs // coord_dim
@@ -187,8 +485,8 @@ def axial_frequencies(head_dim: int, coord_dim: int, base: float = 10000.0) -> T
             f"axial RoPE needs at least one rotation plane per axis: head_dim={head_dim} gives "
             f"{pairs} planes for coord_dim={coord_dim}; use head_dim >= {2 * coord_dim}"
         )
-    omega = base ** (-2.0 * torch.arange(per_axis, dtype=torch.float64) / (2 * per_axis))
-    freqs = torch.zeros(coord_dim, pairs, dtype=torch.float64)
+    omega = base ** (-2.0 * torch.arange(per_axis, dtype=torch.float64, device="cpu") / (2 * per_axis))
+    freqs = torch.zeros(coord_dim, pairs, dtype=torch.float64, device="cpu")
     for k in range(coord_dim):
         freqs[k, k * per_axis:(k + 1) * per_axis] = omega
     return freqs.float()
@@ -205,21 +503,22 @@ def mixed_frequencies(
     angle ``a`` and the second group is offset by ``pi / 2`` (the authors' initialisation).
 
     Returns:
-        ``(num_heads, c, d / 2)`` float32.
+        ``(num_heads, c, d / 2)`` float32, on the CPU (drawn from the CPU generator, also under a device context).
     """
     pairs = head_dim // 2
     group = math.ceil(pairs / coord_dim)
-    m = torch.arange(pairs, dtype=torch.float64) % group
+    m = torch.arange(pairs, dtype=torch.float64, device="cpu") % group
     mag = base ** (-m / group)  # (P,)
-    owner = torch.arange(pairs) // group  # (P,) which frame axis each pair follows
-    freqs = torch.empty(num_heads, coord_dim, pairs, dtype=torch.float64)
+    owner = torch.arange(pairs, device="cpu") // group  # (P,) which frame axis each pair follows
+    freqs = torch.empty(num_heads, coord_dim, pairs, dtype=torch.float64, device="cpu")
     for h in range(num_heads):
         if coord_dim == 2:
-            a = float(torch.rand((), generator=generator, dtype=torch.float64)) * 2 * math.pi
+            a = float(torch.rand((), generator=generator, dtype=torch.float64, device="cpu")) * 2 * math.pi
             frame = torch.tensor([[math.cos(a), math.cos(a + math.pi / 2)],
-                                  [math.sin(a), math.sin(a + math.pi / 2)]], dtype=torch.float64)
+                                  [math.sin(a), math.sin(a + math.pi / 2)]], dtype=torch.float64,
+                                 device="cpu")
         else:
-            g = torch.randn(coord_dim, coord_dim, generator=generator, dtype=torch.float64)
+            g = torch.randn(coord_dim, coord_dim, generator=generator, dtype=torch.float64, device="cpu")
             frame, _ = torch.linalg.qr(g)  # (c, c) orthonormal columns
         freqs[h] = frame[:, owner] * mag  # (c, P)
     return freqs.float()
@@ -242,6 +541,58 @@ def cayley_transform(s: Tensor) -> Tensor:
     return p
 
 
+def _tf32_round(t: Tensor) -> Tensor:
+    """float32 ``t`` truncated to TF32's 10 explicit mantissa bits (exact in a TF32 product)."""
+    return (t.view(torch.int32) & -8192).view(torch.float32)
+
+
+_mm = torch.matmul  # the product the split form is built from (a test substitutes an emulated TF32 one)
+
+
+def _split_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` from three products whose inputs are exact in TF32: ``ah bh + (al bh + ah bl)``, with
+    ``a = ah + al`` (``al`` below 2^-10 of ``a``); error ~2^-20 relative instead of TF32's ~2^-11."""
+    ah, bh = _tf32_round(a), _tf32_round(b)
+    return _mm(ah, bh) + (_mm(a - ah, bh) + _mm(ah, b - bh))
+
+
+class _PreciseMatmul(torch.autograd.Function):
+    """``a @ b`` (broadcasting) with forward and backward in the split form: independent of TF32 settings."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return _split_matmul(a, b)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        a, b = ctx.saved_tensors
+        mm = _PreciseMatmul.apply if torch.is_grad_enabled() else _split_matmul  # double backward: recorded
+        ga = gb = None
+        if ctx.needs_input_grad[0]:
+            ga = _reduce_to(mm(g, b.transpose(-1, -2)), a.shape)
+        if ctx.needs_input_grad[1]:
+            gb = _reduce_to(mm(a.transpose(-1, -2), g), b.shape)
+        return ga, gb
+
+
+def _tf32_matmuls() -> bool:
+    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+
+
+def precise_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.matmul(a, b)`` that stays float32-accurate where float32 products run in TF32.
+
+    On CUDA with TF32 enabled (``torch.backends.cuda.matmul.allow_tf32`` or a float32 matmul precision other
+    than ``"highest"``), a float32 product rounds its inputs to 10 mantissa bits (~1e-3 relative); there it is
+    computed from three TF32-exact products (``_split_matmul``), forward and backward. Elsewhere it is
+    ``torch.matmul``.
+    """
+    if a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32 and _tf32_matmuls():
+        return _PreciseMatmul.apply(a, b)
+    return torch.matmul(a, b)
+
+
 def basis_change(x: Tensor, p: Tensor) -> Tensor:
     """``P x`` for every token: ``y_i = sum_j p[h, i, j] x_j``.
 
@@ -251,11 +602,11 @@ def basis_change(x: Tensor, p: Tensor) -> Tensor:
 
     Returns:
         ``(B, H, M, d)``. One GEMM over all tokens when ``P`` is shared by the heads (its gradient is then
-        one GEMM too), a batched GEMM per head otherwise.
+        one GEMM too), a batched GEMM per head otherwise; float32-accurate also under TF32 (``precise_matmul``).
     """
     if p.shape[0] == 1:
-        return torch.matmul(x, p[0].transpose(0, 1))  # (B, H, M, d) @ (d, d)
-    return torch.matmul(x, p.transpose(-1, -2))  # (B, H, M, d) @ (H, d, d)
+        return precise_matmul(x, p[0].transpose(0, 1))  # (B, H, M, d) @ (d, d)
+    return precise_matmul(x, p.transpose(-1, -2))  # (B, H, M, d) @ (H, d, d)
 
 
 # ----------------------------------------------------------------------------- per-block matrices
@@ -310,12 +661,13 @@ def _block_outer_sum(g: Tensor, x: Tensor, eshape: Sequence[int]) -> Tensor:
         xm = xv.permute(1, 3, 0, 2, 4).reshape(he, m, bsz * hr, d)  # (He, M, R, d)
         full = torch.matmul(gm, xm).unsqueeze(0)  # (1, He, M, d, d)
     elif he == 1:  # per-example coordinates, shared by heads: one strided batched product per example
-        out = g.new_empty(bsz, m * nb, b, b)
+        # (no ``out=``: it would break double backward, where these products are recorded by autograd)
+        per_example = []
         for i in range(bsz):
             gi = g[i].reshape(h, m * nb, b).permute(1, 2, 0)  # (M*nb, b, H)
             xi = x[i].reshape(h, m * nb, b).permute(1, 0, 2)  # (M*nb, H, b)
-            torch.bmm(gi, xi, out=out[i])
-        return out.view(bsz, 1, m, nb, b, b)
+            per_example.append(torch.bmm(gi, xi))
+        return torch.stack(per_example).view(bsz, 1, m, nb, b, b)
     else:
         gm = gv.permute(0, 1, 3, 4, 2).contiguous()  # (B, He, M, d, Hr)
         xm = xv.permute(0, 1, 3, 2, 4).contiguous()  # (B, He, M, Hr, d)

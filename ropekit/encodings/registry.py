@@ -17,6 +17,9 @@ from .tensor import TensorSTRING
 
 __all__ = ["PE_REGISTRY", "PAPER_PRESETS", "create_pe", "list_pes"]
 
+#: options every encoding accepts (``PositionEncoding.set_conventions``): tensor layout and pair convention
+_CONVENTIONS = ("layout", "pairs")
+
 PE_REGISTRY: dict[str, type[PositionEncoding]] = {
     "none": NoPE,
     "axial": AxialRoPE,
@@ -60,7 +63,8 @@ def pe_options(name: str) -> list[str]:
     """Keyword options accepted by the encoding ``name`` (besides head_dim, coord_dim, num_heads)."""
     cls = _lookup(name)
     params = inspect.signature(cls.__init__).parameters
-    return [p for p in params if p not in ("self", "head_dim", "coord_dim", "num_heads")]
+    own = [p for p in params if p not in ("self", "head_dim", "coord_dim", "num_heads")]
+    return own + [p for p in _CONVENTIONS if p not in own]
 
 
 def _key(name: str) -> str:
@@ -88,7 +92,9 @@ def create_pe(name: str, *, head_dim: int, coord_dim: int, num_heads: int = 1, p
         **options: encoding options, e.g. ``per_head`` (parameters per head instead of shared by heads),
             ``block_size`` (circulant, liere, comrope-*), ``base`` (rotation base / frequency scale),
             ``init_scale`` (liere), ``init`` (comrope: "rope" or "zero"), ``exact`` and ``active_planes``
-            (relaxed), ``band`` (cayley), ``num_features`` (tensor), ``learnable_freqs`` (axial).
+            (relaxed), ``band`` (cayley), ``num_features`` (tensor), ``learnable_freqs`` (axial); and for every
+            encoding ``layout`` (``"bhnd"`` default, or ``"bnhd"``) and ``pairs`` (``"interleaved"`` default, or
+            ``"half"`` for HF / Llama ``rotate_half`` checkpoints).
         preset: ``None`` (ropekit's defaults) or ``"paper"``: the options each encoding's paper trained with
             (``PAPER_PRESETS``; see docs/presets-encodings.md); explicit ``options`` override the preset.
 
@@ -104,4 +110,8 @@ def create_pe(name: str, *, head_dim: int, coord_dim: int, num_heads: int = 1, p
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"{name}: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(allowed)}")
-    return cls(head_dim, coord_dim, num_heads, **options)
+    conventions = {key: options.pop(key) for key in _CONVENTIONS if key in options}
+    own = inspect.signature(cls.__init__).parameters
+    passed = {key: value for key, value in conventions.items() if key in own}
+    pe = cls(head_dim, coord_dim, num_heads, **options, **passed)
+    return pe.set_conventions(**{key: value for key, value in conventions.items() if key not in own})

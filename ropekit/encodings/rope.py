@@ -8,12 +8,14 @@ Fast path: cos/sin tables in real arithmetic, computed once per forward and shar
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import axial_frequencies, mixed_frequencies, pair_generators, rope_angles, rotate_pairs
+from .functional import (_angle_table, _fused_kernel, _interpreting, axial_frequencies, frequency_angles, mixed_frequencies, pair_generators,
+                         rope_cos_sin, rotate_angles)
 
 __all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute"]
 
@@ -22,9 +24,13 @@ class NoPE(PositionEncoding):
     """The identity: no position information (``name="none"``)."""
 
     name = "none"
+    _native_half_pairs = True
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> None:
         return None
+
+    def reset_parameters(self) -> None:
+        """Nothing to reset: the identity has no parameters."""
 
     def _transform(self, x: Tensor, state: None) -> Tensor:
         return x
@@ -39,11 +45,28 @@ class NoPE(PositionEncoding):
         return eye, torch.zeros(self.num_heads, self.coord_dim, self.head_dim // 2, dtype=dtype)
 
 
+class _KernelState(NamedTuple):
+    """Prepared data when the fused rotation kernel runs: the coordinates and frequencies themselves."""
+
+    coords: Tensor  # (M, c) or (B, M, c)
+    freqs: Tensor  # (Hp, c, P)
+
+
 class FrequencyRoPE(PositionEncoding):
     """RoPE with a frequency matrix ``freqs`` of shape ``(Hp, c, d/2)``; subclasses choose how it is stored.
 
-    Subclasses provide the property ``freqs``.
+    Subclasses provide the property ``freqs``. The prepared data are ``(theta, cos, sin)`` (``(cos, sin)``,
+    differentiable, for a subclass that overrides ``_transform``), each
+    ``(1 | B, Hp, M, d/2)``: the angles in float64 (elementwise products, never a TF32-rounded matmul; exact at
+    any coordinate scale) and their cos/sin in the compute dtype -- or, where the fused rotation kernel of
+    ``ropekit.kernels`` runs (CUDA), the coordinates and frequencies it needs; both pair conventions
+    are handled natively (by subclasses that keep this class's ``_transform``; one that overrides it, e.g.
+    with a basis change, gets the base class's permutation instead).
     """
+
+    @property
+    def _native_half_pairs(self) -> bool:  # type: ignore[override]
+        return type(self)._transform is FrequencyRoPE._transform
 
     @property
     def freqs(self) -> Tensor:  # (Hp, c, P)
@@ -56,17 +79,21 @@ class FrequencyRoPE(PositionEncoding):
         """
         dtype = torch.float64 if coords.dtype == torch.float64 else torch.float32
         with torch.autocast(device_type=coords.device.type, enabled=False):
-            return rope_angles(coords.to(dtype), self.freqs.to(dtype))
+            return frequency_angles(coords.to(dtype), self.freqs.to(dtype))
 
-    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        theta = rope_angles(coords, self.freqs.to(dtype))
-        if theta.dim() == 3:
-            theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
-        return torch.cos(theta), torch.sin(theta)
+    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
+            return rope_cos_sin(coords, self.freqs, dtype)
+        if (coords.device.type != "cpu" or _interpreting()) and _fused_kernel(coords.device) is not None:
+            return _KernelState(coords, self.freqs)  # the fused kernel forms the angles itself
+        return _angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
 
-    def _transform(self, x: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
-        cos, sin = state
-        return rotate_pairs(x, cos, sin)
+    def _transform(self, x: Tensor, state) -> Tensor:
+        if isinstance(state, _KernelState):
+            freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, P) shared or (H, c, P)
+            return _fused_kernel(x.device)(x, None, state.coords, freqs, pairs=self.pairs)[0]
+        theta, cos, sin = state
+        return rotate_angles(x, theta, cos, sin, self.pairs)
 
     def generators(self) -> Tensor:
         gen = pair_generators(self.freqs)  # (Hp, c, d, d)
@@ -75,9 +102,10 @@ class FrequencyRoPE(PositionEncoding):
     def to_rope(self) -> tuple[Tensor, Tensor]:
         """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: ``P = I`` (already RoPE).
 
-        Returns ``P`` ``(H, d, d)`` and ``freqs`` ``(H, c, d/2)``, detached.
+        Returns ``P`` ``(H, d, d)`` and ``freqs`` ``(H, c, d/2)``, differentiable in the frequencies (a view of
+        the parameter), so training through the RoPE form updates them.
         """
-        f = self.freqs.detach()
+        f = self.freqs
         eye = torch.eye(self.head_dim, dtype=f.dtype, device=f.device).expand(self.num_heads, -1, -1)
         return eye, f.expand(self.num_heads, -1, -1)
 
@@ -95,20 +123,34 @@ class AxialRoPE(FrequencyRoPE):
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 10000.0,
                  learnable_freqs: bool = False, per_head: bool = False) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head and learnable_freqs)
-        init = axial_frequencies(head_dim, coord_dim, base).unsqueeze(0).repeat(self.param_heads, 1, 1)
         self.base = base
+        shape = (self.param_heads, coord_dim, head_dim // 2)
         if learnable_freqs:
-            self.freq_param = nn.Parameter(init)
+            self.freq_param = nn.Parameter(torch.empty(shape))
         else:
-            self.register_buffer("freq_table", init, persistent=False)
-
-    def _init_weights(self) -> None:
-        if not self.freqs.is_meta:  # also refills the (non-persistent) table after ``to_empty``
-            self.freqs.copy_(axial_frequencies(self.head_dim, self.coord_dim, self.base))
+            self.register_buffer("freq_table", torch.empty(shape), persistent=False)
+        self._reset_axial()
 
     @property
     def freqs(self) -> Tensor:
         return self.freq_param if hasattr(self, "freq_param") else self.freq_table
+
+    def _reset_axial(self) -> None:
+        target = self.freqs
+        if target.device.type != "meta":
+            init = axial_frequencies(self.head_dim, self.coord_dim, self.base)  # (c, P), CPU
+            with torch.no_grad():
+                target.copy_(init.unsqueeze(0).expand_as(target))
+
+    def _init_weights(self) -> None:
+        """Back to the axial frequencies (learnable or not)."""
+        self._reset_axial()
+
+    def _apply(self, fn, recurse=True):  # device / dtype moves, to_empty: the fixed table is recomputed exactly
+        out = super()._apply(fn, recurse)
+        if not hasattr(self, "freq_param"):
+            self._reset_axial()
+        return out
 
 
 class MixedRoPE(FrequencyRoPE):
@@ -123,7 +165,7 @@ class MixedRoPE(FrequencyRoPE):
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 100.0,
                  per_head: bool = False, freqs: Tensor | None = None) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
-        self.base, self._given_freqs = base, None
+        self.base = base
         if freqs is not None:
             freqs = torch.as_tensor(freqs, dtype=torch.float32, device="cpu")
             if freqs.dim() == 2:
@@ -131,20 +173,26 @@ class MixedRoPE(FrequencyRoPE):
             if freqs.shape != (self.param_heads, coord_dim, head_dim // 2):
                 raise ValueError(f"freqs must have shape ({self.param_heads}, {coord_dim}, {head_dim // 2}) or "
                                  f"({coord_dim}, {head_dim // 2}), got {tuple(freqs.shape)}")
-            self._given_freqs = freqs.clone()
+            freqs = freqs.clone()
+        self._given_freqs = freqs  # the initial value reset_parameters returns to (None: a random draw)
         self.freq_param = nn.Parameter(torch.empty(self.param_heads, coord_dim, head_dim // 2))
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        if not self.freq_param.is_meta:
-            with torch.no_grad():
-                init = self._given_freqs if self._given_freqs is not None else \
-                    mixed_frequencies(self.head_dim, self.coord_dim, self.param_heads, self.base)
-                self.freq_param.copy_(init)
+        self._reset_mixed()
 
     @property
     def freqs(self) -> Tensor:
         return self.freq_param
+
+    def _reset_mixed(self) -> None:
+        init = self._given_freqs
+        if init is None:  # drawn on the CPU generator, also when the parameter lives on another device
+            init = mixed_frequencies(self.head_dim, self.coord_dim, self.param_heads, self.base)
+        if self.freq_param.device.type != "meta":
+            with torch.no_grad():
+                self.freq_param.copy_(init)
+
+    def _init_weights(self) -> None:
+        """Re-draw the initial frequencies (or restore the ``freqs`` given to the constructor)."""
+        self._reset_mixed()
 
 
 class LieRECommute(FrequencyRoPE):
@@ -165,10 +213,11 @@ class LieRECommute(FrequencyRoPE):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        p = self.generator_params
-        if not p.is_meta:
+        """Re-draw the raw parameters uniformly in ``[0, init_scale)`` (CPU generator)."""
+        init = torch.rand(self.generator_params.shape, device="cpu") * self.init_scale
+        if self.generator_params.device.type != "meta":
             with torch.no_grad():
-                p.copy_(torch.rand(p.shape) * self.init_scale)
+                self.generator_params.copy_(init)
 
     @property
     def freqs(self) -> Tensor:

@@ -3,27 +3,53 @@
 Shape legend: ``B`` batch, ``N`` tokens (``P0`` prefix tokens first, then ``M = N - P0`` tokens with
 coordinates), ``D`` width, ``H`` heads, ``d = D / H`` head dimension, ``d'`` the encoded q/k width
 (``pe.out_dim``; ``d`` for every rotation, ``2m * d`` for the tensor-product encoding), ``c`` coordinate
-dimension.
+dimension, ``Hp`` heads that own encoding parameters (1 or ``H``).
+
+Training-time folding. Every commuting encoding is RoPE in a learned basis: ``R(r) = RoPE_freqs(r) P`` up to a
+rotation that attention never sees. Since ``q = W_q x``, applying ``P`` to every query equals using the weight
+``P W_q``; so with ``fold=True`` (the default) the layer merges ``P`` into the q and k rows of its ``qkv``
+weight and bias once per forward pass -- one ``d x d`` by ``d x D`` product per head, differentiable in ``P``
+and in the weight -- and then only rotates each token by its frequency angles, which is what plain RoPE costs.
+Logits and gradients are those of the unfolded layer up to float rounding. Encodings that do not commute
+(LieRE with ``c >= 2``, relaxed STRING, the tensor-product encoding) always take the unfolded path.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..encodings import PositionEncoding
+from ..fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rope_form
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "PreparedPE"]
+
+
+class PreparedPE(NamedTuple):
+    """What an attention layer needs from its encoding for one forward pass, computed by
+    :meth:`Attention.prepare` -- once per model forward for an encoding shared by several layers.
+
+    Attributes:
+        kind: ``"fold"`` (``value`` is a :class:`ropekit.fold.RoPEForm`) or ``"prepared"`` (``value`` is the
+            encoding's own ``prepare`` state, a ``ropekit.encodings.PEState``).
+        pe: the encoding the state belongs to (a state is only used by layers holding this very module).
+        value: see ``kind``.
+    """
+
+    kind: str
+    pe: PositionEncoding
+    value: Any
 
 
 class Attention(nn.Module):
     """Self-attention with any ``PositionEncoding`` applied to queries and keys.
 
-    The layer never inspects which encoding it has: it calls ``pe(q, k, coords, num_prefix_tokens)`` and
-    ``F.scaled_dot_product_attention`` with the scale ``1 / sqrt(head_dim)`` fixed explicitly (the
-    tensor-product encoding widens q and k but keeps the logit ``q^T k * phi^T phi``, so SDPA's default
+    The layer never inspects which encoding it has: it asks the encoding for its state (or its RoPE form, when
+    folding) and calls ``F.scaled_dot_product_attention`` with the scale ``1 / sqrt(head_dim)`` fixed explicitly
+    (the tensor-product encoding widens q and k but keeps the logit ``q^T k * phi^T phi``, so SDPA's default
     ``1 / sqrt(out_dim)`` would be wrong).
 
     Args:
@@ -33,10 +59,13 @@ class Attention(nn.Module):
             A module shared by several layers is simply passed to each of them.
         qkv_bias: bias of the fused q/k/v projection.
         attn_drop, proj_drop: dropout on the attention weights and on the output.
+        fold: merge a commuting encoding's basis into the q/k projection (see the module docstring); ``False``
+            applies the encoding to every token as ``pe(q, k, coords)`` does. Ignored for encodings that
+            cannot be folded.
     """
 
     def __init__(self, dim: int, num_heads: int, pe: Optional[PositionEncoding] = None, *, qkv_bias: bool = True,
-                 attn_drop: float = 0.0, proj_drop: float = 0.0) -> None:
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, fold: bool = True) -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"width {dim} is not divisible by num_heads={num_heads}")
@@ -48,30 +77,81 @@ class Attention(nn.Module):
                              f"this attention has head_dim={self.head_dim}, num_heads={num_heads}")
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.pe = pe
+        self.fold = bool(fold)
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: Tensor, coords: Optional[Tensor] = None, num_prefix_tokens: int = 0) -> Tensor:
+    @property
+    def folds(self) -> bool:
+        """Whether the forward pass folds the encoding's basis into the projection (``fold`` and foldable)."""
+        return self.fold and self.pe is not None and foldable_kind(self.pe) is not None
+
+    def prepare(self, coords: Tensor, num_prefix_tokens: int = 0,
+                dtype: Optional[torch.dtype] = None) -> Optional[PreparedPE]:
+        """The encoding's per-forward state: everything that depends on its parameters and the coordinates but
+        not on the tokens. Pass it to every layer that holds the same encoding (``forward(..., pe_state=)``).
+
+        Args:
+            coords, num_prefix_tokens: as :meth:`forward`.
+            dtype: the tokens' dtype (float64 tokens get a float64 state; anything else float32).
+
+        Returns ``None`` without an encoding.
+        """
+        pe = self.pe
+        if pe is None:
+            return None
+        if self.folds:
+            return PreparedPE("fold", pe, rope_form(pe))
+        wide = dtype == torch.float64 or coords.dtype == torch.float64 or pe._param_dtype() == torch.float64
+        return PreparedPE("prepared", pe, pe.prepare(coords, num_prefix_tokens,
+                                                     dtype=torch.float64 if wide else torch.float32))
+
+    def forward(self, x: Tensor, coords: Optional[Tensor] = None, num_prefix_tokens: int = 0,
+                pe_state: Optional[PreparedPE] = None) -> Tensor:
         """Args:
             x: ``(B, N, D)``.
             coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example; ignored without an encoding.
             num_prefix_tokens: ``P0`` leading tokens that the encoding leaves unrotated.
+            pe_state: this layer's encoding state from :meth:`prepare` (computed here when ``None``).
 
         Returns:
             ``(B, N, D)``.
         """
         b, n, dim = x.shape
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, d)
+        pe = self.pe
+        if pe is not None and coords is None:
+            raise ValueError("this attention layer has a position encoding: pass coords")
+        state = None
+        if pe is not None:
+            state = pe_state if pe_state is not None and pe_state.pe is pe else \
+                self.prepare(coords, num_prefix_tokens, x.dtype)
+        if state is not None and state.kind == "fold" and state.value.basis is not None:
+            weight, bias = fold_qkv_weight(self.qkv.weight, self.qkv.bias, state.value.basis, self.num_heads)
+            qkv = F.linear(x, weight, bias)  # (B, N, 3D), q and k already in the encoding's basis
+        else:
+            qkv = self.qkv(x)  # (B, N, 3D)
+        qkv = qkv.reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, d)
         q, k, v = qkv.unbind(0)  # (B, H, N, d) each
-        if self.pe is not None:
-            if coords is None:
-                raise ValueError("this attention layer has a position encoding: pass coords")
-            q, k = self.pe(q, k, coords, num_prefix_tokens)  # (B, H, N, d') each
+        if state is not None:
+            if state.kind == "fold":
+                form: RoPEForm = state.value
+                q, k = frequency_rope(q, k, coords, form, num_prefix_tokens)  # (B, H, N, d)
+            elif getattr(pe, "layout", "bhnd") == "bnhd":  # the encoding takes (B, N, H, d) views
+                q, k = pe.apply(q.transpose(1, 2), k.transpose(1, 2), state.value)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, N, d') each
+            else:
+                q, k = pe.apply(q, k, state.value)  # (B, H, N, d') each
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0,
                                              scale=self.scale)  # (B, H, N, d)
         out = out.transpose(1, 2).reshape(b, n, dim)  # (B, N, D)
         return self.proj_drop(self.proj(out))
 
+    def no_weight_decay(self) -> set:
+        """Names (relative to this layer, as in ``named_parameters()``) of its encoding's learnable parameters."""
+        if self.pe is None:
+            return set()
+        return {f"pe.{name}" for name in self.pe.no_weight_decay()}
+
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, head_dim={self.head_dim}"
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, fold={self.fold}"

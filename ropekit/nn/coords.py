@@ -1,4 +1,4 @@
-"""Token coordinates: patch-grid centres, position jitter, centroids (SPEC §4).
+"""Token coordinates: patch-grid centres, position jitter, centroids.
 
 Shape legend: ``B`` batch, ``M`` tokens with a coordinate, ``c`` coordinate dimension, ``g_i`` the patch grid
 along axis ``i`` (``(gh, gw)`` for images, ``(gt, gh, gw)`` for video).

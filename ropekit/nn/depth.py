@@ -1,4 +1,4 @@
-"""ViTD depth lifting: each patch's third coordinate from the mean *valid* depth under it (SPEC §4).
+"""ViTD depth lifting: each patch's third coordinate from the mean *valid* depth under it.
 
 Shape legend: ``B`` batch, ``H, W`` pixels, ``p`` patch size, ``(gh, gw)`` patch grid, ``M = gh * gw``.
 
@@ -53,8 +53,15 @@ class DepthLift(nn.Module):
 
     def __init__(self, scale_init: float = 1.0) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.tensor(float(scale_init)))
+        self.scale_init = float(scale_init)
+        self.scale = nn.Parameter(torch.tensor(self.scale_init))
         self.bias = nn.Parameter(torch.zeros(()))
+
+    def reset_parameters(self) -> None:
+        """``scale = scale_init``, ``bias = 0``."""
+        with torch.no_grad():
+            self.scale.fill_(self.scale_init)
+            self.bias.zero_()
 
     def forward(self, depth: Tensor, patch_size: int) -> Tensor:
         """``(B, H, W) -> (B, M)`` z coordinates."""

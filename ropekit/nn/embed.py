@@ -27,6 +27,13 @@ class PatchEmbed(nn.Module):
         self.patch_size = int(patch_size)
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=self.patch_size, stride=self.patch_size)
 
+    def reset_parameters(self) -> None:
+        """Xavier-uniform weight (as a ``D x (C p p)`` matrix, as MAE and timm's "jax" scheme) and PyTorch's
+        default bias."""
+        self.proj.reset_parameters()
+        w = self.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+
     def forward(self, x: Tensor) -> Tuple[Tensor, Tuple[int, int]]:
         """``(B, C, H, W) -> ((B, M, D), (gh, gw))``."""
         if x.dim() != 4:
@@ -51,6 +58,13 @@ class TubeletEmbed(nn.Module):
         k = (self.tubelet_size, self.patch_size, self.patch_size)
         self.proj = nn.Conv3d(in_chans, dim, kernel_size=k, stride=k)
 
+    def reset_parameters(self) -> None:
+        """Xavier-uniform weight (as a ``D x (C p p)`` matrix, as MAE and timm's "jax" scheme) and PyTorch's
+        default bias."""
+        self.proj.reset_parameters()
+        w = self.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+
     def forward(self, x: Tensor) -> Tuple[Tensor, Tuple[int, int, int]]:
         """``(B, C, T, H, W) -> ((B, M, D), (gt, gh, gw))``."""
         if x.dim() != 5:
@@ -71,6 +85,10 @@ class LearnedPosEmbed(nn.Module):
         super().__init__()
         self.grid = tuple(int(g) for g in grid)
         self.table = nn.Parameter(torch.zeros(1, dim, *self.grid))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Truncated normal, standard deviation 0.02 (as ViT / timm)."""
         nn.init.trunc_normal_(self.table, std=0.02)
 
     def forward(self, grid: Sequence[int]) -> Tensor:

@@ -27,12 +27,12 @@ import torch
 from torch import Tensor, nn
 
 from ..encodings import PositionEncoding, create_pe, list_pes
-from .attention import Attention
+from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
 from .depth import DepthLift, valid_depth_mask
 from .embed import LearnedPosEmbed, PatchEmbed, SinCosPosEmbed, TubeletEmbed
 
-__all__ = ["ViTConfig", "VIT_SIZES", "ABSOLUTE_PES", "vit_config", "VisionTransformer", "Block", "Mlp", "DropPath"]
+__all__ = ["ViTConfig", "VIT_SIZES", "ABSOLUTE_PES", "PAPER_SHARING", "vit_config", "VisionTransformer", "Block", "Mlp", "DropPath"]
 
 #: Width, depth, heads and MLP ratio of the named sizes. ``tiny`` is sized for CPU training (head_dim 48:
 #: a multiple of 6, so every encoding splits evenly over 2 or 3 axes, and 6 blocks of 8 for ComRoPE-AP);
@@ -48,7 +48,20 @@ ABSOLUTE_PES = {"absolute": "learned", "sincos": "sincos"}
 
 MODALITIES = ("image", "rgbd", "video")
 CLS_MODES = ("none", "unrotated", "centroid")
-SHARING = ("model", "layer", "head")
+SHARING = ("auto", "model", "layer", "head")
+
+#: How each encoding's parameters are shared when ``pe_sharing="auto"``: as its authors trained it.
+#: ``"model"``: one set for every layer and head; ``"layer"``: one set per layer, shared by its heads;
+#: ``"head"``: one set per layer and per head. RoPE-Mixed learns its frequencies per layer and head (Heo et
+#: al.); LieRE and LieRE-Commute keep one set for the whole model (LieRE's authors found it best); the STRING
+#: family (cayley, circulant, general and relaxed STRING, the tensor product) has one set per layer, shared by
+#: the heads (STRING's authors found sharing across heads slightly better). ComRoPE and axial RoPE (whose
+#: frequencies are fixed unless ``learnable_freqs``) keep one set for the model. See docs/presets.md.
+PAPER_SHARING: Dict[str, str] = {
+    "axial": "model", "mixed": "head", "liere": "model", "liere-commute": "model", "cayley": "layer",
+    "circulant": "layer", "string": "layer", "relaxed": "layer", "tensor": "layer", "comrope-ap": "model",
+    "comrope-ld": "model", "none": "model",
+}
 APE_KINDS = ("none", "learned", "sincos")
 DEPTH_INPUTS = ("auto", "coord", "channel", "ignore")
 
@@ -71,9 +84,16 @@ class ViTConfig:
             comrope-ap, comrope-ld, relaxed``), or ``"absolute"`` (learned APE, no rotary encoding) or
             ``"sincos"`` (fixed 2-D/3-D sinusoidal APE, no rotary encoding).
         pe_options: keyword options of the encoding (``ropekit.pe_options(pe)``), e.g. ``{"block_size": 8}``.
-        pe_sharing: ``"model"`` (one encoding module reused by every layer), ``"layer"`` (one per layer) or
-            ``"head"`` (one per layer with parameters per head; same as ``"layer"`` + ``per_head=True``).
+        pe_sharing: ``"auto"`` (as the encoding's paper trained it, see ``PAPER_SHARING``: mixed per layer and
+            head, liere one set for the model, the STRING family per layer shared by heads), ``"model"`` (one
+            encoding module reused by every layer), ``"layer"`` (one per layer) or ``"head"`` (one per layer with
+            parameters per head; same as ``"layer"`` + ``per_head=True``).
         per_head: separate encoding parameters per head.
+        pe_fold_train: for commuting encodings (all but liere with ``c >= 2``, relaxed and tensor), merge the
+            encoding's learned basis into the attention's q/k projection at every forward pass and rotate the
+            tokens by plain RoPE (same logits and gradients, RoPE's per-token cost); ``False`` applies the
+            encoding to every token. ComRoPE with ``init="zero"`` always takes the exact per-token path (its
+            block eigenbases are degenerate at zero, where the folded basis gradient is not the exact one).
         ape: absolute embedding added to the patch embeddings besides the rotary one (``"none"``,
             ``"learned"``, ``"sincos"``).
         cls: ``"none"`` (mean pooling over patch tokens -- a commuting encoding then makes the model exactly
@@ -106,8 +126,9 @@ class ViTConfig:
     drop_path_rate: float = 0.0
     pe: str = "cayley"
     pe_options: Dict[str, Any] = field(default_factory=dict)
-    pe_sharing: str = "model"
+    pe_sharing: str = "auto"
     per_head: bool = False
+    pe_fold_train: bool = True
     ape: str = "none"
     cls: str = "none"
     coords: str = "grid"
@@ -181,7 +202,11 @@ class ViTConfig:
                                    "pe": self.pe.lower().replace("_", "-")}
         if self.modality == "rgbd":
             changes["depth_input"] = self.resolved_depth_input
-        if self.pe_sharing == "head":
+        sharing = self.pe_sharing
+        if sharing == "auto":
+            sharing = PAPER_SHARING.get(self.rotary or "none", "model")
+            changes["pe_sharing"] = sharing
+        if sharing == "head":
             changes["per_head"] = True
         return dataclasses.replace(self, **changes)
 
@@ -240,17 +265,29 @@ class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x)) ; x + mlp(norm(x))``."""
 
     def __init__(self, dim: int, num_heads: int, pe: Optional[PositionEncoding], mlp_ratio: float = 4.0,
-                 qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0) -> None:
+                 qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
+                 fold: bool = True) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads, pe, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
+        self.attn = Attention(dim, num_heads, pe, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop, fold=fold)
         self.drop_path = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
 
-    def forward(self, x: Tensor, coords: Optional[Tensor], num_prefix_tokens: int = 0) -> Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x), coords, num_prefix_tokens))
+    def forward(self, x: Tensor, coords: Optional[Tensor], num_prefix_tokens: int = 0,
+                pe_state: Optional[PreparedPE] = None) -> Tensor:
+        """``(B, N, D) -> (B, N, D)``; ``pe_state`` as :meth:`Attention.forward`."""
+        x = x + self.drop_path(self.attn(self.norm1(x), coords, num_prefix_tokens, pe_state))
         return x + self.drop_path(self.mlp(self.norm2(x)))
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the norms and linear layers (PyTorch's defaults; the ViT applies its own scheme after)."""
+        for m in (self.norm1, self.attn.qkv, self.attn.proj, self.norm2, self.mlp.fc1, self.mlp.fc2):
+            m.reset_parameters()
+
+    def no_weight_decay(self) -> set:
+        """Names (relative to this block) of its encoding's learnable parameters."""
+        return {f"attn.{n}" for n in self.attn.no_weight_decay()}
 
 
 def build_encodings(cfg: ViTConfig, coord_dim: int) -> List[Optional[PositionEncoding]]:
@@ -259,13 +296,14 @@ def build_encodings(cfg: ViTConfig, coord_dim: int) -> List[Optional[PositionEnc
     if name is None:
         return [None] * cfg.depth
     options = dict(cfg.pe_options)
-    if cfg.per_head or cfg.pe_sharing == "head":
+    sharing = cfg.pe_sharing if cfg.pe_sharing != "auto" else PAPER_SHARING.get(name, "model")
+    if cfg.per_head or sharing == "head":
         options["per_head"] = True
 
     def make() -> PositionEncoding:
         return create_pe(name, head_dim=cfg.head_dim, coord_dim=coord_dim, num_heads=cfg.num_heads, **options)
 
-    if cfg.pe_sharing == "model":
+    if sharing == "model":
         pe = make()
         return [pe] * cfg.depth
     return [make() for _ in range(cfg.depth)]
@@ -302,14 +340,18 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if self.num_prefix_tokens else None
 
         encodings = build_encodings(cfg, self.coord_dim)
-        dpr = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        # ComRoPE from zero: at K = 0 every block's eigenbasis is degenerate, and the folded form's basis gradient
+        # (an eigenvector derivative) cannot reproduce the exact one there, so such a model keeps the exact path
+        fold = cfg.pe_fold_train and not (cfg.rotary in ("comrope-ap", "comrope-ld")
+                                          and cfg.pe_options.get("init") == "zero")
+        dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]  # no tensor: meta-safe
         self.blocks = nn.ModuleList([
             Block(dim, cfg.num_heads, encodings[i], cfg.mlp_ratio, cfg.qkv_bias, cfg.drop_rate, cfg.attn_drop_rate,
-                  dpr[i]) for i in range(cfg.depth)
+                  dpr[i], fold=fold) for i in range(cfg.depth)
         ])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
-        self._init_weights()
+        self._reset_own_parameters()
 
     # ------------------------------------------------------------------ construction helpers
     def _train_grid(self) -> Tuple[int, ...]:
@@ -324,11 +366,38 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"image_size {cfg.image_size} is smaller than the patch size {cfg.patch_size}")
         return grid
 
-    def _init_weights(self) -> None:
-        """Xavier-uniform linear layers (q, k and v each as its own ``D x D`` matrix) and patch embedding, as MAE
-        and timm's "jax" scheme do; zero biases; a small normal head. (The common ``trunc_normal(0.02)`` makes
-        q^T k tiny in narrow models, so attention -- the only place positions enter -- stays uniform for hundreds
-        of steps: on MNIST with the tiny model it learned ~3x slower.)"""
+    def reset_parameters(self) -> None:
+        """Initialise every parameter, in a fixed order, from the current random state.
+
+        Linear layers xavier-uniform (q, k and v each as its own ``D x D`` matrix) and the patch embedding, as MAE
+        and timm's "jax" scheme do; zero biases; a small normal head; norms at ones/zeros; the CLS token and a
+        learned absolute table normal(0.02); the depth lift at its ``depth_scale_init``; each encoding by its own
+        ``reset_parameters()`` (which also rebuilds derived buffers). (The common ``trunc_normal(0.02)`` for
+        linear layers makes q^T k tiny in narrow models, so attention -- the only place positions enter -- stays
+        uniform for hundreds of steps: on MNIST with the tiny model it learned ~3x slower.)
+
+        A model built on the meta device, then ``to_empty(device=...)``, then ``reset_parameters()`` equals an
+        eager build re-initialised from the same seed: ``torch.manual_seed(s); model.reset_parameters()``.
+
+        Raises:
+            NotImplementedError: from an encoding that cannot re-initialise itself.
+        """
+        for pe in self.encodings:
+            pe.reset_parameters()
+        self._reset_own_parameters()
+
+    def _reset_own_parameters(self) -> None:
+        """Everything but the encodings (which initialise themselves when built): see :meth:`reset_parameters`."""
+        self.patch_embed.reset_parameters()
+        if self.depth_lift is not None:
+            self.depth_lift.reset_parameters()
+        if self.ape is not None and hasattr(self.ape, "reset_parameters"):
+            self.ape.reset_parameters()
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=0.02)
+        for blk in self.blocks:
+            blk.reset_parameters()
+        self.norm.reset_parameters()
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
                 if name.endswith("attn.qkv"):
@@ -340,10 +409,6 @@ class VisionTransformer(nn.Module):
                     nn.init.xavier_uniform_(m.weight)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-        w = self.patch_embed.proj.weight
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-        if self.cls_token is not None:
-            nn.init.normal_(self.cls_token, std=0.02)
 
     @property
     def encodings(self) -> List[PositionEncoding]:
@@ -431,9 +496,25 @@ class VisionTransformer(nn.Module):
     def forward_features(self, x: Tensor, coord_offset: Optional[Tensor] = None) -> Tensor:
         """All normalised tokens ``(B, N, D)`` (CLS first when there is one)."""
         tokens, coords, num_prefix = self.embed(x, coord_offset)
+        states = self.prepare_encodings(coords, num_prefix, tokens.dtype)
         for blk in self.blocks:
-            tokens = blk(tokens, coords, num_prefix)
+            pe = blk.attn.pe
+            tokens = blk(tokens, coords, num_prefix, states.get(id(pe)) if pe is not None else None)
         return self.norm(tokens)
+
+    def prepare_encodings(self, coords: Optional[Tensor], num_prefix_tokens: int = 0,
+                          dtype: Optional[torch.dtype] = None) -> Dict[int, PreparedPE]:
+        """The state of every encoding held by more than one layer, computed once for this forward pass (the
+        folded basis and frequencies, or the encoding's prepared angles), keyed by ``id(encoding)``. Encodings
+        of a single layer are prepared by that layer."""
+        if coords is None:
+            return {}
+        owners: Dict[int, List[Attention]] = {}
+        for blk in self.blocks:
+            if blk.attn.pe is not None:
+                owners.setdefault(id(blk.attn.pe), []).append(blk.attn)
+        return {key: layers[0].prepare(coords, num_prefix_tokens, dtype)
+                for key, layers in owners.items() if len(layers) > 1}
 
     def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool ``(B, N, D)`` features (CLS token, or the mean of the patch tokens) and classify: ``(B, K)``."""
