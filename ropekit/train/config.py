@@ -64,7 +64,7 @@ class TrainConfig:
     tubelet_size: Optional[int] = None
     pe: str = "cayley"
     pe_options: Dict[str, Any] = field(default_factory=dict)
-    pe_sharing: str = "model"
+    pe_sharing: str = "auto"
     per_head: bool = False
     ape: str = "none"
     cls: str = "none"
