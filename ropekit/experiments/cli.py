@@ -39,7 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "--seeds 0,1,2 --out results/classify`. Trained runs are cached in --cache-dir by a hash of their "
                 "configuration, so studies that need the same models train them once.")
     p.add_argument("name", choices=list(STUDIES) + ["all"], metavar="NAME", help="the study (see above)")
-    p.add_argument("--quick", action="store_true", help="tiny model, 10%% of the data, 1 epoch, 1 seed, 2-3 encodings")
+    p.add_argument("--quick", action="store_true", help="tiny model, 10%% of the data, 1 epoch, 1 seed, 2-3 encodings "
+                                                        "(the same as --preset quick)")
+    p.add_argument("--preset", choices=("default", "gpu", "quick"), default=None,
+                   help="the study's pinned recipe: default (2-core CPU, under 30 min per study), gpu (larger model, "
+                        "more steps and seeds, under 30 min on one GPU) or quick")
     p.add_argument("--out", metavar="DIR", default=None, help="output folder (default runs/experiments/NAME)")
     p.add_argument("--cache-dir", metavar="DIR", default=S, help="trained runs (default .cache/ropekit-experiments)")
     p.add_argument("--pe", type=_list, metavar="LIST", default=S,
@@ -80,7 +84,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--fractions", type=_floats, metavar="LIST", default=S,
                    help="data-efficiency: fractions of the training set (default 0.1,0.25,0.5,1)")
     s.add_argument("--deltas", type=_floats, metavar="LIST", default=S,
-                   help="exact-vs-relaxed: global shifts in patches (default 0,0.2,...,1)")
+                   help="exact-vs-relaxed: coordinate-only shifts in patches for the logit sensitivity")
+    s.add_argument("--shifts", type=_ints, metavar="LIST", default=S,
+                   help="exact-vs-relaxed: whole-patch shifts of the content on the padded canvas (default 0,1,2)")
+    s.add_argument("--canvas-pad", type=int, metavar="PATCHES", default=S,
+                   help="exact-vs-relaxed: zero border of the evaluation canvas, in patches per side (default 2)")
+    s.add_argument("--coord-modes", type=_list, metavar="LIST", default=S,
+                   help="resolution: coordinate conventions trained (default grid,normalized)")
+    s.add_argument("--budgets", type=_list, metavar="LIST", default=S,
+                   help="data-efficiency: equal 'epochs' and/or equal 'steps' at every fraction (default both)")
     s.add_argument("--groups", type=_list, metavar="LIST", default=S,
                    help="ablations: sharing, block, jitter (default all three)")
     s.add_argument("--sharing-pe", type=_list, metavar="LIST", default=S,
@@ -98,7 +110,7 @@ _CFG_FIELDS = ("cache_dir", "pes", "seeds", "data", "data_root", "image_size", "
                "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
                "augment_shift", "eval_limit", "threads", "progress")
 _OPTION_FIELDS = ("rhos", "cls_pe", "sizes", "fractions", "deltas", "groups", "sharing_pe", "block_pe", "jitter_pe",
-                  "block_sizes_")
+                  "block_sizes_", "shifts", "canvas_pad", "coord_modes", "budgets")
 
 
 def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
@@ -132,7 +144,7 @@ def run(args: argparse.Namespace) -> Optional[int]:
             out = Path("runs") / "experiments" / name
         else:
             out = Path(args.out) / name if args.name == "all" else Path(args.out)
-        result = run_experiment(name, out=out, quick=args.quick, overrides=overrides, **options)
+        result = run_experiment(name, out=out, quick=args.quick, preset=args.preset, overrides=overrides, **options)
         print(result.table)
         print(f"wrote {len(result.files)} files to {result.out_dir}: "
               f"{', '.join(p.name for p in result.files)}", file=sys.stderr)

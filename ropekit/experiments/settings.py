@@ -49,7 +49,11 @@ class ExperimentConfig:
     Evaluation and running:
         eval_limit (use the first N test examples in evaluations; ``None``: all), eval_batch_size,
         cache_dir (trained runs, keyed by config hash), threads (torch CPU threads; 1 is friendliest on a shared
-        machine), progress (bars), quick (the preset in use, recorded in the outputs).
+        machine), progress (bars), quick (the quick preset is in use), preset (the recipe preset's name,
+        recorded in the outputs; see :mod:`ropekit.experiments.recipes`).
+    Per encoding:
+        pe_overrides: ``TrainConfig`` fields set for one encoding only (``{"mixed": {"pe_sharing": "head"}}``),
+        applied after ``train_options``.
     """
 
     pes: Optional[List[str]] = None
@@ -81,6 +85,8 @@ class ExperimentConfig:
     threads: Optional[int] = 1
     progress: bool = True
     quick: bool = False
+    preset: str = "default"
+    pe_overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ helpers
     def replace(self, **changes: Any) -> "ExperimentConfig":
@@ -109,6 +115,7 @@ class ExperimentConfig:
             seed=int(seed), eval_batch_size=self.eval_batch_size,
         )
         base.update(self.train_options)
+        base.update(self.pe_overrides.get(pe.lower().replace("_", "-"), {}))
         base.update(changes)
         return TrainConfig.from_dict(base, source="experiment")
 
