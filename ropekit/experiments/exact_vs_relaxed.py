@@ -30,8 +30,7 @@ import torch
 
 from .. import diagnostics
 from .common import StudyContext, StudyResult, headline
-from .evaluation import accuracy, background_value, coord_scale, mean_loss, pad_or_crop, predict, shift_images, \
-    token_grid
+from .evaluation import accuracy, background_value, coord_scale, mean_loss, predict, token_grid
 from .report import aggregate, fmt_pm, markdown_table, setup_matplotlib
 from .settings import ExperimentConfig
 
@@ -52,11 +51,11 @@ def canvas_shift(x: torch.Tensor, patch: int, pad: int, k: int, background: torc
     if abs(int(k)) > int(pad):
         raise ValueError(f"a shift of {k} patches leaves a canvas padded by {pad} patches")
     h, w = x.shape[-2:]
-    bg = background.to(x.dtype).view(1, -1, 1, 1)
-    canvas = pad_or_crop(x - bg, (h + 2 * pad * patch, w + 2 * pad * patch), align=patch)
-    return shift_images(canvas, k * patch, k * patch) + bg
-VARIANTS = (("exact", True), ("relaxed", False))
-
+    o = (int(pad) + int(k)) * int(patch)  # top-left corner of the content, in pixels
+    canvas = background.to(x.dtype).view(1, -1, 1, 1).expand(x.shape[0], x.shape[1], h + 2 * pad * patch,
+                                                             w + 2 * pad * patch).clone()
+    canvas[..., o:o + h, o:o + w] = x
+    return canvas
 
 def encoding_diagnostics(model, sample_shape, *, num_pairs: int = 256, seed: int = 0) -> Dict[str, float]:
     """SPEC §5 diagnostics of a model's encoding(s): the worst over its distinct encoding modules."""
