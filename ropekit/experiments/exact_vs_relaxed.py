@@ -57,6 +57,10 @@ def canvas_shift(x: torch.Tensor, patch: int, pad: int, k: int, background: torc
     canvas[..., o:o + h, o:o + w] = x
     return canvas
 
+
+VARIANTS = (("exact", True), ("relaxed", False))
+
+
 def encoding_diagnostics(model, sample_shape, *, num_pairs: int = 256, seed: int = 0) -> Dict[str, float]:
     """SPEC §5 diagnostics of a model's encoding(s): the worst over its distinct encoding modules."""
     grid = token_grid(model, sample_shape)
