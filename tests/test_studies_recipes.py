@@ -143,7 +143,9 @@ def test_gpu_preset_is_larger_and_resolves_from_the_cli():
         c, g = cpu.train_config(cpu.pes[0], 0), gpu.train_config(gpu.pes[0], 0)
         assert g.model_options["embed_dim"] > c.model_options["embed_dim"], name
         assert g.model_options["depth"] > c.model_options["depth"], name
-        steps = lambda t: t.epochs / t.batch_size  # noqa: E731 -- proportional to steps on the same data
+        def steps(t):  # optimisation steps (MNIST: 4,000 training images; video: num_train clips)
+            return t.epochs * t.data_options.get("num_train", 4000) * t.train_fraction / t.batch_size
+
         assert steps(g) > steps(c) and len(gpu.seeds) >= len(cpu.seeds), name
         args = build_parser("experiment").parse_args(["experiment", name, "--preset", "gpu"])
         assert args.preset == "gpu" and not args.quick

@@ -5,12 +5,9 @@ encoding (or, in ``ablations``, one option of it) changes. :meth:`ExperimentConf
 experiment settings into the :class:`ropekit.train.TrainConfig` of one run; runs are cached by a hash of that
 resolved configuration (see :mod:`ropekit.experiments.runs`), so studies that need the same model share it.
 
-Two presets:
-
-* the default -- a small ViT (width 64, 2 heads of dimension 32, depth 2, 7x7 patches) on the 5k real MNIST
-  digits, 5 epochs, 3 seeds; sized for a 2-core CPU (every study in well under an hour in total);
-* ``quick`` -- width 32, depth 1, 10 % of the training images, 1 epoch, 1 seed, 2-3 encodings: every study
-  end to end in seconds (CI and the tests).
+The studies take their settings from pinned recipes (:mod:`ropekit.experiments.recipes`: ``default`` for a
+2-core CPU, ``gpu``, ``quick``), which give every ``TrainConfig`` field explicitly. :func:`default_config` and
+:func:`quick_config` below remain for studies without a recipe (detect3d, robot).
 """
 
 from __future__ import annotations
