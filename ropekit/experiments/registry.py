@@ -35,21 +35,21 @@ class Study:
 
 
 STUDIES: Dict[str, Study] = {
-    "classify": Study(run_classify, "accuracy of every encoding, paired by seed (SPEC §6.1)", (), ("pe_sharing",)),
+    "classify": Study(run_classify, "accuracy of every encoding, paired by seed", (), ("pe_sharing",)),
     "resolution": Study(run_resolution, "train at one size, evaluate at other sizes, grid and normalised "
-                                        "coordinates (§6.2)", ("sizes", "coord_modes"), ("pe_sharing", "coords")),
-    "offset": Study(run_offset, "accuracy and logits under random global coordinate offsets (§6.3)",
+                                        "coordinates", ("sizes", "coord_modes"), ("pe_sharing", "coords")),
+    "offset": Study(run_offset, "accuracy and logits under random global coordinate offsets",
                     ("rhos", "cls_pe"), ("pe_sharing", "cls")),
-    "shuffle": Study(run_shuffle, "relative accuracy drop when the patches are permuted (§6.4)", (), ("pe_sharing",)),
+    "shuffle": Study(run_shuffle, "relative accuracy drop when the patches are permuted", (), ("pe_sharing",)),
     "data-efficiency": Study(run_data_efficiency, "accuracy vs training fraction at equal epochs and at equal "
-                                                  "steps (§6.5)", ("fractions", "budgets"),
+                                                  "steps", ("fractions", "budgets"),
                              ("pe_sharing", "train_fraction", "epochs", "warmup_epochs")),
     "exact-vs-relaxed": Study(run_exact_vs_relaxed, "relaxed STRING exact=True vs exact=False, whole-patch shifts "
-                                                    "on a padded canvas (§6.6)", ("shifts", "canvas_pad", "deltas"),
+                                                    "on a padded canvas", ("shifts", "canvas_pad", "deltas"),
                               ("pe_options",)),
     "video": Study(run_video, "moving-digit clips labelled by direction of motion, (t, y, x) coordinates, frame "
-                              "shuffling (§6.7)", (), ("pe_sharing",)),
-    "ablations": Study(run_ablations, "sharing for every learnable encoding, block sizes, position jitter (§6.10)",
+                              "shuffling", (), ("pe_sharing",)),
+    "ablations": Study(run_ablations, "sharing for every learnable encoding, block sizes, position jitter",
                        ("groups", "sharing_pe", "block_pe", "jitter_pe", "block_sizes_"),
                        ("pe_sharing", "pe_options", "jitter")),
     "robot": Study(lambda cfg, out, **o: __import__("ropekit.robot.experiment", fromlist=["run_study"]).run_study(
