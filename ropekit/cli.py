@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
+from ._optional import MissingDependency
+
 __all__ = ["CommandError", "Subcommand", "SUBCOMMANDS", "register_subcommand", "available_subcommands", "main"]
 
 Target = Union[str, Callable]
@@ -55,7 +57,7 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
     # hidden until the module exists.
     "bench": Subcommand("benchmark the encodings", "ropekit.bench.cli:add_arguments", "ropekit.bench.cli:run",
                         optional=True),
-    "experiment": Subcommand("run the SPEC §6 experiment protocols", "ropekit.experiments.cli:add_arguments",
+    "experiment": Subcommand("run the experiment studies (offset, resolution, data efficiency, ...)", "ropekit.experiments.cli:add_arguments",
                              "ropekit.experiments.cli:run", optional=True),
     "data": Subcommand("inspect and prepare datasets", "ropekit.data.cli:add_arguments", "ropekit.data.cli:run",
                        optional=True),
@@ -105,7 +107,7 @@ def _resolve(target: Target) -> Callable:
 
 
 #: Reported as one line (checkpoint errors are ``ValueError`` subclasses).
-USER_ERRORS = (CommandError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+USER_ERRORS = (CommandError, MissingDependency, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 def _one_line(e: BaseException) -> str:

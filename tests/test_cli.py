@@ -51,7 +51,8 @@ def test_config_file_then_command_line_overrides(tmp_path, capsys):
     assert resolved["train"]["pe"] == "axial" and resolved["train"]["lr"] == 0.002  # the command line wins
     assert resolved["model"]["pe_options"] == {"base": 100.0}
     # resume: the run folder's config is the base; more epochs continue the same run
-    code, _, err = run_cli(capsys, "train", "--resume", str(out), "--epochs", "2", "--no-progress")
+    code, _, err = run_cli(capsys, "train", "--resume", str(out), "--epochs", "2", "--allow-change", "epochs",
+                           "--no-progress")
     assert code == 0, err
     assert len((out / "metrics.csv").read_text().strip().splitlines()) == 3  # header + 2 epochs
 
@@ -97,7 +98,8 @@ def test_corrupt_and_mismatched_checkpoints_get_one_line_errors(run_dir, tmp_pat
     torch.save(ckpt, mismatched / "checkpoint.pt")
     code, _, err = run_cli(capsys, "eval", str(mismatched))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not match the model" in err
-    code, _, err = run_cli(capsys, "train", "--resume", str(mismatched), "--epochs", "2", "--no-progress")
+    code, _, err = run_cli(capsys, "train", "--resume", str(mismatched), "--epochs", "2", "--allow-change", "epochs",
+                           "--no-progress")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not match the model" in err
 
     empty = tmp_path / "empty"

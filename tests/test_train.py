@@ -22,7 +22,7 @@ TINY = dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0)
 def tiny_cfg(out, **kw) -> TrainConfig:
     """digits (8x8), 10% of the training set (144 images, 5 steps of 32), a one-block width-24 ViT."""
     base = dict(data="digits", train_fraction=0.1, model_options=dict(TINY), batch_size=32, epochs=2, lr=3e-3,
-                eval_batch_size=400, progress=False, tensorboard=False, threads=1, out=str(out))
+                eval_batch_size=400, progress=False, tensorboard=False, threads=1, out=str(out), device="cpu")
     base.update(kw)
     return TrainConfig(**base)
 
@@ -108,9 +108,14 @@ def test_resume_after_ctrl_c_equals_an_uninterrupted_run(tmp_path):
 
 def test_resume_with_more_epochs_continues_from_the_checkpoint(tmp_path):
     first = train(tiny_cfg(tmp_path / "r", epochs=1), quiet=True)
-    more = train(tiny_cfg(tmp_path / "r", epochs=2), resume=True, quiet=True)
+    with pytest.raises(ValueError, match=r"epochs 1 -> 2.*--allow-change epochs"):
+        train(tiny_cfg(tmp_path / "r", epochs=2), resume=True, quiet=True)
+    more = train(tiny_cfg(tmp_path / "r", epochs=2), resume=True, quiet=True, allow_change=("epochs",))
     assert [r["epoch"] for r in more.history] == [1, 2]
     assert more.history[0] == first.history[0]
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["train"]["epochs"] == 2 and config["resumes"][0]["changed"] == {"epochs": [1, 2]}
+    assert "stretched" in config["resumes"][0]["schedule"]
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -215,6 +220,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
             "--no-progress", "--no-tensorboard"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "ropekit.cli", "train", *args,
+                           "--device", "cpu",
                            "--out", str(tmp_path / "ddp")], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("test accuracy") == 1  # rank 0 reports

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from .core import CASES, ROWS, VIT_PES, BenchConfig, run_bench
+import torch
+
+from .core import CASES, DTYPES, ROWS, VIT_PES, VIT_PES_GPU, BenchConfig, run_bench
 from .report import format_report
 
 __all__ = ["add_arguments", "run", "main"]
@@ -22,20 +24,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "scaled_dot_product_attention measured in the same rounds; naive reference forms; folded "
                      "inference; and a ViT training step per encoding against the absolute-embedding ViT.")
     p.epilog = ("Examples: `ropekit bench --quick`; `ropekit bench --json bench.json --markdown bench.md`; "
-                "`ropekit bench --rows cayley circulant --cases grid2d --no-vit`. Rows: "
+                "`ropekit bench --rows cayley circulant --cases grid2d --no-vit`; "
+                "`ropekit bench --device cuda --dtype bf16 --json gpu.json --markdown gpu.md` (GPU defaults: batch 64, "
+                "CUDA-event timing, the ViT-B/16 training step at batch 128 eager and compiled for "
+                + ", ".join(VIT_PES_GPU) + ", plus timm's vit_base_patch16_224). Rows: "
                 + ", ".join(r.label for r in ROWS) + ".")
     d = BenchConfig()
     p.add_argument("--quick", action="store_true", help="reduced run: 3 rounds per row, no naive reference rows, tiny ViT "
                                                         "only (under two minutes on 2 idle cores)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda[:i]): GPU defaults change batch, rounds and the "
+                                                   "ViT table (see the examples)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), help="q/k dtype and autocast dtype (default: fp32 on the CPU, "
+                                                          "bf16 on a GPU)")
+    p.add_argument("--vit-batch", type=int, help="batch of the training-step table (default: 32 tiny / 8 base on the "
+                                                 "CPU, 128 base on a GPU)")
+    p.add_argument("--compile", dest="compile", action="store_true", default=None,
+                   help="also time the training step under torch.compile (default on a GPU)")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="eager training steps only")
+    p.add_argument("--vit-modes", nargs="+", choices=("eager", "compiled"),
+                   help="which training-step tables to run (overrides --compile / --no-compile), e.g. "
+                        "`--vit-modes compiled` for the compiled table alone")
+    p.add_argument("--no-timm", action="store_true", help="skip the timm vit_base_patch16_224 reference row")
     p.add_argument("--json", metavar="FILE", help="write the records (a JSON list) to FILE")
     p.add_argument("--markdown", metavar="FILE", help="also write the markdown report to FILE")
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(d.cases), help="coordinate cases")
     p.add_argument("--rows", nargs="+", metavar="ROW", help="rows to run (labels or encoding names; default: all)")
-    p.add_argument("--batch", type=int, default=d.batch, help="B")
+    p.add_argument("--batch", type=int, help=f"B (default {d.batch}, 64 on a GPU)")
     p.add_argument("--heads", type=int, default=d.heads, help="H")
     p.add_argument("--head-dim", type=int, default=d.head_dim, help="d")
     p.add_argument("--grid", type=int, default=d.grid, help="g: M = g * g tokens")
-    p.add_argument("--repeats", type=int, help=f"timed rounds per row (default {d.repeats}, quick 3)")
+    p.add_argument("--repeats", type=int, help=f"timed rounds per row (default {d.repeats}, quick 3, GPU 20)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
     p.add_argument("--clock", choices=("wall", "cpu"), default=d.clock,
                    help="wall: wall-clock time; cpu: process CPU time (use with --threads 1 on a shared machine)")
@@ -44,19 +62,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vit", nargs="*", choices=("tiny", "small", "base"), metavar="SIZE",
                    help="ViT sizes of the training-step table (default: tiny base; quick: tiny; none: skip)")
     p.add_argument("--no-vit", action="store_true", help="skip the training-step table")
-    p.add_argument("--vit-pes", nargs="+", default=list(VIT_PES), metavar="PE", help="encodings of the ViT table")
+    p.add_argument("--vit-pes", nargs="+", metavar="PE", help="encodings of the ViT table (default: "
+                   + " ".join(VIT_PES) + "; on a GPU: " + " ".join(VIT_PES_GPU) + ")")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    kw = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, grid=args.grid, cases=tuple(args.cases),
+    kw = dict(heads=args.heads, head_dim=args.head_dim, grid=args.grid, cases=tuple(args.cases),
               rows=tuple(args.rows) if args.rows else None, threads=args.threads, clock=args.clock, memory=not args.no_memory,
-              check=not args.no_check, vit_pes=tuple(args.vit_pes))
-    if args.repeats is not None:
-        kw["repeats"] = args.repeats
+              check=not args.no_check, device=args.device, timm=not args.no_timm)
+    for name in ("batch", "repeats", "dtype", "vit_batch", "compile"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.vit_modes:
+        kw["vit_modes"] = tuple(args.vit_modes)
+    if args.vit_pes:
+        kw["vit_pes"] = tuple(args.vit_pes)
     if args.no_vit:
         kw["vit"] = ()
     elif args.vit is not None:
         kw["vit"] = tuple(args.vit)
+    if torch.device(args.device).type == "cuda":
+        if args.quick:
+            kw = {"repeats": 5, "warmup": 2, "vit": ("base",), "vit_base_repeats": 3, "quick": True, **kw}
+        return BenchConfig.cuda_config(**kw)
     return BenchConfig.quick_config(**kw) if args.quick else BenchConfig(**kw)
 
 
@@ -66,7 +94,14 @@ def run(args: argparse.Namespace) -> int:
         command = "python -m ropekit.bench " + " ".join(shlex.quote(a) for a in args._argv)
     else:  # ropekit bench (sys.argv: ropekit, bench, options)
         command = "ropekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    records = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+
+    def save(records: list) -> None:  # after every row: a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        if args.markdown:
+            Path(args.markdown).write_text(format_report(records, command=command.strip()) + "\n")
+
+    records = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True), on_record=save)
     report = format_report(records, command=command.strip())
     print(report)
     if args.json:

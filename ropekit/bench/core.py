@@ -36,11 +36,26 @@ parameters (which exist anyway) -- the activation memory a model pays per encode
 
 **Training step.** ``vit-tiny`` / ``vit-base``: one optimisation step (forward, cross entropy, backward, AdamW)
 of ``ropekit.nn.VisionTransformer`` with each encoding, timed in alternation with the same model with a learned
-absolute embedding (``pe="absolute"``).
+absolute embedding (``pe="absolute"``). With ``compile`` the table is repeated with ``torch.compile``d models
+(the absolute-embedding reference compiled too), and for ``base`` timm's ``vit_base_patch16_224`` (same batch,
+same optimiser) is timed in alternation with ropekit's absolute-embedding ViT as an external reference.
+
+**On a GPU** (``device="cuda"``): every call is timed with CUDA events, after a ``torch.cuda.synchronize()`` so
+that the queue is empty -- a call's time (its *latency*) then includes its host-side launch overhead when that
+dominates (small tensors) and the GPU time otherwise. The encoding table also records the *GPU time* alone
+(``*_gpu_ms``, ``x_floor_gpu``): each round first queues a GPU sleep that outlasts the host's queueing of the
+round, so the events around a call measure only its kernels -- what the op costs inside a model whose GPU work
+hides the host overhead. q and k are created in ``dtype`` and the encodings run under
+``torch.autocast`` for bf16 / fp16 (parameters stay fp32); the ViT steps use autocast and fused AdamW. The floor
+is then ``q * c, k * c`` (two elementwise products with a fixed ``(M, d)`` table, forward + backward): the memory
+traffic of a rotation of q and k without its arithmetic. ``peak_mb`` is the growth of
+``torch.cuda.max_memory_allocated`` during one forward + backward. Rows of kind ``kernel`` time
+``ropekit.kernels.fused_rotary`` alone (per-head mixed frequencies), where the device can run it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -57,7 +72,8 @@ from ..encodings import create_pe
 from ..fold import fold_pe
 from .baselines import DenseComRoPE, NaiveLieRE
 
-__all__ = ["Row", "ROWS", "CASES", "VIT_PES", "BenchConfig", "run_bench", "peak_memory_mb", "saved_memory_mb",
+__all__ = ["Row", "ROWS", "CASES", "VIT_PES", "VIT_PES_GPU", "DTYPES", "BenchConfig", "run_bench", "peak_memory_mb",
+           "cuda_peak_memory_mb", "saved_memory_mb", "device_info",
            "machine_info"]
 
 CASES = ("grid2d", "rgbd3d")
@@ -78,6 +94,7 @@ class Row:
     kind: str = "pe"
     base: Optional[str] = None
     heavy: bool = False
+    device: Optional[str] = None  # only on this device type (e.g. "cuda" for the Triton kernel rows)
 
     @property
     def opts(self) -> Dict[str, Any]:
@@ -108,16 +125,23 @@ ROWS: List[Row] = [
     Row("dense d x d comrope-ld (b=8)", "comrope-ld", (("block_size", 8),), kind="naive", base="comrope-ld (b=8)"),
     Row("dense d x d comrope-ap (b=8)", "comrope-ap", (("block_size", 8),), kind="naive", base="comrope-ap (b=8)",
         heavy=True),
+    Row("fused kernel (mixed freqs)", "mixed", kind="kernel", device="cuda"),
 ]
 
 #: Encodings of the training-step table (``absolute`` is the reference every ratio is taken against).
 VIT_PES = ("none", "axial", "mixed", "liere-commute", "cayley", "circulant", "comrope-ap", "comrope-ld", "tensor",
            "liere", "string", "relaxed")
+#: The training-step table on a GPU (ViT-B/16 at batch 128 by default).
+VIT_PES_GPU = ("none", "axial", "mixed", "cayley", "circulant", "comrope-ld", "liere")
+#: Options of the encodings in the training-step table (the same blocks as the encoding table).
+VIT_PE_OPTIONS: Dict[str, Dict[str, Any]] = {"comrope-ld": {"block_size": 8}, "comrope-ap": {"block_size": 8}}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class BenchConfig:
-    """What ``ropekit bench`` measures (defaults: one attention layer of ViT-B/16, batch 8)."""
+    """What ``ropekit bench`` measures (defaults: one attention layer of ViT-B/16, batch 8 on the CPU; use
+    :meth:`cuda_config` for the GPU defaults)."""
 
     batch: int = 8
     heads: int = 12
@@ -138,6 +162,12 @@ class BenchConfig:
     vit_base_repeats: int = 2
     quick: bool = False
     seed: int = 0
+    device: str = "cpu"
+    dtype: str = "fp32"  # q/k dtype and autocast dtype ("fp32": no autocast)
+    vit_batch: Optional[int] = None  # batch of the ViT steps (None: 32 tiny, 8 base on the CPU; 128 base on a GPU)
+    compile: bool = False  # also the training-step table under torch.compile
+    vit_modes: Optional[Tuple[str, ...]] = None  # "eager" and/or "compiled"; None: eager (+ compiled if compile)
+    timm: bool = True  # timm's vit_base_patch16_224 row (base size only)
 
     @classmethod
     def quick_config(cls, **overrides: Any) -> "BenchConfig":
@@ -147,8 +177,29 @@ class BenchConfig:
         base.update(overrides)
         return cls(**base)
 
+    @classmethod
+    def cuda_config(cls, **overrides: Any) -> "BenchConfig":
+        """GPU defaults: one attention layer of ViT-B/16 at batch 64 in bf16, 20 rounds, the ViT-B/16 training step
+        at batch 128 (eager and compiled) for :data:`VIT_PES_GPU`, a 3 s budget per row."""
+        base = dict(device="cuda", dtype="bf16", batch=64, repeats=20, warmup=3, row_budget_s=3.0, vit=("base",),
+                    vit_pes=VIT_PES_GPU, vit_batch=128, vit_base_repeats=10, compile=True)
+        base.update(overrides)
+        return cls(**base)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]
+
+    @property
+    def on_gpu(self) -> bool:
+        return torch.device(self.device).type == "cuda"
+
     def selected_rows(self) -> List[Row]:
-        rows = [r for r in ROWS if not (self.quick and (r.heavy or r.kind == "naive"))]
+        dev = torch.device(self.device).type
+        rows = [r for r in ROWS if not (self.quick and (r.heavy or r.kind == "naive"))
+                and (r.device is None or r.device == dev)]
         if self.rows:
             wanted = set(self.rows)
             rows = [r for r in rows if r.label in wanted or r.pe in wanted]
@@ -160,18 +211,98 @@ CLOCKS: Dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time
 
 
 def _round_times(fns: Dict[str, Callable[[], Any]], repeats: int, warmup: int,
-                 clock: Callable[[], float] = time.perf_counter) -> Dict[str, List[float]]:
-    """Milliseconds of every function on ``clock``, interleaved: each round calls every function once, in turn."""
+                 clock: Any = time.perf_counter) -> Dict[str, List[float]]:
+    """Milliseconds of every function, interleaved: each round calls every function once, in turn.
+
+    ``clock``: a host clock (a function returning seconds), or ``"cuda"``: CUDA events recorded around each call,
+    after a synchronisation (the call's launch overhead counts when the GPU would wait for it).
+    """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: Dict[str, List[float]] = {name: [] for name in fns}
+    if clock == "cuda":
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end))
+        return times
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = clock()
             fn()
             times[name].append((clock() - t0) * 1e3)
     return times
+
+
+_CYCLES_PER_MS: Dict[int, float] = {}
+
+
+def _cycles_per_ms(device: torch.device) -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured once per device."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS[idx] = 10_000_000 / max(start.elapsed_time(end), 1e-3)
+    return _CYCLES_PER_MS[idx]
+
+
+def _gpu_times(fns: Dict[str, Callable[[], Any]], repeats: int, device: torch.device) -> Dict[str, List[float]]:
+    """GPU milliseconds of every function, host overhead excluded: each round first queues a GPU sleep long enough
+    for the host to queue all the round's calls behind it, so that the events around a call see only its GPU work
+    (a host synchronisation inside a call would defeat this; the latency from :func:`_round_times` shows it)."""
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    host_ms = 1.0
+    for r in range(repeats + 1):  # round 0 calibrates the host time of one round
+        events = []
+        torch.cuda.synchronize()
+        if r:
+            torch.cuda._sleep(int(_cycles_per_ms(device) * (2.0 * host_ms + 0.5)))
+        t0 = time.perf_counter()
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((name, start, end))
+        host = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        if r == 0:
+            host_ms = host
+            continue
+        host_ms = max(host_ms, host)
+        for name, start, end in events:
+            times[name].append(start.elapsed_time(end))
+    return times
+
+
+def _clock(cfg: "BenchConfig") -> Any:
+    return "cuda" if cfg.on_gpu else CLOCKS[cfg.clock]
+
+
+def _sync(cfg: "BenchConfig") -> None:
+    if cfg.on_gpu:
+        torch.cuda.synchronize()
+
+
+def cuda_peak_memory_mb(fn: Callable[[], Any], device: Any = None) -> float:
+    """Growth (MiB) of the CUDA allocator's peak over what was allocated before, while ``fn`` runs."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
 
 
 def _median(v: Sequence[float]) -> float:
@@ -239,6 +370,23 @@ def machine_info() -> Dict[str, Any]:
             "python": platform.python_version(), "load_avg": load}
 
 
+def device_info(device: Any) -> Dict[str, Any]:
+    """Name, capability and library versions of a CUDA device (empty for the CPU)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {}
+    info: Dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev), "capability": ".".join(
+        map(str, torch.cuda.get_device_capability(dev))), "cuda": torch.version.cuda,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:
+        pass
+    return info
+
+
 # ----------------------------------------------------------------------------- cases and rows
 @dataclass
 class _Case:
@@ -249,6 +397,8 @@ class _Case:
     gq: Tensor
     gk: Tensor
     coords: Tensor
+    table: Optional[Tensor] = None  # (M, d) fixed table of the GPU floor q * c, k * c
+    autocast: Optional[torch.dtype] = None
     extra_grads: Dict[Tuple[int, ...], Tensor] = field(default_factory=dict)
 
     def grads_for(self, out: Sequence[Tensor]) -> Tuple[Tensor, ...]:
@@ -259,7 +409,7 @@ class _Case:
         shape = tuple(out[0].shape)
         if shape not in self.extra_grads:
             g = torch.Generator().manual_seed(1)
-            self.extra_grads[shape] = torch.randn(2, *shape, generator=g)
+            self.extra_grads[shape] = torch.randn(2, *shape, generator=g).to(self.gq.device, out[0].dtype)
         return tuple(self.extra_grads[shape].unbind(0))
 
     @property
@@ -290,12 +440,40 @@ def _make_case(name: str, cfg: BenchConfig) -> _Case:
         coords = torch.cat([grid.expand(b, -1, -1), depth], dim=-1)  # (B, M, 3)
     else:
         raise ValueError(f"unknown case {name!r}; known: {', '.join(CASES)}")
-    return _Case(name, t().requires_grad_(), t().requires_grad_(), t().requires_grad_(), t(), t(), coords)
+    dev, dt = torch.device(cfg.device), cfg.torch_dtype
+
+    def leaf() -> Tensor:
+        return t().to(dev, dt).requires_grad_()
+
+    table = torch.randn(m, d, generator=g).to(dev, dt) if cfg.on_gpu else None
+    autocast = dt if dt != torch.float32 else None
+    return _Case(name, leaf(), leaf(), leaf(), t().to(dev, dt), t().to(dev, dt), coords.to(dev), table, autocast)
+
+
+def _autocast(case: _Case):
+    if case.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(case.q.device.type, dtype=case.autocast)
 
 
 def _pe(row: Row, case: _Case, cfg: BenchConfig) -> nn.Module:
     torch.manual_seed(cfg.seed)
-    return create_pe(row.pe, head_dim=cfg.head_dim, coord_dim=case.coord_dim, num_heads=cfg.heads, **row.opts)
+    return create_pe(row.pe, head_dim=cfg.head_dim, coord_dim=case.coord_dim, num_heads=cfg.heads,
+                     **row.opts).to(cfg.device)
+
+
+class _KernelRotation(nn.Module):
+    """``ropekit.kernels.fused_rotary`` with learnable per-head frequencies ``(H, c, d / 2)``: the kernel alone."""
+
+    def __init__(self, heads: int, coord_dim: int, head_dim: int, device: Any) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.freqs = nn.Parameter((torch.rand(heads, coord_dim, head_dim // 2, generator=g) * 0.5).to(device))
+
+    def forward(self, q: Tensor, k: Tensor, coords: Tensor) -> Tuple[Tensor, Tensor]:
+        from ..kernels import fused_rotary
+
+        return fused_rotary(q, k, coords, self.freqs)
 
 
 def _naive(row: Row, pe: nn.Module) -> nn.Module:
@@ -306,11 +484,12 @@ def _fns(module: nn.Module, case: _Case) -> Tuple[Callable[[], Any], Callable[[]
     """``(fwd, fwdbwd)`` closures of an encoding-like ``module(q, k, coords) -> (q', k')``."""
 
     def fwd() -> None:
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(case):
             module(case.q, case.k, case.coords)
 
     def fwdbwd() -> None:
-        out = module(case.q, case.k, case.coords)
+        with _autocast(case):
+            out = module(case.q, case.k, case.coords)
         torch.autograd.backward(out, case.grads_for(out))
         case.zero_grads(module)
 
@@ -318,10 +497,13 @@ def _fns(module: nn.Module, case: _Case) -> Tuple[Callable[[], Any], Callable[[]
 
 
 def _reference_fns(case: _Case, cfg: BenchConfig) -> Dict[str, Callable[[], Any]]:
-    none = create_pe("none", head_dim=cfg.head_dim, coord_dim=case.coord_dim, num_heads=cfg.heads)
+    none = create_pe("none", head_dim=cfg.head_dim, coord_dim=case.coord_dim, num_heads=cfg.heads).to(cfg.device)
 
     def floor() -> None:
-        (case.q * case.k).backward(case.gq)
+        if case.table is None:  # CPU: one product, q * k
+            (case.q * case.k).backward(case.gq)
+        else:  # GPU: the traffic of rotating q and k, q * c and k * c
+            torch.autograd.backward((case.q * case.table, case.k * case.table), (case.gq, case.gk))
         case.zero_grads()
 
     def sdpa() -> None:
@@ -337,7 +519,8 @@ def _max_rel_err(fast: nn.Module, naive: nn.Module, case: _Case) -> float:
     inputs = [case.q, case.k] + params
     results = []
     for mod in (fast, naive):
-        out = mod(case.q, case.k, case.coords)
+        with _autocast(case):
+            out = mod(case.q, case.k, case.coords)
         grads = torch.autograd.grad(out, inputs, case.grads_for(out))
         results.append([o.detach() for o in out] + list(grads))
     err = 0.0
@@ -352,7 +535,15 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
                            "case": case.name, "batch": cfg.batch, "heads": cfg.heads, "tokens": cfg.grid ** 2,
                            "head_dim": cfg.head_dim, "coord_dim": case.coord_dim, "base": row.base}
     try:
-        pe = _pe(row, case, cfg)
+        if row.kind == "kernel":
+            from ..kernels import available
+
+            if not available(cfg.device):
+                rec["skipped"] = f"the Triton kernel cannot run on {cfg.device}"
+                return rec
+            pe = _KernelRotation(cfg.heads, case.coord_dim, cfg.head_dim, cfg.device)
+        else:
+            pe = _pe(row, case, cfg)
     except ValueError as e:  # e.g. comrope-ap cannot split 8 blocks over 3 axes
         rec["skipped"] = str(e)
         return rec
@@ -363,7 +554,7 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
         fns["fast_fwd"], fns["fast_fwdbwd"] = _fns(pe, case)
     elif row.kind == "folded":
         module, _ = fold_pe(pe)  # q, k stand for P q, P k: at inference P is inside the projection weights
-        axial = create_pe("axial", head_dim=cfg.head_dim, coord_dim=case.coord_dim, num_heads=cfg.heads)
+        axial = create_pe("axial", head_dim=cfg.head_dim, coord_dim=case.coord_dim, num_heads=cfg.heads).to(cfg.device)
         fns["axial_fwd"], fns["axial_fwdbwd"] = _fns(axial, case)
         fns["unfolded_fwd"], _ = _fns(pe, case)
     fns["fwd"], fns["fwdbwd"] = _fns(module, case)
@@ -372,11 +563,12 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
         # one call to size the number of rounds to the budget
         t0 = time.perf_counter()
         fns["fwdbwd"]()
+        _sync(cfg)
         first = time.perf_counter() - t0
         per_round = first * (3 if row.kind != "pe" else 2) + 0.05
         repeats = max(3, min(cfg.repeats, int(cfg.row_budget_s / per_round)))
         warmup = cfg.warmup if first < 1.0 else 0
-        times = _round_times(fns, repeats, warmup, CLOCKS[cfg.clock])
+        times = _round_times(fns, repeats, warmup, _clock(cfg))
     except RuntimeError as e:  # out of memory on a huge naive row
         rec["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return rec
@@ -388,6 +580,13 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
     rec["x_none"] = rec["fwdbwd_ms"] / rec["none_fwdbwd_ms"]
     rec["x_floor"] = rec["fwdbwd_ms"] / rec["floor_fwdbwd_ms"]
     rec["frac_sdpa"] = rec["fwdbwd_ms"] / rec["sdpa_fwdbwd_ms"]
+    if cfg.on_gpu:  # GPU time alone (host overhead hidden behind a queued sleep): what the op costs in a model
+        gpu = _gpu_times({k: fns[k] for k in ("fwd", "fwdbwd", "floor", "sdpa", "none")}, repeats, case.q.device)
+        for name, v in gpu.items():
+            key = name if name in ("fwd", "fwdbwd") else f"{name}_fwdbwd"
+            rec[f"{key}_gpu_ms"] = _median(v)
+        rec["x_floor_gpu"] = rec["fwdbwd_gpu_ms"] / rec["floor_fwdbwd_gpu_ms"]
+        rec["frac_sdpa_gpu"] = rec["fwdbwd_gpu_ms"] / rec["sdpa_fwdbwd_gpu_ms"]
     if row.kind == "naive":
         rec["speedup_fwdbwd"] = rec["fwdbwd_ms"] / rec["fast_fwdbwd_ms"]
         rec["speedup_fwd"] = rec["fwd_ms"] / rec["fast_fwd_ms"]
@@ -400,103 +599,199 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
 
     if cfg.memory:
         fwdbwd = fns["fwdbwd"]
-        rec["peak_mb"] = peak_memory_mb(fwdbwd)
-        rec["floor_peak_mb"] = peak_memory_mb(fns["floor"])
+        peak = (lambda fn: cuda_peak_memory_mb(fn, case.q.device)) if cfg.on_gpu else peak_memory_mb
+        rec["peak_mb"] = peak(fwdbwd)
+        rec["floor_peak_mb"] = peak(fns["floor"])
         exclude = [case.q, case.k, case.coords] + list(module.parameters()) + list(module.buffers())
-        rec["saved_mb"] = saved_memory_mb(lambda: module(case.q, case.k, case.coords), exclude)
+
+        def forward() -> Any:
+            with _autocast(case):
+                return module(case.q, case.k, case.coords)
+
+        rec["saved_mb"] = saved_memory_mb(forward, exclude)
         case.zero_grads(module)
     log(f"  {case.name:7s} {row.label:30s} fwd {rec['fwd_ms']:9.2f} ms  fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  "
         f"x floor {rec['x_floor']:7.2f}  SDPA {100 * rec['frac_sdpa']:6.1f}%"
+        + (f"  GPU time {rec['fwdbwd_gpu_ms']:7.3f} ms x floor {rec['x_floor_gpu']:5.2f}" if cfg.on_gpu else "")
         + (f"  peak {rec['peak_mb']:8.1f} MB" if "peak_mb" in rec else ""))
     return rec
 
 
 # ----------------------------------------------------------------------------- the training-step table
 VIT_SETTINGS = {
-    # size: (image size, patch size, channels, batch) -- tiny: the MNIST default; base: ViT-B/16 at 224, batch 8
+    # size: (image size, patch size, channels, batch on the CPU) -- tiny: the MNIST default; base: ViT-B/16 at 224
     "tiny": (28, 4, 1, 32),
+    "small": (224, 16, 3, 8),
     "base": (224, 16, 3, 8),
 }
 
+#: timm's model of the same shape as ropekit's named size (the external reference of the training-step table).
+TIMM_MODELS = {"base": "vit_base_patch16_224", "small": "vit_small_patch16_224"}
 
-def _vit_step(size: str, pe: str, cfg: BenchConfig) -> Callable[[], None]:
-    from ..nn import VisionTransformer, vit_config
 
-    image, patch, chans, batch = VIT_SETTINGS[size]
-    torch.manual_seed(cfg.seed)
-    model = VisionTransformer(vit_config(size, num_classes=10, in_chans=chans, image_size=(image, image),
-                                         patch_size=patch, pe=pe))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def _vit_batch(size: str, cfg: BenchConfig) -> int:
+    if cfg.vit_batch is not None:
+        return cfg.vit_batch
+    return 128 if (cfg.on_gpu and size == "base") else VIT_SETTINGS[size][3]
+
+
+def _train_step(model: nn.Module, size: str, cfg: BenchConfig, compiled: bool) -> Callable[[], None]:
+    """One optimisation step (forward, cross entropy, backward, AdamW) of ``model`` on fixed random data."""
+    image, _, chans, _ = VIT_SETTINGS[size]
+    batch = _vit_batch(size, cfg)
+    dev = torch.device(cfg.device)
+    model = model.to(dev).train()
+    fused = {"fused": True} if cfg.on_gpu else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
     g = torch.Generator().manual_seed(cfg.seed)
-    x = torch.randn(batch, chans, image, image, generator=g)
-    y = torch.randint(0, 10, (batch,), generator=g)
+    x = torch.randn(batch, chans, image, image, generator=g).to(dev)
+    y = torch.randint(0, 10, (batch,), generator=g).to(dev)
+    dt = cfg.torch_dtype
+    fwd = torch.compile(model) if compiled else model
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        with (torch.autocast(dev.type, dtype=dt) if dt != torch.float32 else contextlib.nullcontext()):
+            loss = F.cross_entropy(fwd(x), y)
+        loss.backward()
         opt.step()
 
     return step
 
 
-def _bench_vit(size: str, cfg: BenchConfig, log: Callable[[str], None]) -> List[Dict[str, Any]]:
-    image, patch, chans, batch = VIT_SETTINGS[size]
-    reference = _vit_step(size, "absolute", cfg)
-    repeats = cfg.vit_base_repeats if size == "base" else cfg.vit_repeats
+def _vit_step(size: str, pe: str, cfg: BenchConfig, compiled: bool = False) -> Callable[[], None]:
+    from ..nn import VisionTransformer, vit_config
+
+    image, patch, chans, _ = VIT_SETTINGS[size]
+    torch.manual_seed(cfg.seed)
+    model = VisionTransformer(vit_config(size, num_classes=10, in_chans=chans, image_size=(image, image),
+                                         patch_size=patch, pe=pe, pe_options=VIT_PE_OPTIONS.get(pe, {})))
+    return _train_step(model, size, cfg, compiled)
+
+
+def _timm_step(size: str, cfg: BenchConfig, compiled: bool) -> Callable[[], None]:
+    import timm  # optional: the caller records a skipped row when it is missing
+
+    torch.manual_seed(cfg.seed)
+    model = timm.create_model(TIMM_MODELS[size], pretrained=False, num_classes=10)
+    return _train_step(model, size, cfg, compiled)
+
+
+def _release(cfg: BenchConfig) -> None:
+    if cfg.on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _bench_vit(size: str, cfg: BenchConfig, log: Callable[[str], None], compiled: bool = False) -> List[Dict[str, Any]]:
+    image, patch, chans, _ = VIT_SETTINGS[size]
+    batch = _vit_batch(size, cfg)
+    mode = "compiled" if compiled else "eager"
+    reference = _vit_step(size, "absolute", cfg, compiled)
+    repeats = cfg.vit_base_repeats if size != "tiny" else cfg.vit_repeats
     records = []
-    for pe in cfg.vit_pes:
-        rec: Dict[str, Any] = {"kind": "vit", "label": pe, "pe": pe, "case": f"vit-{size}", "size": size,
-                               "batch": batch, "image_size": image, "patch_size": patch, "tokens": (image // patch) ** 2}
+    rows: List[Tuple[str, Callable[[], Callable[[], None]]]] = [
+        (pe, (lambda pe=pe: _vit_step(size, pe, cfg, compiled))) for pe in cfg.vit_pes]
+    if cfg.timm and size in TIMM_MODELS:
+        rows.append((f"timm {TIMM_MODELS[size]}", lambda: _timm_step(size, cfg, compiled)))
+    for label, make in rows:
+        rec: Dict[str, Any] = {"kind": "vit", "label": label, "pe": label, "case": f"vit-{size}", "size": size,
+                               "mode": mode, "batch": batch, "image_size": image, "patch_size": patch,
+                               "tokens": (image // patch) ** 2, "dtype": cfg.dtype}
         try:
-            step = _vit_step(size, pe, cfg)
-        except ValueError as e:
-            rec["skipped"] = str(e)
+            step = make()
+            t0 = time.perf_counter()
+            step()  # the first call compiles (torch.compile) and allocates the optimiser state
+            _sync(cfg)
+            rec["first_step_s"] = time.perf_counter() - t0
+            times = _round_times({"absolute": reference, "step": step}, repeats, 2 if cfg.on_gpu else 1,
+                                 _clock(cfg))
+        except ImportError as e:  # timm missing
+            rec["skipped"] = f"{type(e).__name__}: {e}"
             records.append(rec)
+            log(f"  vit-{size:4s} {mode:8s} {label:14s} skipped: {rec['skipped']}")
             continue
-        times = _round_times({"absolute": reference, "step": step}, repeats, 1, CLOCKS[cfg.clock])
+        except Exception as e:  # an encoding that cannot build, compile (Inductor errors) or fit in memory
+            rec["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            records.append(rec)
+            log(f"  vit-{size:4s} {mode:8s} {label:14s} skipped: {rec['skipped']}")
+            step = None
+            _release(cfg)
+            continue
         rec.update(repeats=repeats, step_ms=_median(times["step"]), step_ms_min=min(times["step"]),
                    absolute_step_ms=_median(times["absolute"]), absolute_step_ms_min=min(times["absolute"]))
         rec["x_absolute"] = rec["step_ms"] / rec["absolute_step_ms"]
-        log(f"  vit-{size:4s} {pe:14s} step {rec['step_ms']:9.1f} ms  absolute {rec['absolute_step_ms']:9.1f} ms  "
-            f"x {rec['x_absolute']:5.2f}")
+        log(f"  vit-{size:4s} {mode:8s} {label:14s} step {rec['step_ms']:9.1f} ms  absolute "
+            f"{rec['absolute_step_ms']:9.1f} ms  x {rec['x_absolute']:5.2f}")
         records.append(rec)
         del step
+        _release(cfg)
     return records
 
 
 # ----------------------------------------------------------------------------- driver
-def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
+def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = print,
+              on_record: Optional[Callable[[List[Dict[str, Any]]], None]] = None) -> List[Dict[str, Any]]:
     """Run the benchmark; returns the records (one per row and case, then one per ViT size and encoding).
+
+    ``on_record(records)`` is called with the records so far after each row (e.g. to save partial results of a
+    run that may be cut short).
 
     The number of torch threads is set to ``cfg.threads`` for the run and restored afterwards.
     """
     cfg = cfg or BenchConfig()
     if cfg.clock not in CLOCKS:
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {cfg.clock!r}")
+    cfg.torch_dtype  # validates the name
+    if cfg.on_gpu and not torch.cuda.is_available():
+        raise ValueError(f"device {cfg.device!r} requested but CUDA is not available")
     old_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     info = machine_info()
+    info.update(device_info(cfg.device))
     records: List[Dict[str, Any]] = []
     try:
         t_start = time.perf_counter()
         for case_name in cfg.cases:
             case = _make_case(case_name, cfg)
             log(f"[{case_name}] B={cfg.batch} H={cfg.heads} M={cfg.grid ** 2} d={cfg.head_dim} c={case.coord_dim}, "
-                f"{cfg.threads} threads")
+                f"{cfg.dtype} on {cfg.device}, {cfg.threads} threads")
             for row in cfg.selected_rows():
                 records.append(_bench_row(row, case, cfg, log))
+                _stamp(records[-1:], cfg, info)
+                if on_record:
+                    on_record(records)
+        modes = cfg.vit_modes or (("eager", "compiled") if cfg.compile else ("eager",))
+        for mode in modes:
+            if mode not in ("eager", "compiled"):
+                raise ValueError(f"ViT modes are 'eager' and 'compiled', got {mode!r}")
         for size in cfg.vit:
-            log(f"[vit-{size}] training step, batch {VIT_SETTINGS[size][3]}")
-            records.extend(_bench_vit(size, cfg, log))
+            for mode in modes:
+                compiled = mode == "compiled"
+                log(f"[vit-{size}] training step, batch {_vit_batch(size, cfg)}, {cfg.dtype}"
+                    + (", torch.compile" if compiled else ""))
+                recs = _bench_vit(size, cfg, log, compiled)
+                _stamp(recs, cfg, info)
+                records.extend(recs)
+                if on_record:
+                    on_record(records)
         elapsed = time.perf_counter() - t_start
     finally:
         torch.set_num_threads(old_threads)
     load_end = machine_info()["load_avg"]
     for rec in records:
-        rec.update(threads=cfg.threads, clock=cfg.clock, cpu=info["cpu"], cpus=info["cpus"], torch=info["torch"], quick=cfg.quick,
-                   load_avg_start=info["load_avg"], load_avg_end=load_end)
+        rec["load_avg_end"] = load_end
     log(f"done in {elapsed:.0f} s")
     return records
+
+
+def _stamp(records: List[Dict[str, Any]], cfg: BenchConfig, info: Dict[str, Any]) -> None:
+    """Machine, device and settings into each record."""
+    for rec in records:
+        rec.update(threads=cfg.threads, clock="cuda events" if cfg.on_gpu else cfg.clock, cpu=info["cpu"],
+                   cpus=info["cpus"], torch=info["torch"], quick=cfg.quick, load_avg_start=info["load_avg"],
+                   device=cfg.device, dtype=cfg.dtype,
+                   **{k: info[k] for k in ("gpu", "capability", "cuda", "triton", "tf32_matmul") if k in info})
 
 
 def as_dict(cfg: BenchConfig) -> Dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Markdown tables and the issue-5 targets from ``ropekit bench`` records (see :mod:`ropekit.bench.core`)."""
+"""Markdown tables and the performance targets from ``ropekit bench`` records (see :mod:`ropekit.bench.core`)."""
 
 from __future__ import annotations
 
@@ -22,17 +22,56 @@ def _case_title(case: str, rec: Dict[str, Any]) -> str:
     what = ("a 14 x 14 grid shared by the batch" if case == "grid2d" else "per-example 3-D coordinates")
     if case == "grid2d" and rec.get("tokens") != 196:
         what = "a grid shared by the batch"
+    dtype = rec.get("dtype", "fp32")
+    dtype = dtype if dtype == "fp32" else f"{dtype} (autocast)"
     return (f"`{case}`: q, k of shape ({rec['batch']}, {rec['heads']}, {rec['tokens']}, {rec['head_dim']}), "
-            f"fp32, {what}")
+            f"{dtype}, {what}")
+
+
+def _on_gpu(records: List[Dict[str, Any]]) -> bool:
+    return any(str(r.get("device", "cpu")).startswith("cuda") for r in records)
+
+
+def _vit_find(records: List[Dict[str, Any]], label: str, size: str, mode: str) -> Optional[Dict[str, Any]]:
+    for r in records:
+        if (r.get("kind") == "vit" and r.get("label") == label and r.get("size") == size
+                and r.get("mode", "eager") == mode and "skipped" not in r):
+            return r
+    return None
 
 
 def evaluate_targets(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The targets of issue 5, each with the measured value, the bound and whether it is met (None: not measured)."""
+    """The performance targets, each with the measured value, the bound and whether it is met (None: not measured).
+
+    CPU runs: the targets of the CPU cost work; GPU runs: the encoding table against the floor ``q * c, k * c`` and
+    the ViT-B/16 training step against the absolute-embedding ViT (eager and compiled) and against timm's.
+    """
     out: List[Dict[str, Any]] = []
 
     def add(target: str, case: str, value: Optional[float], bound: float, unit: str, lower_is_better: bool = True):
         met = None if value is None else (value <= bound if lower_is_better else value >= bound)
         out.append({"target": target, "case": case, "value": value, "bound": bound, "unit": unit, "met": met})
+
+    if _on_gpu(records):
+        for case in ("grid2d", "rgbd3d"):
+            for label, bound in (("axial", 1.5), ("mixed", 1.5), ("cayley", 2.0), ("circulant", 2.0),
+                                 ("comrope-ap (b=8)", 2.0), ("comrope-ld (b=8)", 2.0), ("liere-commute", 2.0),
+                                 ("fused kernel (mixed freqs)", 1.5)):
+                r = _find(records, label, case)
+                add(f"{label} fwd+bwd <= {bound:g}x floor (q*c, k*c)", case, r and r["x_floor"], bound, "x floor")
+                add(f"{label} fwd+bwd <= {bound:g}x floor (q*c, k*c), GPU time", case, r and r.get("x_floor_gpu"),
+                    bound, "x floor")
+        for mode in ("eager", "compiled"):
+            for pe in ("axial", "mixed", "cayley", "circulant", "comrope-ld"):
+                r = _vit_find(records, pe, "base", mode)
+                add(f"ViT-B/16 step with {pe} <= 1.05x absolute embedding ({mode})", "vit-base",
+                    r and r["x_absolute"], 1.05, "x absolute")
+            timm = next((r for r in records if r.get("kind") == "vit" and str(r.get("label", "")).startswith("timm")
+                         and r.get("mode") == mode and "skipped" not in r), None)
+            # the timm row is timed against ropekit's absolute-embedding ViT: its inverse ratio is ropekit / timm
+            add(f"ropekit absolute-embedding ViT-B step <= timm's ({mode})", "vit-base",
+                timm and 1.0 / timm["x_absolute"], 1.0, "x timm")
+        return out
 
     for case in ("grid2d", "rgbd3d"):
         for label in ("axial", "mixed"):
@@ -74,12 +113,17 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
         if meta.get("load_avg_start"):
             load = (f"; load average (1, 5, 15 min) {meta['load_avg_start']} at the start, "
                     f"{meta.get('load_avg_end')} at the end")
-        clock = ("process CPU time" if meta.get("clock") == "cpu" else "wall-clock time")
-        lines += [f"Machine: {meta.get('cpu')}, {meta.get('cpus')} cores visible, {meta.get('threads')} torch threads, "
-                  f"torch {meta.get('torch')}{load}; times are {clock}" + (" (quick run)" if meta.get("quick") else ""),
-                  ""]
+        clock = {"cpu": "process CPU time", "cuda events": "CUDA-event time of each call after a synchronisation"}.get(
+            meta.get("clock"), "wall-clock time")
+        gpu = ""
+        if meta.get("gpu"):
+            gpu = (f"GPU {meta['gpu']} (compute capability {meta.get('capability')}, CUDA {meta.get('cuda')}, Triton "
+                   f"{meta.get('triton', '–')}, TF32 matmul {'on' if meta.get('tf32_matmul') else 'off'}); host ")
+        lines += [f"Machine: {gpu}{meta.get('cpu')}, {meta.get('cpus')} cores visible, {meta.get('threads')} torch "
+                  f"threads, torch {meta.get('torch')}{load}; times are {clock}"
+                  + (" (quick run)" if meta.get("quick") else ""), ""]
     for case in ("grid2d", "rgbd3d"):
-        rows = [r for r in records if r.get("case") == case and r.get("kind") == "pe"]
+        rows = [r for r in records if r.get("case") == case and r.get("kind") in ("pe", "kernel")]
         if not rows:
             continue
         ok = [r for r in rows if "skipped" not in r]
@@ -87,12 +131,23 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
             continue
         floor = sorted(r["floor_fwdbwd_ms"] for r in ok)[len(ok) // 2]
         sdpa = sorted(r["sdpa_fwdbwd_ms"] for r in ok)[len(ok) // 2]
+        floor_name = "q*c, k*c" if _on_gpu(records) else "q*k"
         lines += [f"### Encoding alone, {_case_title(case, ok[0])}", "",
-                  f"References (medians over the rows' rounds): elementwise floor q*k fwd+bwd {floor:.2f} ms, "
+                  f"References (medians over the rows' rounds): elementwise floor {floor_name} fwd+bwd {floor:.2f} ms, "
                   f"SDPA fwd+bwd {sdpa:.2f} ms. Every ratio below uses the references timed in the same rounds "
                   f"as its row: medians, and (min) the ratio of the fastest rounds, less sensitive to other jobs on "
-                  f"a shared machine.", "",
-                  "| encoding | fwd ms | fwd+bwd ms | x none | x floor | % of SDPA | x floor (min) | % of SDPA (min) "
+                  f"a shared machine.", ""]
+        if any("fwdbwd_gpu_ms" in r for r in ok):
+            lines += ["GPU time alone (host overhead hidden behind a queued GPU sleep; medians):", "",
+                      "| encoding | fwd GPU ms | fwd+bwd GPU ms | x floor (GPU) | % of SDPA (GPU) | floor GPU ms |",
+                      "|---|---:|---:|---:|---:|---:|"]
+            for r in ok:
+                if "fwdbwd_gpu_ms" in r:
+                    lines.append(f"| {r['label']} | {r['fwd_gpu_ms']:.3f} | {r['fwdbwd_gpu_ms']:.3f} | "
+                                 f"{r['x_floor_gpu']:.2f} | {100 * r['frac_sdpa_gpu']:.1f}% | "
+                                 f"{r['floor_fwdbwd_gpu_ms']:.3f} |")
+            lines += ["", "Latency (each call after a synchronisation, host overhead included):", ""]
+        lines += ["| encoding | fwd ms | fwd+bwd ms | x none | x floor | % of SDPA | x floor (min) | % of SDPA (min) "
                   "| peak MB | saved MB |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
@@ -139,29 +194,47 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
 
     vit = [r for r in records if r.get("kind") == "vit"]
     if vit:
-        sizes = sorted({r["size"] for r in vit}, key=["tiny", "small", "base"].index)
-        head = " | ".join(f"{s} step ms | {s} x absolute" for s in sizes)
+        order = ["tiny", "small", "base"]
+        cols = sorted({(r["size"], r.get("mode", "eager")) for r in vit},
+                      key=lambda sm: (order.index(sm[0]), sm[1] != "eager"))
+
+        def name(sm):
+            return sm[0] if sm[1] == "eager" else f"{sm[0]} {sm[1]}"
+
+        head = " | ".join(f"{name(c)} step ms | {name(c)} x absolute" for c in cols)
         desc = "; ".join(f"{s}: batch {r['batch']}, {r['image_size']}x{r['image_size']} images, {r['tokens']} tokens"
-                         for s in sizes for r in [next(v for v in vit if v["size"] == s)])
+                         for s in dict.fromkeys(c[0] for c in cols) for r in [next(v for v in vit if v["size"] == s)])
+        dtype = meta.get("dtype", "fp32")
+        extra = (f", {dtype} autocast" if dtype != "fp32" else "") + (", fused AdamW" if _on_gpu(records) else "")
         lines += ["### Training step of the ViT (forward, loss, backward, AdamW) against the absolute-embedding ViT",
-                  "", f"{desc}. The absolute-embedding step is timed in alternation with each encoding's.", "",
-                  f"| encoding | {head} |", "|---|" + "---:|---:|" * len(sizes)]
+                  "", f"{desc}{extra}. The absolute-embedding step is timed in alternation with each row's (for "
+                  "`compiled`, both models under torch.compile); a timm row is timm's model of the same shape "
+                  "against ropekit's absolute-embedding ViT.", "",
+                  f"| encoding | {head} |", "|---|" + "---:|---:|" * len(cols)]
         for pe in dict.fromkeys(r["pe"] for r in vit):
             cells = []
-            for s in sizes:
-                r = next((v for v in vit if v["pe"] == pe and v["size"] == s), None)
+            for s, mode in cols:
+                r = next((v for v in vit if v["pe"] == pe and v["size"] == s and v.get("mode", "eager") == mode), None)
                 if r is None or "skipped" in r:
                     cells += ["–", "–"]
                 else:
                     cells += [f"{r['step_ms']:.1f}", f"{r['x_absolute']:.2f}"]
             lines.append(f"| {pe} | " + " | ".join(cells) + " |")
+        ref = [r for r in vit if "absolute_step_ms" in r]
+        for s, mode in cols:
+            v = sorted(r["absolute_step_ms"] for r in ref if r["size"] == s and r.get("mode", "eager") == mode)
+            if v:
+                lines.append(f"\nAbsolute-embedding ViT ({name((s, mode))}): median {v[len(v) // 2]:.1f} ms per step.")
+        for r in vit:
+            if "skipped" in r:
+                lines.append(f"\n*{r['label']}* ({r['size']} {r.get('mode', 'eager')}) not run: {r['skipped']}")
         lines.append("")
 
     targets = evaluate_targets(records)
     if targets:
-        lines += ["### Targets (issue 5)", "", "| target | case | measured | bound | met |", "|---|---|---:|---:|---|"]
+        lines += ["### Targets", "", "| target | case | measured | bound | met |", "|---|---|---:|---:|---|"]
         for t in targets:
-            if t["unit"] == "of SDPA" or t["unit"] == "of dense":
+            if t["unit"] in ("of SDPA", "of dense"):
                 val = _f(None if t["value"] is None else 100 * t["value"], "{:.1f}%")
                 bound = f"{100 * t['bound']:.0f}%"
             else:

@@ -1,11 +1,12 @@
-"""Training and evaluation of :class:`~ropekit.detection.model.Detector3D` on a :class:`SceneSet` (SPEC §6.8).
+"""Training and evaluation of :class:`~ropekit.detection.model.Detector3D` on a :class:`SceneSet`.
 
 Shape legend: ``B`` images, ``M`` predictions (patch tokens) per image, ``T`` padded targets per image.
 
-* Training: AdamW (no weight decay on norms, biases, encoding parameters and the depth lift), linear warm-up
-  then cosine decay, gradient clipping, the Hungarian set loss :func:`~ropekit.detection.detection_loss`.
+* Training: the shared engine (:func:`ropekit.train.engine.fit`: AdamW without weight decay on norms, biases,
+  encoding parameters and the depth lift, linear warm-up then cosine decay, gradient clipping, mixed precision,
+  DDP, exact resume) with the Hungarian set loss :func:`~ropekit.detection.detection_loss`.
   Each training image contributes at most ``max_train_objects`` objects, drawn at random every time it is
-  seen (SPEC §6.8); the remaining objects are simply absent from that step's targets.
+  seen; the remaining objects are simply absent from that step's targets.
 * Evaluation uses every object: :class:`~ropekit.detection.DetectionEvaluator` (AP at 3-D IoU thresholds
   and the mean IoU of Hungarian-matched pairs; Monte Carlo IoU with ``iou_samples`` points per predicted box
   and a fixed generator seed).
@@ -14,21 +15,23 @@ Shape legend: ``B`` images, ``M`` predictions (patch tokens) per image, ``T`` pa
 from __future__ import annotations
 
 import math
-import random
-import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..train import engine
+from ..train.engine import seed_everything
 from .boxes import rotation_from_6d
 from .matching import DetectionEvaluator, DetectionLossConfig, detection_loss, hungarian_match
 from .model import Detector3D
 from .scenes import SceneDataset, SceneSet, collate_detection
 
-__all__ = ["DetTrainConfig", "scene_batch", "mean_box", "build_optimizer", "train_detector", "evaluate_detector",
+__all__ = ["DetTrainConfig", "DetectionTask", "batch_indices", "scene_batch", "mean_box", "build_optimizer",
+           "train_detector", "evaluate_detector",
            "matched_errors", "predict", "seed_everything"]
 
 Batch = Tuple[Tensor, Tensor, Dict[str, Tensor]]
@@ -45,7 +48,7 @@ class DetTrainConfig:
     weight_decay: float = 0.05
     warmup_steps: int = 30
     grad_clip: float = 1.0
-    max_train_objects: int = 4  # objects per training image sampled each step (SPEC §6.8); all at evaluation
+    max_train_objects: int = 4  # objects per training image sampled each step; all at evaluation
     class_weight: float = 1.0
     box_weight: float = 5.0
     corner_weight: float = 5.0
@@ -65,12 +68,6 @@ class DetTrainConfig:
         d = asdict(self)
         d["iou_thresholds"] = list(self.iou_thresholds)
         return d
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def scene_batch(scenes: SceneSet, index: Sequence[int], max_targets: Optional[int] = None) -> Batch:
@@ -94,85 +91,116 @@ def mean_box(scenes: SceneSet) -> Tensor:
 
 def build_optimizer(model: nn.Module, cfg: DetTrainConfig) -> torch.optim.AdamW:
     """AdamW; no weight decay for ``model.no_weight_decay()`` names and every parameter with < 2 dimensions."""
-    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    named = dict(model.named_parameters(remove_duplicate=False))
-    skip_ids = {id(named[n]) for n in skip if n in named}
-    decay, no_decay, seen = [], [], set()
-    for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (no_decay if id(p) in skip_ids or p.ndim < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr)
+    return engine.build_optimizer(model, cfg.lr, cfg.weight_decay)
 
 
-def _lr_factor(cfg: DetTrainConfig) -> Callable[[int], float]:
-    total, warm = max(1, cfg.steps), min(cfg.warmup_steps, max(0, cfg.steps - 1))
-    floor = min(1.0, cfg.min_lr / cfg.lr)
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / (warm + 1)
-        t = (step - warm) / max(1, total - warm)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
-
-    return factor
-
-
-def train_detector(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,
-                   log: Optional[Callable[[Dict[str, float]], None]] = None) -> List[Dict[str, float]]:
-    """Train ``model`` in place for ``cfg.steps`` steps on random batches of ``scenes``.
-
-    Batches are drawn by epochs of a random permutation (seeded by ``cfg.seed``).  Returns one row per
-    ``cfg.log_every`` steps (and the last step) with the mean losses since the previous row, the learning rate
-    and the elapsed seconds; ``log`` is called with each row.
-    """
-    loss_cfg = cfg.loss_config(model.num_classes)
-    opt = build_optimizer(model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(cfg))
+def batch_indices(n: int, cfg: DetTrainConfig) -> List[List[int]]:
+    """The scene indices of every training step: consecutive slices of random permutations of the ``n`` scenes
+    (a new permutation whenever one is used up), seeded by ``cfg.seed``; ``min(batch_size, n)`` or a few more
+    per step (a step that crosses into a new permutation takes up to ``batch_size`` from it)."""
     rng = np.random.default_rng(cfg.seed)
-    n = len(scenes)
-    if n == 0:
-        raise ValueError("no training scenes")
     order, pos = rng.permutation(n), 0
-    rows: List[Dict[str, float]] = []
-    acc: Dict[str, float] = {}
-    count = 0
-    t0 = time.perf_counter()
-    model.train()
-    for step in range(cfg.steps):
-        idx = []
+    out: List[List[int]] = []
+    for _ in range(cfg.steps):
+        idx: List[int] = []
         while len(idx) < min(cfg.batch_size, n):
             if pos == n:
                 order, pos = rng.permutation(n), 0
             take = min(cfg.batch_size - len(idx), n - pos)
             idx.extend(order[pos:pos + take].tolist())
             pos += take
-        images, K, tg = scene_batch(scenes, idx, cfg.max_train_objects)
+        out.append(idx)
+    return out
+
+
+class DetectionTask:
+    """The Hungarian set loss of :class:`Detector3D` on a :class:`SceneSet`, for :func:`ropekit.train.engine.fit`.
+
+    An epoch is ``cfg.log_every`` steps (one metrics row each). Under DDP each rank takes every ``world_size``-th
+    scene of the step's global batch. The sampled training objects (``max_train_objects``) come from the global
+    torch RNG, saved with every checkpoint.
+    """
+
+    name = "detect3d"
+    find_unused_parameters = True  # (heads of absent inputs, e.g. the intrinsics conditioning, may get no gradient)
+
+    def __init__(self, model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,
+                 log: Optional[Callable[[Dict[str, float]], None]] = None) -> None:
+        if len(scenes) == 0:
+            raise ValueError("no training scenes")
+        self.model, self.scenes, self.cfg, self.log = model, scenes, cfg, log
+        self.loss_cfg = cfg.loss_config(model.num_classes)
+        self.index = batch_indices(len(scenes), cfg)  # steps lists of B indices
+        self.epochs = math.ceil(cfg.steps / cfg.log_every)
+
+    def epoch_batches(self, epoch: int, ctx: Any) -> List[List[int]]:
+        lo, hi = epoch * self.cfg.log_every, min((epoch + 1) * self.cfg.log_every, self.cfg.steps)
+        return [self.index[s][ctx.rank::ctx.world_size] for s in range(lo, hi)]
+
+    def loss(self, model: nn.Module, batch: List[int], device: torch.device) -> Tuple[Tensor, Dict[str, float]]:
+        images, K, tg = scene_batch(self.scenes, batch, self.cfg.max_train_objects)
+        images, K = images.to(device), K.to(device)
+        tg = {k: v.to(device) for k, v in tg.items()}
         out = model(images, K)
-        losses = detection_loss(out["logits"], out["boxes"], tg["labels"], tg["boxes"], tg["mask"], loss_cfg)
-        loss = losses["loss"]
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite detection loss at step {step}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        sched.step()
-        for k in ("loss", "loss_class", "loss_box", "loss_corners"):
-            acc[k] = acc.get(k, 0.0) + float(losses[k].detach())
-        count += 1
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            row = {"step": step + 1, **{k: v / count for k, v in acc.items()},
-                   "lr": opt.param_groups[0]["lr"], "seconds": time.perf_counter() - t0}
-            rows.append(row)
-            if log is not None:
-                log(row)
-            acc, count = {}, 0
+        losses = detection_loss(out["logits"].float(), out["boxes"].float(), tg["labels"], tg["boxes"], tg["mask"],
+                                self.loss_cfg)
+        return losses["loss"], {k: float(losses[k].detach()) for k in ("loss", "loss_class", "loss_box",
+                                                                        "loss_corners")} | {"count": 1.0}
+
+    def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: Any) -> Dict[str, float]:
+        keys = ("loss", "loss_class", "loss_box", "loss_corners", "count")
+        totals = dict(zip(keys, ctx.all_reduce_sum([sums.get(k, 0.0) for k in keys])))
+        count = max(totals.pop("count"), 1.0)
+        row = {"step": info["global_step"], **{k: v / count for k, v in totals.items()}, "lr": info["lr"],
+               "seconds": info["elapsed"]}
+        if self.log is not None and ctx.is_main:
+            self.log(row)
+        return row
+
+    def summary(self, history: List[Dict[str, Any]]) -> Dict[str, Any]:
+        return {"steps": history[-1]["step"] if history else 0, "loss": history[-1]["loss"] if history else None}
+
+
+def train_detector(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,
+                   log: Optional[Callable[[Dict[str, float]], None]] = None, *,
+                   out_dir: Optional[Union[str, Path]] = None, resume: bool = False,
+                   options: Optional[engine.EngineOptions] = None) -> List[Dict[str, float]]:
+    """Train ``model`` in place for ``cfg.steps`` steps on random batches of ``scenes``.
+
+    Batches are drawn by epochs of a random permutation (seeded by ``cfg.seed``, :func:`batch_indices`).  Returns
+    one row per ``cfg.log_every`` steps (and the last step) with the mean losses since the previous row, the
+    learning rate and the elapsed seconds; ``log`` is called with each row. The loop is the shared engine
+    (:func:`ropekit.train.engine.fit`), so the run can be distributed (``torchrun``), mixed-precision or compiled
+    through ``options``, and, with ``out_dir``, checkpointed and resumed exactly (``resume=True``).
+
+    Args:
+        out_dir: run folder for ``checkpoint.pt``, ``config.json``, ``metrics.csv``, ``curves.png``.
+        options: device (default CPU, and the model comes back on its original device), precision, compile...
+
+    Raises:
+        ValueError: no training scenes. NonFiniteLossError (a ``FloatingPointError``): the loss became NaN / Inf.
+    """
+    opts = options or engine.EngineOptions(device="cpu", progress=False, tensorboard=False)
+    home = next(model.parameters()).device
+    task = DetectionTask(model, scenes, cfg, log)
+    schedule = engine.Schedule(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, min_lr=cfg.min_lr,
+                               weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
+    config = {"train": cfg.to_dict(), "model": _model_config(model), "scenes": len(scenes)}
+    res = engine.fit(task, schedule, task.epochs, options=opts, run_dir=out_dir, resume=resume,
+                     config_doc=config, checkpoint_extra={"det_train_config": cfg.to_dict()}, quiet=True)
+    model.to(home)
     model.eval()
-    return rows
+    if res.interrupted:
+        raise KeyboardInterrupt(f"detector training interrupted; checkpoint saved in {out_dir}")
+    return res.history
+
+
+def _model_config(model: nn.Module) -> Optional[Dict[str, Any]]:
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    to_dict = getattr(cfg, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    return asdict(cfg) if cfg is not None and hasattr(cfg, "__dataclass_fields__") else None
 
 
 @torch.no_grad()

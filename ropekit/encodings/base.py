@@ -171,6 +171,28 @@ class PositionEncoding(nn.Module):
         """Names (relative to this module) of learnable parameters to exclude from weight decay."""
         return {name for name, p in self.named_parameters() if p.requires_grad}
 
+    def reset_parameters(self) -> None:
+        """Re-initialise parameters and derived buffers exactly as the constructor does (same random draws).
+
+        Makes ``with torch.device("meta"): pe = create_pe(...)``, ``pe.to_empty(device=...)``,
+        ``pe.reset_parameters()`` equal to an eager build with the same seed. Subclasses with state define
+        ``_init_weights()`` (called by their constructor too); an encoding without any needs nothing.
+
+        Raises:
+            NotImplementedError: if the encoding holds tensors but defines no ``_init_weights``.
+        """
+        init = getattr(self, "_init_weights", None)
+        if init is None:
+            if any(True for _ in self.parameters()) or any(True for _ in self.buffers()):
+                raise NotImplementedError(f"{type(self).__name__} cannot re-initialise its tensors")
+            return
+        with torch.no_grad():
+            init()
+
+    def num_effective_parameters(self) -> int:
+        """Learnable numbers that reach the encoding (LieRE stores entries its generators never use)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, coord_dim={self.coord_dim}, num_heads={self.num_heads}, "
                 f"per_head={self.per_head}")

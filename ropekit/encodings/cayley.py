@@ -1,9 +1,13 @@
 """Cayley-STRING: ``R(r) = RoPE-Mixed(r) . P`` with a learnable orthogonal ``P = (I - S)(I + S)^-1``.
 
-``S = A - A^T`` (optionally restricted to a band ``|i - j| <= band``); ``A`` starts at zero, so the encoding
-starts as RoPE-Mixed. ``P`` comes from one factorised solve per forward (``solve_ex``), shared by q, k and
-every token, and is applied as a matrix product. The commuting generators it implies are
-``L_k = P^T J_k P`` (``J_k`` the RoPE-Mixed generators): ``R(r) = P expm(sum_k r_k L_k)``.
+``S`` is skew-symmetric, stored by its free entries (the strict upper triangle, ``d (d - 1) / 2`` numbers per
+parameter head; with ``band`` only the entries with ``0 < j - i <= band``); they start at zero, so the
+encoding starts as RoPE-Mixed. ``P`` comes from one factorised solve per forward (``solve_ex``), shared by q,
+k and every token, and is applied as a matrix product. The commuting generators it implies are
+``L_k = P^T J_k P`` (``J_k`` the RoPE-Mixed generators): ``R(r) = P expm(sum_k r_k L_k)`` (``P`` on the left).
+
+Checkpoints that stored a full ``d x d`` matrix ``A`` with ``S = A - A^T`` load unchanged: the state-dict hook
+converts ``A`` to the free entries of ``S`` (``skew.full_to_free``), so the encoding computes the same function.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import basis_change, cayley_transform, rotate_pairs, skew
+from .functional import basis_change, cayley_transform, rotate_pairs
 from .rope import MixedRoPE
+from .skew import free_to_skew, full_to_free, num_free
 
 __all__ = ["CayleySTRING"]
 
@@ -23,22 +28,22 @@ class CayleySTRING(MixedRoPE):
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 100.0,
                  per_head: bool = False, band: int | None = None, freqs: Tensor | None = None) -> None:
+        if band is not None and not 1 <= band < head_dim:
+            raise ValueError(f"cayley band must be in [1, {head_dim - 1}], got {band}")
         super().__init__(head_dim, coord_dim, num_heads, base=base, per_head=per_head, freqs=freqs)
-        self.cayley_params = nn.Parameter(torch.zeros(self.param_heads, head_dim, head_dim))
         self.band = band
-        if band is not None:
-            if not 1 <= band < head_dim:
-                raise ValueError(f"cayley band must be in [1, {head_dim - 1}], got {band}")
-            i = torch.arange(head_dim)
-            mask = ((i[None, :] - i[:, None]) > 0) & ((i[None, :] - i[:, None]) <= band)
-            self.register_buffer("band_mask", mask.float(), persistent=False)
+        self.cayley_params = nn.Parameter(torch.zeros(self.param_heads, num_free(head_dim, band)))  # (Hp, F)
+
+    def _init_weights(self) -> None:
+        """Frequencies as RoPE-Mixed, ``S = 0`` (``P = I``)."""
+        super()._init_weights()
+        if hasattr(self, "cayley_params") and not self.cayley_params.is_meta:
+            with torch.no_grad():
+                self.cayley_params.zero_()
 
     def skew_matrix(self) -> Tensor:
-        """``S`` of shape ``(Hp, d, d)``."""
-        a = self.cayley_params
-        if self.band is not None:
-            a = a * self.band_mask
-        return skew(a)
+        """``S`` of shape ``(Hp, d, d)``, from the free entries."""
+        return free_to_skew(self.cayley_params, self.head_dim, self.band)
 
     def post_rotation_matrix(self) -> Tensor:
         return cayley_transform(self.skew_matrix()).expand(self.num_heads, -1, -1)
@@ -54,13 +59,28 @@ class CayleySTRING(MixedRoPE):
         return rotate_pairs(x, cos, sin)
 
     def generators(self) -> Tensor:
+        """``L_k = P^T J_k P`` (``J_k`` the RoPE-Mixed generators): ``R(r) = P expm(sum_k r_k L_k)``.
+
+        ``P`` multiplies on the left here, unlike relaxed STRING's ``R_STR(r) P_sp``: with these generators
+        ``R(r)^T R(s) = R_STR(s - r)`` exactly, which is what the invariance diagnostics compare against.
+        """
         p = self.post_rotation_matrix()  # (H, d, d)
         j = super().generators()  # (H, c, d, d)
         return p.transpose(-1, -2).unsqueeze(1) @ j @ p.unsqueeze(1)
 
     def to_rope(self) -> tuple[Tensor, Tensor]:
         """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: the Cayley rotation and the mixed
-        frequencies (``R(r) = RoPE(r) P`` exactly). ``(H, d, d)``, ``(H, c, d/2)``, detached."""
-        with torch.no_grad():
-            p = cayley_transform(self.skew_matrix().double()).to(self.cayley_params.dtype)
-        return p.expand(self.num_heads, -1, -1), self.freqs.detach().expand(self.num_heads, -1, -1)
+        frequencies (``R(r) = RoPE(r) P`` exactly). ``(H, d, d)``, ``(H, c, d/2)``, differentiable in the
+        parameters (the rotation is solved in float64 and cast back)."""
+        p = cayley_transform(self.skew_matrix().double()).to(self.cayley_params.dtype)
+        return p.expand(self.num_heads, -1, -1), self.freqs.expand(self.num_heads, -1, -1)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        key = prefix + "cayley_params"
+        old = state_dict.get(key)
+        d = self.head_dim
+        if isinstance(old, Tensor) and old.dim() == 3 and old.shape[-2:] == (d, d):  # full-matrix checkpoint
+            state_dict[key] = full_to_free(old, self.band, masked=self.band is not None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)

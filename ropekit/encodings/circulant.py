@@ -98,16 +98,23 @@ class CirculantSTRING(PositionEncoding):
         b = head_dim if block_size is None else block_size
         if b < 3 or head_dim % b:
             raise ValueError(f"circulant block_size must divide head_dim={head_dim} and be >= 3, got {b}")
-        self.block_size = b
-        nb = head_dim // b
+        self.block_size, self.base = b, base
+        self.circ_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, head_dim // b, b))
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        if self.circ_params.is_meta:
+            return
+        hp, c, nb, b = self.circ_params.shape
         nf = b // 2 + 1  # rfft modes
         usable = (b - 1) // 2  # modes 1 .. usable rotate; DC (and Nyquist for even b) never do
         # Initialise so that the mode frequencies lambda have RoPE-Mixed's scale: rfft(c) = i lambda / 2.
-        lam = torch.zeros(self.param_heads, coord_dim, nb, nf)
-        init = mixed_frequencies(2 * nb * usable, coord_dim, self.param_heads, base)  # (Hp, c, nb*usable)
-        lam[..., 1:1 + usable] = init.reshape(self.param_heads, coord_dim, nb, usable)
+        lam = torch.zeros(hp, c, nb, nf)
+        init = mixed_frequencies(2 * nb * usable, c, hp, self.base)  # (Hp, c, nb*usable)
+        lam[..., 1:1 + usable] = init.reshape(hp, c, nb, usable)
         col = torch.fft.irfft(torch.complex(torch.zeros_like(lam), lam / 2), n=b)  # (Hp, c, nb, b)
-        self.circ_params = nn.Parameter(col)
+        with torch.no_grad():
+            self.circ_params.copy_(col)
 
     def mode_frequencies(self, dtype: torch.dtype | None = None) -> Tensor:
         """``lambda = 2 Im(rfft(c))``: ``(Hp, c, nb, b//2 + 1)``."""

@@ -15,7 +15,15 @@ coinciding eigenvalues). No per-token matrix exponential, no dense ``d x d`` sca
 
 Initialisation ``init="rope"`` (default) makes the encoding start as axial RoPE (each block holds ``b/2``
 RoPE planes of its axis); ``init="zero"`` starts at the identity (for fine-tuning a model trained
-without it).
+without it); ``init="normal"`` is the authors' random start: full bases ``B_j`` with entries drawn from
+``N(0, init_std^2)`` (``K_j = B_j - B_j^T``) and, for ComRoPE-LD, axis weights from ``N(0, 1)``. The authors'
+``init_std = 1`` goes with coordinates normalised to ``[0, 1]`` over the image; with integer grid coordinates
+scale it down by the grid size.
+
+Parameters: each block's skew generator ``K_j`` is stored by its ``b (b - 1) / 2`` free entries (the strict upper
+triangle), not as a full ``B_j`` with ``K_j = B_j - B_j^T`` (which counts and steps every free entry twice).
+Checkpoints holding the full ``(Hp, nb, b, b)`` bases load unchanged: the state-dict hook converts them
+(``skew.full_to_free``).
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import _block_diag, block_apply, scaled_block_exp_matrices, skew, skew_real_schur
+from .expm import block_apply, scaled_block_exp
+from .functional import _block_diag
+from .skew import free_to_skew, full_to_free, num_free, real_schur
 
 __all__ = ["ComRoPEAP", "ComRoPELD"]
 
@@ -47,23 +57,46 @@ def _rope_block_bases(head_dim: int, coord_dim: int, block_size: int, base: floa
 
 class _ComRoPE(PositionEncoding):
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int, block_size: int, init: str, base: float,
-                 per_head: bool) -> None:
+                 per_head: bool, init_std: float = 1.0) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
         if block_size < 2 or block_size % 2 or head_dim % block_size:
             raise ValueError(f"{self.name}: block_size must be even and divide head_dim={head_dim}, got {block_size}")
-        if init not in ("rope", "zero"):
-            raise ValueError(f"{self.name}: init must be 'rope' or 'zero', got {init!r}")
+        if init not in ("rope", "zero", "normal"):
+            raise ValueError(f"{self.name}: init must be 'rope', 'zero' or 'normal', got {init!r}")
         self.block_size = block_size
         self.num_blocks = head_dim // block_size
-        bases = _rope_block_bases(head_dim, coord_dim, block_size, base) if init == "rope" else \
-            torch.zeros(self.num_blocks, block_size, block_size)
-        self.block_params = nn.Parameter(bases.unsqueeze(0).repeat(self.param_heads, 1, 1, 1))  # (Hp, nb, b, b)
-        owner = torch.arange(self.num_blocks) % coord_dim
-        self.register_buffer("block_axis", owner, persistent=False)
+        self.init, self.base, self.init_std = init, base, float(init_std)
+        self.block_params = nn.Parameter(torch.empty(self.param_heads, self.num_blocks, num_free(block_size)))
+        self.register_buffer("block_axis", torch.arange(self.num_blocks) % coord_dim, persistent=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """Bases as RoPE, zero or random (``init``); ``block_axis`` (a derived buffer) refilled."""
+        if self.block_params.is_meta:
+            return
+        with torch.no_grad():
+            self.block_axis.copy_(torch.arange(self.num_blocks) % self.coord_dim)
+            if self.init == "rope":
+                bases = full_to_free(_rope_block_bases(self.head_dim, self.coord_dim, self.block_size, self.base))
+                self.block_params.copy_(bases)  # (nb, F) broadcast over parameter heads
+            elif self.init == "normal":  # the authors' full bases, reduced to the free entries of B - B^T
+                hp, nb, b = self.param_heads, self.num_blocks, self.block_size
+                self.block_params.copy_(full_to_free(torch.randn(hp, nb, b, b) * self.init_std))
+            else:
+                self.block_params.zero_()
 
     def block_generators(self) -> Tensor:
-        """``K_j = B_j - B_j^T``: ``(Hp, nb, b, b)``."""
-        return skew(self.block_params)
+        """``K_j`` from the free entries: ``(Hp, nb, b, b)``."""
+        return free_to_skew(self.block_params, self.block_size)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        key, b = prefix + "block_params", self.block_size
+        old = state_dict.get(key)
+        if isinstance(old, Tensor) and old.dim() == 4 and old.shape[-2:] == (b, b):  # full-matrix checkpoint
+            state_dict[key] = full_to_free(old)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def block_scales(self, coords: Tensor) -> Tensor:
         """``s_j(r)``: ``(Hp, M, nb)`` for ``(M, c)`` coords, ``(B, Hp, M, nb)`` per example."""
@@ -75,7 +108,7 @@ class _ComRoPE(PositionEncoding):
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
         # (1 | B, Hp, M, nb, b, b): once per forward, shared by q and k
-        return scaled_block_exp_matrices(self.block_scales(coords), self.block_generators().to(dtype))
+        return scaled_block_exp(self.block_scales(coords), self.block_generators().to(dtype))
 
     def _transform(self, x: Tensor, blocks: Tensor) -> Tensor:
         return block_apply(blocks, x)
@@ -84,15 +117,16 @@ class _ComRoPE(PositionEncoding):
         """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` (here ``R(r) = P^T RoPE_freqs(r) P``).
 
         Each block generator is brought to real block-diagonal form, ``K_j = Q_j blockdiag_n(mu_{j,n} J) Q_j^T``
-        (``functional.skew_real_schur``: zero and repeated eigenvalues included), so ``P = blockdiag_j(Q_j^T)``
-        and pair ``n`` of block ``j`` turns with frequency ``lambda_{k,j} mu_{j,n}`` along axis ``k``.
-        Returns ``(H, d, d)`` and ``(H, c, d/2)``, detached.
+        (``skew.real_schur``: zero and repeated eigenvalues included), so ``P = blockdiag_j(Q_j^T)`` and pair
+        ``n`` of block ``j`` turns with frequency ``lambda_{k,j} mu_{j,n}`` along axis ``k``. Returns
+        ``(H, d, d)`` and ``(H, c, d/2)``, differentiable in the parameters (computed in float64, cast back);
+        the gradient is exact where each block's eigenvalues are distinct and non-zero (the RoPE
+        initialisation), see ``skew.real_schur``.
         """
-        with torch.no_grad():
-            q, mu = skew_real_schur(self.block_generators().double())  # (Hp, nb, b, b), (Hp, nb, b/2)
-            lam = self._axis_weights().double()  # (Hp, c, nb)
-            freqs = (lam.unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, nb * b/2)
-            p = _block_diag(q.transpose(-1, -2))  # (Hp, d, d)
+        q, mu = real_schur(self.block_generators().double())  # (Hp, nb, b, b), (Hp, nb, b/2)
+        lam = self._axis_weights().double()  # (Hp, c, nb)
+        freqs = (lam.unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, nb * b/2)
+        p = _block_diag(q.transpose(-1, -2))  # (Hp, d, d)
         dtype = self.block_params.dtype
         return (p.to(dtype).expand(self.num_heads, -1, -1), freqs.to(dtype).expand(self.num_heads, -1, -1))
 
@@ -106,13 +140,13 @@ class ComRoPEAP(_ComRoPE):
     name = "comrope-ap"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int = 8,
-                 init: str = "rope", base: float = 10000.0, per_head: bool = False) -> None:
+                 init: str = "rope", base: float = 10000.0, per_head: bool = False, init_std: float = 1.0) -> None:
         if block_size > 0 and head_dim % block_size == 0 and (head_dim // block_size) % coord_dim:
             raise ValueError(
                 f"comrope-ap needs head_dim / block_size to be a multiple of coord_dim: {head_dim} / {block_size} = "
                 f"{head_dim // block_size} blocks cannot be split evenly over {coord_dim} axes"
             )
-        super().__init__(head_dim, coord_dim, num_heads, block_size, init, base, per_head)
+        super().__init__(head_dim, coord_dim, num_heads, block_size, init, base, per_head, init_std)
 
     def _axis_weights(self) -> Tensor:
         lam = torch.zeros(self.param_heads, self.coord_dim, self.num_blocks, device=self.block_params.device,
@@ -129,11 +163,28 @@ class ComRoPELD(_ComRoPE):
     name = "comrope-ld"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int = 8,
-                 init: str = "rope", base: float = 10000.0, per_head: bool = False) -> None:
-        super().__init__(head_dim, coord_dim, num_heads, block_size, init, base, per_head)
-        lam = torch.zeros(self.param_heads, coord_dim, self.num_blocks)
-        lam[:, self.block_axis, torch.arange(self.num_blocks)] = 1.0  # starts axis-partitioned
-        self.axis_weights = nn.Parameter(lam)
+                 init: str = "rope", base: float = 10000.0, per_head: bool = False, init_std: float = 1.0) -> None:
+        super().__init__(head_dim, coord_dim, num_heads, block_size, init, base, per_head, init_std)
+        self.axis_weights = nn.Parameter(torch.empty(self.param_heads, coord_dim, self.num_blocks))
+        self._init_axis_weights()
+
+    def _init_weights(self) -> None:
+        """As ComRoPE-AP, then the axis weights (same random draws, in the same order, as the constructor)."""
+        super()._init_weights()
+        if hasattr(self, "axis_weights"):
+            self._init_axis_weights()
+
+    def _init_axis_weights(self) -> None:
+        """One-hot on the block's axis (starts axis-partitioned), or ``N(0, 1)`` for ``init="normal"``."""
+        lam = self.axis_weights
+        if lam.is_meta:
+            return
+        with torch.no_grad():
+            if self.init == "normal":
+                lam.copy_(torch.randn(lam.shape))
+            else:
+                lam.zero_()
+                lam[:, torch.arange(self.num_blocks) % self.coord_dim, torch.arange(self.num_blocks)] = 1.0
 
     def _axis_weights(self) -> Tensor:
         return self.axis_weights

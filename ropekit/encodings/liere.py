@@ -7,7 +7,15 @@ authors' ``2 pi``). Not translation invariant for ``c >= 2`` unless the coordina
 Fast path: the exponential depends on the coordinates and the generators only, so it is computed once
 per parameter head and token -- not once per example when the coordinates are shared by the batch,
 nor once per head when the generators are shared by heads -- and applied block by block (never as a
-dense ``d x d`` scatter of the blocks).
+dense ``d x d`` scatter of the blocks). The exponentials come from ``expm.linear_skew_expm``: the generator
+sum is formed in float64 chunk by chunk and exponentiated through one Hermitian eigendecomposition per token
+and block, which stays orthogonal to round-off at the authors' large initial generators on real grid
+coordinates (a float32 ``matrix_exp`` does not), with bounded workspace for per-example coordinates and a
+backward pass that reuses the eigenbasis.
+
+Parameters: the authors store a full ``b x b`` matrix per block and use its strict upper triangle; the
+diagonal and lower triangle never reach the encoding. ``num_effective_parameters()`` counts only the
+entries that do (``c * d (b - 1) / 2`` per parameter head).
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import _block_diag, block_apply, skew_real_schur
+from .expm import block_apply, linear_skew_expm
+from .functional import _block_diag
+from .skew import real_schur
 
 __all__ = ["LieRE"]
 
@@ -34,10 +44,24 @@ class LieRE(PositionEncoding):
         if b < 2 or head_dim % b:
             raise ValueError(f"liere block_size must divide head_dim={head_dim} and be >= 2, got {b}")
         self.block_size = b
+        self.init_scale = float(init_scale)
         nb = head_dim // b
-        self.generator_params = nn.Parameter(torch.rand(self.param_heads, coord_dim, nb, b, b) * init_scale)
+        self.generator_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, nb, b, b))
+        self._init_weights()
         if coord_dim == 1 or b == 2:
             self.commuting = True  # a single generator (or 2x2 blocks) always commutes with itself
+
+    def _init_weights(self) -> None:
+        """Raw parameters uniform in ``[0, init_scale)``, as the authors (skipped on the meta device)."""
+        p = self.generator_params
+        if not p.is_meta:
+            with torch.no_grad():
+                p.copy_(torch.rand(p.shape, dtype=p.dtype, device=p.device) * self.init_scale)
+
+    def num_effective_parameters(self) -> int:
+        """Entries that reach the generators: the strict upper triangle of every block."""
+        hp, c, nb, b, _ = self.generator_params.shape
+        return hp * c * nb * b * (b - 1) // 2
 
     def block_generators(self) -> Tensor:
         """``(Hp, c, nb, b, b)`` skew blocks ``triu(A, 1) - triu(A, 1)^T``."""
@@ -48,12 +72,12 @@ class LieRE(PositionEncoding):
         return _block_diag(self.block_generators()).expand(self.num_heads, -1, -1, -1)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
-        gen = self.block_generators().to(dtype)
-        if coords.dim() == 2:
-            g = torch.einsum("mc,hcnij->hmnij", coords, gen).unsqueeze(0)  # (1, Hp, M, nb, b, b)
-        else:
-            g = torch.einsum("bmc,hcnij->bhmnij", coords, gen)  # (B, Hp, M, nb, b, b)
-        return torch.linalg.matrix_exp(g)
+        gen = self.block_generators().to(dtype)  # (Hp, c, nb, b, b)
+        lead = coords.shape[:-1]  # (M,) or (B, M)
+        rot = linear_skew_expm(coords.reshape(-1, self.coord_dim), gen)  # (T, Hp, nb, b, b), T = [B *] M
+        rot = rot.view(*lead, *rot.shape[1:])  # ([B,] M, Hp, nb, b, b)
+        rot = rot if coords.dim() == 3 else rot.unsqueeze(0)  # (B | 1, M, Hp, nb, b, b)
+        return rot.transpose(1, 2).contiguous()  # (B | 1, Hp, M, nb, b, b)
 
     def _transform(self, x: Tensor, rot: Tensor) -> Tensor:
         return block_apply(rot, x)  # rot: (B|1, Hp, M, nb, b, b), never expanded over batch or heads
@@ -62,25 +86,25 @@ class LieRE(PositionEncoding):
         """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` -- only where LieRE commutes.
 
         With 2x2 blocks, block ``j`` of ``L_k`` is ``f J`` with ``f = L_k[j][1, 0]``: ``P = I``. With one
-        coordinate, each block generator is brought to real block-diagonal form (``skew_real_schur``).
+        coordinate, each block generator is brought to real block-diagonal form (``skew.real_schur``).
+        Differentiable in the parameters (computed in float64, cast back).
 
         Raises:
             ValueError: for ``c >= 2`` with blocks larger than 2 (the generators do not commute).
         """
-        with torch.no_grad():
-            gen = self.block_generators().double()  # (Hp, c, nb, b, b)
-            hp, c, nb, b, _ = gen.shape
-            if b == 2:
-                freqs = gen[..., 1, 0].reshape(hp, c, nb)  # (Hp, c, d/2)
-                p = torch.eye(self.head_dim, dtype=gen.dtype).expand(hp, -1, -1)
-            elif c == 1:
-                q, mu = skew_real_schur(gen[:, 0])  # (Hp, nb, b, b), (Hp, nb, b/2)
-                freqs = mu.reshape(hp, 1, -1)
-                p = _block_diag(q.transpose(-1, -2))
-            else:
-                raise ValueError(
-                    f"liere with coord_dim={c} and block_size={b} does not commute: R(r)^T R(s) depends on r and s, "
-                    f"not only on s - r, so it has no RoPE form (use block_size=2 or liere-commute)"
-                )
+        gen = self.block_generators().double()  # (Hp, c, nb, b, b)
+        hp, c, nb, b, _ = gen.shape
+        if b == 2:
+            freqs = gen[..., 1, 0].reshape(hp, c, nb)  # (Hp, c, d/2)
+            p = torch.eye(self.head_dim, dtype=gen.dtype, device=gen.device).expand(hp, -1, -1)
+        elif c == 1:
+            q, mu = real_schur(gen[:, 0])  # (Hp, nb, b, b), (Hp, nb, b/2)
+            freqs = mu.reshape(hp, 1, -1)
+            p = _block_diag(q.transpose(-1, -2))
+        else:
+            raise ValueError(
+                f"liere with coord_dim={c} and block_size={b} does not commute: R(r)^T R(s) depends on r and s, "
+                f"not only on s - r, so it has no RoPE form (use block_size=2 or liere-commute)"
+            )
         dtype = self.generator_params.dtype
         return p.to(dtype).expand(self.num_heads, -1, -1), freqs.to(dtype).expand(self.num_heads, -1, -1)

@@ -15,7 +15,7 @@ from .rope import AxialRoPE, LieRECommute, MixedRoPE, NoPE
 from .string import GeneralSTRING
 from .tensor import TensorSTRING
 
-__all__ = ["PE_REGISTRY", "create_pe", "list_pes"]
+__all__ = ["PE_REGISTRY", "PAPER_PRESETS", "create_pe", "list_pes"]
 
 PE_REGISTRY: dict[str, type[PositionEncoding]] = {
     "none": NoPE,
@@ -33,6 +33,24 @@ PE_REGISTRY: dict[str, type[PositionEncoding]] = {
 }
 
 
+# Encoding options as each encoding's paper trained it (``create_pe(..., preset="paper")``); the plain defaults
+# are ropekit's and stay as they are. Sharing across layers is the model's choice (``ropekit.nn``), not listed.
+PAPER_PRESETS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "axial": {},  # VisionLlama / EVA: base 10000 (the defaults)
+    "mixed": {"base": 10.0, "per_head": True},  # Heo et al.: theta = 10, frequencies per head (and per layer)
+    "cayley": {},  # STRING: frequencies as RoPE-Mixed, S = 0, shared by heads (the defaults)
+    "circulant": {"block_size": 16},  # STRING: block sizes 16-32 worked best
+    "tensor": {},
+    "string": {},
+    "liere": {},  # Ostmeier et al.: dense d x d generators, raw parameters uniform in [0, 2 pi), shared (the defaults)
+    "liere-commute": {},
+    "comrope-ap": {"init": "normal", "init_std": 1.0, "per_head": True},  # Yu et al.: random bases per head
+    "comrope-ld": {"init": "normal", "init_std": 1.0, "per_head": True},
+    "relaxed": {},
+}
+
+
 def list_pes() -> list[str]:
     """Names accepted by ``create_pe``."""
     return list(PE_REGISTRY)
@@ -45,14 +63,20 @@ def pe_options(name: str) -> list[str]:
     return [p for p in params if p not in ("self", "head_dim", "coord_dim", "num_heads")]
 
 
+def _key(name: str) -> str:
+    """The registry key of ``name`` (case and ``_`` / ``-`` insensitive)."""
+    return name.lower().replace("_", "-") if isinstance(name, str) else name
+
+
 def _lookup(name: str) -> type[PositionEncoding]:
-    key = name.lower().replace("_", "-") if isinstance(name, str) else name
+    key = _key(name)
     if key not in PE_REGISTRY:
         raise ValueError(f"unknown position encoding {name!r}; known: {', '.join(PE_REGISTRY)}")
     return PE_REGISTRY[key]
 
 
-def create_pe(name: str, *, head_dim: int, coord_dim: int, num_heads: int = 1, **options: Any) -> PositionEncoding:
+def create_pe(name: str, *, head_dim: int, coord_dim: int, num_heads: int = 1, preset: str | None = None,
+              **options: Any) -> PositionEncoding:
     """Build the position encoding ``name``.
 
     Args:
@@ -65,11 +89,17 @@ def create_pe(name: str, *, head_dim: int, coord_dim: int, num_heads: int = 1, *
             ``block_size`` (circulant, liere, comrope-*), ``base`` (rotation base / frequency scale),
             ``init_scale`` (liere), ``init`` (comrope: "rope" or "zero"), ``exact`` and ``active_planes``
             (relaxed), ``band`` (cayley), ``num_features`` (tensor), ``learnable_freqs`` (axial).
+        preset: ``None`` (ropekit's defaults) or ``"paper"``: the options each encoding's paper trained with
+            (``PAPER_PRESETS``; see docs/presets-encodings.md); explicit ``options`` override the preset.
 
     Raises:
         ValueError: unknown name, unknown option, or a configuration that does not fit the head dimension.
     """
     cls = _lookup(name)
+    if preset not in (None, "paper"):
+        raise ValueError(f"{name}: preset must be None or 'paper', got {preset!r}")
+    if preset == "paper":
+        options = {**PAPER_PRESETS[_key(name)], **options}
     allowed = pe_options(name)
     unknown = sorted(set(options) - set(allowed))
     if unknown:

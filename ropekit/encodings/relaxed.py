@@ -6,7 +6,8 @@ The generators act on the first ``2m`` coordinates (the *active* subspace, ``m =
 * ``exact=False`` (the relaxed configuration, default): dense skew ``L_k`` on the active part with no
   commuting constraint (initialised as RoPE-Mixed planes plus a dense perturbation of size
   ``relax_scale``), and ``P_sp = expm(G - G^T)`` free to mix active and null coordinates. Not translation
-  invariant; one matrix exponential per token.
+  invariant; one matrix exponential per token, from an eigendecomposition in float64
+  (``expm.linear_skew_expm``: orthogonal to round-off at any coordinate scale, bounded workspace).
 * ``exact=True`` (the exact configuration): commuting 2x2-block ``L_k`` on the active part (cos/sin fast
   path) and ``P_sp = I_active (+) Q_null``, so ``R_sp(r)^T R_sp(s) = R_sp(0)^T R_sp(s - r)`` holds exactly.
 """
@@ -17,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import mixed_frequencies, pair_generators, rope_angles, rotate_pairs, skew
-from .string import dense_expm_rotations
+from .expm import block_apply, linear_skew_expm
+from .functional import basis_change, mixed_frequencies, pair_generators, rope_angles, rotate_pairs, skew
 
 __all__ = ["RelaxedSTRING"]
 
@@ -39,12 +40,28 @@ class RelaxedSTRING(PositionEncoding):
         self.active_planes = m
         n_act, n_null = 2 * m, head_dim - 2 * m
         hp = self.param_heads
-        self.freq_param = nn.Parameter(mixed_frequencies(n_act, coord_dim, hp, base))  # (Hp, c, m)
+        self.base, self.relax_scale = base, relax_scale
+        self.freq_param = nn.Parameter(torch.empty(hp, coord_dim, m))
         if self.exact:
-            self.null_params = nn.Parameter(torch.randn(hp, n_null, n_null) * relax_scale)
+            self.null_params = nn.Parameter(torch.empty(hp, n_null, n_null))
         else:
-            self.relax_params = nn.Parameter(torch.randn(hp, coord_dim, n_act, n_act) * relax_scale)
-            self.mix_params = nn.Parameter(torch.randn(hp, head_dim, head_dim) * relax_scale)
+            self.relax_params = nn.Parameter(torch.empty(hp, coord_dim, n_act, n_act))
+            self.mix_params = nn.Parameter(torch.empty(hp, head_dim, head_dim))
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """Frequencies as RoPE-Mixed; the other parameters normal with standard deviation ``relax_scale``."""
+        if self.freq_param.is_meta:
+            return
+        with torch.no_grad():
+            self.freq_param.copy_(mixed_frequencies(self.active_dim, self.coord_dim, self.param_heads, self.base))
+            for p in ((self.null_params,) if self.exact else (self.relax_params, self.mix_params)):
+                p.copy_(torch.randn(p.shape) * self.relax_scale)
+
+    def num_effective_parameters(self) -> int:
+        """Frequencies plus the free entries of every matrix used through ``A - A^T``."""
+        skews = (self.null_params,) if self.exact else (self.relax_params, self.mix_params)
+        return self.freq_param.numel() + sum(p[..., 0, :].numel() * (p.shape[-1] - 1) // 2 for p in skews)
 
     @property
     def active_dim(self) -> int:
@@ -64,16 +81,33 @@ class RelaxedSTRING(PositionEncoding):
 
     def _post_rotation(self) -> Tensor:
         """``P_sp``: ``(Hp, d, d)``."""
-        if not self.exact:
-            return torch.linalg.matrix_exp(skew(self.mix_params))
+        if not self.exact:  # exponentials in float64: orthogonal to round-off
+            return torch.linalg.matrix_exp(skew(self.mix_params.double())).to(self.mix_params.dtype)
         a = self.active_dim
         p = torch.eye(self.head_dim, dtype=self.null_params.dtype, device=self.null_params.device)
         p = p.unsqueeze(0).repeat(self.param_heads, 1, 1)
-        p[:, a:, a:] = torch.linalg.matrix_exp(skew(self.null_params))
+        p[:, a:, a:] = torch.linalg.matrix_exp(skew(self.null_params.double())).to(p.dtype)
         return p
 
     def post_rotation_matrix(self) -> Tensor:
         return self._post_rotation().expand(self.num_heads, -1, -1)
+
+    def to_rope(self) -> tuple[Tensor, Tensor]:
+        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` -- the exact configuration only.
+
+        ``R(r) = RoPE_active(r) P_sp``: ``P = P_sp`` and the null pairs get frequency 0. ``(H, d, d)``,
+        ``(H, c, d/2)``, differentiable in the parameters.
+
+        Raises:
+            ValueError: in the relaxed configuration (``exact=False``), which does not commute.
+        """
+        if not self.exact:
+            raise ValueError(f"{self.name} does not commute (R(r)^T R(s) is not a function of s - r): "
+                             f"it cannot be written as RoPE in a fixed basis")
+        f = self.freq_param  # (Hp, c, m)
+        freqs = torch.cat([f, f.new_zeros(*f.shape[:2], self.head_dim // 2 - f.shape[-1])], dim=-1)
+        h = self.num_heads
+        return self._post_rotation().expand(h, -1, -1), freqs.expand(h, -1, -1)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         p = self._post_rotation().to(dtype)
@@ -81,16 +115,20 @@ class RelaxedSTRING(PositionEncoding):
             theta = rope_angles(coords, self.freq_param.to(dtype))
             theta = theta.unsqueeze(0) if theta.dim() == 3 else theta
             return p, (torch.cos(theta), torch.sin(theta))
-        r = dense_expm_rotations(coords, self.active_generators().to(dtype))
-        return p, (r.unsqueeze(0) if r.dim() == 4 else r)  # (B|1, Hp, M, 2m, 2m)
+        gen = self.active_generators().to(dtype).unsqueeze(2)  # (Hp, c, 1, 2m, 2m)
+        lead = coords.shape[:-1]  # (M,) or (B, M)
+        r = linear_skew_expm(coords.reshape(-1, self.coord_dim), gen)  # (T, Hp, 1, 2m, 2m)
+        r = r.view(*lead, *r.shape[1:])  # ([B,] M, Hp, 1, 2m, 2m)
+        r = (r if coords.dim() == 3 else r.unsqueeze(0)).transpose(1, 2).contiguous()  # (B | 1, Hp, M, 1, 2m, 2m)
+        return p, r
 
     def _transform(self, x: Tensor, state) -> Tensor:
         p, rot = state
         a = self.active_dim
-        x = torch.einsum("hij,bhmj->bhmi", p, x)  # P_sp x
+        x = basis_change(x, p)  # P_sp x: (B, H, M, d)
         act, null = x[..., :a], x[..., a:]
         if self.exact:
             act = rotate_pairs(act, *rot)
         else:
-            act = torch.einsum("bhmij,bhmj->bhmi", rot, act)
+            act = block_apply(rot, act.contiguous())  # one (2m x 2m) block per token
         return torch.cat([act, null], dim=-1)

@@ -102,6 +102,10 @@ class AxialRoPE(FrequencyRoPE):
         else:
             self.register_buffer("freq_table", init, persistent=False)
 
+    def _init_weights(self) -> None:
+        if not self.freqs.is_meta:  # also refills the (non-persistent) table after ``to_empty``
+            self.freqs.copy_(axial_frequencies(self.head_dim, self.coord_dim, self.base))
+
     @property
     def freqs(self) -> Tensor:
         return self.freq_param if hasattr(self, "freq_param") else self.freq_table
@@ -119,16 +123,24 @@ class MixedRoPE(FrequencyRoPE):
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 100.0,
                  per_head: bool = False, freqs: Tensor | None = None) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
-        if freqs is None:
-            freqs = mixed_frequencies(head_dim, coord_dim, self.param_heads, base)
-        else:
-            freqs = torch.as_tensor(freqs, dtype=torch.float32)
+        self.base, self._given_freqs = base, None
+        if freqs is not None:
+            freqs = torch.as_tensor(freqs, dtype=torch.float32, device="cpu")
             if freqs.dim() == 2:
                 freqs = freqs.unsqueeze(0).repeat(self.param_heads, 1, 1)
             if freqs.shape != (self.param_heads, coord_dim, head_dim // 2):
                 raise ValueError(f"freqs must have shape ({self.param_heads}, {coord_dim}, {head_dim // 2}) or "
                                  f"({coord_dim}, {head_dim // 2}), got {tuple(freqs.shape)}")
-        self.freq_param = nn.Parameter(freqs.clone())
+            self._given_freqs = freqs.clone()
+        self.freq_param = nn.Parameter(torch.empty(self.param_heads, coord_dim, head_dim // 2))
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        if not self.freq_param.is_meta:
+            with torch.no_grad():
+                init = self._given_freqs if self._given_freqs is not None else \
+                    mixed_frequencies(self.head_dim, self.coord_dim, self.param_heads, self.base)
+                self.freq_param.copy_(init)
 
     @property
     def freqs(self) -> Tensor:
@@ -148,7 +160,15 @@ class LieRECommute(FrequencyRoPE):
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, init_scale: float = 2 * math.pi,
                  per_head: bool = False) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
-        self.generator_params = nn.Parameter(torch.rand(self.param_heads, coord_dim, head_dim // 2) * init_scale)
+        self.init_scale = init_scale
+        self.generator_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, head_dim // 2))
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        p = self.generator_params
+        if not p.is_meta:
+            with torch.no_grad():
+                p.copy_(torch.rand(p.shape) * self.init_scale)
 
     @property
     def freqs(self) -> Tensor:

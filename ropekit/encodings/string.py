@@ -1,9 +1,13 @@
-"""General STRING, the dense reference form: ``R(r) = expm(sum_k r_k L_k)``.
+"""General STRING: ``R(r) = expm(sum_k r_k L_k)`` with commuting generators ``L_k = Q D_k Q^T``.
 
-Commuting generators ``L_k = Q D_k Q^T`` with a learnable orthogonal ``Q = expm(A - A^T)`` and
-``D_k`` 2x2-block skew (RoPE-Mixed generators). The forward pass is one ``torch.linalg.matrix_exp``
-per token (per parameter head, once for the batch when coordinates are shared): it is the slow,
-obviously-correct form the fast variants are tested against, not a model component.
+``Q = expm(A - A^T)`` is a learnable rotation and ``D_k`` are 2x2-block skew (RoPE-Mixed generators), so the
+exponential is diagonal in the basis ``Q``: ``R(r) = Q RoPE(r) Q^T``. The forward pass applies exactly that
+(``Q^T x``, a pairwise rotation, ``Q``): ``O(d^2)`` per token, no per-token matrix exponential and no per-token
+``d x d`` matrix, for coordinates shared by the batch or per example alike; only ``Q`` is a (float64)
+``matrix_exp``, once per forward. ``generators()`` gives the dense ``L_k``, whose per-token ``matrix_exp`` is
+the reference the fast encodings are tested against (``dense_expm_rotations``).
+
+``num_effective_parameters()`` counts ``A``'s free entries once (only ``A - A^T`` acts).
 """
 
 from __future__ import annotations
@@ -12,13 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import mixed_frequencies, pair_generators, skew
+from .functional import basis_change, mixed_frequencies, pair_generators, rope_angles, rotate_pairs, skew
 
 __all__ = ["GeneralSTRING", "dense_expm_rotations"]
 
 
 def dense_expm_rotations(coords: Tensor, generators: Tensor) -> Tensor:
-    """``expm(sum_k r_k L_k)`` per token.
+    """``expm(sum_k r_k L_k)`` per token (the dense reference).
 
     Args:
         coords: ``(M, c)`` or ``(B, M, c)``; generators: ``(Hp, c, n, n)``.
@@ -39,12 +43,25 @@ class GeneralSTRING(PositionEncoding):
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 100.0,
                  basis_scale: float = 0.5, per_head: bool = False) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
-        self.freq_param = nn.Parameter(mixed_frequencies(head_dim, coord_dim, self.param_heads, base))
-        self.basis_params = nn.Parameter(torch.randn(self.param_heads, head_dim, head_dim) * basis_scale / head_dim ** 0.5)
+        self.base, self.basis_scale = base, basis_scale
+        self.freq_param = nn.Parameter(torch.empty(self.param_heads, coord_dim, head_dim // 2))
+        self.basis_params = nn.Parameter(torch.empty(self.param_heads, head_dim, head_dim))
+        self._init_weights()
 
-    def basis(self) -> Tensor:
-        """Orthogonal ``Q``: ``(Hp, d, d)``."""
-        return torch.linalg.matrix_exp(skew(self.basis_params))
+    def _init_weights(self) -> None:
+        """Frequencies as RoPE-Mixed; ``A`` normal with standard deviation ``basis_scale / sqrt(d)``."""
+        if self.freq_param.is_meta:
+            return
+        d, hp = self.head_dim, self.param_heads
+        with torch.no_grad():
+            self.freq_param.copy_(mixed_frequencies(d, self.coord_dim, hp, self.base))
+            self.basis_params.copy_(torch.randn(hp, d, d) * self.basis_scale / d ** 0.5)
+
+    def basis(self, dtype: torch.dtype | None = None) -> Tensor:
+        """Orthogonal ``Q``: ``(Hp, d, d)``, exponentiated in float64 (orthogonal to round-off)."""
+        a = self.basis_params
+        q = torch.linalg.matrix_exp(skew(a.to(torch.float64)))
+        return q.to(a.dtype if dtype is None else dtype)
 
     def _generators(self, dtype: torch.dtype | None = None) -> Tensor:
         q = self.basis()
@@ -54,9 +71,24 @@ class GeneralSTRING(PositionEncoding):
     def generators(self) -> Tensor:
         return self._generators().expand(self.num_heads, -1, -1, -1)
 
-    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
-        r = dense_expm_rotations(coords, self._generators(dtype))
-        return r.unsqueeze(0) if r.dim() == 4 else r  # (B|1, Hp, M, d, d)
+    def _prepare(self, coords: Tensor, dtype: torch.dtype):
+        q = self.basis(dtype)  # (Hp, d, d)
+        theta = rope_angles(coords, self.freq_param.to(dtype))  # (Hp, M, P) or (B, Hp, M, P)
+        theta = theta.unsqueeze(0) if theta.dim() == 3 else theta
+        return q, torch.cos(theta), torch.sin(theta)
 
-    def _transform(self, x: Tensor, rot: Tensor) -> Tensor:
-        return torch.einsum("bhmij,bhmj->bhmi", rot, x)
+    def _transform(self, x: Tensor, state) -> Tensor:
+        q, cos, sin = state
+        y = basis_change(x, q.transpose(-1, -2))  # Q^T x: (B, H, M, d)
+        return basis_change(rotate_pairs(y, cos, sin), q)  # Q RoPE(r) Q^T x
+
+    def to_rope(self) -> tuple[Tensor, Tensor]:
+        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: ``P = Q^T``. ``(H, d, d)``,
+        ``(H, c, d/2)``, differentiable in the parameters."""
+        h = self.num_heads
+        return self.basis().transpose(-1, -2).expand(h, -1, -1), self.freq_param.expand(h, -1, -1)
+
+    def num_effective_parameters(self) -> int:
+        """Frequencies plus the free entries of ``A - A^T``."""
+        d = self.head_dim
+        return self.freq_param.numel() + self.param_heads * d * (d - 1) // 2

@@ -29,9 +29,16 @@ class TensorSTRING(PositionEncoding):
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
         if num_features < 1:
             raise ValueError(f"tensor: num_features must be >= 1, got {num_features}")
-        self.num_features = num_features
-        w = mixed_frequencies(2 * num_features, coord_dim, self.param_heads, base)  # (Hp, c, m)
-        self.feature_freqs = nn.Parameter(w.transpose(1, 2).contiguous())  # (Hp, m, c)
+        self.num_features, self.base = num_features, base
+        self.feature_freqs = nn.Parameter(torch.empty(self.param_heads, num_features, coord_dim))  # (Hp, m, c)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """Feature frequencies drawn as RoPE-Mixed's (``m`` of them per parameter head)."""
+        if not self.feature_freqs.is_meta:
+            w = mixed_frequencies(2 * self.num_features, self.coord_dim, self.param_heads, self.base)  # (Hp, c, m)
+            with torch.no_grad():
+                self.feature_freqs.copy_(w.transpose(1, 2))
 
     @property
     def out_dim(self) -> int:

@@ -1,7 +1,7 @@
-"""``ropekit experiment NAME``: the SPEC §6 studies from the command line.
+"""``ropekit experiment NAME``: the studies from the command line.
 
-Every option defaults to the study's preset (:mod:`ropekit.experiments.settings`; ``--quick`` for the tiny
-one); options given on the command line override it.
+Every option defaults to the study's pinned recipe (:mod:`ropekit.experiments.recipes`; ``--preset gpu`` for the
+GPU one, ``--quick`` for the tiny one); options given on the command line override it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .registry import STUDIES
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.description = "Run a SPEC §6 experiment protocol: train (or reuse cached runs of) the same backbone for each " \
+    p.description = "Run an experiment study: train (or reuse cached runs of) the same backbone for each " \
                     "encoding and seed, then write CSV/JSON, a markdown table and one PNG into --out.\n\nstudies:\n" + \
                     "\n".join(f"  {name:<17} {s.help}" for name, s in STUDIES.items()) + \
                     "\n  all               every study above, one after the other (--out is then a parent folder)"
@@ -75,42 +75,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--threads", type=int, default=S, help="torch CPU threads (default 1)")
     e.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bars")
     s = p.add_argument_group("study options")
-    s.add_argument("--rhos", type=_floats, metavar="LIST", default=S,
-                   help="offset: std of the global offset, in patches (default 0,0.5,1,2,4,8)")
-    s.add_argument("--cls-pe", type=_list, metavar="LIST", default=S,
-                   help="offset: encodings also trained with an unrotated and a centroid CLS token (default mixed)")
-    s.add_argument("--sizes", type=_ints, metavar="LIST", default=S,
-                   help="resolution: evaluation image sizes (default: training size -2..+3 patches)")
-    s.add_argument("--fractions", type=_floats, metavar="LIST", default=S,
-                   help="data-efficiency: fractions of the training set (default 0.1,0.25,0.5,1)")
-    s.add_argument("--deltas", type=_floats, metavar="LIST", default=S,
-                   help="exact-vs-relaxed: coordinate-only shifts in patches for the logit sensitivity")
-    s.add_argument("--shifts", type=_ints, metavar="LIST", default=S,
-                   help="exact-vs-relaxed: whole-patch shifts of the content on the padded canvas (default 0,1,2)")
+    for flag, parse, dest, text in _STUDY_OPTIONS:
+        s.add_argument(flag, dest=dest, type=parse, metavar="LIST", default=S, help=text)
     s.add_argument("--canvas-pad", type=int, metavar="PATCHES", default=S,
-                   help="exact-vs-relaxed: zero border of the evaluation canvas, in patches per side (default 2)")
-    s.add_argument("--coord-modes", type=_list, metavar="LIST", default=S,
-                   help="resolution: coordinate conventions trained (default grid,normalized)")
-    s.add_argument("--budgets", type=_list, metavar="LIST", default=S,
-                   help="data-efficiency: equal 'epochs' and/or equal 'steps' at every fraction (default both)")
-    s.add_argument("--groups", type=_list, metavar="LIST", default=S,
-                   help="ablations: sharing, block, jitter (default all three)")
-    s.add_argument("--sharing-pe", type=_list, metavar="LIST", default=S,
-                   help="ablations: encodings trained with model/layer/head sharing (default cayley,liere)")
-    s.add_argument("--block-pe", type=_list, metavar="LIST", default=S,
-                   help="ablations: encodings whose block size varies (default liere,comrope-ap,comrope-ld,circulant)")
-    s.add_argument("--block-sizes", dest="block_sizes_", type=_ints, metavar="LIST", default=S,
-                   help="ablations: block sizes (default 2,4,8 for LieRE/ComRoPE, 4..64 for Circulant; "
-                        "the full head dimension is always included for LieRE and Circulant)")
-    s.add_argument("--jitter-pe", type=_list, metavar="LIST", default=S,
-                   help="ablations: encodings trained with position jitter 0 and 1 (default mixed,cayley)")
+                   help="exact-vs-relaxed: background border of the evaluation canvas, in patches per side (default 2)")
+
+
+#: The options of single studies: (flag, parser of the comma list, namespace name, help).
+_STUDY_OPTIONS = (
+    ("--rhos", _floats, "rhos", "offset: std of the global offset, in patches (default 0,0.5,1,2,4,8)"),
+    ("--cls-pe", _list, "cls_pe", "offset: encodings also trained with an unrotated and a centroid CLS token "
+                                  "(default mixed)"),
+    ("--sizes", _ints, "sizes", "resolution: evaluation image sizes (default: training size -2..+3 patches)"),
+    ("--fractions", _floats, "fractions", "data-efficiency: fractions of the training set (default 0.1,0.25,0.5,1)"),
+    ("--deltas", _floats, "deltas", "exact-vs-relaxed: coordinate-only shifts in patches for the logit sensitivity"),
+    ("--shifts", _ints, "shifts", "exact-vs-relaxed: whole-patch shifts of the content on the canvas (default 0,1,2)"),
+    ("--coord-modes", _list, "coord_modes", "resolution: coordinate conventions trained (default grid,normalized)"),
+    ("--budgets", _list, "budgets", "data-efficiency: equal 'epochs' (always) and equal 'steps' at every fraction "
+                                    "(default both)"),
+    ("--groups", _list, "groups", "ablations: sharing, block, jitter (default all three)"),
+    ("--sharing-pe", _list, "sharing_pe", "ablations: encodings trained with model/layer/head sharing "
+                                          "(default every learnable one)"),
+    ("--block-pe", _list, "block_pe", "ablations: encodings whose block size varies "
+                                      "(default liere,comrope-ap,comrope-ld,circulant)"),
+    ("--block-sizes", _ints, "block_sizes_", "ablations: block sizes (default 2,4,8 for LieRE/ComRoPE, 4..64 for "
+                                             "Circulant; the full head dimension is always included for LieRE and "
+                                             "Circulant)"),
+    ("--jitter-pe", _list, "jitter_pe", "ablations: encodings trained with position jitter 0 and 1 "
+                                        "(default mixed,cayley)"),
+)
 
 
 _CFG_FIELDS = ("cache_dir", "pes", "seeds", "data", "data_root", "image_size", "train_fraction", "model",
                "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
                "augment_shift", "eval_limit", "threads", "progress")
-_OPTION_FIELDS = ("rhos", "cls_pe", "sizes", "fractions", "deltas", "groups", "sharing_pe", "block_pe", "jitter_pe",
-                  "block_sizes_", "shifts", "canvas_pad", "coord_modes", "budgets")
+_OPTION_FIELDS = tuple(dest for _, _, dest, _ in _STUDY_OPTIONS) + ("canvas_pad",)
 
 
 def _overrides(args: argparse.Namespace) -> Dict[str, Any]:

@@ -137,7 +137,7 @@ def _mnist(**changes: Any) -> Dict[str, Any]:
         init_from=None,
         model_options=_arch(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
         epochs=10, batch_size=64, lr=2e-3, weight_decay=0.05, warmup_epochs=1.0, min_lr=1e-5, label_smoothing=0.0,
-        grad_clip=1.0, augment_shift=0,
+        grad_clip=1.0, augment_shift=0, precision="fp32",
     )
     train.update(changes)
     return train

@@ -12,13 +12,14 @@ The studies take their settings from pinned recipes (:mod:`ropekit.experiments.r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..train import TrainConfig
 
-__all__ = ["ExperimentConfig", "DEFAULT_PES", "QUICK_PES", "quick_config", "default_config"]
+__all__ = ["ExperimentConfig", "DEFAULT_PES", "QUICK_PES", "quick_config", "default_config", "shared_train_fields"]
 
 #: The encodings every comparison study trains unless ``--pe`` says otherwise.
 DEFAULT_PES: Tuple[str, ...] = ("none", "absolute", "axial", "mixed", "cayley", "circulant", "liere",
@@ -103,18 +104,20 @@ class ExperimentConfig:
         ``train_fraction``...). Runtime-only fields (``out``, ``progress``, ``tensorboard``, ``threads``) are set
         by the run cache, not here.
         """
-        base: Dict[str, Any] = dict(
-            data=self.data, data_root=self.data_root, image_size=self.image_size,
-            data_options=dict(self.data_options), split_seed=self.split_seed, train_fraction=self.train_fraction,
-            model=self.model, model_options=dict(self.model_options), patch_size=self.patch_size,
-            tubelet_size=self.tubelet_size, pe=pe, epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-            weight_decay=self.weight_decay, warmup_epochs=self.warmup_epochs, augment_shift=self.augment_shift,
-            seed=int(seed), eval_batch_size=self.eval_batch_size,
-        )
+        base: Dict[str, Any] = {name: copy.deepcopy(getattr(self, name)) for name in shared_train_fields()}
+        base.update(pe=pe, seed=int(seed))
         base.update(self.train_options)
         base.update(self.pe_overrides.get(pe.lower().replace("_", "-"), {}))
         base.update(changes)
         return TrainConfig.from_dict(base, source="experiment")
+
+
+def shared_train_fields() -> List[str]:
+    """The ``ExperimentConfig`` fields that are ``TrainConfig`` fields too, and are copied into every run's
+    configuration (all but the runtime-only ``threads`` and ``progress``, which the run cache sets)."""
+    train = set(TrainConfig.field_names())
+    return [f.name for f in dataclasses.fields(ExperimentConfig) if f.name in train
+            and f.name not in ("threads", "progress")]
 
 
 def default_config(**changes: Any) -> ExperimentConfig:

@@ -1,4 +1,4 @@
-"""Fine-tuning a 2-D checkpoint into an RGB-D model with a 3-D encoding, starting from the same function (SPEC §4).
+"""Fine-tuning a 2-D checkpoint into an RGB-D model with a 3-D encoding, starting from the same function.
 
 Shape legend: ``Hp`` heads that own encoding parameters, ``c`` coordinate dimension (2 -> 3), ``d`` head dimension.
 
@@ -15,7 +15,7 @@ the 2-D model's on the same input:
   when the checkpoint had no rotary encoding (``none`` or an absolute embedding), and Cayley's basis starts at
   ``P = I`` when the checkpoint was RoPE-Mixed. (From a checkpoint without a rotary encoding, the zero ``z``
   generator and the zero depth lift give each other no gradient: depth then enters only once the ``y, x``
-  generators have moved, as SPEC §4 describes; start from a rotary checkpoint to learn depth at once.)
+  generators have moved; start from a rotary checkpoint to learn depth at once.)
 * any other tensor that grew along exactly one axis keeps the old slice and zeros the rest (the patch embedding of
   a model that takes depth as an extra input channel: the depth channel starts with zero weights).
 
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from ..encodings import PositionEncoding
 from ..nn.depth import DepthLift
 
-__all__ = ["init_3d_from_2d", "init_3d_from_checkpoint", "load_source_model", "logits_match"]
+__all__ = ["init_3d_from_2d", "init_3d_from_checkpoint", "init_from_checkpoint", "load_source_model", "logits_match"]
 
 
 def _owner(key: str) -> str:
@@ -158,7 +158,7 @@ def load_source_model(run: str) -> nn.Module:
     """The ``ropekit.nn.VisionTransformer`` saved in a run folder or checkpoint written by ``ropekit train``."""
     from ..nn import VisionTransformer, ViTConfig
     from ..train.checkpoint import load_model_state
-    from ..train.trainer import load_run
+    from ..train.run_folder import load_run
 
     _, ckpt = load_run(run)
     source = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"]))
@@ -169,3 +169,36 @@ def load_source_model(run: str) -> nn.Module:
 def init_3d_from_checkpoint(model: nn.Module, run: str, *, check: bool = True) -> Dict[str, List[str]]:
     """:func:`init_3d_from_2d` from a run folder or checkpoint file written by ``ropekit train``."""
     return init_3d_from_2d(model, load_source_model(run), check=check)
+
+
+def _coord_dim(model: nn.Module) -> int:
+    return max((m.coord_dim for m in model.modules() if isinstance(m, PositionEncoding)), default=0)
+
+
+def init_from_checkpoint(model: nn.Module, ckpt: Mapping[str, object]) -> str:
+    """Initialise a freshly built ``ropekit.nn.VisionTransformer`` from a loaded ``ropekit train`` checkpoint
+    (``--init-from``) and say what was done, in one line.
+
+    A checkpoint of a model without a depth coordinate into an RGB-D model that lifts depth to one goes through
+    :func:`init_3d_from_2d` (the first forward pass equals the 2-D model's); anything else loads every tensor
+    whose name and shape match and leaves the rest as initialised.
+    """
+    from ..nn import VisionTransformer, ViTConfig
+    from ..train.checkpoint import load_model_state
+
+    src_model = None
+    if "vit_config" in ckpt and getattr(getattr(model, "cfg", None), "modality", None) == "rgbd":
+        try:
+            src_model = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"]))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            src_model = None
+    where = ckpt.get("path", "the checkpoint")
+    if src_model is not None and _coord_dim(src_model) < _coord_dim(model):
+        load_model_state(src_model, ckpt["model"], source=f"checkpoint {where}")  # type: ignore[arg-type]
+        report = init_3d_from_2d(model, src_model.eval())
+        return (f"initialised the 3-D model from the 2-D checkpoint {where} ({len(report['copied'])} copied, "
+                f"{len(report['widened'])} encoding tensors widened, "
+                f"{len(report['zeroed']) + len(report['depth_lift'])} new set to zero)")
+    report = load_model_state(model, ckpt["model"], strict=False, source=f"checkpoint {where}")  # type: ignore[arg-type]
+    return (f"initialised {len(report['loaded'])} tensors from {where} ({len(report['missing'])} new, "
+            f"{len(report['skipped'])} skipped)")

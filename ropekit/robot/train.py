@@ -4,7 +4,8 @@ Shape legend: ``N`` examples (demo steps), ``B`` batch, ``H`` chunk length, ``A 
 ``S = 11`` state dimension, ``Hi, Wi`` image pixels.
 
 A run folder holds ``config.json`` (policy, training and data settings), ``metrics.csv`` (step, loss, lr,
-elapsed seconds) and ``checkpoint.pt`` (the policy's config and weights, the EMA weights when EMA is on)::
+elapsed seconds), ``curves.png``, ``train_state.pt`` (everything needed to resume) and ``checkpoint.pt`` (the
+policy's config and weights, the EMA weights when EMA is on)::
 
     policy = DiffusionPolicy(PolicyConfig(modality="image"))
     data = DemoChunks(load_demos("demos.npz"), policy.config)
@@ -14,29 +15,28 @@ elapsed seconds) and ``checkpoint.pt`` (the policy's config and weights, the EMA
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
-import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..nn.depth import DepthLift
+from ..train import engine
+from ..train.augment import random_shift
 from ..train.checkpoint import atomic_save
-from ..train.metrics import atomic_write_text
-from ..train.trainer import build_optimizer, random_shift
+from ..train.distributed import init_distributed
 from .policy import DiffusionPolicy, PolicyConfig, images_from_obs
 
-__all__ = ["PolicyTrainConfig", "DemoChunks", "train_policy", "save_policy", "load_policy", "CHECKPOINT"]
+__all__ = ["PolicyTrainConfig", "DemoChunks", "PolicyTask", "train_policy", "save_policy", "load_policy",
+           "CHECKPOINT", "TRAIN_STATE"]
 
 CHECKPOINT = "checkpoint.pt"
+TRAIN_STATE = "train_state.pt"  # the engine's training checkpoint (optimiser, RNG, EMA), for resuming
 _FORMAT = "ropekit-robot-policy"
 PathLike = Union[str, Path]
 
@@ -113,9 +113,9 @@ class DemoChunks:
 
 
 def _optimizer(policy: DiffusionPolicy, cfg: PolicyTrainConfig) -> torch.optim.Optimizer:
-    """The project's AdamW groups (:func:`ropekit.train.build_optimizer`), with the depth lift moved to a group
-    of its own at ``lr * depth_lr_mult``."""
-    opt = build_optimizer(policy, cfg)
+    """The project's AdamW groups (:func:`ropekit.train.engine.build_optimizer`), with the depth lift moved to a
+    group of its own at ``lr * depth_lr_mult``."""
+    opt = engine.build_optimizer(policy, cfg.lr, cfg.weight_decay)
     lift = [p for m in policy.modules() if isinstance(m, DepthLift) for p in m.parameters()]
     if lift and cfg.depth_lr_mult != 1.0:
         ids = {id(p) for p in lift}
@@ -125,91 +125,150 @@ def _optimizer(policy: DiffusionPolicy, cfg: PolicyTrainConfig) -> torch.optim.O
     return opt
 
 
-def _lr_factor(step: int, cfg: PolicyTrainConfig) -> float:
-    warm = min(cfg.warmup_steps, cfg.steps - 1)
-    if step < warm:
-        return (step + 1) / (warm + 1)
-    floor = min(1.0, cfg.min_lr / cfg.lr)
-    t = (step - warm) / max(1, cfg.steps - warm)
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+class PolicyTask:
+    """DDPM imitation of demo chunks by a :class:`DiffusionPolicy`, for :func:`ropekit.train.engine.fit`.
+
+    An epoch is ``cfg.log_every`` steps (one metrics row each). Each step draws ``batch_size / world_size``
+    examples and the diffusion ``(t, noise)`` pairs from the task's own generator (seeded by ``cfg.seed``, and per
+    rank under DDP), the image shift from the global torch RNG; the EMA of the weights is updated after every step.
+    Generator and EMA are saved with every checkpoint.
+    """
+
+    name = "policy"
+
+    def __init__(self, policy: DiffusionPolicy, data: DemoChunks, cfg: PolicyTrainConfig, rank: int = 0,
+                 world_size: int = 1) -> None:
+        self.model, self.data, self.cfg = policy, data, cfg
+        self.name = f"train {getattr(getattr(policy, 'config', None), 'modality', 'policy')}"
+        self.gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * rank)
+        self.per_rank_bs = max(1, cfg.batch_size // world_size)
+        self.params = [p for p in policy.parameters() if p.requires_grad]
+        self.ema = [p.detach().clone() for p in self.params] if cfg.ema_decay > 0 else None
+        self.epochs = math.ceil(cfg.steps / cfg.log_every)
+
+    def epoch_batches(self, epoch: int, ctx: Any) -> List[int]:
+        lo, hi = epoch * self.cfg.log_every, min((epoch + 1) * self.cfg.log_every, self.cfg.steps)
+        return list(range(lo, hi))  # (the examples are drawn from the task's generator at each step)
+
+    def loss(self, model: nn.Module, step: int, device: torch.device) -> Tuple[Tensor, Dict[str, float]]:
+        index = torch.randint(0, len(self.data), (self.per_rank_bs,), generator=self.gen)
+        images, state, actions = self.data.batch(index)
+        images = random_shift(images, self.cfg.shift)
+        loss = model.loss(images.to(device), state.to(device), actions.to(device), self.cfg.noise_samples, self.gen)
+        return loss, {"loss": loss.item(), "count": 1.0}
+
+    def after_step(self, step: int) -> None:
+        if self.ema is None:
+            return
+        decay = min(self.cfg.ema_decay, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for e, p in zip(self.ema, self.params):
+                e.lerp_(p, 1 - decay)
+
+    def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: Any) -> Dict[str, float]:
+        loss, count = ctx.all_reduce_sum([sums.get("loss", 0.0), sums.get("count", 0.0)])
+        row = {"step": info["global_step"], "loss": loss / max(count, 1.0), "lr": info["lr"],
+               "elapsed": info["elapsed"]}
+        lift = getattr(getattr(self.model, "encoder", None), "depth_lift", None)
+        if lift is not None:
+            row["depth_scale"] = lift.scale.item()
+        return row
+
+    def compile_targets(self) -> List[nn.Module]:
+        """The networks ``loss`` runs (the policy's own ``forward`` is not on the training path)."""
+        found = [getattr(self.model, n, None) for n in ("encoder", "denoiser")]
+        return [m for m in found if isinstance(m, nn.Module)] or [self.model]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"generator": self.gen.get_state(), "ema": list(self.ema) if self.ema is not None else None}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.gen.set_state(state["generator"])
+        if self.ema is not None and state.get("ema") is not None:
+            for e, v in zip(self.ema, state["ema"]):
+                e.copy_(v)
+
+    def copy_ema(self) -> None:
+        """Put the EMA weights into the policy (the saved policy holds them)."""
+        if self.ema is not None:
+            with torch.no_grad():
+                for p, e in zip(self.params, self.ema):
+                    p.copy_(e)
 
 
 def train_policy(policy: DiffusionPolicy, data: DemoChunks, cfg: PolicyTrainConfig,
                  out_dir: Optional[PathLike] = None, fit_normalizers: bool = True, progress: bool = True,
-                 extra_config: Optional[Dict[str, Any]] = None) -> List[Dict[str, float]]:
+                 extra_config: Optional[Dict[str, Any]] = None, *, resume: Optional[bool] = None,
+                 options: Optional[engine.EngineOptions] = None) -> List[Dict[str, float]]:
     """Train ``policy`` in place by DDPM imitation of ``data``; return the logged rows.
+
+    The loop is the shared engine (:func:`ropekit.train.engine.fit`): under ``torchrun`` the batch is split over
+    the processes (DDP), ``options`` choose device, precision and ``torch.compile``, and with ``out_dir`` the
+    training state is checkpointed after every ``log_every`` steps and on Ctrl-C (``train_state.pt``), so that an
+    interrupted run continues bit for bit.
 
     Args:
         fit_normalizers: fit the action/state statistics on ``data`` first (``False`` when fine-tuning: the
             statistics come with the initial weights).
-        out_dir: if given, write ``config.json``, ``metrics.csv`` and ``checkpoint.pt`` there.
+        out_dir: if given, write ``config.json``, ``metrics.csv``, ``train_state.pt`` and, at the end,
+            ``checkpoint.pt`` (the policy, with the EMA weights) there.
         extra_config: more entries for ``config.json`` (e.g. where the demos and the initial weights came from).
+        resume: continue from ``out_dir/train_state.pt``; ``None`` (default): when that file exists and was written
+            with the same settings (other settings raise ``ValueError``).
+        options: engine options (default: CPU, fp32, ``cfg.num_threads`` threads, the bar if ``progress``).
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C (after saving the training state when ``out_dir`` is given).
+        NonFiniteLossError: the loss became NaN / Inf.
     """
-    from tqdm.auto import tqdm
-
-    torch.set_num_threads(cfg.num_threads)
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    if fit_normalizers:
-        policy.fit_normalizers(data.actions, data.state)
     out = Path(out_dir) if out_dir is not None else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "config.json", json.dumps(
-            {"policy": policy.config.to_dict(), "train": cfg.to_dict(), "examples": len(data),
-             "episodes": len(data.episodes), **(extra_config or {})}, indent=2))
-    policy.train()
-    opt = _optimizer(policy, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
-    params = [p for p in policy.parameters() if p.requires_grad]
-    ema = [p.detach().clone() for p in params] if cfg.ema_decay > 0 else None
-    rows: List[Dict[str, float]] = []
-    t0, running, count = time.time(), 0.0, 0
-    bar = tqdm(range(cfg.steps), desc=f"train {policy.config.modality}", unit="step", disable=not progress)
-    for step in bar:
-        index = torch.randint(0, len(data), (cfg.batch_size,), generator=gen)
-        images, state, actions = data.batch(index)
-        images = random_shift(images, cfg.shift)
-        loss = policy.loss(images, state, actions, cfg.noise_samples, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        sched.step()
-        if ema is not None:
-            decay = min(cfg.ema_decay, (1 + step) / (10 + step))
-            with torch.no_grad():
-                for e, p in zip(ema, params):
-                    e.lerp_(p, 1 - decay)
-        running, count = running + loss.item(), count + 1
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            row = {"step": step + 1, "loss": running / count, "lr": opt.param_groups[0]["lr"],
-                   "elapsed": time.time() - t0}
-            if policy.encoder.depth_lift is not None:
-                row["depth_scale"] = policy.encoder.depth_lift.scale.item()
-            rows.append(row)
-            bar.set_postfix(loss=f"{running / count:.4f}")
-            running, count = 0.0, 0
-            if out is not None:
-                _write_csv(out / "metrics.csv", rows)
-    bar.close()
-    if ema is not None:
-        with torch.no_grad():
-            for p, e in zip(params, ema):
-                p.copy_(e)
-    policy.eval()
-    if out is not None:
-        save_policy(policy, out / CHECKPOINT, train_config=cfg.to_dict(), history=rows)
-    return rows
+    state_path = out / TRAIN_STATE if out is not None else None
+    if resume is None:
+        resume = state_path is not None and state_path.exists()
+    if resume:
+        if state_path is None:
+            raise ValueError("resume needs out_dir")
+        from ..train.checkpoint import load_checkpoint
 
+        saved = load_checkpoint(state_path).get("policy_train_config", {})
+        now = cfg.to_dict()
+        diff = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in sorted(now.items())
+                if k != "num_threads" and saved.get(k) != v]
+        if diff:
+            raise ValueError(f"{out} holds the training state of another run ({'; '.join(diff)}); choose another "
+                             f"out_dir or remove {state_path}")
+    opts = options or engine.EngineOptions(device="cpu", threads=cfg.num_threads, progress=progress,
+                                           tensorboard=False)
+    ctx = init_distributed(opts.device)
+    try:
+        torch.manual_seed(cfg.seed)
+        if fit_normalizers and not resume:
+            policy.fit_normalizers(data.actions, data.state)
+        task = PolicyTask(policy, data, cfg, ctx.rank, ctx.world_size)
+        schedule = engine.Schedule(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                                   min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
+        config = {"policy": policy.config.to_dict(), "train": cfg.to_dict(), "examples": len(data),
+                  "episodes": len(data.episodes), **(extra_config or {})}
 
-def _write_csv(path: Path, rows: List[Dict[str, float]]) -> None:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
+        def fresh_start(c: Any) -> None:
+            torch.manual_seed(cfg.seed + 1_000_003 * c.rank)  # (rank 0: as a single process)
+
+        res = engine.fit(task, schedule, task.epochs, options=opts, run_dir=out, checkpoint_name=TRAIN_STATE,
+                         resume=bool(resume), ctx=ctx, quiet=not progress, config_doc=config,
+                         checkpoint_extra={"policy_config": policy.config.to_dict(),
+                                           "policy_train_config": cfg.to_dict()},
+                         optimizer=_optimizer(policy, cfg), fresh_start=fresh_start)
+        if res.interrupted:
+            raise KeyboardInterrupt(f"policy training interrupted; continue it by training into {out} again")
+        task.copy_ema()
+        policy.to("cpu")
+        policy.eval()
+        if out is not None and ctx.is_main:
+            save_policy(policy, out / CHECKPOINT, train_config=cfg.to_dict(), history=res.history)
+        ctx.barrier()
+        return res.history
+    finally:
+        ctx.close()
 
 
 def save_policy(policy: DiffusionPolicy, path: PathLike, **extra: Any) -> Path:

@@ -11,8 +11,12 @@ A checkpoint is a plain ``dict`` of tensors, numbers, strings, lists and dicts (
     epoch, step_in_epoch   epochs completed, and optimiser steps done in the current epoch (mid-epoch saves)
     global_step
     rng                    one entry per rank: torch CPU (and CUDA) generator states, python and numpy states
+    task                   one entry per rank: the task's own state (e.g. a policy's generator and EMA weights)
+    scaler, precision      the fp16 gradient scaler's state (else None), and the autocast precision
     history                the metrics rows of the completed epochs
     partial                running sums of the interrupted epoch (train loss, correct, count)
+
+(``vit_config`` / ``train_config`` are the classification trainer's; other tasks store their own configs.)
 """
 
 from __future__ import annotations

@@ -78,7 +78,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--out", metavar="DIR", default=S, help="run folder (default runs/<data>-<pe>-<model>-s<seed>-<time>)")
     r.add_argument("--resume", nargs="?", const=True, metavar="RUN_DIR", default=S,
                    help="continue the run in RUN_DIR (or --out) exactly where its checkpoint stopped")
-    r.add_argument("--device", default=S, help="auto, cpu, cuda, cuda:1, ...")
+    r.add_argument("--allow-change", metavar="KEY[,KEY]", action="append", default=S,
+                   help="with --resume: let these options differ from the run's (epochs, precision, "
+                        "eval_batch_size); more epochs stretch the cosine schedule to the new total, and what ran is "
+                        "recorded in config.json")
+    r.add_argument("--device", default=S, help="auto, cpu, cuda, cuda:1, ... (under torchrun each process needs its "
+                                               "own GPU; --device cpu runs every process on the CPU with gloo)")
+    r.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=S,
+                   help="autocast precision of the forward pass (fp16 with a gradient scaler; bf16 also on the CPU)")
+    r.add_argument("--compile", nargs="?", const=True, metavar="BACKEND", default=S,
+                   help="torch.compile the model (optionally with another backend than inductor, e.g. aot_eager)")
     r.add_argument("--threads", type=int, default=S, help="torch CPU threads per process (default: half the cores)")
     r.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
     r.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", default=S,
@@ -86,7 +95,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The resolved ``TrainConfig`` of a ``ropekit train`` command line, and whether to resume."""
+    """``(cfg, resume, allow_change)``: the resolved ``TrainConfig`` of a ``ropekit train`` command line, whether to
+    resume, and the options ``--allow-change`` lets differ from the run's. Everything is checked (names, types,
+    ranges, the device) before any data loads; a bad value raises a one-line ``ValueError``."""
     from ..encodings import list_pes
     from .config import TrainConfig, load_config_file, parse_key_values
 
@@ -94,6 +105,10 @@ def config_from_args(args: argparse.Namespace):
     resume = given.pop("resume", None)
     config_file = given.pop("config", None)
     sets = given.pop("set", None)
+    allow = [k.strip().replace("-", "_") for item in given.pop("allow_change", None) or [] for k in item.split(",")
+             if k.strip()]
+    if allow and not resume:
+        raise CommandError("--allow-change only applies with --resume")
 
     base: Dict[str, Any] = {}
     if resume:
@@ -102,10 +117,10 @@ def config_from_args(args: argparse.Namespace):
             raise CommandError("--resume needs a run folder: --resume RUN_DIR or --out RUN_DIR --resume")
         if not run_dir.is_dir():
             raise FileNotFoundError(f"run folder not found: {run_dir}")
-        from .trainer import load_run
+        from .run_folder import load_run
 
         config, _ = load_run(run_dir)
-        base = dict(config.get("train", {}))
+        base = TrainConfig.from_dict(config.get("train", {}), source=f"{run_dir}/config.json", strict=False).to_dict()
         base["out"] = str(run_dir)
     if config_file:
         base.update(load_config_file(config_file))
@@ -135,14 +150,20 @@ def config_from_args(args: argparse.Namespace):
         raise CommandError(f"unknown dataset {cfg.data!r}; known: {', '.join(list_datasets())}")
     if cfg.data_root is not None and not Path(cfg.data_root).expanduser().exists():
         raise FileNotFoundError(f"data root not found: {cfg.data_root}")
-    return cfg, bool(resume)
+    import os
+
+    from .distributed import resolve_device
+
+    resolve_device(cfg.device, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    return cfg, bool(resume), allow
 
 
 def run_train(args: argparse.Namespace) -> int:
-    cfg, resume = config_from_args(args)
+    cfg, resume, allow = config_from_args(args)
     from .trainer import train
 
-    result = train(cfg, resume=resume)
+    result = train(cfg, resume=resume, allow_change=allow)
     if not result.is_main:
         return 130 if result.interrupted else 0
     if result.interrupted:

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from ..nn.vit import VIT_SIZES, ViTConfig, vit_config
 
-__all__ = ["TrainConfig", "load_config_file", "parse_key_values", "parse_value", "build_vit_config", "auto_patch_size"]
+if TYPE_CHECKING:
+    from .engine import EngineOptions
+
+__all__ = ["TrainConfig", "RENAMED", "check_type", "load_config_file", "parse_key_values", "parse_value", "build_vit_config", "auto_patch_size", "model_fields"]
 
 
 @dataclass
@@ -39,7 +45,9 @@ class TrainConfig:
         zero fill; 0 disables).
     Run:
         seed, out (run folder; ``None``: ``runs/<data>-<pe>-<model>-s<seed>-<time>``), device (``auto``, ``cpu``,
-        ``cuda``...), eval_batch_size, progress (bar), tensorboard (event files when installed), threads (torch
+        ``cuda``...), precision (``fp32``, ``bf16`` or ``fp16`` autocast), compile (``torch.compile`` the model: ``True`` or a
+        backend name such as ``aot_eager``),
+        eval_batch_size, progress (bar), tensorboard (event files when installed), threads (torch
         CPU threads; ``None``: half the cores per process, see ``trainer.resolve_threads``).
     """
 
@@ -80,6 +88,8 @@ class TrainConfig:
     seed: int = 0
     out: Optional[str] = None
     device: str = "auto"
+    precision: str = "fp32"
+    compile: Union[bool, str] = False
     eval_batch_size: int = 250
     progress: bool = True
     tensorboard: bool = True
@@ -94,12 +104,23 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any], *, source: str = "config") -> "TrainConfig":
-        """Build from a mapping; unknown keys raise ``ValueError`` naming them."""
+    def from_dict(cls, d: Dict[str, Any], *, source: str = "config", strict: bool = True) -> "TrainConfig":
+        """Build from a mapping. Keys renamed since a run was written are mapped to their new names
+        (:data:`RENAMED`). Unknown keys raise ``ValueError`` naming them (``strict``: the user's own options), or
+        -- reading a run folder written by another ropekit version -- give one warning and are ignored."""
+        d = dict(d)
+        for old, new in RENAMED.items():
+            if old in d and new not in d:
+                d[new] = d.pop(old)
+            d.pop(old, None)
         unknown = sorted(set(d) - set(cls.field_names()))
         if unknown:
-            raise ValueError(f"{source}: unknown option(s) {', '.join(unknown)}")
-        return cls(**d).validate()
+            if strict:
+                raise ValueError(f"{source}: unknown option(s) {', '.join(unknown)}")
+            warnings.warn(f"{source}: ignoring unknown option(s) {', '.join(unknown)} (written by another ropekit "
+                          f"version?)", stacklevel=2)
+            d = {k: v for k, v in d.items() if k not in unknown}
+        return cls(**d).validate(source)
 
     def replace(self, **changes: Any) -> "TrainConfig":
         unknown = sorted(set(changes) - set(self.field_names()))
@@ -107,24 +128,150 @@ class TrainConfig:
             raise ValueError(f"unknown option(s) {', '.join(unknown)}")
         return dataclasses.replace(self, **changes).validate()
 
-    def validate(self) -> "TrainConfig":
-        """Cheap checks that need no data (the model config is validated when the model is built)."""
+    def engine_options(self) -> "EngineOptions":
+        """The run-execution settings for :func:`ropekit.train.engine.fit` (threads are set by the trainer)."""
+        from .engine import EngineOptions
+
+        return EngineOptions(device=self.device, precision=self.precision, compile=self.compile, threads=None,
+                             progress=self.progress, tensorboard=self.tensorboard)
+
+    def validate(self, source: str = "options") -> "TrainConfig":
+        """Type and range checks that need no data, each failing with a one-line ``ValueError`` naming the option
+        (the model configuration itself is validated when the model is built)."""
+        for f in dataclasses.fields(self):
+            check_type(f.name, getattr(self, f.name), _FIELD_TYPES[f.name], source)
         if self.model not in VIT_SIZES:
             raise ValueError(f"unknown model size {self.model!r}; known: {', '.join(VIT_SIZES)}")
         for name in ("epochs", "batch_size", "eval_batch_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("threads", "patch_size", "tubelet_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not 0.0 < float(self.train_fraction) <= 1.0:
             raise ValueError(f"train_fraction must be in (0, 1], got {self.train_fraction}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        for name in ("weight_decay", "warmup_epochs", "min_lr", "grad_clip", "jitter", "augment_shift"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if not math.isfinite(self.depth_scale_init):
+            raise ValueError(f"depth_scale_init must be finite, got {self.depth_scale_init}")
+        from .engine import PRECISIONS, check_compile_backend
+
+        check_compile_backend(self.compile)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.image_size is not None:
+            sizes = [self.image_size] if isinstance(self.image_size, int) else list(self.image_size)
+            if not 1 <= len(sizes) <= 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
+                raise ValueError(f"image_size must be a positive integer or [H, W], got {self.image_size!r}")
+            if self.patch_size is not None:
+                bad = [v for v in sizes if v % self.patch_size]
+                if bad:
+                    raise ValueError(_not_divisible(bad[0], self.patch_size))
         for name in ("pe_options", "data_options", "model_options"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
-        bad = sorted(set(self.model_options) - {f.name for f in dataclasses.fields(ViTConfig)})
+        vit_fields = {f.name: f for f in dataclasses.fields(ViTConfig)}
+        bad = sorted(set(self.model_options) - set(vit_fields))
         if bad:
             raise ValueError(f"model_options: unknown ViTConfig field(s) {', '.join(bad)}")
+        hints = typing.get_type_hints(ViTConfig)
+        for k, v in self.model_options.items():
+            check_type(k, v, hints[k], "--model-opt")
+        _check_pe_options(self.pe, self.pe_options)
         return self
+
+
+#: Options renamed since runs were first written: old name -> new name (old run folders stay readable).
+RENAMED: Dict[str, str] = {}
+
+_FIELD_TYPES = typing.get_type_hints(TrainConfig)
+
+
+def _not_divisible(size: int, patch: int) -> str:
+    lo, hi = size - size % patch, size - size % patch + patch
+    divisors = [p for p in range(1, min(size, 32) + 1) if size % p == 0 and p > 1]
+    return (f"image size {size} is not a multiple of the patch size {patch} (the last {size % patch} pixels would "
+            f"be cut off): use --image-size {lo if lo else hi} or {hi}, or a patch size that divides {size} "
+            f"({', '.join(map(str, divisors)) or 'none'})")
+
+
+def check_type(name: str, value: Any, hint: Any, source: str = "options") -> None:
+    """One-line ``ValueError`` when ``value`` does not fit the type annotation ``hint`` (``int``, ``float``, ``bool``,
+    ``str``, ``Optional``, ``Union``, ``List``, ``Tuple``, ``Dict``; an int is accepted for a float, a bool is never
+    a number)."""
+    if not _fits(value, hint):
+        raise ValueError(f"{source}: {name} must be {_describe(hint)}, got {value!r}")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin is Union:
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, List, Tuple):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value) if args else \
+            isinstance(value, (list, tuple))
+    if origin in (dict, Dict):
+        return isinstance(value, dict)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Union:
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    if hint in names:
+        return names[hint]
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict:
+        return "a mapping"
+    return str(hint)
+
+
+def _check_pe_options(pe: str, options: Dict[str, Any]) -> None:
+    """Types of ``--pe-opt`` values against the defaults of the encoding's constructor (unknown names are left to
+    the encoding, which lists the ones it accepts)."""
+    import inspect
+
+    from ..encodings.registry import PE_REGISTRY
+
+    cls = PE_REGISTRY.get(str(pe).lower().replace("_", "-"))
+    if cls is None or not options:
+        return
+    params = inspect.signature(cls.__init__).parameters
+    simple = {"int": int, "float": float, "bool": bool, "str": str}
+    for k, v in options.items():
+        p = params.get(k)
+        if p is None:
+            continue
+        ann = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+        parts = [a.strip() for a in str(ann).replace("Optional[", "").rstrip("]").split("|")]
+        types = [simple[a] for a in parts if a in simple]
+        if not types or len(types) + ("None" in parts) != len(parts):
+            continue  # (tensors and other non-scalar options are left to the encoding)
+        hint: Any = Union[tuple(types + ([type(None)] if "None" in parts else []))] if len(types) > 1 or \
+            "None" in parts else types[0]
+        check_type(k, v, hint, "--pe-opt")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -192,17 +339,39 @@ def auto_patch_size(image_size) -> int:
     return 1
 
 
+#: TrainConfig fields that are also ViTConfig fields but are resolved from the data rather than copied.
+_RESOLVED_FROM_DATA = ("image_size", "patch_size", "tubelet_size")
+
+
+def model_fields() -> List[str]:
+    """The ``TrainConfig`` fields that are copied into the model's :class:`ViTConfig` (the fields both share)."""
+    vit = {f.name for f in dataclasses.fields(ViTConfig)}
+    return [n for n in TrainConfig.field_names() if n in vit and n not in _RESOLVED_FROM_DATA]
+
+
 def build_vit_config(cfg: TrainConfig, info: Any) -> ViTConfig:
-    """The model configuration for ``cfg`` on a dataset described by ``info`` (a ``DatasetInfo``)."""
+    """The model configuration for ``cfg`` on a dataset described by ``info`` (a ``DatasetInfo``).
+
+    Every field ``TrainConfig`` shares with ``ViTConfig`` is copied (:func:`model_fields`), ``model_options`` set
+    any other ``ViTConfig`` field, and the data decide the rest (classes, channels, size, modality, patch size).
+
+    Raises:
+        ValueError: an explicit ``patch_size`` that does not divide the image size (an automatic one that does not
+            divide it gives a warning saying how many pixels are cut off).
+    """
     image_size = tuple(int(s) for s in info.image_size)
-    kw: Dict[str, Any] = dict(
-        num_classes=int(info.num_classes), in_chans=int(info.in_chans), image_size=image_size,
-        modality=info.kind, num_frames=getattr(info, "num_frames", None),
-        patch_size=cfg.patch_size or auto_patch_size(image_size),
-        pe=cfg.pe, pe_options=dict(cfg.pe_options), pe_sharing=cfg.pe_sharing, per_head=cfg.per_head, ape=cfg.ape,
-        cls=cfg.cls, coords=cfg.coords, jitter=float(cfg.jitter), depth_input=cfg.depth_input,
-        depth_scale_init=float(cfg.depth_scale_init),
-    )
+    patch = cfg.patch_size or auto_patch_size(image_size)
+    bad = [v for v in image_size if v % patch]
+    if bad and cfg.patch_size:
+        raise ValueError(_not_divisible(bad[0], patch))
+    if bad:
+        warnings.warn(f"image size {'x'.join(map(str, image_size))} is not a multiple of the automatic patch size "
+                      f"{patch}: the model uses the top-left {'x'.join(str(v - v % patch) for v in image_size)} "
+                      f"pixels (set --patch-size or --image-size to use them all)", stacklevel=2)
+    kw: Dict[str, Any] = {name: getattr(cfg, name) for name in model_fields()}
+    kw.update(num_classes=int(info.num_classes), in_chans=int(info.in_chans), image_size=image_size,
+              modality=info.kind, num_frames=getattr(info, "num_frames", None), patch_size=patch,
+              pe_options=dict(cfg.pe_options), jitter=float(cfg.jitter), depth_scale_init=float(cfg.depth_scale_init))
     if info.kind == "video":
         t = int(info.num_frames or 1)
         kw["tubelet_size"] = cfg.tubelet_size or (2 if t >= 4 else 1)

@@ -6,6 +6,7 @@ group is initialised with gloo on CPU (nccl on GPU). Rank 0 writes every file.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from typing import Any, List
@@ -13,7 +14,7 @@ from typing import Any, List
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistContext", "init_distributed"]
+__all__ = ["DistContext", "init_distributed", "resolve_device"]
 
 
 @dataclass
@@ -61,28 +62,61 @@ class DistContext:
             dist.barrier()
 
     def close(self) -> None:
-        if self.initialized_here and dist.is_initialized():
-            dist.destroy_process_group()
-            self.initialized_here = False
+        """Done with this context. A process group set up here stays up until the process exits (then it is
+        destroyed), so that a second run in the same ``torchrun`` process reuses it: tearing a group down and
+        setting it up again on the same ``torchrun`` store can hang."""
+        self.initialized_here = False
 
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def resolve_device(device: str = "auto", *, world_size: int = 1, local_rank: int = 0) -> torch.device:
+    """The ``torch.device`` a process uses, with a one-line ``ValueError`` where it cannot work.
+
+    ``"auto"`` is CUDA when a GPU is visible, else the CPU. Under ``torchrun`` each process takes the GPU of its
+    local rank, so it needs at least as many GPUs as processes per machine: with fewer, ``"auto"`` and ``"cuda"``
+    are refused with a line saying so (``--device cpu`` runs every process on the CPU with gloo instead).
+
+    Raises:
+        ValueError: a device string torch does not know, ``cuda`` without a usable GPU, a GPU index that does not
+            exist, or more processes than GPUs.
+    """
+    text = str(device).strip().lower()
+    if text == "auto":
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"--device {device}: no CUDA GPU is available on this machine; use --device cpu")
+        if dev.index is None:
+            if world_size > 1 and local_rank >= n:
+                raise ValueError(f"{world_size} processes per machine but only {n} GPU(s): each process needs its "
+                                 f"own GPU; start at most {n} (torchrun --nproc_per_node {n}) or use --device cpu "
+                                 f"(gloo on the CPU)")
+            dev = torch.device("cuda", local_rank if world_size > 1 else torch.cuda.current_device())
+        elif dev.index >= n:
+            raise ValueError(f"--device {device}: this machine has {n} GPU(s) (cuda:0 to cuda:{n - 1})")
+    elif dev.type not in ("cpu", "mps", "xpu", "meta"):
+        raise ValueError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
+    return dev
 
 
 def init_distributed(device: str = "auto") -> DistContext:
     """Initialise the process group if launched by ``torchrun`` (``WORLD_SIZE > 1``) and pick the device.
 
     Args:
-        device: ``"auto"`` (CUDA if available, else CPU), or any ``torch.device`` string.
+        device: ``"auto"`` (CUDA if available, else CPU), or any ``torch.device`` string (see
+            :func:`resolve_device` for the rules with several processes).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
+    dev = resolve_device(device, world_size=world, local_rank=local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     ctx = DistContext(rank=rank, world_size=world, local_rank=local_rank, device=dev)
@@ -90,4 +124,10 @@ def init_distributed(device: str = "auto") -> DistContext:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=world)
         ctx.initialized_here = True
+        atexit.register(_destroy_process_group)
     return ctx
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -23,13 +23,22 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_metrics_csv(path: Path, rows: Sequence[Dict[str, Any]]) -> None:
-    """(Re)write ``metrics.csv`` from the full history, atomically (so a resumed run never has gaps)."""
+def write_metrics_csv(path: Path, rows: Sequence[Dict[str, Any]], columns: Optional[Sequence[str]] = None) -> None:
+    """(Re)write ``metrics.csv`` from the full history, atomically (so a resumed run never has gaps).
+
+    ``columns``: the column order (default :data:`METRIC_COLUMNS` when the rows have them, else every key of the
+    rows in order of first appearance).
+    """
+    if columns is None:
+        keys: List[str] = []
+        for row in rows:
+            keys.extend(k for k in row if k not in keys)
+        columns = list(METRIC_COLUMNS) if set(METRIC_COLUMNS) <= set(keys) else keys
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(METRIC_COLUMNS), extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: _fmt(row.get(k)) for k in METRIC_COLUMNS})
+        writer.writerow({k: _fmt(row.get(k)) for k in columns})
     atomic_write_text(Path(path), buf.getvalue())
 
 
@@ -95,15 +104,19 @@ class TensorBoardLogger:
     def active(self) -> bool:
         return self.writer is not None
 
-    def log(self, row: Dict[str, Any]) -> None:
+    def log(self, row: Dict[str, Any], step: Optional[int] = None) -> None:
+        """Every number of ``row`` as a scalar at ``step`` (default ``row["epoch"]``); ``train_loss`` and
+        ``test_loss`` go to ``loss/train`` and ``loss/test`` (accuracies likewise), so both share a chart."""
         if self.writer is None:
             return
-        step = int(row["epoch"])
-        for k in ("train_loss", "test_loss"):
-            self.writer.add_scalar(f"loss/{k.split('_')[0]}", row[k], step)
-        for k in ("train_acc", "test_acc"):
-            self.writer.add_scalar(f"accuracy/{k.split('_')[0]}", row[k], step)
-        self.writer.add_scalar("lr", row["lr"], step)
+        step = int(row["epoch"] if step is None else step)
+        for k, v in row.items():
+            if k in ("epoch", "step") or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            head, _, tail = k.partition("_")
+            name = f"{'loss' if tail == 'loss' else 'accuracy'}/{head}" if tail in ("loss", "acc") and \
+                head in ("train", "test") else k
+            self.writer.add_scalar(name, v, step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -1,4 +1,7 @@
-"""The training loop behind ``ropekit train`` and the evaluation behind ``ropekit eval``.
+"""Image / RGB-D / video classification behind ``ropekit train`` and the evaluation behind ``ropekit eval``.
+
+The loop itself is the shared engine (:func:`ropekit.train.engine.fit`); this module supplies the task
+(:class:`ClassificationTask`: data, ViT, cross-entropy, per-epoch evaluation), the resume rules and the run folder.
 
 Reproducibility contract (CPU): the data order of epoch ``e`` is a function of ``(seed, e)`` only
 (``DistributedSampler`` with ``set_epoch``); every other random draw (position jitter, augmentation, dropout)
@@ -8,7 +11,10 @@ written mid-epoch by Ctrl-C (the batches already done are skipped).
 
 Run folder layout::
 
-    config.json      resolved TrainConfig ("train"), ViTConfig ("model"), dataset info ("data")
+    config.json      resolved TrainConfig ("train"), ViTConfig ("model"), dataset info ("data"), "versions"
+                     (ropekit, torch, python, git), "engine" (precision, compile, device) and "resumes"
+                     (where each resume started and which options it changed)
+    .lock            held while a run writes the folder
     checkpoint.pt    latest checkpoint (written atomically after every epoch and on Ctrl-C)
     metrics.csv      epoch,train_loss,train_acc,test_loss,test_acc,lr,epoch_time,elapsed_time
     curves.png       learning curves
@@ -19,32 +25,30 @@ Run folder layout::
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import random
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Dataset, DistributedSampler
 
 from ..nn.vit import ViTConfig, VisionTransformer
-from .checkpoint import CHECKPOINT_NAME, CheckpointError, atomic_save, capture_rng, load_checkpoint, \
-    load_model_state, restore_rng
+from . import engine
+from .augment import random_shift
+from .engine import seed_everything
+from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
 from .config import TrainConfig, build_vit_config
-from .distributed import DistContext, init_distributed
-from .metrics import TensorBoardLogger, atomic_write_text, plot_curves, write_metrics_csv
+from .distributed import DistContext, init_distributed, resolve_device
+from .metrics import METRIC_COLUMNS, plot_curves
+from .run_folder import load_run
 
-__all__ = ["TrainResult", "train", "evaluate", "evaluate_run", "load_data", "build_model", "build_optimizer",
+__all__ = ["TrainResult", "ClassificationTask", "train", "evaluate", "evaluate_run", "load_data", "build_model", "build_optimizer",
            "build_scheduler", "default_run_dir", "fetch_batch", "random_shift", "load_run"]
 
 StepCallback = Callable[[int], Optional[bool]]
@@ -110,43 +114,9 @@ def fetch_batch(ds: Dataset, index: Sequence[int]) -> Tuple[Tensor, Tensor]:
     return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.as_tensor([int(y) for _, y in items])
 
 
-def random_shift(x: Tensor, max_shift: int) -> Tensor:
-    """Translate each example by up to ``max_shift`` pixels along H and W, filling with zeros.
-
-    ``x``: ``(B, C, H, W)`` or ``(B, C, T, H, W)`` (every frame of a clip moves together; a zero-filled depth
-    pixel is invalid, as it should be). Draws from the global torch RNG.
-    """
-    if max_shift <= 0:
-        return x
-    s = int(max_shift)
-    h, w = x.shape[-2:]
-    padded = F.pad(x, (s, s, s, s))  # (..., H + 2s, W + 2s)
-    offsets = torch.randint(0, 2 * s + 1, (x.shape[0], 2)).tolist()
-    return torch.stack([padded[i, ..., dy:dy + h, dx:dx + w] for i, (dy, dx) in enumerate(offsets)])
-
-
 # ---------------------------------------------------------------------------------------------------------
 # model and optimisation
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _is_2d_to_3d(src: Dict[str, Any], vit_cfg: Any) -> bool:
-    """Whether checkpoint ``src`` holds a model without a depth coordinate and ``vit_cfg`` lifts depth to one."""
-    if "vit_config" not in src or getattr(vit_cfg, "modality", None) != "rgbd":
-        return False
-    try:
-        src_model = VisionTransformer(ViTConfig.from_dict(src["vit_config"]))
-    except (TypeError, ValueError):
-        return False
-    new_model = VisionTransformer(vit_cfg)
-    return _coord_dim(src_model) < _coord_dim(new_model)
-
-
-def _coord_dim(model: Any) -> int:
-    from ..encodings import PositionEncoding
-
-    dims = [m.coord_dim for m in model.modules() if isinstance(m, PositionEncoding)]
-    return max(dims, default=0)
 
 
 def build_model(cfg: TrainConfig, info: Any) -> Tuple[VisionTransformer, ViTConfig]:
@@ -154,35 +124,24 @@ def build_model(cfg: TrainConfig, info: Any) -> Tuple[VisionTransformer, ViTConf
     return VisionTransformer(vit_cfg), vit_cfg
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay for ``model.no_weight_decay()`` (encodings, depth lift, CLS, APE) and for every
-    parameter with fewer than two dimensions (norms, biases)."""
-    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    named = dict(model.named_parameters(remove_duplicate=False))
-    skip_ids = {id(named[n]) for n in skip if n in named}
-    decay, no_decay, seen = [], [], set()
-    for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (no_decay if id(p) in skip_ids or p.ndim < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999))
+def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
+    """AdamW at ``cfg.lr`` / ``cfg.weight_decay`` with the engine's no-weight-decay groups
+    (:func:`ropekit.train.engine.build_optimizer`)."""
+    return engine.build_optimizer(model, cfg.lr, cfg.weight_decay)
+
+
+def schedule_of(cfg: TrainConfig, steps_per_epoch: int) -> engine.Schedule:
+    """The optimiser settings and warm-up + cosine schedule of ``cfg`` for epochs of ``steps_per_epoch`` steps."""
+    return engine.Schedule(lr=cfg.lr, total_steps=max(1, cfg.epochs * steps_per_epoch),
+                           warmup_steps=int(round(cfg.warmup_epochs * steps_per_epoch)), min_lr=cfg.min_lr,
+                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
 
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch: int):
     """Per-step schedule: linear warm-up over ``warmup_epochs``, then cosine decay to ``min_lr``."""
-    total = max(1, cfg.epochs * steps_per_epoch)
-    warm = min(int(round(cfg.warmup_epochs * steps_per_epoch)), total - 1)
-    floor = min(1.0, cfg.min_lr / cfg.lr)
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / (warm + 1)
-        t = (step - warm) / max(1, total - warm)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    sch = schedule_of(cfg, steps_per_epoch)
+    return torch.optim.lr_scheduler.LambdaLR(opt, engine.warmup_cosine(sch.total_steps, sch.warmup_steps,
+                                                                       cfg.min_lr / cfg.lr))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -220,37 +179,16 @@ def evaluate(model: nn.Module, ds: Dataset, *, batch_size: int = 250, device: An
     return {"test_loss": loss_sum / count, "test_acc": correct / count, "num_examples": int(count)}
 
 
-def load_run(run_dir: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """``(config, checkpoint)`` of a run folder; one-line ``FileNotFoundError`` / ``CheckpointError``."""
-    run = Path(run_dir).expanduser()
-    if not run.exists():
-        raise FileNotFoundError(f"run folder not found: {run}")
-    if run.is_file():  # a checkpoint file: take the config from it
-        ckpt = load_checkpoint(run)
-        return {"train": ckpt.get("train_config", {}), "model": ckpt["vit_config"]}, ckpt
-    cfg_path = run / "config.json"
-    ckpt = load_checkpoint(run)
-    if cfg_path.is_file():
-        try:
-            config = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_path} is not valid JSON ({e.msg})") from None
-    else:
-        config = {"train": ckpt.get("train_config", {}), "model": ckpt.get("vit_config", {})}
-    return config, ckpt
-
-
 def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: float = 0.0, seed: int = 0,
                  batch_size: Optional[int] = None, device: str = "auto") -> Dict[str, Any]:
     """Evaluate a run's checkpoint on its test set, optionally at another resolution and with one random
     global coordinate offset per image drawn from ``N(0, offset_std^2 I)`` (seeded by ``seed``)."""
     config, ckpt = load_run(run_dir)
-    tcfg = TrainConfig.from_dict(config.get("train", {}), source="config.json")
+    tcfg = TrainConfig.from_dict(config.get("train", {}), source="config.json", strict=False)
     vit_cfg = ViTConfig.from_dict(ckpt["vit_config"])
     model = VisionTransformer(vit_cfg)
     load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = resolve_device(device)
     model.to(dev)
     _, test_ds, info = load_data(tcfg, image_size=image_size)
     offsets = None
@@ -271,44 +209,9 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _StopRequest:
-    """SIGINT / SIGTERM set a flag that the loop checks after each step (a second Ctrl-C aborts at once)."""
-
-    def __init__(self, verbose: bool) -> None:
-        self.requested = False
-        self.verbose = verbose
-        self._old: Dict[int, Any] = {}
-
-    def __enter__(self) -> "_StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                if signal.getsignal(sig) is not signal.SIG_IGN:  # (background jobs ignore SIGINT: keep it so)
-                    self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        if self.verbose:
-            print("\nstopping after this step and saving a checkpoint (press Ctrl-C again to abort)",
-                  file=sys.stderr, flush=True)
-
-
 def default_run_dir(cfg: TrainConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{cfg.data}-{cfg.pe}-{cfg.model}-s{cfg.seed}-{stamp}"
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _log(msg: str, ctx: DistContext, quiet: bool = False) -> None:
@@ -316,31 +219,6 @@ def _log(msg: str, ctx: DistContext, quiet: bool = False) -> None:
         from tqdm import tqdm
 
         tqdm.write(msg, file=sys.stderr)
-
-
-def train(cfg: TrainConfig, *, resume: bool = False, on_step: Optional[StepCallback] = None,
-          quiet: bool = False) -> TrainResult:
-    """Train a ViT as ``cfg`` says; see the module docstring for the run folder.
-
-    Args:
-        cfg: the resolved configuration (``cfg.out`` is the run folder).
-        resume: continue from ``<out>/checkpoint.pt``.
-        on_step: called after every optimiser step with the global step; returning ``True`` stops the run
-            like Ctrl-C does (a checkpoint is saved mid-epoch).
-        quiet: no log lines (the progress bar follows ``cfg.progress``).
-
-    Raises:
-        ValueError, FileNotFoundError, CheckpointError: bad configuration, data path, or checkpoint.
-    """
-    cfg.validate()
-    ctx = init_distributed(cfg.device)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(resolve_threads(cfg.threads, ctx.world_size))
-    try:
-        return _train(cfg, ctx, resume=resume, on_step=on_step, quiet=quiet)
-    finally:
-        torch.set_num_threads(previous_threads)
-        ctx.close()
 
 
 def resolve_threads(threads: Optional[int], world_size: int = 1) -> int:
@@ -355,186 +233,232 @@ def resolve_threads(threads: Optional[int], world_size: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // (2 * max(1, world_size)))
 
 
-def _train(cfg: TrainConfig, ctx: DistContext, *, resume: bool, on_step: Optional[StepCallback],
-           quiet: bool) -> TrainResult:
-    t_start = time.time()
-    run_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg)
-    if not cfg.out:
-        # every rank must agree on the default folder name: rank 0 picks it
-        run_dir = Path(ctx.gather_objects(str(run_dir))[0])
-        cfg = dataclasses.replace(cfg, out=str(run_dir))
+#: Options that may differ when a run is resumed without changing what it computes.
+RESUME_FREE = ("out", "device", "threads", "progress", "tensorboard", "compile")
+#: Options that may change on resume when allowed explicitly (``--allow-change``); the new values are recorded.
+RESUME_CHANGEABLE = ("epochs", "precision", "eval_batch_size")
+
+
+def resume_changes(old: Dict[str, Any], new: TrainConfig, allow: Sequence[str] = ()) -> Dict[str, Tuple[Any, Any]]:
+    """The options of ``new`` that differ from the run's saved ``old`` ones, as ``{name: (old, new)}`` (options that
+    never change results are left out).
+
+    Raises:
+        ValueError: a difference that is not allowed -- listing every difference, and saying which ones
+            ``allow`` (``--allow-change``) could admit.
+    """
+    base = TrainConfig.from_dict(old, source="the run's config", strict=False).to_dict()
+    cur = new.to_dict()
+    changed = {k: (base[k], cur[k]) for k in cur if k not in RESUME_FREE and base.get(k) != cur[k]}
+    bad_allow = sorted(set(allow) - set(RESUME_CHANGEABLE))
+    if bad_allow:
+        raise ValueError(f"--allow-change: {', '.join(bad_allow)} cannot change when resuming; only "
+                         f"{', '.join(RESUME_CHANGEABLE)} can")
+    refused = {k: v for k, v in changed.items() if k not in allow}
+    if refused:
+        listed = "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(refused.items()))
+        fixable = sorted(k for k in refused if k in RESUME_CHANGEABLE)
+        fixed = sorted(k for k in refused if k not in RESUME_CHANGEABLE)
+        hint = []
+        if fixable:
+            hint.append(f"allow {', '.join(fixable)} with --allow-change {','.join(fixable)}")
+        if fixed:
+            hint.append(f"{', '.join(fixed)} cannot change in a resumed run (start a new run with --out)")
+        raise ValueError(f"--resume: options differ from the run's: {listed}; {'; '.join(hint)}")
+    return changed
+
+
+class ClassificationTask:
+    """Image / RGB-D / video classification with cross-entropy: what :func:`ropekit.train.engine.fit` needs.
+
+    Batches: this rank's ``DistributedSampler`` order of the epoch (a function of ``(seed, epoch)``), cut into
+    ``batch_size / world_size`` indices; the random shift augmentation draws from the global torch RNG.
+    """
+
+    name = "train"
+
+    def __init__(self, cfg: TrainConfig, model: nn.Module, train_ds: Dataset, test_ds: Dataset,
+                 ctx: DistContext, label: str, quiet: bool = False) -> None:
+        self.cfg, self.model, self.train_ds, self.test_ds = cfg, model, train_ds, test_ds
+        self.label, self.quiet = label, quiet
+        self.per_rank_bs = max(1, cfg.batch_size // ctx.world_size)
+        self.sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                          seed=cfg.seed, drop_last=False)
+        self.steps_per_epoch = math.ceil(len(self.sampler) / self.per_rank_bs)
+
+    def epoch_batches(self, epoch: int, ctx: DistContext) -> List[List[int]]:
+        self.sampler.set_epoch(epoch)
+        order = list(self.sampler)  # a function of (seed, epoch) only
+        return [order[i:i + self.per_rank_bs] for i in range(0, len(order), self.per_rank_bs)]
+
+    def loss(self, model: nn.Module, batch: List[int], device: torch.device) -> Tuple[Tensor, Dict[str, float]]:
+        x, y = fetch_batch(self.train_ds, batch)
+        x = random_shift(x, self.cfg.augment_shift)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.label_smoothing)
+        n = y.shape[0]
+        return loss, {"loss_sum": loss.item() * n, "correct": (logits.argmax(-1) == y).sum().item(), "count": n}
+
+    def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: DistContext) -> Dict[str, Any]:
+        loss_sum, correct, count = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("correct", 0.0),
+                                                       sums.get("count", 0.0)])
+        t0 = time.time()
+        ev = evaluate(self.model, self.test_ds, batch_size=self.cfg.eval_batch_size, device=ctx.device, ctx=ctx)
+        t_eval = time.time() - t0  # (the epoch's time includes its evaluation)
+        return {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
+                "test_loss": ev["test_loss"], "test_acc": ev["test_acc"], "lr": info["lr"],
+                "epoch_time": info["epoch_time"] + t_eval, "elapsed_time": info["elapsed"] + t_eval}
+
+    def describe(self, row: Dict[str, Any]) -> str:
+        return (f"epoch {row['epoch']}/{self.cfg.epochs}  train loss {row['train_loss']:.4f} acc "
+                f"{row['train_acc']:.4f}  test loss {row['test_loss']:.4f} acc {row['test_acc']:.4f}  "
+                f"({row['epoch_time']:.1f}s)")
+
+    def plot(self, history: List[Dict[str, Any]], path: Path) -> None:
+        plot_curves(history, path, title=f"{self.cfg.data} ViT-{self.cfg.model} pe={self.label}")
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, on_step: Optional[StepCallback] = None,
+          quiet: bool = False, allow_change: Sequence[str] = ()) -> TrainResult:
+    """Train a ViT as ``cfg`` says; see the module docstring for the run folder.
+
+    Args:
+        cfg: the resolved configuration (``cfg.out`` is the run folder).
+        resume: continue from ``<out>/checkpoint.pt``; ``cfg`` must equal the run's saved configuration except
+            for the options in ``RESUME_FREE`` and, when named in ``allow_change``, those in ``RESUME_CHANGEABLE``
+            (more epochs stretch the cosine schedule to the new total; what ran is recorded in ``config.json``).
+        on_step: called after every optimiser step with the global step; returning ``True`` stops the run
+            like Ctrl-C does (a checkpoint is saved mid-epoch).
+        quiet: no log lines (the progress bar follows ``cfg.progress``).
+        allow_change: option names that may differ from the run's when resuming.
+
+    Raises:
+        ValueError, FileNotFoundError, CheckpointError: bad configuration, data path, or checkpoint;
+        RunLockedError: another process writes the run folder; NonFiniteLossError: the loss became NaN / Inf;
+        SaveError: a checkpoint could not be written.
+    """
+    cfg.validate()
+    ctx = init_distributed(cfg.device)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(resolve_threads(cfg.threads, ctx.world_size))
+    lock = None
+    try:
+        run_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg)
+        if not cfg.out:
+            # every rank must agree on the default folder name: rank 0 picks it
+            run_dir = Path(ctx.gather_objects(str(run_dir))[0])
+            cfg = dataclasses.replace(cfg, out=str(run_dir))
+        if ctx.is_main:
+            existed = run_dir.exists()
+            lock = engine.RunLock(run_dir).acquire()  # before the data loads: a second run refuses at once
+            lock.created = not existed  # type: ignore[attr-defined]
+        return _train(cfg, ctx, run_dir, resume=resume, on_step=on_step, quiet=quiet, allow_change=allow_change)
+    except BaseException:
+        if lock is not None and getattr(lock, "created", False):
+            _remove_if_empty(run_dir)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+        torch.set_num_threads(previous_threads)
+        ctx.close()
+
+
+def _remove_if_empty(run_dir: Path) -> None:
+    """Remove a run folder this run created when it holds nothing but the lock (a run that failed at once)."""
+    try:
+        if {p.name for p in run_dir.iterdir()} <= {".lock"}:
+            (run_dir / ".lock").unlink(missing_ok=True)
+            run_dir.rmdir()
+    except OSError:
+        pass
+
+
+def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, on_step: Optional[StepCallback],
+           quiet: bool, allow_change: Sequence[str]) -> TrainResult:
     ckpt_path = run_dir / CHECKPOINT_NAME
     ckpt = None
+    changes: Dict[str, Tuple[Any, Any]] = {}
+    previous_config: Dict[str, Any] = {}
     if resume:
         ckpt = load_checkpoint(ckpt_path)
+        previous_config, _ = load_run(run_dir)
+        changes = resume_changes(previous_config.get("train") or ckpt.get("train_config", {}), cfg, allow_change)
+        if "epochs" in changes and cfg.epochs < int(ckpt["epoch"]):
+            raise ValueError(f"--epochs {cfg.epochs}: the run has already done {int(ckpt['epoch'])} epochs")
     elif ckpt_path.exists():
         raise ValueError(f"run folder {run_dir} already holds a checkpoint; continue it with --resume or choose "
                          f"another --out")
 
-    device = ctx.device
     train_ds, test_ds, info = load_data(cfg)
-    _seed_everything(cfg.seed)  # model initialisation: identical on every rank
+    seed_everything(cfg.seed)  # model initialisation: identical on every rank
     model, vit_cfg = build_model(cfg, info)
-    if cfg.init_from and ckpt is None:
-        src = load_checkpoint(cfg.init_from)
-        if _is_2d_to_3d(src, vit_cfg):
-            # SPEC §4: a 2-D checkpoint into a 3-D (RGB-D) model -- encoding parameters widened 2 -> 3 with the new
-            # axis at zero, depth lift at zero, so the first forward pass equals the 2-D model's.
-            from ..integrations.finetune import init_3d_from_2d
-
-            source = VisionTransformer(ViTConfig.from_dict(src["vit_config"]))
-            load_model_state(source, src["model"], source=f"checkpoint {src['path']}")
-            report = init_3d_from_2d(model, source.eval())
-            _log(f"initialised the 3-D model from the 2-D checkpoint {src['path']} "
-                 f"({len(report['copied'])} copied, {len(report['widened'])} encoding tensors widened, "
-                 f"{len(report['zeroed']) + len(report['depth_lift'])} new set to zero)", ctx, quiet)
-        else:
-            report = load_model_state(model, src["model"], strict=False, source=f"checkpoint {src['path']}")
-            _log(f"initialised {len(report['loaded'])} tensors from {src['path']} "
-                 f"({len(report['missing'])} new, {len(report['skipped'])} skipped)", ctx, quiet)
-    model.to(device)
-
-    per_rank_bs = max(1, cfg.batch_size // ctx.world_size)
-    sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=False)
-    steps_per_epoch = math.ceil(len(sampler) / per_rank_bs)
-    opt = build_optimizer(model, cfg)
-    sched = build_scheduler(opt, cfg, steps_per_epoch)
-
-    start_epoch, start_step, global_step, elapsed_before = 0, 0, 0, 0.0
-    history: List[Dict[str, Any]] = []
-    partial = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0, "time": 0.0}
-    if ckpt is not None:
+    if ckpt is not None:  # (checked here, before anything is said or written; the engine restores the rest)
         load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
-        try:
-            opt.load_state_dict(ckpt["optimizer"])
-            sched.load_state_dict(ckpt["scheduler"])
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"checkpoint {ckpt['path']} does not match the optimiser: {str(e).splitlines()[0]}") from None
-        start_epoch, start_step = int(ckpt["epoch"]), int(ckpt.get("step_in_epoch", 0))
-        global_step, elapsed_before = int(ckpt.get("global_step", 0)), float(ckpt.get("elapsed_time", 0.0))
-        history = list(ckpt.get("history", []))
-        partial = dict(ckpt.get("partial") or partial)
-        rng = ckpt.get("rng") or []
-        if start_step > steps_per_epoch:
-            raise CheckpointError(f"checkpoint {ckpt['path']} stopped at step {start_step} of an epoch, but an "
-                                  f"epoch now has {steps_per_epoch} steps (batch size or data changed)")
-        if ctx.rank < len(rng):
-            restore_rng(rng[ctx.rank])
-    else:
-        _seed_everything(cfg.seed + 1_000_003 * (ctx.rank + 1))  # per-rank stream for jitter/augmentation/dropout
+    if cfg.init_from and ckpt is None:
+        from ..integrations.finetune import init_from_checkpoint
 
-    n_params = sum(p.numel() for p in model.parameters())
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config_doc = {"train": cfg.to_dict(), "model": vit_cfg.to_dict(),
-                      "data": _info_dict(info, len(train_ds), len(test_ds)),
-                      "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None,
-                      "world_size": ctx.world_size, "num_params": n_params}
-        atomic_write_text(run_dir / "config.json", json.dumps(config_doc, indent=2) + "\n")
-        if history:
-            write_metrics_csv(run_dir / "metrics.csv", history)
-    tb = TensorBoardLogger(run_dir / "tb", enabled=cfg.tensorboard and ctx.is_main)
+        _log(init_from_checkpoint(model, load_checkpoint(cfg.init_from)), ctx, quiet)
+
     label = f"{vit_cfg.pe}" + (f", depth as {vit_cfg.depth_input}" if vit_cfg.modality == "rgbd" else "")
+    task = ClassificationTask(cfg, model, train_ds, test_ds, ctx, label, quiet)
+    schedule = schedule_of(cfg, task.steps_per_epoch)
+    n_params = sum(p.numel() for p in model.parameters())
+    config_doc = {"train": cfg.to_dict(), "model": vit_cfg.to_dict(),
+                  "data": _info_dict(info, len(train_ds), len(test_ds)),
+                  "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None}
+    resumes = list(previous_config.get("resumes", []))
     if ckpt is not None:
-        _log(f"resuming {run_dir} at epoch {start_epoch + 1}, step {start_step}", ctx, quiet)
+        step0 = int(ckpt.get("global_step", 0))
+        entry: Dict[str, Any] = {"epoch": int(ckpt["epoch"]), "step_in_epoch": int(ckpt.get("step_in_epoch", 0)),
+                                 "global_step": step0}
+        if changes:
+            entry["changed"] = {k: [a, b] for k, (a, b) in changes.items()}
+        if "epochs" in changes:
+            old_cfg = dataclasses.replace(cfg, epochs=int(changes["epochs"][0]))
+            old = schedule_of(old_cfg, task.steps_per_epoch)
+            f_old = engine.warmup_cosine(old.total_steps, old.warmup_steps, cfg.min_lr / cfg.lr)
+            f_new = engine.warmup_cosine(schedule.total_steps, schedule.warmup_steps, cfg.min_lr / cfg.lr)
+            entry["schedule"] = (f"cosine decay stretched from {old.total_steps} to {schedule.total_steps} steps: "
+                                 f"the learning rate at step {step0 + 1} is {cfg.lr * f_new(step0):.3g} instead of "
+                                 f"{cfg.lr * f_old(step0):.3g}")
+            _log(f"epochs {changes['epochs'][0]} -> {changes['epochs'][1]}: {entry['schedule']}", ctx, quiet)
+        resumes.append(entry)
+        for k, (a, b) in changes.items():
+            if k != "epochs":
+                _log(f"resuming with {k} {a!r} -> {b!r} (recorded in config.json)", ctx, quiet)
+        _log(f"resuming {run_dir} at epoch {int(ckpt['epoch']) + 1}, step {int(ckpt.get('step_in_epoch', 0))}",
+             ctx, quiet)
+    if resumes:
+        config_doc["resumes"] = resumes
     _log(f"ropekit train: {cfg.data} ({len(train_ds)} train / {len(test_ds)} test, {info.kind}), ViT-{cfg.model} "
          f"{n_params / 1e6:.2f}M params, pe={label}, {cfg.epochs} epochs, batch {cfg.batch_size}"
-         f"{f' over {ctx.world_size} processes' if ctx.enabled else ''}, run folder {run_dir}", ctx, quiet)
+         f"{f' over {ctx.world_size} processes' if ctx.enabled else ''}"
+         f"{f', {cfg.precision}' if cfg.precision != 'fp32' else ''}{', compiled' if cfg.compile else ''}"
+         f", run folder {run_dir}", ctx, quiet)
 
-    ddp_model: nn.Module = model
-    if ctx.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    def fresh_start(c: DistContext) -> None:
+        seed_everything(cfg.seed + 1_000_003 * (c.rank + 1))  # per-rank stream for jitter/augmentation/dropout
 
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    def save(epoch_done: int, step_in_epoch: int) -> None:
-        rng_states = ctx.gather_objects(capture_rng())
-        if not ctx.is_main:
-            return
-        atomic_save({
-            "format": "ropekit-checkpoint", "version": 1, "model": model.state_dict(),
-            "vit_config": vit_cfg.to_dict(), "train_config": cfg.to_dict(), "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(), "epoch": epoch_done, "step_in_epoch": step_in_epoch,
-            "global_step": global_step, "elapsed_time": elapsed_before + (time.time() - t_start),
-            "rng": rng_states, "history": history, "partial": partial, "world_size": ctx.world_size,
-        }, ckpt_path)
-
-    from tqdm import tqdm
-
-    interrupted = False
-    show_bar = cfg.progress and ctx.is_main
-    with _StopRequest(verbose=ctx.is_main and not quiet) as stop:
-        for epoch in range(start_epoch, cfg.epochs):
-            sampler.set_epoch(epoch)
-            order = list(sampler)  # a function of (seed, epoch) only
-            batches = [order[i:i + per_rank_bs] for i in range(0, len(order), per_rank_bs)]
-            t_epoch = time.time() - partial.get("time", 0.0)
-            model.train()
-            bar = tqdm(total=len(batches), initial=start_step, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                       disable=not show_bar, leave=False, dynamic_ncols=True, file=sys.stderr)
-            for step in range(start_step, len(batches)):
-                x, y = fetch_batch(train_ds, batches[step])
-                x = random_shift(x, cfg.augment_shift)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                logits = ddp_model(x)
-                loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.grad_clip > 0:
-                    nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                opt.step()
-                sched.step()
-                global_step += 1
-                n = y.shape[0]
-                partial["loss_sum"] += loss.item() * n
-                partial["correct"] += (logits.argmax(-1) == y).sum().item()
-                partial["count"] += n
-                bar.update(1)
-                bar.set_postfix(loss=f"{partial['loss_sum'] / partial['count']:.4f}",
-                                acc=f"{partial['correct'] / partial['count']:.3f}", refresh=False)
-                wants_stop = bool(on_step(global_step)) if on_step is not None else False
-                if ctx.any(stop.requested or wants_stop):
-                    partial["time"] = time.time() - t_epoch
-                    save(epoch, step + 1)
-                    interrupted = True
-                    break
-            bar.close()
-            if interrupted:
-                break
-            start_step = 0
-            loss_sum, correct, count = ctx.all_reduce_sum([partial["loss_sum"], partial["correct"], partial["count"]])
-            ev = evaluate(model, test_ds, batch_size=cfg.eval_batch_size, device=device, ctx=ctx)
-            row = {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
-                   "test_loss": ev["test_loss"], "test_acc": ev["test_acc"], "lr": opt.param_groups[0]["lr"],
-                   "epoch_time": time.time() - t_epoch, "elapsed_time": elapsed_before + time.time() - t_start}
-            history.append(row)
-            partial = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0, "time": 0.0}
-            save(epoch + 1, 0)
-            if ctx.is_main:
-                write_metrics_csv(run_dir / "metrics.csv", history)
-                tb.log(row)
-            _log(f"epoch {epoch + 1}/{cfg.epochs}  train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f}  "
-                 f"test loss {row['test_loss']:.4f} acc {row['test_acc']:.4f}  ({row['epoch_time']:.1f}s)", ctx, quiet)
-            if ctx.any(stop.requested):
-                interrupted = epoch + 1 < cfg.epochs
-                break
-    tb.close()
-
-    wall = elapsed_before + time.time() - t_start
+    res = engine.fit(
+        task, schedule, cfg.epochs, options=cfg.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
+        resume=ckpt is not None, ctx=ctx, on_step=on_step, quiet=quiet, config_doc=config_doc,
+        checkpoint_extra={"vit_config": vit_cfg.to_dict(), "train_config": cfg.to_dict()},
+        metric_columns=METRIC_COLUMNS, fresh_start=fresh_start)
+    history = res.history
     final = dict(history[-1]) if history else {}
     if ctx.is_main:
-        if history:
-            plot_curves(history, run_dir / "curves.png", title=f"{cfg.data} ViT-{cfg.model} pe={label}")
         summary = {"run_dir": str(run_dir), "data": cfg.data, "model": cfg.model, "pe": vit_cfg.pe,
                    "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None,
-                   "seed": cfg.seed, "epochs_done": len(history), "interrupted": interrupted,
-                   "wall_time": wall, "num_params": n_params, "world_size": ctx.world_size,
+                   "seed": cfg.seed, "epochs_done": len(history), "interrupted": res.interrupted,
+                   "wall_time": res.wall_time, "num_params": n_params, "world_size": ctx.world_size,
+                   "precision": cfg.precision,
                    **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
-        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        engine.write_json(run_dir / "summary.json", summary, "summary")
     ctx.barrier()
-    return TrainResult(run_dir=run_dir, history=history, interrupted=interrupted, wall_time=wall, model=model,
-                       final=final, is_main=ctx.is_main)
+    return TrainResult(run_dir=run_dir, history=history, interrupted=res.interrupted, wall_time=res.wall_time,
+                       model=model, final=final, is_main=ctx.is_main)
 
 
 def _info_dict(info: Any, n_train: int, n_test: int) -> Dict[str, Any]:

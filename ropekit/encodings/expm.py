@@ -1,0 +1,250 @@
+"""Matrix exponentials of skew-symmetric matrices that stay orthogonal and differentiate twice.
+
+Three pieces, used by LieRE, relaxed STRING and ComRoPE:
+
+* :func:`linear_skew_expm` -- ``expm(G(r))``, ``G(r) = sum_k r_k L_k``, for every token, with large norms
+  (LieRE's generators at its authors' initialisation reach ``||G|| ~ 10^3`` at image-grid coordinates). On the
+  CPU it is computed in float64 from one Hermitian eigendecomposition per matrix, ``-iG = U diag(lam) U^H``,
+  ``expm(G) = Re(U diag(exp(i lam)) U^H)``: unitary ``U`` gives an orthogonal result to float64 round-off
+  whatever the norm, where a float32 scaling-and-squaring loses orthogonality (``||R^T R - I|| ~ 1e-3``). The
+  cost does not grow with the norm (no squarings), the generator sum is formed and exponentiated in chunks
+  (bounded workspace, never stored), and the backward pass reuses the eigenbasis: the exact Frechet adjoint
+  ``U ((U^H gE U) * Phi) U^H`` with ``Phi`` the divided differences of ``exp``, written as
+  ``exp(-i (lam_i + lam_j) / 2) sinc((lam_i - lam_j) / 2)`` (finite for equal eigenvalues). On a GPU, whose
+  solvers batch eigendecompositions only for small matrices, it is a float64 ``matrix_exp``, chunk by chunk.
+* :func:`scaled_block_exp` -- ComRoPE's block exponentials ``expm(s K)`` (see
+  ``functional.scaled_block_exp_matrices``), with a backward that supports a second derivative.
+* :func:`block_apply` -- ``functional.block_apply`` (per-block matrices applied to every token) with a
+  backward that supports a second derivative.
+
+Second derivatives: the backward passes are hand-written for speed. When a gradient graph is requested
+(``create_graph=True``, e.g. for a gradient penalty or Hessian-vector products) they compute the same
+gradient with differentiable operations (for the exponentials: a ``torch.linalg.matrix_exp`` reference per
+matrix), so second derivatives are exact, at the reference's cost. Under ``torch.compile`` (which traces
+first-order training) the functions use traceable forms: a float64 ``matrix_exp`` for
+:func:`linear_skew_expm`, ``functional``'s first-order versions for the other two.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from . import functional as F
+
+__all__ = ["linear_skew_expm", "scaled_block_exp", "block_apply", "DEFAULT_BUDGET"]
+
+DEFAULT_BUDGET = 1 << 21  # matrix entries per chunk: ~64 MiB of complex128 workspace per array
+
+
+def _sinc(x: Tensor) -> Tensor:
+    """``sin(x) / x`` with the value 1 at 0 (accurate for tiny ``x``)."""
+    safe = torch.where(x == 0, torch.ones_like(x), x)
+    return torch.where(x == 0, torch.ones_like(x), torch.sin(safe) / safe)
+
+
+def _combine(r: Tensor, gen: Tensor) -> Tensor:
+    """``sum_k r[t, k] gen[:, k]`` by elementwise products (no matmul: exact in float64 on every device).
+
+    ``r`` ``(t, c)``, ``gen`` ``(Hp, c, nb, n, n)`` -> ``(t, Hp, nb, n, n)``.
+    """
+    g = r[:, 0, None, None, None, None] * gen[:, 0]
+    for k in range(1, r.shape[1]):
+        g = g + r[:, k, None, None, None, None] * gen[:, k]
+    return g
+
+
+def _exp_from_eig(u: Tensor, lam: Tensor) -> Tensor:
+    """``Re(U diag(exp(i lam)) U^H)``: ``(..., n, n)`` complex, ``(..., n)`` -> ``(..., n, n)`` real."""
+    return torch.matmul(u * torch.polar(torch.ones_like(lam), lam).unsqueeze(-2), u.mH).real
+
+
+def _frechet_adjoint(u: Tensor, lam: Tensor, ge: Tensor) -> Tensor:
+    """Gradient of ``expm`` at ``G = U diag(i lam) U^H`` against the output gradient ``ge`` (all ``(..., n, n)``).
+
+    ``grad_G = L_exp(G^T)[ge]``; ``G^T = U diag(-i lam) U^H``, whose divided differences of ``exp`` are
+    ``exp(-i (lam_i + lam_j) / 2) sinc((lam_i - lam_j) / 2)``.
+    """
+    half_sum = (lam.unsqueeze(-1) + lam.unsqueeze(-2)) * 0.5
+    half_diff = (lam.unsqueeze(-1) - lam.unsqueeze(-2)) * 0.5
+    phi = torch.polar(_sinc(half_diff), -half_sum)  # (..., n, n)
+    inner = u.mH @ ge.to(u.dtype) @ u
+    return (u @ (inner * phi) @ u.mH).real
+
+
+def _chunk_tokens(per_token: int, budget: int) -> int:
+    return max(1, budget // max(per_token, 1))
+
+
+class _LinearSkewExpm(torch.autograd.Function):
+    """``expm(sum_k r_k L_k)`` per token, fused: the generator sum is formed chunk by chunk in float64 and never
+    stored; only the eigenbases are kept for the backward pass."""
+
+    @staticmethod
+    def forward(ctx, coords: Tensor, gen: Tensor, budget: int) -> Tensor:
+        t, c = coords.shape
+        hp, _, nb, n, _ = gen.shape
+        r64, l64 = coords.detach().to(torch.float64), gen.detach().to(torch.float64)
+        keep = torch.complex128 if gen.dtype == torch.float64 else torch.complex64
+        out = gen.new_empty(t, hp, nb, n, n)
+        us, lams = [], []
+        step = _chunk_tokens(hp * nb * n * n, budget)
+        for i in range(0, t, step):
+            g = _combine(r64[i:i + step], l64)  # (t', Hp, nb, n, n) float64
+            lam, u = torch.linalg.eigh((-1j) * g.to(torch.complex128))  # -iG = U diag(lam) U^H
+            out[i:i + step] = _exp_from_eig(u, lam).to(out.dtype)
+            us.append(u.to(keep))
+            lams.append(lam)
+        ctx.save_for_backward(coords, gen, torch.cat(us), torch.cat(lams))
+        ctx.step = step
+        return out
+
+    @staticmethod
+    def backward(ctx, ge: Tensor):
+        coords, gen, u, lam = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a gradient graph is requested: differentiable reference
+            with torch.enable_grad():
+                ref = torch.linalg.matrix_exp(_combine(coords, gen))
+                want = [x for x, need in zip((coords, gen), ctx.needs_input_grad[:2]) if need]
+                grads = iter(torch.autograd.grad(ref, want, ge, create_graph=True))
+            return tuple(next(grads) if need else None for need in ctx.needs_input_grad[:2]) + (None,)
+        r64, l64 = coords.to(torch.float64), gen.to(torch.float64)
+        g_r = torch.zeros_like(r64) if ctx.needs_input_grad[0] else None
+        g_l = torch.zeros_like(l64) if ctx.needs_input_grad[1] else None
+        step = ctx.step
+        for i in range(0, coords.shape[0], step):
+            gg = _frechet_adjoint(u[i:i + step].to(torch.complex128), lam[i:i + step],
+                                  ge[i:i + step].to(torch.float64))  # (t', Hp, nb, n, n): dL/dG per token
+            if g_r is not None:  # dG/dr_k = L_k
+                g_r[i:i + step] = torch.einsum("thnij,hknij->tk", gg, l64)  # float64: no reduced-precision GEMM
+            if g_l is not None:  # dG/dL_k = r_k
+                g_l += torch.einsum("tk,thnij->hknij", r64[i:i + step], gg)
+        return (None if g_r is None else g_r.to(coords.dtype), None if g_l is None else g_l.to(gen.dtype), None)
+
+
+def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_BUDGET) -> Tensor:
+    """``expm(sum_k r_k L_k)`` for every token: orthogonal to float64 round-off whatever the norm.
+
+    Args:
+        coords: ``(T, c)`` real (flatten the batch of coordinates into ``T``).
+        generators: ``(Hp, c, nb, n, n)`` skew-symmetric blocks (``L^T = -L``; not checked), float32/64.
+        budget: matrix entries per chunk (bounds the float64 / complex128 workspace: ~``32 * budget`` bytes).
+
+    Returns:
+        ``(T, Hp, nb, n, n)`` in ``generators``' dtype; differentiable in both inputs (first and second order).
+
+    Raises:
+        ValueError: on shapes that do not fit.
+    """
+    if coords.dim() != 2 or generators.dim() != 5 or generators.shape[1] != coords.shape[1] \
+            or generators.shape[-1] != generators.shape[-2]:
+        raise ValueError(f"linear_skew_expm needs coords (T, c) and generators (Hp, c, nb, n, n), got "
+                         f"{tuple(coords.shape)} and {tuple(generators.shape)}")
+    if coords.shape[0] == 0:
+        return generators.new_zeros(0, *generators.shape[:1], *generators.shape[2:])
+    if F._is_compiling():  # traceable form: one float64 matrix_exp per token (orthogonal, unchunked)
+        return _expm64(coords, generators)
+    if coords.device.type != "cpu":
+        # GPU solvers batch small eigendecompositions only up to n = 32 (larger ones run one by one), while the
+        # float64 matrix_exp is batched: use it there, chunk by chunk (bounded workspace)
+        hp, _, nb, n, _ = generators.shape
+        step = _chunk_tokens(hp * nb * n * n, budget)
+        return torch.cat([_expm64(part, generators) for part in coords.split(step)])
+    return _LinearSkewExpm.apply(coords, generators, int(budget))
+
+
+def _expm64(coords: Tensor, generators: Tensor) -> Tensor:
+    """``expm(sum_k r_k L_k)`` by float64 ``torch.linalg.matrix_exp`` (differentiable to any order)."""
+    g = _combine(coords.to(torch.float64), generators.to(torch.float64))  # (T, Hp, nb, n, n)
+    return torch.linalg.matrix_exp(g).to(generators.dtype)
+
+
+# ----------------------------------------------------------------------------- ComRoPE's block exponentials
+class _ScaledBlockExp(torch.autograd.Function):
+    """Forward and first-order backward as ``functional._ScaledBlockExpm``; a differentiable second order."""
+
+    @staticmethod
+    def forward(ctx, s: Tensor, k: Tensor) -> Tensor:
+        inner = SimpleNamespace(needs_input_grad=ctx.needs_input_grad)
+        inner.save_for_backward = lambda *t: setattr(inner, "saved_tensors", t)
+        out = F._ScaledBlockExpm.forward(inner, s, k)  # computes (st, q, mu) and the shape
+        ctx.save_for_backward(s, k, *inner.saved_tensors)
+        ctx.shape = inner.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, ge: Tensor):
+        s, k, *saved = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a gradient graph is requested: differentiable reference
+            with torch.enable_grad():
+                ref = torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4).unsqueeze(0))
+                want = [t for t, n in zip((s, k), ctx.needs_input_grad[:2]) if n]
+                grads = iter(torch.autograd.grad(ref, want, ge, create_graph=True))
+            return tuple(next(grads) if n else None for n in ctx.needs_input_grad[:2])
+        view = SimpleNamespace(saved_tensors=tuple(saved), shape=ctx.shape,
+                               needs_input_grad=ctx.needs_input_grad)
+        return F._ScaledBlockExpm.backward(view, ge)
+
+
+def scaled_block_exp(s: Tensor, k: Tensor) -> Tensor:
+    """``expm(s_{t,j} K_j)`` for every coordinate ``t`` and block ``j``, twice differentiable.
+
+    Args:
+        s: ``(Hp, M, nb)`` shared by the batch or ``(B, Hp, M, nb)`` per example.
+        k: ``(Hp, nb, b, b)`` skew-symmetric block generators.
+
+    Returns:
+        ``(1 | B, Hp, M, nb, b, b)``; first derivatives by the closed-form eigenbasis backward (finite at
+        ``k = 0``), second derivatives through a dense ``matrix_exp`` reference.
+    """
+    if k.shape[-1] % 2 or F._is_compiling():  # odd blocks: a plain matrix_exp; compiled: the first-order form
+        return F.scaled_block_exp_matrices(s, k)
+    s = s.unsqueeze(0) if s.dim() == 3 else s  # (1 | B, Hp, M, nb)
+    hp = max(s.shape[1], k.shape[0])  # parameter heads of either input broadcast to the other's
+    return _ScaledBlockExp.apply(s.expand(s.shape[0], hp, *s.shape[2:]), k.expand(hp, *k.shape[1:]))
+
+
+
+# ----------------------------------------------------------------------------- block application
+class _BlockApply(torch.autograd.Function):
+    """``functional.block_apply`` whose backward, under ``create_graph``, is written with differentiable ops."""
+
+    @staticmethod
+    def forward(ctx, e: Tensor, x: Tensor) -> Tensor:
+        ctx.save_for_backward(e, x)
+        return F._block_matvec(e, x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        e, x = ctx.saved_tensors
+        if not torch.is_grad_enabled():  # the fast first-order backward
+            view = SimpleNamespace(saved_tensors=(e, x), needs_input_grad=ctx.needs_input_grad)
+            return F._BlockApply.backward(view, g)
+        ge = gx = None
+        if ctx.needs_input_grad[1]:
+            gx = _BlockApply.apply(e.transpose(-1, -2), g)  # R^T g, itself twice differentiable
+        if ctx.needs_input_grad[0]:
+            bsz, h, m, _ = x.shape
+            be, he, _, nb, b, _ = e.shape
+            gv = g.reshape(bsz, he, h // he, m, nb, b)
+            xv = x.reshape(bsz, he, h // he, m, nb, b)
+            ge = torch.einsum("bhrmni,bhrmnj->bhmnij", gv, xv)  # (B, He, M, nb, b, b): per-token outer products
+            if be == 1:
+                ge = ge.sum(0, keepdim=True)
+        return ge, gx
+
+
+def block_apply(e: Tensor, x: Tensor) -> Tensor:
+    """``functional.block_apply`` (same shapes and first-order backward), twice differentiable.
+
+    Args:
+        e: ``(1 | B, 1 | H, M, nb, b, b)``; x: ``(B, H, M, nb * b)``.
+
+    Returns:
+        ``(B, H, M, nb * b)``.
+    """
+    if F._is_compiling():  # the compiler traces the first-order form (it does not run double backward)
+        return F.block_apply(e, x)
+    return _BlockApply.apply(e, x)

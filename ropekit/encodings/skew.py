@@ -1,0 +1,125 @@
+"""Skew-symmetric matrices stored by their free entries, and a differentiable real Schur form.
+
+A skew ``n x n`` matrix has ``n (n - 1) / 2`` free entries, its strict upper triangle. Storing a full matrix
+``A`` and using ``A - A^T`` doubles every free entry's parameter count and its step under Adam (each free
+entry is the difference of two parameters that both move by ~lr); Cayley-STRING and ComRoPE therefore store
+the free entries (in ``torch.triu_indices(n, n, 1)`` order, optionally restricted to a band).
+
+Old checkpoints held the full matrix ``A``; :func:`full_to_free` converts it exactly (``S = A - A^T``, so the
+free entry ``(i, j)``, ``i < j``, is ``A[i, j] - A[j, i]``): the encodings call it from their state-dict hook.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .functional import skew_real_schur
+
+__all__ = ["upper_indices", "num_free", "free_to_skew", "skew_to_free", "full_to_free", "real_schur"]
+
+
+def upper_indices(n: int, band: int | None = None, device: torch.device | str | None = None) -> Tensor:
+    """``(2, F)`` row and column indices of the free entries ``i < j`` (``j - i <= band`` when a band is given)."""
+    iu = torch.triu_indices(n, n, 1, device=device)
+    if band is not None:
+        iu = iu[:, (iu[1] - iu[0]) <= band]
+    return iu
+
+
+def num_free(n: int, band: int | None = None) -> int:
+    """Number of free entries of an ``n x n`` skew matrix (within ``band`` of the diagonal if given)."""
+    if band is None:
+        return n * (n - 1) // 2
+    b = min(band, n - 1)
+    return b * n - b * (b + 1) // 2
+
+
+def free_to_skew(v: Tensor, n: int, band: int | None = None) -> Tensor:
+    """Skew matrices from free entries: ``(..., F)`` -> ``(..., n, n)`` with ``S[i, j] = v``, ``S[j, i] = -v``.
+
+    Differentiable (any order) in ``v``.
+    """
+    iu = upper_indices(n, band, v.device)
+    if v.shape[-1] != iu.shape[1]:
+        raise ValueError(f"expected {iu.shape[1]} free entries for n={n}, band={band}, got {v.shape[-1]}")
+    flat = v.new_zeros(*v.shape[:-1], n * n)
+    flat[..., iu[0] * n + iu[1]] = v
+    flat[..., iu[1] * n + iu[0]] = -v
+    return flat.unflatten(-1, (n, n))
+
+
+def skew_to_free(s: Tensor, band: int | None = None) -> Tensor:
+    """Free entries ``(..., F)`` of skew matrices ``(..., n, n)`` (the strict upper triangle)."""
+    iu = upper_indices(s.shape[-1], band, s.device)
+    return s[..., iu[0], iu[1]]
+
+
+def full_to_free(a: Tensor, band: int | None = None, masked: bool = False) -> Tensor:
+    """Free entries of ``S = A - A^T`` from a full matrix ``A`` ``(..., n, n)``: ``A[i, j] - A[j, i]``.
+
+    With ``masked=True`` the old form was ``S = M * A - (M * A)^T`` with ``M`` the upper-band mask (only the
+    band's upper entries used): the free entries are then ``A[i, j]``.
+    """
+    iu = upper_indices(a.shape[-1], band, a.device)
+    upper = a[..., iu[0], iu[1]]
+    return upper if masked else upper - a[..., iu[1], iu[0]]
+
+
+# ----------------------------------------------------------------------------- differentiable real Schur form
+class _RealSchur(torch.autograd.Function):
+    """``(Q, mu)`` of ``skew_real_schur`` with the first-order perturbation backward.
+
+    With ``K = Q D Q^T``, ``D = blockdiag_n(mu_n J)``, a skew perturbation ``dK`` gives ``dM = Q^T dK Q``,
+    ``dmu_n = `` the ``J`` coefficient of the diagonal block ``dM_nn``, and ``dQ = Q Omega`` with the skew
+    ``Omega`` solving ``dM = dD + Omega D - D Omega``: per off-diagonal 2x2 block, the part commuting with
+    ``J`` is divided by ``mu_m - mu_n`` and the anti-commuting part by ``mu_m + mu_n``. Where a divisor is
+    zero (repeated or zero eigenvalues) the eigenbasis is not unique; that component is set to zero. The
+    backward is the adjoint of this linear map.
+    """
+
+    @staticmethod
+    def forward(ctx, k: Tensor) -> tuple[Tensor, Tensor]:
+        q, mu = skew_real_schur(k)
+        ctx.save_for_backward(q, mu)
+        return q, mu
+
+    @staticmethod
+    def backward(ctx, gq: Tensor | None, gmu: Tensor | None):
+        q, mu = ctx.saved_tensors
+        b, h = q.shape[-1], mu.shape[-1]
+        jm = q.new_tensor([[0.0, -1.0], [1.0, 0.0]])
+        gm = q.new_zeros(*q.shape[:-2], h, 2, h, 2)  # gradient on M = Q^T K Q, in 2x2 blocks (n, m)
+        if gq is not None:
+            x = (q.transpose(-1, -2) @ gq).view(*q.shape[:-2], h, 2, h, 2).transpose(-3, -2)  # (.., n, m, 2, 2)
+            jx = jm @ x
+            c0 = (jx[..., 0, 0] + jx[..., 1, 1]) * 0.5  # commuting part c0 I + c1 J
+            c1 = (jx[..., 1, 0] - jx[..., 0, 1]) * 0.5
+            pc = c0[..., None, None] * torch.eye(2, dtype=q.dtype, device=q.device) + c1[..., None, None] * jm
+            pa = jx - pc
+            diff = mu.unsqueeze(-2) - mu.unsqueeze(-1)  # (.., n, m): mu_m - mu_n
+            summ = mu.unsqueeze(-2) + mu.unsqueeze(-1)
+            tol = 1e-12 * mu.abs().amax(dim=-1, keepdim=True).unsqueeze(-1).clamp_min(1e-300)
+            inv_d = torch.where(diff.abs() > tol, 1.0 / torch.where(diff == 0, torch.ones_like(diff), diff),
+                                torch.zeros_like(diff))
+            inv_s = torch.where(summ.abs() > tol, 1.0 / torch.where(summ == 0, torch.ones_like(summ), summ),
+                                torch.zeros_like(summ))
+            off = ~torch.eye(h, dtype=torch.bool, device=q.device)
+            blk = pc * inv_d[..., None, None] - pa * inv_s[..., None, None]
+            blk = blk * off[..., None, None].to(blk.dtype)
+            gm = gm + blk.transpose(-3, -2)
+        if gmu is not None:  # mu_n = (M_nn[1, 0] - M_nn[0, 1]) / 2
+            idx = torch.arange(h, device=q.device)
+            gm[..., idx, :, idx, :] = gm[..., idx, :, idx, :] + (gmu.movedim(-1, 0)[..., None, None] * jm / 2)
+        gk = q @ gm.reshape(*q.shape) @ q.transpose(-1, -2)
+        return (gk - gk.transpose(-1, -2)) * 0.5  # K is skew: only the skew part of the gradient acts
+
+
+def real_schur(k: Tensor) -> tuple[Tensor, Tensor]:
+    """``K = Q blockdiag_n(mu_n J) Q^T`` for skew ``K`` ``(..., b, b)``, differentiable in ``K``.
+
+    Returns ``functional.skew_real_schur``'s ``(Q, mu)``. Gradients are exact where the ``mu`` are distinct and
+    non-zero (and pairwise sums non-zero); at repeated or zero eigenvalues the basis is not unique and the
+    components along that freedom get zero gradient.
+    """
+    return _RealSchur.apply(k)

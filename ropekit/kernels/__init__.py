@@ -1,0 +1,13 @@
+"""Fused GPU kernels (Triton) of ropekit's per-token work.
+
+* :func:`fused_rotary` -- rotate q and k by the angles ``coords . freqs`` (every commuting encoding reduces to this
+  rotation once its basis is folded into the projections), forward and backward, one launch for q and k;
+* :func:`available` -- whether the kernel can run on a device (CUDA with Triton; the CPU only under Triton's
+  interpreter, ``TRITON_INTERPRET=1``, for tests).
+
+Importing this package does not import Triton; the kernels are compiled on first use.
+"""
+
+from .rotary import available, fused_rotary
+
+__all__ = ["available", "fused_rotary"]

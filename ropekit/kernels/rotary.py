@@ -1,0 +1,324 @@
+"""The fused frequency rotation as a differentiable function (a ``torch.autograd.Function`` over Triton kernels).
+
+Shape legend: ``B`` batch, ``Hq`` / ``Hk`` query / key heads (``Hk`` divides ``Hq``: grouped-query attention),
+``Nq`` / ``Nk`` tokens (the first ``num_prefix_tokens`` of each carry no coordinate, e.g. a class token),
+``Mq = Nq - prefix`` / ``Mk = Nk - prefix`` tokens with coordinates, ``c`` coordinate dimension, ``d`` head
+dimension, ``P = d / 2`` rotation planes.
+
+Plane ``p`` of a head vector is the pair of dimensions ``(2p, 2p + 1)`` (``pairs="interleaved"``) or
+``(p, p + d / 2)`` (``pairs="half"``); it turns counter-clockwise by ``theta_p(r) = sum_j r_j * freqs[j, p]``.
+Angles, cos/sin and the rotation are computed in fp32 registers (fp64 when an input is fp64) from the coordinates
+and frequencies -- no angle or cos/sin table is written to memory, and no matrix product is involved, so the
+angles do not depend on the TF32 setting. Inputs and outputs keep their dtype (bf16, fp16, fp32 or fp64).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = ["available", "fused_rotary"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_MODULE = "ropekit.kernels._rotary_triton"
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising something else at import
+        return False
+    return True
+
+
+def available(device: Any) -> bool:
+    """Whether :func:`fused_rotary` can run on ``device``.
+
+    True on a CUDA device when CUDA is available and Triton imports; on the CPU only when ``TRITON_INTERPRET=1``
+    is set (Triton's interpreter, slow: meant for tests).
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and _triton_importable()
+    if dev.type == "cpu":
+        return _interpret_requested() and _triton_importable()
+    return False
+
+
+def _kernels():
+    """The kernel module, (re)imported so that its compile-or-interpret mode matches ``TRITON_INTERPRET`` now."""
+    mod = sys.modules.get(_MODULE)
+    if mod is None:
+        return importlib.import_module(_MODULE)
+    if mod.INTERPRET != _interpret_requested():
+        return importlib.reload(mod)
+    return mod
+
+
+def _check_coords(coords: Tensor, name: str, batch: int, tokens: int, prefix: int) -> None:
+    if coords.dim() not in (2, 3):
+        raise ValueError(f"{name} must be (M, c) or (B, M, c), got shape {tuple(coords.shape)}")
+    if coords.dim() == 3 and coords.shape[0] != batch:
+        raise ValueError(f"{name} has batch {coords.shape[0]} but the tensor has batch {batch}")
+    if coords.shape[-2] != tokens - prefix:
+        raise ValueError(f"{name} has {coords.shape[-2]} tokens but the tensor has {tokens} tokens with "
+                         f"{prefix} prefix tokens (expected {tokens - prefix})")
+
+
+def _validate(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, k_coords: Optional[Tensor],
+              prefix: int, pairs: str) -> None:
+    if pairs not in ("interleaved", "half"):
+        raise ValueError(f"pairs must be 'interleaved' or 'half', got {pairs!r}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be (B, H, N, d), got shape {tuple(q.shape)}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q must be float32, float16, bfloat16 or float64, got {q.dtype}")
+    b, hq, nq, d = q.shape
+    if d % 2:
+        raise ValueError(f"head dimension must be even, got {d}")
+    if prefix < 0 or prefix > nq:
+        raise ValueError(f"num_prefix_tokens must be in [0, {nq}], got {prefix}")
+    if freqs.dim() not in (2, 3) or freqs.shape[-1] != d // 2:
+        raise ValueError(f"freqs must be (c, {d // 2}) or (H, c, {d // 2}), got shape {tuple(freqs.shape)}")
+    c = freqs.shape[-2]
+    hf = freqs.shape[0] if freqs.dim() == 3 else 1
+    if hf not in (1, hq):
+        raise ValueError(f"freqs has {hf} heads but q has {hq}")
+    _check_coords(coords, "coords", b, nq, prefix)
+    if coords.shape[-1] != c:
+        raise ValueError(f"coords have {coords.shape[-1]} dimensions but freqs have {c}")
+    for t, name in ((coords, "coords"), (freqs, "freqs")):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if k is None:
+        if k_coords is not None:
+            raise ValueError("k_coords given without k")
+        return
+    if k.dim() != 4 or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k must be (B={b}, Hk, Nk, d={d}), got shape {tuple(k.shape)}")
+    if k.dtype not in _DTYPES:
+        raise ValueError(f"k must be float32, float16, bfloat16 or float64, got {k.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"k is on {k.device} but q is on {q.device}")
+    hk, nk = k.shape[1], k.shape[2]
+    if hq % hk:
+        raise ValueError(f"key heads ({hk}) must divide query heads ({hq})")
+    if hf != 1 and hk != hq:
+        raise ValueError(f"per-head freqs need as many key heads as query heads (got {hk} and {hq}); "
+                         "grouped keys need shared freqs")
+    if k_coords is None:
+        if nk != nq:
+            raise ValueError(f"k has {nk} tokens but q has {nq}; pass k_coords for keys of another length")
+    else:
+        _check_coords(k_coords, "k_coords", b, nk, prefix)
+        if k_coords.shape[-1] != c:
+            raise ValueError(f"k_coords have {k_coords.shape[-1]} dimensions but freqs have {c}")
+        if k_coords.device != q.device:
+            raise ValueError(f"k_coords is on {k_coords.device} but q is on {q.device}")
+
+
+def _blocks(d: int) -> Tuple[int, int]:
+    block_p = _next_pow2(d // 2)
+    block_n = max(1, min(64, 4096 // block_p))
+    return block_n, block_p
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+#: (example, head) copies that one program rotates with the same cos/sin (fewer programs, less sin/cos work).
+CHUNK = 8
+
+
+def _geometry(x: Tensor, r: Tensor, w: Tensor, block_n: int) -> Tuple[int, ...]:
+    """How one tensor's programs are laid out: ``(keys_b, keys_h, reuse_h, reuse, chunk, n_chunks, programs)``.
+
+    An angle key is an (example, head) pair with its own angles: ``keys_b`` = B for per-example coordinates (else 1),
+    ``keys_h`` = H for per-head frequencies (else 1); ``reuse`` copies share each key, ``reuse_h`` of them along the
+    heads; programs = keys x token tiles x chunks of ``chunk`` copies.
+    """
+    b, h, n, _ = x.shape
+    keys_b = b if r.shape[0] > 1 else 1
+    keys_h = h if w.shape[0] > 1 else 1
+    reuse_h = h // keys_h
+    reuse = (b // keys_b) * reuse_h
+    chunk = min(CHUNK, reuse)
+    n_chunks = _cdiv(reuse, chunk)
+    return keys_b, keys_h, reuse_h, reuse, chunk, n_chunks, keys_b * keys_h * _cdiv(n, block_n) * n_chunks
+
+
+def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Tensor], y_k: Optional[Tensor],
+            o_k: Optional[Tensor], r_k: Optional[Tensor], w: Tensor, prefix: int, half: bool, sign: float,
+            need_freq: bool, need_coord: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """One launch over q's and k's programs. ``r_*``: contiguous (Bc, M, c) and ``w``: contiguous (Hf, c, P), both
+    in the compute dtype (fp32, or fp64).
+
+    Returns the reduced angle-gradient products when asked for, else None: the frequency gradient ``(Hf, c, P)``,
+    and the coordinate gradients of q's and of k's tokens ``(Bc, N, c)`` (prefix rows included, summed over heads).
+    """
+    mod = _kernels()
+    dev = x_q.device
+    d = x_q.shape[3]
+    p = d // 2
+    c = w.shape[1]
+    block_n, block_p = _blocks(d)
+    gq = _geometry(x_q, r_q, w, block_n)
+    if x_k is None:
+        x_k, y_k, o_k, r_k, gk = x_q, y_q, o_q, r_q, gq[:-1] + (0,)
+    else:
+        gk = _geometry(x_k, r_k, w, block_n)
+    q_programs, k_programs = gq[-1], gk[-1]
+    acc = w.dtype  # the compute dtype: float32, or float64 for float64 inputs
+    fpart = torch.empty((q_programs + k_programs, c, p) if need_freq else (1,), device=dev, dtype=acc)
+
+    def cpart(x: Tensor, g: Tuple[int, ...], used: bool) -> Tensor:
+        keys = g[0] * g[1]
+        return torch.empty((keys * g[5], x.shape[2], c) if (need_coord and used) else (1,), device=dev,
+                           dtype=acc)
+
+    cq, ck = cpart(x_q, gq, True), cpart(x_k, gk, k_programs > 0)
+    srq = r_q.stride(0) if r_q.shape[0] > 1 else 0  # batch stride 0: coordinates shared by the batch
+    srk = r_k.stride(0) if r_k.shape[0] > 1 else 0
+    mod.rotary_kernel[(q_programs + k_programs,)](
+        x_q, *x_q.stride(), y_q, *y_q.stride(), o_q, *o_q.stride(), r_q, srq, x_q.shape[2], *gq[1:6],
+        x_k, *x_k.stride(), y_k, *y_k.stride(), o_k, *o_k.stride(), r_k, srk, x_k.shape[2], *gk[1:6],
+        w, w.stride(0) if w.shape[0] > 1 else 0, fpart, cq, ck,
+        q_programs, prefix, p, sign,
+        C=c, BLOCK_N=block_n, BLOCK_P=block_p, HALF=half, NEED_FREQ=need_freq, NEED_COORD=need_coord,
+        num_warps=4)
+    g_w = g_rq = g_rk = None
+    if need_freq:  # program order (key_b, key_h, tile, chunk): sum all but key_h
+        g_w = fpart[:q_programs].view(gq[0], gq[1], -1, c, p).sum((0, 2))
+        if k_programs:
+            g_w = g_w + fpart[q_programs:].view(gk[0], gk[1], -1, c, p).sum((0, 2))
+    if need_coord:  # (key_b, key_h x chunks, N, c): sum over heads and chunks
+        g_rq = cq.view(gq[0], -1, x_q.shape[2], c).sum(1)
+        if k_programs:
+            g_rk = ck.view(gk[0], -1, x_k.shape[2], c).sum(1)
+    return g_w, g_rq, g_rk
+
+
+def _compute_dtype(*xs: Optional[Tensor]) -> torch.dtype:
+    """float64 when an input is float64, else float32 (the dtype of angles, cos/sin and the rotation)."""
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def _as_rows(coords: Tensor, dtype: torch.dtype) -> Tensor:
+    """Coordinates as contiguous ``(Bc, M, c)`` in ``dtype`` (``Bc = 1`` when shared by the batch)."""
+    r = coords.detach().to(dtype)
+    return (r.unsqueeze(0) if r.dim() == 2 else r).contiguous()
+
+
+class _FusedRotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, k_coords: Optional[Tensor],
+                prefix: int, half: bool):
+        acc = _compute_dtype(q, k)
+        r_q = _as_rows(coords, acc)
+        r_k = r_q if k_coords is None else _as_rows(k_coords, acc)
+        w = freqs.detach().to(acc)
+        w = (w.unsqueeze(0) if w.dim() == 2 else w).contiguous()  # (Hf, c, P)
+        q_out = torch.empty_like(q)  # keeps q's layout when it is a dense (permuted) view
+        k_out = None if k is None else torch.empty_like(k)
+        _launch(q, q_out, q, r_q, k, k_out, k, r_k, w, prefix, half, 1.0, False, False)
+        need_theta = ctx.needs_input_grad[2] or ctx.needs_input_grad[3] or (
+            k_coords is not None and ctx.needs_input_grad[4])
+        ctx.prefix, ctx.half, ctx.has_k, ctx.has_k_coords = prefix, half, k is not None, k_coords is not None
+        ctx.coords_meta = (coords.shape, coords.dtype)
+        ctx.k_coords_meta = None if k_coords is None else (k_coords.shape, k_coords.dtype)
+        ctx.freqs_meta = (freqs.shape, freqs.dtype)
+        ctx.need_theta = need_theta
+        saved = [r_q, r_k, w]
+        if need_theta:
+            saved += [q_out] + ([k_out] if k is not None else [])
+        ctx.save_for_backward(*saved)
+        if k_out is None:
+            return q_out
+        return q_out, k_out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        g_q = grads[0]
+        g_k = grads[1] if ctx.has_k else None
+        saved = ctx.saved_tensors
+        r_q, r_k, w = saved[:3]
+        o_q = saved[3] if ctx.need_theta else None
+        o_k = saved[4] if (ctx.need_theta and ctx.has_k) else None
+        need_freq = ctx.needs_input_grad[3]
+        need_coord = ctx.needs_input_grad[2] or (ctx.has_k_coords and ctx.needs_input_grad[4])
+        # gradients of unused outputs arrive as zeros (autograd materialises them), so g_q / g_k are tensors
+        gq_in = torch.empty_like(g_q)  # follows the layout the gradient arrives in
+        gk_in = None if g_k is None else torch.empty_like(g_k)
+        g_w, g_rq, g_rk = _launch(g_q, gq_in, o_q if o_q is not None else g_q, r_q,
+                                  g_k, gk_in, o_k if o_k is not None else g_k, r_k, w, ctx.prefix, ctx.half, -1.0,
+                                  need_freq, need_coord)
+        g_freqs = g_coords = g_kc = None
+        if need_freq:
+            shape, dtype = ctx.freqs_meta
+            g_freqs = g_w.reshape(shape).to(dtype)
+        if need_coord:
+            prefix = ctx.prefix
+            g_rq = g_rq[:, prefix:]  # (Bc, Mq, c)
+            if ctx.has_k and not ctx.has_k_coords:
+                g_rq = g_rq + g_rk[:, prefix:]
+            if ctx.needs_input_grad[2]:
+                shape, dtype = ctx.coords_meta
+                g_coords = g_rq.reshape(shape).to(dtype)
+            if ctx.has_k_coords and ctx.needs_input_grad[4]:
+                shape, dtype = ctx.k_coords_meta
+                g_kc = g_rk[:, prefix:].reshape(shape).to(dtype)
+        return (gq_in if ctx.needs_input_grad[0] else None, gk_in if ctx.has_k and ctx.needs_input_grad[1] else None,
+                g_coords, g_freqs, g_kc, None, None)
+
+
+def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, *, k_coords: Optional[Tensor] = None,
+                 num_prefix_tokens: int = 0, pairs: str = "interleaved") -> Tuple[Tensor, Optional[Tensor]]:
+    """Rotate ``q`` and ``k`` by the angles ``coords . freqs`` in one fused launch; differentiable in all four.
+
+    Args:
+        q: ``(B, Hq, Nq, d)`` float32 / float16 / bfloat16 (float64 too: then computed in float64), any strides
+            (e.g. a transposed ``(B, N, H, d)`` view).
+        k: ``(B, Hk, Nk, d)`` (any of those dtypes) with ``Hk`` dividing ``Hq`` (grouped keys need shared freqs), or
+            None.
+        coords: ``(Mq, c)`` shared by the batch or ``(B, Mq, c)`` per example, ``Mq = Nq - num_prefix_tokens``.
+        freqs: ``(c, d / 2)`` shared by the heads or ``(H, c, d / 2)`` per head.
+        k_coords: the keys' coordinates ``(Mk, c)`` / ``(B, Mk, c)`` when they differ from the queries'
+            (``Mk = Nk - num_prefix_tokens``); default: ``coords`` (then ``Nk`` must equal ``Nq``).
+        num_prefix_tokens: leading tokens of q and k that carry no coordinate; passed through unchanged.
+        pairs: ``"interleaved"`` (planes ``(2p, 2p + 1)``) or ``"half"`` (planes ``(p, p + d / 2)``).
+
+    Returns:
+        ``(q_out, k_out)`` in the inputs' dtypes and layouts (``k_out`` is None when ``k`` is None). Angles and
+        rotation are computed in fp32 (fp64 when an input is fp64); gradients reach ``q``, ``k``, ``freqs``,
+        ``coords`` and ``k_coords``.
+        When ``freqs`` or coordinates need a gradient the outputs are saved for the backward pass (attention
+        keeps them anyway), so they must not be modified in place.
+
+    Raises:
+        ValueError: on inconsistent shapes, dtypes or devices, or when the device cannot run the kernel (a CPU
+            tensor without ``TRITON_INTERPRET=1``).
+    """
+    _validate(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
+    if not available(q.device):
+        raise ValueError(f"the fused rotation kernel cannot run on {q.device} (CUDA with Triton, or the CPU with "
+                         "TRITON_INTERPRET=1)")
+    out = _FusedRotary.apply(q, k, coords, freqs, k_coords, int(num_prefix_tokens), pairs == "half")
+    if k is None:
+        return out, None
+    return out

@@ -1,0 +1,131 @@
+"""ropekit bench: the quick CPU run end to end at tiny sizes, the GPU configuration and its report (from synthetic
+records: the CPU machine has no GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from ropekit.bench import BenchConfig, format_report, run_bench
+from ropekit.bench.cli import add_arguments, config_from_args, main
+from ropekit.bench.core import VIT_PES_GPU, _round_times
+from ropekit.bench.report import evaluate_targets
+
+
+def _tiny(**kw) -> BenchConfig:
+    base = dict(rows=("none", "mixed", "fused kernel (mixed freqs)"), cases=("grid2d", "rgbd3d"), batch=1, heads=2,
+                head_dim=8, grid=3, threads=1, vit=("tiny",), vit_pes=("axial",), vit_repeats=1, vit_batch=4, memory=False)
+    base.update(kw)
+    return BenchConfig.quick_config(**base)
+
+
+def test_quick_cpu_run_records_and_report():
+    records = run_bench(_tiny(), log=lambda s: None)
+    labels = {(r["label"], r["case"]) for r in records}
+    assert ("mixed", "rgbd3d") in labels and ("axial", "vit-tiny") in labels
+    # the Triton kernel row is for GPUs only: not selected on the CPU
+    assert not any(r["kind"] == "kernel" for r in records)
+    for r in records:
+        assert r["device"] == "cpu" and r["dtype"] == "fp32"
+        if r["kind"] == "pe":
+            assert r["fwdbwd_ms"] > 0 and r["floor_fwdbwd_ms"] > 0
+            assert r["x_floor"] == pytest.approx(r["fwdbwd_ms"] / r["floor_fwdbwd_ms"])
+    vit = next(r for r in records if r["kind"] == "vit")
+    assert vit["mode"] == "eager" and vit["x_absolute"] == pytest.approx(vit["step_ms"] / vit["absolute_step_ms"])
+    report = format_report(records, command="ropekit bench --quick")
+    assert "| mixed |" in report and "floor q*k" in report and "tiny x absolute" in report
+    json.dumps(records)  # serialisable
+
+
+def test_cli_quick_writes_json_and_markdown(tmp_path, capsys):
+    out, md = tmp_path / "b.json", tmp_path / "b.md"
+    rc = main(["--quick", "--rows", "axial", "--cases", "grid2d", "--batch", "1", "--heads", "2", "--head-dim", "8",
+               "--grid", "3", "--threads", "1", "--no-vit", "--no-memory", "--json", str(out), "--markdown", str(md)])
+    assert rc == 0
+    recs = json.loads(out.read_text())
+    assert [r["label"] for r in recs] == ["axial"] and recs[0]["device"] == "cpu"
+    assert "python -m ropekit.bench --quick" in md.read_text()
+
+
+def test_partial_results_are_reported_after_each_row():
+    seen = []
+    records = run_bench(_tiny(rows=("none", "axial"), cases=("grid2d",), vit=()), log=lambda s: None,
+                        on_record=lambda recs: seen.append([r["label"] for r in recs]))
+    assert seen == [["none"], ["none", "axial"]] and all("cpu" in r and "load_avg_end" in r for r in records)
+
+
+def test_bad_vit_mode():
+    with pytest.raises(ValueError, match="modes"):
+        run_bench(_tiny(rows=("none",), cases=("grid2d",), vit_modes=("fast",)), log=lambda s: None)
+
+
+def _args(argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_cuda_config_from_cli():
+    cfg = config_from_args(_args(["--device", "cuda", "--dtype", "bf16"]))
+    assert cfg.on_gpu and cfg.dtype == "bf16" and cfg.batch == 64 and cfg.vit == ("base",)
+    assert cfg.vit_batch == 128 and cfg.compile and cfg.vit_pes == VIT_PES_GPU and cfg.timm
+    cfg = config_from_args(_args(["--device", "cuda", "--vit-batch", "32", "--no-compile", "--no-timm", "--batch", "8",
+                                  "--vit-pes", "axial"]))
+    assert cfg.vit_batch == 32 and not cfg.compile and not cfg.timm and cfg.batch == 8 and cfg.vit_pes == ("axial",)
+    cfg = config_from_args(_args(["--device", "cuda", "--vit-modes", "compiled"]))
+    assert cfg.vit_modes == ("compiled",)
+    cpu = config_from_args(_args([]))
+    assert not cpu.on_gpu and cpu.dtype == "fp32" and cpu.batch == 8 and not cpu.compile
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_request_without_cuda_is_an_error():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        run_bench(_tiny(device="cuda"), log=lambda s: None)
+    with pytest.raises(ValueError, match="dtype"):
+        run_bench(_tiny(dtype="int8"), log=lambda s: None)
+
+
+def test_round_times_interleaves_calls():
+    calls = []
+    times = _round_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=2, warmup=1)
+    assert calls == ["a", "b"] * 3 and len(times["a"]) == 2 and all(t >= 0 for t in times["b"])
+
+
+def _gpu_records():
+    meta = dict(device="cuda", dtype="bf16", gpu="NVIDIA H100 80GB HBM3", capability="9.0", cuda="12.8",
+                triton="3.3.0", tf32_matmul=False, cpu="x", cpus=16, threads=2, torch="2.x", clock="cuda events")
+    recs = []
+    for case in ("grid2d", "rgbd3d"):
+        for label, ms in (("axial", 0.25), ("mixed", 0.5), ("fused kernel (mixed freqs)", 0.22)):
+            recs.append(dict(meta, kind="kernel" if "kernel" in label else "pe", label=label, pe="mixed", case=case,
+                             batch=64, heads=12, tokens=196, head_dim=64, fwd_ms=ms / 3, fwdbwd_ms=ms,
+                             fwdbwd_ms_min=ms, floor_fwdbwd_ms=0.2, floor_fwdbwd_ms_min=0.2, sdpa_fwdbwd_ms=0.43,
+                             sdpa_fwdbwd_ms_min=0.43, none_fwdbwd_ms=0.1, x_none=ms / 0.1, x_floor=ms / 0.2,
+                             frac_sdpa=ms / 0.43))
+    for mode, ape in (("eager", 52.0), ("compiled", 45.0)):
+        for label, ms in (("axial", ape * 1.02), ("cayley", ape * 1.2), ("timm vit_base_patch16_224", ape * 1.01)):
+            recs.append(dict(meta, kind="vit", label=label, pe=label, case="vit-base", size="base", mode=mode,
+                             batch=128, image_size=224, patch_size=16, tokens=196, step_ms=ms, step_ms_min=ms,
+                             absolute_step_ms=ape, absolute_step_ms_min=ape, x_absolute=ms / ape))
+    return recs
+
+
+def test_gpu_report_and_targets():
+    recs = _gpu_records()
+    report = format_report(recs, command="ropekit bench --device cuda --dtype bf16")
+    assert "GPU NVIDIA H100" in report and "floor q*c, k*c" in report and "bf16 (autocast)" in report
+    assert "base compiled x absolute" in report and "| timm vit_base_patch16_224 |" in report
+    assert "fused kernel (mixed freqs)" in report
+    targets = {(t["target"], t["case"]): t for t in evaluate_targets(recs)}
+    axial = targets[("axial fwd+bwd <= 1.5x floor (q*c, k*c)", "grid2d")]
+    assert axial["met"] and axial["value"] == pytest.approx(1.25)
+    assert targets[("mixed fwd+bwd <= 1.5x floor (q*c, k*c)", "grid2d")]["met"] is False
+    assert targets[("ViT-B/16 step with axial <= 1.05x absolute embedding (compiled)", "vit-base")]["met"]
+    assert targets[("ViT-B/16 step with cayley <= 1.05x absolute embedding (eager)", "vit-base")]["met"] is False
+    timm = targets[("ropekit absolute-embedding ViT-B step <= timm's (eager)", "vit-base")]
+    assert timm["met"] and timm["value"] == pytest.approx(1 / 1.01)
+    assert targets[("ViT-B/16 step with circulant <= 1.05x absolute embedding (eager)", "vit-base")]["met"] is None
