@@ -6,12 +6,14 @@
 
 Studies: ``classify``, ``resolution``, ``offset``, ``shuffle``, ``data-efficiency``, ``exact-vs-relaxed``,
 ``video``, ``ablations``. Each trains (or takes from the run cache) the same backbone for every encoding and
-seed, and writes ``<study>.csv``, ``<study>.json``, ``table.md``, ``<study>.png`` and ``config.json``.
+seed, from its pinned recipe (:mod:`ropekit.experiments.recipes`; presets ``default``, ``gpu``, ``quick``), and
+writes ``<study>.csv``, ``<study>.json``, ``table.md``, ``<study>.png`` and ``config.json`` (with the recipe).
 """
 
 from .common import StudyResult
+from .recipes import PRESETS, RECIPES, compare_with_committed, recipe
 from .registry import STUDIES, run_experiment, study_config
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig, default_config, quick_config
 
 __all__ = ["run_experiment", "study_config", "STUDIES", "StudyResult", "ExperimentConfig", "default_config",
-           "quick_config", "DEFAULT_PES", "QUICK_PES"]
+           "quick_config", "DEFAULT_PES", "QUICK_PES", "PRESETS", "RECIPES", "recipe", "compare_with_committed"]

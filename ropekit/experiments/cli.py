@@ -1,7 +1,7 @@
 """``ropekit experiment NAME``: the studies from the command line.
 
-Every option defaults to the study's preset (:mod:`ropekit.experiments.settings`; ``--quick`` for the tiny
-one); options given on the command line override it.
+Every option defaults to the study's pinned recipe (:mod:`ropekit.experiments.recipes`; ``--preset gpu`` for the
+GPU one, ``--quick`` for the tiny one); options given on the command line override it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "--seeds 0,1,2 --out results/classify`. Trained runs are cached in --cache-dir by a hash of their "
                 "configuration, so studies that need the same models train them once.")
     p.add_argument("name", choices=list(STUDIES) + ["all"], metavar="NAME", help="the study (see above)")
-    p.add_argument("--quick", action="store_true", help="tiny model, 10%% of the data, 1 epoch, 1 seed, 2-3 encodings")
+    p.add_argument("--quick", action="store_true", help="tiny model, 10%% of the data, 1 epoch, 1 seed, 2-3 encodings "
+                                                        "(the same as --preset quick)")
+    p.add_argument("--preset", choices=("default", "gpu", "quick"), default=None,
+                   help="the study's pinned recipe: default (2-core CPU, under 30 min per study), gpu (larger model, "
+                        "more steps and seeds, under 30 min on one GPU) or quick")
     p.add_argument("--out", metavar="DIR", default=None, help="output folder (default runs/experiments/NAME)")
     p.add_argument("--cache-dir", metavar="DIR", default=S, help="trained runs (default .cache/ropekit-experiments)")
     p.add_argument("--pe", type=_list, metavar="LIST", default=S,
@@ -73,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("study options")
     for flag, parse, dest, text in _STUDY_OPTIONS:
         s.add_argument(flag, dest=dest, type=parse, metavar="LIST", default=S, help=text)
+    s.add_argument("--canvas-pad", type=int, metavar="PATCHES", default=S,
+                   help="exact-vs-relaxed: background border of the evaluation canvas, in patches per side (default 2)")
 
 
 #: The options of single studies: (flag, parser of the comma list, namespace name, help).
@@ -82,10 +88,14 @@ _STUDY_OPTIONS = (
                                   "(default mixed)"),
     ("--sizes", _ints, "sizes", "resolution: evaluation image sizes (default: training size -2..+3 patches)"),
     ("--fractions", _floats, "fractions", "data-efficiency: fractions of the training set (default 0.1,0.25,0.5,1)"),
-    ("--deltas", _floats, "deltas", "exact-vs-relaxed: global shifts in patches (default 0,0.2,...,1)"),
+    ("--deltas", _floats, "deltas", "exact-vs-relaxed: coordinate-only shifts in patches for the logit sensitivity"),
+    ("--shifts", _ints, "shifts", "exact-vs-relaxed: whole-patch shifts of the content on the canvas (default 0,1,2)"),
+    ("--coord-modes", _list, "coord_modes", "resolution: coordinate conventions trained (default grid,normalized)"),
+    ("--budgets", _list, "budgets", "data-efficiency: equal 'epochs' (always) and equal 'steps' at every fraction "
+                                    "(default both)"),
     ("--groups", _list, "groups", "ablations: sharing, block, jitter (default all three)"),
     ("--sharing-pe", _list, "sharing_pe", "ablations: encodings trained with model/layer/head sharing "
-                                          "(default cayley,liere)"),
+                                          "(default every learnable one)"),
     ("--block-pe", _list, "block_pe", "ablations: encodings whose block size varies "
                                       "(default liere,comrope-ap,comrope-ld,circulant)"),
     ("--block-sizes", _ints, "block_sizes_", "ablations: block sizes (default 2,4,8 for LieRE/ComRoPE, 4..64 for "
@@ -99,7 +109,7 @@ _STUDY_OPTIONS = (
 _CFG_FIELDS = ("cache_dir", "pes", "seeds", "data", "data_root", "image_size", "train_fraction", "model",
                "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
                "augment_shift", "eval_limit", "threads", "progress")
-_OPTION_FIELDS = tuple(dest for _, _, dest, _ in _STUDY_OPTIONS)
+_OPTION_FIELDS = tuple(dest for _, _, dest, _ in _STUDY_OPTIONS) + ("canvas_pad",)
 
 
 def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
@@ -133,7 +143,7 @@ def run(args: argparse.Namespace) -> Optional[int]:
             out = Path("runs") / "experiments" / name
         else:
             out = Path(args.out) / name if args.name == "all" else Path(args.out)
-        result = run_experiment(name, out=out, quick=args.quick, overrides=overrides, **options)
+        result = run_experiment(name, out=out, quick=args.quick, preset=args.preset, overrides=overrides, **options)
         print(result.table)
         print(f"wrote {len(result.files)} files to {result.out_dir}: "
               f"{', '.join(p.name for p in result.files)}", file=sys.stderr)

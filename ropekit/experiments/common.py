@@ -72,8 +72,8 @@ class StudyContext:
         w.csv(rows)
         for name, extra in (extra_csv or {}).items():
             w.csv(extra, name)
-        config = {"study": self.name, "experiment": self.cfg.to_dict(), "options": options,
-                  "runs": [r.describe() for r in self.runs]}
+        config = {"study": self.name, "preset": self.cfg.preset, "recipe": recipe_of(self.cfg),
+                  "experiment": self.cfg.to_dict(), "options": options, "runs": [r.describe() for r in self.runs]}
         w.json({"study": self.name, "rows": rows, "summary": summary, "options": options,
                 "experiment": self.cfg.to_dict(), **({"extra": extra_csv} if extra_csv else {})})
         w.table(table)
@@ -84,6 +84,17 @@ class StudyContext:
 
     def close(self) -> None:
         self.progress.close()
+
+
+def recipe_of(cfg: ExperimentConfig) -> Dict[str, Any]:
+    """The recipe a study ran with (the pinned recipe plus any override), in the recipes' layout:
+    ``{"train": every TrainConfig recipe field, "study": pes, seeds, eval_limit, pe_overrides}``."""
+    from .recipes import _SLOTS
+
+    train = {k: getattr(cfg, k) for k in _SLOTS}
+    train.update(cfg.train_options)
+    return {"train": train, "study": {"pes": cfg.pes, "seeds": cfg.seeds, "eval_limit": cfg.eval_limit,
+                                      "pe_overrides": cfg.pe_overrides}}
 
 
 def headline(cfg: ExperimentConfig, data_label: Optional[str] = None) -> str:

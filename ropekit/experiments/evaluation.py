@@ -9,7 +9,7 @@ to the model's coordinate units with :func:`ropekit.nn.patch_units` (the identit
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,8 @@ from torch import Tensor
 from ..nn import VisionTransformer, patch_units
 
 __all__ = ["predict", "accuracy", "mean_loss", "token_grid", "coord_scale", "random_offsets", "shuffle_patches",
-           "shift_images", "pad_or_crop", "has_coordinate_path", "is_offset_invariant", "summarize_logit_change"]
+           "shift_images", "pad_or_crop", "background_value", "has_coordinate_path",
+           "is_offset_invariant", "summarize_logit_change"]
 
 
 @torch.no_grad()
@@ -163,6 +164,16 @@ def pad_or_crop(x: Tensor, size: Sequence[int], align: int = 1) -> Tensor:
     ch, cw = min(h, nh), min(w, nw)
     out[..., dh:dh + ch, dw:dw + cw] = x[..., sh:sh + ch, sw:sw + cw]
     return out
+
+
+def background_value(info: Any, channels: int) -> Tensor:
+    """The value of an empty (black) pixel in a dataset's tensors, ``(C,)``: ``-mean / std`` per channel when the
+    dataset is normalised (``info.mean`` / ``info.std`` set), else 0. Padding or shifting normalised images must
+    fill with it, not with 0 (which is the mean colour there)."""
+    mean, std = getattr(info, "mean", None), getattr(info, "std", None)
+    if mean is None or std is None:
+        return torch.zeros(channels)
+    return -torch.tensor(mean, dtype=torch.float32)[:channels] / torch.tensor(std, dtype=torch.float32)[:channels]
 
 
 def summarize_logit_change(reference: Tensor, changed: Tensor) -> Dict[str, float]:

@@ -2,15 +2,24 @@
 
 Two models that differ only in ``create_pe("relaxed", exact=...)``: the *exact* configuration (commuting 2x2
 generators on the active planes, ``P_sp = I_active (+) Q_null``) and the *relaxed* one (dense, non-commuting
-generators and a post-rotation free to mix active and null coordinates). Reported:
+generators and a post-rotation free to mix active and null coordinates). The recipe makes every dimension
+active in both (``active_planes = head_dim / 2``), so they rotate the same number of dimensions and differ only
+in the commuting constraint and the free post-rotation. Reported:
 
 * the SPEC §5 diagnostics of the trained encodings -- commutator error (absolute and relative), mixing norm,
   relative-operator error (pairs ``r, s`` uniform over the patch grid of the training images) and invariant
   residual (``rho = 1`` patch, offsets ``~ N(0, I)`` patches);
-* a sweep of the global shift ``delta`` (patches, the same along both axes: a diagonal shift):
-  *logit sensitivity* ``mean_x ||logits(x, r) - logits(x, r + delta)||_2`` (coordinates only, pixels unchanged)
-  and *loss gap* ``loss(shifted x, r + delta) - loss(x, r)`` with the pixels shifted by ``delta * patch``
-  (bilinear, zero fill) together with the coordinates.
+* *logit sensitivity* ``mean_x ||logits(x, r) - logits(x, r + delta)||_2`` for coordinate shifts ``delta``
+  (patches, both axes; pixels unchanged): what an offset of the coordinates alone does;
+* *loss gap* under whole-patch translations of the content: every test image is placed on a background canvas
+  ``canvas_pad`` patches wider on each side, and its content moved by ``k`` whole patches along both axes
+  (``k`` in ``shifts``). The tokens are then exactly the unshifted tokens at grid positions ``+k`` (no
+  resampling: the earlier bilinear sub-patch shifts measured interpolation, not the encoding), and the
+  coordinates stay the canvas grid. Gap = ``loss(content moved by k) - loss(content at k = 0)`` on the same
+  canvas, so the canvas size affects both terms alike. Offset semantics: a token's coordinate is its place on
+  the canvas, so moving the content by ``k`` patches adds ``k`` to the coordinate of every content token. The
+  exact model depends only on coordinate differences, so only the content's relation to the background tokens
+  changes; the relaxed model also depends on the absolute coordinates ``r + k`` themselves.
 """
 
 from __future__ import annotations
@@ -21,13 +30,34 @@ import torch
 
 from .. import diagnostics
 from .common import StudyContext, StudyResult, headline
-from .evaluation import accuracy, coord_scale, mean_loss, predict, shift_images, token_grid
+from .evaluation import accuracy, background_value, coord_scale, mean_loss, predict, token_grid
 from .report import aggregate, fmt_pm, markdown_table, setup_matplotlib
 from .settings import ExperimentConfig
 
-__all__ = ["run_exact_vs_relaxed", "DEFAULT_DELTAS", "encoding_diagnostics"]
+__all__ = ["run_exact_vs_relaxed", "DEFAULT_DELTAS", "DEFAULT_SHIFTS", "encoding_diagnostics", "canvas_shift"]
 
-DEFAULT_DELTAS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+DEFAULT_DELTAS = (0.25, 0.5, 1.0, 2.0)
+DEFAULT_SHIFTS = (0, 1, 2)
+
+
+def canvas_shift(x: torch.Tensor, patch: int, pad: int, k: int, background: torch.Tensor) -> torch.Tensor:
+    """Place images ``x`` ``(N, C, H, W)`` on a canvas ``pad`` patches wider on each side, filled with
+    ``background`` ``(C,)`` (the value of an empty pixel after normalisation), with the content moved by ``k``
+    whole patches down and right. Returns ``(N, C, H + 2 pad p, W + 2 pad p)``; integer moves are exact.
+
+    Raises:
+        ValueError: ``|k| > pad`` (the content would leave the canvas).
+    """
+    if abs(int(k)) > int(pad):
+        raise ValueError(f"a shift of {k} patches leaves a canvas padded by {pad} patches")
+    h, w = x.shape[-2:]
+    o = (int(pad) + int(k)) * int(patch)  # top-left corner of the content, in pixels
+    canvas = background.to(x.dtype).view(1, -1, 1, 1).expand(x.shape[0], x.shape[1], h + 2 * pad * patch,
+                                                             w + 2 * pad * patch).clone()
+    canvas[..., o:o + h, o:o + w] = x
+    return canvas
+
+
 VARIANTS = (("exact", True), ("relaxed", False))
 
 
@@ -53,39 +83,52 @@ def encoding_diagnostics(model, sample_shape, *, num_pairs: int = 256, seed: int
     return out
 
 
-def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Sequence[float]] = None) -> StudyResult:
+def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Sequence[float]] = None,
+                         shifts: Optional[Sequence[int]] = None, canvas_pad: int = 2) -> StudyResult:
+    """Train relaxed STRING exact and relaxed over ``cfg.seeds``; diagnostics, logit sensitivity to coordinate
+    shifts ``deltas`` and the loss gap under whole-patch content shifts ``shifts`` on a canvas padded by
+    ``canvas_pad`` patches (see the module docstring)."""
     if cfg.pes and set(cfg.pes) != {"relaxed"}:
         raise ValueError("exact-vs-relaxed compares relaxed STRING with itself (exact=True vs exact=False); "
                          "--pe does not apply")
-    deltas = sorted({0.0, *(float(d) for d in (deltas or DEFAULT_DELTAS))})
+    deltas = sorted({float(d) for d in (deltas or DEFAULT_DELTAS) if float(d) != 0.0})
+    shifts = sorted({0, *(int(k) for k in (shifts or DEFAULT_SHIFTS))})
+    pad = int(canvas_pad)
+    if pad < max(abs(k) for k in shifts):
+        raise ValueError(f"canvas_pad={pad} patches is smaller than the largest shift {max(shifts)}")
     ctx = StudyContext("exact-vs-relaxed", cfg, out, total=len(VARIANTS) * len(cfg.seeds))
     diag_rows: List[Dict[str, Any]] = []
     rows: List[Dict[str, Any]] = []
+    sens_rows: List[Dict[str, Any]] = []
+    base_opts = dict(cfg.train_options.get("pe_options", {}))
     for name, exact in VARIANTS:
         for seed in cfg.seeds:
-            tcfg = cfg.train_config("relaxed", seed, pe_options={"exact": exact})
+            tcfg = cfg.train_config("relaxed", seed, pe_options={**base_opts, "exact": exact})
             rec = ctx.run(tcfg, f"relaxed STRING ({name}) s{seed}")
             model = rec.model()
-            x, y, _ = ctx.test_data(tcfg)
+            x, y, info = ctx.test_data(tcfg)
             p = model.cfg.patch_size
             scale = coord_scale(model, x.shape[1:])
             ref = predict(model, x, batch_size=cfg.eval_batch_size)
-            loss0 = mean_loss(ref, y)
             d = encoding_diagnostics(model, x.shape[1:], seed=seed)
-            diag_rows.append({"variant": name, "seed": seed, "test_acc": accuracy(ref, y), **d})
+            diag_rows.append({"variant": name, "seed": seed, "test_acc": accuracy(ref, y),
+                              "active_dims": int(model.encodings[0].active_dim), "head_dim": model.cfg.head_dim, **d})
             for delta in deltas:
-                if delta == 0.0:
-                    moved = both = ref
-                else:
-                    off = torch.full((model.coord_dim,), float(delta)) * scale  # the same shift for every image
-                    moved = predict(model, x, offsets=off, batch_size=cfg.eval_batch_size)
-                    xs = shift_images(x, delta * p, delta * p)
-                    both = predict(model, xs, offsets=off, batch_size=cfg.eval_batch_size)
-                sens = torch.linalg.vector_norm(moved - ref, dim=-1)  # (N,)
-                rows.append({"variant": name, "seed": seed, "delta": delta,
-                             "logit_sensitivity": float(sens.mean()), "logit_sensitivity_max": float(sens.max()),
-                             "loss": mean_loss(both, y), "loss_gap": mean_loss(both, y) - loss0,
-                             "shifted_acc": accuracy(both, y)})
+                off = torch.full((model.coord_dim,), float(delta)) * scale  # the same shift for every image
+                sens = torch.linalg.vector_norm(predict(model, x, offsets=off, batch_size=cfg.eval_batch_size) - ref,
+                                                dim=-1)  # (N,)
+                sens_rows.append({"variant": name, "seed": seed, "delta": delta,
+                                  "logit_sensitivity": float(sens.mean()), "logit_sensitivity_max": float(sens.max())})
+            bg = background_value(info, x.shape[1])
+            base = predict(model, canvas_shift(x, p, pad, 0, bg), batch_size=cfg.eval_batch_size)
+            loss0 = mean_loss(base, y)
+            for k in shifts:
+                moved = base if k == 0 else predict(model, canvas_shift(x, p, pad, k, bg),
+                                                    batch_size=cfg.eval_batch_size)
+                change = torch.linalg.vector_norm(moved - base, dim=-1)
+                rows.append({"variant": name, "seed": seed, "shift": k, "canvas_pad": pad,
+                             "loss": mean_loss(moved, y), "loss_gap": mean_loss(moved, y) - loss0,
+                             "canvas_acc": accuracy(moved, y), "logit_change": float(change.mean())})
             rec.release()
             ctx.advance(f"{name} s{seed}")
 
@@ -98,17 +141,30 @@ def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Seque
     diag_table = markdown_table(["quantity"] + [f"{n} STRING" for n in names],
                                 [[label] + [fmt_pm(dstats[m][n], dig, sci=sci) for n in names]
                                  for m, label, dig, sci in metrics])
-    sens = {(s["variant"], s["delta"]): s for s in aggregate(rows, ["variant", "delta"], "logit_sensitivity")}
-    gap = {(s["variant"], s["delta"]): s for s in aggregate(rows, ["variant", "delta"], "loss_gap")}
-    sweep_table = markdown_table(
-        ["δ (patches)"] + [f"logit sensitivity, {n}" for n in names] + [f"loss gap, {n}" for n in names],
-        [[f"{dl:g}"] + [fmt_pm(sens[(n, dl)], 4, sci=True) for n in names]
-         + [fmt_pm(gap[(n, dl)], 4) for n in names] for dl in deltas])
-    table = (f"**Exact vs relaxed STRING** — {headline(cfg)}; relaxed STRING with exact=True / exact=False, "
-             f"mean ± std across seeds.\n\nDiagnostics of the trained encodings (SPEC §5):\n\n{diag_table}\n"
-             f"Global shift sweep (diagonal shift δ along both axes; logit sensitivity: coordinates only; loss gap: "
-             f"pixels shifted by δ × {p} px with bilinear resampling and zero fill, together with the coordinates):"
-             f"\n\n{sweep_table}")
+    sens = {(s["variant"], s["delta"]): s for s in aggregate(sens_rows, ["variant", "delta"], "logit_sensitivity")}
+    gap = {(s["variant"], s["shift"]): s for s in aggregate(rows, ["variant", "shift"], "loss_gap")}
+    cacc = {(s["variant"], s["shift"]): s for s in aggregate(rows, ["variant", "shift"], "canvas_acc")}
+    # paired by seed: relaxed minus exact at each shift
+    paired = [{"shift": k, "seed": sd, "diff": next(r["loss_gap"] for r in rows if r["variant"] == "relaxed"
+                                                     and r["shift"] == k and r["seed"] == sd)
+               - next(r["loss_gap"] for r in rows if r["variant"] == "exact" and r["shift"] == k and r["seed"] == sd)}
+              for k in shifts for sd in cfg.seeds]
+    pdiff = {s["shift"]: s for s in aggregate(paired, ["shift"], "diff")}
+    sens_table = markdown_table(["δ (patches)"] + [f"logit sensitivity, {n}" for n in names],
+                                [[f"{dl:g}"] + [fmt_pm(sens[(n, dl)], 4, sci=True) for n in names] for dl in deltas])
+    gap_table = markdown_table(
+        ["shift k (patches)"] + [f"loss gap, {n}" for n in names] + ["relaxed − exact (paired)"]
+        + [f"accuracy, {n}" for n in names],
+        [[f"{k:d}"] + [fmt_pm(gap[(n, k)], 4) for n in names] + [fmt_pm(pdiff[k], 4)]
+         + [fmt_pm(cacc[(n, k)], 3) for n in names] for k in shifts])
+    table = (f"**Exact vs relaxed STRING** — {headline(cfg)}; relaxed STRING with exact=True / exact=False, both "
+             f"with all {diag_rows[0]['active_dims']} of {diag_rows[0]['head_dim']} dimensions active; mean ± std "
+             f"across seeds.\n\nDiagnostics of the trained encodings:\n\n{diag_table}\n"
+             f"Logit sensitivity to a coordinate shift δ along both axes (pixels unchanged):\n\n{sens_table}\n"
+             f"Loss gap under whole-patch content shifts: images on a background canvas padded by {pad} patches per "
+             f"side, content moved by k patches along both axes (exact, no resampling); coordinates are canvas "
+             f"positions, so every content token's coordinate grows by k. Gap = loss(k) − loss(0) on the same "
+             f"canvas:\n\n{gap_table}")
 
     plt = setup_matplotlib()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.3))
@@ -119,27 +175,31 @@ def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Seque
         lo = [max(s["mean"], 1e-12) for s in st]
         err = [0 if s["n"] < 2 else min(s["std"], 0.9 * s["mean"]) for s in st]  # keep the bars on a log axis
         ax1.errorbar(pos, lo, yerr=err, capsize=2, ms=4, label=f"{n} STRING", **styles[n])
-        st = [gap[(n, dl)] for dl in deltas]
-        ax2.errorbar(deltas, [s["mean"] for s in st], yerr=[0 if s["n"] < 2 else s["std"] for s in st], capsize=2,
+        st = [gap[(n, k)] for k in shifts]
+        ax2.errorbar(shifts, [s["mean"] for s in st], yerr=[0 if s["n"] < 2 else s["std"] for s in st], capsize=2,
                      ms=4, label=f"{n} STRING", **styles[n])
     ax1.set_yscale("log")
     ax1.axhspan(ax1.get_ylim()[0], 1e-4, color="green", alpha=0.07)
     ax1.text(pos[0], 2e-5, "float32 round-off", fontsize=8, color="green")
     ax1.set_xlim(0, max(deltas) * 1.05)
-    ax1.set_xlabel("global coordinate shift δ (patches, both axes)")
-    ax1.set_ylabel("mean ‖Δ logits‖₂ (log scale; 0 at δ = 0)")
+    ax1.set_xlabel("coordinate shift δ (patches, both axes)")
+    ax1.set_ylabel("mean ‖Δ logits‖₂ (log scale)")
     ax1.set_title("logit sensitivity (coordinates shifted, pixels fixed)")
     ax1.legend()
     ax2.axhline(0, color="grey", lw=0.8)
-    ax2.set_xlabel("global shift δ (patches, both axes)")
-    ax2.set_ylabel("loss(shifted) − loss(unshifted)")
-    ax2.set_title("loss gap (pixels and coordinates shifted together)")
+    ax2.set_xticks(shifts)
+    ax2.set_xlabel(f"content shift k (whole patches, both axes; canvas padded by {pad})")
+    ax2.set_ylabel("loss(k) − loss(0)")
+    ax2.set_title("loss gap (content moved on the canvas, exact)")
     ax2.legend()
     fig.suptitle(f"Exact vs relaxed STRING: {headline(cfg)}")
     fig.tight_layout()
     summary = {"diagnostics": {m: dstats[m] for m, *_ in metrics},
                "logit_sensitivity": {f"{n}@{dl:g}": sens[(n, dl)] for n in names for dl in deltas},
-               "loss_gap": {f"{n}@{dl:g}": gap[(n, dl)] for n in names for dl in deltas}}
+               "loss_gap": {f"{n}@{k:d}": gap[(n, k)] for n in names for k in shifts},
+               "loss_gap_relaxed_minus_exact": {f"{k:d}": pdiff[k] for k in shifts}}
     return ctx.finish(rows=rows, summary=summary, table=table, figure=fig,
-                      options={"deltas": deltas, "variants": {n: {"pe": "relaxed", "exact": e} for n, e in VARIANTS}},
-                      extra_csv={"diagnostics.csv": diag_rows})
+                      options={"deltas": deltas, "shifts": shifts, "canvas_pad": pad,
+                               "variants": {n: {"pe": "relaxed", "exact": e} for n, e in VARIANTS}},
+                      extra_csv={"diagnostics.csv": diag_rows, "sensitivity.csv": sens_rows})
+

@@ -8,6 +8,11 @@ bilinearly by the model). Two ways to change the size, both reported:
 * ``pad`` -- the test images keep their pixel scale and are centred on a larger zero canvas (or cropped
   centrally), offsets rounded to whole patches: more tokens, the same object on the same patch boundaries.
   This separates token-count extrapolation from scale change.
+
+Each encoding is trained with both coordinate conventions (``coord_modes``): ``grid`` (integer patch indices, so
+a larger image has larger coordinates) and ``normalized`` (patch centres in ``[0, 1]``, so a larger image has a
+finer grid over the same range, as the ComRoPE protocol does). Encodings without coordinates (``none``,
+``absolute``) are trained once: the convention does not reach them.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from .common import StudyContext, StudyResult, headline
-from .evaluation import accuracy, mean_loss, pad_or_crop, predict, token_grid
+from .evaluation import accuracy, background_value, mean_loss, pad_or_crop, predict, token_grid
 from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
-__all__ = ["run_resolution", "default_sizes", "MODES"]
+__all__ = ["run_resolution", "default_sizes", "MODES", "COORD_MODES"]
 
 MODES = ("resize", "pad")
+COORD_MODES = ("grid", "normalized")
+_NO_COORDS = ("none", "absolute", "sincos")
 
 
 def default_sizes(train_size: int, patch: int, quick: bool = False) -> List[int]:
@@ -30,31 +37,44 @@ def default_sizes(train_size: int, patch: int, quick: bool = False) -> List[int]
     return [train_size + k * patch for k in ks if train_size + k * patch >= 2 * patch]
 
 
-def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int]] = None) -> StudyResult:
-    pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
-    ctx = StudyContext("resolution", cfg, out, total=len(pes) * len(cfg.seeds))
-    probe = cfg.train_config(pes[0], cfg.seeds[0])
+def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int]] = None,
+                   coord_modes: Optional[Sequence[str]] = None) -> StudyResult:
+    """Train every encoding of ``cfg`` with each of ``coord_modes`` and evaluate it at ``sizes`` (default
+    the training size -2..+3 patches), resizing and padding."""
+    base_pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
+    coord_modes = list(coord_modes or ("grid",))
+    bad = sorted(set(coord_modes) - set(COORD_MODES))
+    if bad:
+        raise ValueError(f"unknown coordinate convention(s) {', '.join(bad)}; known: {', '.join(COORD_MODES)}")
+    # (name in the outputs, encoding, coordinate convention)
+    variants = [(pe if len(coord_modes) == 1 or pe in _NO_COORDS else f"{pe}/{cm}", pe, cm)
+                for pe in base_pes for cm in (coord_modes[:1] if pe in _NO_COORDS else coord_modes)]
+    pes = [v[0] for v in variants]
+    ctx = StudyContext("resolution", cfg, out, total=len(variants) * len(cfg.seeds))
+    probe = cfg.train_config(base_pes[0], cfg.seeds[0])
     _, _, info = ctx.test_data(probe)
     train_size = int(info.image_size[0])
     rows: List[Dict[str, Any]] = []
     patch = None
-    for pe in pes:
+    for pe, enc, cm in variants:
         for seed in cfg.seeds:
-            tcfg = cfg.train_config(pe, seed)
-            rec = ctx.run(tcfg)
+            tcfg = cfg.train_config(enc, seed, coords=cm)
+            rec = ctx.run(tcfg, f"{pe_label(enc)} ({cm}) s{seed}")
             model = rec.model()
             patch = model.cfg.patch_size
             eval_sizes = list(sizes) if sizes else default_sizes(train_size, patch, cfg.quick)
-            x0, y0, _ = ctx.test_data(tcfg)
+            x0, y0, info0 = ctx.test_data(tcfg)
+            bg = background_value(info0, x0.shape[1]).view(1, -1, 1, 1)
             for mode in MODES:
                 for size in eval_sizes:
                     if mode == "resize":
                         x, y, _ = ctx.test_data(tcfg, image_size=None if size == train_size else size)
                     else:
-                        x, y = pad_or_crop(x0, (size, size), align=patch), y0
+                        x, y = pad_or_crop(x0 - bg, (size, size), align=patch) + bg, y0  # black border
                     logits = predict(model, x, batch_size=cfg.eval_batch_size)
                     grid = token_grid(model, x.shape[1:])
-                    rows.append({"mode": mode, "pe": pe, "seed": seed, "image_size": size,
+                    rows.append({"mode": mode, "pe": pe, "encoding": enc, "coords": cm, "seed": seed,
+                                 "image_size": size,
                                  "grid": "x".join(map(str, grid)), "num_tokens": int(_prod(grid)),
                                  "train_size": train_size, "test_acc": accuracy(logits, y),
                                  "test_loss": mean_loss(logits, y)})
@@ -68,9 +88,11 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
     what = {"resize": "test images resized to each size (the digit scales with the image)",
             "pad": "test images at their own scale, centred on a zero canvas of each size (cropped when smaller)"}
     parts = [f"**Resolution extrapolation** — trained at {train_size} px; test accuracy at each evaluation size "
-             f"(patch {patch}, token grid in brackets), mean ± std across seeds. {headline(cfg)}.\n"]
+             f"(patch {patch}, token grid in brackets), mean ± std across seeds. {headline(cfg)}. Coordinates: "
+             f"grid = integer patch indices, normalized = patch centres in [0, 1] (no scale augmentation in "
+             f"training).\n"]
     for mode in MODES:
-        table_rows = [[pe_label(pe)] + [fmt_pm(stats[(mode, pe, s)], 3) for s in eval_sizes] for pe in pes]
+        table_rows = [[_label(pe)] + [fmt_pm(stats[(mode, pe, s)], 3) for s in eval_sizes] for pe in pes]
         parts.append(f"*{mode}*: {what[mode]}.\n\n" + markdown_table(headers, table_rows))
     table = "\n".join(parts)
 
@@ -81,7 +103,7 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
             st = [stats[(mode, pe, s)] for s in eval_sizes]
             ax.errorbar([s + (i - len(pes) / 2) * 0.12 for s in eval_sizes], [v["mean"] for v in st],
                         yerr=[0 if v["n"] < 2 else v["std"] for v in st], marker="o", ms=3, capsize=2,
-                        label=pe_label(pe), ls="--" if pe in ("none", "absolute") else "-")
+                        label=_label(pe), ls="--" if pe in _NO_COORDS else (":" if pe.endswith("/normalized") else "-"))
         ax.axvline(train_size, color="grey", ls=":", lw=1)
         ax.set_xticks(eval_sizes, [f"{s}\n({grids[s]})" for s in eval_sizes])
         ax.set_xlabel("evaluation image size in pixels (token grid); dotted: training size")
@@ -93,7 +115,14 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
     fig.tight_layout()
     summary = {f"{mode}/{pe}@{s}": stats[(mode, pe, s)] for mode in MODES for pe in pes for s in eval_sizes}
     return ctx.finish(rows=rows, summary=summary, table=table, figure=fig,
-                      options={"pes": pes, "sizes": eval_sizes, "train_size": train_size, "modes": list(MODES)})
+                      options={"pes": pes, "sizes": eval_sizes, "train_size": train_size, "modes": list(MODES),
+                               "coord_modes": coord_modes})
+
+
+def _label(name: str) -> str:
+    """``"mixed/normalized"`` -> ``"RoPE-Mixed (normalized)"``."""
+    pe, _, cm = name.partition("/")
+    return pe_label(pe) + (f" ({cm})" if cm else "")
 
 
 def _prod(xs: Sequence[int]) -> int:

@@ -5,12 +5,9 @@ encoding (or, in ``ablations``, one option of it) changes. :meth:`ExperimentConf
 experiment settings into the :class:`ropekit.train.TrainConfig` of one run; runs are cached by a hash of that
 resolved configuration (see :mod:`ropekit.experiments.runs`), so studies that need the same model share it.
 
-Two presets:
-
-* the default -- a small ViT (width 64, 2 heads of dimension 32, depth 2, 7x7 patches) on the 5k real MNIST
-  digits, 5 epochs, 3 seeds; sized for a 2-core CPU (every study in well under an hour in total);
-* ``quick`` -- width 32, depth 1, 10 % of the training images, 1 epoch, 1 seed, 2-3 encodings: every study
-  end to end in seconds (CI and the tests).
+The studies take their settings from pinned recipes (:mod:`ropekit.experiments.recipes`: ``default`` for a
+2-core CPU, ``gpu``, ``quick``), which give every ``TrainConfig`` field explicitly. :func:`default_config` and
+:func:`quick_config` below remain for studies without a recipe (detect3d, robot).
 """
 
 from __future__ import annotations
@@ -50,7 +47,11 @@ class ExperimentConfig:
     Evaluation and running:
         eval_limit (use the first N test examples in evaluations; ``None``: all), eval_batch_size,
         cache_dir (trained runs, keyed by config hash), threads (torch CPU threads; 1 is friendliest on a shared
-        machine), progress (bars), quick (the preset in use, recorded in the outputs).
+        machine), progress (bars), quick (the quick preset is in use), preset (the recipe preset's name,
+        recorded in the outputs; see :mod:`ropekit.experiments.recipes`).
+    Per encoding:
+        pe_overrides: ``TrainConfig`` fields set for one encoding only (``{"mixed": {"pe_sharing": "head"}}``),
+        applied after ``train_options``.
     """
 
     pes: Optional[List[str]] = None
@@ -82,6 +83,8 @@ class ExperimentConfig:
     threads: Optional[int] = 1
     progress: bool = True
     quick: bool = False
+    preset: str = "default"
+    pe_overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ helpers
     def replace(self, **changes: Any) -> "ExperimentConfig":
@@ -104,6 +107,7 @@ class ExperimentConfig:
         base: Dict[str, Any] = {name: copy.deepcopy(getattr(self, name)) for name in shared_train_fields()}
         base.update(pe=pe, seed=int(seed))
         base.update(self.train_options)
+        base.update(self.pe_overrides.get(pe.lower().replace("_", "-"), {}))
         base.update(changes)
         return TrainConfig.from_dict(base, source="experiment")
 

@@ -1,0 +1,315 @@
+"""Pinned recipes: the complete training recipe of every study and preset, written out field by field.
+
+A study's results must stay reproducible when a library default changes, so no run of a study inherits a
+default of :class:`~ropekit.train.TrainConfig` or :class:`~ropekit.nn.ViTConfig`. Each recipe states every
+field that changes what is learned:
+
+* ``train`` -- every ``TrainConfig`` field except the runtime ones (:data:`RUNTIME_FIELDS`: run folder, device,
+  threads, bars, logging, evaluation batch size) and the two each run sets itself (``pe`` and ``seed``);
+* ``train["model_options"]`` -- every architecture field of ``ViTConfig`` that ``TrainConfig`` does not carry
+  itself (:func:`architecture_fields`: width, depth, heads, MLP ratio, biases, dropout rates, tubelet...), so the
+  named model size and the dataclass defaults are never consulted;
+* ``study`` -- the encodings, seeds, evaluation subset, the per-encoding settings (``pe_overrides``, e.g. each
+  encoding's parameter sharing as its paper trained it) and the study's own options (shifts, sizes, fractions).
+
+A recipe with a missing or unknown field is an error (:func:`check_recipe`), so a field added to either
+dataclass breaks the recipe tests until every recipe states its value. Three presets per study:
+``default`` (2-core CPU, under 30 minutes per study), ``gpu`` (a larger model, more steps and seeds, under
+30 minutes on one GPU) and ``quick`` (seconds; tests and CI).
+
+>>> from ropekit.experiments.recipes import recipe, experiment_config
+>>> r = recipe("classify", "default")
+>>> cfg = experiment_config("classify", "default")
+>>> tcfg = cfg.train_config("mixed", 0)          # every field from the recipe, none from a default
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Set
+
+from ..nn.vit import ViTConfig
+from ..train import TrainConfig
+
+__all__ = ["PRESETS", "RECIPES", "RUNTIME_FIELDS", "PER_RUN_FIELDS", "DATA_FIELDS", "recipe", "check_recipe",
+           "architecture_fields", "recipe_fields", "experiment_config", "compare_with_committed", "recipe_names"]
+
+PRESETS = ("default", "gpu", "quick")
+
+#: ``TrainConfig`` fields that do not change what is learned (never part of a recipe).
+RUNTIME_FIELDS = frozenset({"out", "progress", "tensorboard", "threads", "device", "eval_batch_size", "compile"})
+#: Set by each run of a study, not by the recipe.
+PER_RUN_FIELDS = frozenset({"pe", "seed"})
+#: ``ViTConfig`` fields that come from the dataset (classes, channels, size, modality, frames).
+DATA_FIELDS = frozenset({"num_classes", "in_chans", "image_size", "modality", "num_frames"})
+
+#: ``ExperimentConfig`` slots that hold a ``TrainConfig`` field of the same name; the rest go to ``train_options``.
+_SLOTS = ("data", "data_root", "data_options", "image_size", "split_seed", "train_fraction", "model",
+          "model_options", "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay",
+          "warmup_epochs", "augment_shift")
+_STUDY_KEYS = {"pes", "seeds", "eval_limit", "pe_overrides", "options"}
+
+
+def architecture_fields() -> Set[str]:
+    """``ViTConfig`` fields a recipe must pin in ``model_options``: all but the dataset's and those
+    ``TrainConfig`` carries itself (``tubelet_size`` included: it is passed on only for video)."""
+    train = set(TrainConfig.field_names()) - {"tubelet_size"}
+    return {f.name for f in dataclasses.fields(ViTConfig)} - DATA_FIELDS - train
+
+
+def recipe_fields() -> Set[str]:
+    """``TrainConfig`` fields a recipe's ``train`` section must hold."""
+    return set(TrainConfig.field_names()) - RUNTIME_FIELDS - PER_RUN_FIELDS
+
+
+def check_recipe(r: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
+    """Raise ``ValueError`` (one line naming the fields) unless ``r`` states every recipe field and no other.
+
+    Returns ``r`` unchanged.
+    """
+    if set(r) != {"train", "study"}:
+        raise ValueError(f"{where}: a recipe has exactly the sections train and study, got {sorted(r)}")
+    train = r["train"]
+    missing = sorted(recipe_fields() - set(train))
+    unknown = sorted(set(train) - recipe_fields())
+    if missing or unknown:
+        raise ValueError(f"{where}: train section " + "; ".join(
+            part for part in (f"misses {', '.join(missing)}" if missing else "",
+                              f"has fields that are not recipe fields: {', '.join(unknown)}" if unknown else "")
+            if part) + " (state every TrainConfig field except the runtime ones, pe and seed)")
+    mo = train["model_options"]
+    missing = sorted(architecture_fields() - set(mo))
+    unknown = sorted(set(mo) - architecture_fields())
+    if missing or unknown:
+        raise ValueError(f"{where}: model_options " + "; ".join(
+            part for part in (f"misses {', '.join(missing)}" if missing else "",
+                              f"has fields that are not architecture fields: {', '.join(unknown)}" if unknown else "")
+            if part) + " (state every ViTConfig architecture field)")
+    bad = sorted(set(r["study"]) - _STUDY_KEYS)
+    if bad or not {"pes", "seeds", "eval_limit", "pe_overrides", "options"} <= set(r["study"]):
+        raise ValueError(f"{where}: study section must hold exactly {', '.join(sorted(_STUDY_KEYS))}; "
+                         f"got {', '.join(sorted(r['study']))}")
+    return r
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the recipes
+# ---------------------------------------------------------------------------------------------------------
+
+#: Every rotary encoding with each one's parameter sharing as its paper trained it: RoPE-Mixed per layer and
+#: head, the STRING family per layer (heads share), LieRE and ComRoPE one set for the whole model.
+PAPER_SHARING: Dict[str, Dict[str, Any]] = {
+    "axial": {"pe_sharing": "model"}, "mixed": {"pe_sharing": "head"}, "cayley": {"pe_sharing": "layer"},
+    "circulant": {"pe_sharing": "layer"}, "liere": {"pe_sharing": "model"},
+    "liere-commute": {"pe_sharing": "model"}, "comrope-ap": {"pe_sharing": "model"},
+    "comrope-ld": {"pe_sharing": "model"},
+}
+#: The comparison: no position, learned absolute, and every rotary preset above.
+ALL_PES = ["none", "absolute", "axial", "mixed", "cayley", "circulant", "liere", "liere-commute", "comrope-ap",
+           "comrope-ld"]
+QUICK_PES = ["absolute", "mixed", "liere"]
+#: Video on the CPU: the comparison without the second LieRE and ComRoPE variants (30 epochs per run).
+VIDEO_PES = ["none", "absolute", "axial", "mixed", "cayley", "circulant", "liere", "comrope-ap"]
+
+
+#: The architecture fields every recipe shares (each preset adds its width, depth, heads, MLP ratio and drop-path
+#: rate). A field added to ``ViTConfig`` is stated here once.
+_ARCH = dict(qkv_bias=True, drop_rate=0.0, attn_drop_rate=0.0)
+
+
+def _arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_path_rate: float = 0.0,
+          tubelet_size: int = 2) -> Dict[str, Any]:
+    """A complete ``model_options``: the size given here, :data:`_ARCH` for the rest."""
+    return dict(embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
+                drop_path_rate=drop_path_rate, tubelet_size=tubelet_size, **_ARCH)
+
+
+def _mnist(**changes: Any) -> Dict[str, Any]:
+    """The MNIST classification recipe of the CPU preset (7x7 tokens of 4x4 pixels), every field stated."""
+    train = dict(
+        data="mnist", data_root=None, image_size=None, data_options={}, split_seed=0, normalize=True,
+        train_fraction=1.0,
+        model="tiny", patch_size=4, tubelet_size=None, pe_options={}, pe_sharing="model", per_head=False,
+        ape="none", cls="none", coords="grid", jitter=0.0, depth_input="auto", depth_scale_init=1.0,
+        init_from=None,
+        model_options=_arch(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
+        epochs=10, batch_size=64, lr=2e-3, weight_decay=0.05, warmup_epochs=1.0, min_lr=1e-5, label_smoothing=0.0,
+        grad_clip=1.0, augment_shift=0, precision="fp32",
+    )
+    train.update(changes)
+    return train
+
+
+def _mnist_gpu(**changes: Any) -> Dict[str, Any]:
+    """The GPU preset: a ViT of width 192, depth 6, 3 heads of 64 (7x7 tokens), 40 epochs at batch 128."""
+    return _mnist(model_options=_arch(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0, drop_path_rate=0.1),
+                  epochs=40, batch_size=128, lr=1e-3, warmup_epochs=3.0, **changes)
+
+
+def _mnist_quick(**changes: Any) -> Dict[str, Any]:
+    """The quick preset: width 32, depth 1, 10 % of the training images, one epoch."""
+    return _mnist(model_options=_arch(embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0),
+                  train_fraction=0.1, epochs=1, batch_size=32, warmup_epochs=0.2, **changes)
+
+
+def _study(pes: Sequence[str], seeds: Sequence[int], eval_limit: Optional[int] = None,
+           pe_overrides: Optional[Dict[str, Dict[str, Any]]] = None, **options: Any) -> Dict[str, Any]:
+    return {"pes": list(pes), "seeds": list(seeds), "eval_limit": eval_limit,
+            "pe_overrides": copy.deepcopy(PAPER_SHARING if pe_overrides is None else pe_overrides),
+            "options": options}
+
+
+def _presets(study_default: Dict[str, Any], study_gpu: Dict[str, Any], study_quick: Dict[str, Any],
+             train: Optional[Dict[str, Any]] = None, train_gpu: Optional[Dict[str, Any]] = None,
+             train_quick: Optional[Dict[str, Any]] = None) -> Dict[str, Dict[str, Any]]:
+    return {"default": {"train": _mnist(**(train or {})), "study": study_default},
+            "gpu": {"train": _mnist_gpu(**(train_gpu or train or {})), "study": study_gpu},
+            "quick": {"train": _mnist_quick(**(train_quick or {})), "study": study_quick}}
+
+
+SEEDS = [0, 1, 2]
+GPU_SEEDS = [0, 1, 2, 3, 4]
+
+#: Relaxed STRING with every dimension active (``active_planes = head_dim / 2``), exact and relaxed alike, so
+#: the two differ only in the commuting constraint and the free post-rotation.
+_RELAXED = {"default": 16, "gpu": 32, "quick": 8}
+
+#: Video: 4 frames of 32x32 (8 on the GPU), one digit moving in one of four directions; the label is the
+#: direction, which needs motion and time order (a single frame, or shuffled frames, cannot tell left from right).
+#: Tokens are single frames (tubelet 1): a two-frame tubelet would show the motion inside one token, where no
+#: position encoding is needed to read it.
+_VIDEO_DATA = dict(num_frames=4, labels="direction", digit_size=None, speed=[4, 8], motion="wrap",
+                   num_train=2000, num_test=500, seed=None)
+
+
+def _video(preset: str) -> Dict[str, Any]:
+    mo = {"default": dict(embed_dim=48, depth=2, num_heads=2, mlp_ratio=2.0),
+          "gpu": dict(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0),
+          "quick": dict(embed_dim=48, depth=1, num_heads=2, mlp_ratio=2.0)}[preset]
+    data = dict(_VIDEO_DATA)
+    if preset == "quick":
+        data.update(num_train=300, num_test=100, num_frames=4)
+    if preset == "gpu":
+        data.update(num_train=8000, num_test=1000, num_frames=8)
+    return dict(data="moving-digits", image_size={"quick": 16}.get(preset, 32), data_options=data,
+                patch_size={"quick": 4}.get(preset, 8), tubelet_size=1, train_fraction=1.0,
+                model_options=_arch(**mo, drop_path_rate=0.1 if preset == "gpu" else 0.0, tubelet_size=1),
+                epochs={"default": 30, "gpu": 60, "quick": 1}[preset])
+
+
+RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
+    "classify": _presets(_study(ALL_PES, SEEDS), _study(ALL_PES, GPU_SEEDS), _study(QUICK_PES, [0], 200)),
+    "resolution": _presets(
+        _study(["none", "absolute", "axial", "mixed", "cayley", "liere"], SEEDS, coord_modes=["grid", "normalized"]),
+        _study(ALL_PES, SEEDS, coord_modes=["grid", "normalized"]),
+        _study(QUICK_PES, [0], 200, coord_modes=["grid", "normalized"])),
+    "offset": _presets(_study(ALL_PES, SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"]),
+                       _study(ALL_PES, GPU_SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed", "cayley"]),
+                       _study(QUICK_PES, [0], 200, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"])),
+    "shuffle": _presets(_study(ALL_PES, SEEDS), _study(ALL_PES, GPU_SEEDS), _study(QUICK_PES, [0], 200)),
+    "data-efficiency": _presets(
+        _study(["absolute", "mixed", "cayley"], SEEDS, fractions=[0.1, 0.25, 0.5, 1.0],
+               budgets=["epochs", "steps"]),
+        _study(["absolute", "mixed", "cayley", "liere"], SEEDS, fractions=[0.1, 0.25, 0.5, 1.0],
+               budgets=["epochs", "steps"]),
+        _study(QUICK_PES, [0], 200, fractions=[0.5, 1.0], budgets=["epochs", "steps"])),
+    "exact-vs-relaxed": {
+        # shift augmentation of one patch; unnormalised inputs, so the zero fill of the augmentation and the
+        # canvas background are both black (normalised, zero is the mean grey)
+        preset: {"train": {**base["train"], "augment_shift": base["train"]["patch_size"], "normalize": False,
+                           "pe_options": {"active_planes": _RELAXED[preset]}, "pe_sharing": "layer"},
+                 "study": _study(["relaxed"], seeds, limit, pe_overrides={}, shifts=[0, 1, 2], canvas_pad=2,
+                                 deltas=[0.25, 0.5, 1.0, 2.0])}
+        for preset, base, seeds, limit in (
+            ("default", {"train": _mnist()}, SEEDS, None), ("gpu", {"train": _mnist_gpu()}, GPU_SEEDS, None),
+            ("quick", {"train": _mnist_quick()}, [0], 200))},
+    "video": {preset: {"train": {**_mnist(), **_video(preset)}, "study": _study(pes, seeds, limit)}
+              for preset, pes, seeds, limit in (("default", VIDEO_PES, SEEDS, None), ("gpu", ALL_PES, GPU_SEEDS, None),
+                                                ("quick", QUICK_PES, [0], None))},
+    "ablations": _presets(
+        _study(["mixed", "cayley", "circulant", "liere", "liere-commute", "comrope-ap", "comrope-ld"], SEEDS,
+               groups=["sharing", "block", "jitter"],
+               sharing_pe=["mixed", "cayley", "circulant", "liere", "liere-commute", "comrope-ap", "comrope-ld"],
+               block_pe=["liere", "comrope-ap", "comrope-ld", "circulant"], jitter_pe=["mixed", "cayley"]),
+        _study(["mixed", "cayley", "circulant", "liere", "liere-commute", "comrope-ap", "comrope-ld"], SEEDS,
+               groups=["sharing", "block", "jitter"],
+               sharing_pe=["mixed", "cayley", "circulant", "liere", "liere-commute", "comrope-ap", "comrope-ld"],
+               block_pe=["liere", "comrope-ap", "comrope-ld", "circulant"], jitter_pe=["mixed", "cayley"]),
+        _study(["mixed", "liere", "circulant"], [0], 200, groups=["sharing", "block", "jitter"],
+               sharing_pe=["mixed"], block_pe=["liere", "circulant"], jitter_pe=["mixed"])),
+}
+
+
+def recipe_names() -> List[str]:
+    """The studies that have recipes."""
+    return list(RECIPES)
+
+
+def recipe(study: str, preset: str = "default") -> Dict[str, Any]:
+    """A deep copy of the recipe of ``study`` at ``preset`` (checked complete).
+
+    Raises:
+        ValueError: unknown study or preset, or an incomplete recipe.
+    """
+    if study not in RECIPES:
+        raise ValueError(f"no recipe for study {study!r}; studies with recipes: {', '.join(RECIPES)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    return check_recipe(copy.deepcopy(RECIPES[study][preset]), f"recipe {study}/{preset}")
+
+
+def experiment_config(study: str, preset: str = "default", r: Optional[Dict[str, Any]] = None):
+    """The :class:`~ropekit.experiments.ExperimentConfig` of ``study`` at ``preset``, built from its recipe
+    (or from ``r``): every ``TrainConfig`` field is given explicitly, so no dataclass default is used."""
+    from .settings import ExperimentConfig
+
+    r = check_recipe(copy.deepcopy(r), f"recipe {study}/{preset}") if r is not None else recipe(study, preset)
+    train = r["train"]
+    slots = {k: train[k] for k in _SLOTS}
+    rest = {k: v for k, v in train.items() if k not in _SLOTS}
+    s = r["study"]
+    return ExperimentConfig(pes=list(s["pes"]), seeds=list(s["seeds"]), eval_limit=s["eval_limit"],
+                            train_options=rest, pe_overrides=copy.deepcopy(s["pe_overrides"]), quick=preset == "quick",
+                            preset=preset, **slots)
+
+
+def compare_with_committed(study_dir: Any) -> List[str]:
+    """Differences between a study's committed ``config.json`` and what its recorded preset resolves to now.
+
+    Compares the recipe section as a whole and, for every recorded run, each recipe field of its training
+    configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted).
+    Returns one line per difference; an empty list means the committed runs are what the command trains now.
+    """
+    from .registry import STUDIES
+
+    path = Path(study_dir) / "config.json"
+    doc = json.loads(path.read_text())
+    name, preset = doc.get("study"), doc.get("preset")
+    if name not in STUDIES or preset not in PRESETS:
+        return [f"{path}: no study/preset recorded (written before recipes were pinned?)"]
+    now = recipe(name, preset)
+    now["study"].pop("options")  # the outputs record the options the study resolved, not the recipe's
+    now = json.loads(json.dumps(now))
+    committed = doc.get("recipe") or {}
+    diffs: List[str] = []
+    for section in ("train", "study"):
+        a, b = committed.get(section, {}), now[section]
+        for k in sorted(set(a) | set(b)):
+            if a.get(k, "<missing>") != b.get(k, "<missing>"):
+                diffs.append(f"{name}: recipe {section}.{k}: committed {a.get(k, '<missing>')!r}, "
+                             f"now {b.get(k, '<missing>')!r}")
+    varies = set(STUDIES[name].varies) | PER_RUN_FIELDS
+    base = now["train"]
+    for run in doc.get("runs", []):
+        tc = run.get("train_config", {})
+        expected = {**base, **now["study"]["pe_overrides"].get(tc.get("pe"), {})}
+        for k, v in expected.items():
+            if k in varies and k not in now["study"]["pe_overrides"].get(tc.get("pe"), {}):
+                continue
+            if tc.get(k, "<missing>") != v:
+                diffs.append(f"{name}: run {run.get('label', run.get('key'))}: {k} = {tc.get(k, '<missing>')!r}, "
+                             f"recipe {v!r}")
+    return diffs
