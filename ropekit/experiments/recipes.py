@@ -117,7 +117,7 @@ VIDEO_PES = ["none", "absolute", "axial", "mixed", "cayley", "circulant", "liere
 
 #: The architecture fields every recipe shares (each preset adds its width, depth, heads, MLP ratio and drop-path
 #: rate). A field added to ``ViTConfig`` is stated here once.
-_ARCH = dict(qkv_bias=True, drop_rate=0.0, attn_drop_rate=0.0)
+_ARCH = dict(qkv_bias=True, drop_rate=0.0, attn_drop_rate=0.0, pe_fold_train=True)
 
 
 def _arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_path_rate: float = 0.0,

@@ -33,7 +33,7 @@ from ..train import CHECKPOINT_NAME, TrainConfig, build_vit_config, load_data, l
 __all__ = ["RunRecord", "RunCache", "Progress", "canonical_pe_options", "run_key", "RUNTIME_FIELDS"]
 
 #: ``TrainConfig`` fields that do not change what is learned (left out of the hash).
-RUNTIME_FIELDS = ("out", "progress", "tensorboard", "threads", "device", "eval_batch_size")
+RUNTIME_FIELDS = ("out", "progress", "tensorboard", "threads", "device", "eval_batch_size", "compile")
 
 
 def canonical_pe_options(pe: str, options: Dict[str, Any]) -> Dict[str, Any]:
