@@ -152,3 +152,9 @@ def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     assert "Cayley-STRING" in res.table and "ViT (learned APE)" in res.table
     rows = res.summary["rows"]
     assert len(rows) == 2 and all(r["expert"] == 1.0 for r in rows)
+    # runs made apart pool into one table (here the same run twice: two "seeds" per encoder)
+    from ropekit.robot.aloha.experiment import merge_results
+
+    merged = merge_results([tmp_path / "out", tmp_path / "out"], tmp_path / "merged")
+    assert all(len(runs) == 2 for runs in merged["tasks"]["transfer_cube"]["policies"].values())
+    assert (tmp_path / "merged" / "table.md").exists() and (tmp_path / "merged" / "success.png").exists()

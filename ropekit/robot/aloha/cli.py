@@ -6,6 +6,7 @@
     ropekit robot aloha train --task transfer_cube --pe cayley --out runs/aloha/cayley
     ropekit robot aloha eval runs/aloha/cayley --task transfer_cube --episodes 50
     ropekit robot aloha experiment --preset cpu --out runs/aloha   # or --preset gpu / --quick
+    ropekit robot aloha merge runs/aloha-s0 runs/aloha-s1 --out runs/aloha   # pool runs made apart
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="aloha_command", metavar="<collect|train|eval|experiment>", required=True)
+    sub = parser.add_subparsers(dest="aloha_command", metavar="<collect|train|eval|experiment|merge>",
+                                required=True)
 
     p = sub.add_parser("collect", help="scripted-expert demos (replayed, successes only), cached by config")
     _demo_args(p)
@@ -85,11 +87,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device for training (cpu, cuda)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--demo-depth", action="store_true",
+                   help="record depth even without an RGB-D encoder (one demo set for split runs)")
+    p.add_argument("--no-checkpoints", action="store_true", help="do not write the policies' checkpoints")
     p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("merge", help="pool the results of experiment runs made apart (e.g. one per seed)")
+    p.add_argument("dirs", nargs="+", help="experiment output folders")
+    p.add_argument("--out", required=True)
 
 
 def run(args: Any) -> int:
-    return {"collect": _collect, "train": _train, "eval": _eval, "experiment": _experiment}[args.aloha_command](args)
+    return {"collect": _collect, "train": _train, "eval": _eval, "experiment": _experiment,
+            "merge": _merge}[args.aloha_command](args)
+
+
+def _merge(args: Any) -> int:
+    from .experiment import merge_results
+
+    merge_results(args.dirs, args.out)
+    print((Path(args.out) / "table.md").read_text())
+    return 0
 
 
 def _demo_config(args: Any, depth: bool = False):
@@ -147,7 +165,9 @@ def _experiment(args: Any) -> int:
     from .experiment import PRESETS, encoding_label, run_experiment
 
     cfg = PRESETS["quick" if args.quick else args.preset]()
-    changes: dict = {"progress": not args.no_progress}
+    changes: dict = {"progress": not args.no_progress, "save_checkpoints": not args.no_checkpoints}
+    if args.demo_depth:
+        changes["demo_depth"] = True
     if args.tasks:
         changes["tasks"] = args.tasks
     if args.pe:

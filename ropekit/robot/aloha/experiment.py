@@ -55,6 +55,9 @@ class AlohaExperimentConfig:
         eval_parallel: episodes simulated in lockstep (one policy batch per re-planning step).
         eval_steps: steps per evaluation episode (``None``: ``episode_steps``; shorter only for smoke tests).
         expert_episodes: scripted-expert replays on the evaluation seeds (the ceiling).
+        demo_depth: record depth even when no RGB-D encoder is trained (so that studies split across
+            processes share one cached demo set).
+        save_checkpoints: write each policy's ``checkpoint.pt``.
         cache_dir: demo-set cache (``None``: ``~/.cache/ropekit/aloha``).
     """
 
@@ -80,6 +83,8 @@ class AlohaExperimentConfig:
     eval_parallel: int = 10
     eval_steps: Optional[int] = None
     expert_episodes: int = 50
+    demo_depth: bool = False
+    save_checkpoints: bool = True
     cache_dir: Optional[str] = None
     threads: int = 1
     progress: bool = True
@@ -171,7 +176,7 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
     command = command or "ropekit " + " ".join(sys.argv[1:])
     atomic_write_text(out / "config.json", json.dumps({"command": command, "device": device,
                                                         "config": cfg.to_dict()}, indent=2))
-    need_depth = any(ENCODINGS[e][0] == "rgbd" for e in cfg.encodings)
+    need_depth = cfg.demo_depth or any(ENCODINGS[e][0] == "rgbd" for e in cfg.encodings)
     doc: Dict[str, Any] = {"command": command, "device": device, "tasks": {}, "timings_s": {}}
     total_steps = int(cfg.train.get("steps", 1500))
     seg_steps = [total_steps // cfg.segments + (1 if k < total_steps % cfg.segments else 0)
@@ -217,17 +222,16 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
                     done += steps
                     last = k == len(seg_steps) - 1
                     seeds = eval_seeds if last else eval_seeds[:cfg.curve_episodes]
-                    ev = evaluate_policy(policy.cpu() if dev.type != "cpu" else policy, task, seeds,
-                                         cfg.eval_steps or cfg.episode_steps, parallel=cfg.eval_parallel, seed=seed,
-                                         progress=cfg.progress)
-                    policy.to(dev)
+                    ev = evaluate_policy(policy, task, seeds, cfg.eval_steps or cfg.episode_steps,
+                                         parallel=cfg.eval_parallel, seed=seed, progress=cfg.progress)
                     curve.append({"step": done, "episodes": len(seeds), "success_rate": ev["success_rate"],
                                   "mean_max_reward": float(np.mean(ev["max_reward"]))})
                     if cfg.progress:
                         print(f"[aloha] {task} {label} s{seed} step {done}: success {ev['success_rate']:.2f} "
                               f"({len(seeds)} episodes, {ev['seconds']:.0f} s)", file=sys.stderr)
-                run_dir = out / "runs" / task / f"{_slug(label)}-s{seed}"
-                save_aloha_policy(policy.cpu(), run_dir / "checkpoint.pt", history=history, curve=curve)
+                if cfg.save_checkpoints:
+                    run_dir = out / "runs" / task / f"{_slug(label)}-s{seed}"
+                    save_aloha_policy(policy.cpu(), run_dir / "checkpoint.pt", history=history, curve=curve)
                 tdoc["policies"].setdefault(label, []).append({
                     "seed": seed, "final": {k: ev[k] for k in ("success_rate", "success", "max_reward",
                                                                "success_step", "seconds")},
@@ -238,6 +242,32 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
     doc["timings_s"]["total"] = time.time() - t_start
     _write_reports(cfg, doc, out)
     return doc
+
+
+def merge_results(dirs: Sequence[PathLike], out: PathLike) -> Dict[str, Any]:
+    """Merge the ``results.json`` of studies run apart (e.g. one process per seed) into ``out``'s reports.
+
+    The demo set and expert ceiling are taken from the first folder that has them; policy runs are pooled.
+    """
+    from ...train.metrics import atomic_write_text
+
+    docs = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
+    merged: Dict[str, Any] = {"command": [d.get("command") for d in docs], "device": docs[0].get("device"),
+                              "tasks": {}, "timings_s": {}, "merged_from": [str(d) for d in dirs]}
+    for d in docs:
+        merged["timings_s"].update({f"{k}": v for k, v in d["timings_s"].items() if k != "total"})
+        for task, tdoc in d["tasks"].items():
+            into = merged["tasks"].setdefault(task, {k: v for k, v in tdoc.items() if k != "policies"})
+            into.setdefault("policies", {})
+            for label, runs in tdoc["policies"].items():
+                into["policies"].setdefault(label, []).extend(runs)
+    merged["timings_s"]["total (longest part)"] = max(d["timings_s"].get("total", 0.0) for d in docs)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfgs = [json.loads((Path(d) / "config.json").read_text()) for d in dirs if (Path(d) / "config.json").exists()]
+    atomic_write_text(out / "config.json", json.dumps({"merged": cfgs}, indent=2))
+    _write_reports(None, merged, out)
+    return merged
 
 
 def summary_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -263,7 +293,7 @@ def _table(doc: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_reports(cfg: AlohaExperimentConfig, doc: Dict[str, Any], out: Path) -> None:
+def _write_reports(cfg: Optional[AlohaExperimentConfig], doc: Dict[str, Any], out: Path) -> None:
     from ...train.metrics import atomic_write_text
 
     atomic_write_text(out / "results.json", json.dumps(doc, indent=2))

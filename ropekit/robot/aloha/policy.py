@@ -88,6 +88,14 @@ class AlohaPolicy(DiffusionPolicy):
     def chunk_targets(self, actions: Tensor, state: Tensor) -> Tensor:
         return actions
 
+    def loss(self, images: Tensor, state: Tensor, actions: Tensor, noise_samples: int = 1,
+             generator: Optional[torch.Generator] = None) -> Tensor:
+        """The DDPM loss of :class:`DiffusionPolicy`; a ``generator`` on another device than the batch (the
+        training loop's CPU generator with a policy on a GPU) is replaced by the device's global RNG."""
+        if generator is not None and generator.device != images.device:
+            generator = None
+        return super().loss(images, state, actions, noise_samples, generator)
+
     def chunk_to_env(self, targets: Tensor, state: Tensor) -> Tensor:
         return targets
 
@@ -160,6 +168,7 @@ def evaluate_policy(policy: AlohaPolicy, task: str, seeds: Sequence[int], episod
 
     t0 = time.time()
     policy.eval()
+    device = next(policy.parameters()).device
     cfg = policy.config
     spec = task_spec(task)
     seeds = [int(s) for s in seeds]
@@ -167,7 +176,7 @@ def evaluate_policy(policy: AlohaPolicy, task: str, seeds: Sequence[int], episod
     depth = cfg.modality == "rgbd"
     sims = [AlohaSim(spec.name, cameras=(camera,), image_hw=cfg.image_hw, depth=depth)
             for _ in range(min(parallel, len(seeds)))]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     max_reward = {s: 0 for s in seeds}
     success_step = {s: -1 for s in seeds}
     errors: Dict[int, str] = {}
@@ -186,7 +195,8 @@ def evaluate_policy(policy: AlohaPolicy, task: str, seeds: Sequence[int], episod
                 rgb = np.stack([v[0] for v in views])
                 d = np.stack([v[1] for v in views]) if depth else None
                 state = torch.from_numpy(np.stack([qpos[i] for i in active]))
-                pred = policy.predict(images_from_obs(rgb, d), state, gen).numpy()  # (B, H, 14)
+                pred = policy.predict(images_from_obs(rgb, d).to(device), state.to(device), gen)
+                pred = pred.float().cpu().numpy()  # (B, H, 14)
                 chunks = {i: pred[j] for j, i in enumerate(active)}
             still = []
             for i in active:
