@@ -74,9 +74,9 @@ class AlohaExperimentConfig:
         "vit_overrides": {"depth": 3, "patch_size": 8, "embed_dim": 96, "num_heads": 3},
         "cond_dim": 192, "hidden_dim": 256, "num_blocks": 3, "num_inference_steps": 8})
     train: Dict[str, Any] = field(default_factory=lambda: {
-        "steps": 450, "batch_size": 32, "lr": 1e-3, "warmup_steps": 40, "shift": 2, "noise_samples": 4,
+        "steps": 200, "batch_size": 32, "lr": 1e-3, "warmup_steps": 20, "shift": 2, "noise_samples": 2,
         "ema_decay": 0.99, "log_every": 25})
-    segments: int = 3
+    segments: int = 2
     curve_episodes: int = 10
     eval_episodes: int = 50
     eval_seed: int = 100_000
@@ -120,11 +120,11 @@ def _quick() -> AlohaExperimentConfig:
 def _gpu() -> AlohaExperimentConfig:
     return AlohaExperimentConfig(
         tasks=["transfer_cube", "insertion"], demos=50, frame_stride=2, image_hw=(96, 128),
-        policy={"vit_overrides": {"depth": 6, "patch_size": 16}, "cond_dim": 256, "hidden_dim": 512,
+        policy={"vit_overrides": {"depth": 4, "patch_size": 8}, "cond_dim": 256, "hidden_dim": 512,
                 "num_blocks": 4, "num_inference_steps": 10},
-        train={"steps": 3000, "batch_size": 128, "lr": 5e-4, "warmup_steps": 200, "shift": 4, "noise_samples": 4,
-               "ema_decay": 0.995, "log_every": 100},
-        segments=6, curve_episodes=20, eval_episodes=50, eval_parallel=25)
+        train={"steps": 3000, "batch_size": 64, "lr": 1e-3, "warmup_steps": 100, "shift": 4, "noise_samples": 4,
+               "ema_decay": 0.99, "log_every": 100},
+        segments=3, curve_episodes=20, eval_episodes=50, eval_parallel=25, demo_depth=True, threads=2)
 
 
 PRESETS = {"cpu": AlohaExperimentConfig, "quick": _quick, "gpu": _gpu}
@@ -196,49 +196,48 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
         t0 = time.time()
         tdoc["expert"] = expert_ceiling(task, eval_seeds[:cfg.expert_episodes], cfg.episode_steps)
         doc["timings_s"][f"{task}/expert"] = time.time() - t0
-        for label in cfg.encodings:
+        for seed, label in [(s, e) for s in cfg.seeds for e in cfg.encodings]:  # every encoder once first
             modality, pe, pe_options = ENCODINGS[label]
-            for seed in cfg.seeds:
-                t0 = time.time()
-                torch.manual_seed(seed)
-                pcfg = AlohaPolicyConfig(**{**copy.deepcopy(cfg.policy), "pe": pe, "pe_options": dict(pe_options),
-                                            "modality": modality, "image_hw": cfg.image_hw})
-                policy = AlohaPolicy(pcfg)
-                data = AlohaChunks(demos, pcfg)
-                if dev.type != "cpu":
-                    policy.fit_normalizers(data.actions, data.state)
-                    policy.to(dev)
-                    feed: Any = _OnDevice(data, dev)
-                else:
-                    feed = data
-                curve, history, done = [], [], 0
-                for k, steps in enumerate(seg_steps):
-                    tcfg = PolicyTrainConfig(**{**cfg.train, "steps": steps, "seed": seed * 1000 + k,
-                                                "num_threads": int(cfg.threads),
-                                                "warmup_steps": cfg.train.get("warmup_steps", 100) if k == 0 else 0})
-                    rows = train_policy(policy, feed, tcfg, fit_normalizers=(k == 0 and dev.type == "cpu"),
-                                        progress=cfg.progress)
-                    history += [{**r, "step": r["step"] + done} for r in rows]
-                    done += steps
-                    last = k == len(seg_steps) - 1
-                    seeds = eval_seeds if last else eval_seeds[:cfg.curve_episodes]
-                    ev = evaluate_policy(policy, task, seeds, cfg.eval_steps or cfg.episode_steps,
-                                         parallel=cfg.eval_parallel, seed=seed, progress=cfg.progress)
-                    curve.append({"step": done, "episodes": len(seeds), "success_rate": ev["success_rate"],
-                                  "mean_max_reward": float(np.mean(ev["max_reward"]))})
-                    if cfg.progress:
-                        print(f"[aloha] {task} {label} s{seed} step {done}: success {ev['success_rate']:.2f} "
-                              f"({len(seeds)} episodes, {ev['seconds']:.0f} s)", file=sys.stderr)
-                if cfg.save_checkpoints:
-                    run_dir = out / "runs" / task / f"{_slug(label)}-s{seed}"
-                    save_aloha_policy(policy.cpu(), run_dir / "checkpoint.pt", history=history, curve=curve)
-                tdoc["policies"].setdefault(label, []).append({
-                    "seed": seed, "final": {k: ev[k] for k in ("success_rate", "success", "max_reward",
-                                                               "success_step", "seconds")},
-                    "curve": curve, "final_loss": history[-1]["loss"] if history else None,
-                    "seconds": time.time() - t0})
-                doc["timings_s"][f"{task}/{label}/s{seed}"] = time.time() - t0
-                _write_reports(cfg, doc, out)
+            t0 = time.time()
+            torch.manual_seed(seed)
+            pcfg = AlohaPolicyConfig(**{**copy.deepcopy(cfg.policy), "pe": pe, "pe_options": dict(pe_options),
+                                        "modality": modality, "image_hw": cfg.image_hw})
+            policy = AlohaPolicy(pcfg)
+            data = AlohaChunks(demos, pcfg)
+            if dev.type != "cpu":
+                policy.fit_normalizers(data.actions, data.state)
+                policy.to(dev)
+                feed: Any = _OnDevice(data, dev)
+            else:
+                feed = data
+            curve, history, done = [], [], 0
+            for k, steps in enumerate(seg_steps):
+                tcfg = PolicyTrainConfig(**{**cfg.train, "steps": steps, "seed": seed * 1000 + k,
+                                            "num_threads": int(cfg.threads),
+                                            "warmup_steps": cfg.train.get("warmup_steps", 100) if k == 0 else 0})
+                rows = train_policy(policy, feed, tcfg, fit_normalizers=(k == 0 and dev.type == "cpu"),
+                                    progress=cfg.progress)
+                history += [{**r, "step": r["step"] + done} for r in rows]
+                done += steps
+                last = k == len(seg_steps) - 1
+                seeds = eval_seeds if last else eval_seeds[:cfg.curve_episodes]
+                ev = evaluate_policy(policy, task, seeds, cfg.eval_steps or cfg.episode_steps,
+                                     parallel=cfg.eval_parallel, seed=seed, progress=cfg.progress)
+                curve.append({"step": done, "episodes": len(seeds), "success_rate": ev["success_rate"],
+                              "mean_max_reward": float(np.mean(ev["max_reward"]))})
+                print(f"[aloha] {task} {label} s{seed} step {done}: success {ev['success_rate']:.2f} "
+                      f"({len(seeds)} episodes, {ev['seconds']:.0f} s; {time.time() - t_start:.0f} s in)",
+                      file=sys.stderr, flush=True)
+            if cfg.save_checkpoints:
+                run_dir = out / "runs" / task / f"{_slug(label)}-s{seed}"
+                save_aloha_policy(policy.cpu(), run_dir / "checkpoint.pt", history=history, curve=curve)
+            tdoc["policies"].setdefault(label, []).append({
+                "seed": seed, "final": {k: ev[k] for k in ("success_rate", "success", "max_reward",
+                                                           "success_step", "seconds")},
+                "curve": curve, "final_loss": history[-1]["loss"] if history else None,
+                "seconds": time.time() - t0})
+            doc["timings_s"][f"{task}/{label}/s{seed}"] = time.time() - t0
+            _write_reports(cfg, doc, out)
     doc["timings_s"]["total"] = time.time() - t_start
     _write_reports(cfg, doc, out)
     return doc
