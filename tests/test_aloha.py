@@ -105,8 +105,13 @@ def test_policy_trains_and_rolls_out(demos, pe, modality, tmp_path):
 
 
 def test_sim_renders_headless_and_steps_joint_targets():
-    code = ("import os, numpy as np\n"
-            "from ropekit.robot.aloha.sim import AlohaSim\n"
+    import ropekit.robot.aloha.sim as sim_module
+
+    # the module needs only numpy and the simulator: load it by path so the child skips torch's import
+    code = ("import os, sys, importlib.util, numpy as np\n"
+            f"spec = importlib.util.spec_from_file_location('aloha_sim', {sim_module.__file__!r})\n"
+            "m = importlib.util.module_from_spec(spec); sys.modules['aloha_sim'] = m; spec.loader.exec_module(m)\n"
+            "AlohaSim = m.AlohaSim\n"
             "s = AlohaSim('insertion', cameras=('top',), image_hw=(24, 32), depth=True)\n"
             "obs = s.reset(seed=0)\n"
             "rgb, d = obs['images']['top'], obs['depths']['top']\n"
