@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("experiment", help="every encoder x seed on the same demos: table, curves, plot")
     p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu",
                    help="cpu: sized for 2 CPU cores (< 1 hour, transfer-cube); gpu: larger images, model and "
-                        "schedule, both tasks (about 30 minutes on one GPU)")
+                        "schedule, both tasks (about 30-35 minutes on one H100, estimated from a measured "
+                        "1500-step run)")
     p.add_argument("--quick", action="store_true", help="tiny settings (seconds; for tests)")
     p.add_argument("--out", default="runs/aloha", help="output folder")
     p.add_argument("--tasks", type=_list, default=None, help="comma-separated tasks")

@@ -122,7 +122,7 @@ def _gpu() -> AlohaExperimentConfig:
         tasks=["transfer_cube", "insertion"], demos=50, frame_stride=2, image_hw=(96, 128),
         policy={"vit_overrides": {"depth": 4, "patch_size": 8}, "cond_dim": 256, "hidden_dim": 512,
                 "num_blocks": 4, "num_inference_steps": 10},
-        train={"steps": 3000, "batch_size": 64, "lr": 1e-3, "warmup_steps": 100, "shift": 4, "noise_samples": 4,
+        train={"steps": 2000, "batch_size": 64, "lr": 1e-3, "warmup_steps": 100, "shift": 4, "noise_samples": 4,
                "ema_decay": 0.99, "log_every": 100},
         segments=3, curve_episodes=20, eval_episodes=50, eval_parallel=25, demo_depth=True, threads=2)
 
