@@ -7,6 +7,7 @@
     ropekit robot train --demos runs/robot/demos.npz --out runs/robot/3d --modality rgbd --init-from runs/robot/2d
     ropekit robot eval runs/robot/2d runs/robot/3d --episodes 50
     ropekit robot experiment --out runs/robot [--quick]
+    ropekit robot aloha collect|train|eval|experiment ...   (bimanual ALOHA; needs ropekit[aloha])
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _PRESETS = ("in_distribution", "ood_table_height", "ood_large_distractors", "ood
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="robot_command", metavar="<collect|train|eval|experiment>", required=True)
+    sub = parser.add_subparsers(dest="robot_command", metavar="<collect|train|eval|experiment|aloha>", required=True)
 
     p = sub.add_parser("collect", help="record scripted-expert demonstrations (.npz)")
     p.add_argument("--out", required=True, help="output .npz file")
@@ -75,8 +76,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("experiment", help="the whole 2-D vs 3-D STRING study (SPEC §6.9), with reports")
     experiment.add_arguments(p)
 
+    from .aloha import cli as aloha_cli  # imports no simulator package until a command runs
+
+    p = sub.add_parser("aloha", help="bimanual ALOHA tasks in MuJoCo: demos, diffusion policies, encoder study")
+    aloha_cli.add_arguments(p)
+
 
 def run(args: Any) -> int:
+    if args.robot_command == "aloha":
+        from .aloha import cli as aloha_cli
+
+        return aloha_cli.run(args)
     return {"collect": _collect, "train": _train, "eval": _eval, "experiment": experiment.run}[args.robot_command](args)
 
 

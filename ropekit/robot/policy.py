@@ -307,7 +307,7 @@ class DiffusionPolicy(nn.Module):
         """Normalised action chunks ``(B, H, A)`` by DDIM (``num_steps`` defaults to the config's)."""
         cond = self.encode(images, state)  # (B, E)
         steps = num_steps or self.config.num_inference_steps
-        shape = (images.shape[0], self.config.horizon, ACTION_DIM)
+        shape = (images.shape[0], self.config.horizon, self.denoiser.action_dim)  # subclasses may widen A
         return self.schedule.sample(lambda x, t: self.denoiser(x, t, cond), shape, steps, generator, images.device)
 
     @torch.no_grad()

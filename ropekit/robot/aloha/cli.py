@@ -1,0 +1,186 @@
+"""``ropekit robot aloha collect | train | eval | experiment``.
+
+::
+
+    ropekit robot aloha collect --task transfer_cube --episodes 50 [--depth]
+    ropekit robot aloha train --task transfer_cube --pe cayley --out runs/aloha/cayley
+    ropekit robot aloha eval runs/aloha/cayley --task transfer_cube --episodes 50
+    ropekit robot aloha experiment --preset cpu --out runs/aloha   # or --preset gpu / --quick
+    ropekit robot aloha merge runs/aloha-s0 runs/aloha-s1 --out runs/aloha   # pool runs made apart
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, List
+
+__all__ = ["add_arguments", "run"]
+
+
+def _list(text: str) -> List[str]:
+    return [t for t in text.split(",") if t]
+
+
+def _hw(text: str):
+    parts = text.lower().replace("x", ",").split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"image size must be HxW (e.g. 48x64), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", default="transfer_cube", help="transfer_cube or insertion")
+    p.add_argument("--episodes", type=int, default=50, help="successful demos to keep")
+    p.add_argument("--seed", type=int, default=0, help="first object-pose seed of the demos")
+    p.add_argument("--image-size", type=_hw, default=(48, 64), metavar="HxW", help="rendered size (default 48x64)")
+    p.add_argument("--camera", default="top", help="camera the policy sees (default top)")
+    p.add_argument("--depth", action="store_true", help="also record depth (needed by RGB-D policies)")
+    p.add_argument("--frame-stride", type=int, default=2, help="render every k-th step (training examples)")
+    p.add_argument("--cache-dir", default=None, help="demo-set cache (default ~/.cache/ropekit/aloha)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="aloha_command", metavar="<collect|train|eval|experiment|merge>",
+                                required=True)
+
+    p = sub.add_parser("collect", help="scripted-expert demos (replayed, successes only), cached by config")
+    _demo_args(p)
+
+    p = sub.add_parser("train", help="train one diffusion policy on a (cached) demo set")
+    _demo_args(p)
+    p.add_argument("--out", required=True, help="run folder (config.json, metrics.csv, checkpoint.pt)")
+    p.add_argument("--pe", default="cayley", help="encoder: absolute, axial, mixed, cayley, cayley-rgbd")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--train-seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("eval", help="success rate of trained policies on fixed held-out seeds")
+    p.add_argument("runs", nargs="+", help="run folders or checkpoint files")
+    p.add_argument("--task", default="transfer_cube")
+    p.add_argument("--episodes", type=int, default=50)
+    p.add_argument("--eval-seed", type=int, default=100_000, help="first evaluation object-pose seed")
+    p.add_argument("--episode-steps", type=int, default=400)
+    p.add_argument("--parallel", type=int, default=10, help="episodes simulated in lockstep")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("experiment", help="every encoder x seed on the same demos: table, curves, plot")
+    p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: sized for 2 CPU cores (< 1 hour, transfer-cube); gpu: larger images, model and "
+                        "schedule, both tasks (about 30-35 minutes on one H100, estimated from a measured "
+                        "1500-step run)")
+    p.add_argument("--quick", action="store_true", help="tiny settings (seconds; for tests)")
+    p.add_argument("--out", default="runs/aloha", help="output folder")
+    p.add_argument("--tasks", type=_list, default=None, help="comma-separated tasks")
+    p.add_argument("--pe", type=_list, default=None,
+                   help="comma-separated encoders: absolute, axial, mixed, cayley, cayley-rgbd")
+    p.add_argument("--seeds", type=lambda t: [int(x) for x in _list(t)], default=None)
+    p.add_argument("--steps", type=int, default=None, help="training steps per policy")
+    p.add_argument("--demos", type=int, default=None)
+    p.add_argument("--eval-episodes", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="torch device for training (cpu, cuda)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--demo-depth", action="store_true",
+                   help="record depth even without an RGB-D encoder (one demo set for split runs)")
+    p.add_argument("--no-checkpoints", action="store_true", help="do not write the policies' checkpoints")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("merge", help="pool the results of experiment runs made apart (e.g. one per seed)")
+    p.add_argument("dirs", nargs="+", help="experiment output folders")
+    p.add_argument("--out", required=True)
+
+
+def run(args: Any) -> int:
+    return {"collect": _collect, "train": _train, "eval": _eval, "experiment": _experiment,
+            "merge": _merge}[args.aloha_command](args)
+
+
+def _merge(args: Any) -> int:
+    from .experiment import merge_results
+
+    merge_results(args.dirs, args.out)
+    print((Path(args.out) / "table.md").read_text())
+    return 0
+
+
+def _demo_config(args: Any, depth: bool = False):
+    from .expert import DemoConfig
+
+    return DemoConfig(task=args.task, episodes=args.episodes, seed=args.seed, cameras=(args.camera,),
+                      image_hw=args.image_size, depth=args.depth or depth, frame_stride=args.frame_stride)
+
+
+def _collect(args: Any) -> int:
+    from .expert import load_or_collect
+
+    demos, path, cached = load_or_collect(_demo_config(args), args.cache_dir, progress=True)
+    print(f"{len(demos['episode_seed'])} demos ({int(demos['attempts'])} attempts, failed seeds "
+          f"{demos['failed_seeds'].tolist()}) {'from the cache' if cached else 'collected'}: {path}")
+    return 0
+
+
+def _train(args: Any) -> int:
+    from ..train import PolicyTrainConfig, train_policy
+    from .experiment import encoding_label
+    from .expert import load_or_collect
+    from .policy import ENCODINGS, AlohaChunks, AlohaPolicy, AlohaPolicyConfig, save_aloha_policy
+
+    modality, pe, options = ENCODINGS[encoding_label(args.pe)]
+    demos, path, _ = load_or_collect(_demo_config(args, depth=modality == "rgbd"), args.cache_dir, progress=True)
+    cfg = AlohaPolicyConfig(pe=pe, pe_options=dict(options), modality=modality, image_hw=args.image_size)
+    policy = AlohaPolicy(cfg)
+    tc = PolicyTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.train_seed, shift=2)
+    rows = train_policy(policy, AlohaChunks(demos, cfg), tc, None, progress=not args.no_progress)
+    out = Path(args.out)
+    save_aloha_policy(policy, out / "checkpoint.pt", train_config=tc.to_dict(), history=rows, demos=str(path),
+                      task=args.task)
+    print(f"policy saved to {out / 'checkpoint.pt'} (final loss {rows[-1]['loss']:.4f})")
+    return 0
+
+
+def _eval(args: Any) -> int:
+    from .policy import evaluate_policy, load_aloha_policy
+
+    seeds = list(range(args.eval_seed, args.eval_seed + args.episodes))
+    results = {}
+    for r in args.runs:
+        ev = evaluate_policy(load_aloha_policy(r), args.task, seeds, args.episode_steps, parallel=args.parallel,
+                             progress=not args.no_progress)
+        results[str(r)] = ev
+        print(f"{r}: success {ev['success_rate']:.2f} over {len(seeds)} episodes ({ev['seconds']:.0f} s)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _experiment(args: Any) -> int:
+    from .experiment import PRESETS, encoding_label, run_experiment
+
+    cfg = PRESETS["quick" if args.quick else args.preset]()
+    changes: dict = {"progress": not args.no_progress, "save_checkpoints": not args.no_checkpoints}
+    if args.demo_depth:
+        changes["demo_depth"] = True
+    if args.tasks:
+        changes["tasks"] = args.tasks
+    if args.pe:
+        changes["encodings"] = [encoding_label(p) for p in args.pe]
+    if args.steps:
+        changes["train"] = {**cfg.train, "steps": args.steps}
+    given = {"seeds": args.seeds, "demos": args.demos, "eval_episodes": args.eval_episodes,
+             "threads": args.threads, "cache_dir": args.cache_dir}
+    changes.update({k: v for k, v in given.items() if v})
+    cfg = dataclasses.replace(cfg, **changes)
+    command = "ropekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    doc = run_experiment(cfg, args.out, command=command, device=args.device)
+    print((Path(args.out) / "table.md").read_text())
+    print(f"results in {args.out} ({doc['timings_s']['total'] / 60:.1f} min)")
+    return 0

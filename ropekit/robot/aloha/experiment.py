@@ -1,0 +1,381 @@
+"""The ALOHA study: diffusion policies whose ViT encoder differs only in its position encoding.
+
+For each task and encoder variant (:data:`~.policy.ENCODINGS`: learned APE, axial RoPE, mixed RoPE,
+Cayley-STRING on RGB with ``(y, x)`` coordinates, and Cayley-STRING on RGB-D with depth as the third
+coordinate) and each training seed, a policy is trained on the same cached scripted demonstrations and
+evaluated on fixed, held-out object-pose seeds. The scripted expert, replayed on those same seeds, gives the
+ceiling.
+
+Training is split into ``segments`` calls of ``ropekit.robot.train.train_policy`` (each a warm-up-free cosine
+cycle whose EMA weights carry over; the first has the warm-up), and the policy is evaluated after each
+segment on ``curve_episodes`` seeds -- the success-vs-training-step curve. The last point uses
+``eval_episodes`` seeds: the table's number.
+
+Outputs in ``out``: ``config.json`` (the full configuration and the command), ``results.json`` (every
+evaluation), ``curves.csv``, ``table.md``, ``success.png`` (success vs step, mean over seeds, one panel per
+task), and ``runs/<task>/<encoding>-s<seed>/checkpoint.pt``.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import io
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+__all__ = ["AlohaExperimentConfig", "run_experiment", "run_study", "PRESETS"]
+
+PathLike = Union[str, Path]
+
+
+@dataclass
+class AlohaExperimentConfig:
+    """Everything the study depends on (saved next to its outputs).
+
+    Args:
+        tasks: ``transfer_cube`` and/or ``insertion``.
+        encodings: labels of :data:`~.policy.ENCODINGS`.
+        seeds: training seeds (one policy per encoding and seed).
+        demos, demo_seed, frame_stride, image_hw, episode_steps: the demo set (:class:`~.expert.DemoConfig`).
+        policy: :class:`~.policy.AlohaPolicyConfig` fields (besides ``pe``/``modality``/``image_hw``).
+        train: :class:`~ropekit.robot.train.PolicyTrainConfig` fields; ``train["steps"]`` is the total.
+        segments: evaluation points along training (the curve).
+        curve_episodes, eval_episodes: evaluation seeds per curve point / for the final number.
+        eval_seed: first evaluation object-pose seed (far from the demo seeds: held-out poses).
+        eval_parallel: episodes simulated in lockstep (one policy batch per re-planning step).
+        eval_steps: steps per evaluation episode (``None``: ``episode_steps``; shorter only for smoke tests).
+        expert_episodes: scripted-expert replays on the evaluation seeds (the ceiling).
+        demo_depth: record depth even when no RGB-D encoder is trained (so that studies split across
+            processes share one cached demo set).
+        save_checkpoints: write each policy's ``checkpoint.pt``.
+        cache_dir: demo-set cache (``None``: ``~/.cache/ropekit/aloha``).
+    """
+
+    tasks: List[str] = field(default_factory=lambda: ["transfer_cube"])
+    encodings: List[str] = field(default_factory=lambda: ["ViT (learned APE)", "RoPE (axial)", "RoPE (mixed)",
+                                                          "Cayley-STRING", "Cayley-STRING RGB-D"])
+    seeds: List[int] = field(default_factory=lambda: [0, 1])
+    demos: int = 20
+    demo_seed: int = 0
+    frame_stride: int = 4
+    image_hw: Tuple[int, int] = (48, 64)
+    episode_steps: int = 400
+    policy: Dict[str, Any] = field(default_factory=lambda: {
+        "vit_overrides": {"depth": 3, "patch_size": 8, "embed_dim": 96, "num_heads": 3},
+        "cond_dim": 192, "hidden_dim": 256, "num_blocks": 3, "num_inference_steps": 8})
+    train: Dict[str, Any] = field(default_factory=lambda: {
+        "steps": 200, "batch_size": 32, "lr": 1e-3, "warmup_steps": 20, "shift": 2, "noise_samples": 2,
+        "ema_decay": 0.99, "log_every": 25})
+    segments: int = 2
+    curve_episodes: int = 10
+    eval_episodes: int = 50
+    eval_seed: int = 100_000
+    eval_parallel: int = 10
+    eval_steps: Optional[int] = None
+    expert_episodes: int = 50
+    demo_depth: bool = False
+    save_checkpoints: bool = True
+    cache_dir: Optional[str] = None
+    threads: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        from .policy import ENCODINGS
+        from .sim import task_spec
+
+        self.tasks = [task_spec(t).name for t in self.tasks]
+        unknown = [e for e in self.encodings if e not in ENCODINGS]
+        if unknown:
+            raise ValueError(f"unknown encoding(s) {unknown}; known: {', '.join(ENCODINGS)}")
+        self.image_hw = (int(self.image_hw[0]), int(self.image_hw[1]))
+        if self.segments < 1 or self.train.get("steps", 1) < self.segments:
+            raise ValueError(f"need 1 <= segments <= train steps, got {self.segments} and {self.train.get('steps')}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["image_hw"] = list(self.image_hw)
+        return d
+
+
+def _quick() -> AlohaExperimentConfig:
+    return AlohaExperimentConfig(
+        encodings=["ViT (learned APE)", "Cayley-STRING"], seeds=[0], demos=1, frame_stride=8, image_hw=(24, 32),
+        episode_steps=400, policy={"vit_overrides": {"depth": 1, "patch_size": 8, "embed_dim": 32, "num_heads": 2},
+                                   "cond_dim": 32, "hidden_dim": 32, "num_blocks": 1, "num_inference_steps": 2},
+        train={"steps": 4, "batch_size": 8, "warmup_steps": 1, "shift": 1, "noise_samples": 1, "log_every": 2},
+        segments=2, curve_episodes=1, eval_episodes=2, eval_parallel=2, eval_steps=24, expert_episodes=1,
+        progress=False)
+
+
+def _gpu() -> AlohaExperimentConfig:
+    return AlohaExperimentConfig(
+        tasks=["transfer_cube", "insertion"], demos=50, frame_stride=2, image_hw=(96, 128),
+        policy={"vit_overrides": {"depth": 4, "patch_size": 8}, "cond_dim": 256, "hidden_dim": 512,
+                "num_blocks": 4, "num_inference_steps": 10},
+        train={"steps": 2000, "batch_size": 64, "lr": 1e-3, "warmup_steps": 100, "shift": 4, "noise_samples": 4,
+               "ema_decay": 0.99, "log_every": 100},
+        segments=3, curve_episodes=20, eval_episodes=50, eval_parallel=25, demo_depth=True, threads=2)
+
+
+PRESETS = {"cpu": AlohaExperimentConfig, "quick": _quick, "gpu": _gpu}
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+
+
+def expert_ceiling(task: str, seeds: Sequence[int], episode_steps: int = 400) -> Dict[str, Any]:
+    """Success of the scripted expert (end-effector script, then joint replay) on ``seeds``, no rendering."""
+    from .expert import expert_episode
+    from .sim import AlohaSim
+
+    t0 = time.time()
+    replay, ee = AlohaSim(task, cameras=()), AlohaSim(task, mode="ee", cameras=())
+    ok = [bool(expert_episode(task, s, episode_steps, replay=replay, ee_sim=ee)["success"]) for s in seeds]
+    return {"success": ok, "success_rate": float(np.mean(ok)), "seeds": [int(s) for s in seeds],
+            "seconds": time.time() - t0}
+
+
+class _OnDevice:
+    """A chunk set whose batches land on ``device`` (``train_policy`` feeds batches to the policy as they come)."""
+
+    def __init__(self, data: Any, device: torch.device) -> None:
+        self.data, self.device = data, device
+        self.episodes, self.state, self.actions = data.episodes, data.state, data.actions
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def batch(self, index: torch.Tensor):
+        return tuple(t.to(self.device, non_blocking=True) for t in self.data.batch(index))
+
+
+def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[str] = None,
+                   device: str = "cpu") -> Dict[str, Any]:
+    """Run the study described by ``cfg``; write its outputs into ``out``; return the results document."""
+    from ..train import PolicyTrainConfig, train_policy
+    from .expert import DemoConfig, load_or_collect
+    from .policy import ENCODINGS, AlohaChunks, AlohaPolicy, AlohaPolicyConfig, evaluate_policy, save_aloha_policy
+    from ...train.metrics import atomic_write_text
+
+    t_start = time.time()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(int(cfg.threads))
+    dev = torch.device(device)
+    command = command or "ropekit " + " ".join(sys.argv[1:])
+    atomic_write_text(out / "config.json", json.dumps({"command": command, "device": device,
+                                                        "config": cfg.to_dict()}, indent=2))
+    need_depth = cfg.demo_depth or any(ENCODINGS[e][0] == "rgbd" for e in cfg.encodings)
+    doc: Dict[str, Any] = {"command": command, "device": device, "tasks": {}, "timings_s": {}}
+    total_steps = int(cfg.train.get("steps", 1500))
+    seg_steps = [total_steps // cfg.segments + (1 if k < total_steps % cfg.segments else 0)
+                 for k in range(cfg.segments)]
+    eval_seeds = list(range(cfg.eval_seed, cfg.eval_seed + cfg.eval_episodes))
+    for task in cfg.tasks:
+        tdoc: Dict[str, Any] = {"policies": {}}
+        doc["tasks"][task] = tdoc
+        t0 = time.time()
+        dcfg = DemoConfig(task=task, episodes=cfg.demos, seed=cfg.demo_seed, episode_steps=cfg.episode_steps,
+                          image_hw=cfg.image_hw, depth=need_depth, frame_stride=cfg.frame_stride)
+        demos, path, cached = load_or_collect(dcfg, cfg.cache_dir, progress=cfg.progress)
+        tdoc["demos"] = {"path": str(path), "cached": cached, "kept": int(len(demos["episode_seed"])),
+                         "attempts": int(demos["attempts"]), "failed_seeds": demos["failed_seeds"].tolist(),
+                         "collect_seconds": float(demos["seconds"]), "key": dcfg.key()}
+        doc["timings_s"][f"{task}/demos"] = time.time() - t0
+        t0 = time.time()
+        tdoc["expert"] = expert_ceiling(task, eval_seeds[:cfg.expert_episodes], cfg.episode_steps)
+        doc["timings_s"][f"{task}/expert"] = time.time() - t0
+        for seed, label in [(s, e) for s in cfg.seeds for e in cfg.encodings]:  # every encoder once first
+            modality, pe, pe_options = ENCODINGS[label]
+            t0 = time.time()
+            torch.manual_seed(seed)
+            pcfg = AlohaPolicyConfig(**{**copy.deepcopy(cfg.policy), "pe": pe, "pe_options": dict(pe_options),
+                                        "modality": modality, "image_hw": cfg.image_hw})
+            policy = AlohaPolicy(pcfg)
+            data = AlohaChunks(demos, pcfg)
+            if dev.type != "cpu":
+                policy.fit_normalizers(data.actions, data.state)
+                policy.to(dev)
+                feed: Any = _OnDevice(data, dev)
+            else:
+                feed = data
+            curve, history, done = [], [], 0
+            for k, steps in enumerate(seg_steps):
+                tcfg = PolicyTrainConfig(**{**cfg.train, "steps": steps, "seed": seed * 1000 + k,
+                                            "num_threads": int(cfg.threads),
+                                            "warmup_steps": cfg.train.get("warmup_steps", 100) if k == 0 else 0})
+                rows = train_policy(policy, feed, tcfg, fit_normalizers=(k == 0 and dev.type == "cpu"),
+                                    progress=cfg.progress)
+                history += [{**r, "step": r["step"] + done} for r in rows]
+                done += steps
+                last = k == len(seg_steps) - 1
+                seeds = eval_seeds if last else eval_seeds[:cfg.curve_episodes]
+                ev = evaluate_policy(policy, task, seeds, cfg.eval_steps or cfg.episode_steps,
+                                     parallel=cfg.eval_parallel, seed=seed, progress=cfg.progress)
+                curve.append({"step": done, "episodes": len(seeds), "success_rate": ev["success_rate"],
+                              "mean_max_reward": float(np.mean(ev["max_reward"]))})
+                print(f"[aloha] {task} {label} s{seed} step {done}: success {ev['success_rate']:.2f} "
+                      f"({len(seeds)} episodes, {ev['seconds']:.0f} s; {time.time() - t_start:.0f} s in)",
+                      file=sys.stderr, flush=True)
+            if cfg.save_checkpoints:
+                run_dir = out / "runs" / task / f"{_slug(label)}-s{seed}"
+                save_aloha_policy(policy.cpu(), run_dir / "checkpoint.pt", history=history, curve=curve)
+            tdoc["policies"].setdefault(label, []).append({
+                "seed": seed, "final": {k: ev[k] for k in ("success_rate", "success", "max_reward",
+                                                           "success_step", "seconds")},
+                "curve": curve, "final_loss": history[-1]["loss"] if history else None,
+                "seconds": time.time() - t0})
+            doc["timings_s"][f"{task}/{label}/s{seed}"] = time.time() - t0
+            _write_reports(cfg, doc, out)
+    doc["timings_s"]["total"] = time.time() - t_start
+    _write_reports(cfg, doc, out)
+    return doc
+
+
+def merge_results(dirs: Sequence[PathLike], out: PathLike) -> Dict[str, Any]:
+    """Merge the ``results.json`` of studies run apart (e.g. one process per seed) into ``out``'s reports.
+
+    The demo set and expert ceiling are taken from the first folder that has them; policy runs are pooled.
+    """
+    from ...train.metrics import atomic_write_text
+
+    docs = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
+    merged: Dict[str, Any] = {"command": [d.get("command") for d in docs], "device": docs[0].get("device"),
+                              "tasks": {}, "timings_s": {}, "merged_from": [str(d) for d in dirs]}
+    for d in docs:
+        merged["timings_s"].update({f"{k}": v for k, v in d["timings_s"].items() if k != "total"})
+        for task, tdoc in d["tasks"].items():
+            into = merged["tasks"].setdefault(task, {k: v for k, v in tdoc.items() if k != "policies"})
+            into.setdefault("policies", {})
+            for label, runs in tdoc["policies"].items():
+                into["policies"].setdefault(label, []).extend(runs)
+    merged["timings_s"]["total (longest part)"] = max(d["timings_s"].get("total", 0.0) for d in docs)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfgs = [json.loads((Path(d) / "config.json").read_text()) for d in dirs if (Path(d) / "config.json").exists()]
+    atomic_write_text(out / "config.json", json.dumps({"merged": cfgs}, indent=2))
+    _write_reports(None, merged, out)
+    return merged
+
+
+def summary_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per task and encoding: mean and per-seed final success, mean max reward, expert ceiling."""
+    rows = []
+    for task, tdoc in doc["tasks"].items():
+        for label, runs in tdoc["policies"].items():
+            rates = [r["final"]["success_rate"] for r in runs]
+            rows.append({"task": task, "encoding": label, "success": float(np.mean(rates)),
+                         "per_seed": rates, "episodes": len(runs[0]["final"]["success"]),
+                         "max_reward": float(np.mean([np.mean(r["final"]["max_reward"]) for r in runs])),
+                         "expert": tdoc["expert"]["success_rate"], "seconds": sum(r["seconds"] for r in runs)})
+    return rows
+
+
+def _table(doc: Dict[str, Any]) -> str:
+    lines = ["| task | encoder | success (mean over seeds) | per seed | mean max reward (0-4) | expert ceiling | "
+             "train + eval time |", "|---|---|---|---|---|---|---|"]
+    for r in summary_rows(doc):
+        lines.append(f"| {r['task']} | {r['encoding']} | {r['success']:.2f} ({r['episodes']} episodes each) | "
+                     f"{', '.join(f'{x:.2f}' for x in r['per_seed'])} | {r['max_reward']:.2f} | "
+                     f"{r['expert']:.2f} | {r['seconds'] / 60:.1f} min |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_reports(cfg: Optional[AlohaExperimentConfig], doc: Dict[str, Any], out: Path) -> None:
+    from ...train.metrics import atomic_write_text
+
+    atomic_write_text(out / "results.json", json.dumps(doc, indent=2))
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["task", "encoding", "seed", "step", "episodes", "success_rate", "mean_max_reward"])
+    for task, tdoc in doc["tasks"].items():
+        for label, runs in tdoc["policies"].items():
+            for r in runs:
+                for c in r["curve"]:
+                    w.writerow([task, label, r["seed"], c["step"], c["episodes"], c["success_rate"],
+                                c["mean_max_reward"]])
+    atomic_write_text(out / "curves.csv", buf.getvalue())
+    atomic_write_text(out / "table.md", _table(doc))
+    try:
+        _plot(doc, out / "success.png")
+    except ImportError:  # matplotlib is optional
+        pass
+
+
+def _plot(doc: Dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(doc["tasks"])
+    fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(5.5 * max(1, len(tasks)), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        tdoc = doc["tasks"][task]
+        for label, runs in tdoc["policies"].items():
+            steps = [c["step"] for c in runs[0]["curve"]]
+            rates = np.array([[c["success_rate"] for c in r["curve"]] for r in runs if len(r["curve"]) == len(steps)])
+            ax.plot(steps, rates.mean(0), marker="o", label=label)
+        if "expert" in tdoc:
+            ax.axhline(tdoc["expert"]["success_rate"], color="k", ls="--", lw=1, label="scripted expert")
+        ax.set_title(task)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("success rate")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_study(exp_cfg: Any, out: PathLike, **options: Any):
+    """The ``aloha`` entry of ``ropekit experiment``: the CPU preset (``--quick``: the tiny one), with
+    ``--seeds``, ``--pe`` (encoder labels or create_pe names: absolute, axial, mixed, cayley, cayley-rgbd),
+    ``--threads`` and ``--no-progress`` taken from the shared options."""
+    from ...experiments.common import StudyResult
+
+    if options:
+        raise ValueError(f"experiment aloha takes no option {', '.join(sorted(options))}")
+    cfg = PRESETS["quick" if exp_cfg.quick else "cpu"]()
+    changes: Dict[str, Any] = {"progress": bool(exp_cfg.progress)}
+    if exp_cfg.seeds and not exp_cfg.quick:
+        changes["seeds"] = [int(s) for s in exp_cfg.seeds]
+    if exp_cfg.pes:
+        changes["encodings"] = [encoding_label(p) for p in exp_cfg.pes]
+    if getattr(exp_cfg, "threads", None):
+        changes["threads"] = int(exp_cfg.threads)
+    cfg = dataclasses.replace(cfg, **changes)
+    doc = run_experiment(cfg, out)
+    out = Path(out)
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    return StudyResult("aloha", out, files, (out / "table.md").read_text(), {"rows": summary_rows(doc)})
+
+
+_PE_LABELS = {"absolute": "ViT (learned APE)", "vit": "ViT (learned APE)", "ape": "ViT (learned APE)",
+              "axial": "RoPE (axial)", "mixed": "RoPE (mixed)", "cayley": "Cayley-STRING",
+              "cayley-rgbd": "Cayley-STRING RGB-D", "rgbd": "Cayley-STRING RGB-D"}
+
+
+def encoding_label(name: str) -> str:
+    """An :data:`~.policy.ENCODINGS` label from a label or a short name (absolute, axial, mixed, cayley,
+    cayley-rgbd)."""
+    from .policy import ENCODINGS
+
+    if name in ENCODINGS:
+        return name
+    key = name.lower().replace("_", "-")
+    if key not in _PE_LABELS:
+        raise ValueError(f"unknown ALOHA encoder {name!r}; known: {', '.join(_PE_LABELS)} or {list(ENCODINGS)}")
+    return _PE_LABELS[key]
