@@ -1,7 +1,7 @@
 """Coordinates for position encodings beyond the patch grid.
 
 * :mod:`ropekit.coords.canonical` -- canonical coordinates (cylindrical, spherical) in which rotations about an
-  axis become translations, so a commuting encoding makes a model invariant to them (SPEC §4).
+  axis become translations, so a commuting encoding makes a model invariant to them.
 
 (Patch-grid coordinates, jitter and centroids live in :mod:`ropekit.nn.coords`.)
 """

@@ -1,4 +1,4 @@
-"""Canonical coordinates: map 3-D points so that rotations become translations (SPEC §4, "Other symmetries").
+"""Canonical coordinates: map 3-D points so that rotations become translations .
 
 Shape legend: ``...`` any leading axes (``(N,)``, ``(B, N)``), ``c`` coordinate dimension, ``d`` head dimension,
 ``Hp`` heads that own encoding parameters.

@@ -1,4 +1,4 @@
-"""3-D detection from RGB-D (SPEC §6.8): synthetic scenes, box geometry, matching, loss and metrics.
+"""3-D detection from RGB-D: synthetic scenes, box geometry, matching, loss and metrics.
 
 pybullet is imported only when scenes are rendered, so the geometry, loss and metrics work without it.
 """

@@ -1,4 +1,4 @@
-"""Oriented 3-D boxes: the 12-vector of SPEC §6.8, corners, and Monte Carlo 3-D IoU.
+"""Oriented 3-D boxes: the 12-vector (translation, first two rotation columns, size), corners, and Monte Carlo 3-D IoU.
 
 A box is a 12-vector ``[t (3), r1 (3), r2 (3), s (3)]``:
 
@@ -31,7 +31,7 @@ i.e. the bottom face (local z = −s_z/2) counter-clockwise seen from +z, then t
 
 Shape legend: ``...`` any batch shape, ``S`` Monte Carlo samples, ``N``/``M`` boxes in two sets.
 
-Monte Carlo IoU (SPEC §6.8): draw ``S`` points uniformly in the *predicted* box, let ``f`` be the fraction
+Monte Carlo IoU: draw ``S`` points uniformly in the *predicted* box, let ``f`` be the fraction
 inside the *target* box; the intersection volume is estimated by ``f·V_pred`` and
 ``IoU = f·V_pred / (V_pred + V_target − f·V_pred)``.  The standard error of ``f`` is
 ``sqrt(f(1 − f)/S) ≤ 0.5/sqrt(S)`` (≤ 0.0078 for the default ``S = 4096``).  The estimate is not

@@ -1,4 +1,4 @@
-"""``ropekit experiment detect3d``: 3-D box detection from RGB vs RGB-D for each position encoding (SPEC §6.8).
+"""``ropekit experiment detect3d``: 3-D box detection from RGB vs RGB-D for each position encoding.
 
 For every encoding × input × seed the same detector (:mod:`ropekit.detection.model`) is trained on the same
 cached scenes with the same schedule -- only the encoding, the input and the seed change -- and evaluated on a
@@ -304,7 +304,7 @@ def markdown_table(summary: Sequence[Dict[str, Any]], encodings: Sequence[str], 
         lines += ["", f"For scale: always answering the median object depth of the test scenes gives a depth error "
                       f"of {100 * const:.1f} cm.", ""]
     if any(s["depth_as"] == "channel" and s["input"] == "rgbd" for s in summary):
-        lines.append("† no coordinate path: depth enters as a fourth input channel (SPEC §4).")
+        lines.append("† no coordinate path: depth enters as a fourth input channel.")
         lines.append("")
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""Hungarian matching, the set-prediction detection loss and the 3-D detection metrics (SPEC §6.8).
+"""Hungarian matching, the set-prediction detection loss and the 3-D detection metrics.
 
 A detector emits ``Q`` predictions per image: class logits over ``C + 1`` classes (the last index ``C`` is
 "no object") and a box 12-vector (:mod:`ropekit.detection.boxes`).  Targets are padded to ``M`` objects
@@ -143,7 +143,7 @@ def detection_loss(
     pred_mask: Optional[torch.Tensor] = None,
     indices: Optional[Indices] = None,
 ) -> dict[str, torch.Tensor | Indices]:
-    """Set-prediction loss of SPEC §6.8 (Hungarian-matched class + L1 box + L1 corner terms).
+    """Set-prediction loss (Hungarian-matched class + L1 box + L1 corner terms).
 
     Args:
         pred_logits: ``(B, Q, C + 1)``, last class = "no object".

@@ -1,4 +1,4 @@
-"""A per-token 3-D box detector on a ViT (RGB) or ViTD (RGB-D) backbone (SPEC §6.8).
+"""A per-token 3-D box detector on a ViT (RGB) or ViTD (RGB-D) backbone.
 
 Every patch token of the backbone makes one prediction: class logits over ``C + 1`` classes (the last is
 "no object") from a linear class head, and an absolute box 12-vector ``[t (3), r1 (3), r2 (3), s (3)]`` in the
@@ -12,7 +12,7 @@ Inputs.  ``x (B, 4, H, W)``: RGB in ``[0, 1]`` then metric depth (metres, 0 = in
 :class:`~ropekit.detection.SceneDataset` gives it.  An RGB model (``input="rgb"``) drops the depth channel; an
 RGB-D model hands it to the ViTD backbone, which lifts each patch to ``(y, x, z)`` with ``z`` a learnable
 linear function of the patch's mean valid depth and feeds a 3-D encoding -- or, for ``pe="none"`` /
-``"absolute"`` (no coordinate path), adds depth as a fourth input channel (SPEC §4).
+``"absolute"`` (no coordinate path), adds depth as a fourth input channel.
 
 Camera intrinsics.  The scenes' field of view varies (45°–70° vertical), so the same image patch can be a
 different metric offset from the optical axis (``x = (u − c_x) z / f``) and the same pixel extent a different

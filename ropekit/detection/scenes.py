@@ -1,4 +1,4 @@
-"""Synthetic RGB-D scenes with ground-truth 3-D boxes (SPEC §6.8), rendered headless by pybullet.
+"""Synthetic RGB-D scenes with ground-truth 3-D boxes, rendered headless by pybullet.
 
 Each scene is a floor (an optional table on it) with 1–6 objects of :data:`CLASS_NAMES` (boxes,
 cylinders, spheres and, if enabled, the ``duck`` mesh of ``pybullet_data``) with random sizes, colours,
@@ -17,7 +17,7 @@ Conventions
   matches ray–plane depth through ``K`` and ``T_cw`` to < 0.1 %.)
 * **Depth**: metric z-depth (distance along the optical axis, not along the ray), float32 metres, converted
   from the OpenGL depth buffer ``d`` with ``z = far·near / (far − (far − near)·d)``; pixels that see no
-  surface (sky) are 0 (= invalid, SPEC §4).
+  surface (sky) are 0 (= invalid).
 * **Boxes**: the 12-vector of :mod:`ropekit.detection.boxes` in the camera frame, ``[t, r1, r2, s]``,
   ``s`` full side lengths along the object's own axes (local z = world up; cylinder and sphere boxes are
   their circumscribed boxes).  The heading is canonicalised to what the image can determine: for
@@ -623,7 +623,7 @@ class SceneDataset(Dataset):
     Args:
         scenes: the arrays.
         max_targets: if set, at most this many objects per image, drawn at random on each access
-            (training-time subsampling of SPEC §6.8; leave ``None`` for evaluation).
+            (training-time subsampling; leave ``None`` for evaluation).
     """
 
     def __init__(self, scenes: SceneSet, max_targets: Optional[int] = None) -> None:

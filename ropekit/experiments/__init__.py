@@ -1,4 +1,4 @@
-"""The SPEC §6 experiment protocols behind ``ropekit experiment NAME`` (kept apart from the core library).
+"""The experiment protocols behind ``ropekit experiment NAME`` (kept apart from the core library).
 
 >>> from ropekit.experiments import run_experiment
 >>> result = run_experiment("offset", quick=True, out="runs/experiments/offset")      # doctest: +SKIP

@@ -1,4 +1,4 @@
-"""SPEC §6.10 — ablations: parameter sharing, block size, position jitter.
+"""Ablations: parameter sharing, block size, position jitter.
 
 * ``sharing`` -- one encoding for the whole model, one per layer, or one per layer with parameters per head
   (``pe_sharing = model / layer / head``);

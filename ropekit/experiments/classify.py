@@ -1,4 +1,4 @@
-"""SPEC §6.1 — classification accuracy of every encoding (same backbone, data, schedule and seeds)."""
+"""Classification accuracy of every encoding (same backbone, data, schedule and seeds)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC §6.5 — data efficiency: test accuracy against the fraction of the training set, under two budgets:
+"""Data efficiency: test accuracy against the fraction of the training set, under two budgets:
 
 * ``epochs`` -- the same number of epochs at every fraction (so fewer optimisation steps on less data);
 * ``steps`` -- the same number of optimisation steps as the full set gets (more epochs on less data; the warm-up

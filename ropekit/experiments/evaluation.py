@@ -78,7 +78,7 @@ def has_coordinate_path(model: VisionTransformer) -> bool:
 
 def is_offset_invariant(model: VisionTransformer) -> bool:
     """Whether theory says the logits cannot change under a global coordinate offset: a commuting rotary
-    encoding with mean pooling or a centroid CLS token (SPEC §4, §6.3)."""
+    encoding with mean pooling or a centroid CLS token."""
     if not has_coordinate_path(model):
         return False
     return all(bool(pe.commuting) for pe in model.encodings) and model.cfg.cls in ("none", "centroid")

@@ -1,4 +1,4 @@
-"""SPEC §6.6 — exact vs relaxed STRING on MNIST.
+"""Exact vs relaxed STRING on MNIST.
 
 Two models that differ only in ``create_pe("relaxed", exact=...)``: the *exact* configuration (commuting 2x2
 generators on the active planes, ``P_sp = I_active (+) Q_null``) and the *relaxed* one (dense, non-commuting
@@ -6,7 +6,7 @@ generators and a post-rotation free to mix active and null coordinates). The rec
 active in both (``active_planes = head_dim / 2``), so they rotate the same number of dimensions and differ only
 in the commuting constraint and the free post-rotation. Reported:
 
-* the SPEC §5 diagnostics of the trained encodings -- commutator error (absolute and relative), mixing norm,
+* the exactness diagnostics of the trained encodings -- commutator error (absolute and relative), mixing norm,
   relative-operator error (pairs ``r, s`` uniform over the patch grid of the training images) and invariant
   residual (``rho = 1`` patch, offsets ``~ N(0, I)`` patches);
 * *logit sensitivity* ``mean_x ||logits(x, r) - logits(x, r + delta)||_2`` for coordinate shifts ``delta``
@@ -62,7 +62,7 @@ VARIANTS = (("exact", True), ("relaxed", False))
 
 
 def encoding_diagnostics(model, sample_shape, *, num_pairs: int = 256, seed: int = 0) -> Dict[str, float]:
-    """SPEC §5 diagnostics of a model's encoding(s): the worst over its distinct encoding modules."""
+    """Exactness diagnostics of a model's encoding(s): the worst over its distinct encoding modules."""
     grid = token_grid(model, sample_shape)
     scale = coord_scale(model, sample_shape).double()
     g = torch.Generator().manual_seed(seed)

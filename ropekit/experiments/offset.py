@@ -1,4 +1,4 @@
-"""SPEC §6.3 — global coordinate offset: add one random offset ``~ N(0, rho^2 I)`` per test image to every token
+"""Global coordinate offset: add one random offset ``~ N(0, rho^2 I)`` per test image to every token
 coordinate, and sweep ``rho`` (in patches).
 
 A commuting encoding with mean pooling (or a CLS token placed at the centroid of the patch coordinates) makes

@@ -53,11 +53,11 @@ STUDIES: Dict[str, Study] = {
                        ("groups", "sharing_pe", "block_pe", "jitter_pe", "block_sizes_"),
                        ("pe_sharing", "pe_options", "jitter")),
     "robot": Study(lambda cfg, out, **o: __import__("ropekit.robot.experiment", fromlist=["run_study"]).run_study(
-        cfg, out, **o), "2-D vs 3-D STRING robot policies in and out of distribution (§6.9; needs pybullet)"),
+        cfg, out, **o), "2-D vs 3-D STRING robot policies in and out of distribution (needs pybullet)"),
     "aloha": Study(lambda c, out, **o: __import__("ropekit.robot.aloha.experiment", fromlist=["run_study"]).run_study(
         c, out, **o), "bimanual ALOHA diffusion policies: APE vs RoPE vs STRING encoders (needs ropekit[aloha])"),
     "detect3d": Study(lambda c, out, **o: __import__("ropekit.detection.experiment", fromlist=["run_study"]).run_study(
-        c, out, **o), "3-D boxes from RGB (ViT) vs RGB-D (ViTD) for each encoding (§6.8; needs pybullet)"),
+        c, out, **o), "3-D boxes from RGB (ViT) vs RGB-D (ViTD) for each encoding (needs pybullet)"),
 }
 
 #: The size keys of a named model (``--model small`` replaces them; the recipe's other architecture fields stay).

@@ -1,4 +1,4 @@
-"""SPEC §6.2 — resolution extrapolation: train at one image size, evaluate at smaller and larger ones.
+"""Resolution extrapolation: train at one image size, evaluate at smaller and larger ones.
 
 The patch size stays the same, so the token grid shrinks or grows (absolute embeddings are resized
 bilinearly by the model). Two ways to change the size, both reported:

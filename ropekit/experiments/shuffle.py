@@ -1,4 +1,4 @@
-"""SPEC §6.4 — patch shuffling: the relative accuracy drop ``(before - after) / before`` when every test image's
+"""Patch shuffling: the relative accuracy drop ``(before - after) / before`` when every test image's
 patches (with their pixels; tubelets for video, so frames move too) are randomly permuted while the coordinate
 grid stays. How much a model relies on position: ``none`` with mean pooling is permutation invariant (drop 0).
 """

@@ -1,4 +1,4 @@
-"""SPEC §6.7 — video: classification of moving-digit clips with 3-D token coordinates ``(t, y, x)``.
+"""Video: classification of moving-digit clips with 3-D token coordinates ``(t, y, x)``.
 
 Each tubelet (``tubelet_size`` frames x ``patch`` x ``patch`` pixels) gets the coordinate of its place in the
 ``(gt, gh, gw)`` grid, and every encoding is built for ``c = 3``. The label is the dataset's (``labels`` option

@@ -1,4 +1,4 @@
-"""Simulated RGB-D pick task (pybullet), scripted expert and demonstrations (SPEC §6.9).
+"""Simulated RGB-D pick task (pybullet), scripted expert and demonstrations.
 
 Needs the optional dependency ``pybullet`` (``pip install ropekit[sim]``); importing this package
 without it works, constructing :class:`PickEnv` raises ``ImportError``.

@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--no-progress", action="store_true")
 
-    p = sub.add_parser("experiment", help="the whole 2-D vs 3-D STRING study (SPEC §6.9), with reports")
+    p = sub.add_parser("experiment", help="the whole 2-D vs 3-D STRING study, with reports")
     experiment.add_arguments(p)
 
     from .aloha import cli as aloha_cli  # imports no simulator package until a command runs

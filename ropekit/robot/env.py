@@ -1,4 +1,4 @@
-"""A headless pybullet pick task seen by a fixed RGB-D camera (SPEC §6.9).
+"""A headless pybullet pick task seen by a fixed RGB-D camera.
 
 A KUKA iiwa (``kuka_iiwa/model.urdf`` from ``pybullet_data``, fixed base at the world origin) stands in
 front of a table whose height is drawn per episode. One *target* object (cube, cylinder or sphere, in a

@@ -1,4 +1,4 @@
-"""The robot study (SPEC §6.9): a 2-D policy (RGB) against a 3-D STRING policy (RGB-D), in and out of distribution.
+"""The robot study: a 2-D policy (RGB) against a 3-D STRING policy (RGB-D), in and out of distribution.
 
 Stages (each skipped when its output already exists in the folder, so an interrupted run resumes):
 
@@ -6,7 +6,7 @@ Stages (each skipped when its output already exists in the folder, so an interru
 2. ``policies/2d`` -- a policy on RGB with a 2-D encoding, trained from scratch.
 3. ``policies/3d`` -- an RGB-D policy with the 3-D encoding (Circulant-STRING by default) whose weights start
    from ``policies/2d`` (:func:`~ropekit.robot.policy.init_from_2d`: the depth lift at zero, so it starts
-   equal to the 2-D policy -- SPEC §4), fine-tuned for ``finetune_steps``.
+   equal to the 2-D policy), fine-tuned for ``finetune_steps``.
 4. ``policies/2d_ft`` (``control=True``) -- the 2-D policy fine-tuned on RGB with the same schedule: the 3-D
    policy has had more training steps than ``2d``, and this control has the same number, so a difference
    between ``3d`` and ``2d_ft`` is the depth, not the extra steps.

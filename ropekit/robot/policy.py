@@ -1,4 +1,4 @@
-"""A diffusion policy on a ViT (RGB, 2-D encoding) or ViTD (RGB-D, 3-D encoding) encoder (SPEC §6.9).
+"""A diffusion policy on a ViT (RGB, 2-D encoding) or ViTD (RGB-D, 3-D encoding) encoder.
 
 Shape legend: ``B`` batch, ``H`` chunk length (``PolicyConfig.horizon``), ``A = 4`` action dimension,
 ``S = 11`` state dimension, ``C`` colour channels (3), ``Hi, Wi`` image pixels, ``M`` patch tokens,
@@ -29,7 +29,7 @@ with a few DDIM steps.
 
 The 2-D policy uses ``modality="image"``: RGB only, patch coordinates ``(y, x)``. The 3-D policy uses
 ``modality="rgbd"``: RGB-D, coordinates ``(y, x, z)`` with ``z`` a learnable linear function of the patch's
-mean depth (SPEC §4; depth is not an image channel). :func:`init_from_2d` loads a 2-D policy into a 3-D one
+mean depth (depth is not an image channel). :func:`init_from_2d` loads a 2-D policy into a 3-D one
 so that the first forward pass is the same (see its docstring).
 """
 
@@ -344,7 +344,7 @@ class PolicyRunner:
 
 @torch.no_grad()
 def init_from_2d(policy3d: DiffusionPolicy, state2d: Mapping[str, Tensor], depth_scale: float = 0.0) -> List[str]:
-    """Load a 2-D (RGB) policy's ``state_dict`` into an RGB-D policy with a 3-D encoding (SPEC §4).
+    """Load a 2-D (RGB) policy's ``state_dict`` into an RGB-D policy with a 3-D encoding.
 
     Every tensor is copied. Encoding parameters that carry a coordinate axis (size 2 in the 2-D model, 3 in
     the 3-D one, e.g. Circulant-STRING's ``(heads, c, blocks, b)``) are copied into the ``y, x`` slices; the
