@@ -135,7 +135,7 @@ def test_training_lowers_the_loss():
     scenes = _toy_scenes(8)
     model = Detector3D(detector_config("cayley", "rgbd", image_size=32, patch_size=8, depth=1, embed_dim=48))
     model.init_box_prior(mean_box(scenes))
-    cfg = DetTrainConfig(steps=30, batch_size=8, lr=2e-3, warmup_steps=2, log_every=5, iou_samples=256,
+    cfg = DetTrainConfig(steps=40, batch_size=8, lr=2e-3, warmup_steps=2, log_every=5, iou_samples=256,
                          max_train_objects=6)
     before = evaluate_detector(model, scenes, cfg)
     rows = train_detector(model, scenes, cfg)
