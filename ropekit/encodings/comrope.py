@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from .base import PositionEncoding
 from .expm import block_apply, scaled_block_exp
-from .functional import _block_diag
+from .functional import _block_diag, frequency_angles
 from .skew import free_to_skew, full_to_free, num_free, real_schur
 
 __all__ = ["ComRoPEAP", "ComRoPELD"]
@@ -190,7 +190,6 @@ class ComRoPELD(_ComRoPE):
         return self.axis_weights
 
     def block_scales(self, coords: Tensor) -> Tensor:
-        lam = self.axis_weights.to(coords.dtype)
-        if coords.dim() == 2:
-            return torch.einsum("mc,hcn->hmn", coords, lam)
-        return torch.einsum("bmc,hcn->bhmn", coords, lam)
+        """``s_j(r) = sum_k r_k lambda_{k,j}`` by elementwise products and sums (``frequency_angles``), never a
+        matmul / einsum, which a GPU with TF32 enabled would run on 10-bit-mantissa inputs."""
+        return frequency_angles(coords, self.axis_weights.to(coords.dtype))

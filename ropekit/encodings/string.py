@@ -30,10 +30,11 @@ def dense_expm_rotations(coords: Tensor, generators: Tensor) -> Tensor:
     Returns:
         ``(Hp, M, n, n)`` or ``(B, Hp, M, n, n)``.
     """
-    if coords.dim() == 2:
-        g = torch.einsum("mc,hcij->hmij", coords, generators)
-    else:
-        g = torch.einsum("bmc,hcij->bhmij", coords, generators)
+    # sum_k r_k L_k by elementwise products (a matmul / einsum would run in TF32 on a GPU that enables it)
+    r = coords.unsqueeze(-3)  # (.., 1, M, c): broadcast over the parameter heads
+    g = r[..., 0, None, None] * generators[:, 0, None]
+    for k in range(1, coords.shape[-1]):
+        g = g + r[..., k, None, None] * generators[:, k, None]
     return torch.linalg.matrix_exp(g.contiguous())
 
 
@@ -64,9 +65,10 @@ class GeneralSTRING(PositionEncoding):
         return q.to(a.dtype if dtype is None else dtype)
 
     def _generators(self, dtype: torch.dtype | None = None) -> Tensor:
-        q = self.basis()
-        gen = q.unsqueeze(1) @ pair_generators(self.freq_param) @ q.transpose(-1, -2).unsqueeze(1)
-        return gen if dtype is None else gen.to(dtype)  # (Hp, c, d, d)
+        # the products in float64: a float32 matmul would run in TF32 on a GPU that enables it
+        q = self.basis(torch.float64)
+        gen = q.unsqueeze(1) @ pair_generators(self.freq_param.double()) @ q.transpose(-1, -2).unsqueeze(1)
+        return gen.to(self.freq_param.dtype if dtype is None else dtype)  # (Hp, c, d, d)
 
     def generators(self) -> Tensor:
         return self._generators().expand(self.num_heads, -1, -1, -1)

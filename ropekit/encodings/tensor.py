@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import mixed_frequencies
+from .functional import frequency_angles, mixed_frequencies
 
 __all__ = ["TensorSTRING"]
 
@@ -45,9 +45,12 @@ class TensorSTRING(PositionEncoding):
         return 2 * self.num_features * self.head_dim
 
     def features(self, coords: Tensor) -> Tensor:
-        """``phi(r)``: ``(Hp, M, 2m)`` for shared coords, ``(B, Hp, M, 2m)`` per example."""
-        w = self.feature_freqs.to(coords.dtype)
-        ang = torch.einsum("...mc,hfc->...hmf", coords, w) if coords.dim() == 3 else torch.einsum("mc,hfc->hmf", coords, w)
+        """``phi(r)``: ``(Hp, M, 2m)`` for shared coords, ``(B, Hp, M, 2m)`` per example.
+
+        The angles ``w_i^T r`` are elementwise products and sums (``frequency_angles``), not an einsum: on a GPU
+        with TF32 matmuls enabled a product would round coordinates and frequencies to 10 mantissa bits.
+        """
+        ang = frequency_angles(coords, self.feature_freqs.to(coords.dtype).transpose(1, 2))  # (.., Hp, M, m)
         return torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1) / math.sqrt(self.num_features)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:

@@ -12,7 +12,9 @@ those of k after them: both tensors are rotated by one launch. In registers, in 
     y0 = x0 cos(theta) - x1 sin(theta),   y1 = x0 sin(theta) + x1 cos(theta)
 
 where ``(x0, x1)`` is plane ``p``: the dimensions ``(2p, 2p + 1)`` (interleaved pairs) or ``(p, p + P)`` (half
-split). The backward pass is the same rotation by ``-theta`` applied to the output gradient, and, when the
+split). In fp32 the angle is not the plain rounded sum (off by ~1e-3 rad at ``|theta| ~ 10^4``, coordinates in the
+thousands): each product is split exactly and reduced modulo 2 pi before the terms are added
+(``_reduced_angles``), so ``theta`` reaches cos/sin within ~1e-6 rad of the float64 angle, in ``[-pi, pi]``. The backward pass is the same rotation by ``-theta`` applied to the output gradient, and, when the
 frequencies or coordinates need a gradient, the angle gradient of every (token, plane)::
 
     g_theta = g0 * dy0/dtheta + g1 * dy1/dtheta = y0 * g1 - y1 * g0     (dy0/dtheta = -y1, dy1/dtheta = y0)
@@ -72,6 +74,52 @@ def _store_pairs(base, stride, y0, y1, nmask, p, pmask, P, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _split12(x):
+    """``x`` (fp32) truncated to 12 significant bits: the product of two such numbers is exact in fp32."""
+    return (x.to(tl.int32, bitcast=True) & -4096).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _reduced_angles(r_row, rmask, w_row, p, pmask, P, C: tl.constexpr):
+    """fp32 angles ``sum_j r_j w_jp`` reduced to ``[-pi, pi]``, accurate to ~1e-6 rad where the plain fp32 sum
+    is off by up to ~1e-3 rad at ``|theta| ~ 10^4`` (half an ulp per product and per addition).
+
+    Each factor is split exactly into 12 leading bits and a remainder, ``r = rh + rl``, ``w = wh + wl``, so that
+    ``rh * wh`` is exact and ``rh * wl + rl * w`` is small (its rounding error negligible). The exact large part of
+    every term is reduced modulo 2 pi by Cody-Waite before anything is added to it: ``k = round(x / 2 pi)``,
+    ``x - k * HI`` is exact (``HI`` = 2 pi to 10 bits, so ``k * HI`` is exact for ``|k| < 2^14`` -- terms up
+    to ~10^5 rad -- and the difference is representable), then ``- k * LO`` with ``LO = 2 pi - HI``. The
+    reduced parts and the small parts are summed (a few 1e-7 of rounding) and brought back to ``[-pi, pi]``.
+    ``floor``, bit masks and plain products only: no fused multiply-add needed, and fp contraction by the compiler
+    does not change the result (every product it could fuse is exact or small).
+    """
+    r = tl.load(r_row, mask=rmask, other=0.0)
+    w = tl.load(w_row + p, mask=pmask, other=0.0)
+    red, small = _reduced_term(r, w)
+    for j in tl.static_range(1, C):
+        r = tl.load(r_row + j, mask=rmask, other=0.0)
+        w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
+        red_j, small_j = _reduced_term(r, w)
+        red += red_j
+        small += small_j
+    theta = red + small  # |theta| <= c pi + small: one more reduction, |k| <= c
+    k = tl.floor(theta * 0.15915494309189535 + 0.5)
+    return (theta - k * 6.28125) - k * 0.0019353071693331003
+
+
+@triton.jit
+def _reduced_term(r, w):
+    """One term ``r_j w_jp`` (``r`` ``(BN,)``, ``w`` ``(BP,)``) as ``(reduced, small)`` ``(BN, BP)``: ``reduced`` the
+    exact product of the leading bits modulo 2 pi (Cody-Waite), ``small`` the rest (see ``_reduced_angles``)."""
+    rh = _split12(r)
+    wh = _split12(w)
+    big = rh[:, None] * wh[None, :]  # exact
+    small = rh[:, None] * (w - wh)[None, :] + (r - rh)[:, None] * w[None, :]
+    k = tl.floor(big * 0.15915494309189535 + 0.5)
+    return (big - k * 6.28125) - k * 0.0019353071693331003, small
+
+
+@triton.jit
 def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
                  y_ptr, syb, syh, syn, syd,
                  o_ptr, sob, soh, son, sod,
@@ -79,7 +127,7 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
                  fpart_ptr, cpart_ptr,
                  t, N, keys_h, reuse_h, reuse, chunk_size, n_chunks, prefix, P, sign,
                  C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
-                 NEED_FREQ: tl.constexpr, NEED_COORD: tl.constexpr):
+                 NEED_FREQ: tl.constexpr, NEED_COORD: tl.constexpr, REDUCE: tl.constexpr):
     """Rotate one token tile of ``chunk_size`` (example, head) copies that share their angles; see the module doc.
 
     The angles depend on the example only through per-example coordinates and on the head only through per-head
@@ -106,13 +154,16 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
     r_row = r_ptr + bk.to(tl.int64) * srb + m.to(tl.int64) * C
     w_row = w_ptr + hk.to(tl.int64) * swh
 
-    r = tl.load(r_row, mask=rmask, other=0.0)
-    w = tl.load(w_row + p, mask=pmask, other=0.0)
-    theta = r[:, None] * w[None, :]  # (BN, BP) in the compute dtype
-    for j in tl.static_range(1, C):
-        r = tl.load(r_row + j, mask=rmask, other=0.0)
-        w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
-        theta += r[:, None] * w[None, :]
+    if REDUCE:
+        theta = _reduced_angles(r_row, rmask, w_row, p, pmask, P, C)
+    else:
+        r = tl.load(r_row, mask=rmask, other=0.0)
+        w = tl.load(w_row + p, mask=pmask, other=0.0)
+        theta = r[:, None] * w[None, :]  # (BN, BP) in the compute dtype
+        for j in tl.static_range(1, C):
+            r = tl.load(r_row + j, mask=rmask, other=0.0)
+            w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
+            theta += r[:, None] * w[None, :]
     cos = tl.cos(theta)
     sin = tl.sin(theta) * sign
 
@@ -156,7 +207,7 @@ def rotary_kernel(q_ptr, sqb, sqh, sqn, sqd, qy_ptr, sqyb, sqyh, sqyn, sqyd, qo_
                   w_ptr, swh, fpart_ptr, cqpart_ptr, ckpart_ptr,
                   q_programs, prefix, P, sign,
                   C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
-                  NEED_FREQ: tl.constexpr, NEED_COORD: tl.constexpr):
+                  NEED_FREQ: tl.constexpr, NEED_COORD: tl.constexpr, REDUCE: tl.constexpr):
     """q's programs are ``[0, q_programs)``, k's the rest: one launch for both tensors.
 
     Forward: ``x = q / k``, ``y`` the rotated outputs, ``sign = 1``. Backward: ``x`` the output gradients, ``y`` the
@@ -167,9 +218,9 @@ def rotary_kernel(q_ptr, sqb, sqh, sqn, sqd, qy_ptr, sqyb, sqyh, sqyn, sqyd, qo_
         _rotate_tile(q_ptr, sqb, sqh, sqn, sqd, qy_ptr, sqyb, sqyh, sqyn, sqyd, qo_ptr, sqob, sqoh, sqon, sqod,
                      rq_ptr, srqb, w_ptr, swh, fpart_ptr, cqpart_ptr,
                      pid, Nq, keys_hq, reuse_hq, reuse_q, chunk_q, n_chunks_q, prefix, P, sign,
-                     C, BLOCK_N, BLOCK_P, HALF, NEED_FREQ, NEED_COORD)
+                     C, BLOCK_N, BLOCK_P, HALF, NEED_FREQ, NEED_COORD, REDUCE)
     else:
         _rotate_tile(k_ptr, skb, skh, skn, skd, ky_ptr, skyb, skyh, skyn, skyd, ko_ptr, skob, skoh, skon, skod,
                      rk_ptr, srkb, w_ptr, swh, fpart_ptr + q_programs * C * P, ckpart_ptr,
                      pid - q_programs, Nk, keys_hk, reuse_hk, reuse_k, chunk_k, n_chunks_k, prefix, P, sign,
-                     C, BLOCK_N, BLOCK_P, HALF, NEED_FREQ, NEED_COORD)
+                     C, BLOCK_N, BLOCK_P, HALF, NEED_FREQ, NEED_COORD, REDUCE)

@@ -200,6 +200,7 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
         w, w.stride(0) if w.shape[0] > 1 else 0, fpart, cq, ck,
         q_programs, prefix, p, sign,
         C=c, BLOCK_N=block_n, BLOCK_P=block_p, HALF=half, NEED_FREQ=need_freq, NEED_COORD=need_coord,
+        REDUCE=acc == torch.float32,  # fp32: exact split products and reduction mod 2 pi (fp64 needs neither)
         num_warps=4)
     g_w = g_rq = g_rk = None
     if need_freq:  # program order (key_b, key_h, tile, chunk): sum all but key_h
