@@ -223,30 +223,43 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
         if isinstance(pe, FoldedRoPE) and pe.prefix_matrix is not None:
             prefix = pe.prefix_matrix
         return RoPEForm(None, freqs, prefix, getattr(pe, "pairs", "interleaved"))
-    if kind == "post":  # R(r) = RoPE(r) P exactly
-        basis = pe.post_rotation_matrix()[:hp]
-        freqs = pe.freqs[:hp]
-    else:
-        if kind == "fixed":
-            basis = _real_dft_basis(pe.head_dim, pe.block_size, pe.circ_params.device, pe.circ_params.dtype)
-        elif kind == "string":  # L_k = Q D_k Q^T
-            basis = pe.basis().transpose(-1, -2)[:hp]
-        elif kind == "relaxed":  # R(r) = RoPE_active(r) P_sp
-            basis = pe.post_rotation_matrix()[:hp]
-        else:  # "blocks"
-            k = pe.block_generators()[:, 0] if isinstance(pe, LieRE) else pe.block_generators()  # (Hp, nb, b, b)
-            basis = _block_eigenbasis(k)
-        gen = pe.generators()[:hp]  # (Hp, c, d, d)
-        freqs = _pair_frequencies(gen, basis)  # (Hp, c, d/2)
-    post = pe.post_rotation_matrix()
+    if kind == "post":  # R(r) = RoPE(r) P exactly, R(0) = P: T = P P^T P^T = P^T, no product needed
+        basis = pe.post_rotation_matrix()[:hp]  # one solve per forward pass, shared by the basis and T
+        prefix = basis.transpose(-1, -2)
+        return RoPEForm(_half_pairs_basis(pe, basis), pe.freqs[:hp], prefix)
+    if kind == "fixed":  # constant basis, frequencies linear in the parameters: no generator is built
+        basis = _real_dft_basis(pe.head_dim, pe.block_size, pe.circ_params.device, pe.circ_params.dtype)
+        lam = pe.mode_frequencies().flatten(-2)[:hp]  # (Hp, c, nb * u): the rotating pairs, block by block
+        freqs = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], pe.head_dim // 2 - lam.shape[-1])), dim=-1)
+        return RoPEForm(_half_pairs_basis(pe, basis), freqs, None)
+    post = None
+    if kind == "string":  # L_k = Q D_k Q^T
+        basis = pe.basis().transpose(-1, -2)[:hp]
+    elif kind == "relaxed":  # R(r) = RoPE_active(r) P_sp, R(0) = P_sp: one computation for both
+        basis = post = pe.post_rotation_matrix()[:hp]
+    else:  # "blocks"
+        k = pe.block_generators()[:, 0] if isinstance(pe, LieRE) else pe.block_generators()  # (Hp, nb, b, b)
+        basis = _block_eigenbasis(k)
+    gen = pe.generators()[:hp]  # (Hp, c, d, d)
+    freqs = _pair_frequencies(gen, basis)  # (Hp, c, d/2)
+    if post is None:
+        post = pe.post_rotation_matrix()
     if post is not None:  # T = P R(0)^T P^T
         post = post[:hp]
         prefix = precise_matmul(precise_matmul(basis, post.transpose(-1, -2)), basis.transpose(-1, -2))
-    if getattr(pe, "pairs", "interleaved") == "half":  # R_half(r) = Pi^T R(r) Pi: fold the permutation into P
-        d = pe.head_dim
-        order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(basis.device)
-        basis = basis[..., order]  # P Pi (T is unchanged: Pi cancels in P Pi Pi^T R(0)^T Pi Pi^T P^T)
-    return RoPEForm(basis, freqs, prefix)
+    return RoPEForm(_half_pairs_basis(pe, basis), freqs, prefix)
+
+
+def _half_pairs_basis(pe: PositionEncoding, basis: Tensor) -> Tensor:
+    """``P Pi`` for an encoding configured with half-split pairs (``R_half(r) = Pi^T R(r) Pi``), else ``P``.
+
+    ``T`` is unchanged by the permutation: ``Pi`` cancels in ``P Pi Pi^T R(0)^T Pi Pi^T P^T``.
+    """
+    if getattr(pe, "pairs", "interleaved") != "half":
+        return basis
+    d = pe.head_dim
+    order = torch.cat([torch.arange(0, d, 2, device=basis.device), torch.arange(1, d, 2, device=basis.device)])
+    return basis[..., order]
 
 
 def to_rope(pe: PositionEncoding) -> Tuple[Tensor, Tensor]:

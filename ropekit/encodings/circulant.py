@@ -160,7 +160,7 @@ class CirculantSTRING(PositionEncoding):
         blocks = skew(circulant(self.circ_params))  # (Hp, c, nb, b, b)
         hp, c, nb, b, _ = blocks.shape
         out = blocks.new_zeros(hp, c, nb, b, nb, b)
-        idx = torch.arange(nb)
+        idx = torch.arange(nb, device=blocks.device)  # on the device: a host index would copy and sync
         out[:, :, idx, :, idx, :] = blocks.permute(2, 0, 1, 3, 4)
         return out.reshape(hp, c, nb * b, nb * b).expand(self.num_heads, -1, -1, -1)
 
