@@ -1,0 +1,72 @@
+"""The per-step work of training-time folding: closed forms checked against the generic computations they
+replace, and the count of expensive calls per forward pass."""
+
+import pytest
+import torch
+
+from ropekit.encodings import create_pe
+from ropekit.encodings import cayley as cayley_module
+from ropekit.fold import _pair_frequencies, fold_qkv_weight, rope_form
+
+
+def _perturbed(name, **opts):
+    torch.manual_seed(0)
+    pe = create_pe(name, head_dim=opts.pop("head_dim", 16), coord_dim=2, num_heads=3, **opts).double()
+    with torch.no_grad():
+        for p in pe.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return pe
+
+
+@pytest.mark.parametrize("opts", [{}, {"block_size": 8}, {"block_size": 5, "head_dim": 20}, {"per_head": True}])
+def test_circulant_form_frequencies_equal_generators_read_off(opts):
+    pe = _perturbed("circulant", **opts)
+    form = rope_form(pe)
+    ref = _pair_frequencies(pe.generators()[:pe.param_heads], form.basis)  # (P L_k P^T)[2n+1, 2n], float64
+    torch.testing.assert_close(form.freqs, ref, rtol=0, atol=1e-12)
+    # and the same gradient
+    w = torch.randn_like(ref)
+    g_new = torch.autograd.grad((form.freqs * w).sum(), pe.circ_params)[0]
+    g_ref = torch.autograd.grad((ref * w).sum(), pe.circ_params)[0]
+    torch.testing.assert_close(g_new, g_ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_cayley_form_one_solve_and_prefix_is_transpose(monkeypatch, per_head):
+    pe = _perturbed("cayley", per_head=per_head)
+    calls = []
+    real = cayley_module.cayley_transform
+    monkeypatch.setattr(cayley_module, "cayley_transform", lambda s: calls.append(1) or real(s))
+    form = rope_form(pe)
+    assert len(calls) == 1
+    p = form.basis
+    # T = P R(0)^T P^T with R(0) = P
+    torch.testing.assert_close(form.prefix, p @ p.transpose(-1, -2) @ p.transpose(-1, -2), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("hp", [1, 4])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fold_qkv_weight_matches_per_head_products(hp, with_bias):
+    torch.manual_seed(1)
+    h, d, d_in = 4, 8, 12
+    w = torch.randn(3 * h * d, d_in, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3 * h * d, dtype=torch.float64, requires_grad=True) if with_bias else None
+    p = torch.linalg.qr(torch.randn(hp, d, d, dtype=torch.float64))[0].requires_grad_()
+    w2, b2 = fold_qkv_weight(w, b, p, h)
+    ref_rows = []
+    for part in range(2):
+        for i in range(h):
+            rows = slice((part * h + i) * d, (part * h + i + 1) * d)
+            ref_rows.append(p[i if hp > 1 else 0] @ w[rows])
+    ref_w = torch.cat(ref_rows + [w[2 * h * d:]])
+    torch.testing.assert_close(w2, ref_w, rtol=0, atol=1e-12)
+    gw = torch.randn_like(ref_w)
+    loss, ref_loss = (w2 * gw).sum(), (ref_w * gw).sum()
+    if with_bias:
+        ref_b = torch.cat([p[i % h if hp > 1 else 0] @ b[i * d:(i + 1) * d] for i in range(2 * h)] + [b[2 * h * d:]])
+        torch.testing.assert_close(b2, ref_b, rtol=0, atol=1e-12)
+        gb = torch.randn_like(ref_b)
+        loss, ref_loss = loss + (b2 * gb).sum(), ref_loss + (ref_b * gb).sum()
+    inputs = [w, p] + ([b] if with_bias else [])
+    for g1, g2 in zip(torch.autograd.grad(loss, inputs), torch.autograd.grad(ref_loss, inputs)):
+        torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
