@@ -70,3 +70,25 @@ def test_fold_qkv_weight_matches_per_head_products(hp, with_bias):
     inputs = [w, p] + ([b] if with_bias else [])
     for g1, g2 in zip(torch.autograd.grad(loss, inputs), torch.autograd.grad(ref_loss, inputs)):
         torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,opts,per_example", [("mixed", {}, False), ("mixed", {}, True), ("cayley", {}, False),
+                                                   ("circulant", {}, True), ("comrope-ld", {}, True),
+                                                   ("comrope-ld", {}, False)])
+def test_batched_backward_equals_per_example_loop(monkeypatch, name, opts, per_example):
+    """The accelerator form of the backward reductions (one batched operation) equals the CPU's loop."""
+    from ropekit.encodings import functional
+
+    torch.manual_seed(0)
+    pe = create_pe(name, head_dim=16, coord_dim=2, num_heads=2, **opts)
+    coords = torch.rand(3, 10, 2) * 5 if per_example else torch.rand(10, 2) * 5
+    q, k = torch.randn(3, 2, 10, 16, requires_grad=True), torch.randn(3, 2, 10, 16, requires_grad=True)
+    grads = []
+    for loops in (True, False):
+        monkeypatch.setattr(functional, "_slice_loops", lambda t, loops=loops: loops)
+        qo, ko = pe(q, k, coords)
+        w = torch.sin(torch.arange(qo.numel(), dtype=qo.dtype)).view_as(qo)
+        loss = (qo * w).sum() + (ko * w.flip(0)).sum()
+        grads.append(torch.autograd.grad(loss, [q, k] + list(pe.parameters())))
+    for g1, g2 in zip(*grads):
+        torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-5)
