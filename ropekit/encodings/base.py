@@ -315,6 +315,12 @@ class PositionEncoding(nn.Module):
         Returns:
             ``x`` encoded, same layout and dtype, last dimension ``out_dim``.
         """
+        xb = self._checked_bhnd(x, state, role)
+        out = self._encode(xb, state.q if role == "q" else state.k, state.num_prefix_tokens, state.dtype)
+        return self._from_bhnd(out)
+
+    def _checked_bhnd(self, x: Tensor, state: PEState, role: str) -> Tensor:
+        """Validate ``x`` against the encoding and a prepared state; return its ``(B, H, N, d)`` view."""
         if role not in ("q", "k"):
             raise ValueError(f"role must be 'q' or 'k', got {role!r}")
         if not isinstance(state, PEState):
@@ -330,8 +336,7 @@ class PositionEncoding(nn.Module):
                 f"{tokens + p0} tokens (give k_coords when keys sit elsewhere than queries)")
         if batch is not None and batch != xb.shape[0]:
             raise ValueError(f"per-example coords have batch {batch}, {role} has batch {xb.shape[0]}")
-        out = self._encode(xb, state.q if role == "q" else state.k, p0, state.dtype)
-        return self._from_bhnd(out)
+        return xb
 
     def forward(self, q: Tensor, k: Tensor, coords: Tensor, num_prefix_tokens: int = 0,
                 k_coords: Tensor | None = None) -> tuple[Tensor, Tensor]:
