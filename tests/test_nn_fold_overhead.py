@@ -92,3 +92,31 @@ def test_batched_backward_equals_per_example_loop(monkeypatch, name, opts, per_e
         grads.append(torch.autograd.grad(loss, [q, k] + list(pe.parameters())))
     for g1, g2 in zip(*grads):
         torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-5)
+
+
+def test_finite_check_once_per_coordinate_tensor(monkeypatch):
+    """The NaN check runs once per coordinate tensor, again after an in-place change, and for every new tensor."""
+    from ropekit.encodings import base
+
+    pe = create_pe("axial", head_dim=8, coord_dim=2, num_heads=1)
+    q = torch.randn(1, 1, 4, 8)
+    coords = torch.rand(4, 2)
+    seen = []
+    real = torch.isfinite
+    monkeypatch.setattr(base.torch, "isfinite", lambda t: seen.append(1) or real(t))
+    pe(q, q, coords)
+    pe(q, q, coords)
+    assert len(seen) == 1
+    coords[1, 0] = float("nan")  # in place: checked again, and caught
+    with pytest.raises(ValueError, match="NaN"):
+        pe(q, q, coords)
+    with pytest.raises(ValueError, match="NaN"):
+        pe(q, q, coords)
+    fresh = torch.rand(4, 2)
+    pe(q, q, fresh)
+    assert len(seen) == 4  # the failing tensor was checked both times (a failed check is not remembered)
+    with torch.inference_mode():  # no version counter: checked every call
+        inf_coords = torch.rand(4, 2)
+        pe(q, q, inf_coords)
+        pe(q, q, inf_coords)
+    assert len(seen) == 6
