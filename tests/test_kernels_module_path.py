@@ -85,3 +85,34 @@ def test_apply_one_and_separate_keys_on_kernel_path(kernel_mode):
         # bf16: the kernel reads the frequency gradient off its bf16 output, the PyTorch path off fp32 values
         a, r = a.detach().float(), r.detach().float()
         assert float((a - r).norm() / r.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("name,opts", [("cayley", {}), ("cayley", {"per_head": True}), ("circulant", {}),
+                                       ("circulant", {"block_size": 4}), ("circulant", {"block_size": 3, "d": 6})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_basis_encodings_rotate_with_the_kernel(kernel_mode, name, opts, dtype):
+    """Cayley (P x, then the mixed rotation) and circulant (the DFT basis per block, then its modes' rotation) use
+    the kernel for the rotation where it runs (odd circulant blocks keep the PyTorch path); same values, same
+    gradients (parameters included)."""
+    opts = dict(opts)
+    d = opts.pop("d", 8)
+    torch.manual_seed(2)
+    pe = create_pe(name, head_dim=d, coord_dim=2, num_heads=2, **opts).to(DEVICE)
+    with torch.no_grad():
+        for p in pe.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    coords = torch.rand(2, 5, 2, device=DEVICE) * 3
+    q = torch.randn(2, 2, 6, d, device=DEVICE).to(dtype)
+    k = torch.randn(2, 2, 6, d, device=DEVICE).to(dtype)
+    kernel_mode(False)
+    ref = _run(pe, q, k, coords, 1)
+    kernel_mode(True)
+    uses_kernel = name == "cayley" or pe.block_size % 2 == 0
+    state = pe.prepare(coords, 1).q
+    assert isinstance(state[0] if name == "cayley" else state, _KernelState) == uses_kernel
+    out = _run(pe, q, k, coords, 1)
+    rel = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for a, r in zip(list(out[:2]) + list(out[2]), list(ref[:2]) + list(ref[2])):
+        assert a.dtype == r.dtype and a.shape == r.shape
+        a, r = a.detach().float(), r.detach().float()
+        assert float((a - r).norm() / r.norm()) < rel
