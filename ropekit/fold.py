@@ -137,6 +137,11 @@ def _real_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype:
     key = (head_dim, block_size, str(device), dtype)
     if key in _DFT_BASES:
         return _DFT_BASES[key]
+    with torch.inference_mode(False):  # a normal tensor even when first built in inference mode: autograd saves it
+        return _DFT_BASES.setdefault(key, _build_real_dft_basis(head_dim, block_size, device, dtype))
+
+
+def _build_real_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     b, nb = block_size, head_dim // block_size
     n = torch.arange(b, dtype=torch.float64)
     f = torch.arange(1, (b - 1) // 2 + 1, dtype=torch.float64)
@@ -145,8 +150,7 @@ def _real_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype:
     fixed = [torch.ones(b, dtype=torch.float64)] + ([torch.cos(math.pi * n)] if b % 2 == 0 else [])
     still = torch.stack(fixed) / math.sqrt(b)  # (1 or 2, b): DC (and Nyquist)
     p = torch.cat([torch.block_diag(*[modes] * nb), torch.block_diag(*[still] * nb)], dim=0)  # (d, d)
-    _DFT_BASES[key] = p.to(device=device, dtype=dtype).unsqueeze(0)
-    return _DFT_BASES[key]
+    return p.to(device=device, dtype=dtype).unsqueeze(0)
 
 
 def _block_eigenbasis(k: Tensor, rtol: float = 1e-6) -> Tensor:

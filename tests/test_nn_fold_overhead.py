@@ -120,3 +120,21 @@ def test_finite_check_once_per_coordinate_tensor(monkeypatch):
         pe(q, q, inf_coords)
         pe(q, q, inf_coords)
     assert len(seen) == 6
+
+
+@pytest.mark.parametrize("name,opts", [("cayley", {"band": 3}), ("circulant", {"block_size": 6, "head_dim": 12})])
+def test_cached_constants_first_built_in_inference_mode_still_train(name, opts):
+    """Index and basis constants are cached per device; one first built under inference mode must still be
+    usable by autograd afterwards (inference tensors cannot be saved for backward)."""
+    from ropekit.encodings import skew
+    from ropekit import fold as fold_module
+
+    skew._FLAT_INDICES.clear()
+    fold_module._DFT_BASES.clear()
+    pe = _perturbed(name, **opts).float()
+    with torch.inference_mode():
+        rope_form(pe)
+    form = rope_form(pe)
+    loss = form.freqs.square().sum() + form.basis.sin().sum()
+    grads = torch.autograd.grad(loss, list(pe.parameters()))
+    assert all(torch.isfinite(g).all() for g in grads)
