@@ -138,3 +138,28 @@ def test_cached_constants_first_built_in_inference_mode_still_train(name, opts):
     loss = form.freqs.square().sum() + form.basis.sin().sum()
     grads = torch.autograd.grad(loss, list(pe.parameters()))
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("name,opts", [("cayley", {}), ("cayley", {"per_head": True}), ("relaxed", {"exact": True})])
+@pytest.mark.parametrize("batch,prefix", [(1, 1), (2, 1), (2, 3)])
+def test_folded_attention_prefix_rows_in_place(name, opts, batch, prefix):
+    """Folded attention transforms the prefix tokens' q/k in the projection output: logits and every gradient
+    equal the unfolded layer's (one token batch, several prefix tokens, shared and per-head bases)."""
+    from ropekit.nn.attention import Attention
+
+    torch.manual_seed(3)
+    pe = _perturbed(name, **opts)
+    folded = Attention(48, 3, pe, fold=True).double()
+    plain = Attention(48, 3, pe, fold=False).double()
+    plain.load_state_dict(folded.state_dict())
+    coords = torch.rand(5, 2, dtype=torch.float64) * 3
+    x = torch.randn(batch, 5 + prefix, 48, dtype=torch.float64, requires_grad=True)
+    outs = []
+    for layer in (folded, plain):
+        y = layer(x, coords, prefix)
+        w = torch.sin(torch.arange(y.numel(), dtype=y.dtype)).view_as(y)
+        params = [x] + list(layer.qkv.parameters()) + list(pe.parameters())
+        outs.append((y, torch.autograd.grad((y * w).sum(), params)))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-9, atol=1e-9)
+    for g1, g2 in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(g1, g2, rtol=1e-8, atol=1e-9)
