@@ -116,3 +116,25 @@ def test_basis_encodings_rotate_with_the_kernel(kernel_mode, name, opts, dtype):
         assert a.dtype == r.dtype and a.shape == r.shape
         a, r = a.detach().float(), r.detach().float()
         assert float((a - r).norm() / r.norm()) < rel
+
+
+def test_folded_rope_prefix_matrix_on_kernel_path(kernel_mode):
+    """A folded encoding transforms its prefix tokens (the kernel would pass them through): same as PyTorch."""
+    from ropekit.fold import fold_pe
+
+    torch.manual_seed(4)
+    pe = create_pe("cayley", head_dim=8, coord_dim=2, num_heads=2)
+    with torch.no_grad():
+        pe.cayley_params.add_(0.3 * torch.randn_like(pe.cayley_params))
+    folded, _ = fold_pe(pe)
+    folded = folded.to(DEVICE)
+    assert folded.prefix_matrix is not None
+    coords = torch.rand(5, 2, device=DEVICE) * 3
+    q = torch.randn(2, 2, 7, 8, device=DEVICE)
+    k = torch.randn(2, 2, 7, 8, device=DEVICE)
+    kernel_mode(False)
+    ref = _run(folded, q, k, coords, 2)
+    kernel_mode(True)
+    out = _run(folded, q, k, coords, 2)
+    for a, r in zip(list(out[:2]) + list(out[2]), list(ref[:2]) + list(ref[2])):
+        torch.testing.assert_close(a.detach(), r.detach(), rtol=1e-5, atol=1e-5)

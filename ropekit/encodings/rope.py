@@ -96,7 +96,8 @@ class FrequencyRoPE(PositionEncoding):
         itself with fp32 math (fp64 for fp64 inputs), so the compute-dtype copies around it (two casts forward,
         two backward, and the concatenation of prefix tokens) are skipped when that is the state's dtype."""
         return (isinstance(data, _KernelState) and x.dtype in _KERNEL_DTYPES
-                and (x.dtype == torch.float64) == (dtype == torch.float64))
+                and (x.dtype == torch.float64) == (dtype == torch.float64)
+                and type(self)._transform_prefix is PositionEncoding._transform_prefix)  # prefix tokens: identity
 
     def _encode(self, x: Tensor, data, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
         if not self._kernel_direct(x, data, dtype):
