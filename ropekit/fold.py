@@ -320,20 +320,23 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
         raise ValueError(f"basis must have shape (1 or {num_heads}, {d}, {d}), got {tuple(basis.shape)}")
     with torch.autocast(device_type=weight.device.type, enabled=False):
         p = basis.to(weight.dtype)  # (Hp, d, d)
+        # split, not two slices: its backward is one concatenation, a slice's a zero-filled weight-sized buffer
+        w_qk, w_v = weight.split([2 * dim, dim])
         if p.shape[0] == 1:  # one basis for every head: a single (d x d) @ (d x 2 H D_in) product, no batch
-            cols = weight[: 2 * dim].view(2 * num_heads, d, d_in).transpose(0, 1).reshape(d, -1)  # (d, 2H D_in)
+            cols = w_qk.view(2 * num_heads, d, d_in).transpose(0, 1).reshape(d, -1)  # (d, 2H D_in)
             qk = precise_matmul(p[0], cols).view(d, 2 * num_heads, d_in).transpose(0, 1)  # (2H, d, D_in)
         else:
-            qk = precise_matmul(p.unsqueeze(0), weight[: 2 * dim].view(2, num_heads, d, d_in))  # (2, H, d, D_in)
-        w = torch.cat([qk.reshape(2 * dim, d_in), weight[2 * dim:]], dim=0)  # (3 D, D_in)
+            qk = precise_matmul(p.unsqueeze(0), w_qk.view(2, num_heads, d, d_in))  # (2, H, d, D_in)
+        w = torch.cat([qk.reshape(2 * dim, d_in), w_v], dim=0)  # (3 D, D_in)
         b = None
         if bias is not None:
-            bqk = bias[: 2 * dim].to(weight.dtype)
+            b_qk, b_v = bias.split([2 * dim, dim])
+            bqk = b_qk.to(weight.dtype)
             if p.shape[0] == 1:
                 bqk = precise_matmul(bqk.view(2 * num_heads, d), p[0].transpose(0, 1))  # (2H, d): P b per head
             else:
                 bqk = precise_matmul(p.unsqueeze(0), bqk.view(2, num_heads, d, 1))  # (2, H, d, 1)
-            b = torch.cat([bqk.reshape(2 * dim).to(bias.dtype), bias[2 * dim:]], dim=0)
+            b = torch.cat([bqk.reshape(2 * dim).to(bias.dtype), b_v], dim=0)
     return w, b
 
 
