@@ -137,6 +137,11 @@ def _real_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype:
     key = (head_dim, block_size, str(device), dtype)
     if key in _DFT_BASES:
         return _DFT_BASES[key]
+    with torch.inference_mode(False):  # a normal tensor even when first built in inference mode: autograd saves it
+        return _DFT_BASES.setdefault(key, _build_real_dft_basis(head_dim, block_size, device, dtype))
+
+
+def _build_real_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     b, nb = block_size, head_dim // block_size
     n = torch.arange(b, dtype=torch.float64)
     f = torch.arange(1, (b - 1) // 2 + 1, dtype=torch.float64)
@@ -145,8 +150,7 @@ def _real_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype:
     fixed = [torch.ones(b, dtype=torch.float64)] + ([torch.cos(math.pi * n)] if b % 2 == 0 else [])
     still = torch.stack(fixed) / math.sqrt(b)  # (1 or 2, b): DC (and Nyquist)
     p = torch.cat([torch.block_diag(*[modes] * nb), torch.block_diag(*[still] * nb)], dim=0)  # (d, d)
-    _DFT_BASES[key] = p.to(device=device, dtype=dtype).unsqueeze(0)
-    return _DFT_BASES[key]
+    return p.to(device=device, dtype=dtype).unsqueeze(0)
 
 
 def _block_eigenbasis(k: Tensor, rtol: float = 1e-6) -> Tensor:
@@ -223,30 +227,43 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
         if isinstance(pe, FoldedRoPE) and pe.prefix_matrix is not None:
             prefix = pe.prefix_matrix
         return RoPEForm(None, freqs, prefix, getattr(pe, "pairs", "interleaved"))
-    if kind == "post":  # R(r) = RoPE(r) P exactly
-        basis = pe.post_rotation_matrix()[:hp]
-        freqs = pe.freqs[:hp]
-    else:
-        if kind == "fixed":
-            basis = _real_dft_basis(pe.head_dim, pe.block_size, pe.circ_params.device, pe.circ_params.dtype)
-        elif kind == "string":  # L_k = Q D_k Q^T
-            basis = pe.basis().transpose(-1, -2)[:hp]
-        elif kind == "relaxed":  # R(r) = RoPE_active(r) P_sp
-            basis = pe.post_rotation_matrix()[:hp]
-        else:  # "blocks"
-            k = pe.block_generators()[:, 0] if isinstance(pe, LieRE) else pe.block_generators()  # (Hp, nb, b, b)
-            basis = _block_eigenbasis(k)
-        gen = pe.generators()[:hp]  # (Hp, c, d, d)
-        freqs = _pair_frequencies(gen, basis)  # (Hp, c, d/2)
-    post = pe.post_rotation_matrix()
+    if kind == "post":  # R(r) = RoPE(r) P exactly, R(0) = P: T = P P^T P^T = P^T, no product needed
+        basis = pe.post_rotation_matrix()[:hp]  # one solve per forward pass, shared by the basis and T
+        prefix = basis.transpose(-1, -2)
+        return RoPEForm(_half_pairs_basis(pe, basis), pe.freqs[:hp], prefix)
+    if kind == "fixed":  # constant basis, frequencies linear in the parameters: no generator is built
+        basis = _real_dft_basis(pe.head_dim, pe.block_size, pe.circ_params.device, pe.circ_params.dtype)
+        lam = pe.mode_frequencies().flatten(-2)[:hp]  # (Hp, c, nb * u): the rotating pairs, block by block
+        freqs = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], pe.head_dim // 2 - lam.shape[-1])), dim=-1)
+        return RoPEForm(_half_pairs_basis(pe, basis), freqs, None)
+    post = None
+    if kind == "string":  # L_k = Q D_k Q^T
+        basis = pe.basis().transpose(-1, -2)[:hp]
+    elif kind == "relaxed":  # R(r) = RoPE_active(r) P_sp, R(0) = P_sp: one computation for both
+        basis = post = pe.post_rotation_matrix()[:hp]
+    else:  # "blocks"
+        k = pe.block_generators()[:, 0] if isinstance(pe, LieRE) else pe.block_generators()  # (Hp, nb, b, b)
+        basis = _block_eigenbasis(k)
+    gen = pe.generators()[:hp]  # (Hp, c, d, d)
+    freqs = _pair_frequencies(gen, basis)  # (Hp, c, d/2)
+    if post is None:
+        post = pe.post_rotation_matrix()
     if post is not None:  # T = P R(0)^T P^T
         post = post[:hp]
         prefix = precise_matmul(precise_matmul(basis, post.transpose(-1, -2)), basis.transpose(-1, -2))
-    if getattr(pe, "pairs", "interleaved") == "half":  # R_half(r) = Pi^T R(r) Pi: fold the permutation into P
-        d = pe.head_dim
-        order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(basis.device)
-        basis = basis[..., order]  # P Pi (T is unchanged: Pi cancels in P Pi Pi^T R(0)^T Pi Pi^T P^T)
-    return RoPEForm(basis, freqs, prefix)
+    return RoPEForm(_half_pairs_basis(pe, basis), freqs, prefix)
+
+
+def _half_pairs_basis(pe: PositionEncoding, basis: Tensor) -> Tensor:
+    """``P Pi`` for an encoding configured with half-split pairs (``R_half(r) = Pi^T R(r) Pi``), else ``P``.
+
+    ``T`` is unchanged by the permutation: ``Pi`` cancels in ``P Pi Pi^T R(0)^T Pi Pi^T P^T``.
+    """
+    if getattr(pe, "pairs", "interleaved") != "half":
+        return basis
+    d = pe.head_dim
+    order = torch.cat([torch.arange(0, d, 2, device=basis.device), torch.arange(1, d, 2, device=basis.device)])
+    return basis[..., order]
 
 
 def to_rope(pe: PositionEncoding) -> Tuple[Tensor, Tensor]:
@@ -302,13 +319,24 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
     if basis.shape[-1] != d or basis.shape[0] not in (1, num_heads):
         raise ValueError(f"basis must have shape (1 or {num_heads}, {d}, {d}), got {tuple(basis.shape)}")
     with torch.autocast(device_type=weight.device.type, enabled=False):
-        p = basis.to(weight.dtype).unsqueeze(0)  # (1, Hp, d, d)
-        qk = precise_matmul(p, weight[: 2 * dim].view(2, num_heads, d, d_in))  # (2, H, d, D_in)
-        w = torch.cat([qk.reshape(2 * dim, d_in), weight[2 * dim:]], dim=0)  # (3 D, D_in)
+        p = basis.to(weight.dtype)  # (Hp, d, d)
+        # split, not two slices: its backward is one concatenation, a slice's a zero-filled weight-sized buffer
+        w_qk, w_v = weight.split([2 * dim, dim])
+        if p.shape[0] == 1:  # one basis for every head: a single (d x d) @ (d x 2 H D_in) product, no batch
+            cols = w_qk.view(2 * num_heads, d, d_in).transpose(0, 1).reshape(d, -1)  # (d, 2H D_in)
+            qk = precise_matmul(p[0], cols).view(d, 2 * num_heads, d_in).transpose(0, 1)  # (2H, d, D_in)
+        else:
+            qk = precise_matmul(p.unsqueeze(0), w_qk.view(2, num_heads, d, d_in))  # (2, H, d, D_in)
+        w = torch.cat([qk.reshape(2 * dim, d_in), w_v], dim=0)  # (3 D, D_in)
         b = None
         if bias is not None:
-            bqk = precise_matmul(p, bias[: 2 * dim].view(2, num_heads, d, 1).to(weight.dtype))  # (2, H, d, 1)
-            b = torch.cat([bqk.reshape(2 * dim).to(bias.dtype), bias[2 * dim:]], dim=0)
+            b_qk, b_v = bias.split([2 * dim, dim])
+            bqk = b_qk.to(weight.dtype)
+            if p.shape[0] == 1:
+                bqk = precise_matmul(bqk.view(2 * num_heads, d), p[0].transpose(0, 1))  # (2H, d): P b per head
+            else:
+                bqk = precise_matmul(p.unsqueeze(0), bqk.view(2, num_heads, d, 1))  # (2, H, d, 1)
+            b = torch.cat([bqk.reshape(2 * dim).to(bias.dtype), b_v], dim=0)
     return w, b
 
 

@@ -247,8 +247,9 @@ def test_fused_kernel_dispatch(monkeypatch):
     assert calls == [((2, H, 6, D), False, (5, 2), (2, D // 2), 1, "half")]
     pe = create_pe("mixed", head_dim=D, coord_dim=2, num_heads=H)
     qe, _ = pe(q, k, coords, num_prefix_tokens=1)
-    assert len(calls) == 3 and calls[1][3] == (2, D // 2)  # module path: shared frequencies as (c, d/2)
+    # module path: q and k in one launch, prefix tokens passed to the kernel, shared frequencies as (c, d/2)
+    assert len(calls) == 2 and calls[1] == ((2, H, 6, D), False, (5, 2), (2, D // 2), 1, "interleaved")
     monkeypatch.setattr(fn, "_KERNELS", [None])  # package absent: the PyTorch path gives the same values
     torch.testing.assert_close(qe, pe(q, k, coords, num_prefix_tokens=1)[0])
     torch.testing.assert_close(got[0], apply_frequency_rope(q, k, coords, freqs, num_prefix_tokens=1, pairs="half")[0])
-    assert len(calls) == 3
+    assert len(calls) == 2

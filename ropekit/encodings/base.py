@@ -28,6 +28,7 @@ Conventions (constructor options of every encoding):
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,20 +67,47 @@ def _expected(num_tokens: Any, coord_dim: int, batch: Any) -> str:
     return f"({num_tokens}, {coord_dim}) or ({batch if batch is not None else 'B'}, {num_tokens}, {coord_dim})"
 
 
+#: coordinate tensors already checked: ``id -> (weak reference, version counter at the check)``
+_CHECKED: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _version(t: Tensor) -> int | None:
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):  # inference tensors keep no version counter
+        return None
+
+
+def _already_checked(coords: Tensor) -> bool:
+    entry = _CHECKED.get(id(coords))
+    return entry is not None and entry[0]() is coords and entry[1] == _version(coords)
+
+
+def _remember_checked(coords: Tensor) -> None:
+    version = _version(coords)
+    if version is None:
+        return
+    key = id(coords)
+    _CHECKED[key] = (weakref.ref(coords, lambda _ref, key=key: _CHECKED.pop(key, None)), version)
+
+
 def _check_finite(coords: Tensor) -> None:
     """Raise ``ValueError`` if ``coords`` hold NaN or infinity -- without a host synchronisation on a GPU.
 
     On the CPU the check is a plain reduction. On an accelerator, reading the result back would stall the
     host every forward pass; there the check runs device-side (``torch._assert_async``), which fails the next
-    synchronising operation instead. Skipped while ``torch.compile`` traces.
+    synchronising operation instead. Each coordinate tensor is checked once until it is modified in place (its
+    version counter changes): a model passing the same grid every step pays no launches for it after the first.
+    Skipped while ``torch.compile`` traces.
     """
-    if _is_compiling() or not coords.is_floating_point():
+    if _is_compiling() or not coords.is_floating_point() or _already_checked(coords):
         return
     if coords.device.type == "cpu":
         if not bool(torch.isfinite(coords).all()):
             raise ValueError("coords contain NaN or infinite values; mask invalid tokens before encoding")
     elif hasattr(torch, "_assert_async"):
         torch._assert_async(torch.isfinite(coords).all())
+    _remember_checked(coords)
 
 
 def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: int | None = None) -> None:
@@ -315,6 +343,12 @@ class PositionEncoding(nn.Module):
         Returns:
             ``x`` encoded, same layout and dtype, last dimension ``out_dim``.
         """
+        xb = self._checked_bhnd(x, state, role)
+        out = self._encode(xb, state.q if role == "q" else state.k, state.num_prefix_tokens, state.dtype)
+        return self._from_bhnd(out)
+
+    def _checked_bhnd(self, x: Tensor, state: PEState, role: str) -> Tensor:
+        """Validate ``x`` against the encoding and a prepared state; return its ``(B, H, N, d)`` view."""
         if role not in ("q", "k"):
             raise ValueError(f"role must be 'q' or 'k', got {role!r}")
         if not isinstance(state, PEState):
@@ -330,8 +364,7 @@ class PositionEncoding(nn.Module):
                 f"{tokens + p0} tokens (give k_coords when keys sit elsewhere than queries)")
         if batch is not None and batch != xb.shape[0]:
             raise ValueError(f"per-example coords have batch {batch}, {role} has batch {xb.shape[0]}")
-        out = self._encode(xb, state.q if role == "q" else state.k, p0, state.dtype)
-        return self._from_bhnd(out)
+        return xb
 
     def forward(self, q: Tensor, k: Tensor, coords: Tensor, num_prefix_tokens: int = 0,
                 k_coords: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import basis_change, cayley_transform, rotate_pairs
-from .rope import MixedRoPE
+from .functional import _fused_kernel, _interpreting, basis_change, cayley_transform, rotate_pairs
+from .rope import MixedRoPE, _KernelState
 from .skew import free_to_skew, full_to_free, num_free
 
 __all__ = ["CayleySTRING"]
@@ -49,13 +49,19 @@ class CayleySTRING(MixedRoPE):
         return cayley_transform(self.skew_matrix()).expand(self.num_heads, -1, -1)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
-        cos, sin = super()._prepare(coords, dtype)
         p = cayley_transform(self.skew_matrix().to(dtype))  # (Hp, d, d)
+        if (coords.device.type != "cpu" or _interpreting()) and _fused_kernel(coords.device) is not None:
+            return _KernelState(coords, self.freqs), p  # the fused kernel rotates P x, angles formed in-kernel
+        cos, sin = super()._prepare(coords, dtype)
         return cos, sin, p
 
     def _transform(self, x: Tensor, state) -> Tensor:
-        cos, sin, p = state
-        x = basis_change(x, p)  # P x per token, one GEMM: (B, H, M, d)
+        x = basis_change(x, state[-1])  # P x per token, one GEMM: (B, H, M, d)
+        if isinstance(state[0], _KernelState):
+            data = state[0]
+            freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
+            return _fused_kernel(x.device)(x, None, data.coords, freqs)[0]
+        cos, sin, _ = state
         return rotate_pairs(x, cos, sin)
 
     def generators(self) -> Tensor:

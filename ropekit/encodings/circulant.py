@@ -27,7 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import _angle_table, mixed_frequencies, precise_matmul, rotate_angles, skew
+from .functional import (_angle_table, _fused_kernel, _interpreting, mixed_frequencies, precise_matmul, rotate_angles,
+                         skew)
+from .rope import _KernelState
 
 __all__ = ["CirculantSTRING", "circulant", "real_dft_basis"]
 
@@ -140,14 +142,24 @@ class CirculantSTRING(PositionEncoding):
             lam = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], 1)), dim=-1)  # (Hp, c, nb, b/2)
         return lam.flatten(-2)
 
-    def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        return _angle_table(coords, self._pair_frequencies(dtype), dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
+    def _prepare(self, coords: Tensor, dtype: torch.dtype):
+        """``(theta, cos, sin)`` tables ``(1 | B, Hp, M, F)``; where the fused rotation kernel runs (CUDA) and
+        ``b`` is even, the coordinates and pair frequencies it forms the angles from instead."""
+        freqs = self._pair_frequencies(dtype)
+        if self.block_size % 2 == 0 and (coords.device.type != "cpu" or _interpreting()) \
+                and _fused_kernel(coords.device) is not None:
+            return _KernelState(coords, freqs)
+        return _angle_table(coords, freqs, dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
 
-    def _transform(self, x: Tensor, state: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-        theta, cos, sin = state
+    def _transform(self, x: Tensor, state) -> Tensor:
         b = self.block_size
         q = self.dft_basis.to(x.dtype)
         z = precise_matmul(x.unflatten(-1, (-1, b)), q.transpose(0, 1))  # (B, H, M, nb, b): Q z per block
+        if isinstance(state, _KernelState):  # even b: every pair of the DFT coordinates, in one launch
+            freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, F) shared or (H, c, F)
+            z = _fused_kernel(x.device)(z.flatten(-2), None, state.coords, freqs)[0]  # (B, H, M, d)
+            return precise_matmul(z.unflatten(-1, (-1, b)), q).flatten(-2)  # Q^T per block: (B, H, M, d)
+        theta, cos, sin = state
         if b % 2 == 0:
             z = rotate_angles(z.flatten(-2), theta, cos, sin)  # (B, H, M, d)
         else:  # odd b: the DC coordinate of each block stays out of the pairs
@@ -160,7 +172,7 @@ class CirculantSTRING(PositionEncoding):
         blocks = skew(circulant(self.circ_params))  # (Hp, c, nb, b, b)
         hp, c, nb, b, _ = blocks.shape
         out = blocks.new_zeros(hp, c, nb, b, nb, b)
-        idx = torch.arange(nb)
+        idx = torch.arange(nb, device=blocks.device)  # on the device: a host index would copy and sync
         out[:, :, idx, :, idx, :] = blocks.permute(2, 0, 1, 3, 4)
         return out.reshape(hp, c, nb * b, nb * b).expand(self.num_heads, -1, -1, -1)
 

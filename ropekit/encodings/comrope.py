@@ -151,7 +151,7 @@ class ComRoPEAP(_ComRoPE):
     def _axis_weights(self) -> Tensor:
         lam = torch.zeros(self.param_heads, self.coord_dim, self.num_blocks, device=self.block_params.device,
                           dtype=self.block_params.dtype)
-        lam[:, self.block_axis, torch.arange(self.num_blocks)] = 1.0
+        lam[:, self.block_axis, torch.arange(self.num_blocks, device=lam.device)] = 1.0  # device index: no host copy
         return lam
 
     def block_scales(self, coords: Tensor) -> Tensor:

@@ -166,13 +166,21 @@ def _reduce_to(t: Tensor, shape: Sequence[int]) -> Tensor:
     return t.reshape(shape)
 
 
+def _slice_loops(t: Tensor) -> bool:
+    """Whether backward reductions may loop over the batch (the CPU, where it saves page faults); on an
+    accelerator each iteration costs kernel launches, so they run as one batched operation."""
+    return t.device.type == "cpu"
+
+
 def _sum_times_conj(a: Tensor, b: Tensor, shape: Sequence[int]) -> Tensor:
     """``sum a * conj(b)`` over the dimensions that ``shape`` broadcasts, without a temporary of ``a``'s size.
 
-    ``a``, ``b``: complex ``(n, ...)`` of equal shapes. Computed one leading slice at a time in one reused scratch
-    buffer: a fresh buffer of q's size costs more in page faults than the arithmetic does on a CPU. No autograd.
+    ``a``, ``b``: complex ``(n, ...)`` of equal shapes. On the CPU, computed one leading slice at a time in one
+    reused scratch buffer: a fresh buffer of q's size costs more in page faults than the arithmetic does there. On
+    an accelerator, where every launch costs several microseconds and a loop over the batch would cost ``4 n``
+    launches, it is one product and one reduction. No autograd.
     """
-    if a.dim() != len(shape) or a.dim() < 2:
+    if not _slice_loops(a) or a.dim() != len(shape) or a.dim() < 2:
         return _reduce_to(a * b.conj_physical(), shape)
     scratch = torch.empty(a.shape[1:], dtype=a.dtype, device=a.device)
     parts, acc = [], None
@@ -660,7 +668,11 @@ def _block_outer_sum(g: Tensor, x: Tensor, eshape: Sequence[int]) -> Tensor:
         gm = gv.permute(1, 3, 4, 0, 2).reshape(he, m, d, bsz * hr)  # (He, M, d, R)
         xm = xv.permute(1, 3, 0, 2, 4).reshape(he, m, bsz * hr, d)  # (He, M, R, d)
         full = torch.matmul(gm, xm).unsqueeze(0)  # (1, He, M, d, d)
-    elif he == 1:  # per-example coordinates, shared by heads: one strided batched product per example
+    elif he == 1 and not _slice_loops(x):  # per-example coordinates, shared by heads: one batched product
+        gb = g.reshape(bsz, h, m * nb, b).permute(0, 2, 3, 1)  # (B, M*nb, b, H)
+        xb = x.reshape(bsz, h, m * nb, b).permute(0, 2, 1, 3)  # (B, M*nb, H, b)
+        return torch.matmul(gb, xb).view(bsz, 1, m, nb, b, b)
+    elif he == 1:  # the same on the CPU, one strided batched product per example (cheaper there)
         # (no ``out=``: it would break double backward, where these products are recorded by autograd)
         per_example = []
         for i in range(bsz):

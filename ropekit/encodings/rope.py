@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .base import PositionEncoding
+from .base import PEState, PositionEncoding
 from .functional import (_angle_table, _fused_kernel, _interpreting, axial_frequencies, frequency_angles, mixed_frequencies, pair_generators,
                          rope_cos_sin, rotate_angles)
 
@@ -43,6 +43,9 @@ class NoPE(PositionEncoding):
         dtype = self._param_dtype()
         eye = torch.eye(self.head_dim, dtype=dtype).expand(self.num_heads, -1, -1)
         return eye, torch.zeros(self.num_heads, self.coord_dim, self.head_dim // 2, dtype=dtype)
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class _KernelState(NamedTuple):
@@ -87,6 +90,35 @@ class FrequencyRoPE(PositionEncoding):
         if (coords.device.type != "cpu" or _interpreting()) and _fused_kernel(coords.device) is not None:
             return _KernelState(coords, self.freqs)  # the fused kernel forms the angles itself
         return _angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
+
+    def _kernel_direct(self, x: Tensor, data: object, dtype: torch.dtype) -> bool:
+        """Whether ``x`` goes to the fused kernel as it is: the kernel reads and writes bf16 / fp16 / fp32 / fp64
+        itself with fp32 math (fp64 for fp64 inputs), so the compute-dtype copies around it (two casts forward,
+        two backward, and the concatenation of prefix tokens) are skipped when that is the state's dtype."""
+        return (isinstance(data, _KernelState) and x.dtype in _KERNEL_DTYPES
+                and (x.dtype == torch.float64) == (dtype == torch.float64)
+                and type(self)._transform_prefix is PositionEncoding._transform_prefix)  # prefix tokens: identity
+
+    def _encode(self, x: Tensor, data, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
+        if not self._kernel_direct(x, data, dtype):
+            return super()._encode(x, data, num_prefix_tokens, dtype)
+        freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
+        return _fused_kernel(x.device)(x, None, data.coords, freqs, num_prefix_tokens=num_prefix_tokens,
+                                       pairs=self.pairs)[0]
+
+    def apply(self, q: Tensor, k: Tensor | None, state: PEState) -> tuple[Tensor, Tensor | None]:
+        """As ``PositionEncoding.apply``; where the fused kernel runs, q and k go through one launch in their
+        own dtype (prefix tokens passed through by the kernel)."""
+        if k is None or not isinstance(state, PEState) or not self._kernel_direct(q, state.q, state.dtype) \
+                or not self._kernel_direct(k, state.k, state.dtype):
+            return super().apply(q, k, state)
+        qb, kb = self._checked_bhnd(q, state, "q"), self._checked_bhnd(k, state, "k")
+        data = state.q
+        freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
+        q_out, k_out = _fused_kernel(qb.device)(qb, kb, data.coords, freqs,
+                                                k_coords=state.k.coords if state.separate_k else None,
+                                                num_prefix_tokens=state.num_prefix_tokens, pairs=self.pairs)
+        return self._from_bhnd(q_out), self._from_bhnd(k_out)
 
     def _transform(self, x: Tensor, state) -> Tensor:
         if isinstance(state, _KernelState):

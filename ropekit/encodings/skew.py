@@ -40,13 +40,28 @@ def free_to_skew(v: Tensor, n: int, band: int | None = None) -> Tensor:
 
     Differentiable (any order) in ``v``.
     """
-    iu = upper_indices(n, band, v.device)
-    if v.shape[-1] != iu.shape[1]:
-        raise ValueError(f"expected {iu.shape[1]} free entries for n={n}, band={band}, got {v.shape[-1]}")
+    upper, lower = _flat_skew_indices(n, band, v.device)
+    if v.shape[-1] != upper.shape[0]:
+        raise ValueError(f"expected {upper.shape[0]} free entries for n={n}, band={band}, got {v.shape[-1]}")
     flat = v.new_zeros(*v.shape[:-1], n * n)
-    flat[..., iu[0] * n + iu[1]] = v
-    flat[..., iu[1] * n + iu[0]] = -v
+    flat[..., upper] = v
+    flat[..., lower] = -v
     return flat.unflatten(-1, (n, n))
+
+
+_FLAT_INDICES: dict = {}
+
+
+def _flat_skew_indices(n: int, band: int | None, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Flat positions ``i n + j`` and ``j n + i`` of the free entries: constants, built once per (size, band,
+    device) and kept, so a forward pass does not rebuild them (with a band the selection would also read a mask
+    back to the host)."""
+    key = (n, band, str(device))
+    if key not in _FLAT_INDICES:
+        with torch.inference_mode(False):  # normal tensors even if first built in inference mode: autograd saves them
+            iu = upper_indices(n, band, device)
+            _FLAT_INDICES[key] = (iu[0] * n + iu[1], iu[1] * n + iu[0])
+    return _FLAT_INDICES[key]
 
 
 def skew_to_free(s: Tensor, band: int | None = None) -> Tensor:

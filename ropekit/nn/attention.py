@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..encodings import PositionEncoding
+from ..encodings.functional import basis_change
 from ..fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rope_form
 
 __all__ = ["Attention", "PreparedPE"]
@@ -131,6 +132,9 @@ class Attention(nn.Module):
             qkv = F.linear(x, weight, bias)  # (B, N, 3D), q and k already in the encoding's basis
         else:
             qkv = self.qkv(x)  # (B, N, 3D)
+        if state is not None and state.kind == "fold" and state.value.prefix is not None and num_prefix_tokens:
+            self._transform_prefix_rows(qkv, state.value.prefix, num_prefix_tokens)
+            state = PreparedPE("fold", pe, state.value._replace(prefix=None))  # done: the rotation passes them
         qkv = qkv.reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, d)
         q, k, v = qkv.unbind(0)  # (B, H, N, d) each
         if state is not None:
@@ -146,6 +150,21 @@ class Attention(nn.Module):
                                              scale=self.scale)  # (B, H, N, d)
         out = out.transpose(1, 2).reshape(b, n, dim)  # (B, N, D)
         return self.proj_drop(self.proj(out))
+
+    def _transform_prefix_rows(self, qkv: Tensor, prefix: Tensor, num_prefix_tokens: int) -> None:
+        """Apply the folded encoding's prefix transform ``T`` (``(Hp, d, d)``) to the q and k of the prefix tokens,
+        in place in the projection's output ``qkv`` ``(B, N, 3D)`` (which no backward pass has saved).
+
+        The alternative -- slicing q and k into prefix and patch tokens and concatenating them again -- costs two
+        copies of q and k in the forward pass and, in the backward pass, a zero-filled buffer of their size per
+        slice; here only the few prefix rows are copied, and the rotation then passes them through.
+        """
+        b, p0, h, d = qkv.shape[0], num_prefix_tokens, self.num_heads, self.head_dim
+        rows = qkv[:, :p0, : 2 * h * d].unflatten(-1, (2, h, d))  # (B, P0, 2, H, d), a view of qkv
+        # (2B, H, P0, d): always a copy (the few prefix rows), never a view of qkv that the product could save
+        xb = rows.permute(0, 2, 3, 1, 4).clone(memory_format=torch.contiguous_format).view(b * 2, h, p0, d)
+        y = basis_change(xb, prefix.to(xb.dtype))  # T per head: (2B, H, P0, d)
+        rows.copy_(y.view(b, 2, h, p0, d).permute(0, 3, 1, 2, 4))
 
     def no_weight_decay(self) -> set:
         """Names (relative to this layer, as in ``named_parameters()``) of its encoding's learnable parameters."""
