@@ -644,11 +644,11 @@ def _block_matvec(e: Tensor, x: Tensor) -> Tensor:
     xv = x.reshape(bsz, he, hr, m, nb, b)  # (B, He, Hr, M, nb, b)
     if be == 1:
         cols = xv.permute(1, 3, 4, 5, 0, 2).reshape(he, m, nb, b, bsz * hr)  # (He, M, nb, b, B*Hr)
-        y = torch.matmul(e[0], cols)  # (He, M, nb, b, B*Hr)
+        y = precise_matmul(e[0], cols)  # (He, M, nb, b, B*Hr)
         y = y.view(he, m, nb, b, bsz, hr).permute(4, 0, 5, 1, 2, 3)  # (B, He, Hr, M, nb, b)
     else:
         cols = xv.permute(0, 1, 3, 4, 5, 2)  # (B, He, M, nb, b, Hr)
-        y = torch.matmul(e, cols).permute(0, 1, 5, 2, 3, 4)  # (B, He, Hr, M, nb, b)
+        y = precise_matmul(e, cols).permute(0, 1, 5, 2, 3, 4)  # (B, He, Hr, M, nb, b)
     return y.reshape(bsz, h, m, d)
 
 
@@ -667,23 +667,23 @@ def _block_outer_sum(g: Tensor, x: Tensor, eshape: Sequence[int]) -> Tensor:
     if be == 1:
         gm = gv.permute(1, 3, 4, 0, 2).reshape(he, m, d, bsz * hr)  # (He, M, d, R)
         xm = xv.permute(1, 3, 0, 2, 4).reshape(he, m, bsz * hr, d)  # (He, M, R, d)
-        full = torch.matmul(gm, xm).unsqueeze(0)  # (1, He, M, d, d)
+        full = precise_matmul(gm, xm).unsqueeze(0)  # (1, He, M, d, d)
     elif he == 1 and not _slice_loops(x):  # per-example coordinates, shared by heads: one batched product
         gb = g.reshape(bsz, h, m * nb, b).permute(0, 2, 3, 1)  # (B, M*nb, b, H)
         xb = x.reshape(bsz, h, m * nb, b).permute(0, 2, 1, 3)  # (B, M*nb, H, b)
-        return torch.matmul(gb, xb).view(bsz, 1, m, nb, b, b)
+        return precise_matmul(gb, xb).view(bsz, 1, m, nb, b, b)
     elif he == 1:  # the same on the CPU, one strided batched product per example (cheaper there)
         # (no ``out=``: it would break double backward, where these products are recorded by autograd)
         per_example = []
         for i in range(bsz):
             gi = g[i].reshape(h, m * nb, b).permute(1, 2, 0)  # (M*nb, b, H)
             xi = x[i].reshape(h, m * nb, b).permute(1, 0, 2)  # (M*nb, H, b)
-            per_example.append(torch.bmm(gi, xi))
+            per_example.append(precise_matmul(gi, xi))
         return torch.stack(per_example).view(bsz, 1, m, nb, b, b)
     else:
         gm = gv.permute(0, 1, 3, 4, 2).contiguous()  # (B, He, M, d, Hr)
         xm = xv.permute(0, 1, 3, 2, 4).contiguous()  # (B, He, M, Hr, d)
-        full = torch.matmul(gm, xm)  # (B, He, M, d, d)
+        full = precise_matmul(gm, xm)  # (B, He, M, d, d)
     if nb == 1:
         return full.unsqueeze(-3)  # (Be, He, M, 1, d, d)
     blocks = full.view(be, he, m, nb, b, nb, b).diagonal(dim1=3, dim2=5)  # (Be, He, M, b, b, nb)
@@ -784,7 +784,7 @@ class _ScaledBlockExpm(torch.autograd.Function):
         st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M coordinates
         theta = st * mu.unsqueeze(-2)  # (Hp, nb, T, h)
         cs = torch.cat((torch.cos(theta), torch.sin(theta)), dim=-1)  # (Hp, nb, T, 2h)
-        e = torch.matmul(cs, _plane_basis(q))  # (Hp, nb, T, b*b)
+        e = precise_matmul(cs, _plane_basis(q))  # (Hp, nb, T, b*b)
         ctx.save_for_backward(st, q, mu)
         ctx.shape = (bs, hp, m, nb)
         return e.view(hp, nb, bs, m, b, b).permute(2, 0, 3, 1, 4, 5).contiguous()  # (Bs, Hp, M, nb, b, b)
@@ -798,7 +798,7 @@ class _ScaledBlockExpm(torch.autograd.Function):
         gs = gk = None
         kron = (q.unsqueeze(-1).unsqueeze(-3) * q.unsqueeze(-2).unsqueeze(-4)).reshape(hp, nb, b * b, b * b)
         ge = ge.permute(1, 3, 0, 2, 4, 5).reshape(hp, nb, bs * m, b * b)  # (Hp, nb, T, b*b)
-        gh = torch.matmul(ge, kron).view(hp, nb, bs * m, h, 2, h, 2)  # Q^T gE Q in 2x2 blocks (n, m)
+        gh = precise_matmul(ge, kron).view(hp, nb, bs * m, h, 2, h, 2)  # Q^T gE Q in 2x2 blocks (n, m)
         # (Hp, nb, 2, 2, T, h*h): every later op runs on contiguous (T, h*h) planes, no small broadcast dims
         gh = gh.permute(0, 1, 4, 6, 2, 3, 5).reshape(hp, nb, 2, 2, bs * m, h * h)
         g00, g01, g10, g11 = gh[:, :, 0, 0], gh[:, :, 0, 1], gh[:, :, 1, 0], gh[:, :, 1, 1]  # (Hp, nb, T, h*h)
@@ -829,7 +829,7 @@ class _ScaledBlockExpm(torch.autograd.Function):
             zai = (u2 * (ae * c1 - aa * s1)).sum(2)
             mt = torch.stack((zcr + zar, zai - zci, zci + zai, zcr - zar), dim=-1)  # (Hp, nb, h*h, 4): 2x2 blocks
             mt = mt.view(hp, nb, h, h, 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(hp, nb, b, b)
-            gk = q @ mt @ q.transpose(-1, -2)
+            gk = precise_matmul(precise_matmul(q, mt), q.transpose(-1, -2))
         return gs, gk
 
 
