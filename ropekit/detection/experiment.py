@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..encodings.counting import count_parameters
 from .model import BOX_PARAMS, INPUTS, INTRINSICS, Detector3D, detector_config
 from .scenes import CLASS_NAMES, SceneSet, generate_scenes
 from .train import DetTrainConfig, evaluate_detector, matched_errors, mean_box, predict, seed_everything, train_detector
@@ -214,7 +215,7 @@ def train_one(cfg: Detect3DConfig, enc: str, inp: str, seed: int, train_set: Sce
     seed_everything(seed)
     model = _build(cfg, enc, inp)
     model.init_box_prior(mean_box(train_set))
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = count_parameters(model)  # encodings by their effective count
     _write_json(run_dir / "config.json", {"detector": model.cfg.to_dict(), **settings, "parameters": n_params})
     t0 = time.perf_counter()
     rows = train_detector(model, train_set, tcfg)

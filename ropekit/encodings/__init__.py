@@ -6,7 +6,8 @@ from .cayley import CayleySTRING
 from .circulant import CirculantSTRING
 from .comrope import ComRoPEAP, ComRoPELD
 from .liere import LieRE
-from .registry import PE_REGISTRY, create_pe, list_pes, pe_options
+from .counting import count_parameters
+from .registry import PAPER_PRESETS, PE_REGISTRY, create_pe, list_pes, pe_options
 from .relaxed import RelaxedSTRING
 from .rope import AxialRoPE, FrequencyRoPE, LieRECommute, MixedRoPE, NoPE
 from .string import GeneralSTRING
@@ -14,6 +15,7 @@ from .tensor import TensorSTRING
 
 __all__ = [
     "PositionEncoding", "PEState", "check_coords", "apply_frequency_rope", "create_pe", "list_pes", "pe_options", "PE_REGISTRY",
+    "PAPER_PRESETS", "count_parameters",
     "NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute", "CayleySTRING", "CirculantSTRING",
     "TensorSTRING", "GeneralSTRING", "LieRE", "ComRoPEAP", "ComRoPELD", "RelaxedSTRING",
 ]

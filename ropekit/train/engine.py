@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
+from ..encodings.counting import count_parameters
 from .checkpoint import CheckpointError, atomic_save, capture_rng, load_checkpoint, load_model_state, restore_rng
 from .distributed import DistContext, init_distributed
 from .metrics import TensorBoardLogger, atomic_write_text, write_metrics_csv
@@ -521,7 +522,7 @@ def _fit(task: Any, schedule: Schedule, epochs: int, opts: EngineOptions, run: O
     elif fresh_start is not None:
         fresh_start(ctx)
 
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = count_parameters(model)  # encodings by their effective count
     if run is not None and ctx.is_main:
         if config_doc is not None:
             doc = {**config_doc, "engine": {"precision": opts.precision, "compile": opts.compile,

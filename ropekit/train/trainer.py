@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Dataset, DistributedSampler
 
+from ..encodings.counting import count_parameters
 from ..nn.vit import ViTConfig, VisionTransformer
 from . import engine
 from .augment import random_shift
@@ -404,7 +405,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
     label = f"{vit_cfg.pe}" + (f", depth as {vit_cfg.depth_input}" if vit_cfg.modality == "rgbd" else "")
     task = ClassificationTask(cfg, model, train_ds, test_ds, ctx, label, quiet)
     schedule = schedule_of(cfg, task.steps_per_epoch)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = count_parameters(model)  # encodings by their effective count
     config_doc = {"train": cfg.to_dict(), "model": vit_cfg.to_dict(),
                   "data": _info_dict(info, len(train_ds), len(test_ds)),
                   "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None}
