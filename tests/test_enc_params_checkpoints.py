@@ -43,6 +43,16 @@ def test_effective_counts_of_every_encoding():
         assert pe.num_effective_parameters() == want, name
 
 
+def test_relaxed_counts_with_an_empty_null_space():
+    """Exact relaxed STRING with every plane active has a 0 x 0 null rotation: nothing to count there."""
+    d, c = 8, 2
+    exact = create_pe("relaxed", head_dim=d, coord_dim=c, exact=True, active_planes=d // 2)
+    assert exact.num_effective_parameters() == c * d // 2  # the frequencies only
+    relaxed = create_pe("relaxed", head_dim=d, coord_dim=c, exact=False, active_planes=d // 2)
+    # frequencies + one skew generator per axis on the d active dims + the d x d mixing rotation
+    assert relaxed.num_effective_parameters() == c * d // 2 + c * d * (d - 1) // 2 + d * (d - 1) // 2
+
+
 def _old_cayley_state(pe, a_full: torch.Tensor) -> dict:
     sd = pe.state_dict()
     sd["cayley_params"] = a_full

@@ -14,6 +14,8 @@ The generators act on the first ``2m`` coordinates (the *active* subspace, ``m =
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -61,7 +63,7 @@ class RelaxedSTRING(PositionEncoding):
     def num_effective_parameters(self) -> int:
         """Frequencies plus the free entries of every matrix used through ``A - A^T``."""
         skews = (self.null_params,) if self.exact else (self.relax_params, self.mix_params)
-        return self.freq_param.numel() + sum(p[..., 0, :].numel() * (p.shape[-1] - 1) // 2 for p in skews)
+        return self.freq_param.numel() + sum(math.prod(p.shape[:-2]) * p.shape[-1] * (p.shape[-1] - 1) // 2 for p in skews)
 
     @property
     def active_dim(self) -> int:
