@@ -32,8 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .expm import block_apply, scaled_block_exp
-from .functional import _block_diag, frequency_angles
+from .functional import _block_diag, block_apply, frequency_angles, scaled_block_exp_matrices
 from .skew import free_to_skew, full_to_free, num_free, real_schur
 
 __all__ = ["ComRoPEAP", "ComRoPELD"]
@@ -108,7 +107,7 @@ class _ComRoPE(PositionEncoding):
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
         # (1 | B, Hp, M, nb, b, b): once per forward, shared by q and k
-        return scaled_block_exp(self.block_scales(coords), self.block_generators().to(dtype))
+        return scaled_block_exp_matrices(self.block_scales(coords), self.block_generators().to(dtype))
 
     def _transform(self, x: Tensor, blocks: Tensor) -> Tensor:
         return block_apply(blocks, x)

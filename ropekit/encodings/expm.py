@@ -1,7 +1,5 @@
 """Matrix exponentials of skew-symmetric matrices that stay orthogonal and differentiate twice.
 
-Three pieces, used by LieRE, relaxed STRING and ComRoPE:
-
 * :func:`linear_skew_expm` -- ``expm(G(r))``, ``G(r) = sum_k r_k L_k``, for every token, with large norms
   (LieRE's generators at its authors' initialisation reach ``||G|| ~ 10^3`` at image-grid coordinates). On the
   CPU it is computed in float64 from one Hermitian eigendecomposition per matrix, ``-iG = U diag(lam) U^H``,
@@ -12,29 +10,24 @@ Three pieces, used by LieRE, relaxed STRING and ComRoPE:
   ``U ((U^H gE U) * Phi) U^H`` with ``Phi`` the divided differences of ``exp``, written as
   ``exp(-i (lam_i + lam_j) / 2) sinc((lam_i - lam_j) / 2)`` (finite for equal eigenvalues). On a GPU, whose
   solvers batch eigendecompositions only for small matrices, it is a float64 ``matrix_exp``, chunk by chunk.
-* :func:`scaled_block_exp` -- ComRoPE's block exponentials ``expm(s K)`` (see
-  ``functional.scaled_block_exp_matrices``), with a backward that supports a second derivative.
-* :func:`block_apply` -- ``functional.block_apply`` (per-block matrices applied to every token) with a
-  backward that supports a second derivative.
+  Used by LieRE and relaxed STRING (ComRoPE's block exponentials and the per-block products are
+  ``functional.scaled_block_exp_matrices`` and ``functional.block_apply``).
 
-Second derivatives: the backward passes are hand-written for speed. When a gradient graph is requested
-(``create_graph=True``, e.g. for a gradient penalty or Hessian-vector products) they compute the same
-gradient with differentiable operations (for the exponentials: a ``torch.linalg.matrix_exp`` reference per
-matrix), so second derivatives are exact, at the reference's cost. Under ``torch.compile`` (which traces
-first-order training) the functions use traceable forms: a float64 ``matrix_exp`` for
-:func:`linear_skew_expm`, ``functional``'s first-order versions for the other two.
+Second derivatives: the backward pass is hand-written for speed. When a gradient graph is requested
+(``create_graph=True``, e.g. for a gradient penalty or Hessian-vector products) it computes the same gradient
+with differentiable operations (a ``torch.linalg.matrix_exp`` reference per matrix), so second derivatives are
+exact, at the reference's cost. Under ``torch.compile`` (which traces first-order training) it uses a
+traceable float64 ``matrix_exp``.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 from . import functional as F
 
-__all__ = ["linear_skew_expm", "scaled_block_exp", "block_apply", "DEFAULT_BUDGET"]
+__all__ = ["linear_skew_expm", "DEFAULT_BUDGET"]
 
 DEFAULT_BUDGET = 1 << 21  # matrix entries per chunk: ~64 MiB of complex128 workspace per array
 
@@ -159,92 +152,3 @@ def _expm64(coords: Tensor, generators: Tensor) -> Tensor:
     """``expm(sum_k r_k L_k)`` by float64 ``torch.linalg.matrix_exp`` (differentiable to any order)."""
     g = _combine(coords.to(torch.float64), generators.to(torch.float64))  # (T, Hp, nb, n, n)
     return torch.linalg.matrix_exp(g).to(generators.dtype)
-
-
-# ----------------------------------------------------------------------------- ComRoPE's block exponentials
-class _ScaledBlockExp(torch.autograd.Function):
-    """Forward and first-order backward as ``functional._ScaledBlockExpm``; a differentiable second order."""
-
-    @staticmethod
-    def forward(ctx, s: Tensor, k: Tensor) -> Tensor:
-        inner = SimpleNamespace(needs_input_grad=ctx.needs_input_grad)
-        inner.save_for_backward = lambda *t: setattr(inner, "saved_tensors", t)
-        out = F._ScaledBlockExpm.forward(inner, s, k)  # computes (st, q, mu) and the shape
-        ctx.save_for_backward(s, k, *inner.saved_tensors)
-        ctx.shape = inner.shape
-        return out
-
-    @staticmethod
-    def backward(ctx, ge: Tensor):
-        s, k, *saved = ctx.saved_tensors
-        if torch.is_grad_enabled():  # a gradient graph is requested: differentiable reference
-            with torch.enable_grad():
-                ref = torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4).unsqueeze(0))
-                want = [t for t, n in zip((s, k), ctx.needs_input_grad[:2]) if n]
-                grads = iter(torch.autograd.grad(ref, want, ge, create_graph=True))
-            return tuple(next(grads) if n else None for n in ctx.needs_input_grad[:2])
-        view = SimpleNamespace(saved_tensors=tuple(saved), shape=ctx.shape,
-                               needs_input_grad=ctx.needs_input_grad)
-        return F._ScaledBlockExpm.backward(view, ge)
-
-
-def scaled_block_exp(s: Tensor, k: Tensor) -> Tensor:
-    """``expm(s_{t,j} K_j)`` for every coordinate ``t`` and block ``j``, twice differentiable.
-
-    Args:
-        s: ``(Hp, M, nb)`` shared by the batch or ``(B, Hp, M, nb)`` per example.
-        k: ``(Hp, nb, b, b)`` skew-symmetric block generators.
-
-    Returns:
-        ``(1 | B, Hp, M, nb, b, b)``; first derivatives by the closed-form eigenbasis backward (finite at
-        ``k = 0``), second derivatives through a dense ``matrix_exp`` reference.
-    """
-    if k.shape[-1] % 2 or F._is_compiling():  # odd blocks: a plain matrix_exp; compiled: the first-order form
-        return F.scaled_block_exp_matrices(s, k)
-    s = s.unsqueeze(0) if s.dim() == 3 else s  # (1 | B, Hp, M, nb)
-    hp = max(s.shape[1], k.shape[0])  # parameter heads of either input broadcast to the other's
-    return _ScaledBlockExp.apply(s.expand(s.shape[0], hp, *s.shape[2:]), k.expand(hp, *k.shape[1:]))
-
-
-
-# ----------------------------------------------------------------------------- block application
-class _BlockApply(torch.autograd.Function):
-    """``functional.block_apply`` whose backward, under ``create_graph``, is written with differentiable ops."""
-
-    @staticmethod
-    def forward(ctx, e: Tensor, x: Tensor) -> Tensor:
-        ctx.save_for_backward(e, x)
-        return F._block_matvec(e, x)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        e, x = ctx.saved_tensors
-        if not torch.is_grad_enabled():  # the fast first-order backward
-            view = SimpleNamespace(saved_tensors=(e, x), needs_input_grad=ctx.needs_input_grad)
-            return F._BlockApply.backward(view, g)
-        ge = gx = None
-        if ctx.needs_input_grad[1]:
-            gx = _BlockApply.apply(e.transpose(-1, -2), g)  # R^T g, itself twice differentiable
-        if ctx.needs_input_grad[0]:
-            bsz, h, m, _ = x.shape
-            be, he, _, nb, b, _ = e.shape
-            gv = g.reshape(bsz, he, h // he, m, nb, b)
-            xv = x.reshape(bsz, he, h // he, m, nb, b)
-            ge = torch.einsum("bhrmni,bhrmnj->bhmnij", gv, xv)  # (B, He, M, nb, b, b): per-token outer products
-            if be == 1:
-                ge = ge.sum(0, keepdim=True)
-        return ge, gx
-
-
-def block_apply(e: Tensor, x: Tensor) -> Tensor:
-    """``functional.block_apply`` (same shapes and first-order backward), twice differentiable.
-
-    Args:
-        e: ``(1 | B, 1 | H, M, nb, b, b)``; x: ``(B, H, M, nb * b)``.
-
-    Returns:
-        ``(B, H, M, nb * b)``.
-    """
-    if F._is_compiling():  # the compiler traces the first-order form (it does not run double backward)
-        return F.block_apply(e, x)
-    return _BlockApply.apply(e, x)

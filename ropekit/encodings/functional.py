@@ -31,7 +31,6 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 __all__ = [
     "frequency_angles",
@@ -631,7 +630,8 @@ def block_apply(e: Tensor, x: Tensor) -> Tensor:
 
     The matrices are never expanded over the batch or heads they are shared by: the shared dimensions become
     the columns of one batched matrix product per (coordinate, block), and the backward pass sums the outer
-    products ``g x^T`` over them with one batched product per coordinate (``_BlockApply``).
+    products ``g x^T`` over them with one batched product per coordinate (``_BlockApply``); under
+    ``create_graph`` the backward is written with differentiable ops, so second derivatives are exact.
     """
     return _BlockApply.apply(e, x)
 
@@ -702,10 +702,23 @@ class _BlockApply(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         e, x = ctx.saved_tensors
         ge = gx = None
+        if not torch.is_grad_enabled():  # first order: batched products, shared matrices never expanded
+            if ctx.needs_input_grad[1]:
+                gx = _block_matvec(e.transpose(-1, -2), g)  # R^T g
+            if ctx.needs_input_grad[0]:
+                ge = _block_outer_sum(g, x, e.shape)
+            return ge, gx
+        # a gradient graph is requested (create_graph): the same gradients from differentiable ops
         if ctx.needs_input_grad[1]:
-            gx = _block_matvec(e.transpose(-1, -2), g)  # R^T g
+            gx = _BlockApply.apply(e.transpose(-1, -2), g)  # R^T g, itself twice differentiable
         if ctx.needs_input_grad[0]:
-            ge = _block_outer_sum(g, x, e.shape)
+            bsz, h, m, _ = x.shape
+            be, he, _, nb, b, _ = e.shape
+            gv = g.reshape(bsz, he, h // he, m, nb, b)
+            xv = x.reshape(bsz, he, h // he, m, nb, b)
+            ge = torch.einsum("bhrmni,bhrmnj->bhmnij", gv, xv)  # (B, He, M, nb, b, b): per-token outer products
+            if be == 1:
+                ge = ge.sum(0, keepdim=True)
         return ge, gx
 
 
@@ -772,7 +785,9 @@ class _ScaledBlockExpm(torch.autograd.Function):
     the plane rotations, ``a I + b J``, and an anti-commuting one, ``c Z + e W``; integrating
     ``expm(-(1 - t) s D) G^ expm(-t s D)`` over ``t`` multiplies them by ``s sinc(s (mu_n - mu_m) / 2)`` and
     ``s sinc(s (mu_n + mu_m) / 2)`` phase factors -- finite and exact also when eigenvalues coincide
-    (``K = 0``, zero initialisation), where an eigendecomposition backward would divide by zero.
+    (``K = 0``, zero initialisation), where an eigendecomposition backward would divide by zero. Under
+    ``create_graph`` the backward differentiates a dense ``matrix_exp`` reference instead, so second
+    derivatives are exact too.
     """
 
     @staticmethod
@@ -785,14 +800,19 @@ class _ScaledBlockExpm(torch.autograd.Function):
         theta = st * mu.unsqueeze(-2)  # (Hp, nb, T, h)
         cs = torch.cat((torch.cos(theta), torch.sin(theta)), dim=-1)  # (Hp, nb, T, 2h)
         e = precise_matmul(cs, _plane_basis(q))  # (Hp, nb, T, b*b)
-        ctx.save_for_backward(st, q, mu)
+        ctx.save_for_backward(s, k, st, q, mu)
         ctx.shape = (bs, hp, m, nb)
         return e.view(hp, nb, bs, m, b, b).permute(2, 0, 3, 1, 4, 5).contiguous()  # (Bs, Hp, M, nb, b, b)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, ge: Tensor):
-        st, q, mu = ctx.saved_tensors
+        s, k, st, q, mu = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a gradient graph is requested: differentiate a dense reference instead
+            with torch.enable_grad():
+                ref = torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4).unsqueeze(0))
+                want = [t for t, n in zip((s, k), ctx.needs_input_grad[:2]) if n]
+                grads = iter(torch.autograd.grad(ref, want, ge, create_graph=True))
+            return tuple(next(grads) if n else None for n in ctx.needs_input_grad[:2])
         bs, hp, m, nb = ctx.shape
         b, h = q.shape[-1], mu.shape[-1]
         gs = gk = None

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .expm import block_apply, linear_skew_expm
-from .functional import _block_diag
+from .expm import linear_skew_expm
+from .functional import _block_diag, block_apply
 from .skew import real_schur
 
 __all__ = ["LieRE"]

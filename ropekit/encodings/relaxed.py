@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .expm import block_apply, linear_skew_expm
-from .functional import basis_change, mixed_frequencies, pair_generators, rope_angles, rotate_pairs, skew
+from .expm import linear_skew_expm
+from .functional import basis_change, block_apply, mixed_frequencies, pair_generators, rope_angles, rotate_pairs, skew
 
 __all__ = ["RelaxedSTRING"]
 
