@@ -65,6 +65,16 @@ def recipe_fields() -> Set[str]:
     return set(TrainConfig.field_names()) - RUNTIME_FIELDS - PER_RUN_FIELDS
 
 
+def _check_fields(what: str, given: Dict[str, Any], expected: set, kind: str, hint: str) -> None:
+    """One-line ``ValueError`` naming the fields of ``expected`` missing from ``given`` and those it should not hold."""
+    missing = sorted(expected - set(given))
+    unknown = sorted(set(given) - expected)
+    if missing or unknown:
+        parts = ([f"misses {', '.join(missing)}"] if missing else []) + \
+                ([f"has fields that are not {kind}: {', '.join(unknown)}"] if unknown else [])
+        raise ValueError(f"{what} " + "; ".join(parts) + f" ({hint})")
+
+
 def check_recipe(r: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
     """Raise ``ValueError`` (one line naming the fields) unless ``r`` states every recipe field and no other.
 
@@ -73,21 +83,10 @@ def check_recipe(r: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
     if set(r) != {"train", "study"}:
         raise ValueError(f"{where}: a recipe has exactly the sections train and study, got {sorted(r)}")
     train = r["train"]
-    missing = sorted(recipe_fields() - set(train))
-    unknown = sorted(set(train) - recipe_fields())
-    if missing or unknown:
-        raise ValueError(f"{where}: train section " + "; ".join(
-            part for part in (f"misses {', '.join(missing)}" if missing else "",
-                              f"has fields that are not recipe fields: {', '.join(unknown)}" if unknown else "")
-            if part) + " (state every TrainConfig field except the runtime ones, pe and seed)")
-    mo = train["model_options"]
-    missing = sorted(architecture_fields() - set(mo))
-    unknown = sorted(set(mo) - architecture_fields())
-    if missing or unknown:
-        raise ValueError(f"{where}: model_options " + "; ".join(
-            part for part in (f"misses {', '.join(missing)}" if missing else "",
-                              f"has fields that are not architecture fields: {', '.join(unknown)}" if unknown else "")
-            if part) + " (state every ViTConfig architecture field)")
+    _check_fields(f"{where}: train section", train, recipe_fields(), "recipe fields",
+                  "state every TrainConfig field except the runtime ones, pe and seed")
+    _check_fields(f"{where}: model_options", train["model_options"], architecture_fields(), "architecture fields",
+                  "state every ViTConfig architecture field")
     bad = sorted(set(r["study"]) - _STUDY_KEYS)
     if bad or not {"pes", "seeds", "eval_limit", "pe_overrides", "options"} <= set(r["study"]):
         raise ValueError(f"{where}: study section must hold exactly {', '.join(sorted(_STUDY_KEYS))}; "
