@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import _fused_kernel, _interpreting, basis_change, cayley_transform, rotate_pairs
+from .functional import _fused_kernel, basis_change, cayley_transform, rotate_pairs
 from .rope import MixedRoPE, _KernelState
 from .skew import free_to_skew, full_to_free, num_free
 
@@ -50,7 +50,7 @@ class CayleySTRING(MixedRoPE):
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         p = cayley_transform(self.skew_matrix().to(dtype))  # (Hp, d, d)
-        if (coords.device.type != "cpu" or _interpreting()) and _fused_kernel(coords.device) is not None:
+        if _fused_kernel(coords.device) is not None:
             return _KernelState(coords, self.freqs), p  # the fused kernel rotates P x, angles formed in-kernel
         cos, sin = super()._prepare(coords, dtype)
         return cos, sin, p

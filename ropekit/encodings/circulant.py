@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import (_angle_table, _fused_kernel, _interpreting, mixed_frequencies, precise_matmul, rotate_angles,
+from .functional import (_angle_table, _fused_kernel, mixed_frequencies, precise_matmul, rotate_angles,
                          skew)
 from .rope import _KernelState
 
@@ -146,8 +146,7 @@ class CirculantSTRING(PositionEncoding):
         """``(theta, cos, sin)`` tables ``(1 | B, Hp, M, F)``; where the fused rotation kernel runs (CUDA) and
         ``b`` is even, the coordinates and pair frequencies it forms the angles from instead."""
         freqs = self._pair_frequencies(dtype)
-        if self.block_size % 2 == 0 and (coords.device.type != "cpu" or _interpreting()) \
-                and _fused_kernel(coords.device) is not None:
+        if self.block_size % 2 == 0 and _fused_kernel(coords.device) is not None:
             return _KernelState(coords, freqs)
         return _angle_table(coords, freqs, dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
 

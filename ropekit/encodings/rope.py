@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PEState, PositionEncoding
-from .functional import (_angle_table, _fused_kernel, _interpreting, axial_frequencies, frequency_angles, mixed_frequencies, pair_generators,
+from .functional import (_angle_table, _fused_kernel, axial_frequencies, frequency_angles, mixed_frequencies, pair_generators,
                          rope_cos_sin, rotate_angles)
 
 __all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute"]
@@ -87,7 +87,7 @@ class FrequencyRoPE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
             return rope_cos_sin(coords, self.freqs, dtype)
-        if (coords.device.type != "cpu" or _interpreting()) and _fused_kernel(coords.device) is not None:
+        if _fused_kernel(coords.device) is not None:
             return _KernelState(coords, self.freqs)  # the fused kernel forms the angles itself
         return _angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
 
