@@ -119,10 +119,13 @@ def test_cached_runs_are_reused(outputs, cache):
     runs = json.loads((outputs["shuffle"][1] / "config.json").read_text())["runs"]
     assert {r["key"] for r in runs} == classify and all(r["cached"] for r in runs)
     runs = json.loads((outputs["resolution"][1] / "config.json").read_text())["runs"]
-    grid = {r["key"] for r in runs if r["train_config"]["coords"] == "grid"}
+    grid = {r["key"] for r in runs if r["train_config"]["coords"] == "grid" and not r["train_config"]["augment_sizes"]}
     assert grid == classify and all(r["cached"] for r in runs if r["key"] in grid)
     normalized = [r for r in runs if r["train_config"]["coords"] == "normalized"]
-    assert {r["train_config"]["pe"] for r in normalized} == {"mixed", "liere"}  # APE takes no coordinates
+    assert {r["train_config"]["pe"] for r in normalized if not r["train_config"]["augment_sizes"]} == {"mixed", "liere"}
+    # scale augmentation: every encoding, APE included (its table is resized to each grid)
+    scaled = {r["train_config"]["pe"] for r in runs if r["train_config"]["augment_sizes"]}
+    assert "absolute" in scaled and {"mixed", "liere"} <= scaled
     cfg = study_config("classify", quick=True, overrides={"cache_dir": str(cache), "progress": False})
     rec = RunCache(cache).get(cfg.train_config("mixed", 0))
     assert rec.cached and rec.history

@@ -232,6 +232,35 @@ def test_vitd_uses_depth_as_coordinate_and_never_propagates_nan():
     assert (model(x) - model(x2)).abs().max() > 1e-3
 
 
+def test_vitd_depth_as_input_and_coordinate():
+    """depth_input='both' (the STRING paper's ViTD): depth enters the patch embedding and the third coordinate;
+    each path alone changes the output, and both receive gradients."""
+    model = VisionTransformer(tiny(pe="cayley", modality="rgbd", in_chans=3, depth_input="both"))
+    assert model.coord_dim == 3 and model.depth_lift is not None and model.patch_embed.proj.in_channels == 4
+    x = _rgbd()
+    _, coords, _ = model.embed(x)
+    assert coords.shape == (4, 16, 3) and torch.isfinite(coords).all()
+    out = model(x)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and model.depth_lift.scale.grad != 0
+    assert model.patch_embed.proj.weight.grad[:, 3].abs().sum() > 0  # the depth channel's filter learns
+    _trained_looking(model)
+    with torch.no_grad():
+        base = model(x)
+        lift = model.depth_lift
+        a = lift.scale.detach().clone()
+        lift.scale.zero_()  # coordinate path off: only the channel sees depth
+        x2 = x.clone()
+        x2[:, 3] *= 2
+        assert (model(x2) - model(x)).abs().max() > 1e-3
+        lift.scale.copy_(a)
+        model.patch_embed.proj.weight[:, 3] = 0  # channel path off: only the coordinate sees depth
+        assert (model(x2) - model(x)).abs().max() > 1e-3
+        assert torch.isfinite(base).all()
+    with pytest.raises(ValueError, match="needs a rotary encoding"):
+        VisionTransformer(tiny(pe="none", modality="rgbd", in_chans=3, depth_input="both"))
+
+
 @pytest.mark.parametrize("pe", ["none", "absolute"])
 def test_vitd_without_rotary_encoding_takes_depth_as_a_channel(pe):
     model = VisionTransformer(tiny(pe=pe, modality="rgbd", in_chans=3))

@@ -85,14 +85,17 @@ def test_ablation_grid_is_complete():
 
 
 def test_quick_protocol_outputs(tmp_path):
-    """resolution trains both coordinate conventions, data-efficiency both budgets, video labels direction."""
+    """resolution trains the three coordinate conventions, data-efficiency both budgets, video labels direction."""
     cache = str(tmp_path / "cache")
     over = {"cache_dir": cache, "progress": False}
     res = run_experiment("resolution", out=tmp_path / "res", quick=True, overrides={**over, "pes": ["mixed"]})
     with open(tmp_path / "res" / "resolution.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert {r["coords"] for r in rows} == {"grid", "normalized"} and {r["mode"] for r in rows} == {"resize", "pad"}
-    assert "RoPE-Mixed (normalized)" in res.table
+    assert {r["coords"] for r in rows} == {"grid", "normalized", "normalized+scale"}
+    assert {r["mode"] for r in rows} == {"resize", "pad"}
+    assert {r["train_sizes"] for r in rows if r["coords"] == "normalized+scale"} == {"24 28 32"}
+    assert {r["train_sizes"] for r in rows if r["coords"] != "normalized+scale"} == {"28"}
+    assert "RoPE-Mixed (normalized)" in res.table and "RoPE-Mixed (normalized+scale)" in res.table
 
     run_experiment("data-efficiency", out=tmp_path / "de", quick=True, overrides={**over, "pes": ["absolute"]})
     with open(tmp_path / "de" / "equal-steps.csv", newline="") as f:

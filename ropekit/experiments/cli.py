@@ -90,7 +90,9 @@ _STUDY_OPTIONS = (
     ("--fractions", _floats, "fractions", "data-efficiency: fractions of the training set (default 0.1,0.25,0.5,1)"),
     ("--deltas", _floats, "deltas", "exact-vs-relaxed: coordinate-only shifts in patches for the logit sensitivity"),
     ("--shifts", _ints, "shifts", "exact-vs-relaxed: whole-patch shifts of the content on the canvas (default 0,1,2)"),
-    ("--coord-modes", _list, "coord_modes", "resolution: coordinate conventions trained (default grid,normalized)"),
+    ("--coord-modes", _list, "coord_modes", "resolution: coordinate conventions trained (grid, normalized, "
+                                           "normalized+scale)"),
+    ("--scale-sizes", _ints, "scale_sizes", "resolution: training image sizes of the normalized+scale convention"),
     ("--budgets", _list, "budgets", "data-efficiency: equal 'epochs' (always) and equal 'steps' at every fraction "
                                     "(default both)"),
     ("--groups", _list, "groups", "ablations: sharing, block, jitter (default all three)"),

@@ -136,7 +136,7 @@ def _mnist(**changes: Any) -> Dict[str, Any]:
         init_from=None,
         model_options=_arch(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
         epochs=10, batch_size=64, lr=2e-3, weight_decay=0.05, warmup_epochs=1.0, min_lr=1e-5, label_smoothing=0.0,
-        grad_clip=1.0, augment_shift=0, precision="fp32",
+        grad_clip=1.0, augment_shift=0, augment_sizes=[], precision="fp32",
     )
     train.update(changes)
     return train
@@ -170,6 +170,9 @@ def _presets(study_default: Dict[str, Any], study_gpu: Dict[str, Any], study_qui
 
 
 SEEDS = [0, 1, 2]
+#: Resolution: grid coordinates, normalised ones, and normalised ones trained with scale augmentation (each step at
+#: one image size of ``scale_sizes``: 5..9 tokens per side around the 7x7 training grid).
+_RES_MODES = ["grid", "normalized", "normalized+scale"]
 GPU_SEEDS = [0, 1, 2, 3, 4]
 
 #: Relaxed STRING with every dimension active (``active_planes = head_dim / 2``), exact and relaxed alike, so
@@ -202,9 +205,10 @@ def _video(preset: str) -> Dict[str, Any]:
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "classify": _presets(_study(ALL_PES, SEEDS), _study(ALL_PES, GPU_SEEDS), _study(QUICK_PES, [0], 200)),
     "resolution": _presets(
-        _study(["none", "absolute", "axial", "mixed", "cayley", "liere"], SEEDS, coord_modes=["grid", "normalized"]),
-        _study(ALL_PES, SEEDS, coord_modes=["grid", "normalized"]),
-        _study(QUICK_PES, [0], 200, coord_modes=["grid", "normalized"])),
+        _study(["none", "absolute", "axial", "mixed", "cayley", "liere"], SEEDS, coord_modes=_RES_MODES,
+               scale_sizes=[20, 24, 28, 32, 36]),
+        _study(ALL_PES, SEEDS, coord_modes=_RES_MODES, scale_sizes=[20, 24, 28, 32, 36]),
+        _study(QUICK_PES, [0], 200, coord_modes=_RES_MODES, scale_sizes=[24, 28, 32])),
     "offset": _presets(_study(ALL_PES, SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"]),
                        _study(ALL_PES, GPU_SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed", "cayley"]),
                        _study(QUICK_PES, [0], 200, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"])),

@@ -9,10 +9,12 @@ bilinearly by the model). Two ways to change the size, both reported:
   centrally), offsets rounded to whole patches: more tokens, the same object on the same patch boundaries.
   This separates token-count extrapolation from scale change.
 
-Each encoding is trained with both coordinate conventions (``coord_modes``): ``grid`` (integer patch indices, so
-a larger image has larger coordinates) and ``normalized`` (patch centres in ``[0, 1]``, so a larger image has a
-finer grid over the same range, as the ComRoPE protocol does). Encodings without coordinates (``none``,
-``absolute``) are trained once: the convention does not reach them.
+Each encoding is trained with up to three coordinate conventions (``coord_modes``): ``grid`` (integer patch
+indices, so a larger image has larger coordinates), ``normalized`` (patch centres in ``[0, 1]``, so a larger image
+has a finer grid over the same range) and ``normalized+scale`` (normalised coordinates *and* scale augmentation:
+every training step resizes its batch to one of ``scale_sizes``, so the model has seen several grids -- the
+ComRoPE protocol). Encodings without coordinates (``none``, ``absolute``) are trained without and, when
+``normalized+scale`` is asked for, with scale augmentation (a learned table is resized to each grid).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 __all__ = ["run_resolution", "default_sizes", "MODES", "COORD_MODES"]
 
 MODES = ("resize", "pad")
-COORD_MODES = ("grid", "normalized")
+COORD_MODES = ("grid", "normalized", "normalized+scale")
 _NO_COORDS = ("none", "absolute", "sincos")
 
 
@@ -38,17 +40,23 @@ def default_sizes(train_size: int, patch: int, quick: bool = False) -> List[int]
 
 
 def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int]] = None,
-                   coord_modes: Optional[Sequence[str]] = None) -> StudyResult:
+                   coord_modes: Optional[Sequence[str]] = None,
+                   scale_sizes: Optional[Sequence[int]] = None) -> StudyResult:
     """Train every encoding of ``cfg`` with each of ``coord_modes`` and evaluate it at ``sizes`` (default
-    the training size -2..+3 patches), resizing and padding."""
+    the training size -2..+3 patches), resizing and padding. ``scale_sizes``: the training image sizes of the
+    ``normalized+scale`` convention (default: the training size -1..+1 patches)."""
     base_pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
     coord_modes = list(coord_modes or ("grid",))
     bad = sorted(set(coord_modes) - set(COORD_MODES))
     if bad:
         raise ValueError(f"unknown coordinate convention(s) {', '.join(bad)}; known: {', '.join(COORD_MODES)}")
     # (name in the outputs, encoding, coordinate convention)
-    variants = [(pe if len(coord_modes) == 1 or pe in _NO_COORDS else f"{pe}/{cm}", pe, cm)
-                for pe in base_pes for cm in (coord_modes[:1] if pe in _NO_COORDS else coord_modes)]
+    def no_coord_modes() -> List[str]:  # without coordinates only the augmentation can differ
+        return [coord_modes[0]] + (["normalized+scale"] if "normalized+scale" in coord_modes[1:] else [])
+
+    variants = [(pe if len(coord_modes) == 1 or (pe in _NO_COORDS and cm != "normalized+scale") else f"{pe}/{cm}",
+                 pe, cm)
+                for pe in base_pes for cm in (no_coord_modes() if pe in _NO_COORDS else coord_modes)]
     pes = [v[0] for v in variants]
     ctx = StudyContext("resolution", cfg, out, total=len(variants) * len(cfg.seeds))
     probe = cfg.train_config(base_pes[0], cfg.seeds[0])
@@ -58,7 +66,13 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
     patch = None
     for pe, enc, cm in variants:
         for seed in cfg.seeds:
-            tcfg = cfg.train_config(enc, seed, coords=cm)
+            if cm == "normalized+scale":
+                p = cfg.train_config(enc, seed).patch_size or 4
+                aug = [int(v) for v in scale_sizes] if scale_sizes else [train_size + k * p for k in (-1, 0, 1)]
+                tcfg = cfg.train_config(enc, seed, coords="grid" if enc in _NO_COORDS else "normalized",
+                                        augment_sizes=aug)
+            else:
+                tcfg = cfg.train_config(enc, seed, coords=cm)
             rec = ctx.run(tcfg, f"{pe_label(enc)} ({cm}) s{seed}")
             model = rec.model()
             patch = model.cfg.patch_size
@@ -74,6 +88,7 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
                     logits = predict(model, x, batch_size=cfg.eval_batch_size)
                     grid = token_grid(model, x.shape[1:])
                     rows.append({"mode": mode, "pe": pe, "encoding": enc, "coords": cm, "seed": seed,
+                                 "train_sizes": " ".join(map(str, tcfg.augment_sizes)) or str(train_size),
                                  "image_size": size,
                                  "grid": "x".join(map(str, grid)), "num_tokens": int(_prod(grid)),
                                  "train_size": train_size, "test_acc": accuracy(logits, y),
@@ -89,8 +104,9 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
             "pad": "test images at their own scale, centred on a zero canvas of each size (cropped when smaller)"}
     parts = [f"**Resolution extrapolation** — trained at {train_size} px; test accuracy at each evaluation size "
              f"(patch {patch}, token grid in brackets), mean ± std across seeds. {headline(cfg)}. Coordinates: "
-             f"grid = integer patch indices, normalized = patch centres in [0, 1] (no scale augmentation in "
-             f"training).\n"]
+             f"grid = integer patch indices, normalized = patch centres in [0, 1], normalized+scale = normalised "
+             f"coordinates trained with scale augmentation (each step at one of "
+             f"{_scale_sizes_text(rows)} px).\n"]
     for mode in MODES:
         table_rows = [[_label(pe)] + [fmt_pm(stats[(mode, pe, s)], 3) for s in eval_sizes] for pe in pes]
         parts.append(f"*{mode}*: {what[mode]}.\n\n" + markdown_table(headers, table_rows))
@@ -103,7 +119,8 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
             st = [stats[(mode, pe, s)] for s in eval_sizes]
             ax.errorbar([s + (i - len(pes) / 2) * 0.12 for s in eval_sizes], [v["mean"] for v in st],
                         yerr=[0 if v["n"] < 2 else v["std"] for v in st], marker="o", ms=3, capsize=2,
-                        label=_label(pe), ls="--" if pe in _NO_COORDS else (":" if pe.endswith("/normalized") else "-"))
+                        label=_label(pe), ls="--" if pe in _NO_COORDS else (
+                            ":" if pe.endswith("/normalized") else "-." if pe.endswith("+scale") else "-"))
         ax.axvline(train_size, color="grey", ls=":", lw=1)
         ax.set_xticks(eval_sizes, [f"{s}\n({grids[s]})" for s in eval_sizes])
         ax.set_xlabel("evaluation image size in pixels (token grid); dotted: training size")
@@ -116,7 +133,12 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
     summary = {f"{mode}/{pe}@{s}": stats[(mode, pe, s)] for mode in MODES for pe in pes for s in eval_sizes}
     return ctx.finish(rows=rows, summary=summary, table=table, figure=fig,
                       options={"pes": pes, "sizes": eval_sizes, "train_size": train_size, "modes": list(MODES),
-                               "coord_modes": coord_modes})
+                               "coord_modes": coord_modes, "scale_sizes": scale_sizes})
+
+
+def _scale_sizes_text(rows: Sequence[Dict[str, Any]]) -> str:
+    sizes = sorted({r["train_sizes"] for r in rows if r["coords"] == "normalized+scale"})
+    return ", ".join(sizes).replace(" ", "/") if sizes else "(none trained)"
 
 
 def _label(name: str) -> str:

@@ -63,7 +63,7 @@ PAPER_SHARING: Dict[str, str] = {
     "comrope-ld": "model", "none": "model",
 }
 APE_KINDS = ("none", "learned", "sincos")
-DEPTH_INPUTS = ("auto", "coord", "channel", "ignore")
+DEPTH_INPUTS = ("auto", "coord", "channel", "both", "ignore")
 
 
 @dataclass
@@ -104,7 +104,8 @@ class ViTConfig:
         jitter: position jitter sigma in patches (training only; 0 disables).
     RGB-D:
         depth_input: ``"coord"`` (z = learnable linear function of the patch's mean valid depth, a 3-D
-            encoding), ``"channel"`` (depth as an extra input channel, invalid pixels as 0), ``"ignore"``
+            encoding), ``"channel"`` (depth as an extra input channel, invalid pixels as 0), ``"both"`` (depth
+            as an input channel *and* as the third coordinate -- the STRING paper's ViTD), ``"ignore"``
             (an RGB ViT), or ``"auto"``: ``"coord"`` with a rotary encoding, ``"channel"`` without.
         depth_scale_init: initial ``a`` of ``z = a * depth + b`` (1: from scratch; 0: fine-tuning a 2-D model).
     """
@@ -154,7 +155,7 @@ class ViTConfig:
 
     @property
     def coord_dim(self) -> int:
-        if self.modality == "video" or (self.modality == "rgbd" and self.resolved_depth_input == "coord"):
+        if self.modality == "video" or (self.modality == "rgbd" and self.resolved_depth_input in ("coord", "both")):
             return 3
         return 2
 
@@ -188,9 +189,9 @@ class ViTConfig:
             raise ValueError("depth, patch_size and tubelet_size must be >= 1")
         if self.jitter < 0:
             raise ValueError(f"jitter must be >= 0, got {self.jitter}")
-        if self.modality == "rgbd" and self.resolved_depth_input == "coord" and self.rotary is None:
-            raise ValueError(f"depth_input='coord' needs a rotary encoding; pe={self.pe!r} has no coordinate path "
-                             f"(use depth_input='channel')")
+        if self.modality == "rgbd" and self.resolved_depth_input in ("coord", "both") and self.rotary is None:
+            raise ValueError(f"depth_input={self.resolved_depth_input!r} needs a rotary encoding; pe={self.pe!r} has "
+                             f"no coordinate path (use depth_input='channel')")
         if self.rotary is None and self.pe_options:
             raise ValueError(f"pe={self.pe!r} takes no encoding options, got {sorted(self.pe_options)}")
         return self
@@ -326,9 +327,9 @@ class VisionTransformer(nn.Module):
         if cfg.modality == "video":
             self.patch_embed: nn.Module = TubeletEmbed(cfg.tubelet_size, cfg.patch_size, cfg.in_chans, dim)
         else:
-            extra = 1 if cfg.modality == "rgbd" and cfg.depth_input == "channel" else 0
+            extra = 1 if cfg.modality == "rgbd" and cfg.depth_input in ("channel", "both") else 0
             self.patch_embed = PatchEmbed(cfg.patch_size, cfg.in_chans + extra, dim)
-            if cfg.modality == "rgbd" and cfg.depth_input == "coord":
+            if cfg.modality == "rgbd" and cfg.depth_input in ("coord", "both"):
                 self.depth_lift = DepthLift(cfg.depth_scale_init)
         self.coord_dim = cfg.coord_dim
 
@@ -454,13 +455,13 @@ class VisionTransformer(nn.Module):
                 raise ValueError(f"RGB-D input must be (B, {cfg.in_chans + 1}, H, W) (colour then depth), "
                                  f"got {tuple(x.shape)}")
             rgb, depth = x[:, :cfg.in_chans], x[:, cfg.in_chans]  # (B, C, H, W), (B, H, W)
-            if cfg.depth_input == "channel":
-                depth = torch.where(valid_depth_mask(depth), depth, torch.zeros_like(depth))
-                tokens, grid = self.patch_embed(torch.cat([rgb, depth[:, None]], dim=1))
+            if cfg.depth_input in ("channel", "both"):
+                masked = torch.where(valid_depth_mask(depth), depth, torch.zeros_like(depth))
+                tokens, grid = self.patch_embed(torch.cat([rgb, masked[:, None]], dim=1))
             else:
                 tokens, grid = self.patch_embed(rgb)
-                if self.depth_lift is not None:
-                    z = self.depth_lift(depth.float(), cfg.patch_size)  # (B, M)
+            if self.depth_lift is not None:
+                z = self.depth_lift(depth.float(), cfg.patch_size)  # (B, M)
         else:
             tokens, grid = self.patch_embed(x)  # (B, M, D)
         if self.ape is not None:

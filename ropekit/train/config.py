@@ -42,7 +42,9 @@ class TrainConfig:
     Optimisation:
         epochs, batch_size (global, split over DDP ranks), lr (peak), weight_decay, warmup_epochs, min_lr,
         label_smoothing, grad_clip (0 disables), augment_shift (random translation by up to this many pixels,
-        zero fill; 0 disables).
+        zero fill; 0 disables), augment_sizes (scale augmentation: each step resizes its batch to one image size
+        drawn from this list -- bilinear, antialiased when shrinking -- so the model trains on several token
+        grids; ``[]`` disables; images only).
     Run:
         seed, out (run folder; ``None``: ``runs/<data>-<pe>-<model>-s<seed>-<time>``), device (``auto``, ``cpu``,
         ``cuda``...), precision (``fp32``, ``bf16`` or ``fp16`` autocast), compile (``torch.compile`` the model: ``True`` or a
@@ -84,6 +86,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     grad_clip: float = 0.0
     augment_shift: int = 1
+    augment_sizes: List[int] = field(default_factory=list)
 
     seed: int = 0
     out: Optional[str] = None
@@ -156,6 +159,12 @@ class TrainConfig:
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.augment_sizes):
+            raise ValueError(f"augment_sizes must be a list of positive image sizes, got {self.augment_sizes!r}")
+        if self.patch_size is not None:
+            bad = [v for v in self.augment_sizes if v % self.patch_size]
+            if bad:
+                raise ValueError("augment_sizes: " + _not_divisible(bad[0], self.patch_size))
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not math.isfinite(self.depth_scale_init):

@@ -41,7 +41,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from ..encodings.counting import count_parameters
 from ..nn.vit import ViTConfig, VisionTransformer
 from . import engine
-from .augment import random_shift
+from .augment import random_resize, random_shift
 from .engine import seed_everything
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
 from .config import TrainConfig, build_vit_config
@@ -282,6 +282,9 @@ class ClassificationTask:
                  ctx: DistContext, label: str, quiet: bool = False) -> None:
         self.cfg, self.model, self.train_ds, self.test_ds = cfg, model, train_ds, test_ds
         self.label, self.quiet = label, quiet
+        modality = getattr(getattr(model, "cfg", None), "modality", "image")
+        if cfg.augment_sizes and modality != "image":
+            raise ValueError(f"augment_sizes (scale augmentation) works on images only; this data is {modality}")
         self.per_rank_bs = max(1, cfg.batch_size // ctx.world_size)
         self.sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
                                           seed=cfg.seed, drop_last=False)
@@ -295,6 +298,7 @@ class ClassificationTask:
     def loss(self, model: nn.Module, batch: List[int], device: torch.device) -> Tuple[Tensor, Dict[str, float]]:
         x, y = fetch_batch(self.train_ds, batch)
         x = random_shift(x, self.cfg.augment_shift)
+        x = random_resize(x, self.cfg.augment_sizes)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(x)
         loss = F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.label_smoothing)
