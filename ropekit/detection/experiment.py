@@ -1,41 +1,53 @@
-"""``ropekit experiment detect3d``: 3-D box detection from RGB vs RGB-D for each position encoding.
+"""``ropekit experiment detect3d``: 3-D box detection from RGB (ViT) vs RGB-D (ViTD) for each position encoding.
+
+The STRING paper's comparison: a ViT on colour against a ViTD that feeds depth into the network as a fourth
+input channel and -- for a rotary encoding -- also uses it as the third coordinate ``z`` of a 3-D encoding of
+``(y, x, z)``; encodings without a coordinate path (APE, NoPE) get depth as a channel only.  Beside it, the
+ablation for the rotary encodings: depth as an input channel only (``rgbd-channel``) against input and
+coordinate (``rgbd``); depth as a coordinate only (``rgbd-coord``, blind to absolute distance with a commuting
+encoding) is available as an input but not trained by default.
 
 For every encoding × input × seed the same detector (:mod:`ropekit.detection.model`) is trained on the same
 cached scenes with the same schedule -- only the encoding, the input and the seed change -- and evaluated on a
 held-out scene stream (every object; mean 3-D IoU of Hungarian-matched pairs and mAP at 3-D IoU 0.25 / 0.5,
-Monte Carlo IoU with ``iou_samples`` points per predicted box).  The output directory gets:
+Monte Carlo IoU).  Every setting comes from a pinned recipe (:mod:`ropekit.detection.recipes`: ``default``
+for a 2-core CPU, ``gpu``, ``quick``).  The output directory gets:
 
-* ``runs/<encoding>-<input>-s<seed>/``: ``config.json`` (resolved detector + training + data settings),
-  ``curve.csv`` (training losses), ``metrics.json``, ``model.pt`` (state dict; git-ignored);
-* the layout of the other ``ropekit experiment`` studies: ``detect3d.csv`` (one row per run),
-  ``detect3d.json`` (the rows, the summary and the settings), ``table.md`` (per encoding × input, mean ±
-  sample standard deviation over seeds and the best seed -- Hungarian training sometimes sticks in a poor
-  minimum), ``detect3d.png`` (bars of the three metrics), ``config.json`` (settings, command line, a key per
-  run);
-* ``summary.csv``, ``training.png`` (loss curves), ``examples.png`` (test scenes with predicted (blue) and
-  true (green) boxes) and ``command.txt`` (the command line).
+* ``runs/<encoding>-<input>-s<seed>/``: ``config.json`` (the run's settings and resolved detector),
+  ``curve.csv`` (training losses and, every ``log_every`` steps, ``val_mean_iou``: the mean IoU on the first
+  ``val_scenes`` test scenes -- the learning curve), ``metrics.json``, ``errors.json``, ``model.pt`` (state dict;
+  git-ignored);
+* ``detect3d.csv`` (one row per run), ``detect3d.json`` (rows, summary, paired differences, settings),
+  ``summary.csv``, ``table.md`` (per encoding × input: mean ± sample standard deviation over seeds and the best
+  seed; differences paired by seed; the error breakdown; how far each learning curve had levelled off),
+  ``detect3d.png`` (bars of the three metrics), ``iou_curve.png`` (held-out mean IoU against step),
+  ``training.png`` (loss curves), ``examples.png`` (test scenes with predicted (blue) and true (green) boxes),
+  ``config.json`` (study, preset, the complete recipe, the command and every run's settings: what
+  :func:`ropekit.experiments.recipes.compare_with_committed` checks) and ``command.txt``.
 
-A run whose ``metrics.json`` exists with the same settings is not trained again, so an interrupted experiment
-resumes where it stopped.  Scenes are rendered once into ``cache_dir`` (npz shards, outside git).
+A run whose ``metrics.json`` holds the same settings is not trained again, so an interrupted study resumes
+where it stopped.  Each run is trained under a lock on its folder, and the scenes are rendered under a lock on
+the cache: two processes started on the same ``--out`` share the runs between them (a run the other process
+holds is taken up at the end, read back once it is done), and both finish with the complete report.
 
 Python entry point::
 
-    from ropekit.detection.experiment import Detect3DConfig, run_detect3d
-    summary = run_detect3d(Detect3DConfig(encodings=("none", "cayley"), seeds=(0,), out="runs/d3"))
+    from ropekit.detection.experiment import preset_config, run_detect3d
+    summary = run_detect3d(preset_config("quick", out="runs/d3"))
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import dataclasses
 import hashlib
 import json
-import math
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -43,47 +55,61 @@ import numpy as np
 import torch
 
 from ..encodings.counting import count_parameters
-from .model import BOX_PARAMS, INPUTS, INTRINSICS, Detector3D, detector_config
-from .scenes import CLASS_NAMES, SceneSet, generate_scenes
+from ..experiments.recipes import PRESETS
+from .model import BOX_PARAMS, INPUTS, INTRINSICS, Detector3D, depth_input_of, detector_config, is_rotary
+from .recipes import check_recipe, recipe
+from .scenes import CLASS_NAMES, SceneConfig, SceneSet, generate_scenes
 from .train import DetTrainConfig, evaluate_detector, matched_errors, mean_box, predict, seed_everything, train_detector
 
-__all__ = ["Detect3DConfig", "quick_config", "run_detect3d", "run_study", "add_arguments", "run", "main",
-           "INPUT_LABELS"]
+__all__ = ["Detect3DConfig", "config_from_recipe", "preset_config", "quick_config", "planned_runs", "run_settings",
+           "build_detector", "run_detect3d", "run_study", "add_arguments", "run", "main", "INPUT_LABELS"]
 
-DEFAULT_ENCODINGS = ("none", "axial", "mixed", "cayley", "circulant")
-INPUT_LABELS = {"rgb": "RGB (ViT)", "rgbd": "RGB-D (ViTD)", "rgbd-channel": "RGB-D (depth channel)"}
+#: Column titles: the paper's ViT and ViTD, and the two ablations of ViTD.
+INPUT_LABELS = {"rgb": "ViT (RGB)", "rgbd": "ViTD (depth as input + coordinate)", "rgbd-channel": "depth as input only",
+                "rgbd-coord": "depth as coordinate only"}
 METRICS = ("mean_iou", "mAP@0.25", "mAP@0.5")
 ERRORS = ("lateral_err", "depth_err", "size_err", "rot_err_deg", "class_acc")
 
 
 @dataclass
 class Detect3DConfig:
-    """Settings of the whole study (saved with each run)."""
+    """Settings of the whole study: the pinned recipe of a preset (:mod:`ropekit.detection.recipes`) plus how
+    it runs.  Build it with :func:`config_from_recipe`; nothing here has a default that could change what is
+    learned.
 
-    encodings: Tuple[str, ...] = DEFAULT_ENCODINGS
-    inputs: Tuple[str, ...] = ("rgb", "rgbd")
-    seeds: Tuple[int, ...] = (0, 1, 2)
-    # data
-    n_train: int = 8000
-    n_test: int = 500
-    image_size: int = 64
-    scene_seed: int = 0  # training scenes use this stream, test scenes the stream scene_seed + 1
-    workers: int = 2
-    cache_dir: str = ".cache/scenes"
-    # model
-    model_size: str = "tiny"
-    layers: int = 4
-    patch_size: int = 8
-    intrinsics: str = "focal"
-    box_param: str = "ray"
-    depth_scale_init: float = 5.0
-    # training / evaluation
-    train: DetTrainConfig = field(default_factory=DetTrainConfig)
-    # output
+    Recipe (saved with each run): ``encodings``, ``inputs`` (:data:`~ropekit.detection.model.INPUTS`),
+    ``seeds``; the data (``n_train``, ``n_test``, ``image_size``, ``scene_seed``: training scenes use this stream,
+    test scenes the stream ``scene_seed + 1``; ``scenes``: every :class:`SceneConfig` field); the detector
+    (``intrinsics``, ``box_param``, ``head_hidden``, ``backbone``: every architecture and position field of
+    :class:`~ropekit.nn.ViTConfig` but ``pe`` and ``depth_input``, ``pe_overrides``: backbone fields per
+    encoding); ``train`` and ``precision``.
+    Running (not saved as recipe): ``preset`` (its name, recorded), ``out``, ``cache_dir`` (rendered scenes),
+    ``workers`` (rendering processes), ``num_examples``, ``threads`` (torch CPU threads, 0: leave as is),
+    ``device`` (``"auto"``: CUDA when available).
+    """
+
+    encodings: Tuple[str, ...]
+    inputs: Tuple[str, ...]
+    seeds: Tuple[int, ...]
+    n_train: int
+    n_test: int
+    image_size: int
+    scene_seed: int
+    scenes: Dict[str, Any]
+    intrinsics: str
+    box_param: str
+    head_hidden: int
+    backbone: Dict[str, Any]
+    pe_overrides: Dict[str, Dict[str, Any]]
+    train: DetTrainConfig
+    precision: str
+    preset: str = "custom"
     out: str = "runs/detect3d"
+    cache_dir: str = ".cache/scenes"
+    workers: int = 2
     num_examples: int = 4
-    threads: int = 0  # torch threads (0: leave torch's default)
-    quick: bool = False
+    threads: int = 0
+    device: str = "auto"
 
     def validate(self) -> "Detect3DConfig":
         from .. import list_pes
@@ -103,7 +129,22 @@ class Detect3DConfig:
             raise ValueError("need at least one seed")
         if self.n_train < 1 or self.n_test < 1:
             raise ValueError("n_train and n_test must be >= 1")
+        if not planned_runs(self):
+            raise ValueError(f"no run: inputs {', '.join(self.inputs)} do not apply to encodings "
+                             f"{', '.join(self.encodings)}")
         return self
+
+    def recipe(self) -> Dict[str, Any]:
+        """The recipe this configuration runs (the format of :func:`ropekit.detection.recipes.recipe`)."""
+        train = self.train.to_dict()
+        for k in ("seed", "eval_batch_size"):
+            train.pop(k)
+        return json.loads(json.dumps({
+            "encodings": list(self.encodings), "inputs": list(self.inputs), "seeds": list(self.seeds),
+            "n_train": self.n_train, "n_test": self.n_test, "image_size": self.image_size,
+            "scene_seed": self.scene_seed, "scenes": self.scenes, "intrinsics": self.intrinsics,
+            "box_param": self.box_param, "head_hidden": self.head_hidden, "backbone": self.backbone,
+            "pe_overrides": self.pe_overrides, "train": {**train, "precision": self.precision}}))
 
     def to_dict(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -112,15 +153,62 @@ class Detect3DConfig:
             d[k] = list(d[k])
         return d
 
+    def scene_config(self) -> SceneConfig:
+        """The :class:`SceneConfig` of ``scenes`` (lists become the tuples the dataclass holds)."""
+        return SceneConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in self.scenes.items()})
+
+
+def config_from_recipe(r: Dict[str, Any], **running: Any) -> Detect3DConfig:
+    """The :class:`Detect3DConfig` of recipe ``r`` (checked complete) with the running settings ``running``
+    (``preset``, ``out``, ``cache_dir``, ``workers``, ``num_examples``, ``threads``, ``device``).
+
+    Raises:
+        ValueError: an incomplete recipe, an unknown encoding or input, or no run to train.
+    """
+    r = check_recipe(copy.deepcopy(r))
+    train = dict(r["train"])
+    precision = train.pop("precision")
+    train["iou_thresholds"] = tuple(train["iou_thresholds"])
+    return Detect3DConfig(
+        encodings=tuple(r["encodings"]), inputs=tuple(r["inputs"]), seeds=tuple(int(s) for s in r["seeds"]),
+        n_train=r["n_train"], n_test=r["n_test"], image_size=r["image_size"], scene_seed=r["scene_seed"],
+        scenes=r["scenes"], intrinsics=r["intrinsics"], box_param=r["box_param"], head_hidden=r["head_hidden"],
+        backbone=r["backbone"], pe_overrides=r["pe_overrides"], train=DetTrainConfig(seed=0, **train),
+        precision=precision, **running).validate()
+
+
+def preset_config(preset: str = "default", **running: Any) -> Detect3DConfig:
+    """:func:`config_from_recipe` of the pinned recipe of ``preset`` (``default``, ``gpu``, ``quick``)."""
+    return config_from_recipe(recipe(preset), preset=preset, **running)
+
 
 def quick_config(out: str = "runs/detect3d-quick", cache_dir: str = ".cache/scenes") -> Detect3DConfig:
-    """The ``--quick`` (CI) setting: 32 + 8 scenes of 32×32, 2 encodings × 2 inputs × 1 seed, 3 steps."""
-    return Detect3DConfig(
-        encodings=("none", "cayley"), inputs=("rgb", "rgbd"), seeds=(0,), n_train=32, n_test=8, image_size=32,
-        workers=1, cache_dir=cache_dir, layers=2, patch_size=8, out=out, num_examples=2, quick=True,
-        train=DetTrainConfig(steps=3, batch_size=8, warmup_steps=1, log_every=1, eval_batch_size=8,
-                             iou_samples=256),
-    )
+    """The ``quick`` preset (tests and CI): 32 + 8 scenes of 32×32, 2 encodings × 3 inputs × 1 seed, 3 steps."""
+    return preset_config("quick", out=out, cache_dir=cache_dir, workers=1, num_examples=2)
+
+
+def planned_runs(cfg: Detect3DConfig) -> List[Tuple[str, str]]:
+    """The ``(encoding, input)`` pairs the study trains, inputs outer: every input applies to a rotary encoding;
+    an encoding without a coordinate path (``none``, ``absolute``) has no ``rgbd-coord`` model, and its
+    ``rgbd-channel`` model is its ``rgbd`` one (depth as a channel either way), so it is trained once."""
+    out = []
+    for inp in cfg.inputs:
+        for enc in cfg.encodings:
+            if inp in ("rgbd-channel", "rgbd-coord") and not is_rotary(enc):
+                continue
+            out.append((enc, inp))
+    return out
+
+
+def run_settings(cfg: Detect3DConfig, enc: str, inp: str, seed: int) -> Dict[str, Any]:
+    """Everything that defines run ``(enc, inp, seed)`` -- what its ``metrics.json`` must match to be reused and
+    what the committed ``config.json`` records for it."""
+    r = cfg.recipe()
+    return {"encoding": enc, "input": inp, "seed": int(seed), "depth_input": depth_input_of(enc, inp),
+            "data": {k: r[k] for k in ("n_train", "n_test", "image_size", "scene_seed", "scenes")},
+            "detector": {k: r[k] for k in ("intrinsics", "box_param", "head_hidden")},
+            "backbone": {**r["backbone"], **r["pe_overrides"].get(enc, {})},
+            "train": {**r["train"], "seed": int(seed)}}
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -157,26 +245,58 @@ def _run_name(enc: str, inp: str, seed: int) -> str:
     return f"{enc}-{inp}-s{seed}"
 
 
-def _depth_label(cfg: Detect3DConfig, enc: str, inp: str) -> str:
-    """How depth reaches the model: ``-`` (RGB), ``coordinate`` or ``channel``."""
-    if inp == "rgb":
-        return "-"
-    return detector_config(enc, inp, image_size=cfg.image_size, patch_size=cfg.patch_size).vit.resolved().depth_input \
-        .replace("coord", "coordinate")
+#: How depth reaches the backbone, by its ``depth_input`` (``None``: an RGB model).
+DEPTH_AS = {None: "-", "both": "input + coordinate", "channel": "input", "coord": "coordinate"}
+
+
+def _depth_label(enc: str, inp: str) -> str:
+    """How depth reaches the model: ``-`` (RGB), ``input + coordinate``, ``input`` or ``coordinate``."""
+    return DEPTH_AS[depth_input_of(enc, inp)]
+
+
+class _RenderLock:
+    """A blocking ``flock`` on ``<cache_dir>/.render.lock``: two study processes sharing a scene cache render
+    each scene set once -- the second waits, then loads the shards the first wrote."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.path = Path(cache_dir) / ".render.lock"
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "_RenderLock":
+        import fcntl
+        import os
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import fcntl
+        import os
+
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
 
 
 def load_scenes(cfg: Detect3DConfig, progress: bool = True) -> Tuple[SceneSet, SceneSet]:
-    """The training and test scenes (rendered once into ``cfg.cache_dir``)."""
-    kw = dict(size=cfg.image_size, workers=cfg.workers, cache_dir=cfg.cache_dir, progress=progress)
-    train = generate_scenes(cfg.n_train, seed=cfg.scene_seed, **kw)
-    test = generate_scenes(cfg.n_test, seed=cfg.scene_seed + 1, **kw)
+    """The training and test scenes (rendered once into ``cfg.cache_dir``, one process at a time)."""
+    kw = dict(size=cfg.image_size, workers=cfg.workers, cache_dir=cfg.cache_dir, progress=progress,
+              config=cfg.scene_config())
+    with _RenderLock(cfg.cache_dir):
+        train = generate_scenes(cfg.n_train, seed=cfg.scene_seed, **kw)
+        test = generate_scenes(cfg.n_test, seed=cfg.scene_seed + 1, **kw)
     return train, test
 
 
-def _build(cfg: Detect3DConfig, enc: str, inp: str) -> Detector3D:
-    dcfg = detector_config(enc, inp, size=cfg.model_size, num_classes=len(CLASS_NAMES), image_size=cfg.image_size,
-                           patch_size=cfg.patch_size, intrinsics=cfg.intrinsics, box_param=cfg.box_param,
-                           depth_scale_init=cfg.depth_scale_init, depth=cfg.layers)
+def build_detector(cfg: Detect3DConfig, enc: str, inp: str) -> Detector3D:
+    """The (untrained) detector of encoding ``enc`` and input ``inp``: every backbone field from the recipe
+    (``backbone`` with the encoding's ``pe_overrides``), ``pe`` and ``depth_input`` from the run."""
+    bb = {**cfg.backbone, **cfg.pe_overrides.get(enc, {})}
+    rest = {k: copy.deepcopy(v) for k, v in bb.items() if k not in ("patch_size", "depth_scale_init")}
+    dcfg = detector_config(enc, inp, num_classes=len(CLASS_NAMES), image_size=cfg.image_size,
+                           patch_size=bb["patch_size"], intrinsics=cfg.intrinsics, box_param=cfg.box_param,
+                           head_hidden=cfg.head_hidden, depth_scale_init=bb["depth_scale_init"], **rest)
     return Detector3D(dcfg)
 
 
@@ -185,10 +305,16 @@ def _load_trained(cfg: Detect3DConfig, enc: str, inp: str, seed: int) -> Detecto
 
     ``weights_only=True``: the file is read as tensors only, so a tampered ``model.pt`` cannot run code.
     """
-    model = _build(cfg, enc, inp)
+    model = build_detector(cfg, enc, inp)
     path = Path(cfg.out) / "runs" / _run_name(enc, inp, seed) / "model.pt"
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    return model
+    return model.to(_device(cfg))
+
+
+def _device(cfg: Detect3DConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
 
 
 def _log(msg: str) -> None:
@@ -200,35 +326,42 @@ def _log(msg: str) -> None:
 
 def train_one(cfg: Detect3DConfig, enc: str, inp: str, seed: int, train_set: SceneSet, test_set: SceneSet,
               run_dir: Path) -> Dict[str, Any]:
-    """Train and evaluate one detector; write its run directory; return its result row."""
+    """Train and evaluate one detector; write its run directory; return its result row.
+
+    A run whose ``metrics.json`` holds the same :func:`run_settings` is read back instead.  The learning curve
+    (``val_mean_iou`` in ``curve.csv``) is measured on the first ``train.val_scenes`` test scenes.
+    """
+    from ..train import engine
+
     tcfg = dataclasses.replace(cfg.train, seed=seed)
-    settings = {"study": {k: v for k, v in cfg.to_dict().items() if k not in ("train", "out", "seeds", "encodings",
-                                                                              "inputs", "threads", "workers",
-                                                                              "num_examples", "cache_dir")},
-                "train": tcfg.to_dict(), "encoding": enc, "input": inp, "seed": seed}
+    settings = json.loads(json.dumps(run_settings(cfg, enc, inp, seed), default=_json_default))
     metrics_path = run_dir / "metrics.json"
     if metrics_path.exists():
         old = json.loads(metrics_path.read_text())
-        if old.get("settings") == json.loads(json.dumps(settings, default=_json_default)):
+        if old.get("settings") == settings:
             _log(f"{run_dir.name}: done before, skipped")
             return old["row"]
     seed_everything(seed)
-    model = _build(cfg, enc, inp)
+    model = build_detector(cfg, enc, inp)
     model.init_box_prior(mean_box(train_set))
     n_params = count_parameters(model)  # encodings by their effective count
-    _write_json(run_dir / "config.json", {"detector": model.cfg.to_dict(), **settings, "parameters": n_params})
+    _write_json(run_dir / "config.json", {"detector": model.cfg.to_dict(), "settings": settings,
+                                          "parameters": n_params})
+    device = _device(cfg)
+    opts = engine.EngineOptions(device=str(device), precision=cfg.precision, progress=False, tensorboard=False)
     t0 = time.perf_counter()
-    rows = train_detector(model, train_set, tcfg)
+    rows = train_detector(model, train_set, tcfg, options=opts, val_scenes=test_set)
     train_s = time.perf_counter() - t0
     _write_csv(run_dir / "curve.csv", rows)
     torch.save(model.state_dict(), run_dir / "model.pt")
     t1 = time.perf_counter()
-    metrics = evaluate_detector(model, test_set, tcfg, seed=0)
+    metrics = evaluate_detector(model.to(device), test_set, tcfg, seed=0)
     eval_s = time.perf_counter() - t1
-    row = {"encoding": enc, "input": inp, "depth_as": _depth_label(cfg, enc, inp), "seed": seed,
+    row = {"encoding": enc, "input": inp, "depth_as": _depth_label(enc, inp), "seed": seed,
            "mean_iou": metrics["mean_iou"], "mAP@0.25": metrics["mAP@0.25"], "mAP@0.5": metrics["mAP@0.5"],
            "test_loss": metrics["loss"], "final_train_loss": rows[-1]["loss"] if rows else float("nan"),
-           "train_seconds": train_s, "eval_seconds": eval_s, "parameters": n_params}
+           **curve_summary(rows), "train_seconds": train_s, "eval_seconds": eval_s, "parameters": n_params,
+           "device": str(device)}
     if model.backbone.depth_lift is not None:
         row["depth_scale"] = float(model.backbone.depth_lift.scale.detach())
     _write_json(metrics_path, {"row": row, "metrics": metrics, "curve": rows, "settings": settings})
@@ -237,12 +370,25 @@ def train_one(cfg: Detect3DConfig, enc: str, inp: str, seed: int, train_set: Sce
     return row
 
 
+def curve_summary(rows: Sequence[Dict[str, Any]]) -> Dict[str, float]:
+    """How far the learning curve had levelled off: ``val_iou_final`` (the last ``val_mean_iou``) and
+    ``val_iou_last_quarter`` (its change over the last quarter of the steps: the last value minus the one
+    logged closest to 75 % of the run; NaN without a curve)."""
+    pts = [(r["step"], r["val_mean_iou"]) for r in rows if "val_mean_iou" in r]
+    if not pts:
+        return {"val_iou_final": float("nan"), "val_iou_last_quarter": float("nan")}
+    last_step, last = pts[-1]
+    ref = min(pts, key=lambda p: abs(p[0] - 0.75 * last_step))[1]
+    return {"val_iou_final": float(last), "val_iou_last_quarter": float(last - ref)}
+
+
 # --------------------------------------------------------------------------------------------- summary
 
 
 def summarise(runs: Sequence[Dict[str, Any]], encodings: Sequence[str], inputs: Sequence[str]) -> List[Dict[str, Any]]:
     """Per encoding × input: ``<metric>_mean``, ``<metric>_std`` (sample std over seeds, 0 for one seed),
-    ``<metric>_best``, ``<metric>_min``, the best seed by mean IoU and the number of seeds."""
+    ``<metric>_best``, ``<metric>_min``, the means of the error breakdown and of the learning-curve summary
+    (:func:`curve_summary`), the best seed by mean IoU and the number of seeds."""
     out = []
     for enc in encodings:
         for inp in inputs:
@@ -256,7 +402,7 @@ def summarise(runs: Sequence[Dict[str, Any]], encodings: Sequence[str], inputs: 
                 s[f"{m}_std"] = float(np.nanstd(v, ddof=1)) if np.isfinite(v).sum() > 1 else 0.0
                 s[f"{m}_best"] = float(np.nanmax(v)) if np.isfinite(v).any() else float("nan")
                 s[f"{m}_min"] = float(np.nanmin(v)) if np.isfinite(v).any() else float("nan")
-            for m in ERRORS + ("depth_err_const",):
+            for m in ERRORS + ("depth_err_const", "val_iou_final", "val_iou_last_quarter"):
                 v = np.array([r.get(m, np.nan) for r in rs], float)
                 s[f"{m}_mean"] = float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
             s["best_seed"] = int(max(rs, key=lambda r: r["mean_iou"])["seed"])
@@ -264,29 +410,66 @@ def summarise(runs: Sequence[Dict[str, Any]], encodings: Sequence[str], inputs: 
     return out
 
 
-def markdown_table(summary: Sequence[Dict[str, Any]], encodings: Sequence[str], inputs: Sequence[str]) -> str:
-    """Tables of mean 3-D IoU and mAP@0.25 / 0.5: ``mean ± std (best)`` per encoding (rows) and input (columns)."""
+def paired_differences(runs: Sequence[Dict[str, Any]], encodings: Sequence[str],
+                       pairs: Sequence[Tuple[str, str]]) -> List[Dict[str, Any]]:
+    """Mean IoU differences paired by seed: for each encoding and each ``(a, b)`` input pair with runs of both at
+    some seed, ``diff_mean`` / ``diff_std`` (sample std, 0 for one seed) of ``IoU(a) − IoU(b)`` and ``seeds``."""
+    out = []
+    for enc in encodings:
+        for a, b in pairs:
+            va = {r["seed"]: r["mean_iou"] for r in runs if r["encoding"] == enc and r["input"] == a}
+            vb = {r["seed"]: r["mean_iou"] for r in runs if r["encoding"] == enc and r["input"] == b}
+            d = np.array([va[k] - vb[k] for k in sorted(set(va) & set(vb))], float)
+            if len(d):
+                out.append({"encoding": enc, "a": a, "b": b, "seeds": len(d), "diff_mean": float(d.mean()),
+                            "diff_std": float(d.std(ddof=1)) if len(d) > 1 else 0.0})
+    return out
+
+
+def _cell(s: Dict[str, Any], m: str) -> str:
+    spread = f" ± {s[f'{m}_std']:.3f}" if s["seeds"] > 1 else ""
+    return f"{s[f'{m}_mean']:.3f}{spread} ({s[f'{m}_best']:.3f})"
+
+
+def _grid(encodings: Sequence[str], inputs: Sequence[str], find: Any, cell: Any) -> List[str]:
+    """A markdown table, one row per encoding and one column per input, of ``cell(enc, inp, summary or None)``,
+    then an empty line."""
+    lines = ["| encoding | " + " | ".join(INPUT_LABELS.get(i, i) for i in inputs) + " |",
+             "|---|" + "---|" * len(inputs)]
+    lines += [f"| {enc} | " + " | ".join(cell(enc, inp, find(enc, inp)) for inp in inputs) + " |" for enc in encodings]
+    return lines + [""]
+
+
+def markdown_table(summary: Sequence[Dict[str, Any]], encodings: Sequence[str], inputs: Sequence[str],
+                   differences: Sequence[Dict[str, Any]] = ()) -> str:
+    """Tables of mean 3-D IoU and mAP@0.25 / 0.5 (``mean ± std (best)`` per encoding and input), the paired
+    differences, the error breakdown and the learning-curve check."""
+    def find(enc: str, inp: str) -> Optional[Dict[str, Any]]:
+        return next((r for r in summary if r["encoding"] == enc and r["input"] == inp), None)
+
     lines = []
     for m, title in (("mean_iou", "Mean 3-D IoU (Hungarian-matched, every test object)"),
                      ("mAP@0.25", "mAP at 3-D IoU 0.25"), ("mAP@0.5", "mAP at 3-D IoU 0.5")):
-        lines += [f"**{title}** — mean ± std over seeds (best seed)", ""]
-        lines.append("| encoding | " + " | ".join(INPUT_LABELS.get(i, i) for i in inputs) + " |")
-        lines.append("|---|" + "---|" * len(inputs))
-        for enc in encodings:
-            cells = []
-            for inp in inputs:
-                s = next((r for r in summary if r["encoding"] == enc and r["input"] == inp), None)
-                if s is None:
-                    cells.append("–")
-                    continue
-                spread = f" ± {s[f'{m}_std']:.3f}" if s["seeds"] > 1 else ""
-                cell = f"{s[f'{m}_mean']:.3f}{spread} ({s[f'{m}_best']:.3f})"
-                if inp != "rgb" and s["depth_as"] == "channel" and inp == "rgbd":
-                    cell += " †"
-                cells.append(cell)
-            lines.append(f"| {enc} | " + " | ".join(cells) + " |")
+        def metric_cell(enc: str, inp: str, s: Optional[Dict[str, Any]]) -> str:
+            if s is not None:
+                return _cell(s, m) + (" †" if inp == "rgbd" and not is_rotary(enc) else "")
+            if inp == "rgbd-channel" and not is_rotary(enc) and find(enc, "rgbd") is not None:
+                return "= ViTD †"
+            return "–"
+
+        lines += [f"**{title}** — mean ± std over seeds (best seed)", ""] + _grid(encodings, inputs, find, metric_cell)
+    if any(not is_rotary(e) for e in encodings) and any(i != "rgb" for i in inputs):
+        lines += ["† no coordinate path (NoPE, APE): depth enters as a fourth input channel only, so the ViTD and "
+                  "the depth-as-input model are one model.", ""]
+    if differences:
+        lines += ["**Paired differences of mean IoU** (same seed) — mean ± std over seeds", ""]
+        lines.append("| encoding | comparison | difference | seeds |")
+        lines.append("|---|---|---:|---:|")
+        for d in differences:
+            lines.append(f"| {d['encoding']} | {INPUT_LABELS.get(d['a'], d['a'])} − {INPUT_LABELS.get(d['b'], d['b'])} "
+                         f"| {d['diff_mean']:+.3f} ± {d['diff_std']:.3f} | {d['seeds']} |")
         lines.append("")
-    if any(f"{ERRORS[0]}_mean" in s for s in summary):
+    if any(np.isfinite(s.get(f"{ERRORS[0]}_mean", np.nan)) for s in summary):
         lines += ["**Where the boxes go wrong** — Hungarian-matched pairs, mean over seeds: centre error across "
                   "(lateral) and along (depth) the optical axis and size error in cm, rotation error in degrees, "
                   "matched class accuracy", ""]
@@ -294,7 +477,7 @@ def markdown_table(summary: Sequence[Dict[str, Any]], encodings: Sequence[str], 
         lines.append("|---|---|---|---:|---:|---:|---:|---:|")
         for enc in encodings:
             for inp in inputs:
-                s = next((r for r in summary if r["encoding"] == enc and r["input"] == inp), None)
+                s = find(enc, inp)
                 if s is None:
                     continue
                 lines.append(f"| {enc} | {INPUT_LABELS.get(inp, inp)} | {s['depth_as']} | "
@@ -304,9 +487,11 @@ def markdown_table(summary: Sequence[Dict[str, Any]], encodings: Sequence[str], 
         const = np.nanmean([s.get("depth_err_const_mean", np.nan) for s in summary])
         lines += ["", f"For scale: always answering the median object depth of the test scenes gives a depth error "
                       f"of {100 * const:.1f} cm.", ""]
-    if any(s["depth_as"] == "channel" and s["input"] == "rgbd" for s in summary):
-        lines.append("† no coordinate path: depth enters as a fourth input channel.")
-        lines.append("")
+    if any(np.isfinite(s.get("val_iou_final_mean", np.nan)) for s in summary):
+        lines += ["**Learning curve** — held-out mean IoU at the last step, and its change over the last quarter of "
+                  "the steps (mean over seeds; `iou_curve.png`)", ""]
+        lines += _grid(encodings, inputs, find, lambda enc, inp, s: "–" if s is None else
+                       f"{s['val_iou_final_mean']:.3f} ({s['val_iou_last_quarter_mean']:+.3f})")
     return "\n".join(lines)
 
 
@@ -329,7 +514,7 @@ def render_examples(cfg: Detect3DConfig, test_set: SceneSet, configs: Sequence[T
     scale = max(1, 256 // cfg.image_size)
     panels, labels = [], []
     for enc, inp, seed in configs:
-        out = predict(_load_trained(cfg, enc, inp, seed), test_set, idx)
+        out = {k: v.cpu() for k, v in predict(_load_trained(cfg, enc, inp, seed), test_set, idx).items()}
         scores, _ = postprocess(out["logits"])  # (B, M)
         row = []
         for b, i in enumerate(idx):
@@ -366,16 +551,22 @@ def write_report(cfg: Detect3DConfig, runs: Sequence[Dict[str, Any]], test_set: 
     out = Path(cfg.out)
     runs = [{**r, **run_errors(cfg, r, test_set)} for r in runs]
     summary = summarise(runs, cfg.encodings, cfg.inputs)
+    pairs = [(a, b) for a, b in (("rgbd", "rgb"), ("rgbd", "rgbd-channel"), ("rgbd-channel", "rgb"),
+                                 ("rgbd-coord", "rgb")) if a in cfg.inputs and b in cfg.inputs]
+    differences = paired_differences(runs, cfg.encodings, pairs)
     command = " ".join(shlex.quote(a) for a in argv)
     _write_csv(out / "detect3d.csv", runs)
     _write_csv(out / "summary.csv", summary)
-    _write_json(out / "detect3d.json", {"study": "detect3d", "rows": list(runs), "summary": summary,
-                                        "config": cfg.to_dict(), "command": command})
-    header = (f"# detect3d results\n\n{len(runs)} runs: {len(cfg.encodings)} encodings × {len(cfg.inputs)} inputs × "
-              f"{len(cfg.seeds)} seeds; {cfg.n_train} training / {cfg.n_test} test scenes of "
-              f"{cfg.image_size}×{cfg.image_size}; {cfg.train.steps} steps of {cfg.train.batch_size}; Monte Carlo "
-              f"IoU with {cfg.train.iou_samples} points per predicted box.\n\n")
-    (out / "table.md").write_text(header + markdown_table(summary, cfg.encodings, cfg.inputs))
+    _write_json(out / "detect3d.json", {"study": "detect3d", "preset": cfg.preset, "rows": list(runs),
+                                        "summary": summary, "differences": differences, "config": cfg.to_dict(),
+                                        "command": command})
+    t = cfg.train
+    header = (f"# detect3d results\n\n{len(runs)} runs ({cfg.preset} preset): {len(cfg.encodings)} encodings × "
+              f"{len(cfg.inputs)} inputs × {len(cfg.seeds)} seeds; {cfg.n_train} training / {cfg.n_test} test scenes "
+              f"of {cfg.image_size}×{cfg.image_size}; {t.steps} steps of {t.batch_size}; Monte Carlo IoU with "
+              f"{t.iou_samples} points per predicted box; learning curve on the first {t.val_scenes} test scenes."
+              f"\n\n")
+    (out / "table.md").write_text(header + markdown_table(summary, cfg.encodings, cfg.inputs, differences))
     plot_metric_bars(runs, METRICS, out / "detect3d.png", cfg.encodings, cfg.inputs, INPUT_LABELS)
     curves: Dict[Tuple[str, str], List[List[Dict[str, float]]]] = {}
     run_index = []
@@ -385,9 +576,15 @@ def write_report(cfg: Detect3DConfig, runs: Sequence[Dict[str, Any]], test_set: 
         if mp.exists():
             doc = json.loads(mp.read_text())
             curves.setdefault((r["encoding"], r["input"]), []).append(doc["curve"])
-            run_index.append({"name": name, "dir": f"runs/{name}", "key": _run_key(doc["settings"])})
+            run_index.append({"name": name, "dir": f"runs/{name}", "key": _run_key(doc["settings"]),
+                              "settings": doc["settings"]})
     plot_training_curves(curves, out / "training.png", "loss", INPUT_LABELS)
-    _write_json(out / "config.json", {"experiment": cfg.to_dict(), "command": command, "runs": run_index})
+    val = {k: [[row for row in c if "val_mean_iou" in row] for c in v] for k, v in curves.items()}
+    if any(any(c) for c in val.values()):
+        plot_training_curves(val, out / "iou_curve.png", "val_mean_iou", INPUT_LABELS,
+                             ylabel=f"held-out mean IoU ({t.val_scenes} test scenes, mean over seeds)")
+    _write_json(out / "config.json", {"study": "detect3d", "preset": cfg.preset, "recipe": cfg.recipe(),
+                                      "command": command, "runs": run_index})
     # examples: for each input, the best seed of "none" and of the best other encoding
     chosen: List[Tuple[str, str, int]] = []
     for inp in cfg.inputs:
@@ -399,14 +596,56 @@ def write_report(cfg: Detect3DConfig, runs: Sequence[Dict[str, Any]], test_set: 
         chosen += [(s["encoding"], inp, s["best_seed"]) for s in picks]
     render_examples(cfg, test_set, chosen, out / "examples.png")
     (out / "command.txt").write_text(command + "\n")
-    return {"summary": summary, "runs": list(runs)}
+    return {"summary": summary, "runs": list(runs), "differences": differences}
 
 
 # --------------------------------------------------------------------------------------------- entry points
 
 
+#: Seconds between looks at runs another process is training.
+POLL_SECONDS = 10.0
+
+
+def _train_or_wait(cfg: Detect3DConfig, plan: Sequence[Tuple[int, str, str]], train_set: SceneSet,
+                   test_set: SceneSet, poll_seconds: Optional[float] = None) -> List[Dict[str, Any]]:
+    """Every run of ``plan`` (``(seed, input, encoding)``), each under a lock on its run folder.
+
+    A run another process is training (its folder locked) is passed over and taken up again at the end: by then
+    it is done and read back, or its process has ended and this one trains it.  So two processes started with
+    the same ``out`` share the work, and both end with every row.
+    """
+    from ..train.engine import RunLock, RunLockedError
+
+    rows: Dict[Tuple[int, str, str], Dict[str, Any]] = {}
+    waiting = list(plan)
+    total, k = len(plan), 0
+    while waiting:
+        later = []
+        for seed, inp, enc in waiting:
+            run_dir = Path(cfg.out) / "runs" / _run_name(enc, inp, seed)
+            lock = RunLock(run_dir)
+            try:
+                lock.acquire()
+            except RunLockedError:
+                later.append((seed, inp, enc))
+                continue
+            try:
+                k += 1
+                _log(f"[{k}/{total}] {run_dir.name}")
+                rows[(seed, inp, enc)] = train_one(cfg, enc, inp, seed, train_set, test_set, run_dir)
+            finally:
+                lock.release()
+        if later and len(later) == len(waiting):
+            _log(f"waiting for {len(later)} run(s) another process is training: "
+                 f"{', '.join(_run_name(e, i, s) for s, i, e in later)}")
+            time.sleep(POLL_SECONDS if poll_seconds is None else poll_seconds)
+        waiting = later
+    return [rows[key] for key in plan]
+
+
 def run_detect3d(cfg: Detect3DConfig, argv: Optional[Sequence[str]] = None, progress: bool = True) -> Dict:
-    """Run the whole study (resuming finished runs) and write its report; returns ``{"summary", "runs"}``."""
+    """Run the whole study (resuming finished runs, sharing the work with another process on the same ``out``)
+    and write its report; returns ``{"summary", "runs", "differences"}``."""
     cfg.validate()
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
@@ -416,16 +655,9 @@ def run_detect3d(cfg: Detect3DConfig, argv: Optional[Sequence[str]] = None, prog
     train_set, test_set = load_scenes(cfg, progress=progress)
     _log(f"scenes: {len(train_set)} train, {len(test_set)} test ({time.perf_counter() - t0:.0f}s); "
          f"objects per test scene {test_set.valid.sum(1).mean():.2f}")
-    runs = []
-    total = len(cfg.encodings) * len(cfg.inputs) * len(cfg.seeds)
-    k = 0
-    for seed in cfg.seeds:  # seeds outermost: an early stop still leaves every configuration with some seeds
-        for inp in cfg.inputs:
-            for enc in cfg.encodings:
-                k += 1
-                _log(f"[{k}/{total}] {_run_name(enc, inp, seed)}")
-                runs.append(train_one(cfg, enc, inp, seed, train_set, test_set,
-                                      out / "runs" / _run_name(enc, inp, seed)))
+    # seeds outermost: an early stop still leaves every configuration with some seeds
+    plan = [(seed, inp, enc) for seed in cfg.seeds for enc, inp in planned_runs(cfg)]
+    runs = _train_or_wait(cfg, plan, train_set, test_set)
     argv = list(argv) if argv is not None else ["python", "-m", "ropekit.detection.experiment"] + sys.argv[1:]
     result = write_report(cfg, runs, test_set, argv)
     _log(f"done in {time.perf_counter() - t0:.0f}s; results in {out}")
@@ -435,30 +667,43 @@ def run_detect3d(cfg: Detect3DConfig, argv: Optional[Sequence[str]] = None, prog
 def run_study(exp_cfg: Any, out: Any, **options: Any):
     """The ``detect3d`` entry of ``ropekit experiment`` (:mod:`ropekit.experiments.registry`).
 
-    From the shared :class:`~ropekit.experiments.settings.ExperimentConfig` it takes ``quick`` (the preset),
-    ``pes`` (the encodings; default :data:`DEFAULT_ENCODINGS`), ``seeds``, ``threads`` and ``progress``; a
-    ``cache_dir`` other than the default puts the rendered scenes in ``<cache_dir>/scenes`` (otherwise they go
-    to this study's ``.cache/scenes``).  The classification backbone, data and schedule settings do not apply;
-    ``python -m ropekit.detection.experiment`` exposes this study's own settings (scenes, steps, inputs...).
+    The preset's pinned recipe (:mod:`ropekit.detection.recipes`; ``exp_cfg.preset``: ``default``, ``gpu`` or
+    ``quick``), with these settings of the shared :class:`~ropekit.experiments.settings.ExperimentConfig`:
+    ``pes`` (a subset of the encodings), ``seeds``, ``threads`` (the gpu preset takes up to 8 unless another
+    number than the default 1 is given: its metrics run on the CPU), ``progress``; a ``cache_dir`` other than the
+    default puts the rendered scenes in ``<cache_dir>/scenes`` (otherwise they go to ``.cache/scenes``).  The
+    study option ``inputs`` chooses a subset of the inputs (``rgb``, ``rgbd``, ``rgbd-channel``, ``rgbd-coord``).
+    The classification backbone, data and schedule settings do not apply.
     """
+    import os
+
     from ..experiments.common import StudyResult
     from ..experiments.settings import ExperimentConfig
 
-    if options:
-        raise ValueError(f"experiment detect3d takes no option {', '.join(sorted(options))}")
+    unknown = sorted(set(options) - {"inputs"})
+    if unknown:
+        raise ValueError(f"experiment detect3d takes no option {', '.join(unknown)}")
+    preset = exp_cfg.preset if exp_cfg.preset in PRESETS else ("quick" if exp_cfg.quick else "default")
     out = Path(out)
-    base = quick_config(out=str(out)) if exp_cfg.quick else Detect3DConfig(out=str(out))
-    changes: Dict[str, Any] = {"threads": int(exp_cfg.threads or 0)}
-    if exp_cfg.cache_dir != ExperimentConfig().cache_dir:
-        changes["cache_dir"] = str(Path(exp_cfg.cache_dir) / "scenes")
+    r = recipe(preset)
     if exp_cfg.pes:
-        changes["encodings"] = tuple(exp_cfg.pes)
-    if exp_cfg.seeds and not exp_cfg.quick:
-        changes["seeds"] = tuple(int(s) for s in exp_cfg.seeds)
-    cfg = dataclasses.replace(base, **changes)
-    argv = ["ropekit", "experiment", "detect3d"] + (["--quick"] if cfg.quick else []) + \
+        r["encodings"] = [p.lower().replace("_", "-") for p in exp_cfg.pes]
+    if exp_cfg.seeds and preset != "quick" and list(exp_cfg.seeds) != ExperimentConfig().seeds:
+        r["seeds"] = [int(s) for s in exp_cfg.seeds]
+    if options.get("inputs"):
+        r["inputs"] = list(options["inputs"])
+    cache = str(Path(exp_cfg.cache_dir) / "scenes") if exp_cfg.cache_dir != ExperimentConfig().cache_dir \
+        else ".cache/scenes"
+    threads = int(exp_cfg.threads or 0)
+    if preset == "gpu" and threads == ExperimentConfig().threads:  # the CPU side (metrics) of a GPU machine
+        threads = max(1, min(8, os.cpu_count() or 1))
+    cfg = config_from_recipe(r, preset=preset, out=str(out), cache_dir=cache, threads=threads,
+                             workers=max(1, min(8, os.cpu_count() or 1)),
+                             num_examples=2 if preset == "quick" else 4)
+    argv = ["ropekit", "experiment", "detect3d"] + ([] if preset == "default" else ["--preset", preset]) + \
         (["--pe", ",".join(cfg.encodings)] if exp_cfg.pes else []) + \
-        (["--seeds", ",".join(str(s) for s in cfg.seeds)] if not cfg.quick else []) + ["--out", str(out)]
+        (["--seeds", ",".join(str(s) for s in cfg.seeds)] if r["seeds"] != recipe(preset)["seeds"] else []) + \
+        (["--inputs", ",".join(cfg.inputs)] if options.get("inputs") else []) + ["--out", str(out)]
     result = run_detect3d(cfg, argv=argv, progress=bool(exp_cfg.progress))
     files = sorted(p for p in out.iterdir() if p.is_file())
     return StudyResult("detect3d", out, files, (out / "table.md").read_text(), {"summary": result["summary"]})
@@ -469,53 +714,57 @@ def _csv_list(text: str) -> Tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``ropekit experiment detect3d``."""
-    d, t = Detect3DConfig(), DetTrainConfig()
-    p.add_argument("--quick", action="store_true", help="tiny CI setting (overrides the size options)")
-    p.add_argument("--encodings", type=_csv_list, default=d.encodings, help="comma-separated encodings")
-    p.add_argument("--inputs", type=_csv_list, default=d.inputs, help=f"comma-separated, of {', '.join(INPUTS)}")
-    p.add_argument("--seeds", type=lambda s: tuple(int(x) for x in _csv_list(s)), default=d.seeds)
-    p.add_argument("--n-train", type=int, default=d.n_train)
-    p.add_argument("--n-test", type=int, default=d.n_test)
-    p.add_argument("--image-size", type=int, default=d.image_size)
-    p.add_argument("--scene-seed", type=int, default=d.scene_seed)
-    p.add_argument("--workers", type=int, default=d.workers, help="scene rendering processes")
-    p.add_argument("--cache-dir", default=d.cache_dir, help="scene cache (npz shards)")
-    p.add_argument("--model-size", default=d.model_size)
-    p.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
-    p.add_argument("--patch-size", type=int, default=d.patch_size)
-    p.add_argument("--intrinsics", choices=INTRINSICS, default=d.intrinsics,
-                   help="focal: the box head sees the per-image field of view; none: pixels only")
-    p.add_argument("--box-param", choices=BOX_PARAMS, default=d.box_param,
-                   help="ray: centre on the token's viewing ray at the predicted depth + offset; direct: raw 12-vector")
-    p.add_argument("--depth-scale-init", type=float, default=d.depth_scale_init)
-    p.add_argument("--steps", type=int, default=t.steps)
-    p.add_argument("--batch-size", type=int, default=t.batch_size)
-    p.add_argument("--lr", type=float, default=t.lr)
-    p.add_argument("--max-train-objects", type=int, default=t.max_train_objects)
-    p.add_argument("--iou-samples", type=int, default=t.iou_samples, help="Monte Carlo points per predicted box")
-    p.add_argument("--num-examples", type=int, default=d.num_examples)
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: default)")
+    """Options of ``python -m ropekit.detection.experiment``: a preset, then any recipe field overridden."""
+    p.add_argument("--preset", choices=PRESETS, default="default", help="the pinned recipe (default: default)")
+    p.add_argument("--quick", action="store_true", help="the same as --preset quick")
+    p.add_argument("--encodings", type=_csv_list, default=None, help="comma-separated encodings")
+    p.add_argument("--inputs", type=_csv_list, default=None, help=f"comma-separated, of {', '.join(INPUTS)}")
+    p.add_argument("--seeds", type=lambda s: tuple(int(x) for x in _csv_list(s)), default=None)
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                   help="any other recipe field: a top-level one (n_train=4000), backbone.FIELD (backbone.depth=6) "
+                        "or train.FIELD (train.steps=600); values are read as JSON, else as text (repeatable)")
+    p.add_argument("--workers", type=int, default=2, help="scene rendering processes")
+    p.add_argument("--cache-dir", default=".cache/scenes", help="scene cache (npz shards)")
+    p.add_argument("--num-examples", type=int, default=4)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1...")
     p.add_argument("--out", default=None, help="output directory (default runs/detect3d[-quick])")
     p.add_argument("--no-progress", action="store_true")
 
 
+def _set_field(r: Dict[str, Any], assignment: str) -> None:
+    key, sep, text = assignment.partition("=")
+    if not sep:
+        raise ValueError(f"--set needs KEY=VALUE, got {assignment!r}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    section, _, name = key.rpartition(".")
+    target = r[section] if section else r
+    if section not in ("", "backbone", "train", "scenes") or name not in target:
+        raise ValueError(f"--set {key}: not a recipe field (top level, backbone.F, train.F or scenes.F)")
+    target[name] = value
+
+
 def config_from_args(args: argparse.Namespace) -> Detect3DConfig:
-    if args.quick:
-        cfg = quick_config(out=args.out or "runs/detect3d-quick", cache_dir=args.cache_dir)
-        return dataclasses.replace(cfg, threads=args.threads)
-    train = DetTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                           max_train_objects=args.max_train_objects, iou_samples=args.iou_samples)
-    return Detect3DConfig(
-        encodings=tuple(args.encodings), inputs=tuple(args.inputs), seeds=tuple(args.seeds), n_train=args.n_train,
-        n_test=args.n_test, image_size=args.image_size, scene_seed=args.scene_seed, workers=args.workers,
-        cache_dir=args.cache_dir, model_size=args.model_size, layers=args.layers, patch_size=args.patch_size,
-        intrinsics=args.intrinsics, box_param=args.box_param, depth_scale_init=args.depth_scale_init, train=train,
-        out=args.out or "runs/detect3d", num_examples=args.num_examples, threads=args.threads)
+    """The :class:`Detect3DConfig` of parsed :func:`add_arguments` options."""
+    preset = "quick" if args.quick else args.preset
+    r = recipe(preset)
+    for key, value in (("encodings", args.encodings), ("inputs", args.inputs), ("seeds", args.seeds)):
+        if value is not None:
+            r[key] = list(value)
+    for assignment in args.set:
+        _set_field(r, assignment)
+    changed = r != recipe(preset)
+    out = args.out or ("runs/detect3d-quick" if preset == "quick" else "runs/detect3d")
+    return config_from_recipe(r, preset=preset if not changed else f"{preset}+changes", out=out,
+                              cache_dir=args.cache_dir, workers=args.workers, num_examples=args.num_examples,
+                              threads=args.threads, device=args.device)
 
 
 def run(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``ropekit experiment detect3d`` from parsed arguments."""
+    """Run the study from parsed arguments."""
     run_detect3d(config_from_args(args), argv=argv, progress=not args.no_progress)
     return 0
 

@@ -9,10 +9,16 @@ Shape legend: ``B`` images, ``H, W`` pixels, ``M`` patch tokens (= predictions p
 ``C`` object classes, ``I`` intrinsics features (4, or 0 with ``intrinsics="none"``).
 
 Inputs.  ``x (B, 4, H, W)``: RGB in ``[0, 1]`` then metric depth (metres, 0 = invalid), as
-:class:`~ropekit.detection.SceneDataset` gives it.  An RGB model (``input="rgb"``) drops the depth channel; an
-RGB-D model hands it to the ViTD backbone, which lifts each patch to ``(y, x, z)`` with ``z`` a learnable
-linear function of the patch's mean valid depth and feeds a 3-D encoding -- or, for ``pe="none"`` /
-``"absolute"`` (no coordinate path), adds depth as a fourth input channel.
+:class:`~ropekit.detection.SceneDataset` gives it.  An RGB model (``input="rgb"``) drops the depth channel.  An
+RGB-D model (ViTD) hands it to the backbone in one of three ways (:data:`INPUTS`):
+
+* ``"rgbd"`` -- the STRING paper's ViTD: depth is a fourth input channel of the patch embedding *and*, with a
+  rotary encoding, the third coordinate ``z`` (a learnable linear function of the patch's mean valid depth) of a
+  3-D encoding of ``(y, x, z)``.  Encodings without a coordinate path (``pe="none"``, ``"absolute"``) get the
+  channel only.
+* ``"rgbd-channel"`` -- depth as an input channel only (2-D encoding of ``(y, x)``), any encoding.
+* ``"rgbd-coord"`` -- depth as a coordinate only (rotary encodings).  A commuting encoding sees coordinate
+  differences only, so this model is blind to absolute distance.
 
 Camera intrinsics.  The scenes' field of view varies (45°–70° vertical), so the same image patch can be a
 different metric offset from the optical axis (``x = (u − c_x) z / f``) and the same pixel extent a different
@@ -50,12 +56,13 @@ from torch import Tensor, nn
 
 from ..nn import ViTConfig, VisionTransformer, vit_config
 
-__all__ = ["INPUTS", "INTRINSICS", "BOX_PARAMS", "DetectorConfig", "detector_config", "Detector3D",
-           "intrinsics_features", "token_rays", "BoxHead"]
+__all__ = ["INPUTS", "INTRINSICS", "BOX_PARAMS", "DetectorConfig", "detector_config", "depth_input_of",
+           "is_rotary", "Detector3D", "intrinsics_features", "token_rays", "BoxHead"]
 
-#: ``rgb`` (ViT on colour), ``rgbd`` (ViTD: depth as the third coordinate with a rotary encoding, a channel
-#: without), ``rgbd-channel`` (ViTD with depth forced to an input channel, any encoding).
-INPUTS = ("rgb", "rgbd", "rgbd-channel")
+#: ``rgb`` (ViT on colour), ``rgbd`` (ViTD: depth as an input channel and, with a rotary encoding, as the third
+#: coordinate), ``rgbd-channel`` (depth as an input channel only), ``rgbd-coord`` (depth as a coordinate only;
+#: rotary encodings).
+INPUTS = ("rgb", "rgbd", "rgbd-channel", "rgbd-coord")
 INTRINSICS = ("focal", "none")
 #: ``ray``: the head predicts the box centre's depth and its lateral offset from the token's viewing ray;
 #: ``direct``: the head's output is the 12-vector itself.
@@ -123,14 +130,34 @@ def detector_config(pe: str = "cayley", input: str = "rgbd", *, size: str = "tin
     if input not in INPUTS:
         raise ValueError(f"input must be one of {', '.join(INPUTS)}; got {input!r}")
     modality = "image" if input == "rgb" else "rgbd"
-    extra: Dict[str, Any] = {}
-    if modality == "rgbd":
-        extra["depth_input"] = "channel" if input == "rgbd-channel" else "auto"
-        extra["depth_scale_init"] = depth_scale_init
-    vit = vit_config(size, num_classes=0, in_chans=3, image_size=(image_size, image_size), patch_size=patch_size,
-                     pe=pe, modality=modality, cls="none", **{**extra, **vit_overrides})
+    extra: Dict[str, Any] = {"cls": "none", "depth_input": depth_input_of(pe, input) or "auto",
+                             "depth_scale_init": depth_scale_init}  # (both unused by an RGB backbone)
+    vit = vit_config(size, num_classes=0, in_chans=3, image_size=(image_size, image_size), num_frames=None,
+                     patch_size=patch_size, pe=pe, modality=modality, **{**extra, **vit_overrides})
     return DetectorConfig(vit=vit, num_classes=num_classes, input=input, intrinsics=intrinsics,
                           head_hidden=head_hidden, box_param=box_param).validate()
+
+
+def depth_input_of(pe: str, input: str) -> Optional[str]:
+    """The backbone's ``depth_input`` for encoding ``pe`` and detector input ``input`` (``None`` for ``rgb``):
+    ``rgbd`` is ``"both"`` with a rotary encoding and ``"channel"`` without one (``none``, ``absolute``,
+    ``sincos``); ``rgbd-channel`` is ``"channel"``, ``rgbd-coord`` ``"coord"``.
+
+    Raises:
+        ValueError: unknown ``input``.
+    """
+    if input not in INPUTS:
+        raise ValueError(f"input must be one of {', '.join(INPUTS)}; got {input!r}")
+    if input == "rgb":
+        return None
+    if input == "rgbd":
+        return "both" if is_rotary(pe) else "channel"
+    return {"rgbd-channel": "channel", "rgbd-coord": "coord"}[input]
+
+
+def is_rotary(pe: str) -> bool:
+    """Whether ``pe`` names a rotary encoding (one with a coordinate path), as opposed to none / an APE."""
+    return ViTConfig(pe=pe).rotary is not None
 
 
 def intrinsics_features(K: Tensor, height: int, width: int) -> Tensor:

@@ -143,8 +143,10 @@ def plot_metric_bars(runs: Sequence[Dict], metrics: Sequence[str], path: PathLik
 
 
 def plot_training_curves(curves: Dict[Tuple[str, str], List[List[Dict[str, float]]]], path: PathLike,
-                         key: str = "loss", input_labels: Optional[Dict[str, str]] = None) -> Path:
-    """Training ``key`` against step: one panel per input, one line per encoding (mean over seeds)."""
+                         key: str = "loss", input_labels: Optional[Dict[str, str]] = None,
+                         ylabel: Optional[str] = None) -> Path:
+    """``key`` of the metrics rows against step: one panel per input, one line per encoding (mean over seeds);
+    ``ylabel`` defaults to "training <key> (mean over seeds)"."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,7 +168,7 @@ def plot_training_curves(curves: Dict[Tuple[str, str], List[List[Dict[str, float
         ax.set_title(input_labels.get(inp, inp), fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"training {key} (mean over seeds)")
+    axes[0][0].set_ylabel(ylabel or f"training {key} (mean over seeds)", fontsize=8)
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)

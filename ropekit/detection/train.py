@@ -10,6 +10,10 @@ Shape legend: ``B`` images, ``M`` predictions (patch tokens) per image, ``T`` pa
 * Evaluation uses every object: :class:`~ropekit.detection.DetectionEvaluator` (AP at 3-D IoU thresholds
   and the mean IoU of Hungarian-matched pairs; Monte Carlo IoU with ``iou_samples`` points per predicted box
   and a fixed generator seed).
+* The learning curve: with ``val_scenes > 0`` and held-out scenes given to :func:`train_detector`, every
+  metrics row (each ``log_every`` steps) also holds ``val_mean_iou``, the mean IoU of the Hungarian-matched
+  pairs on the first ``val_scenes`` of them (:func:`matched_mean_iou`).  It draws nothing from the global RNGs,
+  so a run trains the same with or without it.
 """
 
 from __future__ import annotations
@@ -25,13 +29,13 @@ from torch import Tensor, nn
 
 from ..train import engine
 from ..train.engine import seed_everything
-from .boxes import rotation_from_6d
+from .boxes import box_iou_3d, rotation_from_6d
 from .matching import DetectionEvaluator, DetectionLossConfig, detection_loss, hungarian_match
 from .model import Detector3D
 from .scenes import SceneDataset, SceneSet, collate_detection
 
 __all__ = ["DetTrainConfig", "DetectionTask", "batch_indices", "scene_batch", "mean_box", "build_optimizer",
-           "train_detector", "evaluate_detector",
+           "train_detector", "evaluate_detector", "matched_mean_iou",
            "matched_errors", "predict", "seed_everything"]
 
 Batch = Tuple[Tensor, Tensor, Dict[str, Tensor]]
@@ -57,6 +61,7 @@ class DetTrainConfig:
     iou_samples: int = 1024  # Monte Carlo points per predicted box in the metrics
     iou_thresholds: Tuple[float, ...] = (0.25, 0.5)
     log_every: int = 25
+    val_scenes: int = 0  # held-out scenes of the learning curve (val_mean_iou at every log row; 0: none)
     seed: int = 0
 
     def loss_config(self, num_classes: int) -> DetectionLossConfig:
@@ -125,10 +130,13 @@ class DetectionTask:
     find_unused_parameters = True  # (heads of absent inputs, e.g. the intrinsics conditioning, may get no gradient)
 
     def __init__(self, model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,
-                 log: Optional[Callable[[Dict[str, float]], None]] = None) -> None:
+                 log: Optional[Callable[[Dict[str, float]], None]] = None,
+                 val_scenes: Optional[SceneSet] = None) -> None:
         if len(scenes) == 0:
             raise ValueError("no training scenes")
         self.model, self.scenes, self.cfg, self.log = model, scenes, cfg, log
+        self.val_index = list(range(min(cfg.val_scenes, len(val_scenes)))) if val_scenes is not None else []
+        self.val_scenes = val_scenes
         self.loss_cfg = cfg.loss_config(model.num_classes)
         self.index = batch_indices(len(scenes), cfg)  # steps lists of B indices
         self.epochs = math.ceil(cfg.steps / cfg.log_every)
@@ -153,6 +161,10 @@ class DetectionTask:
         count = max(totals.pop("count"), 1.0)
         row = {"step": info["global_step"], **{k: v / count for k, v in totals.items()}, "lr": info["lr"],
                "seconds": info["elapsed"]}
+        if self.val_index:
+            was_training = self.model.training
+            row["val_mean_iou"] = matched_mean_iou(self.model, self.val_scenes, self.cfg, self.val_index)
+            self.model.train(was_training)
         if self.log is not None and ctx.is_main:
             self.log(row)
         return row
@@ -164,7 +176,8 @@ class DetectionTask:
 def train_detector(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,
                    log: Optional[Callable[[Dict[str, float]], None]] = None, *,
                    out_dir: Optional[Union[str, Path]] = None, resume: bool = False,
-                   options: Optional[engine.EngineOptions] = None) -> List[Dict[str, float]]:
+                   options: Optional[engine.EngineOptions] = None,
+                   val_scenes: Optional[SceneSet] = None) -> List[Dict[str, float]]:
     """Train ``model`` in place for ``cfg.steps`` steps on random batches of ``scenes``.
 
     Batches are drawn by epochs of a random permutation (seeded by ``cfg.seed``, :func:`batch_indices`).  Returns
@@ -176,13 +189,15 @@ def train_detector(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,
     Args:
         out_dir: run folder for ``checkpoint.pt``, ``config.json``, ``metrics.csv``, ``curves.png``.
         options: device (default CPU, and the model comes back on its original device), precision, compile...
+        val_scenes: held-out scenes; with ``cfg.val_scenes > 0`` each row gets ``val_mean_iou`` on the first
+            ``cfg.val_scenes`` of them (the learning curve).
 
     Raises:
         ValueError: no training scenes. NonFiniteLossError (a ``FloatingPointError``): the loss became NaN / Inf.
     """
     opts = options or engine.EngineOptions(device="cpu", progress=False, tensorboard=False)
     home = next(model.parameters()).device
-    task = DetectionTask(model, scenes, cfg, log)
+    task = DetectionTask(model, scenes, cfg, log, val_scenes)
     schedule = engine.Schedule(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, min_lr=cfg.min_lr,
                                weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
     config = {"train": cfg.to_dict(), "model": _model_config(model), "scenes": len(scenes)}
@@ -205,10 +220,12 @@ def _model_config(model: nn.Module) -> Optional[Dict[str, Any]]:
 
 @torch.no_grad()
 def predict(model: Detector3D, scenes: SceneSet, index: Sequence[int]) -> Dict[str, Tensor]:
-    """Model outputs for scenes ``index``: ``{"logits": (B, M, C + 1), "boxes": (B, M, 12)}``."""
+    """Model outputs for scenes ``index``: ``{"logits": (B, M, C + 1), "boxes": (B, M, 12)}`` (on the model's
+    device)."""
     model.eval()
+    device = next(model.parameters()).device
     images, K, _ = scene_batch(scenes, index)
-    return model(images, K)
+    return model(images.to(device), K.to(device))
 
 
 @torch.no_grad()
@@ -216,15 +233,17 @@ def evaluate_detector(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,
                       seed: int = 0) -> Dict[str, float]:
     """AP at ``cfg.iou_thresholds`` (``mAP@0.25``, ``mAP@0.5``, per class ``AP@t/<c>``), ``mean_iou`` of the
     Hungarian-matched pairs (every object of every scene; unmatched objects count 0) and the mean loss with all
-    objects, over ``scenes``.  Monte Carlo IoU uses ``cfg.iou_samples`` points per predicted box."""
+    objects, over ``scenes``.  Monte Carlo IoU uses ``cfg.iou_samples`` points per predicted box.  The model
+    runs on its own device; the metrics are computed on the CPU."""
     model.eval()
+    device = next(model.parameters()).device
     loss_cfg = cfg.loss_config(model.num_classes)
     ev = DetectionEvaluator(loss_cfg, cfg.iou_thresholds, num_samples=cfg.iou_samples, seed=seed)
     total, n_img = 0.0, 0
     for lo in range(0, len(scenes), cfg.eval_batch_size):
         idx = list(range(lo, min(lo + cfg.eval_batch_size, len(scenes))))
         images, K, tg = scene_batch(scenes, idx)
-        out = model(images, K)
+        out = {k: v.float().cpu() for k, v in model(images.to(device), K.to(device)).items()}
         losses = detection_loss(out["logits"], out["boxes"], tg["labels"], tg["boxes"], tg["mask"], loss_cfg)
         total += float(losses["loss"]) * len(idx)
         n_img += len(idx)
@@ -235,6 +254,34 @@ def evaluate_detector(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,
 
 
 @torch.no_grad()
+def matched_mean_iou(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig, index: Sequence[int]) -> float:
+    """Mean 3-D IoU of the Hungarian-matched pairs over scenes ``index`` (every object; an unmatched one counts
+    0) -- the ``mean_iou`` of :func:`evaluate_detector` without the AP part, for the learning curve.
+
+    Runs in eval mode on the model's device, in batches of ``cfg.eval_batch_size``; the Monte Carlo IoU
+    (``cfg.iou_samples`` points per box) uses its own generator with seed 0, never the global RNGs.  Leaves the
+    model in eval mode.
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    loss_cfg = cfg.loss_config(model.num_classes)
+    gen = torch.Generator().manual_seed(0)
+    ious: List[float] = []
+    for lo in range(0, len(index), cfg.eval_batch_size):
+        idx = list(index[lo:lo + cfg.eval_batch_size])
+        images, K, tg = scene_batch(scenes, idx)
+        out = model(images.to(device), K.to(device))
+        logits, boxes = out["logits"].float().cpu(), out["boxes"].float().cpu()
+        for b, (src, tgt) in enumerate(hungarian_match(logits, boxes, tg["labels"], tg["boxes"], tg["mask"],
+                                                       loss_cfg)):
+            k_valid = int(tg["mask"][b].sum())
+            if k_valid:
+                iou = box_iou_3d(boxes[b, src], tg["boxes"][b, tgt], cfg.iou_samples, gen)  # (len(src),)
+                ious.extend(iou.tolist() + [0.0] * (k_valid - len(src)))
+    return float(np.mean(ious)) if ious else float("nan")
+
+
+@torch.no_grad()
 def matched_errors(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig) -> Dict[str, float]:
     """Where the boxes go wrong: mean errors of the Hungarian-matched (prediction, object) pairs over ``scenes``.
 
@@ -242,15 +289,16 @@ def matched_errors(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig) -> 
     ``size_err`` (metres, mean ``|Δs|`` over the three sides), ``rot_err_deg`` (geodesic angle between the
     rotations, degrees; symmetric shapes are compared in the generator's canonical heading), ``class_acc``
     (matched label correct) and, for scale, ``depth_err_const`` (the ``|Δz|`` of always answering the median
-    object depth of ``scenes``).
+    object depth of ``scenes``).  The model runs on its own device.
     """
     model.eval()
+    device = next(model.parameters()).device
     loss_cfg = cfg.loss_config(model.num_classes)
     pred, true, pl, tl = [], [], [], []
     for lo in range(0, len(scenes), cfg.eval_batch_size):
         idx = list(range(lo, min(lo + cfg.eval_batch_size, len(scenes))))
         images, K, tg = scene_batch(scenes, idx)
-        out = model(images, K)
+        out = {k: v.float().cpu() for k, v in model(images.to(device), K.to(device)).items()}
         for b, (src, tgt) in enumerate(hungarian_match(out["logits"], out["boxes"], tg["labels"], tg["boxes"],
                                                        tg["mask"], loss_cfg)):
             pred.append(out["boxes"][b, src])

@@ -105,6 +105,9 @@ _STUDY_OPTIONS = (
                                              "Circulant)"),
     ("--jitter-pe", _list, "jitter_pe", "ablations: encodings trained with position jitter 0 and 1 "
                                         "(default mixed,cayley)"),
+    ("--inputs", _list, "inputs", "detect3d: rgb (ViT), rgbd (ViTD: depth as input, and as coordinate for rotary "
+                                  "encodings), rgbd-channel (depth as input only), rgbd-coord (as coordinate only); "
+                                  "default rgb,rgbd,rgbd-channel"),
 )
 
 

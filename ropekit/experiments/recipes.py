@@ -284,6 +284,7 @@ def compare_with_committed(study_dir: Any) -> List[str]:
 
     Compares the recipe section as a whole and, for every recorded run, each recipe field of its training
     configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted).
+    detect3d folders are compared by :func:`ropekit.detection.recipes.compare_with_committed`.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
     from .registry import STUDIES
@@ -293,6 +294,10 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     name, preset = doc.get("study"), doc.get("preset")
     if name not in STUDIES or preset not in PRESETS:
         return [f"{path}: no study/preset recorded (written before recipes were pinned?)"]
+    if name == "detect3d":  # its own recipe format (data, detector, backbone, train)
+        from ..detection.recipes import compare_with_committed as compare_detect3d
+
+        return compare_detect3d(doc)
     now = recipe(name, preset)
     now["study"].pop("options")  # the outputs record the options the study resolved, not the recipe's
     now = json.loads(json.dumps(now))

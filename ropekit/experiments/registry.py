@@ -25,8 +25,9 @@ __all__ = ["Study", "STUDIES", "study_config", "study_options", "run_experiment"
 class Study:
     """A study: its function ``fn(cfg, out, **options)``, a one-line help, the study options it accepts, the
     ``TrainConfig`` fields it changes from run to run besides ``pe`` and ``seed`` (``varies``). A study with an
-    entry in :data:`ropekit.experiments.recipes.RECIPES` takes its configuration from that pinned recipe; the
-    others (detect3d, robot) from their own configuration classes."""
+    entry in :data:`ropekit.experiments.recipes.RECIPES` takes its configuration from that pinned recipe;
+    detect3d from its own pinned recipes (:mod:`ropekit.detection.recipes`), robot and aloha from their own
+    configuration classes."""
 
     fn: Callable[..., StudyResult]
     help: str
@@ -57,7 +58,8 @@ STUDIES: Dict[str, Study] = {
     "aloha": Study(lambda c, out, **o: __import__("ropekit.robot.aloha.experiment", fromlist=["run_study"]).run_study(
         c, out, **o), "bimanual ALOHA diffusion policies: APE vs RoPE vs STRING encoders (needs ropekit[aloha])"),
     "detect3d": Study(lambda c, out, **o: __import__("ropekit.detection.experiment", fromlist=["run_study"]).run_study(
-        c, out, **o), "3-D boxes from RGB (ViT) vs RGB-D (ViTD) for each encoding (needs pybullet)"),
+        c, out, **o), "3-D boxes from RGB (ViT) vs RGB-D (ViTD: depth as input and coordinate) for each encoding "
+                      "(needs pybullet)", ("inputs",)),
 }
 
 #: The size keys of a named model (``--model small`` replaces them; the recipe's other architecture fields stay).
