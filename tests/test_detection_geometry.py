@@ -26,9 +26,11 @@ from ropekit.detection.matching import (
     DetectionEvaluator,
     DetectionLossConfig,
     average_precision,
+    batch_match_cost,
     detection_loss,
     hungarian_match,
     linear_assignment,
+    match_cost,
 )
 
 S = 20_000
@@ -207,6 +209,36 @@ def test_hungarian_recovers_permutation_with_padding():
     pred_mask[0, 4] = False
     src, _ = hungarian_match(pred_logits, pred_boxes, labels, boxes, mask, cfg, pred_mask)[0]
     assert 4 not in src.tolist() and len(src) == 4
+
+
+def test_batched_matching_equals_the_per_image_costs():
+    """The batch's costs in one pass are match_cost's per image (padding ignored), and give the same matching as
+    assigning each image's own cost matrix."""
+    g = _gen(3)
+    cfg = DetectionLossConfig(num_classes=3, class_weight=2.0, box_weight=5.0, corner_weight=3.0)
+    b, q, m = 4, 7, 5
+    logits, boxes = torch.randn(b, q, 4, generator=g), torch.randn(b, q, 12, generator=g)
+    tgt_boxes, labels = torch.randn(b, m, 12, generator=g), torch.randint(0, 3, (b, m), generator=g)
+    mask = torch.rand(b, m, generator=g) < 0.6
+    mask[0] = False  # an image without targets
+    labels[~mask] = -1
+    pred_mask = torch.rand(b, q, generator=g) < 0.8
+    cost = batch_match_cost(logits, boxes, labels, tgt_boxes, cfg)  # (B, Q, M)
+    got = hungarian_match(logits, boxes, labels, tgt_boxes, mask, cfg, pred_mask)
+    for i in range(b):
+        t_idx, q_idx = torch.nonzero(mask[i]).flatten(), torch.nonzero(pred_mask[i]).flatten()
+        ref = match_cost(logits[i, q_idx], boxes[i, q_idx], labels[i, t_idx], tgt_boxes[i, t_idx], cfg)
+        assert torch.allclose(cost[i][q_idx][:, t_idx], ref, atol=1e-6)
+        # and both are the DETR cost written out: class probability, L1 of the 12-vectors and of the corners
+        p = logits[i, q_idx].softmax(-1)[:, labels[i, t_idx]]
+        l1 = (boxes[i, q_idx, None] - tgt_boxes[i, None, t_idx]).abs().mean(-1)
+        corners = (box12_to_corners(boxes[i, q_idx])[:, None] - box12_to_corners(tgt_boxes[i, t_idx])[None])
+        assert torch.allclose(ref, -2.0 * p + 5.0 * l1 + 3.0 * corners.abs().mean((-1, -2)), atol=1e-5)
+        if len(t_idx) == 0:
+            assert len(got[i][0]) == 0 and len(got[i][1]) == 0
+            continue
+        rows, cols = linear_assignment(ref)
+        assert torch.equal(got[i][0], q_idx[rows]) and torch.equal(got[i][1], t_idx[cols])
 
 
 def test_loss_zero_box_terms_at_targets_and_decreases():

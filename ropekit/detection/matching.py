@@ -33,6 +33,7 @@ __all__ = [
     "DetectionLossConfig",
     "linear_assignment",
     "match_cost",
+    "batch_match_cost",
     "hungarian_match",
     "detection_loss",
     "postprocess",
@@ -85,12 +86,27 @@ def match_cost(
     Returns:
         ``(Q, K)`` cost.
     """
-    prob = logits.float().softmax(-1)  # (Q, C + 1)
-    cost_cls = -prob[:, tgt_labels]  # (Q, K)
-    cost_box = torch.cdist(boxes.float(), tgt_boxes.float(), p=1) / 12  # (Q, K)
-    pc = box12_to_corners(boxes.float()).flatten(-2)  # (Q, 24)
-    tc = box12_to_corners(tgt_boxes.float()).flatten(-2)  # (K, 24)
-    cost_corner = torch.cdist(pc, tc, p=1) / 24  # (Q, K)
+    return batch_match_cost(logits[None], boxes[None], tgt_labels[None], tgt_boxes[None], config)[0]
+
+
+def batch_match_cost(logits: torch.Tensor, boxes: torch.Tensor, tgt_labels: torch.Tensor, tgt_boxes: torch.Tensor,
+                     config: DetectionLossConfig) -> torch.Tensor:
+    """:func:`match_cost` of a whole batch at once (padding targets get finite, meaningless costs).
+
+    Args:
+        logits: ``(B, Q, C + 1)``; boxes: ``(B, Q, 12)``; tgt_labels: ``(B, M)`` (padding may be negative);
+        tgt_boxes: ``(B, M, 12)``.
+
+    Returns:
+        ``(B, Q, M)`` cost, on the inputs' device.
+    """
+    prob = logits.float().softmax(-1)  # (B, Q, C + 1)
+    labels = tgt_labels.long().clamp_min(0)  # (B, M)
+    cost_cls = -torch.gather(prob, 2, labels[:, None, :].expand(-1, prob.shape[1], -1))  # (B, Q, M)
+    cost_box = torch.cdist(boxes.float(), tgt_boxes.float(), p=1) / 12  # (B, Q, M)
+    pc = box12_to_corners(boxes.float()).flatten(-2)  # (B, Q, 24)
+    tc = box12_to_corners(tgt_boxes.float()).flatten(-2)  # (B, M, 24)
+    cost_corner = torch.cdist(pc, tc, p=1) / 24  # (B, Q, M)
     return config.class_weight * cost_cls + config.box_weight * cost_box + config.corner_weight * cost_corner
 
 
@@ -106,6 +122,9 @@ def hungarian_match(
 ) -> Indices:
     """Optimal one-to-one matching per image.
 
+    The costs of the whole batch are computed in one pass on the inputs' device (:func:`batch_match_cost`) and
+    copied to the CPU once; only the assignment itself runs per image.
+
     Args:
         pred_logits: ``(B, Q, C + 1)``.
         pred_boxes: ``(B, Q, 12)``.
@@ -118,18 +137,19 @@ def hungarian_match(
     Returns:
         per image ``(pred_idx, tgt_idx)``: int64 tensors (on CPU) indexing ``Q`` and the padded ``M``.
     """
+    cost = batch_match_cost(pred_logits, pred_boxes, tgt_labels, tgt_boxes, config).cpu()  # (B, Q, M)
+    tmask = tgt_mask.bool().cpu()
+    pmask = pred_mask.bool().cpu() if pred_mask is not None else None
     out: Indices = []
-    for b in range(pred_logits.shape[0]):
-        t_idx = torch.nonzero(tgt_mask[b], as_tuple=False).flatten()  # (K,)
-        q_idx = (torch.nonzero(pred_mask[b], as_tuple=False).flatten() if pred_mask is not None
-                 else torch.arange(pred_logits.shape[1], device=pred_logits.device))
+    for b in range(cost.shape[0]):
+        t_idx = torch.nonzero(tmask[b], as_tuple=False).flatten()  # (K,)
+        q_idx = (torch.nonzero(pmask[b], as_tuple=False).flatten() if pmask is not None
+                 else torch.arange(cost.shape[1]))
         if len(t_idx) == 0 or len(q_idx) == 0:
             out.append((torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
             continue
-        cost = match_cost(pred_logits[b, q_idx], pred_boxes[b, q_idx], tgt_labels[b, t_idx].long(),
-                          tgt_boxes[b, t_idx], config)  # (Q', K)
-        rows, cols = linear_assignment(cost)
-        out.append((q_idx.cpu()[rows], t_idx.cpu()[cols]))
+        rows, cols = linear_assignment(cost[b][q_idx][:, t_idx])  # (Q', K) block of real pairs
+        out.append((q_idx[rows], t_idx[cols]))
     return out
 
 
