@@ -254,15 +254,16 @@ def _depth_label(enc: str, inp: str) -> str:
     return DEPTH_AS[depth_input_of(enc, inp)]
 
 
-class _RenderLock:
-    """A blocking ``flock`` on ``<cache_dir>/.render.lock``: two study processes sharing a scene cache render
-    each scene set once -- the second waits, then loads the shards the first wrote."""
+class _WaitLock:
+    """A blocking ``flock`` on ``path`` (released when the process ends): two study processes render a scene
+    set once (the second waits, then loads the shards the first wrote) and write the report one after the
+    other."""
 
-    def __init__(self, cache_dir: str) -> None:
-        self.path = Path(cache_dir) / ".render.lock"
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
         self.fd: Optional[int] = None
 
-    def __enter__(self) -> "_RenderLock":
+    def __enter__(self) -> "_WaitLock":
         import fcntl
         import os
 
@@ -283,7 +284,7 @@ def load_scenes(cfg: Detect3DConfig, progress: bool = True) -> Tuple[SceneSet, S
     """The training and test scenes (rendered once into ``cfg.cache_dir``, one process at a time)."""
     kw = dict(size=cfg.image_size, workers=cfg.workers, cache_dir=cfg.cache_dir, progress=progress,
               config=cfg.scene_config())
-    with _RenderLock(cfg.cache_dir):
+    with _WaitLock(Path(cfg.cache_dir) / ".render.lock"):
         train = generate_scenes(cfg.n_train, seed=cfg.scene_seed, **kw)
         test = generate_scenes(cfg.n_test, seed=cfg.scene_seed + 1, **kw)
     return train, test
@@ -612,7 +613,8 @@ def _train_or_wait(cfg: Detect3DConfig, plan: Sequence[Tuple[int, str, str]], tr
 
     A run another process is training (its folder locked) is passed over and taken up again at the end: by then
     it is done and read back, or its process has ended and this one trains it.  So two processes started with
-    the same ``out`` share the work, and both end with every row.
+    the same ``out`` share the work, and both end with every row.  Each run's error breakdown
+    (:func:`run_errors`) is computed by the process that trained it, under the same lock.
     """
     from ..train.engine import RunLock, RunLockedError
 
@@ -632,7 +634,8 @@ def _train_or_wait(cfg: Detect3DConfig, plan: Sequence[Tuple[int, str, str]], tr
             try:
                 k += 1
                 _log(f"[{k}/{total}] {run_dir.name}")
-                rows[(seed, inp, enc)] = train_one(cfg, enc, inp, seed, train_set, test_set, run_dir)
+                row = train_one(cfg, enc, inp, seed, train_set, test_set, run_dir)
+                rows[(seed, inp, enc)] = {**row, **run_errors(cfg, row, test_set)}
             finally:
                 lock.release()
         if later and len(later) == len(waiting):
@@ -659,7 +662,8 @@ def run_detect3d(cfg: Detect3DConfig, argv: Optional[Sequence[str]] = None, prog
     plan = [(seed, inp, enc) for seed in cfg.seeds for enc, inp in planned_runs(cfg)]
     runs = _train_or_wait(cfg, plan, train_set, test_set)
     argv = list(argv) if argv is not None else ["python", "-m", "ropekit.detection.experiment"] + sys.argv[1:]
-    result = write_report(cfg, runs, test_set, argv)
+    with _WaitLock(out / ".report.lock"):  # a second process on the same folder rewrites it after this one
+        result = write_report(cfg, runs, test_set, argv)
     _log(f"done in {time.perf_counter() - t0:.0f}s; results in {out}")
     return result
 
