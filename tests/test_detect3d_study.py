@@ -173,6 +173,9 @@ def test_quick_study_end_to_end(tmp_path, monkeypatch):
     assert any("recipe train" in d for d in diffs) and sum("run " in d and "train" in d for d in diffs) == 5
     monkeypatch.setitem(DR.RECIPES["quick"]["train"], "lr", 1e-3)
     assert compare_with_committed(out) == []
+    monkeypatch.setitem(DR.RECIPES["quick"], "seeds", [0, 1])  # a seed more in the recipe: its runs are missing
+    assert sum("is missing" in d for d in compare_with_committed(out)) == 5
+    monkeypatch.setitem(DR.RECIPES["quick"], "seeds", [0])
     # a second call finds every run done and only rewrites the report
     mtime = (out / "runs" / "none-rgb-s0" / "metrics.json").stat().st_mtime
     assert cli_main(_quick_argv(tmp_path)) == 0
@@ -244,3 +247,18 @@ def test_a_run_locked_by_another_process_is_waited_for(tmp_path, monkeypatch, ca
     assert "waiting for 1 run(s) another process is training: none-rgb-s0" in log
     assert log.index("cayley-rgbd-channel-s0:") < log.rindex("none-rgb-s0:")  # taken up at the end
     assert (run_dir / "metrics.json").is_file()
+
+
+def test_module_cli_changes_recipe_fields_and_says_so():
+    """``python -m ropekit.detection.experiment --set ...``: any recipe field, recorded as a changed preset."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    ex.add_arguments(p)
+    cfg = ex.config_from_args(p.parse_args(["--set", "train.steps=5", "--set", "backbone.depth=2", "--set",
+                                            "n_train=100", "--inputs", "rgb,rgbd-coord", "--encodings", "cayley"]))
+    assert (cfg.train.steps, cfg.backbone["depth"], cfg.n_train) == (5, 2, 100)
+    assert cfg.inputs == ("rgb", "rgbd-coord") and cfg.preset == "default+changes"
+    assert ex.config_from_args(p.parse_args([])).recipe() == json.loads(json.dumps(DR.recipe("default")))
+    with pytest.raises(ValueError, match="not a recipe field"):
+        ex.config_from_args(p.parse_args(["--set", "train.stepz=5"]))

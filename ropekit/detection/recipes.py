@@ -175,10 +175,10 @@ def recipe(preset: str = "default") -> Dict[str, Any]:
 
 def compare_with_committed(doc: Dict[str, Any], where: str = "detect3d") -> List[str]:
     """Differences between a committed detect3d ``config.json`` (``doc``) and what its recorded preset resolves
-    to now: the recipe as a whole, and every recorded run's settings against the settings the recipe gives that
-    run (:func:`ropekit.detection.experiment.run_settings`). One line per difference; empty when the committed
-    runs are what the documented command trains now."""
-    from .experiment import config_from_recipe, run_settings
+    to now: the recipe as a whole, the set of runs (none missing, none extra), and every recorded run's settings
+    against the settings the recipe gives that run (:func:`ropekit.detection.experiment.run_settings`). One line
+    per difference; empty when the committed runs are what the documented command trains now."""
+    from .experiment import config_from_recipe, planned_runs, run_settings
 
     preset = doc.get("preset")
     now = json.loads(json.dumps(recipe(preset)))
@@ -186,6 +186,10 @@ def compare_with_committed(doc: Dict[str, Any], where: str = "detect3d") -> List
     diffs = [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
              for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
     cfg = config_from_recipe(recipe(preset), preset=preset)
+    planned = {f"{enc}-{inp}-s{seed}" for seed in cfg.seeds for enc, inp in planned_runs(cfg)}
+    recorded = {run.get("name") for run in doc.get("runs", [])}
+    diffs += [f"{where}: run {name} is missing" for name in sorted(planned - recorded)]
+    diffs += [f"{where}: run {name} is not part of the study" for name in sorted(recorded - planned, key=str)]
     for run in doc.get("runs", []):
         s = run.get("settings") or {}
         try:
