@@ -272,6 +272,7 @@ class Detector3D(nn.Module):
             intr = intrinsics_features(K.to(feats.dtype), x.shape[-2], x.shape[-1])  # (B, I)
             head_in = torch.cat([feats, intr[:, None, :].expand(-1, feats.shape[1], -1)], dim=-1)  # (B, M, D + I)
         raw = self.box_head(head_in)  # (B, M, 12)
+        raw = raw.to(torch.promote_types(raw.dtype, torch.float32))  # box geometry in fp32 (or fp64) under autocast
         if self.cfg.box_param == "direct":
             return {"logits": logits, "boxes": raw}
         rays = token_rays(K.to(raw.dtype), x.shape[-2], x.shape[-1], self.cfg.vit.patch_size)  # (B, M, 2)
