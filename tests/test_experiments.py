@@ -18,6 +18,7 @@ from ropekit.experiments.ablations import block_sizes
 from ropekit.experiments.data_efficiency import epochs_to_reach
 from ropekit.experiments.evaluation import is_offset_invariant, shift_images, shuffle_patches
 from ropekit.experiments.offset import OFFSET_RTOL
+from ropekit.experiments.recipes import recipe
 from ropekit.experiments.report import fmt_pm, mean_std
 from ropekit.experiments.runs import RunCache, canonical_pe_options, run_key
 
@@ -41,6 +42,22 @@ def outputs(tmp_path_factory, cache) -> dict:
                                 overrides={"cache_dir": str(cache), "progress": False})
         done[name] = (result, out)
     return done
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_quick_outputs_match_their_recipe(outputs, name, tmp_path):
+    """Every study records its preset, recipe and options so that ``compare_with_committed`` can check it; a
+    study option changed after the run (as a changed recipe would) is reported."""
+    from ropekit.experiments.recipes import compare_with_committed
+
+    _, out = outputs[name]
+    assert compare_with_committed(out) == []
+    doc = json.loads((out / "config.json").read_text())
+    stated = sorted(recipe(name, "quick")["study"]["options"])
+    if stated:
+        doc["options"][stated[0]] = "something else"
+        (tmp_path / "config.json").write_text(json.dumps(doc))
+        assert [d for d in compare_with_committed(tmp_path) if f"option {stated[0]}:" in d]
 
 
 def test_registry_lists_the_studies():

@@ -196,5 +196,12 @@ def run_ablations(cfg: ExperimentConfig, out: Any, groups: Optional[Sequence[str
     fig.tight_layout()
     summary = {f"{g}/{pe}/{s}": st for (g, pe, s), st in acc.items()}
     return ctx.finish(rows=rows, summary=summary, table=table, figure=fig,
-                      options={"groups": groups, "variants": [{k: v[k] for k in ("group", "pe", "setting", "changes")}
+                      options={"groups": groups, "sharing_pe": _listed(sharing_pe), "block_pe": _listed(block_pe),
+                               "jitter_pe": _listed(jitter_pe), "block_sizes_": _listed(block_sizes_),
+                               "variants": [{k: v[k] for k in ("group", "pe", "setting", "changes")}
                                                               for v in variants], "head_dim": head_dim})
+
+
+def _listed(names: Optional[Sequence[Any]]) -> Optional[List[Any]]:
+    """An option as the run recorded it (``None``: the study's default)."""
+    return None if names is None else list(names)

@@ -283,8 +283,9 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     """Differences between a study's committed ``config.json`` and what its recorded preset resolves to now.
 
     Compares the recipe section as a whole and, for every recorded run, each recipe field of its training
-    configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted).
-    detect3d folders are compared by :func:`ropekit.detection.recipes.compare_with_committed`.
+    configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted),
+    and every study option the recipe states with the option the study recorded. detect3d folders are compared
+    by :func:`ropekit.detection.recipes.compare_with_committed`.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
     from .registry import STUDIES
@@ -299,10 +300,14 @@ def compare_with_committed(study_dir: Any) -> List[str]:
 
         return compare_detect3d(doc)
     now = recipe(name, preset)
-    now["study"].pop("options")  # the outputs record the options the study resolved, not the recipe's
-    now = json.loads(json.dumps(now))
+    options = now["study"].pop("options")  # the outputs record the options the study resolved ...
+    now, options = json.loads(json.dumps(now)), json.loads(json.dumps(options))
     committed = doc.get("recipe") or {}
     diffs: List[str] = []
+    ran = doc.get("options") or {}
+    for k, v in options.items():  # ... which include every option the recipe states
+        if ran.get(k, "<missing>") != v:
+            diffs.append(f"{name}: option {k}: committed {ran.get(k, '<missing>')!r}, recipe {v!r}")
     for section in ("train", "study"):
         a, b = committed.get(section, {}), now[section]
         for k in sorted(set(a) | set(b)):
@@ -315,7 +320,8 @@ def compare_with_committed(study_dir: Any) -> List[str]:
         tc = run.get("train_config", {})
         expected = {**base, **now["study"]["pe_overrides"].get(tc.get("pe"), {})}
         for k, v in expected.items():
-            if k in varies and k not in now["study"]["pe_overrides"].get(tc.get("pe"), {}):
+            if k in varies and (STUDIES[name].varies_overrides
+                                or k not in now["study"]["pe_overrides"].get(tc.get("pe"), {})):
                 continue
             if tc.get(k, "<missing>") != v:
                 diffs.append(f"{name}: run {run.get('label', run.get('key'))}: {k} = {tc.get(k, '<missing>')!r}, "

@@ -24,7 +24,9 @@ __all__ = ["Study", "STUDIES", "study_config", "study_options", "run_experiment"
 @dataclass
 class Study:
     """A study: its function ``fn(cfg, out, **options)``, a one-line help, the study options it accepts, the
-    ``TrainConfig`` fields it changes from run to run besides ``pe`` and ``seed`` (``varies``). A study with an
+    ``TrainConfig`` fields it changes from run to run besides ``pe`` and ``seed`` (``varies``; with
+    ``varies_overrides`` also where the recipe's per-encoding overrides set them, as the sharing ablation does
+    with the paper's sharing). A study with an
     entry in :data:`ropekit.experiments.recipes.RECIPES` takes its configuration from that pinned recipe;
     detect3d from its own pinned recipes (:mod:`ropekit.detection.recipes`), robot and aloha from their own
     configuration classes."""
@@ -33,12 +35,14 @@ class Study:
     help: str
     options: tuple = ()
     varies: tuple = ()
+    varies_overrides: bool = False
 
 
 STUDIES: Dict[str, Study] = {
     "classify": Study(run_classify, "accuracy of every encoding, paired by seed", (), ("pe_sharing",)),
     "resolution": Study(run_resolution, "train at one size, evaluate at other sizes, grid and normalised "
-                                        "coordinates", ("sizes", "coord_modes"), ("pe_sharing", "coords")),
+                                        "coordinates, scale augmentation", ("sizes", "coord_modes", "scale_sizes"),
+                           ("pe_sharing", "coords", "augment_sizes")),
     "offset": Study(run_offset, "accuracy and logits under random global coordinate offsets",
                     ("rhos", "cls_pe"), ("pe_sharing", "cls")),
     "shuffle": Study(run_shuffle, "relative accuracy drop when the patches are permuted", (), ("pe_sharing",)),
@@ -52,7 +56,7 @@ STUDIES: Dict[str, Study] = {
                               "shuffling", (), ("pe_sharing",)),
     "ablations": Study(run_ablations, "sharing for every learnable encoding, block sizes, position jitter",
                        ("groups", "sharing_pe", "block_pe", "jitter_pe", "block_sizes_"),
-                       ("pe_sharing", "pe_options", "jitter")),
+                       ("pe_sharing", "per_head", "pe_options", "jitter"), varies_overrides=True),
     "robot": Study(lambda cfg, out, **o: __import__("ropekit.robot.experiment", fromlist=["run_study"]).run_study(
         cfg, out, **o), "2-D vs 3-D STRING robot policies in and out of distribution (needs pybullet)"),
     "aloha": Study(lambda c, out, **o: __import__("ropekit.robot.aloha.experiment", fromlist=["run_study"]).run_study(
