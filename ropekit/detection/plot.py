@@ -145,16 +145,20 @@ def plot_metric_bars(runs: Sequence[Dict], metrics: Sequence[str], path: PathLik
 def plot_training_curves(curves: Dict[Tuple[str, str], List[List[Dict[str, float]]]], path: PathLike,
                          key: str = "loss", input_labels: Optional[Dict[str, str]] = None,
                          ylabel: Optional[str] = None) -> Path:
-    """``key`` of the metrics rows against step: one panel per input, one line per encoding (mean over seeds);
-    ``ylabel`` defaults to "training <key> (mean over seeds)"."""
+    """``key`` of the metrics rows against step: one panel per input, one line per encoding (mean over seeds;
+    an encoding has the same colour in every panel, and the legend lists every encoding); ``ylabel`` defaults
+    to "training <key> (mean over seeds)"."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     input_labels = input_labels or {}
-    inputs = sorted({inp for _, inp in curves}, key=lambda s: list(dict.fromkeys(i for _, i in curves)).index(s))
+    inputs = list(dict.fromkeys(i for _, i in curves))
+    encodings = list(dict.fromkeys(e for e, _ in curves))
+    colours = {e: plt.get_cmap("tab10")(k % 10) for k, e in enumerate(encodings)}
     fig, axes = plt.subplots(1, len(inputs), figsize=(4.2 * len(inputs), 3.2), sharey=True, squeeze=False)
+    handles = {}
     for ax, inp in zip(axes[0], inputs):
         for (enc, i2), seeds in curves.items():
             if i2 != inp or not seeds:
@@ -164,12 +168,13 @@ def plot_training_curves(curves: Dict[Tuple[str, str], List[List[Dict[str, float
                 continue
             steps = [seeds[0][k]["step"] for k in range(n)]
             vals = np.mean([[s[k][key] for k in range(n)] for s in seeds], axis=0)
-            ax.plot(steps, vals, label=enc)
+            handles[enc] = ax.plot(steps, vals, label=enc, color=colours[enc])[0]
         ax.set_title(input_labels.get(inp, inp), fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(ylabel or f"training {key} (mean over seeds)", fontsize=8)
-    axes[0][-1].legend(fontsize=8)
+    axes[0][-1].legend([handles[e] for e in encodings if e in handles], [e for e in encodings if e in handles],
+                       fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
