@@ -99,6 +99,7 @@ def _bars(ax, runs: Sequence[Dict], metric: str, encodings: Sequence[str], input
     width = 0.8 / max(1, len(inputs))
     colors = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c"]
     for j, inp in enumerate(inputs):
+        labelled = False  # the legend names each input once, at its first bar (not every input has every encoding)
         for i, enc in enumerate(encodings):
             vals = np.array([r[metric] for r in runs if r["encoding"] == enc and r["input"] == inp], float)
             vals = vals[np.isfinite(vals)]
@@ -107,7 +108,8 @@ def _bars(ax, runs: Sequence[Dict], metric: str, encodings: Sequence[str], input
             x = i + (j - (len(inputs) - 1) / 2) * width
             err = vals.std(ddof=1) if len(vals) > 1 else 0.0
             ax.bar(x, vals.mean(), width * 0.9, yerr=err, capsize=3, color=colors[j % len(colors)],
-                   label=input_labels.get(inp, inp) if i == 0 else None, alpha=0.85)
+                   label=None if labelled else input_labels.get(inp, inp), alpha=0.85)
+            labelled = True
             ax.scatter(np.full(len(vals), x), vals, s=10, color="black", zorder=3)
             ax.scatter([x], [vals.max()], s=40, facecolors="none", edgecolors="black", zorder=3)
     ax.set_xticks(range(len(encodings)))
