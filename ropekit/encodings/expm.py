@@ -6,7 +6,9 @@
   ``expm(G) = Re(U diag(exp(i lam)) U^H)``: unitary ``U`` gives an orthogonal result to float64 round-off
   whatever the norm, where a float32 scaling-and-squaring loses orthogonality (``||R^T R - I|| ~ 1e-3``). The
   cost does not grow with the norm (no squarings), the generator sum is formed and exponentiated in chunks
-  (bounded workspace, never stored), and the backward pass reuses the eigenbasis: the exact Frechet adjoint
+  (bounded workspace, never stored), and the backward pass reuses the eigenbasis (kept from the forward pass, or
+  -- with ``recompute=True``, for many tokens -- recomputed chunk by chunk, so that only the output is kept
+  for the backward pass): the exact Frechet adjoint
   ``U ((U^H gE U) * Phi) U^H`` with ``Phi`` the divided differences of ``exp``, written as
   ``exp(-i (lam_i + lam_j) / 2) sinc((lam_i - lam_j) / 2)`` (finite for equal eigenvalues). On a GPU, whose
   solvers batch eigendecompositions only for small matrices, it is a float64 ``matrix_exp``, chunk by chunk.
@@ -67,63 +69,91 @@ def _frechet_adjoint(u: Tensor, lam: Tensor, ge: Tensor) -> Tensor:
     return (u @ (inner * phi) @ u.mH).real
 
 
+def _keep_dtype(gen: Tensor) -> torch.dtype:
+    """The precision of the eigenbasis kept for the backward pass: complex128 for float64 generators, else complex64."""
+    return torch.complex128 if gen.dtype == torch.float64 else torch.complex64
+
+
+def _eigen(r64: Tensor, l64: Tensor) -> tuple[Tensor, Tensor]:
+    """``(U, lam)`` with ``-i G = U diag(lam) U^H``, ``G = sum_k r_k L_k`` formed in float64.
+
+    ``r64`` ``(t, c)``, ``l64`` ``(Hp, c, nb, n, n)`` float64 -> ``(t, Hp, nb, n, n)`` complex128, ``(t, Hp, nb, n)``.
+    """
+    lam, u = torch.linalg.eigh((-1j) * _combine(r64, l64).to(torch.complex128))
+    return u, lam
+
+
 def _chunk_tokens(per_token: int, budget: int) -> int:
     return max(1, budget // max(per_token, 1))
 
 
 class _LinearSkewExpm(torch.autograd.Function):
     """``expm(sum_k r_k L_k)`` per token, fused: the generator sum is formed chunk by chunk in float64 and never
-    stored; only the eigenbases are kept for the backward pass."""
+    stored. The backward pass either reuses the eigenbases kept from the forward pass (``recompute=False``) or keeps
+    only the inputs and redoes the eigendecompositions chunk by chunk (``recompute=True``: the activation memory is
+    the output alone, for one more eigendecomposition per token); both give bit-identical gradients."""
 
     @staticmethod
-    def forward(ctx, coords: Tensor, gen: Tensor, budget: int) -> Tensor:
+    def forward(ctx, coords: Tensor, gen: Tensor, budget: int, recompute: bool) -> Tensor:
         t, c = coords.shape
         hp, _, nb, n, _ = gen.shape
         r64, l64 = coords.detach().to(torch.float64), gen.detach().to(torch.float64)
-        keep = torch.complex128 if gen.dtype == torch.float64 else torch.complex64
         out = gen.new_empty(t, hp, nb, n, n)
         us, lams = [], []
         step = _chunk_tokens(hp * nb * n * n, budget)
         for i in range(0, t, step):
-            g = _combine(r64[i:i + step], l64)  # (t', Hp, nb, n, n) float64
-            lam, u = torch.linalg.eigh((-1j) * g.to(torch.complex128))  # -iG = U diag(lam) U^H
+            u, lam = _eigen(r64[i:i + step], l64)
             out[i:i + step] = _exp_from_eig(u, lam).to(out.dtype)
-            us.append(u.to(keep))
-            lams.append(lam)
-        ctx.save_for_backward(coords, gen, torch.cat(us), torch.cat(lams))
-        ctx.step = step
+            if not recompute:
+                us.append(u.to(_keep_dtype(gen)))
+                lams.append(lam)
+        if recompute:  # keep only the inputs: the backward pass redoes the eigendecompositions chunk by chunk
+            ctx.save_for_backward(coords, gen)
+        else:
+            ctx.save_for_backward(coords, gen, torch.cat(us), torch.cat(lams))
+        ctx.step, ctx.recompute = step, recompute
         return out
 
     @staticmethod
     def backward(ctx, ge: Tensor):
-        coords, gen, u, lam = ctx.saved_tensors
+        coords, gen = ctx.saved_tensors[:2]
         if torch.is_grad_enabled():  # a gradient graph is requested: differentiable reference
             with torch.enable_grad():
                 ref = torch.linalg.matrix_exp(_combine(coords, gen))
                 want = [x for x, need in zip((coords, gen), ctx.needs_input_grad[:2]) if need]
                 grads = iter(torch.autograd.grad(ref, want, ge, create_graph=True))
-            return tuple(next(grads) if need else None for need in ctx.needs_input_grad[:2]) + (None,)
+            return tuple(next(grads) if need else None for need in ctx.needs_input_grad[:2]) + (None, None)
         r64, l64 = coords.to(torch.float64), gen.to(torch.float64)
         g_r = torch.zeros_like(r64) if ctx.needs_input_grad[0] else None
         g_l = torch.zeros_like(l64) if ctx.needs_input_grad[1] else None
         step = ctx.step
         for i in range(0, coords.shape[0], step):
-            gg = _frechet_adjoint(u[i:i + step].to(torch.complex128), lam[i:i + step],
-                                  ge[i:i + step].to(torch.float64))  # (t', Hp, nb, n, n): dL/dG per token
+            if ctx.recompute:  # the same eigenbasis as the forward pass, rounded as the saved one would be
+                u, lam = _eigen(r64[i:i + step], l64)
+                u = u.to(_keep_dtype(gen)).to(torch.complex128)
+            else:
+                u, lam = ctx.saved_tensors[2][i:i + step].to(torch.complex128), ctx.saved_tensors[3][i:i + step]
+            gg = _frechet_adjoint(u, lam, ge[i:i + step].to(torch.float64))  # (t', Hp, nb, n, n): dL/dG per token
+            del u
             if g_r is not None:  # dG/dr_k = L_k
                 g_r[i:i + step] = torch.einsum("thnij,hknij->tk", gg, l64)  # float64: no reduced-precision GEMM
             if g_l is not None:  # dG/dL_k = r_k
                 g_l += torch.einsum("tk,thnij->hknij", r64[i:i + step], gg)
-        return (None if g_r is None else g_r.to(coords.dtype), None if g_l is None else g_l.to(gen.dtype), None)
+        return (None if g_r is None else g_r.to(coords.dtype), None if g_l is None else g_l.to(gen.dtype), None, None)
 
 
-def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_BUDGET) -> Tensor:
+def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_BUDGET, *,
+                     recompute: bool = False) -> Tensor:
     """``expm(sum_k r_k L_k)`` for every token: orthogonal to float64 round-off whatever the norm.
 
     Args:
         coords: ``(T, c)`` real (flatten the batch of coordinates into ``T``).
         generators: ``(Hp, c, nb, n, n)`` skew-symmetric blocks (``L^T = -L``; not checked), float32/64.
         budget: matrix entries per chunk (bounds the float64 / complex128 workspace: ~``32 * budget`` bytes).
+        recompute: on the CPU, keep nothing but the inputs for the backward pass and redo the eigendecompositions
+            there, chunk by chunk, instead of keeping one complex eigenbasis per token (twice the output's bytes in
+            float32). The gradients are bit-identical; the backward pass costs one more eigendecomposition per
+            token. Worth it when there are many tokens (per-example coordinates); ignored elsewhere.
 
     Returns:
         ``(T, Hp, nb, n, n)`` in ``generators``' dtype; differentiable in both inputs (first and second order).
@@ -145,7 +175,7 @@ def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_B
         hp, _, nb, n, _ = generators.shape
         step = _chunk_tokens(hp * nb * n * n, budget)
         return torch.cat([_expm64(part, generators) for part in coords.split(step)])
-    return _LinearSkewExpm.apply(coords, generators, int(budget))
+    return _LinearSkewExpm.apply(coords, generators, int(budget), bool(recompute))
 
 
 def _expm64(coords: Tensor, generators: Tensor) -> Tensor:

@@ -10,8 +10,9 @@ nor once per head when the generators are shared by heads -- and applied block b
 dense ``d x d`` scatter of the blocks). The exponentials come from ``expm.linear_skew_expm``: the generator
 sum is formed in float64 chunk by chunk and exponentiated through one Hermitian eigendecomposition per token
 and block, which stays orthogonal to round-off at the authors' large initial generators on real grid
-coordinates (a float32 ``matrix_exp`` does not), with bounded workspace for per-example coordinates and a
-backward pass that reuses the eigenbasis.
+coordinates (a float32 ``matrix_exp`` does not), with bounded workspace and a backward pass that reuses the
+eigenbasis. With per-example coordinates (one exponential per example and token) the eigenbases are not kept
+but recomputed in the backward pass, chunk by chunk: the activation memory is then the rotations alone.
 
 Parameters: the authors store a full ``b x b`` matrix per block and use its strict upper triangle; the
 diagonal and lower triangle never reach the encoding. ``num_effective_parameters()`` counts only the
@@ -74,7 +75,9 @@ class LieRE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
         gen = self.block_generators().to(dtype)  # (Hp, c, nb, b, b)
         lead = coords.shape[:-1]  # (M,) or (B, M)
-        rot = linear_skew_expm(coords.reshape(-1, self.coord_dim), gen)  # (T, Hp, nb, b, b), T = [B *] M
+        # per-example coordinates: B * M exponentials, so keep no eigenbases for the backward pass (recomputed there)
+        rot = linear_skew_expm(coords.reshape(-1, self.coord_dim), gen,
+                               recompute=coords.dim() == 3)  # (T, Hp, nb, b, b), T = [B *] M
         rot = rot.view(*lead, *rot.shape[1:])  # ([B,] M, Hp, nb, b, b)
         rot = rot if coords.dim() == 3 else rot.unsqueeze(0)  # (B | 1, M, Hp, nb, b, b)
         return rot.transpose(1, 2).contiguous()  # (B | 1, Hp, M, nb, b, b)
