@@ -15,8 +15,9 @@ and, *in the same rounds* (each round times every function once, in turn), the r
 * ``sdpa`` -- ``scaled_dot_product_attention(q, k, v)`` forward + backward on the same shapes;
 * ``none`` -- the identity encoding forward + backward;
 
-plus, for a naive row, the fast row it is the reference of, and for a folded row, axial RoPE and the unfolded
-encoding. Times are medians over the rounds after warm-up (minima are recorded too); ratios are ratios of
+plus, for a naive row, the fast row it is the reference of (whose peak and saved memory the naive row records
+too: ``fast_peak_mb``, ``fast_saved_mb`` and the ratios ``peak_ratio``, ``saved_ratio`` of fast to naive), and
+for a folded row, axial RoPE and the unfolded encoding. Times are medians over the rounds after warm-up (minima are recorded too); ratios are ratios of
 medians from the same rounds, so a slow phase of a shared machine affects both sides. Threads are fixed
 (``torch.set_num_threads``). Slow rows get fewer rounds (at least 3) so that every row fits a time budget.
 The clock is wall time by default; ``clock="cpu"`` times with the process CPU time instead, which -- with one
@@ -610,6 +611,17 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
 
         rec["saved_mb"] = saved_memory_mb(forward, exclude)
         case.zero_grads(module)
+        if row.kind == "naive":  # the fast row's memory measured in this run too: the ratios of one run
+            rec["fast_peak_mb"] = peak(fns["fast_fwdbwd"])
+
+            def fast_forward() -> Any:
+                with _autocast(case):
+                    return pe(case.q, case.k, case.coords)
+
+            rec["fast_saved_mb"] = saved_memory_mb(fast_forward, exclude)
+            case.zero_grads(pe)
+            rec["peak_ratio"] = rec["fast_peak_mb"] / max(rec["peak_mb"], 1e-9)
+            rec["saved_ratio"] = rec["fast_saved_mb"] / max(rec["saved_mb"], 1e-9)
     log(f"  {case.name:7s} {row.label:30s} fwd {rec['fwd_ms']:9.2f} ms  fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  "
         f"x floor {rec['x_floor']:7.2f}  SDPA {100 * rec['frac_sdpa']:6.1f}%"
         + (f"  GPU time {rec['fwdbwd_gpu_ms']:7.3f} ms x floor {rec['x_floor_gpu']:5.2f}" if cfg.on_gpu else "")
