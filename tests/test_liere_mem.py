@@ -1,5 +1,5 @@
 """Per-example LieRE keeps only its rotations for the backward pass (the eigenbases are recomputed there), with
-gradients bit-identical to keeping them; the shared-grid path keeps them."""
+gradients equal to keeping them (to round-off); the shared-grid path keeps them, bit for bit as before."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ from ropekit.encodings.expm import linear_skew_expm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_recompute_is_bit_identical_to_keeping_the_eigenbases(dtype):
+def test_recompute_equals_keeping_the_eigenbases(dtype):
     torch.manual_seed(0)
     pe = create_pe("liere", head_dim=16, coord_dim=3, num_heads=2, per_head=True)  # Hp = 2: several heads
     gen = pe.block_generators().detach().to(dtype).requires_grad_()
-    coords = (torch.rand(2 * 9, 3, dtype=dtype) * 13).requires_grad_()
+    coords = torch.rand(2 * 9, 3, dtype=dtype) * 13
+    coords[0] = 0  # G = 0: one eigenvalue of multiplicity n (the divided differences at equal eigenvalues)
+    coords[1] = coords[2] * 2  # the same generator direction at twice the scale
+    coords.requires_grad_()
     w = torch.randn(18, 2, 1, 16, 16, dtype=dtype)
     outs, grads = [], []
     for recompute in (False, True):
@@ -24,17 +27,18 @@ def test_recompute_is_bit_identical_to_keeping_the_eigenbases(dtype):
             r = linear_skew_expm(coords, gen, budget, recompute=recompute)
             outs.append(r.detach())
             grads.append(torch.autograd.grad((r * w).sum(), (coords, gen)))
-    for o, g in zip(outs[1:], grads[1:]):
+    for o in outs[1:]:
         assert torch.equal(o, outs[0]) or (o - outs[0]).abs().max() < 1e-13  # chunking: same up to round-off
-    assert torch.equal(outs[2], outs[0]) and torch.equal(outs[3], outs[1])  # recompute: bit-identical
-    for a, b in ((grads[2], grads[0]), (grads[3], grads[1])):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(outs[2], outs[0]) and torch.equal(outs[3], outs[1])  # the forward pass is the same
+    close = 1e-6 if dtype == torch.float32 else 1e-12  # kept complex64 eigenbasis vs recomputed complex128 one
+    for a, b in ((grads[2], grads[0]), (grads[3], grads[1]), (grads[2], grads[3])):
+        assert all((x - y).abs().max() <= close * y.abs().max() for x, y in zip(a, b))
     # and right: against a float64 matrix_exp per token
     with torch.enable_grad():
         c64, g64 = coords.detach().double().requires_grad_(), gen.detach().double().requires_grad_()
         ref = torch.linalg.matrix_exp(torch.einsum("tc,hcnij->thnij", c64, g64))
         gref = torch.autograd.grad((ref * w.double()).sum(), (c64, g64))
-    tol = 1e-4 if dtype == torch.float32 else 1e-9
+    tol = 1e-5 if dtype == torch.float32 else 1e-9
     assert (outs[2].double() - ref).abs().max() < tol
     for x, y in zip(grads[2], gref):
         assert (x.double() - y).abs().max() <= tol * y.abs().max()
