@@ -136,12 +136,14 @@ def test_coordinate_only_variant_is_an_option():
 # ------------------------------------------------------------------------------------------------ end to end
 
 
-def test_quick_study_end_to_end(tmp_path, monkeypatch):
+def test_quick_study_end_to_end(tmp_path, monkeypatch, capsys):
     pytest.importorskip("pybullet")
     from ropekit.cli import main as cli_main
 
     out = tmp_path / "d3"
     assert cli_main(_quick_argv(tmp_path)) == 0
+    wrote = capsys.readouterr().err.rsplit("files to", 1)[-1]
+    assert "table.md" in wrote and ".lock" not in wrote  # the outputs, not the (git-ignored) lock files
     for name in ("detect3d.csv", "detect3d.json", "summary.csv", "table.md", "detect3d.png", "config.json",
                  "training.png", "iou_curve.png", "examples.png", "command.txt"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name

@@ -709,7 +709,7 @@ def run_study(exp_cfg: Any, out: Any, **options: Any):
         (["--seeds", ",".join(str(s) for s in cfg.seeds)] if r["seeds"] != recipe(preset)["seeds"] else []) + \
         (["--inputs", ",".join(cfg.inputs)] if options.get("inputs") else []) + ["--out", str(out)]
     result = run_detect3d(cfg, argv=argv, progress=bool(exp_cfg.progress))
-    files = sorted(p for p in out.iterdir() if p.is_file())
+    files = sorted(p for p in out.iterdir() if p.is_file() and not p.name.startswith("."))  # not the lock files
     return StudyResult("detect3d", out, files, (out / "table.md").read_text(), {"summary": result["summary"]})
 
 
