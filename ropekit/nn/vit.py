@@ -155,9 +155,19 @@ class ViTConfig:
 
     @property
     def coord_dim(self) -> int:
-        if self.modality == "video" or (self.modality == "rgbd" and self.resolved_depth_input in ("coord", "both")):
+        if self.modality == "video" or self.depth_as_coord:
             return 3
         return 2
+
+    @property
+    def depth_as_coord(self) -> bool:
+        """RGB-D with depth as the third coordinate (``depth_input`` ``"coord"`` or ``"both"``)."""
+        return self.modality == "rgbd" and self.resolved_depth_input in ("coord", "both")
+
+    @property
+    def depth_as_channel(self) -> bool:
+        """RGB-D with depth as an extra input channel (``depth_input`` ``"channel"`` or ``"both"``)."""
+        return self.modality == "rgbd" and self.resolved_depth_input in ("channel", "both")
 
     @property
     def resolved_depth_input(self) -> Optional[str]:
@@ -189,7 +199,7 @@ class ViTConfig:
             raise ValueError("depth, patch_size and tubelet_size must be >= 1")
         if self.jitter < 0:
             raise ValueError(f"jitter must be >= 0, got {self.jitter}")
-        if self.modality == "rgbd" and self.resolved_depth_input in ("coord", "both") and self.rotary is None:
+        if self.depth_as_coord and self.rotary is None:
             raise ValueError(f"depth_input={self.resolved_depth_input!r} needs a rotary encoding; pe={self.pe!r} has "
                              f"no coordinate path (use depth_input='channel')")
         if self.rotary is None and self.pe_options:
@@ -327,9 +337,8 @@ class VisionTransformer(nn.Module):
         if cfg.modality == "video":
             self.patch_embed: nn.Module = TubeletEmbed(cfg.tubelet_size, cfg.patch_size, cfg.in_chans, dim)
         else:
-            extra = 1 if cfg.modality == "rgbd" and cfg.depth_input in ("channel", "both") else 0
-            self.patch_embed = PatchEmbed(cfg.patch_size, cfg.in_chans + extra, dim)
-            if cfg.modality == "rgbd" and cfg.depth_input in ("coord", "both"):
+            self.patch_embed = PatchEmbed(cfg.patch_size, cfg.in_chans + int(cfg.depth_as_channel), dim)
+            if cfg.depth_as_coord:
                 self.depth_lift = DepthLift(cfg.depth_scale_init)
         self.coord_dim = cfg.coord_dim
 
@@ -455,7 +464,7 @@ class VisionTransformer(nn.Module):
                 raise ValueError(f"RGB-D input must be (B, {cfg.in_chans + 1}, H, W) (colour then depth), "
                                  f"got {tuple(x.shape)}")
             rgb, depth = x[:, :cfg.in_chans], x[:, cfg.in_chans]  # (B, C, H, W), (B, H, W)
-            if cfg.depth_input in ("channel", "both"):
+            if cfg.depth_as_channel:
                 masked = torch.where(valid_depth_mask(depth), depth, torch.zeros_like(depth))
                 tokens, grid = self.patch_embed(torch.cat([rgb, masked[:, None]], dim=1))
             else:
