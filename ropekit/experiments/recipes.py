@@ -170,10 +170,10 @@ def _presets(study_default: Dict[str, Any], study_gpu: Dict[str, Any], study_qui
 
 
 SEEDS = [0, 1, 2]
+GPU_SEEDS = [0, 1, 2, 3, 4]
 #: Resolution: grid coordinates, normalised ones, and normalised ones trained with scale augmentation (each step at
 #: one image size of ``scale_sizes``: 5..9 tokens per side around the 7x7 training grid).
 _RES_MODES = ["grid", "normalized", "normalized+scale"]
-GPU_SEEDS = [0, 1, 2, 3, 4]
 
 #: Relaxed STRING with every dimension active (``active_planes = head_dim / 2``), exact and relaxed alike, so
 #: the two differ only in the commuting constraint and the free post-rotation.

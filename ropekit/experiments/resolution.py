@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..train.config import auto_patch_size
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, background_value, mean_loss, pad_or_crop, predict, token_grid
 from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib
@@ -63,12 +64,12 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
     _, _, info = ctx.test_data(probe)
     train_size = int(info.image_size[0])
     rows: List[Dict[str, Any]] = []
+    train_patch = probe.patch_size or auto_patch_size(info.image_size)  # as the trainer resolves it
+    aug = [int(v) for v in scale_sizes] if scale_sizes else [train_size + k * train_patch for k in (-1, 0, 1)]
     patch = None
     for pe, enc, cm in variants:
         for seed in cfg.seeds:
             if cm == "normalized+scale":
-                p = cfg.train_config(enc, seed).patch_size or 4
-                aug = [int(v) for v in scale_sizes] if scale_sizes else [train_size + k * p for k in (-1, 0, 1)]
                 tcfg = cfg.train_config(enc, seed, coords="grid" if enc in _NO_COORDS else "normalized",
                                         augment_sizes=aug)
             else:
