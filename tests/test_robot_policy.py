@@ -182,23 +182,43 @@ def quick_run(tmp_path_factory):
     from ropekit.cli import main
 
     out = tmp_path_factory.mktemp("robot") / "quick"
-    assert main(["robot", "experiment", "--quick", "--out", str(out), "--no-progress", "--episodes", "1"]) == 0
+    assert main(["robot", "experiment", "--quick", "--out", str(out), "--no-progress"]) == 0
     return out
 
 
 def test_quick_experiment_writes_its_files(quick_run):
-    for name in ("config.json", "demos.npz", "robot.csv", "robot.json", "table.md", "robot.png", "training.png",
-                 "rollouts.png", "rollout_2d.gif", "rollout_3d.gif", "rollout_2d_ft.gif"):
+    for name in ("config.json", "demos.npz", "tolerance.json", "robot.csv", "robot.json", "table.md", "robot.png",
+                 "training.png", "rollouts.png", "rollout_2d.gif", "rollout_3d.gif", "rollout_2d_ft.gif",
+                 "rollout_3d_scratch.gif"):
         assert (quick_run / name).is_file() and (quick_run / name).stat().st_size > 0, name
     doc = json.loads((quick_run / "robot.json").read_text())
     rows = doc["rows"]
-    assert {r["policy"] for r in rows} == {"2d", "2d_ft", "3d"}
-    assert {r["condition"] for r in rows} == {"in_distribution", "ood_table_height", "ood_large_distractors",
-                                              "ood_light"}
+    assert {r["policy"] for r in rows} == {"2d", "2d_ft", "3d", "3d_scratch"}
+    assert {r["condition"] for r in rows} == {"in_distribution", "ood_table_height"}
     assert all(0.0 <= r["ci95_low"] <= r["success_rate"] <= r["ci95_high"] <= 1.0 for r in rows)
-    assert load_policy(quick_run / "policies" / "3d").config.modality == "rgbd"
-    init = json.loads((quick_run / "policies" / "3d" / "config.json").read_text())["init_from"]
-    assert init.endswith("2d")
+    assert all(len(r["grasp"]) == r["episodes"] for r in rows)
+    for a in doc["summary"]["aggregate"]:  # failures by kind account for every failed episode
+        assert a["fail_off_target"] + a["fail_too_high"] + a["fail_suction_off"] + a["fail_no_lift"] == \
+            a["episodes"] - a["successes"]
+    run3d = quick_run / "policies" / "s0" / "3d"
+    assert load_policy(run3d).config.modality == "rgbd"
+    assert json.loads((run3d / "config.json").read_text())["init_from"].endswith("2d")
+    scratch = json.loads((quick_run / "policies" / "s0" / "3d_scratch" / "config.json").read_text())
+    # from scratch for as many steps as the 3-D policy had in all (2-D training + fine-tuning)
+    assert scratch["train"]["steps"] == 4 + 2 and scratch["init_from"] is None
+    depth = {d["policy"]: d for d in doc["summary"]["depth_use"]}
+    assert set(depth) == {"3d", "3d_scratch"}
+    assert depth["3d"]["scale"] != 0.0  # the lift starts at the recipe's metric scale, not at zero
+
+
+def test_quick_experiment_config_is_the_pinned_recipe(quick_run):
+    from ropekit.robot.recipes import compare_with_committed
+
+    doc = json.loads((quick_run / "config.json").read_text())
+    assert doc["preset"] == "quick"
+    assert compare_with_committed(doc) == []
+    changed = dict(doc, recipe={**doc["recipe"], "depth_scale": 1.0})
+    assert any("depth_scale" in line for line in compare_with_committed(changed))
 
 
 def test_cli_train_and_eval(quick_run, tmp_path):
@@ -207,7 +227,7 @@ def test_cli_train_and_eval(quick_run, tmp_path):
     demos = str(quick_run / "demos.npz")
     run3d = tmp_path / "3d"
     args = ["robot", "train", "--demos", demos, "--out", str(run3d), "--modality", "rgbd", "--init-from",
-            str(quick_run / "policies" / "2d"), "--steps", "1", "--batch-size", "4", "--all-episodes", "--no-progress"]
+            str(quick_run / "policies" / "s0" / "2d"), "--steps", "1", "--batch-size", "4", "--all-episodes", "--no-progress"]
     assert main(args) == 0  # (--all-episodes: the 6-step quick demos rarely succeed)
     out = tmp_path / "eval.json"
     assert main(["robot", "eval", str(run3d), "--conditions", "ood_light", "--episodes", "1", "--max-steps", "2",

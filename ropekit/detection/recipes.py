@@ -30,7 +30,7 @@ import dataclasses
 import json
 from typing import Any, Dict, List, Set
 
-from ..experiments.recipes import DATA_FIELDS, PAPER_SHARING, PRESETS, _arch, _check_fields
+from ..experiments.recipes import DATA_FIELDS, PAPER_SHARING, PRESETS, _arch, _check_fields, preset_copy
 from ..nn.vit import ViTConfig
 from .scenes import SceneConfig
 
@@ -168,9 +168,7 @@ def recipe(preset: str = "default") -> Dict[str, Any]:
     Raises:
         ValueError: unknown preset, or an incomplete recipe.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
-    return check_recipe(copy.deepcopy(RECIPES[preset]), f"detect3d recipe {preset}")
+    return preset_copy(RECIPES, preset, check_recipe, "detect3d")
 
 
 def compare_with_committed(doc: Dict[str, Any], where: str = "detect3d") -> List[str]:

@@ -65,6 +65,14 @@ def recipe_fields() -> Set[str]:
     return set(TrainConfig.field_names()) - RUNTIME_FIELDS - PER_RUN_FIELDS
 
 
+def preset_copy(recipes: Dict[str, Dict[str, Any]], preset: str, check: Any, what: str) -> Dict[str, Any]:
+    """A deep copy of ``recipes[preset]`` passed through ``check(recipe, where)``; ``ValueError`` for an unknown
+    preset (the shared lookup of the studies that keep their own recipe tables: detect3d, robot)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    return check(copy.deepcopy(recipes[preset]), f"{what} recipe {preset}")
+
+
 def _check_fields(what: str, given: Dict[str, Any], expected: set, kind: str, hint: str) -> None:
     """One-line ``ValueError`` naming the fields of ``expected`` missing from ``given`` and those it should not hold."""
     missing = sorted(expected - set(given))

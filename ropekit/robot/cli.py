@@ -7,6 +7,9 @@
     ropekit robot train --demos runs/robot/demos.npz --out runs/robot/3d --modality rgbd --init-from runs/robot/2d
     ropekit robot eval runs/robot/2d runs/robot/3d --episodes 50
     ropekit robot experiment --out runs/robot [--quick]
+    ropekit robot diagnose tolerance --axis z --offsets -0.02 0 0.02     (how precise a policy must be)
+    ropekit robot diagnose grasp runs/robot/2d --episodes 100            (where a policy's tip went)
+    ropekit robot diagnose depth-shuffle runs/robot/3d --demos runs/robot/demos.npz   (does it read depth)
     ropekit robot aloha collect|train|eval|experiment ...   (bimanual ALOHA; needs ropekit[aloha])
 """
 
@@ -26,7 +29,8 @@ _PRESETS = ("in_distribution", "ood_table_height", "ood_large_distractors", "ood
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="robot_command", metavar="<collect|train|eval|experiment|aloha>", required=True)
+    sub = parser.add_subparsers(dest="robot_command", metavar="<collect|train|eval|experiment|diagnose|aloha>",
+                                required=True)
 
     p = sub.add_parser("collect", help="record scripted-expert demonstrations (.npz)")
     p.add_argument("--out", required=True, help="output .npz file")
@@ -76,6 +80,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("experiment", help="the whole 2-D vs 3-D STRING study, with reports")
     experiment.add_arguments(p)
 
+    p = sub.add_parser("diagnose", help="measurements that explain a policy's failures")
+    dsub = p.add_subparsers(dest="diagnose_command", metavar="<tolerance|grasp|depth-shuffle>", required=True)
+    d = dsub.add_parser("tolerance", help="the scripted expert's success with a wrong belief of the target position")
+    d.add_argument("--axis", choices=("x", "y", "z"), default="z")
+    d.add_argument("--offsets", type=float, nargs="+", default=[-0.03, -0.02, -0.01, 0.0, 0.01, 0.02, 0.03],
+                   help="belief errors (m); positive z: the target is believed higher than it is")
+    d.add_argument("--episodes", type=int, default=40)
+    d.add_argument("--press-depth", type=float, default=None,
+                   help="how far below the top face the expert presses (m; default: the expert's)")
+    d.add_argument("--suction-height", type=float, default=None,
+                   help="suction switched on this far above the top face (m; default: the expert's)")
+    d.add_argument("--out", default=None, help="write the rows as JSON here")
+    d = dsub.add_parser("grasp", help="where a trained policy's tip went, and the failure kinds")
+    d.add_argument("run", help="run folder")
+    d.add_argument("--episodes", type=int, default=100)
+    d.add_argument("--condition", choices=_PRESETS, default="in_distribution")
+    d.add_argument("--seed", type=int, default=1000, help="evaluation seed (as `ropekit robot eval`)")
+    d.add_argument("--out", default=None, help="write the rows and the summary as JSON here")
+    d = dsub.add_parser("depth-shuffle", help="how much an RGB-D policy's actions change when depth patches move")
+    d.add_argument("run", help="RGB-D run folder")
+    d.add_argument("--demos", required=True, help=".npz written by `ropekit robot collect`")
+    d.add_argument("--every", type=int, default=16, help="use every n-th demo observation")
+
     from .aloha import cli as aloha_cli  # imports no simulator package until a command runs
 
     p = sub.add_parser("aloha", help="bimanual ALOHA tasks in MuJoCo: demos, diffusion policies, encoder study")
@@ -87,7 +114,8 @@ def run(args: Any) -> int:
         from .aloha import cli as aloha_cli
 
         return aloha_cli.run(args)
-    return {"collect": _collect, "train": _train, "eval": _eval, "experiment": experiment.run}[args.robot_command](args)
+    return {"collect": _collect, "train": _train, "eval": _eval, "experiment": experiment.run,
+            "diagnose": _diagnose}[args.robot_command](args)
 
 
 def _collect(args: Any) -> int:
@@ -143,4 +171,31 @@ def _eval(args: Any) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _diagnose(args: Any) -> int:
+    from . import diagnose
+
+    if args.diagnose_command == "tolerance":
+        kw = {k: v for k, v in (("press_depth", args.press_depth), ("suction_height", args.suction_height))
+              if v is not None}
+        result: Any = diagnose.expert_tolerance(args.offsets, args.axis, args.episodes, expert_kwargs=kw)
+        for r in result:
+            print(f"{r['axis']} {r['offset_m'] * 1000:+7.1f} mm  success {r['success_rate']:.2f}  "
+                  f"({r['episodes']} episodes, {r['mean_steps']:.1f} steps)")
+        result = {"expert_kwargs": kw, "rows": result}
+    elif args.diagnose_command == "grasp":
+        rows = diagnose.grasp_errors(args.run, args.episodes, args.condition, args.seed)
+        summary = diagnose.summarize_grasp_errors(rows)
+        print(json.dumps(summary, indent=2))
+        result = {"summary": summary, "rows": rows}
+    else:
+        from .demos import load_demos
+
+        result = diagnose.depth_shuffle_effect(args.run, load_demos(args.demos), args.every)
+        print(json.dumps(result, indent=2))
+    if getattr(args, "out", None):
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

@@ -435,6 +435,13 @@ class PickEnv:
         """Half the vertical extent of the target at rest (its top is ``position z + this``)."""
         return float(self._scene["target"]["half_height"])
 
+    def suction_gap(self, max_distance: float = 0.5) -> float:
+        """Closest distance (m) between the suction link and the target (``max_distance`` if farther): the
+        suction attaches when it is within ``PickConfig.suction_range`` while the command is closed."""
+        pts = p.getClosestPoints(self._robot, self._target, max_distance, linkIndexA=_EE_LINK,
+                                 physicsClientId=self._client)
+        return float(min((pt[8] for pt in pts), default=max_distance))
+
     def ee_position(self) -> np.ndarray:
         """Tip position, world frame, (3,) float64."""
         st = p.getLinkState(self._robot, _EE_LINK, computeForwardKinematics=True, physicsClientId=self._client)

@@ -1,28 +1,33 @@
-"""The robot study: a 2-D policy (RGB) against a 3-D STRING policy (RGB-D), in and out of distribution.
+"""The robot study: 2-D policies (RGB) against 3-D STRING policies (RGB-D), in and out of distribution.
 
-Stages (each skipped when its output already exists in the folder, so an interrupted run resumes):
+The recipe of a preset (:mod:`ropekit.robot.recipes`) states every setting. Stages (each skipped when its
+output already exists in the folder, so an interrupted run resumes):
 
 1. ``demos.npz`` -- scripted-expert demonstrations in the training distribution.
-2. ``policies/2d`` -- a policy on RGB with a 2-D encoding, trained from scratch.
-3. ``policies/3d`` -- an RGB-D policy with the 3-D encoding (Circulant-STRING by default) whose weights start
-   from ``policies/2d`` (:func:`~ropekit.robot.policy.init_from_2d`: the depth lift at zero, so it starts
-   equal to the 2-D policy), fine-tuned for ``finetune_steps``.
-4. ``policies/2d_ft`` (``control=True``) -- the 2-D policy fine-tuned on RGB with the same schedule: the 3-D
-   policy has had more training steps than ``2d``, and this control has the same number, so a difference
-   between ``3d`` and ``2d_ft`` is the depth, not the extra steps.
-5. Evaluation: every policy on every condition (``in_distribution``, ``ood_table_height``,
-   ``ood_large_distractors``, ``ood_light``) over the same ``eval_episodes`` episode seeds (disjoint from the
-   demos'); success = the target lifted above the success height within ``max_steps`` steps.
-   Each result is cached in ``<run>/eval_<condition>.json`` (reused while the checkpoint and settings match).
-6. Reports, in the layout of the other ``ropekit experiment`` studies: ``robot.csv`` / ``robot.json`` (every
-   number, per-episode outcomes), ``table.md`` (success rates with 95 % Wilson intervals), ``robot.png``
-   (bars with binomial error bars), ``config.json`` (the settings and a key per trained run), plus
-   ``training.png`` (loss curves), ``rollouts.png`` (an image strip of one rollout per policy and condition)
-   and ``rollout_<policy>.gif``.
+2. ``tolerance.json`` -- how precise a policy must be: the expert's success with a wrong belief of the
+   target's height, for the recipe's grasp strategy and for closing on the top face
+   (:func:`~ropekit.robot.diagnose.expert_tolerance`).
+3. Per training seed, under ``policies/s<seed>/``: ``2d`` (RGB, 2-D encoding, from scratch); ``3d`` (RGB-D,
+   the 3-D encoding, weights from ``2d`` by :func:`~ropekit.robot.policy.init_from_2d`, the depth lift
+   ``z = a * depth + b`` started at the recipe's ``depth_scale``, then fine-tuned); ``2d_ft`` (``2d``
+   fine-tuned on RGB on the same schedule, so ``3d`` vs ``2d_ft`` isolates the depth); ``3d_scratch`` (RGB-D
+   from scratch for as many steps as ``3d`` had in all). Independent runs train side by side in ``workers``
+   processes.
+4. Evaluation: every policy on every condition over the same ``eval_episodes`` episode seeds (disjoint from
+   the demos') and diffusion seeds; success = the target lifted above the success height within the
+   episode. Each episode also records where the tip went (:func:`~ropekit.robot.diagnose.grasp_errors`), so
+   failures are counted by kind. Results are cached in ``<run>/eval_<condition>.json``.
+5. Depth use of every RGB-D policy: its learned lift, and how much its actions move when the depth patches
+   of an image are shuffled (:func:`~ropekit.robot.diagnose.depth_shuffle_effect`).
+6. Reports: ``robot.csv`` / ``robot.json`` (every number, per-episode outcomes), ``table.md`` (success over
+   all seeds with 95 % Wilson intervals, per-seed rates, failure kinds, depth use, the tolerance table),
+   ``robot.png``, ``training.png``, ``rollouts.png`` and ``rollout_<policy>.gif`` (seed 0), and
+   ``config.json`` (preset, recipe, a key per trained run).
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import hashlib
@@ -46,55 +51,45 @@ __all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study",
 
 CONDITIONS = ("in_distribution", "ood_table_height", "ood_large_distractors", "ood_light")
 PathLike = Union[str, Path]
-LABELS = {"2d": "2-D (RGB)", "2d_ft": "2-D (RGB), fine-tuned", "3d": "3-D STRING (RGB-D)"}
+LABELS = {"2d": "2-D (RGB)", "2d_ft": "2-D (RGB), fine-tuned", "3d": "3-D STRING (RGB-D), from 2-D",
+          "3d_scratch": "3-D STRING (RGB-D), from scratch"}
 
 
 @dataclass
 class RobotExperimentConfig:
-    """Settings of :func:`run_experiment` (saved in ``config.json`` of the output folder).
+    """A robot study: the preset's pinned ``recipe`` (:mod:`ropekit.robot.recipes`, saved in ``config.json``)
+    and how to run it -- ``device`` of the training, ``workers`` processes with ``threads`` torch threads each,
+    the media sizes and the progress bars."""
 
-    ``policy``: :class:`~ropekit.robot.policy.PolicyConfig` overrides shared by every policy (``modality``
-    and ``pe`` are set per policy from ``pe_2d`` / ``pe_3d``). ``train`` and ``finetune``:
-    :class:`~ropekit.robot.train.PolicyTrainConfig` overrides of the 2-D training and of both fine-tunings.
-    ``env``: :class:`~ropekit.robot.env.PickConfig` overrides applied to every condition (demos and evaluation).
-    """
-
-    demo_episodes: int = 300
-    demo_noise: float = 0.005
-    demo_seed: int = 0
-    pe_2d: str = "circulant"
-    pe_3d: str = "circulant"
-    policy: Dict[str, Any] = field(default_factory=dict)
-    train: Dict[str, Any] = field(default_factory=lambda: {"steps": 2000})
-    finetune: Dict[str, Any] = field(default_factory=lambda: {"steps": 800, "warmup_steps": 50})
-    control: bool = True
-    env: Dict[str, Any] = field(default_factory=dict)
-    conditions: Tuple[str, ...] = CONDITIONS
-    eval_episodes: int = 100
-    eval_seed: int = 1000
+    preset: str = "default"
+    recipe: Dict[str, Any] = field(default_factory=lambda: _recipe("default"))
+    device: str = "cpu"
     workers: int = 2
+    threads: int = 1
     frame_size: int = 128
     strip_frames: int = 8
     progress: bool = True
-    quick: bool = False
+
+    @classmethod
+    def from_preset(cls, preset: str, **changes: Any) -> "RobotExperimentConfig":
+        base: Dict[str, Any] = {"preset": preset, "recipe": _recipe(preset)}
+        if preset == "quick":
+            base.update(workers=1, frame_size=64, strip_frames=4)
+        return cls(**{**base, **changes})
 
     @classmethod
     def quick_preset(cls, **overrides: Any) -> "RobotExperimentConfig":
         """A few-second end-to-end run for CI: tiny encoder, a handful of demos, steps and episodes."""
-        base = dict(
-            quick=True, demo_episodes=3, workers=1, eval_episodes=2, frame_size=64, strip_frames=4,
-            policy={"vit_overrides": {"depth": 1, "patch_size": 16, "embed_dim": 48, "num_heads": 1},
-                    "pe_options": {"block_size": 8}, "hidden_dim": 64, "cond_dim": 64, "num_blocks": 1,
-                    "num_inference_steps": 2},
-            train={"steps": 4, "batch_size": 8, "warmup_steps": 1, "noise_samples": 1, "log_every": 2,
-                   "only_successful": False},  # 6-step demos rarely succeed
-            finetune={"steps": 2, "batch_size": 8, "warmup_steps": 1, "noise_samples": 1, "log_every": 1},
-            env={"max_steps": 6, "image_size": 32},
-        )
-        return cls(**{**base, **overrides})
+        return cls.from_preset("quick", **overrides)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _recipe(preset: str) -> Dict[str, Any]:
+    from .recipes import recipe
+
+    return recipe(preset)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -103,8 +98,8 @@ class RobotExperimentConfig:
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> Tuple[float, float]:
-    """Wilson score interval of a binomial proportion (95 % for ``z = 1.96``); ``(0, 1)`` when ``n = 0``."""
-    if n == 0:
+    """95 % (``z = 1.96``) Wilson score interval of a binomial proportion."""
+    if n <= 0:
         return 0.0, 1.0
     p = successes / n
     denom = 1 + z * z / n
@@ -126,30 +121,20 @@ def evaluate_policy(policy: Any, condition: str, episodes: int, seed: int = 1000
 
     Episode ``i`` uses env seed ``episode_seeds(seed, episodes)[i]`` and diffusion seed ``sample_seed + i``, so
     every policy and condition sees the same scenes. Returns counts, the rate, its 95 % Wilson interval, the
-    mean step of first success and the per-episode outcomes.
+    mean step of first success, the per-episode outcomes and grasp errors
+    (:func:`~ropekit.robot.diagnose.grasp_errors`) and the failure kinds.
     """
-    import torch
-    from tqdm.auto import tqdm
+    from .diagnose import grasp_errors, summarize_grasp_errors
 
-    from .policy import PolicyRunner
-    from .train import load_policy
-
-    torch.set_num_threads(1)
-    if not hasattr(policy, "config"):
-        policy = load_policy(policy)
-    seeds = episode_seeds(seed, episodes)
-    outcomes, first = [], []
-    with PickEnv(env_config(condition, policy.config.image_size, env_overrides)) as env:
-        for i in tqdm(range(episodes), desc=condition, unit="ep", disable=not progress):
-            res = rollout(env, PolicyRunner(policy, seed=sample_seed + i), seed=int(seeds[i]))
-            outcomes.append(bool(res.success))
-            if res.first_success_step is not None:
-                first.append(res.first_success_step)
+    rows = grasp_errors(policy, episodes, condition, seed, env_overrides=env_overrides, sample_seed=sample_seed,
+                        progress=progress)
+    outcomes = [r["success"] for r in rows]
+    first = [r["steps"] for r in rows if r["success"]]
     k = int(sum(outcomes))
     lo, hi = wilson_interval(k, episodes)
     return {"condition": condition, "episodes": episodes, "successes": k, "success_rate": k / episodes,
             "ci95_low": lo, "ci95_high": hi, "mean_steps_to_success": float(np.mean(first)) if first else None,
-            "outcomes": outcomes}
+            "outcomes": outcomes, "failures": summarize_grasp_errors(rows), "grasp": rows}
 
 
 def _eval_job(args: Tuple[str, str, str, int, int, Dict[str, Any]]) -> Dict[str, Any]:
@@ -160,7 +145,7 @@ def _eval_job(args: Tuple[str, str, str, int, int, Dict[str, Any]]) -> Dict[str,
 
     ckpt = Path(run_dir) / CHECKPOINT
     cache = Path(run_dir) / f"eval_{condition}.json"
-    key = {"episodes": episodes, "seed": seed, "env": overrides,
+    key = {"episodes": episodes, "seed": seed, "env": overrides, "version": 2,
            "checkpoint_sha256": hashlib.sha256(ckpt.read_bytes()).hexdigest() if ckpt.exists() else None}
     if cache.exists():
         hit = json.loads(cache.read_text())
@@ -173,147 +158,233 @@ def _eval_job(args: Tuple[str, str, str, int, int, Dict[str, Any]]) -> Dict[str,
 
 
 def _map(fn, jobs: Sequence[Any], workers: int, progress: bool, desc: str) -> List[Any]:
-    """``[fn(j) for j in jobs]``, in ``workers`` processes (forkserver, like demo collection) when ``> 1``."""
+    """``[fn(j) for j in jobs]`` in ``workers`` processes (order kept), with a progress bar over jobs."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
-    out: List[Any] = []
-    try:
-        if workers <= 1:
-            for j in jobs:
-                out.append(fn(j))
-                bar.update(1)
-        else:
-            method = _default_start_method()
-            ctx = mp.get_context(method)
-            if method == "forkserver":
-                ctx.set_forkserver_preload([__name__])
-            with ctx.Pool(min(workers, len(jobs))) as pool:
-                for r in pool.imap(fn, jobs):
-                    out.append(r)
-                    bar.update(1)
-    finally:
-        bar.close()
-    return out
+    if workers <= 1 or len(jobs) <= 1:
+        return [fn(j) for j in tqdm(jobs, desc=desc, disable=not progress)]
+    ctx = mp.get_context(_default_start_method())
+    with ctx.Pool(min(workers, len(jobs))) as pool:
+        return list(tqdm(pool.imap(fn, jobs), total=len(jobs), desc=desc, disable=not progress))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the study
+# training
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _policy_config(cfg: RobotExperimentConfig, modality: str, pe: str, image_size: int, **extra: Any):
-    from .policy import PolicyConfig
+def planned_runs(r: Mapping[str, Any]) -> List[Tuple[str, int]]:
+    """``(arm, seed)`` of every policy a recipe trains, seed by seed in the order of :data:`recipes.ARMS`."""
+    from .recipes import ARMS
 
-    return PolicyConfig(**{**cfg.policy, "modality": modality, "pe": pe, "image_size": image_size, **extra})
+    return [(arm, int(seed)) for seed in r["seeds"] for arm in ARMS if arm in r["arms"]]
 
 
-def _train_stage(cfg: RobotExperimentConfig, out: Path, demos: Mapping[str, Any]) -> Dict[str, Path]:
-    from .policy import DiffusionPolicy, init_from_2d
+def run_dir(out: Path, arm: str, seed: int) -> Path:
+    return out / "policies" / f"s{seed}" / arm
+
+
+def arm_settings(r: Mapping[str, Any], arm: str, seed: int, image_size: int) -> Dict[str, Any]:
+    """The complete policy and training settings of one run: ``{"policy": PolicyConfig dict, "train":
+    PolicyTrainConfig dict (without num_threads), "init_from": arm or None}``."""
+    rgbd = arm.startswith("3d")
+    policy = {**copy.deepcopy(r["policy"]), "modality": "rgbd" if rgbd else "image",
+              "pe": r["pe_3d"] if rgbd else r["pe_2d"], "pe_options": dict(r["pe_options"]),
+              "depth_scale_init": float(r["depth_scale"]) if rgbd else 1.0, "image_size": int(image_size)}
+    train = {**r["train"], "seed": int(seed)}
+    if arm in ("3d", "2d_ft"):
+        train.update(r["finetune"])
+    elif arm == "3d_scratch":
+        train["steps"] = int(r["train"]["steps"]) + int(r["finetune"].get("steps", r["train"]["steps"]))
+    return {"policy": policy, "train": train, "init_from": "2d" if arm in ("3d", "2d_ft") else None}
+
+
+def _train_job(args: Tuple[str, int, str, Dict[str, Any], str, int, bool]) -> str:
+    """Train one run of the study (in a worker process); returns its folder."""
+    arm, seed, out, settings, device, threads, progress = args
+    import torch
+
+    from ..train import engine
+    from .demos import load_demos
+    from .policy import DiffusionPolicy, PolicyConfig, init_from_2d
     from .train import CHECKPOINT, DemoChunks, PolicyTrainConfig, load_policy, train_policy
 
-    image_size = int(demos["config"].image_size)
-    runs = {"2d": out / "policies" / "2d"}
-    if cfg.control:
-        runs["2d_ft"] = out / "policies" / "2d_ft"
-    runs["3d"] = out / "policies" / "3d"
-    source = {"demos": str(out / "demos.npz")}
-    if not (runs["2d"] / CHECKPOINT).exists():
-        _say("training 2d")
-        policy = DiffusionPolicy(_policy_config(cfg, "image", cfg.pe_2d, image_size))
-        tc = PolicyTrainConfig(**cfg.train)
-        train_policy(policy, DemoChunks(demos, policy.config, tc.only_successful), tc, runs["2d"],
-                     progress=cfg.progress, extra_config=source)
-    ft = PolicyTrainConfig(**{**cfg.train, **cfg.finetune})
-    for name, modality, pe in (("3d", "rgbd", cfg.pe_3d), ("2d_ft", "image", cfg.pe_2d)):
-        if name not in runs or (runs[name] / CHECKPOINT).exists():
-            continue
-        base = load_policy(runs["2d"])
-        if modality == "rgbd":
-            policy = DiffusionPolicy(_policy_config(cfg, "rgbd", pe, image_size, depth_scale_init=0.0))
-            init_from_2d(policy, base.state_dict())
+    torch.set_num_threads(threads)
+    out_p = Path(out)
+    folder = run_dir(out_p, arm, seed)
+    if (folder / CHECKPOINT).exists():
+        return str(folder)
+    demos = load_demos(out_p / "demos.npz")
+    cfg = PolicyConfig(**settings["policy"])
+    tc = PolicyTrainConfig(**{**settings["train"], "num_threads": threads})
+    fit = True
+    if settings["init_from"] is not None:
+        base = load_policy(run_dir(out_p, settings["init_from"], seed))
+        if cfg.modality == "rgbd":
+            policy = DiffusionPolicy(cfg)
+            init_from_2d(policy, base.state_dict(), depth_scale=cfg.depth_scale_init)
         else:
             policy = base
-        _say(f"fine-tuning {name} from {runs['2d']}")
-        data = DemoChunks(demos, policy.config, ft.only_successful)
-        train_policy(policy, data, ft, runs[name], fit_normalizers=False,
-                     progress=cfg.progress, extra_config={**source, "init_from": str(runs["2d"])})
-    return runs
+        fit = False
+    else:
+        policy = DiffusionPolicy(cfg)
+    _say(f"training s{seed}/{arm} ({tc.steps} steps)")
+    opts = engine.EngineOptions(device=device, threads=threads, progress=progress, tensorboard=False)
+    train_policy(policy, DemoChunks(demos, cfg, tc.only_successful), tc, folder, fit_normalizers=fit,
+                 progress=progress, options=opts,
+                 extra_config={"demos": "demos.npz", "arm": arm,
+                               "init_from": str(run_dir(Path("."), settings["init_from"], seed))
+                               if settings["init_from"] else None})
+    return str(folder)
+
+
+def _train_stage(cfg: RobotExperimentConfig, out: Path, image_size: int) -> Dict[Tuple[str, int], Path]:
+    """Train every planned run: first those from scratch, then the fine-tunings, each group side by side."""
+    r = cfg.recipe
+    runs = planned_runs(r)
+    settings = {(arm, seed): arm_settings(r, arm, seed, image_size) for arm, seed in runs}
+    progress = cfg.progress and cfg.workers <= 1
+    for group in ([k for k in runs if settings[k]["init_from"] is None],
+                  [k for k in runs if settings[k]["init_from"] is not None]):
+        jobs = [(arm, seed, str(out), settings[arm, seed], cfg.device, cfg.threads, progress) for arm, seed in group]
+        _map(_train_job, jobs, cfg.workers, cfg.progress and not progress, "train")
+    return {k: run_dir(out, *k) for k in runs}
 
 
 def _say(msg: str) -> None:
     print(f"[robot {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _tolerance_stage(r: Mapping[str, Any], out: Path) -> Dict[str, Any]:
+    """``tolerance.json``: the expert's success against its belief error in height, for the recipe's grasp and
+    for closing on the top face (``press_depth = suction_height = 0``)."""
+    from .diagnose import expert_tolerance
+
+    path = out / "tolerance.json"
+    expert = dict(r["demos"]["expert"])
+    key = {"expert": expert, "env": r["env"]}
+    if path.exists():
+        doc = json.loads(path.read_text())
+        if doc.get("key") == key:
+            return doc
+    quick = r["eval_episodes"] < 10
+    offsets = [0.0, 0.02] if quick else [-0.03, -0.02, -0.01, 0.0, 0.01, 0.015, 0.02, 0.03, 0.04]
+    episodes = 2 if quick else 40
+    env = {k: v for k, v in r["env"].items() if k != "image_size"}
+    doc = {"key": key, "strategies": {
+        "recipe": expert_tolerance(offsets, "z", episodes, expert_kwargs=expert, env_overrides=env),
+        "close_on_top": expert_tolerance(offsets, "z", episodes, env_overrides=env,
+                                         expert_kwargs={**expert, "press_depth": 0.0, "suction_height": 0.0}),
+    }}
+    atomic_write_text(path, json.dumps(doc, indent=2))
+    return doc
+
+
 def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, Any]:
     """Run (or resume) the study into ``out_dir``; return the document written to ``robot.json``."""
+    from .recipes import check_recipe
+
+    r = check_recipe(cfg.recipe)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "config.json", json.dumps({"experiment": cfg.to_dict(), "runs": []}, indent=2))
+    atomic_write_text(out / "config.json", json.dumps({**cfg.to_dict(), "runs": []}, indent=2))
     t0 = time.time()
     timings: Dict[str, float] = {}
     demo_path = out / "demos.npz"
+    d = r["demos"]
     if not demo_path.exists():
-        collect_demos(cfg.demo_episodes, PickConfig.in_distribution(**{"terminate_on_success": True, **cfg.env}),
-                      seed=cfg.demo_seed, workers=cfg.workers, out=demo_path, progress=cfg.progress,
-                      noise=cfg.demo_noise)
+        collect_demos(d["episodes"], PickConfig.in_distribution(**{"terminate_on_success": True, **r["env"]}),
+                      seed=d["seed"], workers=cfg.workers, out=demo_path, progress=cfg.progress, noise=d["noise"],
+                      expert_kwargs=dict(d["expert"]))
     demos = load_demos(demo_path)
     timings["demos"] = time.time() - t0
     _say(f"demos: {len(demos['episode_success'])} episodes, {len(demos['state'])} steps ({timings['demos']:.0f} s)")
-    runs = _train_stage(cfg, out, demos)
-    timings["train"] = time.time() - t0 - timings["demos"]
+    tolerance = _tolerance_stage(r, out)
+    timings["tolerance"] = time.time() - t0 - sum(timings.values())
+    runs = _train_stage(cfg, out, int(demos["config"].image_size))
+    timings["train"] = time.time() - t0 - sum(timings.values())
     _say(f"policies trained ({timings['train']:.0f} s); evaluating")
-
-    jobs = [(name, str(path), cond, cfg.eval_episodes, cfg.eval_seed, dict(cfg.env))
-            for name, path in runs.items() for cond in cfg.conditions]
-    rows = _map(_eval_job, jobs, cfg.workers, cfg.progress, "evaluate")
-    timings["eval"] = time.time() - t0 - timings["demos"] - timings["train"]
+    jobs = [(f"{arm}", str(path), cond, r["eval_episodes"], r["eval_seed"], dict(r["env"]))
+            for (arm, seed), path in runs.items() for cond in r["conditions"]]
+    results = _map(_eval_job, jobs, cfg.workers, cfg.progress, "evaluate")
+    rows = []
+    for ((arm, seed), _), res in zip([(k, c) for k in runs for c in r["conditions"]], results):
+        rows.append({**res, "policy": arm, "seed": seed})
+    timings["eval"] = time.time() - t0 - sum(timings.values())
     _say(f"evaluated ({timings['eval']:.0f} s); writing reports")
     doc = {
         "study": "robot",
+        "preset": cfg.preset,
         "rows": rows,
         "summary": {"demos": {"episodes": int(len(demos["episode_success"])),
                               "expert_success_rate": float(np.mean(demos["episode_success"])),
                               "steps": int(len(demos["state"]))},
+                    "aggregate": aggregate(rows),
+                    "depth_use": depth_diagnostics(runs, demos),
+                    "tolerance": tolerance["strategies"],
                     "timings_s": timings},
     }
-    if "3d" in runs:
-        doc["summary"]["depth_lift"] = depth_diagnostics(runs, demos)
     write_reports(out, doc, runs)
-    _rollout_media(cfg, out, runs)
+    _rollout_media(cfg, out, {arm: path for (arm, seed), path in runs.items() if seed == r["seeds"][0]})
     timings["total"] = time.time() - t0
     atomic_write_text(out / "robot.json", json.dumps(doc, indent=2))
-    atomic_write_text(out / "config.json", json.dumps({"experiment": cfg.to_dict(), "runs": [
-        {"name": name, "dir": str(path.relative_to(out)), "key": _run_key(path)} for name, path in runs.items()
-    ]}, indent=2))
+    atomic_write_text(out / "config.json", json.dumps({**cfg.to_dict(), "runs": [
+        {"name": f"s{seed}/{arm}", "dir": str(path.relative_to(out)), "key": _run_key(path)}
+        for (arm, seed), path in runs.items()]}, indent=2))
     return doc
 
 
-def depth_diagnostics(runs: Mapping[str, Path], demos: Mapping[str, Any], every: int = 16) -> Dict[str, Any]:
-    """How much the 3-D policy uses depth: its learned lift ``z = a * depth + b``, the range of ``z`` over the
-    patches of every ``every``-th demo image (x and y advance by 1 per patch), and -- when the fine-tuned 2-D
-    control exists -- the mean and largest difference (mm) between the two policies' predicted tip targets on
-    those observations (same diffusion noise)."""
+def aggregate(rows: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """Per (policy, condition): successes and episodes pooled over the seeds with the Wilson interval, the
+    per-seed rates, their mean and standard deviation, and the failure kinds summed over the seeds."""
+    groups: Dict[Tuple[str, str], List[Mapping[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["policy"], row["condition"]), []).append(row)
+    out = []
+    for (policy, cond), rs in groups.items():
+        k, n = sum(x["successes"] for x in rs), sum(x["episodes"] for x in rs)
+        lo, hi = wilson_interval(k, n)
+        rates = [x["success_rate"] for x in rs]
+        kinds = {key: sum(x["failures"][key] for x in rs) for key in rs[0]["failures"] if key.startswith("fail_")}
+        out.append({"policy": policy, "condition": cond, "seeds": [x["seed"] for x in rs], "successes": k,
+                    "episodes": n, "success_rate": k / n, "ci95_low": lo, "ci95_high": hi, "seed_rates": rates,
+                    "seed_mean": float(np.mean(rates)), "seed_std": float(np.std(rates, ddof=1)) if len(rs) > 1 else 0.0,
+                    **kinds})
+    return out
+
+
+def depth_diagnostics(runs: Mapping[Tuple[str, int], Path], demos: Mapping[str, Any],
+                      every: int = 16) -> List[Dict[str, Any]]:
+    """How much each RGB-D policy uses depth: its learned lift ``z = a * depth + b``, the range of ``z`` over the
+    patches of every ``every``-th demo image (y and x advance by 1 per patch), the change of its tip targets when
+    the depth patches are shuffled (:func:`~ropekit.robot.diagnose.depth_shuffle_effect`), and -- for ``3d``
+    with its fine-tuned 2-D control -- the mean difference (mm) between the two policies' tip targets."""
     import torch
 
+    from .diagnose import depth_shuffle_effect
     from .train import DemoChunks, load_policy
 
-    p3 = load_policy(runs["3d"])
-    lift = p3.encoder.depth_lift
-    data3 = DemoChunks(demos, p3.config, only_successful=False)
-    index = torch.arange(0, len(data3), every)
-    images, state, _ = data3.batch(index)
-    with torch.no_grad():
-        z = lift(images[:, 3], p3.encoder.cfg.patch_size)  # (B, M)
-    out: Dict[str, Any] = {"scale": lift.scale.item(), "bias": lift.bias.item(), "observations": len(index),
-                           "z_min": z.min().item(), "z_max": z.max().item()}
-    if "2d_ft" in runs:
-        p2 = load_policy(runs["2d_ft"])
-        a3 = p3.predict(images, state, torch.Generator().manual_seed(0))
-        a2 = p2.predict(images[:, :3], state, torch.Generator().manual_seed(0))
-        diff = (a3[..., :3] - a2[..., :3]).abs() * 1000  # (B, H, 3) mm
-        out.update(action_diff_to_control_mm_mean=diff.mean().item(), action_diff_to_control_mm_max=diff.max().item(),
-                   gripper_disagreement=(a3[..., 3] != a2[..., 3]).float().mean().item())
+    out = []
+    for (arm, seed), path in runs.items():
+        if not arm.startswith("3d"):
+            continue
+        p3 = load_policy(path)
+        lift = p3.encoder.depth_lift
+        data3 = DemoChunks(demos, p3.config, only_successful=False)
+        images, state, _ = data3.batch(torch.arange(0, len(data3), every))
+        with torch.no_grad():
+            z = lift(images[:, 3], p3.encoder.cfg.patch_size)  # (B, M)
+        row: Dict[str, Any] = {"policy": arm, "seed": seed, "scale": lift.scale.item(), "bias": lift.bias.item(),
+                               "observations": int(images.shape[0]), "z_min": z.min().item(),
+                               "z_max": z.max().item(), **depth_shuffle_effect(p3, demos, every)}
+        control = runs.get(("2d_ft", seed))
+        if arm == "3d" and control is not None:
+            p2 = load_policy(control)
+            with torch.no_grad():
+                a3 = p3.predict(images, state, torch.Generator().manual_seed(0))
+                a2 = p2.predict(images[:, :3], state, torch.Generator().manual_seed(0))
+            row["diff_to_control_mm_mean"] = ((a3[..., :3] - a2[..., :3]).norm(dim=-1) * 1000).mean().item()
+        out.append(row)
     return out
 
 
@@ -332,90 +403,129 @@ def _pct(r: Mapping[str, Any]) -> str:
             f"[{100 * r['ci95_low']:.0f}, {100 * r['ci95_high']:.0f}]")
 
 
-def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[str, Path]) -> None:
-    """``robot.csv``, ``robot.json``, ``table.md``, ``robot.png`` (success rates) and ``training.png``."""
+def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[Tuple[str, int], Path]) -> None:
+    """``robot.csv`` (one row per policy, seed and condition), ``robot.json``, ``table.md``, ``robot.png``
+    (success over the seeds) and ``training.png``."""
     rows = doc["rows"]
-    cols = ["policy", "condition", "episodes", "successes", "success_rate", "ci95_low", "ci95_high",
-            "mean_steps_to_success"]
+    cols = ["policy", "seed", "condition", "episodes", "successes", "success_rate", "ci95_low", "ci95_high",
+            "mean_steps_to_success", "fail_off_target", "fail_too_high", "fail_suction_off", "fail_no_lift"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for r in rows:
-        writer.writerow({k: (f"{r[k]:.4f}" if isinstance(r[k], float) else r[k]) for k in cols})
+        flat = {**r, **{k: v for k, v in r["failures"].items() if k.startswith("fail_")}}
+        writer.writerow({k: (f"{flat[k]:.4f}" if isinstance(flat[k], float) else flat[k]) for k in cols})
     atomic_write_text(out / "robot.csv", buf.getvalue())
     atomic_write_text(out / "robot.json", json.dumps(doc, indent=2))
 
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    conditions = list(dict.fromkeys(r["condition"] for r in rows))
-    table = {(r["policy"], r["condition"]): r for r in rows}
-    lines = ["| policy | " + " | ".join(conditions) + " |", "|---|" + "---|" * len(conditions)]
+    agg = doc["summary"]["aggregate"]
+    policies = list(dict.fromkeys(a["policy"] for a in agg))
+    conditions = list(dict.fromkeys(a["condition"] for a in agg))
+    table = {(a["policy"], a["condition"]): a for a in agg}
+    seeds = sorted({r["seed"] for r in rows})
+    lines = [f"Success over {len(seeds)} training seed(s), all episodes pooled: successes/episodes = rate "
+             f"[95 % Wilson interval]; below it the per-seed rates.", "",
+             "| policy | " + " | ".join(conditions) + " |", "|---|" + "---|" * len(conditions)]
     for p in policies:
-        lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(_pct(table[p, c]) for c in conditions) + " |")
-    text = "Success rate, successes/episodes = rate [95 % Wilson interval].\n\n" + "\n".join(lines) + "\n"
-    lift = doc["summary"].get("depth_lift")
-    if lift:
-        text += (f"\n3-D policy depth lift: z = {lift['scale']:.4f} * depth + {lift['bias']:.4f} "
-                 f"(z over the demo patches in [{lift['z_min']:.3f}, {lift['z_max']:.3f}]; x, y: 1 per patch)")
-        if "action_diff_to_control_mm_mean" in lift:
-            text += (f"; its tip targets differ from the fine-tuned 2-D control's by "
-                     f"{lift['action_diff_to_control_mm_mean']:.3g} mm on average "
-                     f"(max {lift['action_diff_to_control_mm_max']:.3g} mm) on {lift['observations']} "
-                     f"demo observations")
-        text += ".\n"
-    atomic_write_text(out / "table.md", text)
-    _plot_success(out / "robot.png", rows, policies, conditions)
+        cells = []
+        for c in conditions:
+            a = table[p, c]
+            per_seed = ", ".join(f"{100 * x:.0f}" for x in a["seed_rates"])
+            cells.append(f"{_pct(a)}<br>seeds: {per_seed} %")
+        lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(cells) + " |")
+    lines += ["", "Failures by kind, summed over the seeds. The suction link never came within the 12 mm suction "
+              "range of the target: *off target* (the tip was more than 6 cm away horizontally where it came "
+              "closest; the expert still succeeds at 6 cm) or *too high* (horizontally close enough); or it came "
+              "within range only with the suction off; or with the suction on, but the target was not lifted:", "",
+              "| policy | condition | off target | too high | suction off | no lift |", "|---|---|---|---|---|---|"]
+    for a in agg:
+        lines.append(f"| {LABELS.get(a['policy'], a['policy'])} | {a['condition']} | {a['fail_off_target']} | "
+                     f"{a['fail_too_high']} | {a['fail_suction_off']} | {a['fail_no_lift']} |")
+    depth = doc["summary"].get("depth_use") or []
+    if depth:
+        lines += ["", "Depth use of the RGB-D policies (lift z = a * depth + b in coordinate units, y and x advance by 1 "
+                  "per patch; shuffle: mean change of the predicted tip targets when the depth patches of an image "
+                  "are permuted; control: mean distance to the fine-tuned 2-D control's tip targets):", "",
+                  "| policy | seed | a (per m) | b | z range | shuffle (mm) | vs control (mm) |",
+                  "|---|---|---|---|---|---|---|"]
+        for d in depth:
+            ctrl = d.get("diff_to_control_mm_mean")
+            lines.append(f"| {LABELS.get(d['policy'], d['policy'])} | {d['seed']} | {d['scale']:.3f} | {d['bias']:.3f} | "
+                         f"{d['z_min']:.2f} to {d['z_max']:.2f} | {d['shuffle_diff_mm_mean']:.2f} | "
+                         + (f"{ctrl:.2f}" if ctrl is not None else "-") + " |")
+    tol = doc["summary"].get("tolerance")
+    if tol:
+        offsets = [t["offset_m"] for t in tol["recipe"]]
+        lines += ["", "How precise a policy must be: the scripted expert's success when it believes the target is "
+                  "higher (+) or lower (-) than it is, per grasp strategy "
+                  f"({tol['recipe'][0]['episodes']} in-distribution scenes per cell):", "",
+                  "| grasp | " + " | ".join(f"{1000 * o:+.0f} mm" for o in offsets) + " |",
+                  "|---|" + "---|" * len(offsets)]
+        names = {"recipe": "press 2 cm in, suction on from 3 cm above (the demos)", "close_on_top": "close on the top face"}
+        for key, rs in tol.items():
+            lines.append(f"| {names.get(key, key)} | " + " | ".join(f"{t['success_rate']:.2f}" for t in rs) + " |")
+    atomic_write_text(out / "table.md", "\n".join(lines) + "\n")
+    _plot_success(out / "robot.png", agg, policies, conditions)
     _plot_training(out / "training.png", runs)
 
 
-def _plot_success(path: Path, rows: Sequence[Mapping[str, Any]], policies: List[str], conditions: List[str]) -> None:
+def _plot_success(path: Path, agg: Sequence[Mapping[str, Any]], policies: List[str], conditions: List[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = {(r["policy"], r["condition"]): r for r in rows}
-    fig, ax = plt.subplots(figsize=(1.8 + 1.9 * len(conditions), 3.6))
+    table = {(a["policy"], a["condition"]): a for a in agg}
+    fig, ax = plt.subplots(figsize=(2.2 + 2.4 * len(conditions), 3.8))
     width = 0.8 / len(policies)
     x = np.arange(len(conditions))
     for i, p in enumerate(policies):
+        xs = x + (i - (len(policies) - 1) / 2) * width
         rates = np.array([table[p, c]["success_rate"] for c in conditions])
         lo = rates - np.array([table[p, c]["ci95_low"] for c in conditions])
         hi = np.array([table[p, c]["ci95_high"] for c in conditions]) - rates
-        ax.bar(x + (i - (len(policies) - 1) / 2) * width, rates, width, yerr=[lo, hi], capsize=3,
-               label=LABELS.get(p, p))
-    n = rows[0]["episodes"]
+        bars = ax.bar(xs, rates, width, yerr=[lo, hi], capsize=3, label=LABELS.get(p, p))
+        for xi, c in zip(xs, conditions):  # one dot per training seed
+            sr = table[p, c]["seed_rates"]
+            ax.plot([xi] * len(sr), sr, "o", ms=3, color="black", alpha=0.6)
+        del bars
+    n = agg[0]["episodes"]
     ax.set_xticks(x, [c.replace("_", "\n") for c in conditions])
-    ax.set_ylim(0, 1.2)
+    ax.set_ylim(0, 1.25)
     ax.set_ylabel("success rate")
-    ax.set_title(f"Pick success, {n} episodes per bar (95 % Wilson intervals)")
-    ax.legend(fontsize=8, loc="upper center", ncol=len(policies))
+    ax.set_title(f"Pick success, {n} episodes per bar over the seeds (dots: one per seed; 95 % Wilson)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _plot_training(path: Path, runs: Mapping[str, Path]) -> None:
+def _plot_training(path: Path, runs: Mapping[Tuple[str, int], Path]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    offset = 0
-    for name in ("2d", "2d_ft", "3d"):
-        f = runs.get(name, Path("/nonexistent")) / "metrics.csv"
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    colours = {arm: f"C{i}" for i, arm in enumerate(LABELS)}
+    seen = set()
+    for (arm, seed), folder in runs.items():
+        f = folder / "metrics.csv"
         if not f.exists():
             continue
         with open(f, newline="") as fh:
-            data = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(fh)]
-        if name == "2d":
-            offset = int(data[-1]["step"])
-        start = 0 if name == "2d" else offset
-        ax.plot([start + d["step"] for d in data], [d["loss"] for d in data], label=LABELS.get(name, name))
-    ax.set_xlabel("optimiser step (fine-tunings start from the 2-D policy)")
+            data = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(fh)]
+        offset = 0
+        if arm in ("3d", "2d_ft") and (run := runs.get(("2d", seed))) is not None and (run / "metrics.csv").exists():
+            with open(run / "metrics.csv", newline="") as fh:
+                offset = int(float(list(csv.DictReader(fh))[-1]["step"]))
+        ax.plot([offset + d["step"] for d in data], [d["loss"] for d in data], color=colours.get(arm), lw=1,
+                alpha=0.8, label=None if arm in seen else LABELS.get(arm, arm))
+        seen.add(arm)
+    ax.set_xlabel("optimiser step (fine-tunings start where their 2-D policy ended)")
     ax.set_ylabel("diffusion loss")
     ax.set_yscale("log")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -430,13 +540,14 @@ def _rollout_media(cfg: RobotExperimentConfig, out: Path, runs: Mapping[str, Pat
     from .policy import PolicyRunner
     from .train import load_policy
 
-    seed = int(episode_seeds(cfg.eval_seed, max(1, cfg.eval_episodes))[0])
-    conditions = [c for c in ("in_distribution", "ood_table_height") if c in cfg.conditions] or list(cfg.conditions[:1])
+    r = cfg.recipe
+    seed = int(episode_seeds(r["eval_seed"], max(1, r["eval_episodes"]))[0])
+    conditions = [c for c in ("in_distribution", "ood_table_height") if c in r["conditions"]] or list(r["conditions"][:1])
     rows = []
     for name, path in runs.items():
         policy = load_policy(path)
         for cond in conditions:
-            with PickEnv(env_config(cond, policy.config.image_size, cfg.env)) as env:
+            with PickEnv(env_config(cond, policy.config.image_size, r["env"])) as env:
                 res = rollout(env, PolicyRunner(policy, seed=0), seed=seed, record=True, frame_size=cfg.frame_size)
             frames = res.frames  # (T + 1, s, s, 3)
             if cond == conditions[0]:
@@ -467,67 +578,59 @@ def _rollout_media(cfg: RobotExperimentConfig, out: Path, runs: Mapping[str, Pat
 
 
 def add_arguments(parser: Any) -> None:
-    d = RobotExperimentConfig()
+    from ..experiments.recipes import PRESETS
+
     parser.add_argument("--out", default="runs/robot", help="output folder (resumes what it already holds)")
-    parser.add_argument("--quick", action="store_true", help="a tiny end-to-end run for CI (seconds)")
-    parser.add_argument("--demos", type=int, default=None, help=f"demo episodes (default {d.demo_episodes})")
-    parser.add_argument("--steps", type=int, default=None, help=f"2-D training steps (default {d.train['steps']})")
-    parser.add_argument("--finetune-steps", type=int, default=None,
-                        help=f"fine-tuning steps of the 3-D policy and of the 2-D control "
-                             f"(default {d.finetune['steps']})")
+    parser.add_argument("--preset", choices=PRESETS, default="default",
+                        help="pinned recipe: default (2-core CPU), gpu (one GPU), quick (seconds, for tests)")
+    parser.add_argument("--quick", action="store_true", help="the same as --preset quick")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default: the recipe's)")
     parser.add_argument("--episodes", type=int, default=None,
-                        help=f"evaluation episodes per policy and condition (default {d.eval_episodes})")
-    parser.add_argument("--pe-2d", default=None, help=f"encoding of the 2-D policy (default {d.pe_2d})")
-    parser.add_argument("--pe-3d", default=None, help=f"encoding of the 3-D policy (default {d.pe_3d})")
-    parser.add_argument("--no-control", action="store_true", help="skip the fine-tuned 2-D control policy")
-    parser.add_argument("--workers", type=int, default=None, help=f"processes (default {d.workers})")
+                        help="evaluation episodes per policy, seed and condition (default: the recipe's)")
+    parser.add_argument("--device", default=None, help="training device (default: cuda for --preset gpu, else cpu)")
+    parser.add_argument("--workers", type=int, default=None, help="processes side by side (default 2)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def config_from_args(args: Any) -> RobotExperimentConfig:
-    cfg = RobotExperimentConfig.quick_preset() if args.quick else RobotExperimentConfig()
-    changes: Dict[str, Any] = {"progress": not args.no_progress}
-    if args.demos is not None:
-        changes["demo_episodes"] = args.demos
-    if args.steps is not None:
-        changes["train"] = {**cfg.train, "steps": args.steps}
-    if args.finetune_steps is not None:
-        changes["finetune"] = {**cfg.finetune, "steps": args.finetune_steps}
+    preset = "quick" if args.quick else args.preset
+    cfg = RobotExperimentConfig.from_preset(preset, progress=not args.no_progress,
+                                            device=args.device or ("cuda" if preset == "gpu" else "cpu"))
+    if args.seeds is not None:
+        cfg.recipe["seeds"] = [int(s) for s in args.seeds]
     if args.episodes is not None:
-        changes["eval_episodes"] = args.episodes
-    if args.pe_2d:
-        changes["pe_2d"] = args.pe_2d
-    if args.pe_3d:
-        changes["pe_3d"] = args.pe_3d
-    if args.no_control:
-        changes["control"] = False
+        cfg.recipe["eval_episodes"] = int(args.episodes)
     if args.workers is not None:
-        changes["workers"] = args.workers
-    return dataclasses.replace(cfg, **changes)
+        cfg.workers = int(args.workers)
+    if args.threads is not None:
+        cfg.threads = int(args.threads)
+    return cfg
 
 
 def run_study(exp_cfg: Any, out: PathLike, **options: Any):
     """The ``robot`` entry of ``ropekit experiment`` (:mod:`ropekit.experiments.registry`).
 
-    From the shared :class:`~ropekit.experiments.settings.ExperimentConfig` it takes ``quick`` (the preset),
-    ``progress``, ``pes`` (one name: both policies' encoding; two: the 2-D then the 3-D policy's) and the first
-    of ``seeds`` (demos and training; the study runs one seed -- its cost is the training, not the evaluation).
-    The backbone and schedule of the classification studies do not apply; use ``ropekit robot experiment`` to
-    change this study's own settings.
+    The preset's pinned recipe (:mod:`ropekit.robot.recipes`; ``exp_cfg.preset``), with ``progress`` and, when
+    given, ``seeds`` and ``pes`` (one name: both policies' encoding; two: the 2-D then the 3-D policy's) of the
+    shared :class:`~ropekit.experiments.settings.ExperimentConfig`. The classification backbone and schedule
+    do not apply; ``ropekit robot experiment`` takes this study's own flags.
     """
     from ..experiments.common import StudyResult
+    from ..experiments.recipes import PRESETS
+    from ..experiments.settings import ExperimentConfig
 
     if options:
         raise ValueError(f"experiment robot takes no option {', '.join(sorted(options))}")
-    cfg = RobotExperimentConfig.quick_preset() if exp_cfg.quick else RobotExperimentConfig()
-    seed = int(exp_cfg.seeds[0]) if exp_cfg.seeds else 0
-    changes: Dict[str, Any] = {"progress": bool(exp_cfg.progress), "demo_seed": seed,
-                               "train": {**cfg.train, "seed": seed}}
+    preset = exp_cfg.preset if exp_cfg.preset in PRESETS else ("quick" if exp_cfg.quick else "default")
+    cfg = RobotExperimentConfig.from_preset(preset, progress=bool(exp_cfg.progress),
+                                            device="cuda" if preset == "gpu" else "cpu")
+    if exp_cfg.seeds and preset != "quick" and list(exp_cfg.seeds) != ExperimentConfig().seeds:
+        cfg.recipe["seeds"] = [int(s) for s in exp_cfg.seeds]
     if exp_cfg.pes:
         if len(exp_cfg.pes) > 2:
             raise ValueError("experiment robot takes one encoding (both policies) or two (2-D, then 3-D) in --pe")
-        changes["pe_2d"], changes["pe_3d"] = exp_cfg.pes[0], exp_cfg.pes[-1]
-    cfg = dataclasses.replace(cfg, **changes)
+        cfg.recipe["pe_2d"], cfg.recipe["pe_3d"] = exp_cfg.pes[0], exp_cfg.pes[-1]
     doc = run_experiment(cfg, out)
     out = Path(out)
     files = sorted(p for p in out.iterdir() if p.is_file())

@@ -71,6 +71,11 @@ class PolicyConfig:
         action_mode: ``"relative"`` (positions relative to the current tip) or ``"absolute"``.
     Head:
         num_queries: ``Q`` attention-pooling queries; cond_dim: ``E``; hidden_dim, num_blocks: denoiser MLP.
+        keypoints: also give the head each query's *expected patch position* -- its attention weights over
+            the patches times their ``(y, x)`` grid positions, scaled to [-1, 1] (a spatial soft-argmax). A
+            rotary encoding acts only inside attention, so without this the pooled features carry no
+            absolute image position, and a fixed-camera policy must find the target's location from
+            relations between tokens alone.
     Diffusion:
         num_train_timesteps: ``T``; num_inference_steps: DDIM steps; prediction: ``"epsilon"`` or ``"sample"``.
     """
@@ -86,6 +91,7 @@ class PolicyConfig:
     n_action_steps: int = 4
     action_mode: str = "relative"
     num_queries: int = 4
+    keypoints: bool = False
     cond_dim: int = 256
     hidden_dim: int = 256
     num_blocks: int = 3
@@ -239,8 +245,8 @@ class DiffusionPolicy(nn.Module):
         self.queries = nn.Parameter(torch.randn(1, config.num_queries, d) * 0.02)
         self.pool = nn.MultiheadAttention(d, num_heads=max(1, d // 32), batch_first=True)
         self.state_mlp = nn.Sequential(nn.Linear(STATE_DIM, 128), nn.SiLU(), nn.Linear(128, 128))
-        self.cond_proj = nn.Sequential(nn.LayerNorm((config.num_queries + 1) * d + 128),
-                                       nn.Linear((config.num_queries + 1) * d + 128, config.cond_dim))
+        feat_dim = (config.num_queries + 1) * d + 128 + (2 * config.num_queries if config.keypoints else 0)
+        self.cond_proj = nn.Sequential(nn.LayerNorm(feat_dim), nn.Linear(feat_dim, config.cond_dim))
         self.denoiser = ChunkDenoiser(config.horizon, ACTION_DIM, config.cond_dim, config.hidden_dim,
                                       config.num_blocks)
         self.schedule = DiffusionSchedule(config.num_train_timesteps, config.prediction)
@@ -277,10 +283,22 @@ class DiffusionPolicy(nn.Module):
         """Conditioning ``(B, E)`` from ``images (B, 3 or 4, Hi, Wi)`` and raw ``state (B, S)``."""
         tokens = self.encoder.forward_features(images)  # (B, M, D)
         q = self.queries.expand(tokens.shape[0], -1, -1)  # (B, Q, D)
-        pooled, _ = self.pool(q, tokens, tokens, need_weights=False)  # (B, Q, D)
+        pooled, weights = self.pool(q, tokens, tokens, need_weights=self.config.keypoints)  # (B, Q, D), (B, Q, M)
         s = self.state_mlp(self.state_norm.normalize(state))  # (B, 128)
-        feats = torch.cat([pooled.flatten(1), tokens.mean(dim=1), s], dim=-1)  # (B, (Q + 1) D + 128)
-        return self.cond_proj(feats)  # (B, E)
+        feats = [pooled.flatten(1), tokens.mean(dim=1), s]  # (B, Q D), (B, D), (B, 128)
+        if self.config.keypoints:
+            feats.append((weights @ self._patch_grid(images, tokens)).flatten(1))  # (B, Q, 2) -> (B, 2 Q)
+        return self.cond_proj(torch.cat(feats, dim=-1))  # (B, E)
+
+    def _patch_grid(self, images: Tensor, tokens: Tensor) -> Tensor:
+        """``(M, 2)`` patch-centre positions ``(y, x)`` in [-1, 1], row-major like the encoder's tokens."""
+        p = self.encoder.cfg.patch_size
+        gh, gw = images.shape[-2] // p, images.shape[-1] // p
+        if gh * gw != tokens.shape[1]:
+            raise ValueError(f"keypoints need one token per patch: {gh}x{gw} patches, {tokens.shape[1]} tokens")
+        ys = torch.linspace(-1.0, 1.0, gh, device=tokens.device, dtype=tokens.dtype)
+        xs = torch.linspace(-1.0, 1.0, gw, device=tokens.device, dtype=tokens.dtype)
+        return torch.stack(torch.meshgrid(ys, xs, indexing="ij"), dim=-1).reshape(-1, 2)
 
     def forward(self, images: Tensor, state: Tensor, noisy_actions: Tensor, t: Tensor) -> Tensor:
         """Denoiser output ``(B, H, A)`` for normalised noisy chunks ``(B, H, A)`` at timesteps ``t (B,)``."""
