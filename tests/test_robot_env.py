@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -211,3 +212,17 @@ def test_collect_demos_file(tmp_path):
 def test_config_round_trip():
     cfg = PickConfig.ood_table_height("both", image_size=48)
     assert PickConfig(**dataclasses.asdict(cfg)).height_ranges() == cfg.height_ranges()
+
+
+def test_clean_labels_record_the_noise_free_expert_action():
+    # The expert moves at most max_step (5 cm) from the current tip; noise of 5 cm pushes executed actions past
+    # that bound, while DART labels (the expert's own action before its noise) never leave it.
+    cfg = PickConfig.in_distribution(terminate_on_success=True, max_steps=12)
+    noisy = collect_demos(2, cfg, seed=1, workers=1, progress=False, noise=0.05)
+    clean = collect_demos(2, cfg, seed=1, workers=1, progress=False, noise=0.05, clean_labels=True)
+    step = {name: np.linalg.norm(d["action"][:, :3] - d["state"][:, :3], axis=1) for name, d in
+            (("noisy", noisy), ("clean", clean))}
+    assert step["noisy"].max() > 0.06
+    assert step["clean"].max() <= 0.05 + 1e-5
+    np.testing.assert_array_equal(noisy["rgb"], clean["rgb"])  # same episodes executed: only the labels differ
+    assert json.loads(str(clean["expert_json"]))["clean_labels"] is True

@@ -219,6 +219,10 @@ def test_quick_experiment_config_is_the_pinned_recipe(quick_run):
     assert compare_with_committed(doc) == []
     changed = dict(doc, recipe={**doc["recipe"], "depth_scale": 1.0})
     assert any("depth_scale" in line for line in compare_with_committed(changed))
+    runs = [dict(r) for r in doc["runs"]]
+    runs[0]["settings"] = {**runs[0]["settings"], "train": {**runs[0]["settings"]["train"], "lr": 1.0}}
+    assert any("s0/2d train" in line for line in compare_with_committed(dict(doc, runs=runs)))
+    assert any("missing" in line for line in compare_with_committed(dict(doc, runs=doc["runs"][1:])))
 
 
 def test_cli_train_and_eval(quick_run, tmp_path):

@@ -292,8 +292,9 @@ def compare_with_committed(study_dir: Any) -> List[str]:
 
     Compares the recipe section as a whole and, for every recorded run, each recipe field of its training
     configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted),
-    and every study option the recipe states with the option the study recorded. detect3d folders are compared
-    by :func:`ropekit.detection.recipes.compare_with_committed`.
+    and every study option the recipe states with the option the study recorded. detect3d and robot folders are
+    compared by :func:`ropekit.detection.recipes.compare_with_committed` and
+    :func:`ropekit.robot.recipes.compare_with_committed`.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
     from .registry import STUDIES
@@ -307,6 +308,10 @@ def compare_with_committed(study_dir: Any) -> List[str]:
         from ..detection.recipes import compare_with_committed as compare_detect3d
 
         return compare_detect3d(doc)
+    if name == "robot":  # its own recipe format (demos, expert, policy, train, arms)
+        from ..robot.recipes import compare_with_committed as compare_robot
+
+        return compare_robot(doc)
     now = recipe(name, preset)
     options = now["study"].pop("options")  # the outputs record the options the study resolved ...
     now, options = json.loads(json.dumps(now)), json.loads(json.dumps(options))

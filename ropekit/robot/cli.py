@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output .npz file")
     p.add_argument("--episodes", type=int, default=300)
     p.add_argument("--noise", type=float, default=0.005, help="std (m) of the expert's action noise")
+    p.add_argument("--clean-labels", action="store_true",
+                   help="execute the noisy actions, record the expert's noise-free ones (DART)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--preset", choices=_PRESETS, default="in_distribution")
@@ -123,7 +125,8 @@ def _collect(args: Any) -> int:
 
     cfg = PickConfig.preset(args.preset, image_size=args.image_size, max_steps=args.max_steps,
                             terminate_on_success=not args.full_episodes)
-    data = collect_demos(args.episodes, cfg, seed=args.seed, workers=args.workers, out=args.out, noise=args.noise)
+    data = collect_demos(args.episodes, cfg, seed=args.seed, workers=args.workers, out=args.out, noise=args.noise,
+                         clean_labels=args.clean_labels)
     print(f"{args.episodes} episodes, {len(data['state'])} steps, expert success "
           f"{data['episode_success'].mean():.0%} -> {args.out}")
     return 0

@@ -119,10 +119,11 @@ def rollout(
 _WORKER: Dict[str, Any] = {}
 
 
-def _init_worker(config: PickConfig, expert_kwargs: Dict[str, Any]) -> None:
+def _init_worker(config: PickConfig, expert_kwargs: Dict[str, Any], clean_labels: bool = False) -> None:
     env = PickEnv(config)
     _WORKER["env"] = env
     _WORKER["expert_kwargs"] = expert_kwargs
+    _WORKER["clean_labels"] = clean_labels
 
 
 def _record_episode(args: Sequence[int]) -> Dict[str, Any]:
@@ -139,7 +140,7 @@ def _record_episode(args: Sequence[int]) -> Dict[str, Any]:
         for k in keys:
             rec[k].append(obs[k])
         rec["state"].append(obs["state"])
-        rec["action"].append(action)
+        rec["action"].append(expert.clean_action if _WORKER.get("clean_labels") else action)
         obs, _, done, info = env.step(action)
         rec["step_success"].append(bool(info["success"]))
     out: Dict[str, Any] = {k: np.stack(v) for k, v in rec.items()}
@@ -166,6 +167,7 @@ def collect_demos(
     expert_kwargs: Optional[Dict[str, Any]] = None,
     compress: bool = True,
     start_method: Optional[str] = None,
+    clean_labels: bool = False,
 ) -> Dict[str, np.ndarray]:
     """Record ``n_episodes`` scripted-expert episodes; write them to ``out`` (``.npz``) if given.
 
@@ -177,6 +179,8 @@ def collect_demos(
         out: output path; written atomically (temp file in the same directory, then ``os.replace``).
         progress: show a tqdm progress bar (episodes, running success rate).
         noise: std (m) of the expert's action noise.
+        clean_labels: execute the noisy actions but record the expert's noise-free ones as the labels (DART:
+            the demos then show corrections from the states the noise leads to).
         expert_kwargs: further :class:`ScriptedExpert` arguments.
         compress: ``np.savez_compressed`` instead of ``np.savez``.
         start_method: multiprocessing start method (default ``forkserver`` on Linux, else ``spawn``).
@@ -206,7 +210,7 @@ def collect_demos(
 
     try:
         if workers <= 1:
-            _init_worker(config, ekw)
+            _init_worker(config, ekw, clean_labels)
             try:
                 for t in tasks:
                     _consume(_record_episode(t))
@@ -217,7 +221,8 @@ def collect_demos(
             ctx = mp.get_context(method)
             if method == "forkserver":  # import this module (and torch, via ropekit) once, in the server
                 ctx.set_forkserver_preload([__name__])
-            with ctx.Pool(min(workers, n_episodes), initializer=_init_worker, initargs=(config, ekw)) as pool:
+            with ctx.Pool(min(workers, n_episodes), initializer=_init_worker,
+                          initargs=(config, ekw, clean_labels)) as pool:
                 for ep in pool.imap_unordered(_record_episode, tasks):
                     _consume(ep)
     finally:
@@ -238,7 +243,7 @@ def collect_demos(
     data["table_height"] = np.array([e["table_height"] for e in episodes], dtype=np.float32)
     data.update(episodes[0]["camera"])
     data["config_json"] = np.array(json.dumps(dataclasses.asdict(config)))
-    data["expert_json"] = np.array(json.dumps(ekw))
+    data["expert_json"] = np.array(json.dumps({**ekw, "clean_labels": bool(clean_labels)}))
     if out is not None:
         _atomic_savez(Path(out), data, compress)
     return data

@@ -287,7 +287,7 @@ def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, A
     r = check_recipe(cfg.recipe)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "config.json", json.dumps({**cfg.to_dict(), "runs": []}, indent=2))
+    atomic_write_text(out / "config.json", json.dumps({"study": "robot", **cfg.to_dict(), "runs": []}, indent=2))
     t0 = time.time()
     timings: Dict[str, float] = {}
     demo_path = out / "demos.npz"
@@ -295,7 +295,7 @@ def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, A
     if not demo_path.exists():
         collect_demos(d["episodes"], PickConfig.in_distribution(**{"terminate_on_success": True, **r["env"]}),
                       seed=d["seed"], workers=cfg.workers, out=demo_path, progress=cfg.progress, noise=d["noise"],
-                      expert_kwargs=dict(d["expert"]))
+                      clean_labels=bool(d["clean_labels"]), expert_kwargs=dict(d["expert"]))
     demos = load_demos(demo_path)
     timings["demos"] = time.time() - t0
     _say(f"demos: {len(demos['episode_success'])} episodes, {len(demos['state'])} steps ({timings['demos']:.0f} s)")
@@ -328,8 +328,10 @@ def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, A
     _rollout_media(cfg, out, {arm: path for (arm, seed), path in runs.items() if seed == r["seeds"][0]})
     timings["total"] = time.time() - t0
     atomic_write_text(out / "robot.json", json.dumps(doc, indent=2))
-    atomic_write_text(out / "config.json", json.dumps({**cfg.to_dict(), "runs": [
-        {"name": f"s{seed}/{arm}", "dir": str(path.relative_to(out)), "key": _run_key(path)}
+    image_size = int(demos["config"].image_size)
+    atomic_write_text(out / "config.json", json.dumps({"study": "robot", **cfg.to_dict(), "runs": [
+        {"name": f"s{seed}/{arm}", "dir": str(path.relative_to(out)), "key": _run_key(path),
+         "settings": arm_settings(r, arm, seed, image_size)}
         for (arm, seed), path in runs.items()]}, indent=2))
     return doc
 

@@ -21,6 +21,9 @@ position the expert plans with: a wrong belief, for measuring how precise a poli
 (:func:`ropekit.robot.diagnose.expert_tolerance`). Each action moves at most ``max_step`` metres from the current
 tip position, so demonstrations are smooth waypoint sequences. ``noise > 0`` adds Gaussian noise (std in
 metres) to the position part of every action for diversity; the gripper command is never noised.
+:attr:`clean_action` keeps the last action before its noise: recording it as the label while the noisy
+one is executed (``collect_demos(clean_labels=True)``) shows a policy how the expert corrects a deviation
+(DART, Laskey et al. 2017) instead of teaching it the noise.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class ScriptedExpert:
         self.phase = APPROACH
         self._phase_steps = 0
         self._rest_top = 0.0
+        self.clean_action: Optional[np.ndarray] = None
 
     def reset(self, seed: Optional[int] = None) -> None:
         """Start a new episode (optionally reseeding the action noise)."""
@@ -126,6 +130,7 @@ class ScriptedExpert:
         if dist > self.max_step:
             delta *= self.max_step / dist
         target = ee + delta
+        self.clean_action = np.concatenate([target, [grip]]).astype(np.float32)
         if self.noise > 0 and self.phase != CLOSE:
             target = target + self._rng.normal(0.0, self.noise, size=3)
         return np.concatenate([target, [grip]]).astype(np.float32)

@@ -3,7 +3,8 @@
 A robot study run never takes a value from a dataclass default or a named model size: the recipe of each
 preset (``default`` for a 2-core CPU, ``gpu`` for one GPU, ``quick`` for tests) states
 
-* ``demos``: episodes, action noise, seed and ``expert`` -- every :class:`~ropekit.robot.expert.ScriptedExpert`
+* ``demos``: episodes, action noise, ``clean_labels`` (DART: noisy actions executed, the expert's
+  noise-free ones recorded), seed and ``expert`` -- every :class:`~ropekit.robot.expert.ScriptedExpert`
   setting (the grasp strategy included);
 * ``env``: :class:`~ropekit.robot.env.PickConfig` overrides shared by demos and evaluation (the presets'
   scenes are the conditions);
@@ -106,6 +107,12 @@ def _expert(**changes: Any) -> Dict[str, Any]:
     return e
 
 
+def _demos(episodes: int) -> Dict[str, Any]:
+    """Scripted demonstrations with 2 cm of action noise executed and the noise-free actions as labels (DART):
+    the demos then cover the states a slightly wrong policy reaches, and show the way back."""
+    return dict(episodes=episodes, noise=0.02, clean_labels=True, seed=0, expert=_expert())
+
+
 _CONDITIONS = ["in_distribution", "ood_table_height"]
 
 
@@ -113,7 +120,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
     if preset == "default":
         # 64x64 camera, 8x8 tokens. The depth lift starts at 8 coordinate units per metre: a patch of 8 px spans
         # ~0.12 m at the table (~0.9 m from the camera, 60 degree field of view), so z then moves like y and x.
-        return dict(demos=dict(episodes=300, noise=0.005, seed=0, expert=_expert()), env={},
+        return dict(demos=_demos(episodes=300), env={},
                     policy=_policy(), train=_train(), finetune=dict(steps=800, warmup_steps=50),
                     pe_2d="circulant", pe_3d="circulant", pe_options={"block_size": 16}, arms=list(ARMS),
                     seeds=[0, 1, 2], depth_scale=8.0, conditions=list(_CONDITIONS), eval_episodes=100,
@@ -122,7 +129,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
         # 128x128 camera, 16x16 tokens (a patch spans half as much, so 16 units per metre), width 192 with 6 blocks
         # of 4 heads, 1000 demos, 3x the steps; sized for the 12 policies and 2400 evaluation episodes in about
         # 30 minutes on one GPU -- an estimate, not measured.
-        return dict(demos=dict(episodes=1000, noise=0.005, seed=0, expert=_expert()), env={"image_size": 128},
+        return dict(demos=_demos(episodes=1000), env={"image_size": 128},
                     policy=_policy(vit_overrides=_backbone(embed_dim=192, depth=6, num_heads=4, mlp_ratio=4.0)),
                     train=_train(steps=6000, batch_size=128, warmup_steps=300),
                     finetune=dict(steps=2400, warmup_steps=100), pe_2d="circulant", pe_3d="circulant",
@@ -130,7 +137,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
                     conditions=list(_CONDITIONS) + ["ood_large_distractors", "ood_light"], eval_episodes=100,
                     eval_seed=1000)
     # quick: 32x32 camera, a 1-block encoder, a few demos, steps and episodes -- the study's machinery in seconds
-    return dict(demos=dict(episodes=3, noise=0.005, seed=0, expert=_expert()), env={"max_steps": 6, "image_size": 32},
+    return dict(demos=_demos(episodes=3), env={"max_steps": 6, "image_size": 32},
                 policy=_policy(vit_overrides=_backbone(depth=1, patch_size=16, embed_dim=48, num_heads=1),
                                hidden_dim=64, cond_dim=64, num_blocks=1, num_inference_steps=2),
                 train=_train(steps=4, batch_size=8, warmup_steps=1, noise_samples=1, log_every=2,
@@ -149,8 +156,8 @@ def check_recipe(r: Dict[str, Any], where: str = "robot recipe") -> Dict[str, An
     Returns ``r`` unchanged.
     """
     _check_fields(where, r, set(TOP_FIELDS), "robot recipe fields", "see ropekit.robot.recipes")
-    _check_fields(f"{where}: demos", r["demos"], {"episodes", "noise", "seed", "expert"}, "demo fields",
-                  "episodes, noise, seed, expert")
+    _check_fields(f"{where}: demos", r["demos"], {"episodes", "noise", "clean_labels", "seed", "expert"},
+                  "demo fields", "episodes, noise, clean_labels, seed, expert")
     _check_fields(f"{where}: demos.expert", r["demos"]["expert"], expert_fields(), "ScriptedExpert settings",
                   "state every ScriptedExpert argument except env, noise, seed and belief_offset")
     _check_fields(f"{where}: policy", r["policy"], policy_fields(), "PolicyConfig fields",
@@ -179,11 +186,29 @@ def recipe(preset: str = "default") -> Dict[str, Any]:
 
 def compare_with_committed(doc: Dict[str, Any], where: str = "robot") -> List[str]:
     """Differences between a committed robot ``config.json`` (``doc``) and what its recorded preset resolves to
-    now, one line per field; empty when the committed runs are what the documented command trains now."""
+    now: the recipe field by field, the set of runs, and every recorded run's policy and training settings
+    against :func:`ropekit.robot.experiment.arm_settings`. One line per difference; empty when the committed
+    runs are what the documented command trains now."""
+    from .experiment import arm_settings, planned_runs
+
     preset = doc.get("preset")
     if preset not in PRESETS:
         return [f"{where}: no known preset recorded (got {preset!r})"]
     now = json.loads(json.dumps(recipe(preset)))
     committed = doc.get("recipe") or {}
-    return [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
-            for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
+    diffs = [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
+             for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
+    runs = doc.get("runs") or []
+    if not runs:  # a study still running (or interrupted) records its runs at the end
+        return diffs
+    planned = {f"s{seed}/{arm}": (arm, seed) for arm, seed in planned_runs(now)}
+    recorded = {run.get("name"): run for run in runs}
+    diffs += [f"{where}: run {name} is missing" for name in sorted(set(planned) - set(recorded))]
+    diffs += [f"{where}: run {name} is not part of the study" for name in sorted(set(recorded) - set(planned), key=str)]
+    for name in sorted(set(planned) & set(recorded)):
+        got = recorded[name].get("settings") or {}
+        size = (got.get("policy") or {}).get("image_size", 0)
+        want = json.loads(json.dumps(arm_settings(now, *planned[name], image_size=size)))
+        diffs += [f"{where}: run {name} {k}: committed {got.get(k)!r}, now {want[k]!r}"
+                  for k in sorted(want) if got.get(k) != want[k]]
+    return diffs
