@@ -238,3 +238,22 @@ def test_cli_train_and_eval(quick_run, tmp_path):
                  "--workers", "1", "--out", str(out), "--no-progress"]) == 0
     (row,) = json.loads(out.read_text())
     assert row["condition"] == "ood_light" and row["episodes"] == 1
+
+
+def test_auxiliary_loss_is_the_weighted_target_regression():
+    policy = _policy(aux_weight=0.5)
+    plain = _policy()
+    plain.load_state_dict({k: v for k, v in policy.state_dict().items() if not k.startswith("aux_head")})
+    rgb, _, state, actions = _batch()
+    images = images_from_obs(rgb)
+    policy.fit_normalizers(actions, state)
+    plain.fit_normalizers(actions, state)
+    pos = state[:, :3] + torch.tensor([0.1, -0.2, 0.05])  # (B, 3): the target relative to the tip is known
+    with pytest.raises(ValueError, match="object_pos"):
+        policy.loss(images, state, actions)
+    total = policy.loss(images, state, actions, generator=torch.Generator().manual_seed(1), object_pos=pos)
+    base = plain.loss(images, state, actions, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        pred = policy.aux_head(policy.encode(images, state))  # (B, 3), units of 10 cm
+    aux = ((pred - torch.tensor([1.0, -2.0, 0.5])) ** 2).mean()
+    torch.testing.assert_close(total, base + 0.5 * aux)

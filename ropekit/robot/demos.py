@@ -11,6 +11,7 @@ Demo file layout (``N`` = total steps = sum of episode lengths, ``E`` = episodes
     depth            (N, H, W)    float32  metric depth, metres
     state            (N, S)       float32  tip xyz, gripper, 7 joint angles
     action           (N, 4)       float32  tip target xyz (world) + gripper command
+    target           (N, 3)       float32  the target object's centre (world) before the action (privileged)
     episode          (N,)         int32    episode index in [0, E)
     step             (N,)         int32    step index within the episode
     step_success     (N,)         bool     target lifted after this step's action
@@ -133,13 +134,14 @@ def _record_episode(args: Sequence[int]) -> Dict[str, Any]:
     obs = env.reset(seed)
     expert.reset()
     keys = [k for k in obs if k.startswith(("rgb", "depth"))]
-    rec: Dict[str, List[Any]] = {k: [] for k in keys + ["state", "action", "step_success"]}
+    rec: Dict[str, List[Any]] = {k: [] for k in keys + ["state", "action", "target", "step_success"]}
     done, info = False, {"success": False}
     while not done:
         action = expert(obs)
         for k in keys:
             rec[k].append(obs[k])
         rec["state"].append(obs["state"])
+        rec["target"].append(env.target_position().astype(np.float32))
         rec["action"].append(expert.clean_action if _WORKER.get("clean_labels") else action)
         obs, _, done, info = env.step(action)
         rec["step_success"].append(bool(info["success"]))
@@ -233,6 +235,7 @@ def collect_demos(
     data: Dict[str, np.ndarray] = {k: np.concatenate([e[k] for e in episodes]) for k in frame_keys}
     data["state"] = np.concatenate([e["state"] for e in episodes]).astype(np.float32)
     data["action"] = np.concatenate([e["action"] for e in episodes]).astype(np.float32)
+    data["target"] = np.concatenate([e["target"] for e in episodes]).astype(np.float32)
     lengths = np.array([len(e["action"]) for e in episodes], dtype=np.int32)
     data["episode"] = np.repeat(np.arange(n_episodes, dtype=np.int32), lengths)
     data["step"] = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])

@@ -76,6 +76,10 @@ class PolicyConfig:
             rotary encoding acts only inside attention, so without this the pooled features carry no
             absolute image position, and a fixed-camera policy must find the target's location from
             relations between tokens alone.
+        aux_weight: weight of an auxiliary training loss (0: off): a linear head on the conditioning predicts the
+            target object's position relative to the tip (world frame, in units of 10 cm), supervised by the
+            demos' privileged target positions. It only shapes training; the policy never sees the target's
+            position when it acts.
     Diffusion:
         num_train_timesteps: ``T``; num_inference_steps: DDIM steps; prediction: ``"epsilon"`` or ``"sample"``.
     """
@@ -92,6 +96,7 @@ class PolicyConfig:
     action_mode: str = "relative"
     num_queries: int = 4
     keypoints: bool = False
+    aux_weight: float = 0.0
     cond_dim: int = 256
     hidden_dim: int = 256
     num_blocks: int = 3
@@ -249,6 +254,7 @@ class DiffusionPolicy(nn.Module):
         self.cond_proj = nn.Sequential(nn.LayerNorm(feat_dim), nn.Linear(feat_dim, config.cond_dim))
         self.denoiser = ChunkDenoiser(config.horizon, ACTION_DIM, config.cond_dim, config.hidden_dim,
                                       config.num_blocks)
+        self.aux_head = nn.Linear(config.cond_dim, 3) if config.aux_weight > 0 else None
         self.schedule = DiffusionSchedule(config.num_train_timesteps, config.prediction)
         self.action_norm = Normalizer(ACTION_DIM)
         self.state_norm = Normalizer(STATE_DIM)
@@ -305,19 +311,29 @@ class DiffusionPolicy(nn.Module):
         return self.denoiser(noisy_actions, t, self.encode(images, state))
 
     def loss(self, images: Tensor, state: Tensor, actions: Tensor, noise_samples: int = 1,
-             generator: Optional[torch.Generator] = None) -> Tensor:
-        """DDPM loss (MSE on ``eps`` or ``x0``) for env action chunks ``actions (B, H, A)``.
+             generator: Optional[torch.Generator] = None, object_pos: Optional[Tensor] = None) -> Tensor:
+        """DDPM loss (MSE on ``eps`` or ``x0``) for env action chunks ``actions (B, H, A)``, plus ``aux_weight``
+        times the auxiliary loss when the policy has one (``object_pos (B, 3)``: the target's world position,
+        required then).
 
         The encoder runs once per example; ``noise_samples`` draws of ``(t, noise)`` share it (the head is
         cheap), which gives the head more signal per encoder pass.
         """
         cond = self.encode(images, state)  # (B, E)
+        aux = None
+        if self.aux_head is not None:
+            if object_pos is None:
+                raise ValueError("this policy has an auxiliary loss (aux_weight > 0): pass object_pos (demos "
+                                 "recorded with target positions)")
+            rel = (object_pos - state[:, STATE_SLICES["ee_pos"]]) / 0.1  # (B, 3), units of 10 cm
+            aux = nn.functional.mse_loss(self.aux_head(cond), rel)
         x0 = self.action_norm.normalize(self.chunk_targets(actions, state))  # (B, H, A)
         if noise_samples > 1:
             cond = cond.repeat_interleave(noise_samples, dim=0)  # (B K, E)
             x0 = x0.repeat_interleave(noise_samples, dim=0)  # (B K, H, A)
         t, x_t, target = self.schedule.training_pair(x0, generator)
-        return nn.functional.mse_loss(self.denoiser(x_t, t, cond), target)
+        loss = nn.functional.mse_loss(self.denoiser(x_t, t, cond), target)
+        return loss if aux is None else loss + self.config.aux_weight * aux
 
     @torch.no_grad()
     def sample(self, images: Tensor, state: Tensor, generator: Optional[torch.Generator] = None,

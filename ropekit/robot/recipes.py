@@ -82,10 +82,11 @@ def _backbone(**changes: Any) -> Dict[str, Any]:
 
 def _policy(**changes: Any) -> Dict[str, Any]:
     """Diffusion head: 8-step chunks of which 4 are executed, relative tip targets, 4 pooling queries with their
-    expected patch positions (keypoints), FiLM residual MLP of width 256, DDPM with 100 steps, 10 DDIM steps."""
+    expected patch positions (keypoints), FiLM residual MLP of width 256, DDPM with 100 steps, 10 DDIM steps;
+    the auxiliary loss (the target's position relative to the tip, from the conditioning) at weight 1."""
     p = dict(vit_size="tiny", vit_overrides=_backbone(), horizon=8, n_action_steps=4, action_mode="relative",
-             num_queries=4, keypoints=True, cond_dim=256, hidden_dim=256, num_blocks=3, num_train_timesteps=100,
-             num_inference_steps=10, prediction="epsilon")
+             num_queries=4, keypoints=True, aux_weight=1.0, cond_dim=256, hidden_dim=256, num_blocks=3,
+             num_train_timesteps=100, num_inference_steps=10, prediction="epsilon")
     p.update(changes)
     return p
 

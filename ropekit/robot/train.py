@@ -102,6 +102,9 @@ class DemoChunks:
         self.depth = torch.from_numpy(np.ascontiguousarray(demos["depth"][rows])) if config.modality == "rgbd" else None
         self.state = torch.from_numpy(np.asarray(demos["state"][rows], dtype=np.float32))
         self.actions = torch.from_numpy(np.asarray(demos["action"], dtype=np.float32)[ahead])  # (N, H, A)
+        # (N, 3) the target object's position before each step (privileged; for auxiliary losses only)
+        self.object_pos = (torch.from_numpy(np.asarray(demos["target"], dtype=np.float32)[rows])
+                           if "target" in demos else None)
 
     def __len__(self) -> int:
         return len(self.state)
@@ -154,7 +157,14 @@ class PolicyTask:
         index = torch.randint(0, len(self.data), (self.per_rank_bs,), generator=self.gen)
         images, state, actions = self.data.batch(index)
         images = random_shift(images, self.cfg.shift)
-        loss = model.loss(images.to(device), state.to(device), actions.to(device), self.cfg.noise_samples, self.gen)
+        pos = None
+        if getattr(self.model, "aux_head", None) is not None:
+            if self.data.object_pos is None:
+                raise ValueError("the policy has an auxiliary loss, but the demos hold no target positions: "
+                                 "collect them again with this version")
+            pos = self.data.object_pos[index].to(device)
+        loss = model.loss(images.to(device), state.to(device), actions.to(device), self.cfg.noise_samples, self.gen,
+                          object_pos=pos)
         return loss, {"loss": loss.item(), "count": 1.0}
 
     def after_step(self, step: int) -> None:
