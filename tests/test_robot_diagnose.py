@@ -12,6 +12,7 @@ from ropekit.robot.policy import DiffusionPolicy, PolicyConfig
 pytest.importorskip("pybullet")
 
 from ropekit.robot.diagnose import (  # noqa: E402  (after the pybullet check)
+    chunk_tracking,
     depth_shuffle_effect,
     expert_tolerance,
     grasp_errors,
@@ -131,3 +132,43 @@ def test_depth_shuffle_moves_a_policy_that_reads_depth_and_not_one_whose_lift_is
 def test_depth_shuffle_needs_an_rgbd_policy():
     with pytest.raises(ValueError, match="RGB-D"):
         depth_shuffle_effect(DiffusionPolicy(PolicyConfig(**SMALL)), _demos())
+
+
+def test_chunk_tracking_rows_and_the_auxiliary_localisation():
+    from ropekit.robot.demos import collect_demos
+    from ropekit.robot.env import PickConfig
+    from ropekit.robot.train import DemoChunks
+
+    demos = collect_demos(4, PickConfig.in_distribution(terminate_on_success=True, image_size=32, max_steps=6),
+                          seed=2, workers=1, progress=False, noise=0.01)
+    demos["episode_success"][:] = True  # (6-step episodes rarely succeed; every episode counts here)
+    policy = DiffusionPolicy(PolicyConfig(aux_weight=1.0, **SMALL))
+    data = DemoChunks(demos, policy.config)
+    policy.fit_normalizers(data.actions, data.state)
+    rows = chunk_tracking(policy, demos, steps=[0, 2, 40])
+    assert [r["step"] for r in rows] == [0, 2]  # no episode reaches step 40
+    for r in rows:
+        assert r["observations"] == 4 and r["err_mm"] > 0
+        assert -1.0 <= r["corr_x"] <= 1.0 and r["aux_err_mm"] > 0
+
+
+def test_cli_train_takes_policy_and_training_fields(tmp_path, capsys):
+    from ropekit.cli import main
+    from ropekit.robot.demos import collect_demos
+    from ropekit.robot.env import PickConfig
+    from ropekit.robot.train import load_policy
+
+    out = tmp_path / "demos.npz"
+    collect_demos(2, PickConfig.in_distribution(terminate_on_success=True, image_size=32, max_steps=6), seed=0,
+                  workers=1, progress=False, out=out)
+    run = tmp_path / "run"
+    args = ["robot", "train", "--demos", str(out), "--out", str(run), "--steps", "1", "--batch-size", "4",
+            "--all-episodes", "--no-progress", "--set", "keypoints=true", "--set", "aux_weight=0.5",
+            "--set", 'vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48, "num_heads": 1}',
+            "--train-set", "shift=0"]
+    assert main(args) == 0
+    cfg = load_policy(run).config
+    assert cfg.keypoints is True and cfg.aux_weight == 0.5
+    assert json.loads((run / "config.json").read_text())["train"]["shift"] == 0
+    assert main(args[:-2] + ["--train-set", "not_a_field=1"]) != 0
+    assert "unknown PolicyTrainConfig field(s) in --train-set: not_a_field" in capsys.readouterr().err

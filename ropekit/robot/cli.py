@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--n-action-steps", type=int, default=4,
                    help="actions executed before re-planning (from scratch only)")
     p.add_argument("--all-episodes", action="store_true", help="also train on failed demo episodes")
+    p.add_argument("--set", dest="policy_set", action="append", default=[], metavar="FIELD=JSON",
+                   help="a PolicyConfig field of a policy from scratch, e.g. --set keypoints=true --set aux_weight=1 "
+                        "(repeatable; values are JSON)")
+    p.add_argument("--train-set", action="append", default=[], metavar="FIELD=JSON",
+                   help="a PolicyTrainConfig field, e.g. --train-set shift=0 (repeatable; values are JSON)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
 
@@ -83,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     experiment.add_arguments(p)
 
     p = sub.add_parser("diagnose", help="measurements that explain a policy's failures")
-    dsub = p.add_subparsers(dest="diagnose_command", metavar="<tolerance|grasp|depth-shuffle>", required=True)
+    dsub = p.add_subparsers(dest="diagnose_command", metavar="<tolerance|grasp|chunks|depth-shuffle>", required=True)
     d = dsub.add_parser("tolerance", help="the scripted expert's success with a wrong belief of the target position")
     d.add_argument("--axis", choices=("x", "y", "z"), default="z")
     d.add_argument("--offsets", type=float, nargs="+", default=[-0.03, -0.02, -0.01, 0.0, 0.01, 0.02, 0.03],
@@ -100,6 +107,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--condition", choices=_PRESETS, default="in_distribution")
     d.add_argument("--seed", type=int, default=1000, help="evaluation seed (as `ropekit robot eval`)")
     d.add_argument("--out", default=None, help="write the rows and the summary as JSON here")
+    d = dsub.add_parser("chunks", help="per episode step: do the predicted chunks follow the target? (held-out demos)")
+    d.add_argument("run", help="run folder")
+    d.add_argument("--demos", required=True, help="demos the policy did not train on (`ropekit robot collect`)")
+    d.add_argument("--steps", type=int, nargs="+", default=[0, 2, 4, 8], help="episode steps to look at")
+    d.add_argument("--out", default=None, help="write the rows as JSON here")
     d = dsub.add_parser("depth-shuffle", help="how much an RGB-D policy's actions change when depth patches move")
     d.add_argument("run", help="RGB-D run folder")
     d.add_argument("--demos", required=True, help=".npz written by `ropekit robot collect`")
@@ -138,8 +150,17 @@ def _train(args: Any) -> int:
     from .train import DemoChunks, PolicyTrainConfig, load_policy, train_policy
 
     demos = load_demos(args.demos)
-    tc = PolicyTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                           seed=args.seed, only_successful=not args.all_episodes)
+    train_set = _assignments(args.train_set, "--train-set")
+    unknown = sorted(set(train_set) - {f.name for f in dataclasses.fields(PolicyTrainConfig)})
+    if unknown:
+        raise ValueError(f"unknown PolicyTrainConfig field(s) in --train-set: {', '.join(unknown)}")
+    tc = PolicyTrainConfig(**{"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+                              "warmup_steps": args.warmup_steps, "seed": args.seed,
+                              "only_successful": not args.all_episodes, "num_threads": args.threads,
+                              **train_set})
+    extra = _assignments(args.policy_set, "--set")
+    if extra and args.init_from:
+        raise ValueError("--set changes a policy trained from scratch; with --init-from the policy is the base run's")
     base = load_policy(args.init_from) if args.init_from else None
     if base is not None and base.config.modality == args.modality:
         policy = base  # continue training
@@ -152,9 +173,11 @@ def _train(args: Any) -> int:
             cfg = PolicyConfig(**{**base.config.to_dict(), "modality": "rgbd", "pe": args.pe,
                                   "depth_scale_init": scale})
         else:
-            cfg = PolicyConfig(modality=args.modality, pe=args.pe, image_size=int(demos["config"].image_size),
-                               horizon=args.horizon, n_action_steps=args.n_action_steps,
-                               depth_scale_init=1.0 if args.depth_scale_init is None else args.depth_scale_init)
+            cfg = PolicyConfig.from_dict({"modality": args.modality, "pe": args.pe,
+                                  "image_size": int(demos["config"].image_size), "horizon": args.horizon,
+                                  "n_action_steps": args.n_action_steps,
+                                  "depth_scale_init": 1.0 if args.depth_scale_init is None else args.depth_scale_init,
+                                  **extra})
         policy = DiffusionPolicy(cfg)
         if base is not None:
             init_from_2d(policy, base.state_dict(), depth_scale=cfg.depth_scale_init)
@@ -163,6 +186,20 @@ def _train(args: Any) -> int:
                  extra_config={"demos": str(args.demos), "init_from": args.init_from})
     print(f"policy saved to {Path(args.out) / 'checkpoint.pt'}")
     return 0
+
+
+def _assignments(items: Any, flag: str) -> dict:
+    """``["a=1", "b=true"]`` -> ``{"a": 1, "b": True}`` (JSON values; a bare word is a string)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} takes FIELD=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def _eval(args: Any) -> int:
@@ -193,6 +230,15 @@ def _diagnose(args: Any) -> int:
         summary = diagnose.summarize_grasp_errors(rows)
         print(json.dumps(summary, indent=2))
         result = {"summary": summary, "rows": rows}
+    elif args.diagnose_command == "chunks":
+        from .demos import load_demos
+
+        result = diagnose.chunk_tracking(args.run, load_demos(args.demos), args.steps)
+        for r in result:
+            aux = (f"  aux target error {r['aux_err_mm']:.0f} mm (corr x {r['aux_corr_x']:.2f})"
+                   if "aux_err_mm" in r else "")
+            print(f"step {r['step']:>2} ({r['observations']} obs): chunk end corr x {r['corr_x']:.2f} "
+                  f"y {r['corr_y']:.2f}, error {r['err_mm']:.0f} mm{aux}")
     else:
         from .demos import load_demos
 

@@ -5,6 +5,10 @@
 * :func:`grasp_errors` -- where a policy's gripper went: per episode, how close the suction link came to the
   target, and the tip's horizontal and vertical offsets there; :func:`summarize_grasp_errors` sorts the
   failures into horizontal misses, height errors, suction off, and grasps that did not lift.
+* :func:`chunk_tracking` -- whether the predicted action chunks follow the target, per step of the episode:
+  on demonstrations the policy did not train on, the correlation between the predicted and the expert's
+  chunk end (tip target ``H - 1`` steps ahead) per horizontal axis, the mean error, and -- for a policy with
+  the auxiliary head -- how well its conditioning locates the target.
 * :func:`depth_shuffle_effect` -- whether an RGB-D policy reads depth: the change of its predicted tip
   targets when the depth patches of each image are permuted (the RGB and the state are kept).
 
@@ -22,7 +26,8 @@ from .demos import episode_seeds
 from .env import STATE_SLICES, PickConfig, PickEnv
 from .expert import ScriptedExpert
 
-__all__ = ["AXES", "expert_tolerance", "grasp_errors", "summarize_grasp_errors", "depth_shuffle_effect"]
+__all__ = ["AXES", "expert_tolerance", "grasp_errors", "summarize_grasp_errors", "chunk_tracking",
+           "depth_shuffle_effect"]
 
 AXES = {"x": np.array([1.0, 0.0, 0.0]), "y": np.array([0.0, 1.0, 0.0]), "z": np.array([0.0, 0.0, 1.0])}
 
@@ -148,6 +153,46 @@ def summarize_grasp_errors(rows: Sequence[Mapping[str, Any]], suction_range: flo
     gaps = [r["gap_m"] * 1000 for r in fails if r["gap_m"] is not None]
     return {"episodes": len(rows), "successes": len(rows) - len(fails), **{f"fail_{k}": v for k, v in kinds.items()},
             "median_gap_mm_fail": float(np.median(gaps)) if gaps else None}
+
+
+def chunk_tracking(policy: Any, demos: Mapping[str, Any], steps: Sequence[int] = (0, 2, 4, 8),
+                   seed: int = 0) -> List[Dict[str, Any]]:
+    """How well ``policy``'s chunks follow the target at each episode step in ``steps`` (see module doc).
+
+    ``demos`` should be episodes the policy was not trained on (``ropekit robot collect --seed`` another seed).
+    Returns one row per step: ``step``, ``observations``, ``corr_x`` / ``corr_y`` (predicted vs expert chunk
+    end), ``err_mm`` (mean horizontal distance between them), and with an auxiliary head ``aux_err_mm`` (mean
+    horizontal error of its target position) and ``aux_corr_x``.
+    """
+    import torch
+
+    from .train import DemoChunks, load_policy
+
+    if not hasattr(policy, "config"):
+        policy = load_policy(policy)
+    data = DemoChunks(demos, policy.config, only_successful=False)
+    step_of = np.asarray(demos["step"])[np.isin(np.asarray(demos["episode"]), data.episodes)]
+    rows = []
+    for k in steps:
+        index = torch.from_numpy(np.flatnonzero(step_of == k))
+        if len(index) < 3:
+            continue
+        images, state, actions = data.batch(index)
+        with torch.no_grad():
+            pred = policy.predict(images, state, torch.Generator().manual_seed(seed))  # (B, H, A)
+        p_end, e_end = pred[:, -1, :2].numpy(), actions[:, -1, :2].numpy()
+        row: Dict[str, Any] = {"step": int(k), "observations": int(len(index)),
+                               "corr_x": float(np.corrcoef(p_end[:, 0], e_end[:, 0])[0, 1]),
+                               "corr_y": float(np.corrcoef(p_end[:, 1], e_end[:, 1])[0, 1]),
+                               "err_mm": float(np.linalg.norm(p_end - e_end, axis=1).mean() * 1000)}
+        if getattr(policy, "aux_head", None) is not None and data.object_pos is not None:
+            with torch.no_grad():
+                where = policy.aux_head(policy.encode(images, state)) * 0.1 + state[:, :3]  # (B, 3) world
+            truth = data.object_pos[index]
+            row["aux_err_mm"] = float((where[:, :2] - truth[:, :2]).norm(dim=-1).mean() * 1000)
+            row["aux_corr_x"] = float(np.corrcoef(where[:, 0].numpy(), truth[:, 0].numpy())[0, 1])
+        rows.append(row)
+    return rows
 
 
 def depth_shuffle_effect(policy: Any, demos: Mapping[str, Any], every: int = 16, seed: int = 0) -> Dict[str, Any]:
