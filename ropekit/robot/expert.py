@@ -7,13 +7,13 @@ reaches its waypoint without attaching closes the suction for ``close_steps`` in
 descent that stalls, or a target lost during the lift, starts over from *approach*.
 
 Why press with the suction already on: the suction attaches within ``PickConfig.suction_range`` (12 mm)
-of the tip, and a learned policy has to read the target's height from the image. Measured with this
-expert given a wrong belief of the target's height (40 in-distribution scenes each, ``docs/results/robot``):
-stopping *on* the top face and closing there (``press_depth=0, suction_height=0``) succeeds only for height
-errors within ±10 mm (0/40 at +15 mm), while pressing 2 cm in with the suction on from 3 cm above (the
-default) succeeds for errors from −20 mm to +30 mm. The demonstrations then show a motion that a policy
-with centimetre-level height errors still completes. Horizontal errors up to 3 cm cost nothing in either
-mode (the suction cup is wider than the targets' tops).
+of the gripper's last link, and a learned policy has to read the target's height from the image. Measured with this
+expert given a wrong belief of the target's height (40 in-distribution scenes each,
+``docs/results/robot/diagnosis``): stopping *on* the top face and closing there (``press_depth=0,
+suction_height=0``) succeeds only for height errors within ±10 mm (0/40 at +15 mm), while pressing 2 cm in
+with the suction on from 3 cm above (the default) succeeds for errors from −20 mm to +30 mm. The
+demonstrations then show a motion that a policy with centimetre-level height errors still completes.
+Horizontal errors up to 6 cm cost nothing (the suction link is wider than the targets' tops).
 
 Actions are in the env's action space: ``(4,)`` float32 = absolute tip target xyz (world frame, m) +
 gripper command (1.0 closed / 0.0 open). ``belief_offset`` (metres, world frame) is added to the target

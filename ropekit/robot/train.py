@@ -51,8 +51,9 @@ class PolicyTrainConfig:
     ``z = a * depth + b``. Starting from ``a = 0`` (fine-tuning from 2-D) it must grow to a few coordinate
     units per metre (one 8-pixel patch of the 64-pixel camera spans ~0.14 m at 1 m) before the ``z`` axis
     changes any rotation. Its gradient at ``a = 0`` is weak and changes sign, so ``a`` barely moves: in the
-    committed run (``docs/results/robot``) it ended at -0.02 with 10x and at 0.08 with 100x (the default)
-    over 800 steps. The learned ``a`` is logged as ``depth_scale``.
+    earlier run (``docs/results/robot/earlier``) it ended at -0.02 with 10x and at 0.08 with 100x over 800
+    steps; the robot study's recipes therefore start ``a`` at a metric scale instead. The learned ``a`` is
+    logged as ``depth_scale``.
     noise_samples: ``(t, noise)`` draws per encoded example. shift: random image shift (pixels, zero fill;
     depth 0 is invalid and masked). ema_decay: exponential moving average of the weights
     (``0``: off), warmed up as ``min(decay, (1 + k) / (10 + k))``; the saved policy holds the EMA weights.
