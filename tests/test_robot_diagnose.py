@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+
 import numpy as np
 import pytest
 import torch
 
 from ropekit.robot.policy import DiffusionPolicy, PolicyConfig
+from test_robot_policy import _seed_and_one_thread  # noqa: F401  (seed 0 and one torch thread here too)
 
 pytest.importorskip("pybullet")
 
@@ -22,15 +24,6 @@ from ropekit.robot.diagnose import (  # noqa: E402  (after the pybullet check)
 SMALL = dict(vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48, "num_heads": 1},
              pe_options={"block_size": 8}, image_size=32, hidden_dim=64, cond_dim=64, num_blocks=1,
              num_inference_steps=2, horizon=4, n_action_steps=2)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_expert_tolerance_fails_when_the_target_is_believed_too_high():

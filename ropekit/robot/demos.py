@@ -79,13 +79,15 @@ def rollout(
     seed: Optional[int] = None,
     record: bool = False,
     frame_size: Optional[int] = None,
+    on_step: Optional[Callable[[np.ndarray, Dict[str, np.ndarray], Dict[str, Any]], None]] = None,
 ) -> RolloutResult:
     """Run ``policy_fn`` for one episode of ``env`` from ``env.reset(seed)``.
 
     ``policy_fn(obs) -> action (4,)``; if it has a ``reset()`` method, it is called right after the env
     reset (stateful policies, the scripted expert). ``success`` is the env's success at the final step.
     With ``record``, RGB frames are kept: the observation images, or, if ``frame_size`` is given, a
-    separate rendering of the front camera at that size (for GIFs / image strips).
+    separate rendering of the front camera at that size (for GIFs / image strips). ``on_step(action, obs,
+    info)`` is called after every step with the action taken and what the env returned (for measurements).
     """
     obs = env.reset(seed)
     if hasattr(policy_fn, "reset"):
@@ -101,7 +103,10 @@ def rollout(
     _record(obs)
     done, info, total, first = False, {"success": False}, 0.0, None
     while not done:
-        obs, reward, done, info = env.step(np.asarray(policy_fn(obs), dtype=np.float64))
+        action = np.asarray(policy_fn(obs), dtype=np.float64)
+        obs, reward, done, info = env.step(action)
+        if on_step is not None:
+            on_step(action, obs, info)
         total += reward
         if info["success"] and first is None:
             first = int(info["t"])

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .demos import episode_seeds
+from .demos import episode_seeds, rollout
 from .env import STATE_SLICES, PickConfig, PickEnv
 from .expert import ScriptedExpert
 
@@ -60,18 +60,11 @@ def expert_tolerance(
     cfg = PickConfig.in_distribution(terminate_on_success=True, **dict(env_overrides or {}))
     with PickEnv(cfg) as env:
         for off in offsets:
-            wins, steps = 0, []
-            for s in seeds:
-                obs = env.reset(int(s))
-                expert = ScriptedExpert(env, **{**dict(expert_kwargs or {}), "belief_offset": AXES[axis] * off})
-                expert.reset()
-                done, info = False, {"success": False}
-                while not done:
-                    obs, _, done, info = env.step(expert(obs))
-                wins += bool(info["success"])
-                steps.append(env.t)
+            expert = ScriptedExpert(env, **{**dict(expert_kwargs or {}), "belief_offset": AXES[axis] * off})
+            results = [rollout(env, expert, seed=int(s)) for s in seeds]  # (rollout resets the expert)
             rows.append({"axis": axis, "offset_m": float(off), "episodes": episodes,
-                         "success_rate": wins / episodes, "mean_steps": float(np.mean(steps))})
+                         "success_rate": sum(r.success for r in results) / episodes,
+                         "mean_steps": float(np.mean([r.num_steps for r in results]))})
     return rows
 
 
@@ -103,28 +96,25 @@ def grasp_errors(policy: Any, episodes: int, condition: str = "in_distribution",
     with PickEnv(env_config(condition, policy.config.image_size, env_overrides)) as env:
         reach = env.config.suction_range
         for i in tqdm(range(episodes), desc=condition, unit="ep", disable=not progress):
-            obs = env.reset(int(seeds[i]))
-            runner = PolicyRunner(policy, seed=sample_seed + i)
-            best: Dict[str, Any] = {"gap_m": float("inf")}
-            on_in_range = False
-            done, info = False, {"success": False, "t": 0}
-            while not done:
-                action = runner(obs)
-                obs, _, done, info = env.step(action)
+            best: Dict[str, Any] = {"gap_m": float("inf"), "in_range_suction_on": False}
+
+            def track(action: np.ndarray, obs: Mapping[str, np.ndarray], info: Mapping[str, Any]) -> None:
                 if info["holding"]:
-                    continue
+                    return
                 gap = env.suction_gap()
                 on = bool(action[3] > 0.5)
-                on_in_range |= on and gap <= reach
+                best["in_range_suction_on"] |= on and gap <= reach
                 if gap < best["gap_m"]:
                     tip = np.asarray(obs["state"][STATE_SLICES["ee_pos"]], dtype=np.float64)
                     target = env.target_position()
-                    best = {"gap_m": gap, "dxy_m": float(np.linalg.norm(tip[:2] - target[:2])),
-                            "dz_m": float(tip[2] - target[2] - env.target_half_height()), "suction_on": on}
+                    best.update(gap_m=gap, dxy_m=float(np.linalg.norm(tip[:2] - target[:2])),
+                                dz_m=float(tip[2] - target[2] - env.target_half_height()), suction_on=on)
+
+            res = rollout(env, PolicyRunner(policy, seed=sample_seed + i), seed=int(seeds[i]), on_step=track)
             if not math.isfinite(best["gap_m"]):  # held from the first step on: nothing to measure
-                best = {"gap_m": None, "dxy_m": None, "dz_m": None, "suction_on": True}
-            rows.append({"episode": i, "success": bool(info["success"]), "steps": int(info["t"]),
-                         "table_height_m": env.table_height, **best, "in_range_suction_on": on_in_range})
+                best.update(gap_m=None, dxy_m=None, dz_m=None, suction_on=True)
+            rows.append({"episode": i, "success": bool(res.success), "steps": int(res.num_steps),
+                         "table_height_m": env.table_height, **best})
     return rows
 
 

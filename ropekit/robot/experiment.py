@@ -98,8 +98,8 @@ def _recipe(preset: str) -> Dict[str, Any]:
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> Tuple[float, float]:
-    """95 % (``z = 1.96``) Wilson score interval of a binomial proportion."""
-    if n <= 0:
+    """Wilson score interval of a binomial proportion (95 % for ``z = 1.96``); ``(0, 1)`` when ``n = 0``."""
+    if n == 0:
         return 0.0, 1.0
     p = successes / n
     denom = 1 + z * z / n
@@ -158,14 +158,28 @@ def _eval_job(args: Tuple[str, str, str, int, int, Dict[str, Any]]) -> Dict[str,
 
 
 def _map(fn, jobs: Sequence[Any], workers: int, progress: bool, desc: str) -> List[Any]:
-    """``[fn(j) for j in jobs]`` in ``workers`` processes (order kept), with a progress bar over jobs."""
+    """``[fn(j) for j in jobs]``, in ``workers`` processes (forkserver, like demo collection) when ``> 1``."""
     from tqdm.auto import tqdm
 
-    if workers <= 1 or len(jobs) <= 1:
-        return [fn(j) for j in tqdm(jobs, desc=desc, disable=not progress)]
-    ctx = mp.get_context(_default_start_method())
-    with ctx.Pool(min(workers, len(jobs))) as pool:
-        return list(tqdm(pool.imap(fn, jobs), total=len(jobs), desc=desc, disable=not progress))
+    bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
+    out: List[Any] = []
+    try:
+        if workers <= 1:
+            for j in jobs:
+                out.append(fn(j))
+                bar.update(1)
+        else:
+            method = _default_start_method()
+            ctx = mp.get_context(method)
+            if method == "forkserver":
+                ctx.set_forkserver_preload([__name__])
+            with ctx.Pool(min(workers, len(jobs))) as pool:
+                for r in pool.imap(fn, jobs):
+                    out.append(r)
+                    bar.update(1)
+    finally:
+        bar.close()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -255,7 +269,7 @@ def _say(msg: str) -> None:
     print(f"[robot {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _tolerance_stage(r: Mapping[str, Any], out: Path) -> Dict[str, Any]:
+def _tolerance_stage(r: Mapping[str, Any], out: Path, quick: bool) -> Dict[str, Any]:
     """``tolerance.json``: the expert's success against its belief error in height, for the recipe's grasp and
     for closing on the top face (``press_depth = suction_height = 0``)."""
     from .diagnose import expert_tolerance
@@ -267,7 +281,6 @@ def _tolerance_stage(r: Mapping[str, Any], out: Path) -> Dict[str, Any]:
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
             return doc
-    quick = r["eval_episodes"] < 10
     offsets = [0.0, 0.02] if quick else [-0.03, -0.02, -0.01, 0.0, 0.01, 0.015, 0.02, 0.03, 0.04]
     episodes = 2 if quick else 40
     env = {k: v for k, v in r["env"].items() if k != "image_size"}
@@ -299,17 +312,16 @@ def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, A
     demos = load_demos(demo_path)
     timings["demos"] = time.time() - t0
     _say(f"demos: {len(demos['episode_success'])} episodes, {len(demos['state'])} steps ({timings['demos']:.0f} s)")
-    tolerance = _tolerance_stage(r, out)
+    tolerance = _tolerance_stage(r, out, quick=cfg.preset == "quick")
     timings["tolerance"] = time.time() - t0 - sum(timings.values())
     runs = _train_stage(cfg, out, int(demos["config"].image_size))
     timings["train"] = time.time() - t0 - sum(timings.values())
     _say(f"policies trained ({timings['train']:.0f} s); evaluating")
-    jobs = [(f"{arm}", str(path), cond, r["eval_episodes"], r["eval_seed"], dict(r["env"]))
-            for (arm, seed), path in runs.items() for cond in r["conditions"]]
+    keys = [(arm, seed, cond) for arm, seed in runs for cond in r["conditions"]]
+    jobs = [(arm, str(runs[arm, seed]), cond, r["eval_episodes"], r["eval_seed"], dict(r["env"]))
+            for arm, seed, cond in keys]
     results = _map(_eval_job, jobs, cfg.workers, cfg.progress, "evaluate")
-    rows = []
-    for ((arm, seed), _), res in zip([(k, c) for k in runs for c in r["conditions"]], results):
-        rows.append({**res, "policy": arm, "seed": seed})
+    rows = [{**res, "policy": arm, "seed": seed} for (arm, seed, _), res in zip(keys, results)]
     timings["eval"] = time.time() - t0 - sum(timings.values())
     _say(f"evaluated ({timings['eval']:.0f} s); writing reports")
     doc = {
@@ -486,11 +498,10 @@ def _plot_success(path: Path, agg: Sequence[Mapping[str, Any]], policies: List[s
         rates = np.array([table[p, c]["success_rate"] for c in conditions])
         lo = rates - np.array([table[p, c]["ci95_low"] for c in conditions])
         hi = np.array([table[p, c]["ci95_high"] for c in conditions]) - rates
-        bars = ax.bar(xs, rates, width, yerr=[lo, hi], capsize=3, label=LABELS.get(p, p))
+        ax.bar(xs, rates, width, yerr=[lo, hi], capsize=3, label=LABELS.get(p, p))
         for xi, c in zip(xs, conditions):  # one dot per training seed
             sr = table[p, c]["seed_rates"]
             ax.plot([xi] * len(sr), sr, "o", ms=3, color="black", alpha=0.6)
-        del bars
     n = agg[0]["episodes"]
     ax.set_xticks(x, [c.replace("_", "\n") for c in conditions])
     ax.set_ylim(0, 1.25)
@@ -510,17 +521,15 @@ def _plot_training(path: Path, runs: Mapping[Tuple[str, int], Path]) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     colours = {arm: f"C{i}" for i, arm in enumerate(LABELS)}
+    curves: Dict[Tuple[str, int], List[Dict[str, float]]] = {}
+    for key, folder in runs.items():
+        if (folder / "metrics.csv").exists():
+            with open(folder / "metrics.csv", newline="") as fh:
+                curves[key] = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(fh)]
     seen = set()
-    for (arm, seed), folder in runs.items():
-        f = folder / "metrics.csv"
-        if not f.exists():
-            continue
-        with open(f, newline="") as fh:
-            data = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(fh)]
-        offset = 0
-        if arm in ("3d", "2d_ft") and (run := runs.get(("2d", seed))) is not None and (run / "metrics.csv").exists():
-            with open(run / "metrics.csv", newline="") as fh:
-                offset = int(float(list(csv.DictReader(fh))[-1]["step"]))
+    for (arm, seed), data in curves.items():
+        base = curves.get(("2d", seed)) if arm in ("3d", "2d_ft") else None  # fine-tunings go on from their 2-D run
+        offset = int(base[-1]["step"]) if base else 0
         ax.plot([offset + d["step"] for d in data], [d["loss"] for d in data], color=colours.get(arm), lw=1,
                 alpha=0.8, label=None if arm in seen else LABELS.get(arm, arm))
         seen.add(arm)
