@@ -67,11 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--n-action-steps", type=int, default=4,
                    help="actions executed before re-planning (from scratch only)")
     p.add_argument("--all-episodes", action="store_true", help="also train on failed demo episodes")
-    p.add_argument("--set", dest="policy_set", action="append", default=[], metavar="FIELD=JSON",
+    p.add_argument("--set", dest="policy_set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a PolicyConfig field of a policy from scratch, e.g. --set keypoints=true --set aux_weight=1 "
-                        "(repeatable; values are JSON)")
-    p.add_argument("--train-set", action="append", default=[], metavar="FIELD=JSON",
-                   help="a PolicyTrainConfig field, e.g. --train-set shift=0 (repeatable; values are JSON)")
+                        "(repeatable; values are YAML/JSON)")
+    p.add_argument("--train-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a PolicyTrainConfig field, e.g. --train-set shift=0 (repeatable; values are YAML/JSON)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -145,12 +145,13 @@ def _collect(args: Any) -> int:
 
 
 def _train(args: Any) -> int:
+    from ..train.config import parse_key_values
     from .demos import load_demos
     from .policy import DiffusionPolicy, PolicyConfig, init_from_2d
     from .train import DemoChunks, PolicyTrainConfig, load_policy, train_policy
 
     demos = load_demos(args.demos)
-    train_set = _assignments(args.train_set, "--train-set")
+    train_set = parse_key_values(args.train_set, "--train-set")
     unknown = sorted(set(train_set) - {f.name for f in dataclasses.fields(PolicyTrainConfig)})
     if unknown:
         raise ValueError(f"unknown PolicyTrainConfig field(s) in --train-set: {', '.join(unknown)}")
@@ -158,7 +159,7 @@ def _train(args: Any) -> int:
                               "warmup_steps": args.warmup_steps, "seed": args.seed,
                               "only_successful": not args.all_episodes, "num_threads": args.threads,
                               **train_set})
-    extra = _assignments(args.policy_set, "--set")
+    extra = parse_key_values(args.policy_set, "--set")
     if extra and args.init_from:
         raise ValueError("--set changes a policy trained from scratch; with --init-from the policy is the base run's")
     base = load_policy(args.init_from) if args.init_from else None
@@ -186,20 +187,6 @@ def _train(args: Any) -> int:
                  extra_config={"demos": str(args.demos), "init_from": args.init_from})
     print(f"policy saved to {Path(args.out) / 'checkpoint.pt'}")
     return 0
-
-
-def _assignments(items: Any, flag: str) -> dict:
-    """``["a=1", "b=true"]`` -> ``{"a": 1, "b": True}`` (JSON values; a bare word is a string)."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{flag} takes FIELD=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def _eval(args: Any) -> int:
