@@ -128,6 +128,22 @@ def test_sim_renders_headless_and_steps_joint_targets():
     assert out.stdout.strip().splitlines()[-1] == "egl"
 
 
+def test_narrower_field_of_view_magnifies_the_cube():
+    def cube_pixels(fovy):
+        s = AlohaSim("transfer_cube", cameras=("top",), image_hw=(96, 128), fovy=fovy)
+        rgb = s.reset(seed=3)["images"]["top"].astype(int)
+        return int(((rgb[..., 0] > 120) & (rgb[..., 1] < 60) & (rgb[..., 2] < 60)).sum())  # the red cube
+
+    wide, narrow = cube_pixels(None), cube_pixels(50.0)
+    # the pixel area grows with the square of tan(fovy/2): (tan 39 / tan 25)^2 = 3.0
+    assert wide > 0 and 2.0 < narrow / wide < 4.5, (wide, narrow)
+    with pytest.raises(ValueError, match="fovy"):
+        AlohaSim("transfer_cube", cameras=("top",), fovy=0)
+    # demo sets recorded with the scene's camera keep their cache key; another field of view gets its own
+    assert DemoConfig(episodes=20, frame_stride=4, depth=True).key() == "e74ec830eda3c042"  # the CPU preset's set
+    assert DemoConfig(fovy=None).key() != DemoConfig(fovy=50.0).key()
+
+
 def test_missing_simulator_names_the_fix(monkeypatch):
     import ropekit.robot.aloha.sim as sim
 

@@ -39,6 +39,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="first object-pose seed of the demos")
     p.add_argument("--image-size", type=_hw, default=(48, 64), metavar="HxW", help="rendered size (default 48x64)")
     p.add_argument("--camera", default="top", help="camera the policy sees (default top)")
+    p.add_argument("--fovy", type=float, default=None,
+                   help="the camera's vertical field of view in degrees (default: the scene's, 78 for top)")
     p.add_argument("--depth", action="store_true", help="also record depth (needed by RGB-D policies)")
     p.add_argument("--frame-stride", type=int, default=2, help="render every k-th step (training examples)")
     p.add_argument("--cache-dir", default=None, help="demo-set cache (default ~/.cache/ropekit/aloha)")
@@ -115,7 +117,8 @@ def _demo_config(args: Any, depth: bool = False):
     from .expert import DemoConfig
 
     return DemoConfig(task=args.task, episodes=args.episodes, seed=args.seed, cameras=(args.camera,),
-                      image_hw=args.image_size, depth=args.depth or depth, frame_stride=args.frame_stride)
+                      image_hw=args.image_size, fovy=args.fovy, depth=args.depth or depth,
+                      frame_stride=args.frame_stride)
 
 
 def _collect(args: Any) -> int:
@@ -135,7 +138,8 @@ def _train(args: Any) -> int:
 
     modality, pe, options = ENCODINGS[encoding_label(args.pe)]
     demos, path, _ = load_or_collect(_demo_config(args, depth=modality == "rgbd"), args.cache_dir, progress=True)
-    cfg = AlohaPolicyConfig(pe=pe, pe_options=dict(options), modality=modality, image_hw=args.image_size)
+    cfg = AlohaPolicyConfig(pe=pe, pe_options=dict(options), modality=modality, image_hw=args.image_size,
+                            fovy=args.fovy)
     policy = AlohaPolicy(cfg)
     tc = PolicyTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.train_seed, shift=2)
     rows = train_policy(policy, AlohaChunks(demos, cfg), tc, None, progress=not args.no_progress)

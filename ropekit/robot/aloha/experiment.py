@@ -46,8 +46,9 @@ class AlohaExperimentConfig:
         tasks: ``transfer_cube`` and/or ``insertion``.
         encodings: labels of :data:`~.policy.ENCODINGS`.
         seeds: training seeds (one policy per encoding and seed).
-        demos, demo_seed, frame_stride, image_hw, episode_steps: the demo set (:class:`~.expert.DemoConfig`).
-        policy: :class:`~.policy.AlohaPolicyConfig` fields (besides ``pe``/``modality``/``image_hw``).
+        demos, demo_seed, frame_stride, image_hw, fovy, episode_steps: the demo set
+            (:class:`~.expert.DemoConfig`); ``image_hw`` and ``fovy`` are also the policies' camera.
+        policy: :class:`~.policy.AlohaPolicyConfig` fields (besides ``pe``/``modality``/``image_hw``/``fovy``).
         train: :class:`~ropekit.robot.train.PolicyTrainConfig` fields; ``train["steps"]`` is the total.
         segments: evaluation points along training (the curve).
         curve_episodes, eval_episodes: evaluation seeds per curve point / for the final number.
@@ -69,6 +70,7 @@ class AlohaExperimentConfig:
     demo_seed: int = 0
     frame_stride: int = 4
     image_hw: Tuple[int, int] = (48, 64)
+    fovy: Optional[float] = None
     episode_steps: int = 400
     policy: Dict[str, Any] = field(default_factory=lambda: {
         "vit_overrides": {"depth": 3, "patch_size": 8, "embed_dim": 96, "num_heads": 3},
@@ -135,15 +137,17 @@ def _slug(label: str) -> str:
 
 
 def expert_ceiling(task: str, seeds: Sequence[int], episode_steps: int = 400) -> Dict[str, Any]:
-    """Success of the scripted expert (end-effector script, then joint replay) on ``seeds``, no rendering."""
+    """Success of the scripted expert (end-effector script, then joint replay) on ``seeds``, no rendering,
+    and its closest approach to the object (``reach_gap``, metres: the reference for the policies')."""
     from .expert import expert_episode
     from .sim import AlohaSim
 
     t0 = time.time()
     replay, ee = AlohaSim(task, cameras=()), AlohaSim(task, mode="ee", cameras=())
-    ok = [bool(expert_episode(task, s, episode_steps, replay=replay, ee_sim=ee)["success"]) for s in seeds]
+    runs = [expert_episode(task, s, episode_steps, replay=replay, ee_sim=ee) for s in seeds]
+    ok = [bool(r["success"]) for r in runs]
     return {"success": ok, "success_rate": float(np.mean(ok)), "seeds": [int(s) for s in seeds],
-            "seconds": time.time() - t0}
+            "reach_gap": [float(r["reach_gap"]) for r in runs], "seconds": time.time() - t0}
 
 
 class _OnDevice:
@@ -187,7 +191,7 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
         doc["tasks"][task] = tdoc
         t0 = time.time()
         dcfg = DemoConfig(task=task, episodes=cfg.demos, seed=cfg.demo_seed, episode_steps=cfg.episode_steps,
-                          image_hw=cfg.image_hw, depth=need_depth, frame_stride=cfg.frame_stride)
+                          image_hw=cfg.image_hw, fovy=cfg.fovy, depth=need_depth, frame_stride=cfg.frame_stride)
         demos, path, cached = load_or_collect(dcfg, cfg.cache_dir, progress=cfg.progress)
         tdoc["demos"] = {"path": str(path), "cached": cached, "kept": int(len(demos["episode_seed"])),
                          "attempts": int(demos["attempts"]), "failed_seeds": demos["failed_seeds"].tolist(),
@@ -201,7 +205,7 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
             t0 = time.time()
             torch.manual_seed(seed)
             pcfg = AlohaPolicyConfig(**{**copy.deepcopy(cfg.policy), "pe": pe, "pe_options": dict(pe_options),
-                                        "modality": modality, "image_hw": cfg.image_hw})
+                                        "modality": modality, "image_hw": cfg.image_hw, "fovy": cfg.fovy})
             policy = AlohaPolicy(pcfg)
             data = AlohaChunks(demos, pcfg)
             if dev.type != "cpu":
@@ -233,7 +237,7 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
                 save_aloha_policy(policy.cpu(), run_dir / "checkpoint.pt", history=history, curve=curve)
             tdoc["policies"].setdefault(label, []).append({
                 "seed": seed, "final": {k: ev[k] for k in ("success_rate", "success", "max_reward",
-                                                           "success_step", "seconds")},
+                                                           "success_step", "reach_gap", "seconds")},
                 "curve": curve, "final_loss": history[-1]["loss"] if history else None,
                 "seconds": time.time() - t0})
             doc["timings_s"][f"{task}/{label}/s{seed}"] = time.time() - t0
@@ -270,24 +274,36 @@ def merge_results(dirs: Sequence[PathLike], out: PathLike) -> Dict[str, Any]:
 
 
 def summary_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """One row per task and encoding: mean and per-seed final success, mean max reward, expert ceiling."""
+    """One row per task and encoding: mean and per-seed final success, mean max reward, median closest
+    approach of the right gripper to its object (``reach_cm``; ``None`` for results recorded without it) and
+    the expert's (ceiling and ``expert_reach_cm``)."""
+    def median_cm(gaps: List[float]) -> Optional[float]:
+        return float(np.median(gaps) * 100) if gaps else None
+
     rows = []
     for task, tdoc in doc["tasks"].items():
         for label, runs in tdoc["policies"].items():
             rates = [r["final"]["success_rate"] for r in runs]
+            gaps = [g for r in runs for g in r["final"].get("reach_gap", [])]
             rows.append({"task": task, "encoding": label, "success": float(np.mean(rates)),
                          "per_seed": rates, "episodes": len(runs[0]["final"]["success"]),
                          "max_reward": float(np.mean([np.mean(r["final"]["max_reward"]) for r in runs])),
+                         "reach_cm": median_cm(gaps), "expert_reach_cm": median_cm(tdoc["expert"].get("reach_gap", [])),
                          "expert": tdoc["expert"]["success_rate"], "seconds": sum(r["seconds"] for r in runs)})
     return rows
 
 
 def _table(doc: Dict[str, Any]) -> str:
-    lines = ["| task | encoder | success (mean over seeds) | per seed | mean max reward (0-4) | expert ceiling | "
-             "train + eval time |", "|---|---|---|---|---|---|---|"]
+    def cm(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    lines = ["| task | encoder | success (mean over seeds) | per seed | mean max reward (0-4) | "
+             "closest approach, median cm (expert) | expert ceiling | train + eval time |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in summary_rows(doc):
         lines.append(f"| {r['task']} | {r['encoding']} | {r['success']:.2f} ({r['episodes']} episodes each) | "
                      f"{', '.join(f'{x:.2f}' for x in r['per_seed'])} | {r['max_reward']:.2f} | "
+                     f"{cm(r['reach_cm'])} ({cm(r['expert_reach_cm'])}) | "
                      f"{r['expert']:.2f} | {r['seconds'] / 60:.1f} min |")
     return "\n".join(lines) + "\n"
 

@@ -58,6 +58,7 @@ class DemoConfig:
         cameras: rendered cameras; the first is the policy's view.
         image_hw: ``(Hi, Wi)`` rendered size.
         depth: also record depth (metres) of the first camera.
+        fovy: vertical field of view (degrees) of the recorded camera; ``None``: the scene's.
         frame_stride: images are rendered every ``frame_stride`` steps (the training examples are those
             steps; proprioception and actions are kept for every step).
     """
@@ -69,6 +70,7 @@ class DemoConfig:
     cameras: Tuple[str, ...] = ("top",)
     image_hw: Tuple[int, int] = (48, 64)
     depth: bool = False
+    fovy: Optional[float] = None
     frame_stride: int = 2
     max_tries_factor: float = 2.0
 
@@ -88,7 +90,10 @@ class DemoConfig:
 
     def key(self) -> str:
         """A short hash of everything that changes the arrays (the cache file's name)."""
-        blob = json.dumps({**self.to_dict(), "version": _FORMAT_VERSION}, sort_keys=True)
+        d = self.to_dict()
+        if d["fovy"] is None:  # the scene's own camera: the key of sets recorded before the option existed
+            del d["fovy"]
+        blob = json.dumps({**d, "version": _FORMAT_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -178,8 +183,9 @@ def expert_episode(task: str, seed: int, steps: int = 400, replay: Optional[Aloh
 
     Returns:
         ``{"qpos": (T, 14), "action": (T, 14), "rgb": (F, Hi, Wi, 3) or None, "depth": (F, Hi, Wi) or None,
-        "ee_success": bool, "success": bool (the replay's), "max_reward": int}``; ``T = steps``; ``qpos[t]``
-        and the images are the observation the action ``action[t]`` answers.
+        "ee_success": bool, "success": bool (the replay's), "max_reward": int, "reach_gap": float (the
+        replay's closest approach of the right gripper to its object, metres; see ``AlohaSim.reach_gap``)}``;
+        ``T = steps``; ``qpos[t]`` and the images are the observation the action ``action[t]`` answers.
     """
     ee = ee_sim if ee_sim is not None else AlohaSim(task, mode="ee", cameras=())
     ee.reset(seed=seed)
@@ -195,7 +201,7 @@ def expert_episode(task: str, seed: int, steps: int = 400, replay: Optional[Aloh
     sim = replay if replay is not None else AlohaSim(task, mode="joint", cameras=())
     cam = sim.cameras[0] if sim.cameras else None
     obs = sim.reset(object_pose=pose, render=False)
-    qpos, rgb, depth, best = [], [], [], 0
+    qpos, rgb, depth, best, gap = [], [], [], 0, sim.reach_gap()
     for t, a in enumerate(actions):
         qpos.append(obs["qpos"])
         if cam is not None and t % frame_stride == 0:
@@ -204,10 +210,10 @@ def expert_episode(task: str, seed: int, steps: int = 400, replay: Optional[Aloh
             if d is not None:
                 depth.append(d)
         obs, r = sim.step(a, render=False)
-        best = max(best, r)
+        best, gap = max(best, r), min(gap, sim.reach_gap())
     return {"qpos": np.asarray(qpos, dtype=np.float32), "action": actions,
             "rgb": np.asarray(rgb) if rgb else None, "depth": np.asarray(depth) if depth else None,
-            "ee_success": ee_reward >= 4, "success": best >= 4, "max_reward": best}
+            "ee_success": ee_reward >= 4, "success": best >= 4, "max_reward": best, "reach_gap": gap}
 
 
 def collect_demos(cfg: DemoConfig, progress: bool = False) -> Dict[str, np.ndarray]:
@@ -222,7 +228,8 @@ def collect_demos(cfg: DemoConfig, progress: bool = False) -> Dict[str, np.ndarr
     from tqdm.auto import tqdm
 
     t0 = time.time()
-    sim = AlohaSim(cfg.task, mode="joint", cameras=cfg.cameras[:1], image_hw=cfg.image_hw, depth=cfg.depth)
+    sim = AlohaSim(cfg.task, mode="joint", cameras=cfg.cameras[:1], image_hw=cfg.image_hw, depth=cfg.depth,
+                   fovy=cfg.fovy)
     ee = AlohaSim(cfg.task, mode="ee", cameras=())
     max_tries = max(cfg.episodes, int(np.ceil(cfg.episodes * cfg.max_tries_factor)))
     kept: List[Dict[str, Any]] = []

@@ -45,13 +45,15 @@ ENCODINGS: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
 
 @dataclass
 class AlohaPolicyConfig(PolicyConfig):
-    """:class:`~ropekit.robot.policy.PolicyConfig` for ALOHA: a rectangular image ``image_hw``, absolute
-    14-D joint actions, and chunking sized for 50 Hz control (16 predicted, 8 executed)."""
+    """:class:`~ropekit.robot.policy.PolicyConfig` for ALOHA: a rectangular image ``image_hw`` seen through a
+    camera of vertical field of view ``fovy`` degrees (``None``: the scene's), absolute 14-D joint actions, and
+    chunking sized for 50 Hz control (16 predicted, 8 executed)."""
 
     pe: str = "cayley"
     pe_options: Dict[str, Any] = field(default_factory=dict)
     vit_overrides: Dict[str, Any] = field(default_factory=lambda: {"depth": 4, "patch_size": 8})
     image_hw: Tuple[int, int] = (48, 64)
+    fovy: Optional[float] = None
     horizon: int = 16
     n_action_steps: int = 8
     action_mode: str = "absolute"
@@ -162,7 +164,9 @@ def evaluate_policy(policy: AlohaPolicy, task: str, seeds: Sequence[int], episod
 
     Returns:
         ``{"success": [bool] per seed, "success_rate", "max_reward": [int], "success_step": [int or -1],
-        "seeds", "errors": {seed: message} (episodes ended by a physics error count as failures), "seconds"}``.
+        "reach_gap": [float] (the right gripper's closest approach to its object, metres: a policy that does
+        not locate the object in the image stops short of it or beside it), "seeds", "errors": {seed: message}
+        (episodes ended by a physics error count as failures), "seconds"}``.
     """
     from tqdm.auto import tqdm
 
@@ -174,17 +178,20 @@ def evaluate_policy(policy: AlohaPolicy, task: str, seeds: Sequence[int], episod
     seeds = [int(s) for s in seeds]
     n_exec = cfg.n_action_steps
     depth = cfg.modality == "rgbd"
-    sims = [AlohaSim(spec.name, cameras=(camera,), image_hw=cfg.image_hw, depth=depth)
+    sims = [AlohaSim(spec.name, cameras=(camera,), image_hw=cfg.image_hw, depth=depth, fovy=cfg.fovy)
             for _ in range(min(parallel, len(seeds)))]
     gen = torch.Generator(device=device).manual_seed(seed)
     max_reward = {s: 0 for s in seeds}
     success_step = {s: -1 for s in seeds}
+    gap = {s: float("inf") for s in seeds}
     errors: Dict[int, str] = {}
     bar = tqdm(total=len(seeds), desc=f"eval {spec.name}", unit="ep", disable=not progress)
     for start in range(0, len(seeds), len(sims)):
         group = seeds[start:start + len(sims)]
         envs = sims[:len(group)]
         qpos = [e.reset(seed=s, render=False)["qpos"] for e, s in zip(envs, group)]
+        for e, s in zip(envs, group):
+            gap[s] = e.reach_gap()
         active = list(range(len(group)))
         chunks: Dict[int, np.ndarray] = {}
         for t in range(episode_steps):
@@ -208,6 +215,7 @@ def evaluate_policy(policy: AlohaPolicy, task: str, seeds: Sequence[int], episod
                     continue
                 qpos[i] = obs["qpos"]
                 max_reward[s] = max(max_reward[s], r)
+                gap[s] = min(gap[s], envs[i].reach_gap())
                 if r >= 4:
                     success_step[s] = t + 1
                 else:
@@ -218,6 +226,7 @@ def evaluate_policy(policy: AlohaPolicy, task: str, seeds: Sequence[int], episod
     success = [success_step[s] >= 0 for s in seeds]
     return {"success": success, "success_rate": float(np.mean(success)) if seeds else 0.0,
             "max_reward": [max_reward[s] for s in seeds], "success_step": [success_step[s] for s in seeds],
+            "reach_gap": [gap[s] for s in seeds],
             "seeds": seeds, "errors": errors, "seconds": time.time() - t0}
 
 
