@@ -104,6 +104,28 @@ def test_policy_trains_and_rolls_out(demos, pe, modality, tmp_path):
         assert torch.equal(a, b), n
 
 
+def test_relative_targets_are_joint_targets_minus_the_current_position():
+    cfg = AlohaPolicyConfig(action_mode="relative", image_hw=(24, 32), horizon=4, n_action_steps=2,
+                            vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 32, "num_heads": 2},
+                            cond_dim=32, hidden_dim=32, num_blocks=1, num_inference_steps=2)
+    policy = AlohaPolicy(cfg)
+    g = torch.Generator().manual_seed(0)
+    state = torch.randn(6, 14, generator=g)
+    actions = state.unsqueeze(1) + 0.1 * torch.randn(6, 4, 14, generator=g)  # (N, H, 14)
+    rel = policy.chunk_targets(actions, state)
+    torch.testing.assert_close(rel[:, 2], actions[:, 2] - state)
+    torch.testing.assert_close(policy.chunk_to_env(rel, state), actions)
+    policy.fit_normalizers(actions, state)  # the [-1, 1] box spans the offsets, not the absolute targets
+    torch.testing.assert_close(policy.action_norm.normalize(rel).amax((0, 1)), torch.ones(14))
+    # prediction returns absolute targets: offsets within the demos' range, added to the state
+    images = torch.rand(2, 3, 24, 32, generator=g)
+    pred = policy.predict(images, state[:2], torch.Generator().manual_seed(1)) - state[:2].unsqueeze(1)
+    lo, hi = rel.amin((0, 1)), rel.amax((0, 1))
+    assert bool(((pred >= lo - 1e-4) & (pred <= hi + 1e-4)).all())
+    with pytest.raises(ValueError, match="action_mode"):
+        AlohaPolicyConfig(action_mode="velocity")
+
+
 def test_sim_renders_headless_and_steps_joint_targets():
     import ropekit.robot.aloha.sim as sim_module
 

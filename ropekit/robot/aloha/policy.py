@@ -46,8 +46,13 @@ ENCODINGS: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
 @dataclass
 class AlohaPolicyConfig(PolicyConfig):
     """:class:`~ropekit.robot.policy.PolicyConfig` for ALOHA: a rectangular image ``image_hw`` seen through a
-    camera of vertical field of view ``fovy`` degrees (``None``: the scene's), absolute 14-D joint actions, and
-    chunking sized for 50 Hz control (16 predicted, 8 executed)."""
+    camera of vertical field of view ``fovy`` degrees (``None``: the scene's), 14-D joint targets, and chunking
+    sized for 50 Hz control (16 predicted, 8 executed).
+
+    ``action_mode``: ``"absolute"`` predicts the joint targets themselves; ``"relative"`` predicts them minus
+    the current joint positions (each dimension min/max-normalised over the demonstrations either way). The
+    part of a chunk that depends on where the object is (a few hundredths of a radian at the first chunk)
+    is a far larger share of the relative targets' range than of the absolute ones'."""
 
     pe: str = "cayley"
     pe_options: Dict[str, Any] = field(default_factory=dict)
@@ -61,8 +66,8 @@ class AlohaPolicyConfig(PolicyConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.image_hw = (int(self.image_hw[0]), int(self.image_hw[1]))
-        if self.action_mode != "absolute":
-            raise ValueError("ALOHA policies predict absolute joint targets (action_mode='absolute')")
+        if self.action_mode not in ("absolute", "relative"):
+            raise ValueError(f"ALOHA action_mode must be 'absolute' or 'relative', got {self.action_mode!r}")
 
     def vit_config(self) -> ViTConfig:
         return dataclasses.replace(super().vit_config(), image_size=self.image_hw)
@@ -88,7 +93,8 @@ class AlohaPolicy(DiffusionPolicy):
         self.state_norm = Normalizer(ACTION_DIM)
 
     def chunk_targets(self, actions: Tensor, state: Tensor) -> Tensor:
-        return actions
+        """Joint targets ``(B, H, 14)`` -> the policy's targets (minus ``state (B, 14)`` when relative)."""
+        return actions if self.config.action_mode == "absolute" else actions - state.unsqueeze(1)
 
     def loss(self, images: Tensor, state: Tensor, actions: Tensor, noise_samples: int = 1,
              generator: Optional[torch.Generator] = None) -> Tensor:
@@ -99,17 +105,17 @@ class AlohaPolicy(DiffusionPolicy):
         return super().loss(images, state, actions, noise_samples, generator)
 
     def chunk_to_env(self, targets: Tensor, state: Tensor) -> Tensor:
-        return targets
+        return targets if self.config.action_mode == "absolute" else targets + state.unsqueeze(1)
 
     def fit_normalizers(self, actions: Tensor, state: Tensor) -> None:
-        """Min/max of the joint targets ``actions (N, H, 14)`` to ``[-1, 1]``; mean/std of ``state (N, 14)``."""
-        self.action_norm.fit_minmax(actions.reshape(-1, ACTION_DIM))
+        """Min/max of the policy's targets for ``actions (N, H, 14)`` to ``[-1, 1]``; mean/std of ``state (N, 14)``."""
+        self.action_norm.fit_minmax(self.chunk_targets(actions, state).reshape(-1, ACTION_DIM))
         self.state_norm.fit_meanstd(state)
 
     @torch.no_grad()
     def predict(self, images: Tensor, state: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
         """Joint-target chunks ``(B, H, 14)`` (radians; grippers in [0, 1] units)."""
-        return self.action_norm.unnormalize(self.sample(images, state, generator))
+        return self.chunk_to_env(self.action_norm.unnormalize(self.sample(images, state, generator)), state)
 
 
 class AlohaChunks:
