@@ -257,3 +257,10 @@ def test_auxiliary_loss_is_the_weighted_target_regression():
         pred = policy.aux_head(policy.encode(images, state))  # (B, 3), units of 10 cm
     aux = ((pred - torch.tensor([1.0, -2.0, 0.5])) ** 2).mean()
     torch.testing.assert_close(total, base + 0.5 * aux)
+    # aux_position inverts the loss's target: at the head's own estimate the auxiliary term is zero
+    with torch.no_grad():
+        where = policy.aux_position(images, state)  # (B, 3) world metres
+    at_estimate = policy.loss(images, state, actions, generator=torch.Generator().manual_seed(1), object_pos=where)
+    torch.testing.assert_close(at_estimate, base)
+    with pytest.raises(ValueError, match="no auxiliary head"):
+        plain.aux_position(images, state)

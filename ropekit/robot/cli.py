@@ -174,11 +174,10 @@ def _train(args: Any) -> int:
             cfg = PolicyConfig(**{**base.config.to_dict(), "modality": "rgbd", "pe": args.pe,
                                   "depth_scale_init": scale})
         else:
-            cfg = PolicyConfig.from_dict({"modality": args.modality, "pe": args.pe,
-                                  "image_size": int(demos["config"].image_size), "horizon": args.horizon,
-                                  "n_action_steps": args.n_action_steps,
-                                  "depth_scale_init": 1.0 if args.depth_scale_init is None else args.depth_scale_init,
-                                  **extra})
+            cfg = PolicyConfig.from_dict({
+                "modality": args.modality, "pe": args.pe, "image_size": int(demos["config"].image_size),
+                "horizon": args.horizon, "n_action_steps": args.n_action_steps,
+                "depth_scale_init": 1.0 if args.depth_scale_init is None else args.depth_scale_init, **extra})
         policy = DiffusionPolicy(cfg)
         if base is not None:
             init_from_2d(policy, base.state_dict(), depth_scale=cfg.depth_scale_init)

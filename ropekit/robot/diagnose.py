@@ -176,8 +176,7 @@ def chunk_tracking(policy: Any, demos: Mapping[str, Any], steps: Sequence[int] =
                                "corr_y": float(np.corrcoef(p_end[:, 1], e_end[:, 1])[0, 1]),
                                "err_mm": float(np.linalg.norm(p_end - e_end, axis=1).mean() * 1000)}
         if getattr(policy, "aux_head", None) is not None and data.object_pos is not None:
-            with torch.no_grad():
-                where = policy.aux_head(policy.encode(images, state)) * 0.1 + state[:, :3]  # (B, 3) world
+            where = policy.aux_position(images, state)  # (B, 3) world
             truth = data.object_pos[index]
             row["aux_err_mm"] = float((where[:, :2] - truth[:, :2]).norm(dim=-1).mean() * 1000)
             row["aux_corr_x"] = float(np.corrcoef(where[:, 0].numpy(), truth[:, 0].numpy())[0, 1])

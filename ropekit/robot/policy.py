@@ -54,6 +54,7 @@ __all__ = ["PolicyConfig", "Normalizer", "ChunkDenoiser", "DiffusionPolicy", "Po
 ACTION_MODES = ("relative", "absolute")
 MODALITIES = ("image", "rgbd")
 _RGB_MEAN, _RGB_STD = 0.5, 0.25
+_AUX_UNIT_M = 0.1  # the auxiliary head predicts the target's offset from the tip in units of 10 cm
 
 
 @dataclass
@@ -325,7 +326,7 @@ class DiffusionPolicy(nn.Module):
             if object_pos is None:
                 raise ValueError("this policy has an auxiliary loss (aux_weight > 0): pass object_pos (demos "
                                  "recorded with target positions)")
-            rel = (object_pos - state[:, STATE_SLICES["ee_pos"]]) / 0.1  # (B, 3), units of 10 cm
+            rel = (object_pos - state[:, STATE_SLICES["ee_pos"]]) / _AUX_UNIT_M  # (B, 3)
             aux = nn.functional.mse_loss(self.aux_head(cond), rel)
         x0 = self.action_norm.normalize(self.chunk_targets(actions, state))  # (B, H, A)
         if noise_samples > 1:
@@ -334,6 +335,19 @@ class DiffusionPolicy(nn.Module):
         t, x_t, target = self.schedule.training_pair(x0, generator)
         loss = nn.functional.mse_loss(self.denoiser(x_t, t, cond), target)
         return loss if aux is None else loss + self.config.aux_weight * aux
+
+    @torch.no_grad()
+    def aux_position(self, images: Tensor, state: Tensor) -> Tensor:
+        """The auxiliary head's estimate of the target's world position ``(B, 3)`` (metres) from ``images``
+        and raw ``state (B, S)``: the inverse of the auxiliary loss's target.
+
+        Raises:
+            ValueError: the policy has no auxiliary head (``aux_weight == 0``).
+        """
+        if self.aux_head is None:
+            raise ValueError("this policy has no auxiliary head (aux_weight == 0)")
+        rel = self.aux_head(self.encode(images, state))  # (B, 3)
+        return rel * _AUX_UNIT_M + state[:, STATE_SLICES["ee_pos"]]
 
     @torch.no_grad()
     def sample(self, images: Tensor, state: Tensor, generator: Optional[torch.Generator] = None,

@@ -121,10 +121,10 @@ _CONDITIONS = ["in_distribution", "ood_table_height"]
 def _recipe(preset: str) -> Dict[str, Any]:
     if preset == "default":
         # 64x64 camera, 8x8 tokens, 2000 demos, 6000 steps: 2-D policies of this recipe (seed 0, two demo
-        # sets) succeeded in 97 and 79 of 100 in-distribution episodes. Fewer demos over-fit (300 demos: 48 % at 2000 steps, 41 % at
-        # 4000), fewer steps under-fit (2000 demos at 2000 steps: 8 of 50). The depth lift starts at 8 coordinate
-        # units per metre: a patch of 8 px spans ~0.12 m at the table (~0.9 m from the camera, 60 degree field
-        # of view), so z then moves like y and x.
+        # sets) succeeded in 97 and 79 of 100 in-distribution episodes. Fewer demos over-fit (300 demos: 48 % at
+        # 2000 steps, 41 % at 4000), fewer steps under-fit (2000 demos at 2000 steps: 8 of 50). The depth lift
+        # starts at 8 coordinate units per metre: a patch of 8 px spans ~0.12 m at the table (~0.9 m from the
+        # camera, 60 degree field of view), so z then moves like y and x.
         return dict(demos=_demos(episodes=2000), env={},
                     policy=_policy(), train=_train(steps=6000), finetune=dict(steps=800, warmup_steps=50),
                     pe_2d="circulant", pe_3d="circulant", pe_options={"block_size": 16}, arms=list(ARMS),

@@ -164,9 +164,8 @@ class PolicyTask:
                 raise ValueError("the policy has an auxiliary loss, but the demos hold no target positions: "
                                  "collect them again with this version")
             pos = self.data.object_pos[index].to(device)
-        extra = {"object_pos": pos} if pos is not None else {}  # (policies without the head take no positions)
         loss = model.loss(images.to(device), state.to(device), actions.to(device), self.cfg.noise_samples, self.gen,
-                          **extra)
+                          object_pos=pos)
         return loss, {"loss": loss.item(), "count": 1.0}
 
     def after_step(self, step: int) -> None:

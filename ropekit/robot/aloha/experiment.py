@@ -288,7 +288,8 @@ def summary_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
             rows.append({"task": task, "encoding": label, "success": float(np.mean(rates)),
                          "per_seed": rates, "episodes": len(runs[0]["final"]["success"]),
                          "max_reward": float(np.mean([np.mean(r["final"]["max_reward"]) for r in runs])),
-                         "reach_cm": median_cm(gaps), "expert_reach_cm": median_cm(tdoc["expert"].get("reach_gap", [])),
+                         "reach_cm": median_cm(gaps),
+                         "expert_reach_cm": median_cm(tdoc["expert"].get("reach_gap", [])),
                          "expert": tdoc["expert"]["success_rate"], "seconds": sum(r["seconds"] for r in runs)})
     return rows
 

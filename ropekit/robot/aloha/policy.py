@@ -97,12 +97,12 @@ class AlohaPolicy(DiffusionPolicy):
         return actions if self.config.action_mode == "absolute" else actions - state.unsqueeze(1)
 
     def loss(self, images: Tensor, state: Tensor, actions: Tensor, noise_samples: int = 1,
-             generator: Optional[torch.Generator] = None) -> Tensor:
-        """The DDPM loss of :class:`DiffusionPolicy`; a ``generator`` on another device than the batch (the
+             generator: Optional[torch.Generator] = None, object_pos: Optional[Tensor] = None) -> Tensor:
+        """The loss of :class:`DiffusionPolicy`; a ``generator`` on another device than the batch (the
         training loop's CPU generator with a policy on a GPU) is replaced by the device's global RNG."""
         if generator is not None and generator.device != images.device:
             generator = None
-        return super().loss(images, state, actions, noise_samples, generator)
+        return super().loss(images, state, actions, noise_samples, generator, object_pos)
 
     def chunk_to_env(self, targets: Tensor, state: Tensor) -> Tensor:
         return targets if self.config.action_mode == "absolute" else targets + state.unsqueeze(1)
