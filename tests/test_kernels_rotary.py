@@ -276,3 +276,65 @@ def test_per_head_freqs_with_grouped_keys_rejected():
     q, k, coords, freqs, _ = _make(hq=4, hk=2, per_head=True)
     with pytest.raises(ValueError, match="shared freqs"):
         fused_rotary(q, k, coords, freqs, num_prefix_tokens=1)
+
+
+# ----------------------------------------------------------------------------- inside torch.compile
+@pytest.mark.parametrize("dtype,per_head,per_example,pairs,layout", [
+    (torch.float32, True, False, "interleaved", "qkv"),
+    (torch.float32, False, True, "half", "contiguous"),
+    (torch.bfloat16, True, True, "interleaved", "transposed"),
+])
+def test_compiled_keeps_the_kernel_and_matches_the_reference(dtype, per_head, per_example, pairs, layout):
+    """Under torch.compile the rotation is one custom operator in one graph (no graph break, no PyTorch fallback),
+    and its outputs and the gradients of q, k and freqs match the float64 reference."""
+    from ropekit.kernels import compile_supported
+
+    q, k, coords, freqs, _ = _make(dtype=dtype, per_head=per_head, per_example=per_example, layout=layout)
+    coords = coords.detach()  # attention's coordinates carry no gradient: the case compile supports
+    assert compile_supported(q, k, coords, freqs, None)
+    graphs = []
+
+    def backend(gm, example_inputs):  # records each graph's ops, then runs it as it is (CPU: no C++ build)
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    fn = torch.compile(lambda a, b, w: fused_rotary(a, b, coords, w, num_prefix_tokens=1, pairs=pairs),
+                       backend=backend, fullgraph=True)
+    qo, ko = fn(q, k, freqs)
+    assert len(graphs) == 1 and any("rotary_qk" in op for op in graphs[0])
+    assert not any("cos" in op or "sin" in op for op in graphs[0])  # not the PyTorch path
+    rq, rk, rf = (t.detach().double().requires_grad_() for t in (q, k, freqs))
+    eq, ek = reference(rq, rk, coords.double(), rf, None, 1, pairs)
+    tol = TOL[dtype]
+    assert qo.dtype == dtype and ko.dtype == dtype
+    assert _rel(qo.detach(), eq.detach()) < tol and _rel(ko.detach(), ek.detach()) < tol
+    g = torch.Generator().manual_seed(7)
+    gq, gk = (torch.randn(t.shape, generator=g).to(DEVICE, dtype) for t in (qo, ko))
+    got = torch.autograd.grad([qo, ko], [q, k, freqs], [gq, gk])
+    want = torch.autograd.grad([eq, ek], [rq, rk, rf], [gq.double(), gk.double()])
+    for a, b, name in zip(got, want, ("q", "k", "freqs")):
+        assert _rel(a, b) < (tol if name != "freqs" else max(tol, 1e-5)), name
+
+
+def test_compiled_attention_path_uses_the_kernel():
+    """``apply_frequency_rope`` (what every folded encoding in ``ropekit.nn`` calls) takes the kernel inside
+    torch.compile for q and k together, and the PyTorch path for a call the kernel cannot trace (coordinates that
+    need a gradient)."""
+    from ropekit.encodings.functional import apply_frequency_rope
+
+    q, k, coords, freqs, _ = _make(per_head=True)
+    for c, expect in ((coords.detach(), True), (coords, False)):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+            return gm.forward
+
+        torch._dynamo.reset()
+        fn = torch.compile(lambda a, b, w: apply_frequency_rope(a, b, c, w, num_prefix_tokens=1), backend=backend,
+                           fullgraph=True)
+        qo, ko = fn(q, k, freqs)
+        assert any("rotary_qk" in op for op in graphs[0]) == expect
+        want = reference(q.detach().double(), k.detach().double(), c.detach().double(), freqs.detach().double(),
+                         None, 1, "interleaved")
+        assert _rel(qo.detach(), want[0]) < 2e-6 and _rel(ko.detach(), want[1]) < 2e-6

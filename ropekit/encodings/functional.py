@@ -419,7 +419,9 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         ValueError: shapes that do not fit together.
     """
     f = _check_rope_args(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
-    kernel = _fused_kernel(q.device)
+    traceable = (k is not None and k_coords is None and not coords.requires_grad
+                 and torch.float64 not in (q.dtype, k.dtype, coords.dtype, freqs.dtype))  # kernels.compile_supported
+    kernel = _fused_kernel(q.device, traceable)
     if kernel is not None:
         return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
     dtype = torch.float64 if torch.float64 in (q.dtype, coords.dtype, freqs.dtype) else torch.float32
@@ -435,12 +437,14 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
 _KERNELS: list = []  # the imported ropekit.kernels module, or None when absent (looked up once)
 
 
-def _fused_kernel(device: torch.device):
+def _fused_kernel(device: torch.device, traceable: bool = False):
     """``ropekit.kernels.fused_rotary`` if that optional package is present and usable on ``device``, else None.
 
     The package is imported lazily (it is merged separately and needs Triton), once; a failing ``available``
     check falls back to the PyTorch path. On the CPU only Triton's interpreter runs it (tests): there the answer
-    is None at once, without importing anything.
+    is None at once, without importing anything. Inside ``torch.compile`` the kernel is returned only for a call
+    that ``kernels.compile_supported`` accepts (the caller says so with ``traceable``): it then runs as a custom
+    operator that Inductor keeps.
     """
     if torch.device(device).type == "cpu" and not _interpreting():
         return None
@@ -451,7 +455,7 @@ def _fused_kernel(device: torch.device):
             kernels = None
         _KERNELS.append(kernels)
     kernels = _KERNELS[0]
-    if kernels is None or _is_compiling():
+    if kernels is None or (_is_compiling() and not traceable):
         return None
     try:
         ok = kernels.available(device)

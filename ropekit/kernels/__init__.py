@@ -8,6 +8,6 @@
 Importing this package does not import Triton; the kernels are compiled on first use.
 """
 
-from .rotary import available, fused_rotary
+from .rotary import available, compile_supported, fused_rotary
 
-__all__ = ["available", "fused_rotary"]
+__all__ = ["available", "compile_supported", "fused_rotary"]

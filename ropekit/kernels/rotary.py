@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-__all__ = ["available", "fused_rotary"]
+__all__ = ["available", "compile_supported", "fused_rotary"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MODULE = "ropekit.kernels._rotary_triton"
@@ -288,6 +288,76 @@ class _FusedRotary(torch.autograd.Function):
                 g_coords, g_freqs, g_kc, None, None)
 
 
+# ----------------------------------------------------------------------------- the same kernel inside torch.compile
+# Dynamo cannot trace a Triton launch wrapped in an autograd.Function, so under torch.compile the rotation is
+# exposed as two PyTorch custom operators (forward; backward), opaque to Inductor: the compiled graph keeps the
+# fused kernel instead of falling back to the PyTorch path (which Inductor fuses far less well: ViT-B steps 1.2-1.8x
+# the absolute-embedding model on an H100). They cover the case attention needs -- q and k together, coordinates
+# shared by q and k and without a gradient, fp32/bf16/fp16 -- see :func:`compile_supported`.
+
+@torch.library.custom_op("ropekit::rotary_qk", mutates_args=())
+def _rotary_qk(q: Tensor, k: Tensor, r: Tensor, w: Tensor, prefix: int, half: bool) -> Tuple[Tensor, Tensor]:
+    """``(q_out, k_out)``: q and k rotated by ``r . w`` (``r``: contiguous fp32 ``(Bc, M, c)``; ``w``: contiguous
+    fp32 ``(Hf, c, P)``), in the inputs' dtypes and layouts."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    _launch(q, q_out, q, r, k, k_out, k, r, w, prefix, half, 1.0, False, False)
+    return q_out, k_out
+
+
+@_rotary_qk.register_fake
+def _rotary_qk_fake(q: Tensor, k: Tensor, r: Tensor, w: Tensor, prefix: int, half: bool) -> Tuple[Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.custom_op("ropekit::rotary_qk_backward", mutates_args=())
+def _rotary_qk_backward(g_q: Tensor, g_k: Tensor, o_q: Tensor, o_k: Tensor, r: Tensor, w: Tensor, prefix: int,
+                        half: bool, need_freq: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(g_q_in, g_k_in, g_w)``: the inverse rotation of the output gradients and, with ``need_freq``, the
+    frequency gradient ``(Hf, c, P)`` from the saved outputs ``o_q``, ``o_k`` (zeros without)."""
+    gq_in, gk_in = torch.empty_like(g_q), torch.empty_like(g_k)
+    g_w, _, _ = _launch(g_q, gq_in, o_q, r, g_k, gk_in, o_k, r, w, prefix, half, -1.0, need_freq, False)
+    return gq_in, gk_in, (g_w if need_freq else torch.zeros_like(w))
+
+
+@_rotary_qk_backward.register_fake
+def _rotary_qk_backward_fake(g_q: Tensor, g_k: Tensor, o_q: Tensor, o_k: Tensor, r: Tensor, w: Tensor,
+                             prefix: int, half: bool, need_freq: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(g_q), torch.empty_like(g_k), torch.empty_like(w)
+
+
+def _rotary_qk_setup(ctx, inputs, output) -> None:
+    q, k, r, w, prefix, half = inputs
+    ctx.prefix, ctx.half, ctx.need_freq = prefix, half, w.requires_grad
+    ctx.save_for_backward(r, w, *(output if w.requires_grad else ()))  # outputs: the angles' gradient needs them
+
+
+def _rotary_qk_grad(ctx, g_q: Tensor, g_k: Tensor):
+    r, w, *outs = ctx.saved_tensors
+    o_q, o_k = outs if outs else (g_q, g_k)
+    gq_in, gk_in, g_w = _rotary_qk_backward(g_q, g_k, o_q, o_k, r, w, ctx.prefix, ctx.half, ctx.need_freq)
+    return gq_in, gk_in, None, (g_w if ctx.need_freq else None), None, None
+
+
+_rotary_qk.register_autograd(_rotary_qk_grad, setup_context=_rotary_qk_setup)
+
+
+def compile_supported(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor,
+                      k_coords: Optional[Tensor]) -> bool:
+    """Whether :func:`fused_rotary` can run inside ``torch.compile`` for these arguments (else the caller takes
+    its PyTorch path): q and k together, keys on the queries' coordinates, no coordinate gradient, no float64."""
+    return (k is not None and k_coords is None and not coords.requires_grad
+            and torch.float64 not in (q.dtype, k.dtype, freqs.dtype, coords.dtype))
+
+
+def _compiled_rotary(q: Tensor, k: Tensor, coords: Tensor, freqs: Tensor, prefix: int,
+                     half: bool) -> Tuple[Tensor, Tensor]:
+    r = coords.detach().to(torch.float32)
+    r = (r.unsqueeze(0) if r.dim() == 2 else r).contiguous()  # (Bc, M, c)
+    w = freqs.to(torch.float32)
+    w = (w.unsqueeze(0) if w.dim() == 2 else w).contiguous()  # (Hf, c, P), differentiable in freqs
+    return _rotary_qk(q, k, r, w, prefix, half)
+
+
 def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, *, k_coords: Optional[Tensor] = None,
                  num_prefix_tokens: int = 0, pairs: str = "interleaved") -> Tuple[Tensor, Optional[Tensor]]:
     """Rotate ``q`` and ``k`` by the angles ``coords . freqs`` in one fused launch; differentiable in all four.
@@ -316,6 +386,11 @@ def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, 
             tensor without ``TRITON_INTERPRET=1``).
     """
     _validate(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
+    if torch.compiler.is_compiling():
+        if not compile_supported(q, k, coords, freqs, k_coords):
+            raise ValueError("inside torch.compile the fused rotation needs q and k together on shared coordinates "
+                             "without a coordinate gradient, in fp32/bf16/fp16 (see compile_supported)")
+        return _compiled_rotary(q, k, coords, freqs, int(num_prefix_tokens), pairs == "half")
     if not available(q.device):
         raise ValueError(f"the fused rotation kernel cannot run on {q.device} (CUDA with Triton, or the CPU with "
                          "TRITON_INTERPRET=1)")
