@@ -53,6 +53,8 @@ CONDITIONS = ("in_distribution", "ood_table_height", "ood_large_distractors", "o
 PathLike = Union[str, Path]
 LABELS = {"2d": "2-D (RGB)", "2d_ft": "2-D (RGB), fine-tuned", "3d": "3-D STRING (RGB-D), from 2-D",
           "3d_scratch": "3-D STRING (RGB-D), from scratch"}
+#: One colour per policy, the same in every plot.
+COLOURS = {arm: f"C{i}" for i, arm in enumerate(LABELS)}
 
 
 @dataclass
@@ -498,7 +500,7 @@ def _plot_success(path: Path, agg: Sequence[Mapping[str, Any]], policies: List[s
         rates = np.array([table[p, c]["success_rate"] for c in conditions])
         lo = rates - np.array([table[p, c]["ci95_low"] for c in conditions])
         hi = np.array([table[p, c]["ci95_high"] for c in conditions]) - rates
-        ax.bar(xs, rates, width, yerr=[lo, hi], capsize=3, label=LABELS.get(p, p))
+        ax.bar(xs, rates, width, yerr=[lo, hi], capsize=3, label=LABELS.get(p, p), color=COLOURS.get(p))
         for xi, c in zip(xs, conditions):  # one dot per training seed
             sr = table[p, c]["seed_rates"]
             ax.plot([xi] * len(sr), sr, "o", ms=3, color="black", alpha=0.6)
@@ -520,7 +522,6 @@ def _plot_training(path: Path, runs: Mapping[Tuple[str, int], Path]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    colours = {arm: f"C{i}" for i, arm in enumerate(LABELS)}
     curves: Dict[Tuple[str, int], List[Dict[str, float]]] = {}
     for key, folder in runs.items():
         if (folder / "metrics.csv").exists():
@@ -530,7 +531,7 @@ def _plot_training(path: Path, runs: Mapping[Tuple[str, int], Path]) -> None:
     for (arm, seed), data in curves.items():
         base = curves.get(("2d", seed)) if arm in ("3d", "2d_ft") else None  # fine-tunings go on from their 2-D run
         offset = int(base[-1]["step"]) if base else 0
-        ax.plot([offset + d["step"] for d in data], [d["loss"] for d in data], color=colours.get(arm), lw=1,
+        ax.plot([offset + d["step"] for d in data], [d["loss"] for d in data], color=COLOURS.get(arm), lw=1,
                 alpha=0.8, label=None if arm in seen else LABELS.get(arm, arm))
         seen.add(arm)
     ax.set_xlabel("optimiser step (fine-tunings start where their 2-D policy ended)")
