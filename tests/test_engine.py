@@ -178,7 +178,7 @@ class _StopAfter(TinyDemos):
         return super().batch(index)
 
 
-def test_policy_resume_after_ctrl_c_is_bit_exact(tmp_path):
+def test_policy_resume_after_ctrl_c_is_bit_exact(tmp_path, ctrl_c_delivered):
     cfg = PolicyTrainConfig(steps=5, batch_size=4, warmup_steps=1, log_every=2, ema_decay=0.9, shift=2)
     torch.manual_seed(0)
     full = tiny_policy()

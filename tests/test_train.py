@@ -81,7 +81,7 @@ def test_evaluate_run_offsets_and_resolution(run_dir):
 # ------------------------------------------------------------------------------------------------ resume
 
 
-def test_resume_after_ctrl_c_equals_an_uninterrupted_run(tmp_path):
+def test_resume_after_ctrl_c_equals_an_uninterrupted_run(tmp_path, ctrl_c_delivered):
     """Ctrl-C mid-epoch saves a checkpoint; --resume continues to bit-identical weights and metrics."""
     kw = dict(jitter=0.5, augment_shift=1, model_options=dict(TINY, drop_path_rate=0.2))  # every RNG consumer
     full = train(tiny_cfg(tmp_path / "full", **kw), quiet=True)
