@@ -338,3 +338,34 @@ def test_compiled_attention_path_uses_the_kernel():
         want = reference(q.detach().double(), k.detach().double(), c.detach().double(), freqs.detach().double(),
                          None, 1, "interleaved")
         assert _rel(qo.detach(), want[0]) < 2e-6 and _rel(ko.detach(), want[1]) < 2e-6
+
+
+@pytest.mark.parametrize("name,per_example", [("axial", False), ("mixed", True)])
+def test_compiled_rope_module_keeps_the_kernel(name, per_example):
+    """``pe(q, k, coords)`` of a RoPE module inside torch.compile (a user's own attention): q and k go through the
+    kernel's custom operator, and values and gradients (q, k, frequencies) equal the eager module's."""
+    from ropekit import create_pe
+
+    torch.manual_seed(0)
+    c = 3 if per_example else 2
+    pe = create_pe(name, head_dim=8, coord_dim=c, num_heads=2).to(DEVICE)
+    q, k, _, _, _ = _make(d=8)
+    coords = torch.randn((2, 4, c) if per_example else (4, c)).to(DEVICE) * 3
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b: pe(a, b, coords, num_prefix_tokens=1), backend=backend, fullgraph=True)
+    qo, ko = fn(q, k)
+    assert len(graphs) == 1 and any("rotary_qk" in op for op in graphs[0])
+    params = [p for p in pe.parameters() if p.requires_grad]
+    got = torch.autograd.grad((qo * qo.detach()).sum() + ko.sum(), [q, k, *params])
+    qe, ke = pe(q, k, coords, num_prefix_tokens=1)  # eager: the kernel called directly
+    want = torch.autograd.grad((qe * qe.detach()).sum() + ke.sum(), [q, k, *params])
+    torch.testing.assert_close(qo, qe, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ko, ke, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

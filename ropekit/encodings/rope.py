@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from .base import PEState, PositionEncoding
-from .functional import (_angle_table, _fused_kernel, axial_frequencies, frequency_angles, mixed_frequencies, pair_generators,
-                         rope_cos_sin, rotate_angles)
+from .functional import (_angle_table, _fused_kernel, apply_frequency_rope, axial_frequencies, frequency_angles,
+                         mixed_frequencies, pair_generators, rope_cos_sin, rotate_angles)
 
 __all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute"]
 
@@ -46,6 +46,16 @@ class NoPE(PositionEncoding):
 
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _rotate(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, **kw) -> tuple[Tensor, Tensor | None]:
+    """The fused kernel on a prepared :class:`_KernelState`: called directly in eager mode; inside
+    ``torch.compile`` through ``apply_frequency_rope``, which keeps the kernel (as a custom operator) where it
+    can be traced -- q and k together -- and takes the PyTorch rotation otherwise."""
+    kernel = _fused_kernel(q.device)
+    if kernel is not None:
+        return kernel(q, k, coords, freqs, **kw)
+    return apply_frequency_rope(q, k, coords, freqs, **kw)
 
 
 class _KernelState(NamedTuple):
@@ -87,7 +97,7 @@ class FrequencyRoPE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
             return rope_cos_sin(coords, self.freqs, dtype)
-        if _fused_kernel(coords.device) is not None:
+        if _fused_kernel(coords.device, traceable=not coords.requires_grad) is not None:  # (compiled: see _rotate)
             return _KernelState(coords, self.freqs)  # the fused kernel forms the angles itself
         return _angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
 
@@ -103,8 +113,7 @@ class FrequencyRoPE(PositionEncoding):
         if not self._kernel_direct(x, data, dtype):
             return super()._encode(x, data, num_prefix_tokens, dtype)
         freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
-        return _fused_kernel(x.device)(x, None, data.coords, freqs, num_prefix_tokens=num_prefix_tokens,
-                                       pairs=self.pairs)[0]
+        return _rotate(x, None, data.coords, freqs, num_prefix_tokens=num_prefix_tokens, pairs=self.pairs)[0]
 
     def apply(self, q: Tensor, k: Tensor | None, state: PEState) -> tuple[Tensor, Tensor | None]:
         """As ``PositionEncoding.apply``; where the fused kernel runs, q and k go through one launch in their
@@ -115,15 +124,14 @@ class FrequencyRoPE(PositionEncoding):
         qb, kb = self._checked_bhnd(q, state, "q"), self._checked_bhnd(k, state, "k")
         data = state.q
         freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
-        q_out, k_out = _fused_kernel(qb.device)(qb, kb, data.coords, freqs,
-                                                k_coords=state.k.coords if state.separate_k else None,
-                                                num_prefix_tokens=state.num_prefix_tokens, pairs=self.pairs)
+        q_out, k_out = _rotate(qb, kb, data.coords, freqs, k_coords=state.k.coords if state.separate_k else None,
+                               num_prefix_tokens=state.num_prefix_tokens, pairs=self.pairs)
         return self._from_bhnd(q_out), self._from_bhnd(k_out)
 
     def _transform(self, x: Tensor, state) -> Tensor:
         if isinstance(state, _KernelState):
             freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, P) shared or (H, c, P)
-            return _fused_kernel(x.device)(x, None, state.coords, freqs, pairs=self.pairs)[0]
+            return _rotate(x, None, state.coords, freqs, pairs=self.pairs)[0]
         theta, cos, sin = state
         return rotate_angles(x, theta, cos, sin, self.pairs)
 
