@@ -62,6 +62,12 @@ def test_bad_vit_mode():
         run_bench(_tiny(rows=("none",), cases=("grid2d",), vit_modes=("fast",)), log=lambda s: None)
 
 
+def test_bad_compile_mode():
+    with pytest.raises(ValueError, match="compile_mode must be one of"):
+        run_bench(_tiny(rows=("none",), cases=("grid2d",), vit=("tiny",), vit_modes=("compiled",),
+                        compile_mode="fastest"), log=lambda s: None)
+
+
 def _args(argv):
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -76,7 +82,11 @@ def test_cuda_config_from_cli():
                                   "--vit-pes", "axial"]))
     assert cfg.vit_batch == 32 and not cfg.compile and not cfg.timm and cfg.batch == 8 and cfg.vit_pes == ("axial",)
     cfg = config_from_args(_args(["--device", "cuda", "--vit-modes", "compiled"]))
-    assert cfg.vit_modes == ("compiled",)
+    assert cfg.vit_modes == ("compiled",) and cfg.compile_mode == "default"
+    cfg = config_from_args(_args(["--device", "cuda", "--vit-modes", "compiled", "--compile-mode", "reduce-overhead"]))
+    assert cfg.compile_mode == "reduce-overhead"
+    with pytest.raises(SystemExit):
+        _args(["--compile-mode", "fastest"])
     cpu = config_from_args(_args([]))
     assert not cpu.on_gpu and cpu.dtype == "fp32" and cpu.batch == 8 and not cpu.compile
 

@@ -137,6 +137,8 @@ VIT_PES_GPU = ("none", "axial", "mixed", "cayley", "circulant", "comrope-ld", "l
 #: Options of the encodings in the training-step table (the same blocks as the encoding table).
 VIT_PE_OPTIONS: Dict[str, Dict[str, Any]] = {"comrope-ld": {"block_size": 8}, "comrope-ap": {"block_size": 8}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``torch.compile`` modes of the compiled training-step table.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 @dataclass
@@ -167,6 +169,7 @@ class BenchConfig:
     dtype: str = "fp32"  # q/k dtype and autocast dtype ("fp32": no autocast)
     vit_batch: Optional[int] = None  # batch of the ViT steps (None: 32 tiny, 8 base on the CPU; 128 base on a GPU)
     compile: bool = False  # also the training-step table under torch.compile
+    compile_mode: str = "default"  # torch.compile's mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune"
     vit_modes: Optional[Tuple[str, ...]] = None  # "eager" and/or "compiled"; None: eager (+ compiled if compile)
     timm: bool = True  # timm's vit_base_patch16_224 row (base size only)
 
@@ -659,7 +662,7 @@ def _train_step(model: nn.Module, size: str, cfg: BenchConfig, compiled: bool) -
     x = torch.randn(batch, chans, image, image, generator=g).to(dev)
     y = torch.randint(0, 10, (batch,), generator=g).to(dev)
     dt = cfg.torch_dtype
-    fwd = torch.compile(model) if compiled else model
+    fwd = torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode) if compiled else model
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -708,8 +711,9 @@ def _bench_vit(size: str, cfg: BenchConfig, log: Callable[[str], None], compiled
         rows.append((f"timm {TIMM_MODELS[size]}", lambda: _timm_step(size, cfg, compiled)))
     for label, make in rows:
         rec: Dict[str, Any] = {"kind": "vit", "label": label, "pe": label, "case": f"vit-{size}", "size": size,
-                               "mode": mode, "batch": batch, "image_size": image, "patch_size": patch,
-                               "tokens": (image // patch) ** 2, "dtype": cfg.dtype}
+                               "mode": mode, "compile_mode": cfg.compile_mode if compiled else None, "batch": batch,
+                               "image_size": image, "patch_size": patch, "tokens": (image // patch) ** 2,
+                               "dtype": cfg.dtype}
         try:
             step = make()
             t0 = time.perf_counter()
@@ -757,6 +761,12 @@ def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = pr
     cfg.torch_dtype  # validates the name
     if cfg.on_gpu and not torch.cuda.is_available():
         raise ValueError(f"device {cfg.device!r} requested but CUDA is not available")
+    modes = cfg.vit_modes or (("eager", "compiled") if cfg.compile else ("eager",))
+    for mode in modes:  # checked before anything is measured
+        if mode not in ("eager", "compiled"):
+            raise ValueError(f"ViT modes are 'eager' and 'compiled', got {mode!r}")
+    if cfg.compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {cfg.compile_mode!r}")
     old_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     info = machine_info()
@@ -773,15 +783,12 @@ def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = pr
                 _stamp(records[-1:], cfg, info)
                 if on_record:
                     on_record(records)
-        modes = cfg.vit_modes or (("eager", "compiled") if cfg.compile else ("eager",))
-        for mode in modes:
-            if mode not in ("eager", "compiled"):
-                raise ValueError(f"ViT modes are 'eager' and 'compiled', got {mode!r}")
         for size in cfg.vit:
             for mode in modes:
                 compiled = mode == "compiled"
                 log(f"[vit-{size}] training step, batch {_vit_batch(size, cfg)}, {cfg.dtype}"
-                    + (", torch.compile" if compiled else ""))
+                    + ((", torch.compile" + ("" if cfg.compile_mode == "default" else f" (mode={cfg.compile_mode})"))
+                       if compiled else ""))
                 recs = _bench_vit(size, cfg, log, compiled)
                 _stamp(recs, cfg, info)
                 records.extend(recs)

@@ -28,6 +28,12 @@ def _case_title(case: str, rec: Dict[str, Any]) -> str:
             f"{dtype}, {what}")
 
 
+def _compile_mode_note(vit: List[Dict[str, Any]]) -> str:
+    """`` in mode=...`` when the compiled rows used a torch.compile mode other than the default."""
+    modes = {r.get("compile_mode") for r in vit if r.get("mode") == "compiled"} - {None, "default"}
+    return f" in mode={', '.join(sorted(modes))}" if modes else ""
+
+
 def _on_gpu(records: List[Dict[str, Any]]) -> bool:
     return any(str(r.get("device", "cpu")).startswith("cuda") for r in records)
 
@@ -213,7 +219,8 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
         extra = (f", {dtype} autocast" if dtype != "fp32" else "") + (", fused AdamW" if _on_gpu(records) else "")
         lines += ["### Training step of the ViT (forward, loss, backward, AdamW) against the absolute-embedding ViT",
                   "", f"{desc}{extra}. The absolute-embedding step is timed in alternation with each row's (for "
-                  "`compiled`, both models under torch.compile); a timm row is timm's model of the same shape "
+                  f"`compiled`, both models under torch.compile{_compile_mode_note(vit)}); a timm row is timm's "
+                  "model of the same shape "
                   "against ropekit's absolute-embedding ViT.", "",
                   f"| encoding | {head} |", "|---|" + "---:|---:|" * len(cols)]
         for pe in dict.fromkeys(r["pe"] for r in vit):
