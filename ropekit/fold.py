@@ -41,22 +41,25 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .encodings import PositionEncoding
-from .encodings.functional import _block_diag, apply_frequency_rope, basis_change, precise_matmul, skew_real_schur
+from .encodings.cayley import CayleySTRING
+from .encodings.functional import (_block_diag, apply_frequency_rope, basis_change, cayley_transform, precise_matmul,
+                                   skew_real_schur)
 
 from .encodings.circulant import CirculantSTRING
 from .encodings.comrope import _ComRoPE
 from .encodings.liere import LieRE
 from .encodings.relaxed import RelaxedSTRING
 from .encodings.rope import FrequencyRoPE, NoPE
+from .encodings.skew import free_to_skew
 from .encodings.string import GeneralSTRING
 
-__all__ = ["to_rope", "rope_form", "RoPEForm", "foldable_kind", "FoldedRoPE", "fold_pe", "fold", "is_foldable",
+__all__ = ["to_rope", "rope_form", "rope_forms", "RoPEForm", "foldable_kind", "FoldedRoPE", "fold_pe", "fold", "is_foldable",
            "fold_qkv_weight", "frequency_rope"]
 
 
@@ -227,10 +230,8 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
         if isinstance(pe, FoldedRoPE) and pe.prefix_matrix is not None:
             prefix = pe.prefix_matrix
         return RoPEForm(None, freqs, prefix, getattr(pe, "pairs", "interleaved"))
-    if kind == "post":  # R(r) = RoPE(r) P exactly, R(0) = P: T = P P^T P^T = P^T, no product needed
-        basis = pe.post_rotation_matrix()[:hp]  # one solve per forward pass, shared by the basis and T
-        prefix = basis.transpose(-1, -2)
-        return RoPEForm(_half_pairs_basis(pe, basis), pe.freqs[:hp], prefix)
+    if kind == "post":  # one solve per forward pass, shared by the basis and T
+        return _post_form(pe, pe.post_rotation_matrix()[:hp])
     if kind == "fixed":  # constant basis, frequencies linear in the parameters: no generator is built
         basis = _real_dft_basis(pe.head_dim, pe.block_size, pe.circ_params.device, pe.circ_params.dtype)
         lam = pe.mode_frequencies().flatten(-2)[:hp]  # (Hp, c, nb * u): the rotating pairs, block by block
@@ -252,6 +253,41 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
         post = post[:hp]
         prefix = precise_matmul(precise_matmul(basis, post.transpose(-1, -2)), basis.transpose(-1, -2))
     return RoPEForm(_half_pairs_basis(pe, basis), freqs, prefix)
+
+
+def _post_form(pe: PositionEncoding, basis: Tensor) -> RoPEForm:
+    """The RoPE form of an encoding ``R(r) = RoPE(r) P`` from its ``P`` ``(Hp, d, d)``: ``R(0) = P``, so the prefix
+    transform is ``T = P P^T P^T = P^T`` (no product needed)."""
+    hp = pe.param_heads
+    return RoPEForm(_half_pairs_basis(pe, basis), pe.freqs[:hp], basis.transpose(-1, -2))
+
+
+def rope_forms(pes: Sequence[PositionEncoding]) -> List[RoPEForm]:
+    """:func:`rope_form` of several encodings at once, e.g. the per-layer encodings of one model.
+
+    Cayley-STRING encodings of one configuration (size, band, parameter heads, dtype, device) get their bases from
+    one batched solve over all of them instead of one solve per encoding -- on a GPU, where each small operation
+    is a launch, that removes the per-layer preparation's launches but one. Every other encoding is written by
+    :func:`rope_form`. Values and gradients are :func:`rope_form`'s (each matrix is solved as it would be alone).
+
+    Raises:
+        ValueError: as :func:`rope_form`, for an encoding that has no RoPE form.
+    """
+    forms: List[Optional[RoPEForm]] = [None] * len(pes)
+    groups: Dict[tuple, List[int]] = {}
+    for i, pe in enumerate(pes):
+        if isinstance(pe, CayleySTRING) and foldable_kind(pe) == "post":
+            p = pe.cayley_params
+            groups.setdefault((pe.head_dim, pe.band, tuple(p.shape), p.dtype, p.device), []).append(i)
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        first = pes[idx[0]]
+        params = torch.stack([pes[i].cayley_params for i in idx])  # (L, Hp, F)
+        bases = cayley_transform(free_to_skew(params, first.head_dim, first.band))  # (L, Hp, d, d), one solve
+        for i, basis in zip(idx, bases.unbind(0)):
+            forms[i] = _post_form(pes[i], basis)
+    return [form if form is not None else rope_form(pe) for form, pe in zip(forms, pes)]
 
 
 def _half_pairs_basis(pe: PositionEncoding, basis: Tensor) -> Tensor:

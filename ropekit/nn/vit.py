@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..encodings import PositionEncoding, create_pe, list_pes
+from ..fold import rope_forms
 from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
 from .depth import DepthLift, valid_depth_mask
@@ -515,16 +516,22 @@ class VisionTransformer(nn.Module):
     def prepare_encodings(self, coords: Optional[Tensor], num_prefix_tokens: int = 0,
                           dtype: Optional[torch.dtype] = None) -> Dict[int, PreparedPE]:
         """The state of every encoding held by more than one layer, computed once for this forward pass (the
-        folded basis and frequencies, or the encoding's prepared angles), keyed by ``id(encoding)``. Encodings
-        of a single layer are prepared by that layer."""
+        folded basis and frequencies, or the encoding's prepared angles), keyed by ``id(encoding)``. The folded
+        forms of single-layer encodings are computed here together (``fold.rope_forms``: the per-layer Cayley
+        bases in one batched solve); other single-layer encodings are prepared by their layer."""
         if coords is None:
             return {}
         owners: Dict[int, List[Attention]] = {}
         for blk in self.blocks:
             if blk.attn.pe is not None:
                 owners.setdefault(id(blk.attn.pe), []).append(blk.attn)
-        return {key: layers[0].prepare(coords, num_prefix_tokens, dtype)
-                for key, layers in owners.items() if len(layers) > 1}
+        states = {key: layers[0].prepare(coords, num_prefix_tokens, dtype)
+                  for key, layers in owners.items() if len(layers) > 1}
+        folding = [layers[0] for layers in owners.values() if len(layers) == 1 and layers[0].folds]
+        if len(folding) > 1:
+            for attn, form in zip(folding, rope_forms([a.pe for a in folding])):
+                states[id(attn.pe)] = PreparedPE("fold", attn.pe, form)
+        return states
 
     def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool ``(B, N, D)`` features (CLS token, or the mean of the patch tokens) and classify: ``(B, K)``."""

@@ -1,0 +1,71 @@
+"""Per-layer Cayley-STRING bases are solved together once per forward (``fold.rope_forms``): the model's outputs
+and every gradient are bit for bit those of solving each layer's basis alone, and only one solve runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import ropekit.fold as fold_mod
+import ropekit.nn.vit as vit_mod
+from ropekit.fold import rope_form, rope_forms
+from ropekit.nn import VisionTransformer, vit_config
+
+
+def _model(pe: str = "cayley") -> VisionTransformer:
+    torch.manual_seed(0)
+    m = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=3, image_size=(16, 16), patch_size=4, pe=pe,
+                                     depth=3))
+    with torch.no_grad():  # non-trivial parameters in every layer
+        for blk in m.blocks:
+            for p in blk.attn.pe.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+    return m
+
+
+def _run(m: VisionTransformer):
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    out = m(x)
+    grads = torch.autograd.grad(out.square().sum(), [p for p in m.parameters()])
+    return out, grads
+
+
+@pytest.mark.parametrize("pe", ["cayley", "circulant", "mixed"])
+def test_batched_bases_equal_per_layer_bases_bit_for_bit(pe, monkeypatch):
+    """Also for the other per-layer encodings, whose forms are now computed before the blocks run."""
+    m = _model(pe)
+    assert all(blk.attn.folds for blk in m.blocks) and len({id(b.attn.pe) for b in m.blocks}) == 3
+    out, grads = _run(m)
+    monkeypatch.setattr(vit_mod, "rope_forms", lambda pes: [rope_form(pe) for pe in pes])  # one solve per layer
+    ref_out, ref_grads = _run(m)
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_one_solve_per_forward():
+    m = _model()
+    x = torch.randn(2, 3, 16, 16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        m(x)
+    solves = [e for e in prof.events() if e.name == "aten::linalg_solve_ex"]
+    assert len(solves) == 1
+
+
+def test_rope_forms_mixes_kinds():
+    """Cayley encodings of one configuration are batched (the first and the last here); other kinds, and a Cayley of
+    another configuration, are written one by one; the forms come back in the order given."""
+    from ropekit import create_pe
+
+    torch.manual_seed(0)
+    pes = [create_pe("cayley", head_dim=8, coord_dim=2, num_heads=2),
+           create_pe("axial", head_dim=8, coord_dim=2, num_heads=2),
+           create_pe("cayley", head_dim=8, coord_dim=2, num_heads=2, band=2),
+           create_pe("cayley", head_dim=8, coord_dim=2, num_heads=2)]
+    with torch.no_grad():
+        for pe in (pes[0], pes[2], pes[3]):
+            pe.cayley_params.normal_(0, 0.5)
+    for got, pe in zip(rope_forms(pes), pes):
+        for a, b in zip(got, rope_form(pe)):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert fold_mod.rope_forms([]) == []
