@@ -279,6 +279,18 @@ def test_per_head_freqs_with_grouped_keys_rejected():
 
 
 # ----------------------------------------------------------------------------- inside torch.compile
+def _recording_backend():
+    """A torch.compile backend that records each graph's called ops and runs the graph as it is (no C++ build on
+    the CPU); returns ``(backend, graphs)``."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    return backend, graphs
+
+
 @pytest.mark.parametrize("dtype,per_head,per_example,pairs,layout", [
     (torch.float32, True, False, "interleaved", "qkv"),
     (torch.float32, False, True, "half", "contiguous"),
@@ -292,11 +304,7 @@ def test_compiled_keeps_the_kernel_and_matches_the_reference(dtype, per_head, pe
     q, k, coords, freqs, _ = _make(dtype=dtype, per_head=per_head, per_example=per_example, layout=layout)
     coords = coords.detach()  # attention's coordinates carry no gradient: the case compile supports
     assert compile_supported(q, k, coords, freqs, None)
-    graphs = []
-
-    def backend(gm, example_inputs):  # records each graph's ops, then runs it as it is (CPU: no C++ build)
-        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        return gm.forward
+    backend, graphs = _recording_backend()
 
     fn = torch.compile(lambda a, b, w: fused_rotary(a, b, coords, w, num_prefix_tokens=1, pairs=pairs),
                        backend=backend, fullgraph=True)
@@ -324,11 +332,7 @@ def test_compiled_attention_path_uses_the_kernel():
 
     q, k, coords, freqs, _ = _make(per_head=True)
     for c, expect in ((coords.detach(), True), (coords, False)):
-        graphs = []
-
-        def backend(gm, example_inputs):
-            graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-            return gm.forward
+        backend, graphs = _recording_backend()
 
         torch._dynamo.reset()
         fn = torch.compile(lambda a, b, w: apply_frequency_rope(a, b, c, w, num_prefix_tokens=1), backend=backend,
@@ -351,11 +355,7 @@ def test_compiled_rope_module_keeps_the_kernel(name, per_example):
     pe = create_pe(name, head_dim=8, coord_dim=c, num_heads=2).to(DEVICE)
     q, k, _, _, _ = _make(d=8)
     coords = torch.randn((2, 4, c) if per_example else (4, c)).to(DEVICE) * 3
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        return gm.forward
+    backend, graphs = _recording_backend()
 
     torch._dynamo.reset()
     fn = torch.compile(lambda a, b: pe(a, b, coords, num_prefix_tokens=1), backend=backend, fullgraph=True)

@@ -429,9 +429,9 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         ValueError: shapes that do not fit together.
     """
     f = _check_rope_args(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
-    traceable = (k is not None and k_coords is None and not coords.requires_grad
-                 and torch.float64 not in (q.dtype, k.dtype, coords.dtype, freqs.dtype))  # kernels.compile_supported
-    kernel = _fused_kernel(q.device, traceable)
+    kernel = _fused_kernel(q.device, traceable=True)
+    if kernel is not None and _is_compiling() and not _KERNELS[0].compile_supported(q, k, coords, freqs, k_coords):
+        kernel = None  # inside torch.compile the kernel covers q and k together only: the PyTorch path below
     if kernel is not None:
         return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
     dtype = torch.float64 if torch.float64 in (q.dtype, coords.dtype, freqs.dtype) else torch.float32

@@ -225,6 +225,12 @@ def _as_rows(coords: Tensor, dtype: torch.dtype) -> Tensor:
     return (r.unsqueeze(0) if r.dim() == 2 else r).contiguous()
 
 
+def _as_heads(freqs: Tensor, dtype: torch.dtype) -> Tensor:
+    """Frequencies as contiguous ``(Hf, c, P)`` in ``dtype`` (``Hf = 1`` when shared by the heads); differentiable."""
+    w = freqs.to(dtype)
+    return (w.unsqueeze(0) if w.dim() == 2 else w).contiguous()
+
+
 class _FusedRotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, k_coords: Optional[Tensor],
@@ -232,8 +238,7 @@ class _FusedRotary(torch.autograd.Function):
         acc = _compute_dtype(q, k)
         r_q = _as_rows(coords, acc)
         r_k = r_q if k_coords is None else _as_rows(k_coords, acc)
-        w = freqs.detach().to(acc)
-        w = (w.unsqueeze(0) if w.dim() == 2 else w).contiguous()  # (Hf, c, P)
+        w = _as_heads(freqs.detach(), acc)  # (Hf, c, P)
         q_out = torch.empty_like(q)  # keeps q's layout when it is a dense (permuted) view
         k_out = None if k is None else torch.empty_like(k)
         _launch(q, q_out, q, r_q, k, k_out, k, r_k, w, prefix, half, 1.0, False, False)
@@ -351,11 +356,7 @@ def compile_supported(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Ten
 
 def _compiled_rotary(q: Tensor, k: Tensor, coords: Tensor, freqs: Tensor, prefix: int,
                      half: bool) -> Tuple[Tensor, Tensor]:
-    r = coords.detach().to(torch.float32)
-    r = (r.unsqueeze(0) if r.dim() == 2 else r).contiguous()  # (Bc, M, c)
-    w = freqs.to(torch.float32)
-    w = (w.unsqueeze(0) if w.dim() == 2 else w).contiguous()  # (Hf, c, P), differentiable in freqs
-    return _rotary_qk(q, k, r, w, prefix, half)
+    return _rotary_qk(q, k, _as_rows(coords, torch.float32), _as_heads(freqs, torch.float32), prefix, half)
 
 
 def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, *, k_coords: Optional[Tensor] = None,
