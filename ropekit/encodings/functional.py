@@ -167,9 +167,10 @@ def _reduce_to(t: Tensor, shape: Sequence[int]) -> Tensor:
 
 #: Smallest leading slice (bytes) for which a CPU backward reduction loops over the batch. 0 keeps every CPU
 #: reduction in the loop, the form the committed study results were trained with. 256 KiB makes the tiny-ViT
-#: training step with learnable frequencies ~7-10 % faster on one CPU thread (mixed 144 -> 135 ms, cayley
-#: 135 -> 121 ms, same process, alternating), but it changes the summation order of those gradients, so the
-#: committed studies would no longer regenerate bit for bit: change it together with a regeneration.
+#: training step with learnable frequencies ~5-6 % faster on one CPU thread (mixed 120 -> 115 ms, cayley
+#: 125 -> 117 ms: ``tools/profile_step.py ab PE --what loop-threshold``, docs/bench/cpu-profile-step.txt), but it
+#: changes the summation order of those gradients, so the committed studies would no longer regenerate bit for
+#: bit: change it together with a regeneration.
 _LOOP_MIN_BYTES = 0
 
 
