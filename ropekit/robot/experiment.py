@@ -419,6 +419,37 @@ def _pct(r: Mapping[str, Any]) -> str:
             f"[{100 * r['ci95_low']:.0f}, {100 * r['ci95_high']:.0f}]")
 
 
+#: The comparisons of the study: 3-D from 2-D against its fine-tuned 2-D control (the paper's protocol), 3-D from
+#: scratch against 2-D, and 3-D from 2-D against the 2-D policy it started from.
+PAIRS = (("3d", "2d_ft"), ("3d_scratch", "2d"), ("3d", "2d"))
+
+
+def _paired_lines(table: Mapping[Tuple[str, str], Mapping[str, Any]], policies: Sequence[str],
+                  conditions: Sequence[str]) -> List[str]:
+    """Markdown lines: per pair of policies and condition, the success differences paired by training seed
+    (percentage points; mean and sample standard deviation over the seeds) and the pooled two-proportion z."""
+    lines = ["", "Differences in success, paired by training seed (percentage points; mean ± sample standard "
+             "deviation over the seeds), and the two-proportion z of the pooled episodes (which ignores the "
+             "spread between seeds):", "", "| comparison | condition | per seed | mean ± sd | pooled z |",
+             "|---|---|---|---|---|"]
+    for a_name, b_name in PAIRS:
+        if a_name not in policies or b_name not in policies:
+            continue
+        for c in conditions:
+            a, b = table[a_name, c], table[b_name, c]
+            if list(a["seeds"]) != list(b["seeds"]):
+                continue
+            diffs = [100 * (x - y) for x, y in zip(a["seed_rates"], b["seed_rates"])]
+            sd = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else float("nan")
+            n1, n2 = a["episodes"], b["episodes"]
+            pooled = (a["successes"] + b["successes"]) / (n1 + n2)
+            se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+            z = (a["success_rate"] - b["success_rate"]) / se if se > 0 else float("nan")
+            lines.append(f"| {LABELS.get(a_name, a_name)} − {LABELS.get(b_name, b_name)} | {c} | "
+                         + ", ".join(f"{d:+.0f}" for d in diffs) + f" | {np.mean(diffs):+.1f} ± {sd:.1f} | {z:+.2f} |")
+    return lines
+
+
 def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[Tuple[str, int], Path]) -> None:
     """``robot.csv`` (one row per policy, seed and condition), ``robot.json``, ``table.md``, ``robot.png``
     (success over the seeds) and ``training.png``."""
@@ -449,6 +480,7 @@ def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[Tuple[str, in
             per_seed = ", ".join(f"{100 * x:.0f}" for x in a["seed_rates"])
             cells.append(f"{_pct(a)}<br>seeds: {per_seed} %")
         lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(cells) + " |")
+    lines += _paired_lines(table, policies, conditions)
     lines += ["", "Failures by kind, summed over the seeds. The suction link never came within the 12 mm suction "
               "range of the target: *off target* (the tip was more than 6 cm away horizontally where it came "
               "closest; the expert still succeeds at 6 cm) or *too high* (horizontally close enough); or it came "
