@@ -182,6 +182,16 @@ def test_quick_study_end_to_end(tmp_path, monkeypatch, capsys):
     mtime = (out / "runs" / "none-rgb-s0" / "metrics.json").stat().st_mtime
     assert cli_main(_quick_argv(tmp_path)) == 0
     assert (out / "runs" / "none-rgb-s0" / "metrics.json").stat().st_mtime == mtime
+    # a fresh clone has the run files but no checkpoints (git-ignored): the report is rewritten, the examples kept
+    for ckpt in out.glob("runs/*/model.pt"):
+        ckpt.unlink()
+    examples = (out / "examples.png").read_bytes()
+    (out / "table.md").unlink()
+    capsys.readouterr()
+    assert cli_main(_quick_argv(tmp_path)) == 0
+    assert "examples.png not redrawn" in capsys.readouterr().out
+    assert (out / "table.md").is_file() and (out / "examples.png").read_bytes() == examples
+    assert (out / "runs" / "none-rgb-s0" / "metrics.json").stat().st_mtime == mtime
 
 
 def test_cli_maps_subsets_onto_the_recipe(tmp_path, monkeypatch, capsys):

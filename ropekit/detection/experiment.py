@@ -595,7 +595,12 @@ def write_report(cfg: Detect3DConfig, runs: Sequence[Dict[str, Any]], test_set: 
         if others:
             picks.append(max(others, key=lambda s: s["mean_iou_mean"]))
         chosen += [(s["encoding"], inp, s["best_seed"]) for s in picks]
-    render_examples(cfg, test_set, chosen, out / "examples.png")
+    missing = [_run_name(*c) for c in chosen
+               if not (out / "runs" / _run_name(*c) / "model.pt").exists()]
+    if missing:  # a fresh clone: checkpoints are not committed, the examples already drawn stay as they are
+        _log(f"examples.png not redrawn: no checkpoint (model.pt) for {', '.join(missing)}")
+    else:
+        render_examples(cfg, test_set, chosen, out / "examples.png")
     (out / "command.txt").write_text(command + "\n")
     return {"summary": summary, "runs": list(runs), "differences": differences}
 
