@@ -35,3 +35,51 @@ def test_readme_results_table_is_the_committed_one():
     table = (RESULTS / "classify" / "table.md").read_text()
     assert mod.render(readme, table) == readme, "run python tools/gen_readme_results.py"
     assert table.strip() in readme
+
+
+def _schedule_pilots():
+    """``(name, argv)`` of every ``run`` line of docs/results/detect3d/schedule/commands.sh, as the arguments its
+    ``run`` function passes to ``python -m ropekit.detection.experiment`` (without ``--out``)."""
+    import shlex
+
+    pilots = []
+    for line in (RESULTS / "detect3d" / "schedule" / "commands.sh").read_text().splitlines():
+        if line.startswith("run "):
+            words = shlex.split(line, comments=True)
+            name, enc, inp, steps, batch, lr, warmup, log_every = words[1:]
+            pilots.append((name, ["--encodings", enc, "--inputs", inp, "--seeds", "0", "--set", f"train.steps={steps}",
+                                  "--set", f"train.batch_size={batch}", "--set", f"train.lr={lr}",
+                                  "--set", f"train.warmup_steps={warmup}", "--set", f"train.log_every={log_every}"]))
+    return pilots
+
+
+def test_detect3d_schedule_pilots_are_what_their_commands_train():
+    """Each committed pilot run has the settings its line of commands.sh resolves to at this version, and the
+    committed table is what summarise.py writes from the run files."""
+    import argparse
+    import json
+
+    from ropekit.detection import experiment as ex
+
+    pilots = _schedule_pilots()
+    assert len(pilots) >= 10
+    parser = argparse.ArgumentParser()
+    ex.add_arguments(parser)
+    for name, argv in pilots:
+        cfg = ex.config_from_args(parser.parse_args(argv))
+        (enc,), (inp,) = cfg.encodings, cfg.inputs
+        doc = json.loads((RESULTS / "detect3d" / "schedule" / name / "runs" / f"{enc}-{inp}-s0" / "metrics.json")
+                         .read_text())
+        assert doc["settings"] == json.loads(json.dumps(ex.run_settings(cfg, enc, inp, 0))), name
+    spec = importlib.util.spec_from_file_location("schedule_summary", RESULTS / "detect3d" / "schedule" / "summarise.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.load()
+    assert sorted(r["pilot"] for r in rows) == sorted(name for name, _ in pilots)
+    committed = (RESULTS / "detect3d" / "schedule" / "table.md").read_text()
+    mod_table = mod.HERE / "table.md"
+    try:
+        mod.write_table(rows)
+        assert mod_table.read_text() == committed, "run docs/results/detect3d/schedule/summarise.py"
+    finally:
+        mod_table.write_text(committed)

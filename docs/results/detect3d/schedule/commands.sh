@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# How long must a detect3d model train? One seed of the study's recipe (Cayley-STRING ViTD, and an axial RGB ViT)
+# trained on different schedules; every training field that differs between them is stated on its line, so the
+# lines do not depend on the preset's current schedule. About 45 CPU-minutes in all (one thread per run);
+# summarise.py writes table.md and schedule.png from the run folders (metrics.json, curve.csv, config.json).
+# The committed b32-s300 files are the earlier study recipe's own seed-0 run (the same settings), copied, not
+# retrained. Run from anywhere: it works from the repository root, where the scene cache (.cache/scenes) lives.
+set -euo pipefail
+here=docs/results/detect3d/schedule
+cd "$(dirname "$0")/../../../.."
+run() {  # run NAME ENCODING INPUT STEPS BATCH LR WARMUP LOG_EVERY: trains from scratch, keeps the run files
+  local out="$here/$1"
+  rm -rf "$out"
+  python -m ropekit.detection.experiment --encodings "$2" --inputs "$3" --seeds 0 --threads 1 --no-progress \
+    --out "$out" --set train.steps="$4" --set train.batch_size="$5" --set train.lr="$6" \
+    --set train.warmup_steps="$7" --set train.log_every="$8"
+  find "$out" -maxdepth 1 -type f -delete  # the one-run report (table, plots); summarise.py writes the comparison
+  rm -f "$out"/runs/*/model.pt
+}
+run b32-s300      cayley rgbd  300 32 0.001  30  25
+run b16-s600      cayley rgbd  600 16 0.001  60  50
+run b16-s1200     cayley rgbd 1200 16 0.001  60  50
+run b16-s2400     cayley rgbd 2400 16 0.001 100 100
+run b32-s1200     cayley rgbd 1200 32 0.001  60 100
+run b32-s1200-lr3e-4 cayley rgbd 1200 32 0.0003 60 100
+run b32-s1200-lr5e-4 cayley rgbd 1200 32 0.0005 60 100
+run b32-s1200-lr2e-3 cayley rgbd 1200 32 0.002  60 100
+run b64-s600-lr2e-3  cayley rgbd  600 64 0.002  60  50
+run b32-s2400     cayley rgbd 2400 32 0.001 100 100
+run b32-s4800     cayley rgbd 4800 32 0.001 100 200
+run rgb-b16-s2400 axial  rgb  2400 16 0.001 100 100
+python "$here/summarise.py"
