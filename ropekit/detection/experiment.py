@@ -307,9 +307,13 @@ def _load_trained(cfg: Detect3DConfig, enc: str, inp: str, seed: int) -> Detecto
     ``weights_only=True``: the file is read as tensors only, so a tampered ``model.pt`` cannot run code.
     """
     model = build_detector(cfg, enc, inp)
-    path = Path(cfg.out) / "runs" / _run_name(enc, inp, seed) / "model.pt"
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    model.load_state_dict(torch.load(_checkpoint(cfg, enc, inp, seed), map_location="cpu", weights_only=True))
     return model.to(_device(cfg))
+
+
+def _checkpoint(cfg: Detect3DConfig, enc: str, inp: str, seed: int) -> Path:
+    """``runs/<name>/model.pt`` of run ``(enc, inp, seed)`` (git-ignored: absent on a fresh clone)."""
+    return Path(cfg.out) / "runs" / _run_name(enc, inp, seed) / "model.pt"
 
 
 def _device(cfg: Detect3DConfig) -> torch.device:
@@ -595,8 +599,7 @@ def write_report(cfg: Detect3DConfig, runs: Sequence[Dict[str, Any]], test_set: 
         if others:
             picks.append(max(others, key=lambda s: s["mean_iou_mean"]))
         chosen += [(s["encoding"], inp, s["best_seed"]) for s in picks]
-    missing = [_run_name(*c) for c in chosen
-               if not (out / "runs" / _run_name(*c) / "model.pt").exists()]
+    missing = [_run_name(*c) for c in chosen if not _checkpoint(cfg, *c).exists()]
     if missing:  # a fresh clone: checkpoints are not committed, the examples already drawn stay as they are
         _log(f"examples.png not redrawn: no checkpoint (model.pt) for {', '.join(missing)}")
     else:

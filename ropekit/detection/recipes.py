@@ -123,8 +123,8 @@ def _train(**changes: Any) -> Dict[str, Any]:
 
     The schedule is sized from the pilots in ``docs/results/detect3d/schedule/``: the held-out IoU of a ViTD
     still grows with the step count (one seed: 0.20 after 300 steps, 0.28 after 1200, 0.35 after 2400, 0.38
-    after 4800), 1e-3 was the best learning rate of 3e-4 ... 2e-3, and at equal cost batch 32 the best of 16, 32 and 64 (by
-    0.02 or less)."""
+    after 4800), 1e-3 was the best learning rate of 3e-4 ... 2e-3, and at equal cost batch 32 the best of 16, 32
+    and 64 (by 0.02 or less)."""
     t = dict(steps=2400, batch_size=32, lr=1e-3, min_lr=1e-5, weight_decay=0.05, warmup_steps=100, grad_clip=1.0,
              max_train_objects=4, class_weight=1.0, box_weight=5.0, corner_weight=5.0, no_object_weight=0.1,
              iou_samples=512, iou_thresholds=[0.25, 0.5], log_every=100, val_scenes=100, precision="fp32")

@@ -35,7 +35,8 @@ def load():
     return sorted(rows, key=lambda r: (r["input"], r["encoding"], r["images"], r["batch"], r["lr"]))
 
 
-def write_table(rows) -> None:
+def render_table(rows) -> str:
+    """``table.md``'s text: one row per pilot."""
     lines = ["# detect3d: held-out IoU against the training schedule (seed 0)", "",
              "Test metrics on the study's 500 test scenes; the held-out curve is on the first 100 of them. "
              "Epochs of the 8000 training scenes. Training seconds are process CPU on one thread of the shared "
@@ -48,7 +49,7 @@ def write_table(rows) -> None:
         lines.append(f"| {r['pilot']} | {model} | {r['steps']} × {r['batch']} | {r['lr']:g} | "
                      f"{r['images'] / N_TRAIN:.1f} | {r['iou']:.3f} | {r['map25']:.3f} | {r['map50']:.3f} | "
                      f"{r['val_final']:.3f} ({r['val_last_quarter']:+.3f}) | {r['seconds']:.0f} |")
-    (HERE / "table.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows) -> None:
@@ -71,6 +72,6 @@ def plot(rows) -> None:
 
 if __name__ == "__main__":
     rows = load()
-    write_table(rows)
+    (HERE / "table.md").write_text(render_table(rows))
     plot(rows)
     print((HERE / "table.md").read_text())
