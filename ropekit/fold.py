@@ -74,6 +74,9 @@ class RoPEForm(NamedTuple):
             ``None`` for the identity (``R(0) = I``).
         pairs: the pair convention of the frequency rotation (``"half"`` only for a RoPE-family encoding
             configured with half-split pairs; with a basis, the permutation to interleaved pairs is in ``P``).
+        blocks: ``(Hp, nb, b, b)`` with ``basis = blockdiag(blocks)``, when ``P`` is block diagonal (comrope and
+            one-coordinate LieRE with interleaved pairs), else ``None``. :func:`fold_qkv_weight` then merges the
+            blocks, ``d / b`` times fewer products than the dense ``P``.
 
     ``Hp`` is 1 when the encoding's parameters are shared by its heads, else ``H``. Every tensor is differentiable
     in the encoding's parameters.
@@ -83,6 +86,7 @@ class RoPEForm(NamedTuple):
     freqs: Tensor
     prefix: Optional[Tensor]
     pairs: str = "interleaved"
+    blocks: Optional[Tensor] = None
 
 
 def foldable_kind(pe: Optional[PositionEncoding]) -> Optional[str]:
@@ -157,13 +161,14 @@ def _build_real_dft_basis(head_dim: int, block_size: int, device: torch.device, 
 
 
 def _block_eigenbasis(k: Tensor, rtol: float = 1e-6) -> Tensor:
-    """``P = blockdiag_j(Q_j^T)`` with ``K_j = Q_j blockdiag_n(mu_n J) Q_j^T``, differentiable in ``K``.
+    """The blocks ``Q_j^T`` of ``P = blockdiag_j(Q_j^T)`` with ``K_j = Q_j blockdiag_n(mu_n J) Q_j^T``,
+    differentiable in ``K``.
 
     Args:
         k: ``(Hp, nb, b, b)`` skew blocks.
 
     Returns:
-        ``(Hp, d, d)``. The value is ``functional.skew_real_schur``'s basis; the derivative is the first-order
+        ``(Hp, nb, b, b)`` (``_block_diag`` of it is ``P`` ``(Hp, d, d)``). The value is ``functional.skew_real_schur``'s basis; the derivative is the first-order
         change of an eigenbasis: ``Q -> Q (I + W)`` with ``W`` skew solving ``[blockdiag(mu J), W] = off-diagonal
         blocks of Q^T dK Q`` plane by plane (the part commuting with the rotations divided by ``mu_n - mu_m``, the
         anti-commuting part by ``mu_n + mu_m``). Planes whose frequencies coincide (within ``rtol`` of the largest)
@@ -196,8 +201,7 @@ def _block_eigenbasis(k: Tensor, rtol: float = 1e-6) -> Tensor:
     w10 = wc_j + wa_x
     w = torch.stack((torch.stack((w00, w01), -1), torch.stack((w10, w11), -1)), -2)  # (Hp, nb, h, h, 2, 2)
     w = w.transpose(-3, -2).reshape(de.shape)  # (Hp, nb, b, b)
-    pt = q0.transpose(-1, -2) - precise_matmul(w, q0.transpose(-1, -2))  # (Q0 (I + W))^T = (I - W) Q0^T, W skew
-    return _block_diag(pt)
+    return q0.transpose(-1, -2) - precise_matmul(w, q0.transpose(-1, -2))  # (Q0 (I + W))^T = (I - W) Q0^T, W skew
 
 
 def rope_form(pe: PositionEncoding) -> RoPEForm:
@@ -237,14 +241,15 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
         lam = pe.mode_frequencies().flatten(-2)[:hp]  # (Hp, c, nb * u): the rotating pairs, block by block
         freqs = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], pe.head_dim // 2 - lam.shape[-1])), dim=-1)
         return RoPEForm(_half_pairs_basis(pe, basis), freqs, None)
-    post = None
+    post = blocks = None
     if kind == "string":  # L_k = Q D_k Q^T
         basis = pe.basis().transpose(-1, -2)[:hp]
     elif kind == "relaxed":  # R(r) = RoPE_active(r) P_sp, R(0) = P_sp: one computation for both
         basis = post = pe.post_rotation_matrix()[:hp]
     else:  # "blocks"
         k = pe.block_generators()[:, 0] if isinstance(pe, LieRE) else pe.block_generators()  # (Hp, nb, b, b)
-        basis = _block_eigenbasis(k)
+        blocks = _block_eigenbasis(k)  # (Hp, nb, b, b)
+        basis = _block_diag(blocks)
     gen = pe.generators()[:hp]  # (Hp, c, d, d)
     freqs = _pair_frequencies(gen, basis)  # (Hp, c, d/2)
     if post is None:
@@ -252,7 +257,9 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
     if post is not None:  # T = P R(0)^T P^T
         post = post[:hp]
         prefix = precise_matmul(precise_matmul(basis, post.transpose(-1, -2)), basis.transpose(-1, -2))
-    return RoPEForm(_half_pairs_basis(pe, basis), freqs, prefix)
+    if getattr(pe, "pairs", "interleaved") == "half":  # the permutation breaks the block structure
+        blocks = None
+    return RoPEForm(_half_pairs_basis(pe, basis), freqs, prefix, blocks=blocks)
 
 
 def _post_form(pe: PositionEncoding, basis: Tensor) -> RoPEForm:
@@ -333,8 +340,8 @@ def is_foldable(pe: Optional[PositionEncoding]) -> bool:
     return pe is None or foldable_kind(pe) is not None
 
 
-def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_heads: int
-                    ) -> Tuple[Tensor, Optional[Tensor]]:
+def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_heads: int,
+                    blocks: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """The fused q/k/v projection with the basis merged into its q and k rows: ``W_q -> P_h W_q``, ``b_q -> P_h b_q``.
 
     Args:
@@ -342,6 +349,8 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
         bias: ``(3 D,)`` or ``None``.
         basis: ``(Hp, d, d)`` with ``Hp`` 1 (same basis for every head) or ``H``.
         num_heads: ``H``.
+        blocks: optional ``(Hp, nb, b, b)`` with ``basis = blockdiag(blocks)`` (:attr:`RoPEForm.blocks`): the
+            merge then multiplies block by block, ``b x b`` by ``b x D_in`` (``d / b`` times fewer products).
 
     Returns:
         ``(weight', bias')`` of the same shapes; differentiable in all inputs. Cost: one ``d x d`` by ``d x D_in``
@@ -354,6 +363,11 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
     d = dim // num_heads
     if basis.shape[-1] != d or basis.shape[0] not in (1, num_heads):
         raise ValueError(f"basis must have shape (1 or {num_heads}, {d}, {d}), got {tuple(basis.shape)}")
+    if blocks is not None:
+        if blocks.dim() != 4 or blocks.shape[0] != basis.shape[0] or blocks.shape[1] * blocks.shape[2] != d:
+            raise ValueError(f"blocks must have shape ({basis.shape[0]}, nb, b, b) with nb * b = {d}, "
+                             f"got {tuple(blocks.shape)}")
+        return _fold_blocks(weight, bias, blocks, num_heads)
     with torch.autocast(device_type=weight.device.type, enabled=False):
         p = basis.to(weight.dtype)  # (Hp, d, d)
         # split, not two slices: its backward is one concatenation, a slice's a zero-filled weight-sized buffer
@@ -374,6 +388,27 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
                 bqk = precise_matmul(p.unsqueeze(0), bqk.view(2, num_heads, d, 1))  # (2, H, d, 1)
             b = torch.cat([bqk.reshape(2 * dim).to(bias.dtype), b_v], dim=0)
     return w, b
+
+
+def _fold_blocks(weight: Tensor, bias: Optional[Tensor], blocks: Tensor, num_heads: int
+                 ) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`fold_qkv_weight` for a block-diagonal basis given by its blocks ``(Hp, nb, b, b)``: the q and k rows
+    of head ``h`` split into ``nb`` groups of ``b`` rows, each multiplied by its block."""
+    three_d, d_in = weight.shape
+    dim = three_d // 3
+    hp, nb, b = blocks.shape[0], blocks.shape[1], blocks.shape[2]
+    heads = 1 if hp == 1 else num_heads  # (2, H or 1, nb, b, b) against rows (2, H, nb, b, D_in)
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        p = blocks.to(weight.dtype).view(1, heads, nb, b, b)
+        w_qk, w_v = weight.split([2 * dim, dim])
+        qk = precise_matmul(p, w_qk.view(2, num_heads, nb, b, d_in))  # (2, H, nb, b, D_in)
+        w = torch.cat([qk.reshape(2 * dim, d_in), w_v], dim=0)  # (3 D, D_in)
+        out_b = None
+        if bias is not None:
+            b_qk, b_v = bias.split([2 * dim, dim])
+            bqk = precise_matmul(p, b_qk.to(weight.dtype).view(2, num_heads, nb, b, 1))  # (2, H, nb, b, 1)
+            out_b = torch.cat([bqk.reshape(2 * dim).to(bias.dtype), b_v], dim=0)
+    return w, out_b
 
 
 def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0

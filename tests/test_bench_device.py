@@ -46,15 +46,33 @@ def test_cli_quick_writes_json_and_markdown(tmp_path, capsys):
                "--grid", "3", "--threads", "1", "--no-vit", "--no-memory", "--json", str(out), "--markdown", str(md)])
     assert rc == 0
     recs = json.loads(out.read_text())
-    assert [r["label"] for r in recs] == ["axial"] and recs[0]["device"] == "cpu"
+    # selecting an encoding selects its rows: the encoding alone and in a training layer
+    assert [r["label"] for r in recs] == ["axial", "axial in training"] and recs[0]["device"] == "cpu"
     assert "python -m ropekit.bench --quick" in md.read_text()
+    assert "| grid2d | axial |" in md.read_text().split("### In training")[1]
+
+
+def test_training_rows_time_the_folded_work_and_the_layer():
+    """A training row times what a folded encoding adds to one attention layer: its form, the merge into the
+    projection, the rotation; the cayley row's ratio is the one its target reads."""
+    records = run_bench(_tiny(rows=("cayley", "comrope-ld"), cases=("grid2d",), vit=(), head_dim=8, repeats=3),
+                        log=lambda s: None)
+    train = {r["label"]: r for r in records if r["kind"] == "train"}
+    assert set(train) == {"cayley in training (folded)", "comrope-ld (b=8) in training (folded)"}
+    for r in train.values():
+        assert "skipped" not in r and r["fwdbwd_ms"] > 0 and r["fwd_ms"] > 0
+        assert r["frac_sdpa"] == pytest.approx(r["fwdbwd_ms"] / r["sdpa_fwdbwd_ms"])
+    targets = {(t["target"], t["case"]): t for t in evaluate_targets(records)}
+    t = targets[("cayley in training (folded, per layer) fwd+bwd <= 10% of SDPA", "grid2d")]
+    assert t["value"] == pytest.approx(train["cayley in training (folded)"]["frac_sdpa"])
+    assert targets[("cayley alone (every token, unfolded) fwd+bwd <= 10% of SDPA", "grid2d")]["value"] is not None
 
 
 def test_partial_results_are_reported_after_each_row():
     seen = []
     records = run_bench(_tiny(rows=("none", "axial"), cases=("grid2d",), vit=()), log=lambda s: None,
                         on_record=lambda recs: seen.append([r["label"] for r in recs]))
-    assert seen == [["none"], ["none", "axial"]] and all("cpu" in r and "load_avg_end" in r for r in records)
+    assert seen == [["none"], ["none", "axial"], ["none", "axial", "axial in training"]] and all("cpu" in r and "load_avg_end" in r for r in records)
 
 
 def test_bad_vit_mode():

@@ -72,6 +72,46 @@ def test_fold_qkv_weight_matches_per_head_products(hp, with_bias):
         torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("name,opts", [("comrope-ld", {}), ("comrope-ap", {}), ("comrope-ld", {"per_head": True}),
+                                       ("comrope-ap", {"block_size": 2, "per_head": True})])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_block_fold_equals_dense_fold(name, opts, with_bias):
+    """A block-diagonal basis merged block by block: the weight, the bias and every gradient (weight, bias,
+    encoding parameters) equal the dense merge of ``blockdiag(blocks)``."""
+    opts = {"block_size": 4, **opts}
+    bs = opts["block_size"]
+    pe = _perturbed(name, **opts)
+    form = rope_form(pe)
+    assert form.blocks is not None and form.blocks.shape == (pe.param_heads, 16 // bs, bs, bs)
+    torch.testing.assert_close(torch.block_diag(*form.blocks[0]), form.basis[0], rtol=0, atol=0)
+    torch.manual_seed(2)
+    w = torch.randn(3 * 48, 20, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3 * 48, dtype=torch.float64, requires_grad=True) if with_bias else None
+    dense = fold_qkv_weight(w, b, form.basis, 3)
+    blocks = fold_qkv_weight(w, b, form.basis, 3, blocks=form.blocks)
+    outs = [t for t in dense if t is not None]
+    grads = [torch.randn_like(t) for t in outs]
+    inputs = [w] + ([b] if with_bias else []) + [p for p in pe.parameters() if p.requires_grad]
+    g_dense = torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
+    g_blocks = torch.autograd.grad([t for t in blocks if t is not None], inputs, grads, allow_unused=True)
+    for x, y in zip(outs, blocks):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-13)
+    assert any(g is not None for g in g_dense[len(outs):])  # the encoding's parameters are reached
+    for x, y in zip(g_dense, g_blocks):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-12)
+
+
+def test_half_pairs_and_dense_bases_have_no_blocks():
+    assert rope_form(_perturbed("comrope-ld", block_size=4, pairs="half")).blocks is None
+    assert rope_form(_perturbed("cayley")).blocks is None
+    pe = _perturbed("comrope-ld", block_size=4)
+    form = rope_form(pe)
+    with pytest.raises(ValueError, match="blocks must have shape"):
+        fold_qkv_weight(torch.zeros(144, 8, dtype=torch.float64), None, form.basis, 3, blocks=form.blocks[:, :2])
+
+
 @pytest.mark.parametrize("name,opts,per_example", [("mixed", {}, False), ("mixed", {}, True), ("cayley", {}, False),
                                                    ("circulant", {}, True), ("comrope-ld", {}, True),
                                                    ("comrope-ld", {}, False)])

@@ -17,8 +17,9 @@ and, *in the same rounds* (each round times every function once, in turn), the r
 
 plus, for a naive row, the fast row it is the reference of (whose peak and saved memory the naive row records
 too: ``fast_peak_mb``, ``fast_saved_mb`` and the ratios ``peak_ratio``, ``saved_ratio`` of fast to naive), and
-for a folded row, axial RoPE and the unfolded encoding. Times are medians over the rounds after warm-up (minima are recorded too); ratios are ratios of
-medians from the same rounds, so a slow phase of a shared machine affects both sides. Threads are fixed
+for a folded row, axial RoPE and the unfolded encoding. Times are medians over the rounds after warm-up (minima
+are recorded too); ratios are ratios of medians from the same rounds, so a slow phase of a shared machine affects
+both sides. Threads are fixed
 (``torch.set_num_threads``). Slow rows get fewer rounds (at least 3) so that every row fits a time budget.
 The clock is wall time by default; ``clock="cpu"`` times with the process CPU time instead, which -- with one
 thread -- ignores the time the process spends descheduled, so it stays meaningful on a machine shared with
@@ -27,6 +28,17 @@ other jobs (with several threads it would add up their CPU time, spin-waits incl
 **Cases.** ``grid2d``: the coordinates are the ``g x g`` patch grid ``(M, 2)`` shared by the batch (integer
 patch indices). ``rgbd3d``: per-example 3-D coordinates ``(B, M, 3)`` -- the grid plus a depth per patch
 (uniform in ``[0, 4)`` patch units) -- so nothing can be shared across the batch.
+
+**In training** (rows of kind ``train``). Inside ``ropekit.nn.Attention`` a commuting encoding does not apply
+its basis ``P`` to every token: the layer merges ``P`` into the q/k rows of its projection weight once per step
+(``fold=True``, the default) and then rotates each token by its frequencies. What the encoding adds to one
+layer's training step is therefore ``fwdbwd`` of: its RoPE form (``ropekit.fold.rope_form``: ``P`` and the
+frequencies from its parameters), the merge (``fold_qkv_weight`` of a ``(3 H d, H d)`` weight and bias) and the
+rotation of q and k (``frequency_rope``), backward through all three with fixed output gradients. The product of
+the projection with the tokens is left out: it is the same with or without the encoding. (Timing a whole layer
+with and without the encoding measures the same difference from the outside, but on a CPU the layer's GEMMs
+vary by more than the encoding costs.) The form is counted once per layer, as for an encoding of its own; an
+encoding shared by several layers computes it once per model forward.
 
 **Memory.** CPU tensors are invisible to ``tracemalloc``, so ``peak_mb`` comes from torch's profiler with
 ``profile_memory=True``: every allocation and free of the CPU allocator during one forward + backward, in time
@@ -70,7 +82,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..encodings import create_pe
-from ..fold import fold_pe
+from ..fold import fold_pe, fold_qkv_weight, frequency_rope, rope_form
 from .baselines import DenseComRoPE, NaiveLieRE
 
 __all__ = ["Row", "ROWS", "CASES", "VIT_PES", "VIT_PES_GPU", "DTYPES", "BenchConfig", "run_bench", "peak_memory_mb",
@@ -86,7 +98,9 @@ class Row:
 
     ``kind``: ``"pe"`` (``create_pe(pe, **options)``), ``"naive"`` (a reference form from
     :mod:`ropekit.bench.baselines` wrapping the encoding ``pe``; ``base`` names the fast row), or ``"folded"``
-    (``fold_pe`` of ``pe``; ``base`` names the unfolded row). ``heavy`` rows are left out by ``--quick``.
+    (``fold_pe`` of ``pe``; ``base`` names the unfolded row), or ``"train"`` (the encoding's work in one
+    attention layer's training step, folded as ``ropekit.nn.Attention`` does it; ``base`` names the encoding
+    alone). ``heavy`` rows are left out by ``--quick``.
     """
 
     label: str
@@ -121,6 +135,14 @@ ROWS: List[Row] = [
     Row("folded cayley", "cayley", kind="folded", base="cayley"),
     Row("folded circulant", "circulant", kind="folded", base="circulant"),
     Row("folded comrope-ld (b=8)", "comrope-ld", (("block_size", 8),), kind="folded", base="comrope-ld (b=8)"),
+    Row("axial in training", "axial", kind="train", base="axial"),
+    Row("mixed in training", "mixed", kind="train", base="mixed"),
+    Row("cayley in training (folded)", "cayley", kind="train", base="cayley"),
+    Row("circulant in training (folded)", "circulant", kind="train", base="circulant"),
+    Row("comrope-ap (b=8) in training (folded)", "comrope-ap", (("block_size", 8),), kind="train",
+        base="comrope-ap (b=8)"),
+    Row("comrope-ld (b=8) in training (folded)", "comrope-ld", (("block_size", 8),), kind="train",
+        base="comrope-ld (b=8)"),
     Row("naive liere (b=8)", "liere", (("block_size", 8),), kind="naive", base="liere (b=8)"),
     Row("naive liere (dense)", "liere", kind="naive", base="liere (dense)", heavy=True),
     Row("dense d x d comrope-ld (b=8)", "comrope-ld", (("block_size", 8),), kind="naive", base="comrope-ld (b=8)"),
@@ -406,15 +428,21 @@ class _Case:
     extra_grads: Dict[Tuple[int, ...], Tensor] = field(default_factory=dict)
 
     def grads_for(self, out: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        """Fixed output gradients: ``gq``, ``gk`` for ``(B, H, M, d)`` outputs, fixed random tensors otherwise
-        (the tensor-product encoding widens q and k)."""
+        """Fixed output gradients: ``gq``, ``gk`` for ``(B, H, M, d)`` q and k, fixed random tensors otherwise
+        (the tensor-product encoding widens q and k; a training row also returns the folded weight and bias)."""
         if out[0].shape == self.gq.shape:
-            return self.gq, self.gk
-        shape = tuple(out[0].shape)
-        if shape not in self.extra_grads:
+            head: Tuple[Tensor, ...] = (self.gq, self.gk)
+        else:
+            head = tuple(self._fixed(tuple(out[0].shape), 2, out[0].dtype).unbind(0))
+        return head + tuple(self._fixed(tuple(o.shape), 1, o.dtype)[0] for o in out[2:])
+
+    def _fixed(self, shape: Tuple[int, ...], n: int, dtype: torch.dtype) -> Tensor:
+        """``n`` fixed random tensors of ``shape``, stacked (made once per shape and count)."""
+        key = (n,) + shape
+        if key not in self.extra_grads:
             g = torch.Generator().manual_seed(1)
-            self.extra_grads[shape] = torch.randn(2, *shape, generator=g).to(self.gq.device, out[0].dtype)
-        return tuple(self.extra_grads[shape].unbind(0))
+            self.extra_grads[key] = torch.randn(n, *shape, generator=g).to(self.gq.device, dtype)
+        return self.extra_grads[key]
 
     @property
     def coord_dim(self) -> int:
@@ -478,6 +506,31 @@ class _KernelRotation(nn.Module):
         from ..kernels import fused_rotary
 
         return fused_rotary(q, k, coords, self.freqs)
+
+
+class _TrainingPath(nn.Module):
+    """What a foldable encoding adds to one attention layer's training step (``ropekit.nn.Attention`` with
+    ``fold=True``): its RoPE form from its parameters, the merge of the basis into a ``(3 H d, H d)`` q/k/v
+    projection weight and bias, and the frequency rotation of q and k. Returns ``(q', k')`` and, when the
+    encoding has a basis, the folded ``(weight, bias)`` too, so that a backward pass reaches every parameter as
+    in training. The projection's product with the tokens is not included: it costs the same without the
+    encoding."""
+
+    def __init__(self, pe: nn.Module, heads: int, head_dim: int, device: Any, seed: int) -> None:
+        super().__init__()
+        dim = heads * head_dim
+        g = torch.Generator().manual_seed(seed)
+        self.pe, self.heads = pe, heads
+        self.weight = nn.Parameter((torch.randn(3 * dim, dim, generator=g) * dim ** -0.5).to(device))
+        self.bias = nn.Parameter(torch.zeros(3 * dim, device=device))
+
+    def forward(self, q: Tensor, k: Tensor, coords: Tensor) -> Tuple[Tensor, ...]:
+        form = rope_form(self.pe)
+        q, k = frequency_rope(q, k, coords, form)
+        if form.basis is None:  # the RoPE family: nothing to merge
+            return q, k
+        weight, bias = fold_qkv_weight(self.weight, self.bias, form.basis, self.heads, blocks=form.blocks)
+        return q, k, weight, bias
 
 
 def _naive(row: Row, pe: nn.Module) -> nn.Module:
@@ -561,6 +614,8 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
         axial = create_pe("axial", head_dim=cfg.head_dim, coord_dim=case.coord_dim, num_heads=cfg.heads).to(cfg.device)
         fns["axial_fwd"], fns["axial_fwdbwd"] = _fns(axial, case)
         fns["unfolded_fwd"], _ = _fns(pe, case)
+    elif row.kind == "train":
+        module = _TrainingPath(pe, cfg.heads, cfg.head_dim, cfg.device, cfg.seed)
     fns["fwd"], fns["fwdbwd"] = _fns(module, case)
 
     try:

@@ -128,7 +128,8 @@ class Attention(nn.Module):
             state = pe_state if pe_state is not None and pe_state.pe is pe else \
                 self.prepare(coords, num_prefix_tokens, x.dtype)
         if state is not None and state.kind == "fold" and state.value.basis is not None:
-            weight, bias = fold_qkv_weight(self.qkv.weight, self.qkv.bias, state.value.basis, self.num_heads)
+            weight, bias = fold_qkv_weight(self.qkv.weight, self.qkv.bias, state.value.basis, self.num_heads,
+                                           blocks=state.value.blocks)
             qkv = F.linear(x, weight, bias)  # (B, N, 3D), q and k already in the encoding's basis
         else:
             qkv = self.qkv(x)  # (B, N, 3D)
