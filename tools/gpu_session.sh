@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/performance.md, in stages that each fit a 10-minute command on a lent GPU.
+#
+#   bash tools/gpu_session.sh checks          # kernel, folding and precision tests on CUDA (~3 min)
+#   bash tools/gpu_session.sh peop            # every encoding's op table, alone and in training (~4 min)
+#   bash tools/gpu_session.sh vit-eager       # ViT-B/16 training step against APE and timm, eager (~4 min)
+#   bash tools/gpu_session.sh vit-compiled    # the same under torch.compile(mode="reduce-overhead") (~6 min)
+#
+# Several stages can be named in one call; each is cut off by `timeout` so that a slow one cannot take the
+# rest with it. Results go to $OUT (default ./gpu-out): <gpu>-<stage>.json / .md from `ropekit bench`, and
+# <gpu>-log.txt with every stage's output. <gpu> is h100, h200, ... from the device's name. Run from the
+# repository root with the project importable (PYTHONPATH=$PWD or `pip install --no-deps -e .`).
+set -u
+[ $# -gt 0 ] || { sed -n '2,12p' "$0"; exit 2; }
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+gpu=$(echo "$name" | grep -oiE 'h100|h200|a100|l40s|l4|a10' | head -n 1 | tr 'A-Z' 'a-z')
+gpu=${gpu:-gpu}
+log="$OUT/$gpu-log.txt"
+bench="python -m ropekit.bench --device cuda --dtype bf16"
+{
+  echo "== $(date -u +%FT%TZ) device: ${name:-none}"
+  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  python -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton: not installed"
+} | tee -a "$log"
+
+run_stage() {  # name, time limit in seconds, command...
+  local stage=$1 limit=$2
+  shift 2
+  echo "== stage $stage (limit ${limit}s): $*" | tee -a "$log"
+  timeout "$limit" "$@" >> "$log" 2>&1
+  echo "== stage $stage: exit $?" | tee -a "$log"
+}
+
+for stage in "$@"; do
+  case $stage in
+    checks)
+      run_stage checks 300 python -m pytest -q -rfs -p no:cacheprovider tests/test_kernels_rotary.py \
+        tests/test_cuda_precision.py tests/test_nn_batched_bases.py tests/test_nn_fold_overhead.py
+      ;;
+    peop)
+      run_stage peop 420 $bench --no-vit --json "$OUT/$gpu-peop.json" --markdown "$OUT/$gpu-peop.md"
+      ;;
+    vit-eager)
+      run_stage vit-eager 420 $bench --rows none --cases grid2d --vit-modes eager \
+        --json "$OUT/$gpu-vit-eager.json" --markdown "$OUT/$gpu-vit-eager.md"
+      ;;
+    vit-compiled)
+      run_stage vit-compiled 540 $bench --rows none --cases grid2d --vit-modes compiled \
+        --compile-mode reduce-overhead --vit-pes axial mixed cayley circulant comrope-ld --no-timm \
+        --json "$OUT/$gpu-vit-compiled.json" --markdown "$OUT/$gpu-vit-compiled.md"
+      ;;
+    *)
+      echo "unknown stage '$stage': use checks, peop, vit-eager or vit-compiled" >&2
+      exit 2
+      ;;
+  esac
+done
+tail -c 4000 "$log"
