@@ -168,10 +168,11 @@ def _block_eigenbasis(k: Tensor, rtol: float = 1e-6) -> Tensor:
         k: ``(Hp, nb, b, b)`` skew blocks.
 
     Returns:
-        ``(Hp, nb, b, b)`` (``_block_diag`` of it is ``P`` ``(Hp, d, d)``). The value is ``functional.skew_real_schur``'s basis; the derivative is the first-order
-        change of an eigenbasis: ``Q -> Q (I + W)`` with ``W`` skew solving ``[blockdiag(mu J), W] = off-diagonal
-        blocks of Q^T dK Q`` plane by plane (the part commuting with the rotations divided by ``mu_n - mu_m``, the
-        anti-commuting part by ``mu_n + mu_m``). Planes whose frequencies coincide (within ``rtol`` of the largest)
+        ``(Hp, nb, b, b)`` (``_block_diag`` of it is ``P`` ``(Hp, d, d)``). The value is
+        ``functional.skew_real_schur``'s basis; the derivative is the first-order change of an eigenbasis:
+        ``Q -> Q (I + W)`` with ``W`` skew solving ``[blockdiag(mu J), W] = off-diagonal blocks of Q^T dK Q``
+        plane by plane (the part commuting with the rotations divided by ``mu_n - mu_m``, the anti-commuting part
+        by ``mu_n + mu_m``). Planes whose frequencies coincide (within ``rtol`` of the largest)
         have no unique basis and get no basis gradient from each other: the derivative is exact for distinct
         frequencies (e.g. the RoPE initialisation) and drops the coupling of coinciding ones (e.g. ``K = 0``).
     """

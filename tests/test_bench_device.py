@@ -72,7 +72,8 @@ def test_partial_results_are_reported_after_each_row():
     seen = []
     records = run_bench(_tiny(rows=("none", "axial"), cases=("grid2d",), vit=()), log=lambda s: None,
                         on_record=lambda recs: seen.append([r["label"] for r in recs]))
-    assert seen == [["none"], ["none", "axial"], ["none", "axial", "axial in training"]] and all("cpu" in r and "load_avg_end" in r for r in records)
+    assert seen == [["none"], ["none", "axial"], ["none", "axial", "axial in training"]]
+    assert all("cpu" in r and "load_avg_end" in r for r in records)
 
 
 def test_bad_vit_mode():

@@ -103,6 +103,36 @@ def test_block_fold_equals_dense_fold(name, opts, with_bias):
             torch.testing.assert_close(y, x, rtol=0, atol=1e-12)
 
 
+def test_block_fold_through_the_tf32_safe_product(monkeypatch):
+    """Where float32 products run in TF32 (CUDA), the merge goes through ``_PreciseMatmul``, whose backward reduces
+    over broadcast dimensions: forced here on the CPU, the block merge (blocks shared by the heads, broadcast
+    over q/k and heads) still equals the dense merge in value and gradients, in float32."""
+    import ropekit.fold as fold_module
+    from ropekit.encodings.functional import _PreciseMatmul
+
+    torch.manual_seed(0)
+    pe = create_pe("comrope-ld", head_dim=16, coord_dim=2, num_heads=3, block_size=4)
+    with torch.no_grad():
+        for p in pe.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    w = torch.randn(144, 20, requires_grad=True)
+    b = torch.randn(144, requires_grad=True)
+    form = rope_form(pe)
+    ref = fold_qkv_weight(w, b, form.basis, 3)
+    monkeypatch.setattr(fold_module, "precise_matmul", _PreciseMatmul.apply)
+    out = fold_qkv_weight(w, b, form.basis, 3, blocks=form.blocks)
+    grads = [torch.randn_like(t) for t in out]
+    inputs = [w, b] + [p for p in pe.parameters() if p.requires_grad]
+    g_out = torch.autograd.grad(out, inputs, grads, allow_unused=True, retain_graph=True)
+    g_ref = torch.autograd.grad(ref, inputs, grads, allow_unused=True)
+    for x, y in zip(out, ref):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    for x, y in zip(g_out, g_ref):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-4 * float(y.abs().max()))
+
+
 def test_half_pairs_and_dense_bases_have_no_blocks():
     assert rope_form(_perturbed("comrope-ld", block_size=4, pairs="half")).blocks is None
     assert rope_form(_perturbed("cayley")).blocks is None
