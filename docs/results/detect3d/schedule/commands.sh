@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# How long must a detect3d model train? One seed of the study's recipe (Cayley-STRING ViTD, and an axial RGB ViT)
-# trained on different schedules; every training field that differs between them is stated on its line, so the
-# lines do not depend on the preset's current schedule. About 45 CPU-minutes in all (one thread per run);
+# How long must a detect3d model train? One seed of the study's recipe (Cayley-STRING ViTD; an APE ViTD and an
+# axial RGB ViT for comparison) trained on different schedules; every training field that differs between them
+# is stated on its line, so the lines do not depend on the preset's current schedule. About 100 CPU-minutes in
+# all (one thread per run; the two 9600-step runs take 20-25 minutes each);
 # summarise.py writes table.md and schedule.png from the run folders (metrics.json, curve.csv, config.json).
 # The committed b32-s300 files are the earlier study recipe's own seed-0 run (the same settings), copied, not
 # retrained. Run from anywhere: it works from the repository root, where the scene cache (.cache/scenes) lives.
@@ -28,5 +29,8 @@ run b32-s1200-lr2e-3 cayley rgbd 1200 32 0.002  60 100
 run b64-s600-lr2e-3  cayley rgbd  600 64 0.002  60  50
 run b32-s2400     cayley rgbd 2400 32 0.001 100 100
 run b32-s4800     cayley rgbd 4800 32 0.001 100 200
+run b32-s9600     cayley rgbd 9600 32 0.001 100 400
+run ape-b32-s4800 absolute rgbd 4800 32 0.001 100 200
+run ape-b32-s9600 absolute rgbd 9600 32 0.001 100 400
 run rgb-b16-s2400 axial  rgb  2400 16 0.001 100 100
 python "$here/summarise.py"

@@ -57,7 +57,8 @@ def plot(rows) -> None:
     colours = plt.cm.tab20.colors
     for i, r in enumerate(rows):
         xs, ys = zip(*r["curve"])
-        style = "--" if r["input"] != "rgbd" else ("-" if r["lr"] == 1e-3 else ":")
+        style = "--" if r["input"] != "rgbd" else "-." if r["encoding"] == "absolute" else (
+            "-" if r["lr"] == 1e-3 else ":")
         ax.plot([x / N_TRAIN for x in xs], ys, style, marker=".", ms=3, lw=1.2, color=colours[(2 * i) % 20 + (i >= 10)],
                 label=f"{r['pilot']} ({r['encoding']} {r['input']})")
     ax.set_xlabel("epochs of the 8000 training scenes (training images seen / 8000)")
