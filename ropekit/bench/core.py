@@ -19,8 +19,8 @@ plus, for a naive row, the fast row it is the reference of (whose peak and saved
 too: ``fast_peak_mb``, ``fast_saved_mb`` and the ratios ``peak_ratio``, ``saved_ratio`` of fast to naive), and
 for a folded row, axial RoPE and the unfolded encoding. Times are medians over the rounds after warm-up (minima
 are recorded too); ratios are ratios of medians from the same rounds, so a slow phase of a shared machine affects
-both sides. Threads are fixed
-(``torch.set_num_threads``). Slow rows get fewer rounds (at least 3) so that every row fits a time budget.
+both sides. Threads are fixed (``torch.set_num_threads``). Slow rows get fewer rounds (at least 3) so that
+every row fits a time budget.
 The clock is wall time by default; ``clock="cpu"`` times with the process CPU time instead, which -- with one
 thread -- ignores the time the process spends descheduled, so it stays meaningful on a machine shared with
 other jobs (with several threads it would add up their CPU time, spin-waits included).
