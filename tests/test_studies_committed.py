@@ -46,8 +46,10 @@ def _schedule_pilots():
     for line in (RESULTS / "detect3d" / "schedule" / "commands.sh").read_text().splitlines():
         if line.startswith("run "):
             words = shlex.split(line, comments=True)
-            name, enc, inp, steps, batch, lr, warmup, log_every = words[1:]
-            pilots.append((name, ["--encodings", enc, "--inputs", inp, "--seeds", "0", "--set", f"train.steps={steps}",
+            name, enc, inp, steps, batch, lr, warmup, log_every, *seed = words[1:]
+            assert len(seed) <= 1, line
+            seed = seed[0] if seed else "0"
+            pilots.append((name, ["--encodings", enc, "--inputs", inp, "--seeds", seed, "--set", f"train.steps={steps}",
                                   "--set", f"train.batch_size={batch}", "--set", f"train.lr={lr}",
                                   "--set", f"train.warmup_steps={warmup}", "--set", f"train.log_every={log_every}"]))
     return pilots
@@ -67,10 +69,10 @@ def test_detect3d_schedule_pilots_are_what_their_commands_train():
     ex.add_arguments(parser)
     for name, argv in pilots:
         cfg = ex.config_from_args(parser.parse_args(argv))
-        (enc,), (inp,) = cfg.encodings, cfg.inputs
-        doc = json.loads((RESULTS / "detect3d" / "schedule" / name / "runs" / f"{enc}-{inp}-s0" / "metrics.json")
+        (enc,), (inp,), (seed,) = cfg.encodings, cfg.inputs, cfg.seeds
+        doc = json.loads((RESULTS / "detect3d" / "schedule" / name / "runs" / f"{enc}-{inp}-s{seed}" / "metrics.json")
                          .read_text())
-        assert doc["settings"] == json.loads(json.dumps(ex.run_settings(cfg, enc, inp, 0))), name
+        assert doc["settings"] == json.loads(json.dumps(ex.run_settings(cfg, enc, inp, seed))), name
     spec = importlib.util.spec_from_file_location("schedule_summary", RESULTS / "detect3d" / "schedule" / "summarise.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
