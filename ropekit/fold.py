@@ -364,52 +364,33 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
     d = dim // num_heads
     if basis.shape[-1] != d or basis.shape[0] not in (1, num_heads):
         raise ValueError(f"basis must have shape (1 or {num_heads}, {d}, {d}), got {tuple(basis.shape)}")
-    if blocks is not None:
-        if blocks.dim() != 4 or blocks.shape[0] != basis.shape[0] or blocks.shape[1] * blocks.shape[2] != d:
-            raise ValueError(f"blocks must have shape ({basis.shape[0]}, nb, b, b) with nb * b = {d}, "
-                             f"got {tuple(blocks.shape)}")
-        return _fold_blocks(weight, bias, blocks, num_heads)
+    if blocks is not None and (blocks.dim() != 4 or blocks.shape[0] != basis.shape[0]
+                               or blocks.shape[1] * blocks.shape[2] != d):
+        raise ValueError(f"blocks must have shape ({basis.shape[0]}, nb, b, b) with nb * b = {d}, "
+                         f"got {tuple(blocks.shape)}")
+    h = num_heads
     with torch.autocast(device_type=weight.device.type, enabled=False):
-        p = basis.to(weight.dtype)  # (Hp, d, d)
         # split, not two slices: its backward is one concatenation, a slice's a zero-filled weight-sized buffer
         w_qk, w_v = weight.split([2 * dim, dim])
-        if p.shape[0] == 1:  # one basis for every head: a single (d x d) @ (d x 2 H D_in) product, no batch
-            cols = w_qk.view(2 * num_heads, d, d_in).transpose(0, 1).reshape(d, -1)  # (d, 2H D_in)
-            qk = precise_matmul(p[0], cols).view(d, 2 * num_heads, d_in).transpose(0, 1)  # (2H, d, D_in)
+        b_qk, b_v = (None, None) if bias is None else bias.split([2 * dim, dim])
+        b_qk = None if b_qk is None else b_qk.to(weight.dtype)
+        if blocks is not None:  # block by block: rows (2, H, nb, b, .) against blocks (1, H or 1, nb, b, b)
+            nb, bs = blocks.shape[1], blocks.shape[2]
+            p = blocks.to(weight.dtype).view(1, blocks.shape[0], nb, bs, bs)
+            qk = precise_matmul(p, w_qk.view(2, h, nb, bs, d_in))  # (2, H, nb, b, D_in)
+            bqk = None if b_qk is None else precise_matmul(p, b_qk.view(2, h, nb, bs, 1))  # (2, H, nb, b, 1)
+        elif basis.shape[0] == 1:  # one basis for every head: a single (d x d) @ (d x 2 H D_in) product, no batch
+            p = basis.to(weight.dtype)[0]  # (d, d)
+            cols = w_qk.view(2 * h, d, d_in).transpose(0, 1).reshape(d, -1)  # (d, 2H D_in)
+            qk = precise_matmul(p, cols).view(d, 2 * h, d_in).transpose(0, 1)  # (2H, d, D_in)
+            bqk = None if b_qk is None else precise_matmul(b_qk.view(2 * h, d), p.transpose(0, 1))  # (2H, d)
         else:
-            qk = precise_matmul(p.unsqueeze(0), w_qk.view(2, num_heads, d, d_in))  # (2, H, d, D_in)
+            p = basis.to(weight.dtype).unsqueeze(0)  # (1, H, d, d)
+            qk = precise_matmul(p, w_qk.view(2, h, d, d_in))  # (2, H, d, D_in)
+            bqk = None if b_qk is None else precise_matmul(p, b_qk.view(2, h, d, 1))  # (2, H, d, 1)
         w = torch.cat([qk.reshape(2 * dim, d_in), w_v], dim=0)  # (3 D, D_in)
-        b = None
-        if bias is not None:
-            b_qk, b_v = bias.split([2 * dim, dim])
-            bqk = b_qk.to(weight.dtype)
-            if p.shape[0] == 1:
-                bqk = precise_matmul(bqk.view(2 * num_heads, d), p[0].transpose(0, 1))  # (2H, d): P b per head
-            else:
-                bqk = precise_matmul(p.unsqueeze(0), bqk.view(2, num_heads, d, 1))  # (2, H, d, 1)
-            b = torch.cat([bqk.reshape(2 * dim).to(bias.dtype), b_v], dim=0)
+        b = None if bias is None else torch.cat([bqk.reshape(2 * dim).to(bias.dtype), b_v], dim=0)
     return w, b
-
-
-def _fold_blocks(weight: Tensor, bias: Optional[Tensor], blocks: Tensor, num_heads: int
-                 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """:func:`fold_qkv_weight` for a block-diagonal basis given by its blocks ``(Hp, nb, b, b)``: the q and k rows
-    of head ``h`` split into ``nb`` groups of ``b`` rows, each multiplied by its block."""
-    three_d, d_in = weight.shape
-    dim = three_d // 3
-    hp, nb, b = blocks.shape[0], blocks.shape[1], blocks.shape[2]
-    heads = 1 if hp == 1 else num_heads  # (2, H or 1, nb, b, b) against rows (2, H, nb, b, D_in)
-    with torch.autocast(device_type=weight.device.type, enabled=False):
-        p = blocks.to(weight.dtype).view(1, heads, nb, b, b)
-        w_qk, w_v = weight.split([2 * dim, dim])
-        qk = precise_matmul(p, w_qk.view(2, num_heads, nb, b, d_in))  # (2, H, nb, b, D_in)
-        w = torch.cat([qk.reshape(2 * dim, d_in), w_v], dim=0)  # (3 D, D_in)
-        out_b = None
-        if bias is not None:
-            b_qk, b_v = bias.split([2 * dim, dim])
-            bqk = precise_matmul(p, b_qk.to(weight.dtype).view(2, num_heads, nb, b, 1))  # (2, H, nb, b, 1)
-            out_b = torch.cat([bqk.reshape(2 * dim).to(bias.dtype), b_v], dim=0)
-    return w, out_b
 
 
 def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0

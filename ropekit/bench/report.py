@@ -87,8 +87,8 @@ def evaluate_targets(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         for label in ("axial", "mixed"):
             r = _find(records, label, case)
             add(f"{label} fwd+bwd <= 2x elementwise floor", case, r and r["x_floor"], 2.0, "x floor")
-        bounds = {"cayley": 0.10, "circulant": 0.10}
-        bounds.update(dict.fromkeys(("comrope-ap (b=8)", "comrope-ld (b=8)"), 0.10 if case == "grid2d" else 0.25))
+        comrope = 0.10 if case == "grid2d" else 0.25
+        bounds = {"cayley": 0.10, "circulant": 0.10, "comrope-ap (b=8)": comrope, "comrope-ld (b=8)": comrope}
         for label, bound in bounds.items():
             r = _find(records, f"{label} in training (folded)", case)
             add(f"{label} in training (folded, per layer) fwd+bwd <= {bound:.0%} of SDPA", case,
