@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("gym_aloha", reason='the ALOHA tests need pip install "ropekit[aloha]"')
 
-from ropekit.robot.aloha.expert import (DemoConfig, expert_actions, expert_episode,  # noqa: E402
-                                        load_or_collect)
+from ropekit.robot.aloha.expert import (DemoConfig, collect_demos, expert_actions,  # noqa: E402
+                                        expert_episode, load_or_collect)
 from ropekit.robot.aloha.policy import (AlohaChunks, AlohaPolicy, AlohaPolicyConfig,  # noqa: E402
                                         evaluate_policy, load_aloha_policy, save_aloha_policy)
 from ropekit.robot.aloha.sim import AlohaSim, _axis_angle_quat, _quat_mul  # noqa: E402
@@ -72,6 +72,18 @@ def test_demo_set_round_trips_through_the_cache(demos):
     # another configuration is another file
     assert DemoConfig(task="transfer_cube", episodes=1, seed=4).key() != cfg.key()
     assert not list(root.glob("*.tmp"))  # atomic write left no temporary behind
+
+
+def test_parallel_collection_gives_the_same_set():
+    """Two processes simulate demos side by side; the kept seeds and every array are one process's."""
+    cfg = DemoConfig(task="transfer_cube", episodes=2, seed=7, image_hw=(24, 32), frame_stride=100)
+    one, two = collect_demos(cfg), collect_demos(cfg, workers=2)
+    assert one["episode_seed"].tolist() == [7, 8]
+    for k in one:
+        if k != "seconds":
+            np.testing.assert_array_equal(two[k], one[k], err_msg=k)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        collect_demos(cfg, workers=0)
 
 
 @pytest.mark.parametrize("pe,modality", [("cayley", "rgbd"), ("absolute", "image")])

@@ -44,6 +44,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", action="store_true", help="also record depth (needed by RGB-D policies)")
     p.add_argument("--frame-stride", type=int, default=2, help="render every k-th step (training examples)")
     p.add_argument("--cache-dir", default=None, help="demo-set cache (default ~/.cache/ropekit/aloha)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes simulating demos side by side (the set does not depend on it)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,7 +126,7 @@ def _demo_config(args: Any, depth: bool = False):
 def _collect(args: Any) -> int:
     from .expert import load_or_collect
 
-    demos, path, cached = load_or_collect(_demo_config(args), args.cache_dir, progress=True)
+    demos, path, cached = load_or_collect(_demo_config(args), args.cache_dir, progress=True, workers=args.workers)
     print(f"{len(demos['episode_seed'])} demos ({int(demos['attempts'])} attempts, failed seeds "
           f"{demos['failed_seeds'].tolist()}) {'from the cache' if cached else 'collected'}: {path}")
     return 0
@@ -137,7 +139,8 @@ def _train(args: Any) -> int:
     from .policy import ENCODINGS, AlohaChunks, AlohaPolicy, AlohaPolicyConfig, save_aloha_policy
 
     modality, pe, options = ENCODINGS[encoding_label(args.pe)]
-    demos, path, _ = load_or_collect(_demo_config(args, depth=modality == "rgbd"), args.cache_dir, progress=True)
+    demos, path, _ = load_or_collect(_demo_config(args, depth=modality == "rgbd"), args.cache_dir, progress=True,
+                                     workers=args.workers)
     cfg = AlohaPolicyConfig(pe=pe, pe_options=dict(options), modality=modality, image_hw=args.image_size,
                             fovy=args.fovy)
     policy = AlohaPolicy(cfg)

@@ -216,36 +216,79 @@ def expert_episode(task: str, seed: int, steps: int = 400, replay: Optional[Aloh
             "ee_success": ee_reward >= 4, "success": best >= 4, "max_reward": best, "reach_gap": gap}
 
 
-def collect_demos(cfg: DemoConfig, progress: bool = False) -> Dict[str, np.ndarray]:
+_WORKER: Dict[str, Any] = {}
+
+
+def _worker_init(cfg: Dict[str, Any]) -> None:
+    """Pool initialiser: one replay sim and one end-effector sim per worker process."""
+    c = DemoConfig(**cfg)
+    _WORKER["cfg"] = c
+    _WORKER["sim"] = AlohaSim(c.task, mode="joint", cameras=c.cameras[:1], image_hw=c.image_hw, depth=c.depth,
+                              fovy=c.fovy)
+    _WORKER["ee"] = AlohaSim(c.task, mode="ee", cameras=())
+
+
+def _worker_episode(seed: int) -> Tuple[int, Dict[str, Any]]:
+    c = _WORKER["cfg"]
+    return seed, expert_episode(c.task, seed, c.episode_steps, replay=_WORKER["sim"], ee_sim=_WORKER["ee"],
+                                frame_stride=c.frame_stride)
+
+
+def _episodes(cfg: DemoConfig, seeds: range, workers: int):
+    """``(seed, episode)`` for ``seeds`` in seed order; ``workers > 1`` simulates them in that many processes
+    (each episode depends only on its seed, so the order and the arrays are those of one process)."""
+    if workers <= 1:
+        _worker_init(cfg.to_dict())
+        try:
+            yield from map(_worker_episode, seeds)
+        finally:
+            _WORKER.clear()
+        return
+    import multiprocessing as mp
+
+    # spawn, not fork: a forked MuJoCo/EGL context is not safe to reuse.
+    with mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(cfg.to_dict(),)) as pool:
+        yield from pool.imap(_worker_episode, seeds, chunksize=1)
+
+
+def collect_demos(cfg: DemoConfig, progress: bool = False, workers: int = 1) -> Dict[str, np.ndarray]:
     """Collect ``cfg.episodes`` successful replayed expert demos (arrays in the module docstring).
+
+    Seeds are tried in order from ``cfg.seed``; the first ``cfg.episodes`` successes are kept, so the set does
+    not depend on ``workers`` (processes that simulate episodes side by side).
 
     Also returns ``attempts``, ``failed_seeds`` and ``seconds`` entries (the expert's success rate is
     ``episodes / attempts``).
 
     Raises:
         RuntimeError: fewer than ``cfg.episodes`` successes within ``episodes * max_tries_factor`` attempts.
+        ValueError: ``workers < 1``.
     """
     from tqdm.auto import tqdm
 
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     t0 = time.time()
-    sim = AlohaSim(cfg.task, mode="joint", cameras=cfg.cameras[:1], image_hw=cfg.image_hw, depth=cfg.depth,
-                   fovy=cfg.fovy)
-    ee = AlohaSim(cfg.task, mode="ee", cameras=())
     max_tries = max(cfg.episodes, int(np.ceil(cfg.episodes * cfg.max_tries_factor)))
     kept: List[Dict[str, Any]] = []
     seeds: List[int] = []
     failed: List[int] = []
     bar = tqdm(total=cfg.episodes, desc=f"demos {cfg.task}", unit="demo", disable=not progress)
     s = cfg.seed
-    while len(kept) < cfg.episodes and s < cfg.seed + max_tries:
-        ep = expert_episode(cfg.task, s, cfg.episode_steps, replay=sim, ee_sim=ee, frame_stride=cfg.frame_stride)
-        if ep["success"]:
-            kept.append(ep)
-            seeds.append(s)
-            bar.update(1)
-        else:
-            failed.append(s)
-        s += 1
+    episodes = _episodes(cfg, range(cfg.seed, cfg.seed + max_tries), workers)
+    try:
+        for s, ep in episodes:
+            if ep["success"]:
+                kept.append(ep)
+                seeds.append(s)
+                bar.update(1)
+            else:
+                failed.append(s)
+            if len(kept) == cfg.episodes:
+                break
+    finally:
+        episodes.close()
+    s += 1
     bar.close()
     if len(kept) < cfg.episodes:
         raise RuntimeError(f"the scripted {cfg.task} expert succeeded in only {len(kept)} of {s - cfg.seed} "
@@ -300,9 +343,10 @@ def load_demo_set(path: PathLike) -> Dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
-def load_or_collect(cfg: DemoConfig, cache_dir: Optional[PathLike] = None, progress: bool = False
-                    ) -> Tuple[Dict[str, np.ndarray], Path, bool]:
-    """The demo set of ``cfg`` from ``cache_dir/<task>-<hash>.npz``, collecting and caching it when absent.
+def load_or_collect(cfg: DemoConfig, cache_dir: Optional[PathLike] = None, progress: bool = False,
+                    workers: int = 1) -> Tuple[Dict[str, np.ndarray], Path, bool]:
+    """The demo set of ``cfg`` from ``cache_dir/<task>-<hash>.npz``, collecting and caching it when absent
+    (``workers`` processes side by side; the set does not depend on their number).
 
     Returns:
         ``(demos, path, was_cached)``.
@@ -311,6 +355,6 @@ def load_or_collect(cfg: DemoConfig, cache_dir: Optional[PathLike] = None, progr
     path = root / f"{cfg.task}-{cfg.key()}.npz"
     if path.exists():
         return load_demo_set(path), path, True
-    demos = collect_demos(cfg, progress=progress)
+    demos = collect_demos(cfg, progress=progress, workers=workers)
     save_demo_set(demos, path, cfg)
     return demos, path, False
