@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -197,6 +198,17 @@ def test_bad_inputs_are_one_line_errors():
         s.step(np.zeros(16))
 
 
+def test_presets_state_every_policy_and_training_field():
+    from ropekit.robot.aloha.experiment import PRESETS, missing_fields
+
+    for name, make in PRESETS.items():
+        assert missing_fields(make()) == [], name
+    cfg = PRESETS["cpu"]()
+    cfg.train.pop("lr")
+    del cfg.policy["vit_overrides"]["mlp_ratio"]
+    assert missing_fields(cfg) == ["policy.vit_overrides.mlp_ratio", "train.lr"]
+
+
 def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     from ropekit.experiments.registry import run_experiment
 
@@ -207,6 +219,10 @@ def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     assert "Cayley-STRING" in res.table and "ViT (learned APE)" in res.table
     rows = res.summary["rows"]
     assert len(rows) == 2 and all(r["expert"] == 1.0 for r in rows)
+    # one schedule of 4 steps, evaluated half-way (curve seeds) and at the end (evaluation seeds)
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    for runs in doc["tasks"]["transfer_cube"]["policies"].values():
+        assert [(c["step"], c["episodes"]) for c in runs[0]["curve"]] == [(2, 1), (4, 2)]
     # runs made apart pool into one table (here the same run twice: two "seeds" per encoder)
     from ropekit.robot.aloha.experiment import merge_results
 

@@ -203,6 +203,29 @@ def test_policy_resume_after_ctrl_c_is_bit_exact(tmp_path, ctrl_c_delivered):
                      tmp_path / "part", progress=False)
 
 
+def test_policy_snapshots_hold_the_ema_weights_and_leave_training_alone():
+    """``on_snapshot`` sees the policy as it would be saved at that step; training goes on unchanged."""
+    cfg = PolicyTrainConfig(steps=5, batch_size=4, warmup_steps=1, log_every=2, ema_decay=0.9, shift=2)
+    torch.manual_seed(0)
+    plain = tiny_policy()
+    train_policy(plain, TinyDemos(), cfg, progress=False)
+    seen = {}
+
+    def grab(step, snap):
+        assert not snap.training and not any(p.requires_grad for p in snap.parameters())
+        seen[step] = {k: v.clone() for k, v in snap.state_dict().items()}
+        for p in snap.parameters():  # scribbling on the copy must not reach the policy being trained
+            p.data.fill_(7.0)
+
+    torch.manual_seed(0)
+    watched = tiny_policy()
+    train_policy(watched, TinyDemos(), cfg, progress=False, snapshot_at=[2, 5], on_snapshot=grab)
+    assert sorted(seen) == [2, 5]
+    assert _same_state(watched.state_dict(), plain.state_dict())  # same training, same (EMA) result
+    assert _same_state(seen[5], plain.state_dict())  # the last snapshot is the saved policy
+    assert not _same_state(seen[2], seen[5])
+
+
 # ------------------------------------------------------------------------------------------------ DDP
 
 

@@ -15,11 +15,12 @@ policy's config and weights, the EMA weights when EMA is on)::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -199,6 +200,20 @@ class PolicyTask:
             for e, v in zip(self.ema, state["ema"]):
                 e.copy_(v)
 
+    def ema_copy(self) -> DiffusionPolicy:
+        """A copy of the policy holding the EMA weights, in eval mode and without gradients (the policy that
+        would be saved if training stopped now); the training weights are not touched."""
+        snap = copy.deepcopy(self.model)
+        if self.ema is not None:
+            trained = [p for p in snap.parameters() if p.requires_grad]  # the order of self.params
+            with torch.no_grad():
+                for p, e in zip(trained, self.ema):
+                    p.copy_(e)
+        for p in snap.parameters():
+            p.grad = None
+            p.requires_grad_(False)
+        return snap.eval()
+
     def copy_ema(self) -> None:
         """Put the EMA weights into the policy (the saved policy holds them)."""
         if self.ema is not None:
@@ -210,7 +225,8 @@ class PolicyTask:
 def train_policy(policy: DiffusionPolicy, data: DemoChunks, cfg: PolicyTrainConfig,
                  out_dir: Optional[PathLike] = None, fit_normalizers: bool = True, progress: bool = True,
                  extra_config: Optional[Dict[str, Any]] = None, *, resume: Optional[bool] = None,
-                 options: Optional[engine.EngineOptions] = None) -> List[Dict[str, float]]:
+                 options: Optional[engine.EngineOptions] = None, snapshot_at: Sequence[int] = (),
+                 on_snapshot: Optional[Callable[[int, DiffusionPolicy], None]] = None) -> List[Dict[str, float]]:
     """Train ``policy`` in place by DDPM imitation of ``data``; return the logged rows.
 
     The loop is the shared engine (:func:`ropekit.train.engine.fit`): under ``torchrun`` the batch is split over
@@ -227,6 +243,10 @@ def train_policy(policy: DiffusionPolicy, data: DemoChunks, cfg: PolicyTrainConf
         resume: continue from ``out_dir/train_state.pt``; ``None`` (default): when that file exists and was written
             with the same settings (other settings raise ``ValueError``).
         options: engine options (default: CPU, fp32, ``cfg.num_threads`` threads, the bar if ``progress``).
+        snapshot_at, on_snapshot: after each of the steps ``snapshot_at`` (counted from 1),
+            ``on_snapshot(step, policy)`` is called with a copy of the policy holding the EMA weights so far
+            (e.g. to evaluate it: a success-vs-step curve within one learning-rate schedule). The copy is on the
+            training device; the callback runs on every process and must not touch the training RNGs.
 
     Raises:
         KeyboardInterrupt: Ctrl-C (after saving the training state when ``out_dir`` is given).
@@ -264,8 +284,15 @@ def train_policy(policy: DiffusionPolicy, data: DemoChunks, cfg: PolicyTrainConf
         def fresh_start(c: Any) -> None:
             torch.manual_seed(cfg.seed + 1_000_003 * c.rank)  # (rank 0: as a single process)
 
+        at = {int(k) for k in snapshot_at}
+
+        def on_step(step: int) -> bool:
+            if on_snapshot is not None and step in at:
+                on_snapshot(step, task.ema_copy())
+            return False
+
         res = engine.fit(task, schedule, task.epochs, options=opts, run_dir=out, checkpoint_name=TRAIN_STATE,
-                         resume=bool(resume), ctx=ctx, quiet=not progress, config_doc=config,
+                         resume=bool(resume), ctx=ctx, quiet=not progress, config_doc=config, on_step=on_step,
                          checkpoint_extra={"policy_config": policy.config.to_dict(),
                                            "policy_train_config": cfg.to_dict()},
                          optimizer=_optimizer(policy, cfg), fresh_start=fresh_start)

@@ -95,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--demo-depth", action="store_true",
                    help="record depth even without an RGB-D encoder (one demo set for split runs)")
     p.add_argument("--no-checkpoints", action="store_true", help="do not write the policies' checkpoints")
+    p.add_argument("--workers", type=int, default=1, help="processes collecting a missing demo set")
     p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("merge", help="pool the results of experiment runs made apart (e.g. one per seed)")
@@ -187,7 +188,7 @@ def _experiment(args: Any) -> int:
     changes.update({k: v for k, v in given.items() if v})
     cfg = dataclasses.replace(cfg, **changes)
     command = "ropekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    doc = run_experiment(cfg, args.out, command=command, device=args.device)
+    doc = run_experiment(cfg, args.out, command=command, device=args.device, workers=args.workers)
     print((Path(args.out) / "table.md").read_text())
     print(f"results in {args.out} ({doc['timings_s']['total'] / 60:.1f} min)")
     return 0

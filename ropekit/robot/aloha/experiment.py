@@ -6,10 +6,13 @@ coordinate) and each training seed, a policy is trained on the same cached scrip
 evaluated on fixed, held-out object-pose seeds. The scripted expert, replayed on those same seeds, gives the
 ceiling.
 
-Training is split into ``segments`` calls of ``ropekit.robot.train.train_policy`` (each a warm-up-free cosine
-cycle whose EMA weights carry over; the first has the warm-up), and the policy is evaluated after each
-segment on ``curve_episodes`` seeds -- the success-vs-training-step curve. The last point uses
+Each policy trains in one call of ``ropekit.robot.train.train_policy`` (one warm-up and cosine schedule);
+after each of the first ``segments - 1`` equal parts of it, the EMA policy so far is evaluated on
+``curve_episodes`` seeds -- the success-vs-training-step curve. The last point, after training, uses
 ``eval_episodes`` seeds: the table's number.
+
+The presets (:data:`PRESETS`) state every policy and training field (:func:`missing_fields` is empty for
+each), so a changed default elsewhere cannot change what a documented command trains.
 
 Outputs in ``out``: ``config.json`` (the full configuration and the command), ``results.json`` (every
 evaluation), ``curves.csv``, ``table.md``, ``success.png`` (success vs step, mean over seeds, one panel per
@@ -33,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-__all__ = ["AlohaExperimentConfig", "run_experiment", "run_study", "PRESETS"]
+__all__ = ["AlohaExperimentConfig", "run_experiment", "run_study", "missing_fields", "PRESETS"]
 
 PathLike = Union[str, Path]
 
@@ -66,26 +69,22 @@ class AlohaExperimentConfig:
     encodings: List[str] = field(default_factory=lambda: ["ViT (learned APE)", "RoPE (axial)", "RoPE (mixed)",
                                                           "Cayley-STRING", "Cayley-STRING RGB-D"])
     seeds: List[int] = field(default_factory=lambda: [0, 1])
-    demos: int = 20
+    demos: int = 2000
     demo_seed: int = 0
     frame_stride: int = 4
     image_hw: Tuple[int, int] = (48, 64)
-    fovy: Optional[float] = None
+    fovy: Optional[float] = 50.0
     episode_steps: int = 400
-    policy: Dict[str, Any] = field(default_factory=lambda: {
-        "vit_overrides": {"depth": 3, "patch_size": 8, "embed_dim": 96, "num_heads": 3},
-        "cond_dim": 192, "hidden_dim": 256, "num_blocks": 3, "num_inference_steps": 8})
-    train: Dict[str, Any] = field(default_factory=lambda: {
-        "steps": 200, "batch_size": 32, "lr": 1e-3, "warmup_steps": 20, "shift": 2, "noise_samples": 2,
-        "ema_decay": 0.99, "log_every": 25})
-    segments: int = 2
-    curve_episodes: int = 10
+    policy: Dict[str, Any] = field(default_factory=lambda: _policy())
+    train: Dict[str, Any] = field(default_factory=lambda: _train())
+    segments: int = 3
+    curve_episodes: int = 20
     eval_episodes: int = 50
     eval_seed: int = 100_000
     eval_parallel: int = 10
     eval_steps: Optional[int] = None
     expert_episodes: int = 50
-    demo_depth: bool = False
+    demo_depth: bool = True
     save_checkpoints: bool = True
     cache_dir: Optional[str] = None
     threads: int = 1
@@ -109,27 +108,82 @@ class AlohaExperimentConfig:
         return d
 
 
+#: Policy fields each encoder row sets itself (``image_size`` is unused: the camera is ``image_hw``).
+PER_RUN_POLICY = frozenset({"modality", "pe", "pe_options", "image_hw", "fovy", "image_size"})
+
+
+def _backbone(**changes: Any) -> Dict[str, Any]:
+    """Every encoder field: 8-px patches (6x8 tokens at 48x64), width 96, 3 blocks of 3 heads, MLP ratio 2,
+    no class token (the head pools with its own queries), grid coordinates, no jitter."""
+    b = dict(patch_size=8, tubelet_size=2, embed_dim=96, depth=3, num_heads=3, mlp_ratio=2.0, qkv_bias=True,
+             drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0, pe_sharing="auto", per_head=False,
+             pe_fold_train=True, ape="none", cls="none", coords="grid", jitter=0.0)
+    b.update(changes)
+    return b
+
+
+def _policy(**changes: Any) -> Dict[str, Any]:
+    """Every head field: 16-step chunks of absolute joint targets of which 8 are executed, 4 pooling queries
+    with their expected patch positions (keypoints), FiLM residual MLP of width 256, DDPM with 100 steps
+    predicting the clean chunk, 8 DDIM steps; the RGB-D lift starts at 1 coordinate unit per metre."""
+    p = dict(vit_size="tiny", vit_overrides=_backbone(), depth_scale_init=1.0, horizon=16, n_action_steps=8,
+             action_mode="absolute", num_queries=4, keypoints=True, aux_weight=0.0, cond_dim=192, hidden_dim=256,
+             num_blocks=3, num_train_timesteps=100, num_inference_steps=8, prediction="sample")
+    p.update(changes)
+    return p
+
+
+def _train(**changes: Any) -> Dict[str, Any]:
+    """Every optimisation field except the per-run ``seed`` and the hardware's ``num_threads``."""
+    t = dict(steps=6000, batch_size=64, lr=1e-3, min_lr=1e-5, warmup_steps=100, weight_decay=1e-4,
+             depth_lr_mult=10.0, noise_samples=2, shift=0, grad_clip=1.0, ema_decay=0.995, only_successful=True,
+             log_every=50)
+    t.update(changes)
+    return t
+
+
+def missing_fields(cfg: AlohaExperimentConfig) -> List[str]:
+    """Policy, encoder and training fields ``cfg`` leaves to a default (empty for every preset)."""
+    from ..recipes import backbone_fields
+    from ..train import PolicyTrainConfig
+    from .policy import AlohaPolicyConfig
+
+    policy = {f.name for f in dataclasses.fields(AlohaPolicyConfig)} - PER_RUN_POLICY
+    train = {f.name for f in dataclasses.fields(PolicyTrainConfig)} - {"seed", "num_threads"}
+    return ([f"policy.{k}" for k in sorted(policy - set(cfg.policy))]
+            + [f"policy.vit_overrides.{k}" for k in sorted(backbone_fields() - set(cfg.policy.get("vit_overrides", {})))]
+            + [f"train.{k}" for k in sorted(train - set(cfg.train))])
+
+
+def _cpu() -> AlohaExperimentConfig:
+    # 2000 demos and 6000 steps: with 20 or 200 demos the policies acted blind (the README's diagnosis), and the
+    # KUKA pick study needed both 10x its demos and 3x its steps before its policies followed the target.
+    return AlohaExperimentConfig()
+
+
 def _quick() -> AlohaExperimentConfig:
     return AlohaExperimentConfig(
         encodings=["ViT (learned APE)", "Cayley-STRING"], seeds=[0], demos=1, frame_stride=8, image_hw=(24, 32),
-        episode_steps=400, policy={"vit_overrides": {"depth": 1, "patch_size": 8, "embed_dim": 32, "num_heads": 2},
-                                   "cond_dim": 32, "hidden_dim": 32, "num_blocks": 1, "num_inference_steps": 2},
-        train={"steps": 4, "batch_size": 8, "warmup_steps": 1, "shift": 1, "noise_samples": 1, "log_every": 2},
+        fovy=None, episode_steps=400,
+        policy=_policy(vit_overrides=_backbone(depth=1, embed_dim=32, num_heads=2), cond_dim=32, hidden_dim=32,
+                       num_blocks=1, num_inference_steps=2),
+        train=_train(steps=4, batch_size=8, warmup_steps=1, shift=1, noise_samples=1, log_every=2),
         segments=2, curve_episodes=1, eval_episodes=2, eval_parallel=2, eval_steps=24, expert_episodes=1,
-        progress=False)
+        demo_depth=False, progress=False)
 
 
 def _gpu() -> AlohaExperimentConfig:
+    # Both tasks, 96x128 camera (12x16 tokens), width 192 with 4 blocks of 4 heads, the CPU recipe's demos and
+    # steps at twice the batch. Sized for about 30 minutes on one GPU -- an estimate, not measured.
     return AlohaExperimentConfig(
-        tasks=["transfer_cube", "insertion"], demos=50, frame_stride=2, image_hw=(96, 128),
-        policy={"vit_overrides": {"depth": 4, "patch_size": 8}, "cond_dim": 256, "hidden_dim": 512,
-                "num_blocks": 4, "num_inference_steps": 10},
-        train={"steps": 2000, "batch_size": 64, "lr": 1e-3, "warmup_steps": 100, "shift": 4, "noise_samples": 4,
-               "ema_decay": 0.99, "log_every": 100},
-        segments=3, curve_episodes=20, eval_episodes=50, eval_parallel=25, demo_depth=True, threads=2)
+        tasks=["transfer_cube", "insertion"], frame_stride=2, image_hw=(96, 128),
+        policy=_policy(vit_overrides=_backbone(depth=4, embed_dim=192, num_heads=4, mlp_ratio=4.0), cond_dim=256,
+                       hidden_dim=512, num_blocks=4, num_inference_steps=10),
+        train=_train(batch_size=128, warmup_steps=300, noise_samples=4, log_every=100),
+        eval_parallel=25, threads=2)
 
 
-PRESETS = {"cpu": AlohaExperimentConfig, "quick": _quick, "gpu": _gpu}
+PRESETS = {"cpu": _cpu, "quick": _quick, "gpu": _gpu}
 
 
 def _slug(label: str) -> str:
@@ -165,8 +219,10 @@ class _OnDevice:
 
 
 def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[str] = None,
-                   device: str = "cpu") -> Dict[str, Any]:
-    """Run the study described by ``cfg``; write its outputs into ``out``; return the results document."""
+                   device: str = "cpu", workers: int = 1) -> Dict[str, Any]:
+    """Run the study described by ``cfg``; write its outputs into ``out``; return the results document.
+
+    ``workers``: processes that collect a missing demo set side by side (the set does not depend on it)."""
     from ..train import PolicyTrainConfig, train_policy
     from .expert import DemoConfig, load_or_collect
     from .policy import ENCODINGS, AlohaChunks, AlohaPolicy, AlohaPolicyConfig, evaluate_policy, save_aloha_policy
@@ -183,8 +239,7 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
     need_depth = cfg.demo_depth or any(ENCODINGS[e][0] == "rgbd" for e in cfg.encodings)
     doc: Dict[str, Any] = {"command": command, "device": device, "tasks": {}, "timings_s": {}}
     total_steps = int(cfg.train.get("steps", 1500))
-    seg_steps = [total_steps // cfg.segments + (1 if k < total_steps % cfg.segments else 0)
-                 for k in range(cfg.segments)]
+    curve_steps = [round(total_steps * k / cfg.segments) for k in range(1, cfg.segments)]
     eval_seeds = list(range(cfg.eval_seed, cfg.eval_seed + cfg.eval_episodes))
     for task in cfg.tasks:
         tdoc: Dict[str, Any] = {"policies": {}}
@@ -192,7 +247,7 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
         t0 = time.time()
         dcfg = DemoConfig(task=task, episodes=cfg.demos, seed=cfg.demo_seed, episode_steps=cfg.episode_steps,
                           image_hw=cfg.image_hw, fovy=cfg.fovy, depth=need_depth, frame_stride=cfg.frame_stride)
-        demos, path, cached = load_or_collect(dcfg, cfg.cache_dir, progress=cfg.progress)
+        demos, path, cached = load_or_collect(dcfg, cfg.cache_dir, progress=cfg.progress, workers=workers)
         tdoc["demos"] = {"path": str(path), "cached": cached, "kept": int(len(demos["episode_seed"])),
                          "attempts": int(demos["attempts"]), "failed_seeds": demos["failed_seeds"].tolist(),
                          "collect_seconds": float(demos["seconds"]), "key": dcfg.key()}
@@ -214,24 +269,23 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
                 feed: Any = _OnDevice(data, dev)
             else:
                 feed = data
-            curve, history, done = [], [], 0
-            for k, steps in enumerate(seg_steps):
-                tcfg = PolicyTrainConfig(**{**cfg.train, "steps": steps, "seed": seed * 1000 + k,
-                                            "num_threads": int(cfg.threads),
-                                            "warmup_steps": cfg.train.get("warmup_steps", 100) if k == 0 else 0})
-                rows = train_policy(policy, feed, tcfg, fit_normalizers=(k == 0 and dev.type == "cpu"),
-                                    progress=cfg.progress)
-                history += [{**r, "step": r["step"] + done} for r in rows]
-                done += steps
-                last = k == len(seg_steps) - 1
-                seeds = eval_seeds if last else eval_seeds[:cfg.curve_episodes]
-                ev = evaluate_policy(policy, task, seeds, cfg.eval_steps or cfg.episode_steps,
+            curve: List[Dict[str, Any]] = []
+
+            def evaluate(step: int, snapshot: Any, episodes: int) -> Dict[str, Any]:
+                ev = evaluate_policy(snapshot, task, eval_seeds[:episodes], cfg.eval_steps or cfg.episode_steps,
                                      parallel=cfg.eval_parallel, seed=seed, progress=cfg.progress)
-                curve.append({"step": done, "episodes": len(seeds), "success_rate": ev["success_rate"],
+                curve.append({"step": step, "episodes": episodes, "success_rate": ev["success_rate"],
                               "mean_max_reward": float(np.mean(ev["max_reward"]))})
-                print(f"[aloha] {task} {label} s{seed} step {done}: success {ev['success_rate']:.2f} "
-                      f"({len(seeds)} episodes, {ev['seconds']:.0f} s; {time.time() - t_start:.0f} s in)",
+                print(f"[aloha] {task} {label} s{seed} step {step}: success {ev['success_rate']:.2f} "
+                      f"({episodes} episodes, {ev['seconds']:.0f} s; {time.time() - t_start:.0f} s in)",
                       file=sys.stderr, flush=True)
+                return ev
+
+            tcfg = PolicyTrainConfig(**{**cfg.train, "seed": seed * 1000, "num_threads": int(cfg.threads)})
+            history = train_policy(policy, feed, tcfg, fit_normalizers=dev.type == "cpu", progress=cfg.progress,
+                                   snapshot_at=curve_steps,
+                                   on_snapshot=lambda step, snap: evaluate(step, snap, cfg.curve_episodes))
+            ev = evaluate(total_steps, policy, cfg.eval_episodes)
             if cfg.save_checkpoints:
                 run_dir = out / "runs" / task / f"{_slug(label)}-s{seed}"
                 save_aloha_policy(policy.cpu(), run_dir / "checkpoint.pt", history=history, curve=curve)

@@ -128,6 +128,8 @@ class AlohaChunks:
     """
 
     def __init__(self, demos: Mapping[str, Any], config: PolicyConfig, episodes: Optional[int] = None) -> None:
+        if config.modality == "rgbd" and "depth" not in demos:
+            raise ValueError("an RGB-D policy needs a demo set recorded with depth=True")
         rows = np.asarray(demos["frame_row"])  # (F,)
         episode = np.asarray(demos["episode"])
         keep = np.arange(len(demos["episode_length"]))
@@ -141,11 +143,10 @@ class AlohaChunks:
         last = rows - step + lengths[episode[rows]] - 1  # (N,)
         ahead = np.minimum(rows[:, None] + np.arange(config.horizon)[None], last[:, None])  # (N, H)
         self.episodes = keep
-        self.rgb = torch.from_numpy(np.ascontiguousarray(demos["rgb"][frames]))
-        self.depth = (torch.from_numpy(np.ascontiguousarray(demos["depth"][frames]))
+        take = slice(None) if episodes is None else frames  # every frame: share the arrays, no copy
+        self.rgb = torch.from_numpy(np.ascontiguousarray(demos["rgb"][take]))
+        self.depth = (torch.from_numpy(np.ascontiguousarray(demos["depth"][take]))
                       if config.modality == "rgbd" else None)
-        if config.modality == "rgbd" and "depth" not in demos:
-            raise ValueError("an RGB-D policy needs a demo set recorded with depth=True")
         self.state = torch.from_numpy(np.asarray(demos["qpos"], dtype=np.float32)[rows])
         self.actions = torch.from_numpy(np.asarray(demos["action"], dtype=np.float32)[ahead])  # (N, H, 14)
 
