@@ -174,12 +174,13 @@ def _quick() -> AlohaExperimentConfig:
 
 
 def _gpu() -> AlohaExperimentConfig:
-    # Both tasks, 96x128 camera (12x16 tokens), width 192 with 4 blocks of 4 heads, the CPU recipe's demos and
-    # steps at twice the batch. Sized for about 30 minutes on one GPU -- an estimate, not measured.
+    # Both tasks, 96x128 camera (12x16 tokens: a patch spans half as much, so 16 units per metre), width 192
+    # with 4 blocks of 4 heads, the CPU recipe's demos and steps at twice the batch. Sized for about 30 minutes
+    # on one GPU -- an estimate, not measured.
     return AlohaExperimentConfig(
         tasks=["transfer_cube", "insertion"], frame_stride=2, image_hw=(96, 128),
         policy=_policy(vit_overrides=_backbone(depth=4, embed_dim=192, num_heads=4, mlp_ratio=4.0), cond_dim=256,
-                       hidden_dim=512, num_blocks=4, num_inference_steps=10),
+                       hidden_dim=512, num_blocks=4, num_inference_steps=10, depth_scale_init=16.0),
         train=_train(batch_size=128, warmup_steps=300, noise_samples=4, log_every=100),
         eval_parallel=25, threads=2)
 
