@@ -223,6 +223,19 @@ def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     for runs in doc["tasks"]["transfer_cube"]["policies"].values():
         assert [(c["step"], c["episodes"]) for c in runs[0]["curve"]] == [(2, 1), (4, 2)]
+    # the same command again reads the finished policies back instead of training them again
+    from ropekit.robot.aloha.experiment import PRESETS, run_experiment as run_aloha
+
+    finished = sorted((tmp_path / "out" / "runs").glob("*/*/result.json"))
+    assert len(finished) == 2 and not list((tmp_path / "out" / "runs").glob("*/*/train/train_state.pt"))
+    stamps = [p.stat().st_mtime_ns for p in finished]
+    again = run_aloha(PRESETS["quick"](), tmp_path / "out")
+    assert [p.stat().st_mtime_ns for p in finished] == stamps
+    assert again["tasks"]["transfer_cube"]["policies"] == doc["tasks"]["transfer_cube"]["policies"]
+    other = PRESETS["quick"]()
+    other.train["lr"] = 1e-4
+    with pytest.raises(ValueError, match="other settings"):
+        run_aloha(other, tmp_path / "out")
     # runs made apart pool into one table (here the same run twice: two "seeds" per encoder)
     from ropekit.robot.aloha.experiment import merge_results
 

@@ -16,7 +16,11 @@ each), so a changed default elsewhere cannot change what a documented command tr
 
 Outputs in ``out``: ``config.json`` (the full configuration and the command), ``results.json`` (every
 evaluation), ``curves.csv``, ``table.md``, ``success.png`` (success vs step, mean over seeds, one panel per
-task), and ``runs/<task>/<encoding>-s<seed>/checkpoint.pt``.
+task), and per policy ``runs/<task>/<encoding>-s<seed>/``: ``checkpoint.pt``, ``curve.json`` (the points
+evaluated so far), ``train/`` (``metrics.csv``; the training state while it runs) and ``result.json`` once
+it is done. Running the same command again continues an interrupted study: finished policies are read back,
+an interrupted one resumes from its last training state (bit for bit), and a folder of other settings is
+refused.
 """
 
 from __future__ import annotations
@@ -225,9 +229,9 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
     """Run the study described by ``cfg``; write its outputs into ``out``; return the results document.
 
     ``workers``: processes that collect a missing demo set side by side (the set does not depend on it)."""
-    from ..train import PolicyTrainConfig, train_policy
+    from ..train import PolicyTrainConfig
     from .expert import DemoConfig, load_or_collect
-    from .policy import ENCODINGS, AlohaChunks, AlohaPolicy, AlohaPolicyConfig, evaluate_policy, save_aloha_policy
+    from .policy import ENCODINGS, AlohaPolicyConfig
     from ...train.metrics import atomic_write_text
 
     t_start = time.time()
@@ -259,48 +263,91 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
         doc["timings_s"][f"{task}/expert"] = time.time() - t0
         for seed, label in [(s, e) for s in cfg.seeds for e in cfg.encodings]:  # every encoder once first
             modality, pe, pe_options = ENCODINGS[label]
-            t0 = time.time()
-            torch.manual_seed(seed)
             pcfg = AlohaPolicyConfig(**{**copy.deepcopy(cfg.policy), "pe": pe, "pe_options": dict(pe_options),
                                         "modality": modality, "image_hw": cfg.image_hw, "fovy": cfg.fovy})
-            policy = AlohaPolicy(pcfg)
-            data = AlohaChunks(demos, pcfg)
-            if dev.type != "cpu":
-                policy.fit_normalizers(data.actions, data.state)
-                policy.to(dev)
-                feed: Any = _OnDevice(data, dev)
-            else:
-                feed = data
-            curve: List[Dict[str, Any]] = []
-
-            def evaluate(step: int, snapshot: Any, episodes: int) -> Dict[str, Any]:
-                ev = evaluate_policy(snapshot, task, eval_seeds[:episodes], cfg.eval_steps or cfg.episode_steps,
-                                     parallel=cfg.eval_parallel, seed=seed, progress=cfg.progress)
-                curve.append({"step": step, "episodes": episodes, "success_rate": ev["success_rate"],
-                              "mean_max_reward": float(np.mean(ev["max_reward"]))})
-                print(f"[aloha] {task} {label} s{seed} step {step}: success {ev['success_rate']:.2f} "
-                      f"({episodes} episodes, {ev['seconds']:.0f} s; {time.time() - t_start:.0f} s in)",
-                      file=sys.stderr, flush=True)
-                return ev
-
             tcfg = PolicyTrainConfig(**{**cfg.train, "seed": seed * 1000, "num_threads": int(cfg.threads)})
-            history = train_policy(policy, feed, tcfg, fit_normalizers=dev.type == "cpu", progress=cfg.progress,
-                                   snapshot_at=curve_steps,
-                                   on_snapshot=lambda step, snap: evaluate(step, snap, cfg.curve_episodes))
-            ev = evaluate(total_steps, policy, cfg.eval_episodes)
-            if cfg.save_checkpoints:
-                run_dir = out / "runs" / task / f"{_slug(label)}-s{seed}"
-                save_aloha_policy(policy.cpu(), run_dir / "checkpoint.pt", history=history, curve=curve)
-            tdoc["policies"].setdefault(label, []).append({
-                "seed": seed, "final": {k: ev[k] for k in ("success_rate", "success", "max_reward",
-                                                           "success_step", "reach_gap", "seconds")},
-                "curve": curve, "final_loss": history[-1]["loss"] if history else None,
-                "seconds": time.time() - t0})
-            doc["timings_s"][f"{task}/{label}/s{seed}"] = time.time() - t0
+            run_dir = out / "runs" / task / f"{_slug(label)}-s{seed}"
+            identity = {"policy": pcfg.to_dict(), "train": {**tcfg.to_dict(), "num_threads": None},
+                        "demos": dcfg.key(), "eval_seeds": eval_seeds, "curve_steps": curve_steps,
+                        "curve_episodes": cfg.curve_episodes, "eval_steps": cfg.eval_steps or cfg.episode_steps,
+                        "eval_parallel": cfg.eval_parallel}
+            record = _finished(run_dir, identity)
+            if record is None:
+                record = _train_and_evaluate(cfg, task, label, seed, pcfg, tcfg, demos, dev, run_dir, identity,
+                                             eval_seeds, curve_steps, t_start)
+            tdoc["policies"].setdefault(label, []).append(record)
+            doc["timings_s"][f"{task}/{label}/s{seed}"] = record["seconds"]
             _write_reports(cfg, doc, out)
     doc["timings_s"]["total"] = time.time() - t_start
     _write_reports(cfg, doc, out)
     return doc
+
+
+def _finished(run_dir: Path, identity: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The record of a policy this study already trained and evaluated in ``run_dir`` (``None``: not yet).
+
+    Raises:
+        ValueError: ``run_dir`` holds a policy of other settings.
+    """
+    path = run_dir / "result.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    if saved.get("identity") != identity:
+        raise ValueError(f"{run_dir} holds a policy trained or evaluated with other settings; choose another --out "
+                         f"or remove that folder")
+    return saved["record"]
+
+
+def _train_and_evaluate(cfg: AlohaExperimentConfig, task: str, label: str, seed: int, pcfg: Any, tcfg: Any,
+                        demos: Dict[str, np.ndarray], dev: torch.device, run_dir: Path, identity: Dict[str, Any],
+                        eval_seeds: List[int], curve_steps: List[int], t_start: float) -> Dict[str, Any]:
+    """Train one policy (resuming from ``run_dir/train`` after an interruption), evaluate it along the way and
+    at the end; write ``run_dir/result.json`` (which marks it done) and return its record."""
+    from ...train.metrics import atomic_write_text
+    from ..train import train_policy
+    from .policy import AlohaChunks, AlohaPolicy, evaluate_policy, save_aloha_policy
+
+    t0 = time.time()
+    torch.manual_seed(seed)
+    policy = AlohaPolicy(pcfg)
+    data = AlohaChunks(demos, pcfg)
+    if dev.type != "cpu":
+        policy.fit_normalizers(data.actions, data.state)
+        policy.to(dev)
+        feed: Any = _OnDevice(data, dev)
+    else:
+        feed = data
+    curve_path = run_dir / "curve.json"  # the points evaluated so far survive an interruption
+    curve: List[Dict[str, Any]] = json.loads(curve_path.read_text()) if curve_path.exists() else []
+
+    def evaluate(step: int, snapshot: Any, episodes: int) -> Dict[str, Any]:
+        ev = evaluate_policy(snapshot, task, eval_seeds[:episodes], cfg.eval_steps or cfg.episode_steps,
+                             parallel=cfg.eval_parallel, seed=seed, progress=cfg.progress)
+        curve[:] = [c for c in curve if c["step"] != step] + [
+            {"step": step, "episodes": episodes, "success_rate": ev["success_rate"],
+             "mean_max_reward": float(np.mean(ev["max_reward"]))}]
+        atomic_write_text(curve_path, json.dumps(curve, indent=2))
+        print(f"[aloha] {task} {label} s{seed} step {step}: success {ev['success_rate']:.2f} "
+              f"({episodes} episodes, {ev['seconds']:.0f} s; {time.time() - t_start:.0f} s in)",
+              file=sys.stderr, flush=True)
+        return ev
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    history = train_policy(policy, feed, tcfg, out_dir=run_dir / "train", fit_normalizers=dev.type == "cpu",
+                           progress=cfg.progress, snapshot_at=curve_steps,
+                           on_snapshot=lambda step, snap: evaluate(step, snap, cfg.curve_episodes))
+    ev = evaluate(int(tcfg.steps), policy, cfg.eval_episodes)
+    if cfg.save_checkpoints:
+        save_aloha_policy(policy.cpu(), run_dir / "checkpoint.pt", history=history, curve=curve)
+    record = {"seed": seed, "final": {k: ev[k] for k in ("success_rate", "success", "max_reward", "success_step",
+                                                          "reach_gap", "seconds")},
+              "curve": sorted(curve, key=lambda c: c["step"]), "final_loss": history[-1]["loss"] if history else None,
+              "seconds": time.time() - t0}
+    atomic_write_text(run_dir / "result.json", json.dumps({"identity": identity, "record": record}, indent=2))
+    for name in ("train_state.pt", "checkpoint.pt"):  # done: the record (and checkpoint.pt above) is what stays
+        (run_dir / "train" / name).unlink(missing_ok=True)
+    return record
 
 
 def merge_results(dirs: Sequence[PathLike], out: PathLike) -> Dict[str, Any]:
