@@ -155,8 +155,9 @@ def missing_fields(cfg: AlohaExperimentConfig) -> List[str]:
 
     policy = {f.name for f in dataclasses.fields(AlohaPolicyConfig)} - PER_RUN_POLICY
     train = {f.name for f in dataclasses.fields(PolicyTrainConfig)} - {"seed", "num_threads"}
+    backbone = backbone_fields() - set(cfg.policy.get("vit_overrides", {}))
     return ([f"policy.{k}" for k in sorted(policy - set(cfg.policy))]
-            + [f"policy.vit_overrides.{k}" for k in sorted(backbone_fields() - set(cfg.policy.get("vit_overrides", {})))]
+            + [f"policy.vit_overrides.{k}" for k in sorted(backbone)]
             + [f"train.{k}" for k in sorted(train - set(cfg.train))])
 
 
