@@ -1,5 +1,6 @@
-# The image-blind baseline: replay the mean of the CPU study's 20 demo joint trajectories on the 50 evaluation
-# seeds (no camera). Run from the repository root after the CPU study cached its demos:
+# The image-blind baseline: replay the mean of the first CPU study's 20 demo joint trajectories on the 50
+# evaluation seeds (no camera). Run from the repository root once those demos are cached
+# (`ropekit robot aloha collect --episodes 20 --frame-stride 4 --depth`, the first line of diagnosis/commands.sh):
 #   PYTHONPATH=$PWD python docs/results/aloha/blind_baseline.py
 import glob, numpy as np, time
 from ropekit.robot.aloha.expert import default_cache_dir, load_demo_set
