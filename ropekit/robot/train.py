@@ -204,11 +204,7 @@ class PolicyTask:
         """A copy of the policy holding the EMA weights, in eval mode and without gradients (the policy that
         would be saved if training stopped now); the training weights are not touched."""
         snap = copy.deepcopy(self.model)
-        if self.ema is not None:
-            trained = [p for p in snap.parameters() if p.requires_grad]  # the order of self.params
-            with torch.no_grad():
-                for p, e in zip(trained, self.ema):
-                    p.copy_(e)
+        self._put_ema([p for p in snap.parameters() if p.requires_grad])  # (the order of self.params)
         for p in snap.parameters():
             p.grad = None
             p.requires_grad_(False)
@@ -216,9 +212,13 @@ class PolicyTask:
 
     def copy_ema(self) -> None:
         """Put the EMA weights into the policy (the saved policy holds them)."""
+        self._put_ema(self.params)
+
+    def _put_ema(self, params: List[nn.Parameter]) -> None:
+        """Copy the EMA weights into ``params`` (the trained parameters, in ``self.params``' order)."""
         if self.ema is not None:
             with torch.no_grad():
-                for p, e in zip(self.params, self.ema):
+                for p, e in zip(params, self.ema):
                     p.copy_(e)
 
 

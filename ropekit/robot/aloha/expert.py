@@ -216,33 +216,38 @@ def expert_episode(task: str, seed: int, steps: int = 400, replay: Optional[Aloh
             "ee_success": ee_reward >= 4, "success": best >= 4, "max_reward": best, "reach_gap": gap}
 
 
-_WORKER: Dict[str, Any] = {}
+class _Episodes:
+    """Replays expert episodes of one demo configuration: ``(seed) -> (seed, episode)``, reusing one replay sim
+    and one end-effector sim."""
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        self.cfg = cfg
+        self.sim = AlohaSim(cfg.task, mode="joint", cameras=cfg.cameras[:1], image_hw=cfg.image_hw,
+                            depth=cfg.depth, fovy=cfg.fovy)
+        self.ee = AlohaSim(cfg.task, mode="ee", cameras=())
+
+    def __call__(self, seed: int) -> Tuple[int, Dict[str, Any]]:
+        c = self.cfg
+        return seed, expert_episode(c.task, seed, c.episode_steps, replay=self.sim, ee_sim=self.ee,
+                                    frame_stride=c.frame_stride)
+
+
+_IN_WORKER: List[_Episodes] = []  # a pool worker's own _Episodes (set by its initialiser)
 
 
 def _worker_init(cfg: Dict[str, Any]) -> None:
-    """Pool initialiser: one replay sim and one end-effector sim per worker process."""
-    c = DemoConfig(**cfg)
-    _WORKER["cfg"] = c
-    _WORKER["sim"] = AlohaSim(c.task, mode="joint", cameras=c.cameras[:1], image_hw=c.image_hw, depth=c.depth,
-                              fovy=c.fovy)
-    _WORKER["ee"] = AlohaSim(c.task, mode="ee", cameras=())
+    _IN_WORKER.append(_Episodes(DemoConfig(**cfg)))
 
 
 def _worker_episode(seed: int) -> Tuple[int, Dict[str, Any]]:
-    c = _WORKER["cfg"]
-    return seed, expert_episode(c.task, seed, c.episode_steps, replay=_WORKER["sim"], ee_sim=_WORKER["ee"],
-                                frame_stride=c.frame_stride)
+    return _IN_WORKER[0](seed)
 
 
 def _episodes(cfg: DemoConfig, seeds: range, workers: int):
     """``(seed, episode)`` for ``seeds`` in seed order; ``workers > 1`` simulates them in that many processes
     (each episode depends only on its seed, so the order and the arrays are those of one process)."""
     if workers <= 1:
-        _worker_init(cfg.to_dict())
-        try:
-            yield from map(_worker_episode, seeds)
-        finally:
-            _WORKER.clear()
+        yield from map(_Episodes(cfg), seeds)
         return
     import multiprocessing as mp
 
@@ -274,7 +279,6 @@ def collect_demos(cfg: DemoConfig, progress: bool = False, workers: int = 1) -> 
     seeds: List[int] = []
     failed: List[int] = []
     bar = tqdm(total=cfg.episodes, desc=f"demos {cfg.task}", unit="demo", disable=not progress)
-    s = cfg.seed
     episodes = _episodes(cfg, range(cfg.seed, cfg.seed + max_tries), workers)
     try:
         for s, ep in episodes:
@@ -288,10 +292,10 @@ def collect_demos(cfg: DemoConfig, progress: bool = False, workers: int = 1) -> 
                 break
     finally:
         episodes.close()
-    s += 1
     bar.close()
+    attempts = len(kept) + len(failed)
     if len(kept) < cfg.episodes:
-        raise RuntimeError(f"the scripted {cfg.task} expert succeeded in only {len(kept)} of {s - cfg.seed} "
+        raise RuntimeError(f"the scripted {cfg.task} expert succeeded in only {len(kept)} of {attempts} "
                            f"replays (wanted {cfg.episodes})")
     T = cfg.episode_steps
     out: Dict[str, np.ndarray] = {
@@ -304,7 +308,7 @@ def collect_demos(cfg: DemoConfig, progress: bool = False, workers: int = 1) -> 
         "episode_seed": np.asarray(seeds),
         "episode_length": np.full(len(kept), T),
         "episode_success": np.ones(len(kept), dtype=bool),
-        "attempts": np.asarray(s - cfg.seed),
+        "attempts": np.asarray(attempts),
         "failed_seeds": np.asarray(failed, dtype=np.int64),
         "seconds": np.asarray(time.time() - t0),
     }
