@@ -242,3 +242,11 @@ def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     merged = merge_results([tmp_path / "out", tmp_path / "out"], tmp_path / "merged")
     assert all(len(runs) == 2 for runs in merged["tasks"]["transfer_cube"]["policies"].values())
     assert (tmp_path / "merged" / "table.md").exists() and (tmp_path / "merged" / "success.png").exists()
+    # a merge takes a committed merge plus a run finished later: the same as merging the three parts at once
+    flat = merge_results([tmp_path / "out"] * 3, tmp_path / "flat")
+    nested = merge_results([tmp_path / "merged", tmp_path / "out"], tmp_path / "nested")
+    for key in ("command", "merged_from", "tasks"):
+        assert nested[key] == flat[key], key
+    assert len(nested["command"]) == 3 and all(isinstance(c, str) for c in nested["command"])
+    configs = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("flat", "nested")]
+    assert configs[0] == configs[1] and len(configs[0]["merged"]) == 3

@@ -354,24 +354,35 @@ def _train_and_evaluate(cfg: AlohaExperimentConfig, task: str, label: str, seed:
 def merge_results(dirs: Sequence[PathLike], out: PathLike) -> Dict[str, Any]:
     """Merge the ``results.json`` of studies run apart (e.g. one process per seed) into ``out``'s reports.
 
-    The demo set and expert ceiling are taken from the first folder that has them; policy runs are pooled.
+    The demo set and expert ceiling are taken from the first folder that has them; policy runs are pooled. A
+    folder that is itself a merge contributes its parts (their commands, configurations and sources), so runs
+    finished later can be added to a committed merge without the parts it was made from.
     """
     from ...train.metrics import atomic_write_text
 
+    totals = ("total", "total (longest part)")
     docs = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
-    merged: Dict[str, Any] = {"command": [d.get("command") for d in docs], "device": docs[0].get("device"),
-                              "tasks": {}, "timings_s": {}, "merged_from": [str(d) for d in dirs]}
-    for d in docs:
-        merged["timings_s"].update({f"{k}": v for k, v in d["timings_s"].items() if k != "total"})
+    merged: Dict[str, Any] = {"command": [], "device": docs[0].get("device"), "tasks": {}, "timings_s": {},
+                              "merged_from": []}
+    cfgs: List[Any] = []
+    for folder, d in zip(dirs, docs):
+        part_of_merge = "merged_from" in d
+        merged["command"].extend(d.get("command") if part_of_merge else [d.get("command")])
+        merged["merged_from"].extend(d["merged_from"] if part_of_merge else [str(folder)])
+        merged["timings_s"].update({k: v for k, v in d["timings_s"].items() if k not in totals})
         for task, tdoc in d["tasks"].items():
             into = merged["tasks"].setdefault(task, {k: v for k, v in tdoc.items() if k != "policies"})
             into.setdefault("policies", {})
             for label, runs in tdoc["policies"].items():
                 into["policies"].setdefault(label, []).extend(runs)
-    merged["timings_s"]["total (longest part)"] = max(d["timings_s"].get("total", 0.0) for d in docs)
+        cfg_path = Path(folder) / "config.json"
+        if cfg_path.exists():
+            cfg = json.loads(cfg_path.read_text())
+            cfgs.extend(cfg["merged"] if "merged" in cfg else [cfg])
+    merged["timings_s"]["total (longest part)"] = max(max((d["timings_s"].get(k, 0.0) for k in totals))
+                                                      for d in docs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfgs = [json.loads((Path(d) / "config.json").read_text()) for d in dirs if (Path(d) / "config.json").exists()]
     atomic_write_text(out / "config.json", json.dumps({"merged": cfgs}, indent=2))
     _write_reports(None, merged, out)
     return merged
