@@ -99,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("merge", help="pool the results of experiment runs made apart (e.g. one per seed)")
-    p.add_argument("dirs", nargs="+", help="experiment output folders (a folder written by merge contributes its parts)")
+    p.add_argument("dirs", nargs="+",
+                   help="experiment output folders (a folder written by merge contributes its parts)")
     p.add_argument("--out", required=True)
 
 
