@@ -1,4 +1,4 @@
-"""Box geometry, Monte Carlo 3-D IoU, Hungarian matching, detection loss and metrics (SPEC §6.8).
+"""Box geometry, Monte Carlo 3-D IoU, Hungarian matching, detection loss and metrics of the 3-D detection study.
 
 Monte Carlo tolerance: IoU tests use S = 20 000 points per box and a fixed generator seed.  The inside
 fraction f has standard error sqrt(f(1 − f)/S) ≤ 0.0035 and dIoU/df ≤ 1 for the cases below, so

@@ -22,7 +22,7 @@ from ropekit.experiments.recipes import recipe
 from ropekit.experiments.report import fmt_pm, mean_std
 from ropekit.experiments.runs import RunCache, canonical_pe_options, run_key
 
-#: The studies of this file (SPEC §6.1-6.7, 6.10); detect3d and robot have their own tests.
+#: The studies of this file (classification and its controlled variants); detect3d and robot have their own tests.
 NAMES = ["classify", "resolution", "offset", "shuffle", "data-efficiency", "exact-vs-relaxed", "video", "ablations"]
 
 

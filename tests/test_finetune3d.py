@@ -1,4 +1,4 @@
-"""2-D -> 3-D fine-tuning (SPEC §4, issue 8 item 2): the RGB-D model's first forward pass equals the 2-D model's.
+"""2-D -> 3-D fine-tuning: the RGB-D model's first forward pass equals the 2-D model's.
 
 The 2-D model is an RGB ViT (``depth_input="ignore"``) on RGB-D input; the 3-D one lifts each patch's mean valid
 depth to a third coordinate for a 3-D encoding (or, without a rotary encoding, takes depth as an input channel).

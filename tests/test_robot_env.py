@@ -1,4 +1,4 @@
-"""Tests of the simulated pick task, its scripted expert and demo collection (SPEC §6.9)."""
+"""Tests of the simulated KUKA pick task, its scripted expert and demo collection."""
 
 from __future__ import annotations
 

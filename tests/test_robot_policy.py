@@ -1,4 +1,4 @@
-"""Tests of the diffusion policy, its training and the robot study (SPEC §6.9)."""
+"""Tests of the diffusion policy, its training and the KUKA pick study."""
 
 from __future__ import annotations
 
