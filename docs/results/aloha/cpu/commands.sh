@@ -13,3 +13,8 @@ R="ropekit robot aloha experiment --preset cpu --threads 1 --no-progress"
   $R --seeds 1 --pe absolute,mixed,cayley-rgbd --out "$W/b1" >> "$W-b.log" 2>&1 ) &
 wait
 ropekit robot aloha merge "$W/a0" "$W/b0" "$W/a1" "$W/b1" --out docs/results/aloha/cpu
+# The committed folder was made in two sittings: the above gave eight policies (axial and Cayley RGB-D of seed 1
+# were interrupted with the machine); on a fresh machine the demo set was collected again (the same cache key)
+# and the two ran on their own, then joined the committed merge:
+#   R --seeds 1 --pe axial --out "$W/c1" & R --seeds 1 --pe cayley-rgbd --out "$W/d1" & wait
+#   ropekit robot aloha merge docs/results/aloha/cpu "$W/c1" "$W/d1" --out docs/results/aloha/cpu

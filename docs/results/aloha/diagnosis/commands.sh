@@ -25,3 +25,7 @@ python "$D/probe.py" runs/h64_200_fov50 "$D200"
 for r in runs/x0_200_fov50 runs/h64_200_fov50 runs/rel_200_fov50; do python "$D/chunk0.py" "$r"; done
 # the image-blind reference: the mean demo trajectory replayed open loop
 (cd "$OLDPWD" && python docs/results/aloha/blind_baseline.py)
+# images only: the CPU study's Cayley-STRING policy (2000 demos, preset cpu) with the joint state hidden from
+# its conditioning, seeds 0 and 1 (~29 min each on one core); noproprio/ holds their results and output
+ropekit robot aloha collect --episodes 2000 --frame-stride 4 --fovy 50 --depth --workers 2
+for s in 0 1; do python "$D/noproprio.py" runs/noproprio/cayley-s$s $s; done
