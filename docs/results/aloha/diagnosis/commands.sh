@@ -29,3 +29,9 @@ for r in runs/x0_200_fov50 runs/h64_200_fov50 runs/rel_200_fov50; do python "$D/
 # its conditioning, seeds 0 and 1 (~29 min each on one core); noproprio/ holds their results and output
 ropekit robot aloha collect --episodes 2000 --frame-stride 4 --fovy 50 --depth --workers 2
 for s in 0 1; do python "$D/noproprio.py" runs/noproprio/cayley-s$s $s; done
+# told the cube: the same policy with the cube's initial position appended to its joint state (privileged,
+# from the simulator), seeds 0 and 1; oracle/ holds their results and output
+for s in 0 1; do python "$D/oracle.py" runs/oracle/cayley-s$s $s; done
+# the cube loss: the same policy with an auxiliary loss (its conditioning predicts the cube's initial position,
+# privileged, training only), seeds 0-3; cubeaux/ holds their results and output
+for s in 0 1 2 3; do python "$D/cubeaux.py" runs/cubeaux/cayley-s$s $s; done

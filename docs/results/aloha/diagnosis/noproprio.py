@@ -6,19 +6,11 @@ like the study (20 held-out poses at 2000 and 4000 steps, 50 at the end) and wri
 
     python noproprio.py OUT SEED [ENCODER]      # ENCODER: a row label of the study (default Cayley-STRING)
 """
-import copy
-import json
-import sys
-import time
-from pathlib import Path
-
-import numpy as np
 import torch
 
-from ropekit.robot.aloha.experiment import PRESETS
-from ropekit.robot.aloha.expert import DemoConfig, load_or_collect
-from ropekit.robot.aloha.policy import ENCODINGS, AlohaChunks, AlohaPolicy, AlohaPolicyConfig, evaluate_policy
-from ropekit.robot.train import PolicyTrainConfig, train_policy
+from ropekit.robot.aloha.policy import AlohaPolicy
+
+from _study_policy import run
 
 
 class ImagesOnlyPolicy(AlohaPolicy):
@@ -29,42 +21,5 @@ class ImagesOnlyPolicy(AlohaPolicy):
         return super().encode(images, torch.zeros_like(state))
 
 
-out, seed = Path(sys.argv[1]), int(sys.argv[2])
-label = sys.argv[3] if len(sys.argv) > 3 else "Cayley-STRING"
-cfg = PRESETS["cpu"]()
-torch.set_num_threads(1)
-modality, pe, pe_options = ENCODINGS[label]
-pcfg = AlohaPolicyConfig(**{**copy.deepcopy(cfg.policy), "pe": pe, "pe_options": dict(pe_options),
-                            "modality": modality, "image_hw": cfg.image_hw, "fovy": cfg.fovy})
-tcfg = PolicyTrainConfig(**{**cfg.train, "seed": seed * 1000, "num_threads": 1})
-dcfg = DemoConfig(task="transfer_cube", episodes=cfg.demos, seed=cfg.demo_seed, episode_steps=cfg.episode_steps,
-                  image_hw=cfg.image_hw, fovy=cfg.fovy, depth=True, frame_stride=cfg.frame_stride)
-demos, path, _ = load_or_collect(dcfg, cfg.cache_dir, progress=False)
-if modality != "rgbd":
-    demos.pop("depth")  # 2.5 GB the RGB policies do not read
-eval_seeds = list(range(cfg.eval_seed, cfg.eval_seed + cfg.eval_episodes))
-t0 = time.time()
-torch.manual_seed(seed)
-policy = ImagesOnlyPolicy(pcfg)
-data = AlohaChunks(demos, pcfg)
-curve = []
-
-
-def evaluate(step, snapshot, episodes):
-    ev = evaluate_policy(snapshot, "transfer_cube", eval_seeds[:episodes], cfg.eval_steps or cfg.episode_steps,
-                         parallel=cfg.eval_parallel, seed=seed)
-    gap = float(np.median(ev["reach_gap"]) * 100)
-    curve.append({"step": step, "episodes": episodes, "success_rate": ev["success_rate"], "reach_cm": gap})
-    print(f"{label} images-only s{seed} step {step}: success {ev['success_rate']:.2f} of {episodes}, closest "
-          f"approach median {gap:.1f} cm ({time.time() - t0:.0f} s in)", flush=True)
-    return ev
-
-
-steps = int(tcfg.steps)
-history = train_policy(policy, data, tcfg, out_dir=out / "train", progress=False,
-                       snapshot_at=[round(steps * k / cfg.segments) for k in range(1, cfg.segments)],
-                       on_snapshot=lambda step, snap: evaluate(step, snap, cfg.curve_episodes))
-ev = evaluate(steps, policy, cfg.eval_episodes)
-json.dump({"encoder": label, "seed": seed, "demos": str(path), "policy": pcfg.to_dict(), "train": tcfg.to_dict(),
-           "curve": curve, "final": ev, "final_loss": history[-1]["loss"], "seconds": time.time() - t0},
-          open(out / "result.json", "w"), indent=2)
+if __name__ == "__main__":
+    run("images-only", lambda config, demos, cube: ImagesOnlyPolicy(config))
