@@ -33,5 +33,6 @@ for s in 0 1; do python "$D/noproprio.py" runs/noproprio/cayley-s$s $s; done
 # from the simulator), seeds 0 and 1; oracle/ holds their results and output
 for s in 0 1; do python "$D/oracle.py" runs/oracle/cayley-s$s $s; done
 # the cube loss: the same policy with an auxiliary loss (its conditioning predicts the cube's initial position,
-# privileged, training only), seeds 0-3; cubeaux/ holds their results and output
+# privileged, training only): Cayley-STRING seeds 0-3, learned APE seeds 0-1; cubeaux/ holds their results and output
 for s in 0 1 2 3; do python "$D/cubeaux.py" runs/cubeaux/cayley-s$s $s; done
+for s in 0 1; do python "$D/cubeaux.py" runs/cubeaux/ape-s$s $s "ViT (learned APE)"; done
