@@ -111,6 +111,35 @@ class AlohaExperimentConfig:
         d["image_hw"] = list(self.image_hw)
         return d
 
+    def curve_steps(self) -> List[int]:
+        """Training steps after which the curve is evaluated (``segments - 1`` points; the last is the end)."""
+        total = int(self.train.get("steps", 1500))
+        return [round(total * k / self.segments) for k in range(1, self.segments)]
+
+    def eval_seeds(self) -> List[int]:
+        """The held-out object-pose seeds of the final evaluation (the curve uses the first ``curve_episodes``)."""
+        return list(range(self.eval_seed, self.eval_seed + self.eval_episodes))
+
+    def demo_config(self, task: str) -> Any:
+        """The :class:`~.expert.DemoConfig` of ``task``'s demo set (with depth when any row or ``demo_depth``
+        needs it)."""
+        from .expert import DemoConfig
+        from .policy import ENCODINGS
+
+        depth = self.demo_depth or any(ENCODINGS[e][0] == "rgbd" for e in self.encodings)
+        return DemoConfig(task=task, episodes=self.demos, seed=self.demo_seed, episode_steps=self.episode_steps,
+                          image_hw=self.image_hw, fovy=self.fovy, depth=depth, frame_stride=self.frame_stride)
+
+    def run_configs(self, label: str, seed: int) -> Tuple[Any, Any]:
+        """``(AlohaPolicyConfig, PolicyTrainConfig)`` of the encoder row ``label`` at training seed ``seed``."""
+        from ..train import PolicyTrainConfig
+        from .policy import ENCODINGS, AlohaPolicyConfig
+
+        modality, pe, pe_options = ENCODINGS[label]
+        pcfg = AlohaPolicyConfig(**{**copy.deepcopy(self.policy), "pe": pe, "pe_options": dict(pe_options),
+                                    "modality": modality, "image_hw": self.image_hw, "fovy": self.fovy})
+        return pcfg, PolicyTrainConfig(**{**self.train, "seed": seed * 1000, "num_threads": int(self.threads)})
+
 
 #: Policy fields each encoder row sets itself (``image_size`` is unused: the camera is ``image_hw``).
 PER_RUN_POLICY = frozenset({"modality", "pe", "pe_options", "image_hw", "fovy", "image_size"})
@@ -230,9 +259,7 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
     """Run the study described by ``cfg``; write its outputs into ``out``; return the results document.
 
     ``workers``: processes that collect a missing demo set side by side (the set does not depend on it)."""
-    from ..train import PolicyTrainConfig
-    from .expert import DemoConfig, load_or_collect
-    from .policy import ENCODINGS, AlohaPolicyConfig
+    from .expert import load_or_collect
     from ...train.metrics import atomic_write_text
 
     t_start = time.time()
@@ -243,17 +270,13 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
     command = command or "ropekit " + " ".join(sys.argv[1:])
     atomic_write_text(out / "config.json", json.dumps({"command": command, "device": device,
                                                         "config": cfg.to_dict()}, indent=2))
-    need_depth = cfg.demo_depth or any(ENCODINGS[e][0] == "rgbd" for e in cfg.encodings)
     doc: Dict[str, Any] = {"command": command, "device": device, "tasks": {}, "timings_s": {}}
-    total_steps = int(cfg.train.get("steps", 1500))
-    curve_steps = [round(total_steps * k / cfg.segments) for k in range(1, cfg.segments)]
-    eval_seeds = list(range(cfg.eval_seed, cfg.eval_seed + cfg.eval_episodes))
+    curve_steps, eval_seeds = cfg.curve_steps(), cfg.eval_seeds()
     for task in cfg.tasks:
         tdoc: Dict[str, Any] = {"policies": {}}
         doc["tasks"][task] = tdoc
         t0 = time.time()
-        dcfg = DemoConfig(task=task, episodes=cfg.demos, seed=cfg.demo_seed, episode_steps=cfg.episode_steps,
-                          image_hw=cfg.image_hw, fovy=cfg.fovy, depth=need_depth, frame_stride=cfg.frame_stride)
+        dcfg = cfg.demo_config(task)
         demos, path, cached = load_or_collect(dcfg, cfg.cache_dir, progress=cfg.progress, workers=workers)
         tdoc["demos"] = {"path": str(path), "cached": cached, "kept": int(len(demos["episode_seed"])),
                          "attempts": int(demos["attempts"]), "failed_seeds": demos["failed_seeds"].tolist(),
@@ -263,10 +286,7 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
         tdoc["expert"] = expert_ceiling(task, eval_seeds[:cfg.expert_episodes], cfg.episode_steps)
         doc["timings_s"][f"{task}/expert"] = time.time() - t0
         for seed, label in [(s, e) for s in cfg.seeds for e in cfg.encodings]:  # every encoder once first
-            modality, pe, pe_options = ENCODINGS[label]
-            pcfg = AlohaPolicyConfig(**{**copy.deepcopy(cfg.policy), "pe": pe, "pe_options": dict(pe_options),
-                                        "modality": modality, "image_hw": cfg.image_hw, "fovy": cfg.fovy})
-            tcfg = PolicyTrainConfig(**{**cfg.train, "seed": seed * 1000, "num_threads": int(cfg.threads)})
+            pcfg, tcfg = cfg.run_configs(label, seed)
             run_dir = out / "runs" / task / f"{_slug(label)}-s{seed}"
             identity = {"policy": pcfg.to_dict(), "train": {**tcfg.to_dict(), "num_threads": None},
                         "demos": dcfg.key(), "eval_seeds": eval_seeds, "curve_steps": curve_steps,
@@ -379,8 +399,7 @@ def merge_results(dirs: Sequence[PathLike], out: PathLike) -> Dict[str, Any]:
         if cfg_path.exists():
             cfg = json.loads(cfg_path.read_text())
             cfgs.extend(cfg["merged"] if "merged" in cfg else [cfg])
-    merged["timings_s"]["total (longest part)"] = max(max((d["timings_s"].get(k, 0.0) for k in totals))
-                                                      for d in docs)
+    merged["timings_s"]["total (longest part)"] = max(d["timings_s"].get(k, 0.0) for d in docs for k in totals)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.json", json.dumps({"merged": cfgs}, indent=2))

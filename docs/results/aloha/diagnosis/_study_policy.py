@@ -1,7 +1,6 @@
 """Shared driver of the ALOHA diagnosis scripts: train one variant of the CPU study's policy and evaluate it like
 the study (`ropekit robot aloha experiment --preset cpu`: same demos, recipe, encoder row and training seed; 20
 held-out poses at 2000 and 4000 steps, 50 at the end), then write ``result.json`` into the run folder."""
-import copy
 import json
 import sys
 import time
@@ -12,10 +11,10 @@ import numpy as np
 import torch
 
 from ropekit.robot.aloha.experiment import PRESETS
-from ropekit.robot.aloha.expert import DemoConfig, load_or_collect
-from ropekit.robot.aloha.policy import ENCODINGS, AlohaChunks, AlohaPolicyConfig, evaluate_policy
+from ropekit.robot.aloha.expert import load_or_collect
+from ropekit.robot.aloha.policy import ENCODINGS, AlohaChunks, evaluate_policy
 from ropekit.robot.aloha.sim import AlohaSim
-from ropekit.robot.train import PolicyTrainConfig, train_policy
+from ropekit.robot.train import train_policy
 
 
 def run(what: str, make_policy: Callable[[Any, Any, torch.Tensor], Any],
@@ -26,23 +25,21 @@ def run(what: str, make_policy: Callable[[Any, Any, torch.Tensor], Any],
     out, seed = Path(sys.argv[1]), int(sys.argv[2])
     label = sys.argv[3] if len(sys.argv) > 3 else "Cayley-STRING"
     cfg = PRESETS["cpu"]()
+    cfg.threads = 1
     torch.set_num_threads(1)
-    modality, pe, pe_options = ENCODINGS[label]
-    pcfg = AlohaPolicyConfig(**{**copy.deepcopy(cfg.policy), "pe": pe, "pe_options": dict(pe_options),
-                                "modality": modality, "image_hw": cfg.image_hw, "fovy": cfg.fovy})
-    tcfg = PolicyTrainConfig(**{**cfg.train, "seed": seed * 1000, "num_threads": 1})
-    dcfg = DemoConfig(task="transfer_cube", episodes=cfg.demos, seed=cfg.demo_seed, episode_steps=cfg.episode_steps,
-                      image_hw=cfg.image_hw, fovy=cfg.fovy, depth=True, frame_stride=cfg.frame_stride)
+    modality = ENCODINGS[label][0]
+    pcfg, tcfg = cfg.run_configs(label, seed)
+    dcfg = cfg.demo_config("transfer_cube")
     demos, path, _ = load_or_collect(dcfg, cfg.cache_dir, progress=False)
     if modality != "rgbd":
-        demos.pop("depth")  # 2.5 GB the RGB policies do not read
+        demos.pop("depth", None)  # 2.5 GB the RGB policies do not read
     sim = AlohaSim("transfer_cube", cameras=())
     cube = torch.tensor(np.stack([sim.sample_object_pose(int(s))[:3] for s in demos["episode_seed"]]),
                         dtype=torch.float32)  # (episodes, 3)
     data = AlohaChunks(demos, pcfg)
     frame_episode = torch.from_numpy(np.asarray(demos["episode"])[np.asarray(demos["frame_row"])])  # (N,)
     adapt_data(data, cube[frame_episode])
-    eval_seeds = list(range(cfg.eval_seed, cfg.eval_seed + cfg.eval_episodes))
+    eval_seeds = cfg.eval_seeds()
     t0 = time.time()
     torch.manual_seed(seed)
     policy = make_policy(pcfg, demos, cube)
@@ -57,11 +54,9 @@ def run(what: str, make_policy: Callable[[Any, Any, torch.Tensor], Any],
               f"approach median {gap:.1f} cm ({time.time() - t0:.0f} s in)", flush=True)
         return ev
 
-    steps = int(tcfg.steps)
-    history = train_policy(policy, data, tcfg, out_dir=out / "train", progress=False,
-                           snapshot_at=[round(steps * k / cfg.segments) for k in range(1, cfg.segments)],
+    history = train_policy(policy, data, tcfg, out_dir=out / "train", progress=False, snapshot_at=cfg.curve_steps(),
                            on_snapshot=lambda step, snap: evaluate(step, snap, cfg.curve_episodes))
-    ev = evaluate(steps, policy, cfg.eval_episodes)
+    ev = evaluate(int(tcfg.steps), policy, cfg.eval_episodes)
     json.dump({"encoder": label, "seed": seed, "demos": str(path), "policy": pcfg.to_dict(),
                "train": tcfg.to_dict(), "curve": curve, "final": ev, "final_loss": history[-1]["loss"],
                "seconds": time.time() - t0}, open(out / "result.json", "w"), indent=2)
