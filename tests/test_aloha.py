@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("gym_aloha", reason='the ALOHA tests need pip install "ropekit[aloha]"')
 
@@ -17,7 +18,7 @@ from ropekit.robot.aloha.expert import (DemoConfig, collect_demos, expert_action
                                         expert_episode, load_or_collect)
 from ropekit.robot.aloha.policy import (AlohaChunks, AlohaPolicy, AlohaPolicyConfig,  # noqa: E402
                                         evaluate_policy, load_aloha_policy, save_aloha_policy)
-from ropekit.robot.aloha.sim import AlohaSim, _axis_angle_quat, _quat_mul  # noqa: E402
+from ropekit.robot.aloha.sim import AlohaSim, _axis_angle_quat, _quat_mul, object_targets  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,59 @@ def test_policy_trains_and_rolls_out(demos, pe, modality, tmp_path):
     assert again.config == policy.config
     for (n, a), (_, b) in zip(policy.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("task,seed", [("transfer_cube", 5), ("insertion", 5)])
+def test_object_targets_are_where_the_simulator_places_each_arms_object(task, seed):
+    sim = AlohaSim(task, cameras=())
+    sim.reset(seed=seed, render=False)
+    objects = sim.object_state  # (7,) cube or (14,) peg then socket, as placed in the scene
+    got = object_targets(task, seed)
+    np.testing.assert_allclose(got[:3], objects[:3], atol=1e-9)  # the right arm's: the cube / the peg
+    np.testing.assert_allclose(got[3:], objects[:3] if task == "transfer_cube" else objects[7:10], atol=1e-9)
+    if task == "insertion":  # the peg lies on the right arm's side (x > 0), the socket on the left's
+        assert got[0] > 0 > got[3]
+
+
+def test_aux_loss_predicts_the_objects_and_is_added_to_the_diffusion_loss(demos):
+    """aux_weight > 0: a head on the conditioning is trained to output the objects' standardised starting
+    positions; the loss is the diffusion loss plus aux_weight times that head's mean squared error."""
+    from ropekit.robot.train import PolicyTrainConfig, train_policy
+
+    _, _, data, _, _ = demos
+    small = dict(image_hw=(24, 32), horizon=4, n_action_steps=2, cond_dim=32, hidden_dim=32, num_blocks=1,
+                 vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 32, "num_heads": 2}, num_inference_steps=2)
+    cfg = AlohaPolicyConfig(aux_weight=0.5, **small)
+    chunks = AlohaChunks(data, cfg)
+    np.testing.assert_allclose(chunks.object_pos.numpy(), np.tile(object_targets("transfer_cube", 3), (8, 1)),
+                               atol=1e-6)
+    torch.manual_seed(0)
+    policy = AlohaPolicy(cfg)
+    with pytest.raises(ValueError, match="object positions"):
+        policy.fit_normalizers(chunks.actions, chunks.state)
+    policy.fit_normalizers(chunks.actions, chunks.state, chunks.object_pos)
+    images, state, actions = chunks.batch(torch.arange(4))
+    pos = chunks.object_pos[:4]
+    # one episode: the standardised target is 0 (its spread is raised to the normaliser's floor)
+    torch.testing.assert_close(policy.aux_target(pos, state), torch.zeros(4, 6))
+    total = policy.loss(images, state, actions, generator=torch.Generator().manual_seed(1), object_pos=pos)
+    head, policy.aux_head = policy.aux_head, None
+    plain = policy.loss(images, state, actions, generator=torch.Generator().manual_seed(1))
+    policy.aux_head = head
+    aux = nn.functional.mse_loss(head(policy.encode(images, state)), policy.aux_target(pos, state))
+    torch.testing.assert_close(total, plain + 0.5 * aux)
+    with pytest.raises(ValueError, match="object_pos"):
+        policy.loss(images, state, actions)
+    # train_policy fits the object statistics and feeds the positions; the head's error falls
+    before = float((policy.aux_position(images, state) - pos).abs().max())
+    rows = train_policy(policy, chunks, PolicyTrainConfig(steps=40, batch_size=4, warmup_steps=1, lr=3e-3,
+                                                          log_every=10, noise_samples=1), progress=False)
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    torch.testing.assert_close(policy.object_norm.offset, chunks.object_pos[0])
+    after = float((policy.aux_position(images, state) - pos).abs().max())
+    assert after < 0.5 * before, (before, after)
+    with pytest.raises(ValueError, match="no auxiliary head"):
+        AlohaPolicy(AlohaPolicyConfig(**small)).aux_position(images, state)
 
 
 def test_relative_targets_are_joint_targets_minus_the_current_position():

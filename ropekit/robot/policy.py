@@ -275,9 +275,10 @@ class DiffusionPolicy(nn.Module):
         tip = state[:, STATE_SLICES["ee_pos"]].unsqueeze(1)  # (B, 1, 3)
         return torch.cat([targets[..., :3] + tip, targets[..., 3:]], dim=-1)
 
-    def fit_normalizers(self, actions: Tensor, state: Tensor) -> None:
+    def fit_normalizers(self, actions: Tensor, state: Tensor, object_pos: Optional[Tensor] = None) -> None:
         """Fit the action (min/max -> [-1, 1]) and state (mean/std) statistics on demonstration chunks
-        ``actions (N, H, A)`` (env actions) and their states ``state (N, S)``."""
+        ``actions (N, H, A)`` (env actions) and their states ``state (N, S)``. ``object_pos``: the auxiliary
+        loss's object positions (unused here: this policy's auxiliary target has a fixed unit)."""
         self.action_norm.fit_minmax(self.chunk_targets(actions, state).reshape(-1, ACTION_DIM))
         self.state_norm.fit_meanstd(state)
 
@@ -326,8 +327,7 @@ class DiffusionPolicy(nn.Module):
             if object_pos is None:
                 raise ValueError("this policy has an auxiliary loss (aux_weight > 0): pass object_pos (demos "
                                  "recorded with target positions)")
-            rel = (object_pos - state[:, STATE_SLICES["ee_pos"]]) / _AUX_UNIT_M  # (B, 3)
-            aux = nn.functional.mse_loss(self.aux_head(cond), rel)
+            aux = nn.functional.mse_loss(self.aux_head(cond), self.aux_target(object_pos, state))
         x0 = self.action_norm.normalize(self.chunk_targets(actions, state))  # (B, H, A)
         if noise_samples > 1:
             cond = cond.repeat_interleave(noise_samples, dim=0)  # (B K, E)
@@ -335,6 +335,11 @@ class DiffusionPolicy(nn.Module):
         t, x_t, target = self.schedule.training_pair(x0, generator)
         loss = nn.functional.mse_loss(self.denoiser(x_t, t, cond), target)
         return loss if aux is None else loss + self.config.aux_weight * aux
+
+    def aux_target(self, object_pos: Tensor, state: Tensor) -> Tensor:
+        """What the auxiliary head learns to output: the target's world position ``object_pos (B, 3)`` relative
+        to the tip in raw ``state (B, S)``, in units of 10 cm -> ``(B, 3)``."""
+        return (object_pos - state[:, STATE_SLICES["ee_pos"]]) / _AUX_UNIT_M
 
     @torch.no_grad()
     def aux_position(self, images: Tensor, state: Tensor) -> Tensor:

@@ -274,7 +274,7 @@ def train_policy(policy: DiffusionPolicy, data: DemoChunks, cfg: PolicyTrainConf
     try:
         torch.manual_seed(cfg.seed)
         if fit_normalizers and not resume:
-            policy.fit_normalizers(data.actions, data.state)
+            policy.fit_normalizers(data.actions, data.state, getattr(data, "object_pos", None))
         task = PolicyTask(policy, data, cfg, ctx.rank, ctx.world_size)
         schedule = engine.Schedule(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
                                    min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)

@@ -159,9 +159,11 @@ def _policy(**changes: Any) -> Dict[str, Any]:
     """Every head field: 16-step chunks of absolute joint targets of which 8 are executed, 4 pooling queries
     with their expected patch positions (keypoints), FiLM residual MLP of width 256, DDPM with 100 steps
     predicting the clean chunk, 8 DDIM steps. The RGB-D lift starts at 8 coordinate units per metre: through the
-    50-degree camera an 8-px patch spans ~0.12 m of the table (0.8 m away), so z then moves like y and x."""
+    50-degree camera an 8-px patch spans ~0.12 m of the table (0.8 m away), so z then moves like y and x.
+    The object loss (weight 1) teaches the encoder where the objects are: without it every encoder's policy
+    reached for the cube blind (success 2-16 %); with the cube's position given, 100 %."""
     p = dict(vit_size="tiny", vit_overrides=_backbone(), depth_scale_init=8.0, horizon=16, n_action_steps=8,
-             action_mode="absolute", num_queries=4, keypoints=True, aux_weight=0.0, cond_dim=192, hidden_dim=256,
+             action_mode="absolute", num_queries=4, keypoints=True, aux_weight=1.0, cond_dim=192, hidden_dim=256,
              num_blocks=3, num_train_timesteps=100, num_inference_steps=8, prediction="sample")
     p.update(changes)
     return p
@@ -246,6 +248,7 @@ class _OnDevice:
     def __init__(self, data: Any, device: torch.device) -> None:
         self.data, self.device = data, device
         self.episodes, self.state, self.actions = data.episodes, data.state, data.actions
+        self.object_pos = getattr(data, "object_pos", None)  # (N, 6) on the CPU: train_policy moves each batch
 
     def __len__(self) -> int:
         return len(self.data)
@@ -334,7 +337,7 @@ def _train_and_evaluate(cfg: AlohaExperimentConfig, task: str, label: str, seed:
     policy = AlohaPolicy(pcfg)
     data = AlohaChunks(demos, pcfg)
     if dev.type != "cpu":
-        policy.fit_normalizers(data.actions, data.state)
+        policy.fit_normalizers(data.actions, data.state, data.object_pos)
         policy.to(dev)
         feed: Any = _OnDevice(data, dev)
     else:

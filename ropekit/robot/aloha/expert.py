@@ -361,4 +361,5 @@ def load_or_collect(cfg: DemoConfig, cache_dir: Optional[PathLike] = None, progr
         return load_demo_set(path), path, True
     demos = collect_demos(cfg, progress=progress, workers=workers)
     save_demo_set(demos, path, cfg)
+    demos["config_json"] = np.asarray(json.dumps(cfg.to_dict(), sort_keys=True))  # as a cached set reads back
     return demos, path, False

@@ -27,7 +27,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["TASKS", "TaskSpec", "AlohaSim", "require_sim", "ACTION_DIM", "INSTALL_HINT"]
+__all__ = ["TASKS", "TaskSpec", "AlohaSim", "require_sim", "sample_object_pose", "object_targets", "ACTION_DIM",
+           "INSTALL_HINT"]
 
 ACTION_DIM = 14
 INSTALL_HINT = 'pip install "ropekit[aloha]"'
@@ -62,6 +63,25 @@ def task_spec(name: str) -> TaskSpec:
     if key not in TASKS:
         raise ValueError(f"unknown ALOHA task {name!r}; known: {', '.join(TASKS)}")
     return TASKS[key]
+
+
+def sample_object_pose(task: str, seed: int) -> np.ndarray:
+    """gym-aloha's seeded object pose of ``task``: ``(7,)`` cube or ``(14,)`` peg then socket (xyz, quat wxyz)."""
+    from gym_aloha.utils import sample_box_pose, sample_insertion_pose
+
+    if task_spec(task).name == "transfer_cube":
+        return sample_box_pose(int(seed))
+    return np.concatenate(sample_insertion_pose(int(seed)))
+
+
+def object_targets(task: str, seed: int) -> np.ndarray:
+    """Where each arm's object starts in ``task``'s episode of object-pose ``seed``: ``(6,)`` world positions
+    (metres) of the right arm's object, then the left arm's -- the cube twice (the right arm lifts it, the left
+    takes it over) or the peg (right) and the socket (left). What an ALOHA policy's auxiliary loss predicts."""
+    pose = sample_object_pose(task, seed)
+    if task_spec(task).name == "transfer_cube":
+        return np.concatenate([pose[:3], pose[:3]])
+    return np.concatenate([pose[:3], pose[7:10]])
 
 
 def require_sim() -> Tuple[Any, Any]:
@@ -177,11 +197,7 @@ class AlohaSim:
     # ------------------------------------------------------------------ episode
     def sample_object_pose(self, seed: int) -> np.ndarray:
         """gym-aloha's seeded object pose: ``(7,)`` cube or ``(14,)`` peg then socket (xyz, quat wxyz)."""
-        from gym_aloha.utils import sample_box_pose, sample_insertion_pose
-
-        if self.spec.name == "transfer_cube":
-            return sample_box_pose(int(seed))
-        return np.concatenate(sample_insertion_pose(int(seed)))
+        return sample_object_pose(self.spec.name, seed)
 
     def reset(self, seed: Optional[int] = None, object_pose: Optional[np.ndarray] = None,
               render: bool = True) -> Dict[str, Any]:
