@@ -304,3 +304,17 @@ def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     assert len(nested["command"]) == 3 and all(isinstance(c, str) for c in nested["command"])
     configs = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("flat", "nested")]
     assert configs[0] == configs[1] and len(configs[0]["merged"]) == 3
+    # the presets train with the object loss: its head and statistics are in every checkpoint
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["config"]["policy"]["aux_weight"] == 1.0
+    ckpt = torch.load(next((tmp_path / "out" / "runs").glob("*/*/checkpoint.pt")), weights_only=True)
+    assert ckpt["state_dict"]["aux_head.weight"].shape[0] == 6
+    torch.testing.assert_close(ckpt["state_dict"]["object_norm.offset"],
+                               torch.tensor(object_targets("transfer_cube", 0), dtype=torch.float32))
+    # --aux-weight 0 on the command line turns it off
+    from ropekit.cli import main
+
+    assert main(["robot", "aloha", "experiment", "--quick", "--pe", "absolute", "--aux-weight", "0",
+                 "--out", str(tmp_path / "noaux")]) == 0
+    assert json.loads((tmp_path / "noaux" / "config.json").read_text())["config"]["policy"]["aux_weight"] == 0.0
+    ckpt = torch.load(next((tmp_path / "noaux" / "runs").glob("*/*/checkpoint.pt")), weights_only=True)
+    assert not any(k.startswith(("aux_head", "object_norm")) for k in ckpt["state_dict"])

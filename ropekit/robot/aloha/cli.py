@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--train-seed", type=int, default=0)
+    p.add_argument("--aux-weight", type=float, default=1.0,
+                   help="weight of the object-position loss (training only; 0: off; default 1)")
     p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("eval", help="success rate of trained policies on fixed held-out seeds")
@@ -87,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated encoders: absolute, axial, mixed, cayley, cayley-rgbd")
     p.add_argument("--seeds", type=lambda t: [int(x) for x in _list(t)], default=None)
     p.add_argument("--steps", type=int, default=None, help="training steps per policy")
+    p.add_argument("--aux-weight", type=float, default=None,
+                   help="weight of the object-position loss (default: the preset's, 1; 0: off)")
     p.add_argument("--demos", type=int, default=None)
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument("--device", default="cpu", help="torch device for training (cpu, cuda)")
@@ -144,7 +148,7 @@ def _train(args: Any) -> int:
     demos, path, _ = load_or_collect(_demo_config(args, depth=modality == "rgbd"), args.cache_dir, progress=True,
                                      workers=args.workers)
     cfg = AlohaPolicyConfig(pe=pe, pe_options=dict(options), modality=modality, image_hw=args.image_size,
-                            fovy=args.fovy)
+                            fovy=args.fovy, aux_weight=args.aux_weight)
     policy = AlohaPolicy(cfg)
     tc = PolicyTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.train_seed, shift=2)
     rows = train_policy(policy, AlohaChunks(demos, cfg), tc, None, progress=not args.no_progress)
@@ -184,6 +188,8 @@ def _experiment(args: Any) -> int:
         changes["encodings"] = [encoding_label(p) for p in args.pe]
     if args.steps:
         changes["train"] = {**cfg.train, "steps": args.steps}
+    if args.aux_weight is not None:
+        changes["policy"] = {**cfg.policy, "aux_weight": args.aux_weight}
     given = {"seeds": args.seeds, "demos": args.demos, "eval_episodes": args.eval_episodes,
              "threads": args.threads, "cache_dir": args.cache_dir}
     changes.update({k: v for k, v in given.items() if v})

@@ -125,7 +125,7 @@ class AlohaPolicy(DiffusionPolicy):
         """
         self.action_norm.fit_minmax(self.chunk_targets(actions, state).reshape(-1, ACTION_DIM))
         self.state_norm.fit_meanstd(state)
-        if self.aux_head is not None:
+        if self.object_norm is not None:
             if object_pos is None:
                 raise ValueError("this policy has an auxiliary loss (aux_weight > 0): pass the object positions")
             self.object_norm.fit_meanstd(object_pos)

@@ -1,6 +1,7 @@
 """Shared driver of the ALOHA diagnosis scripts: train one variant of the CPU study's policy and evaluate it like
-the study (`ropekit robot aloha experiment --preset cpu`: same demos, recipe, encoder row and training seed; 20
-held-out poses at 2000 and 4000 steps, 50 at the end), then write ``result.json`` into the run folder."""
+the study (`ropekit robot aloha experiment --preset cpu --aux-weight 0`: same demos, recipe without the object
+loss, encoder row and training seed; 20 held-out poses at 2000 and 4000 steps, 50 at the end), then write
+``result.json`` into the run folder."""
 import json
 import sys
 import time
@@ -29,6 +30,7 @@ def run(what: str, make_policy: Callable[[Any, Any, torch.Tensor], Any],
     torch.set_num_threads(1)
     modality = ENCODINGS[label][0]
     pcfg, tcfg = cfg.run_configs(label, seed)
+    pcfg.aux_weight = 0.0  # the diagnoses vary the study's recipe as it was before it gained the object loss
     dcfg = cfg.demo_config("transfer_cube")
     demos, path, _ = load_or_collect(dcfg, cfg.cache_dir, progress=False)
     if modality != "rgbd":

@@ -1,10 +1,10 @@
 """ALOHA diagnosis: does an auxiliary loss that makes the conditioning say where the cube is make the policy follow it?
 
-Trains the CPU study's policy (`ropekit robot aloha experiment --preset cpu`: same demos, recipe, encoder row and
-training seed) with one more training loss: a linear head on the policy's conditioning predicts the cube's initial
-position (privileged, from the simulator; normalised per axis over the demos), weight 1. The policy never sees the
-position when it acts: evaluation is the study's (20 held-out poses at 2000 and 4000 steps, 50 at the end). Writes
-`result.json` into OUT.
+Trains the CPU study's policy (`ropekit robot aloha experiment --preset cpu --aux-weight 0`: same demos, recipe,
+encoder row and training seed) with one more training loss: a linear head on the policy's conditioning predicts the
+cube's initial position (privileged, from the simulator; normalised per axis over the demos), weight 1. The policy
+never sees the position when it acts: evaluation is the study's (20 held-out poses at 2000 and 4000 steps, 50 at the
+end). Writes `result.json` into OUT.
 
     python cubeaux.py OUT SEED [ENCODER]      # ENCODER: a row label of the study (default Cayley-STRING)
 """

@@ -1,8 +1,9 @@
 """ALOHA diagnosis: does the head act blind because it follows its own joint positions (the "copycat" shortcut)?
 
-Trains one policy of the CPU study (`ropekit robot aloha experiment --preset cpu`: same demos, recipe, encoder
-row and training seed) whose conditioning sees a constant joint state instead of the real one, evaluates it
-like the study (20 held-out poses at 2000 and 4000 steps, 50 at the end) and writes `result.json` into OUT.
+Trains one policy of the CPU study (`ropekit robot aloha experiment --preset cpu --aux-weight 0`: same demos,
+recipe, encoder row and training seed) whose conditioning sees a constant joint state instead of the real one,
+evaluates it like the study (20 held-out poses at 2000 and 4000 steps, 50 at the end) and writes `result.json` into
+OUT.
 
     python noproprio.py OUT SEED [ENCODER]      # ENCODER: a row label of the study (default Cayley-STRING)
 """

@@ -1,11 +1,11 @@
 """ALOHA diagnosis: can the policy's head and action loop do the task when it is *told* where the cube is?
 
-Trains the CPU study's policy (`ropekit robot aloha experiment --preset cpu`: same demos, recipe, encoder row and
-training seed) with the cube's initial position (x, y, z, metres; privileged: read from the simulator) appended to
-the joint state it is conditioned on, evaluates it like the study (20 held-out poses at 2000 and 4000 steps, 50
-at the end; one episode at a time, so that the position given is that episode's) and writes `result.json`
-into OUT. If this policy succeeds, the diffusion head, chunking and control loop are sound and what the study's
-policies miss is finding the cube in the image; if it fails too, the bound is downstream of the encoder.
+Trains the CPU study's policy (`ropekit robot aloha experiment --preset cpu --aux-weight 0`: same demos, recipe,
+encoder row and training seed) with the cube's initial position (x, y, z, metres; privileged: read from the
+simulator) appended to the joint state it is conditioned on, evaluates it like the study (20 held-out poses at 2000
+and 4000 steps, 50 at the end; one episode at a time, so that the position given is that episode's) and writes
+`result.json` into OUT. If this policy succeeds, the diffusion head, chunking and control loop are sound and what
+the study's policies miss is finding the cube in the image; if it fails too, the bound is downstream of the encoder.
 
     python oracle.py OUT SEED [ENCODER]      # ENCODER: a row label of the study (default Cayley-STRING)
 """
