@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -289,6 +289,12 @@ class DiffusionPolicy(nn.Module):
 
     def encode(self, images: Tensor, state: Tensor) -> Tensor:
         """Conditioning ``(B, E)`` from ``images (B, 3 or 4, Hi, Wi)`` and raw ``state (B, S)``."""
+        return self.encode_parts(images, state)[0]
+
+    def encode_parts(self, images: Tensor, state: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(conditioning (B, E), image features (B, F))``: the conditioning of :meth:`encode` and what it is
+        made from apart from the state -- the pooled tokens, their mean and (with ``keypoints``) the queries'
+        expected patch positions, ``F = (Q + 1) D (+ 2 Q)``."""
         tokens = self.encoder.forward_features(images)  # (B, M, D)
         q = self.queries.expand(tokens.shape[0], -1, -1)  # (B, Q, D)
         pooled, weights = self.pool(q, tokens, tokens, need_weights=self.config.keypoints)  # (B, Q, D), (B, Q, M)
@@ -296,7 +302,17 @@ class DiffusionPolicy(nn.Module):
         feats = [pooled.flatten(1), tokens.mean(dim=1), s]  # (B, Q D), (B, D), (B, 128)
         if self.config.keypoints:
             feats.append((weights @ self._patch_grid(images, tokens)).flatten(1))  # (B, Q, 2) -> (B, 2 Q)
-        return self.cond_proj(torch.cat(feats, dim=-1))  # (B, E)
+        cond = self.cond_proj(torch.cat(feats, dim=-1))  # (B, E)
+        return cond, torch.cat([f for f in feats if f is not s], dim=-1)
+
+    def image_feature_dim(self) -> int:
+        """``F`` of :meth:`encode_parts`."""
+        q, d = self.config.num_queries, self.encoder.cfg.embed_dim
+        return (q + 1) * d + (2 * q if self.config.keypoints else 0)
+
+    def aux_input(self, cond: Tensor, image_features: Tensor) -> Tensor:
+        """What the auxiliary head reads: here the conditioning ``(B, E)``."""
+        return cond
 
     def _patch_grid(self, images: Tensor, tokens: Tensor) -> Tensor:
         """``(M, 2)`` patch-centre positions ``(y, x)`` in [-1, 1], row-major like the encoder's tokens."""
@@ -321,13 +337,14 @@ class DiffusionPolicy(nn.Module):
         The encoder runs once per example; ``noise_samples`` draws of ``(t, noise)`` share it (the head is
         cheap), which gives the head more signal per encoder pass.
         """
-        cond = self.encode(images, state)  # (B, E)
+        cond, image_features = self.encode_parts(images, state)  # (B, E), (B, F)
         aux = None
         if self.aux_head is not None:
             if object_pos is None:
                 raise ValueError("this policy has an auxiliary loss (aux_weight > 0): pass object_pos (demos "
                                  "recorded with target positions)")
-            aux = nn.functional.mse_loss(self.aux_head(cond), self.aux_target(object_pos, state))
+            aux = nn.functional.mse_loss(self.aux_head(self.aux_input(cond, image_features)),
+                                         self.aux_target(object_pos, state))
         x0 = self.action_norm.normalize(self.chunk_targets(actions, state))  # (B, H, A)
         if noise_samples > 1:
             cond = cond.repeat_interleave(noise_samples, dim=0)  # (B K, E)

@@ -160,8 +160,9 @@ def _policy(**changes: Any) -> Dict[str, Any]:
     with their expected patch positions (keypoints), FiLM residual MLP of width 256, DDPM with 100 steps
     predicting the clean chunk, 8 DDIM steps. The RGB-D lift starts at 8 coordinate units per metre: through the
     50-degree camera an 8-px patch spans ~0.12 m of the table (0.8 m away), so z then moves like y and x.
-    The object loss (weight 1) teaches the encoder where the objects are: without it every encoder's policy
-    reached for the cube blind (success 2-16 %); with the cube's position given, 100 %."""
+    The object loss (weight 1; a head on the image features predicts where the objects are in each frame)
+    teaches the encoder to find them: without it every encoder's policy reached for the cube blind (success
+    2-16 %); with the cube's position given, 100 %."""
     p = dict(vit_size="tiny", vit_overrides=_backbone(), depth_scale_init=8.0, horizon=16, n_action_steps=8,
              action_mode="absolute", num_queries=4, keypoints=True, aux_weight=1.0, cond_dim=192, hidden_dim=256,
              num_blocks=3, num_train_timesteps=100, num_inference_steps=8, prediction="sample")

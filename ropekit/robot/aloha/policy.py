@@ -14,7 +14,6 @@ re-plans. The variable of the study is the encoder's position encoding (``Policy
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +25,13 @@ from torch import Tensor, nn
 
 from ...nn import ViTConfig
 from ..policy import ChunkDenoiser, DiffusionPolicy, Normalizer, PolicyConfig, images_from_obs
-from .sim import ACTION_DIM, AlohaSim, object_targets, task_spec
+from .sim import ACTION_DIM, AlohaSim, task_spec
 
 __all__ = ["AlohaPolicyConfig", "AlohaPolicy", "AlohaChunks", "evaluate_policy", "save_aloha_policy",
            "load_aloha_policy", "ENCODINGS"]
 
 PathLike = Union[str, Path]
-OBJECT_TARGETS = 6  # the auxiliary loss's target: each arm's object's starting position (xyz, right then left)
+OBJECT_TARGETS = 6  # the auxiliary loss's target: where each arm's object is (xyz, right then left)
 _FORMAT = "ropekit-aloha-policy"
 
 #: The study's encoder variants: label -> (modality, create_pe name, options).
@@ -56,10 +55,13 @@ class AlohaPolicyConfig(PolicyConfig):
     part of a chunk that depends on where the object is (a few hundredths of a radian at the first chunk)
     is a far larger share of the relative targets' range than of the absolute ones'.
 
-    ``aux_weight`` (> 0: on) adds a training-only loss: a linear head on the conditioning predicts where each
-    arm's object was placed at the start of the episode (:func:`~.sim.object_targets`, 6 numbers standardised
-    over the demonstrations). Told that position, the policy succeeds every time; the loss teaches the encoder
-    to find it in the image. The policy never receives the position when it acts."""
+    ``aux_weight`` (> 0: on) adds a training-only loss: a head on the *image features alone* (the pooled tokens,
+    their mean and the keypoints; not the joint state) predicts where each arm's object is in the frame (the
+    demos' ``object_pos``: 6 numbers, standardised over the demonstrations). Told where the cube is, the policy
+    succeeds every time; the loss teaches the encoder to find it. Kept away from the joint state, the head cannot
+    lower the loss by reading the arm's pose once the object is held; a head on the whole conditioning that
+    predicted the object's starting position succeeded for some training seeds only. The policy never receives
+    the position when it acts."""
 
     pe: str = "cayley"
     pe_options: Dict[str, Any] = field(default_factory=dict)
@@ -98,7 +100,9 @@ class AlohaPolicy(DiffusionPolicy):
         self.denoiser = ChunkDenoiser(c.horizon, ACTION_DIM, c.cond_dim, c.hidden_dim, c.num_blocks)
         self.action_norm = Normalizer(ACTION_DIM)
         self.state_norm = Normalizer(ACTION_DIM)
-        self.aux_head = nn.Linear(c.cond_dim, OBJECT_TARGETS) if c.aux_weight > 0 else None
+        feat = self.image_feature_dim()
+        self.aux_head = (nn.Sequential(nn.LayerNorm(feat), nn.Linear(feat, OBJECT_TARGETS)) if c.aux_weight > 0
+                         else None)
         self.object_norm = Normalizer(OBJECT_TARGETS) if c.aux_weight > 0 else None
 
     def chunk_targets(self, actions: Tensor, state: Tensor) -> Tensor:
@@ -130,21 +134,26 @@ class AlohaPolicy(DiffusionPolicy):
                 raise ValueError("this policy has an auxiliary loss (aux_weight > 0): pass the object positions")
             self.object_norm.fit_meanstd(object_pos)
 
+    def aux_input(self, cond: Tensor, image_features: Tensor) -> Tensor:
+        """The auxiliary head reads the image features ``(B, F)`` only (not the joint state)."""
+        return image_features
+
     def aux_target(self, object_pos: Tensor, state: Tensor) -> Tensor:
         """The auxiliary head's target: object positions ``(B, 6)`` standardised per coordinate -> ``(B, 6)``."""
         return self.object_norm.normalize(object_pos)
 
     @torch.no_grad()
     def aux_position(self, images: Tensor, state: Tensor) -> Tensor:
-        """The auxiliary head's estimate of the objects' starting positions ``(B, 6)`` (metres; right arm's
-        object, then the left's) from ``images`` and ``state (B, 14)``.
+        """The auxiliary head's estimate of where the objects are ``(B, 6)`` (metres; right arm's object, then the
+        left's) in ``images`` (``state (B, 14)`` is not read by the head).
 
         Raises:
             ValueError: the policy has no auxiliary head (``aux_weight == 0``).
         """
         if self.aux_head is None:
             raise ValueError("this policy has no auxiliary head (aux_weight == 0)")
-        return self.object_norm.unnormalize(self.aux_head(self.encode(images, state)))
+        cond, feats = self.encode_parts(images, state)
+        return self.object_norm.unnormalize(self.aux_head(self.aux_input(cond, feats)))
 
     @torch.no_grad()
     def predict(self, images: Tensor, state: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
@@ -158,8 +167,8 @@ class AlohaChunks:
 
     Same interface as :class:`ropekit.robot.train.DemoChunks` (what ``train_policy`` reads): ``rgb (N, Hi, Wi,
     3)`` uint8, ``depth (N, Hi, Wi)`` or ``None``, ``state (N, 14)``, ``actions (N, H, 14)``, ``object_pos (N,
-    6)`` (where each arm's object started in the example's episode: :func:`~.sim.object_targets`, for the
-    auxiliary loss; ``None`` when the demo set does not name its task), ``episodes``, ``len()``, ``batch(index)``.
+    6)`` (where each arm's object is in the frame, for the auxiliary loss; ``None`` when the demos lack it),
+    ``episodes``, ``len()``, ``batch(index)``.
     """
 
     def __init__(self, demos: Mapping[str, Any], config: PolicyConfig, episodes: Optional[int] = None) -> None:
@@ -185,13 +194,11 @@ class AlohaChunks:
         self.state = torch.from_numpy(np.asarray(demos["qpos"], dtype=np.float32)[rows])
         self.actions = torch.from_numpy(np.asarray(demos["action"], dtype=np.float32)[ahead])  # (N, H, 14)
         self.object_pos: Optional[Tensor] = None
-        if "config_json" in demos and "episode_seed" in demos:
-            task = json.loads(str(demos["config_json"]))["task"]
-            per_episode = np.stack([object_targets(task, s) for s in np.asarray(demos["episode_seed"])])
-            self.object_pos = torch.from_numpy(per_episode.astype(np.float32)[episode[rows]])  # (N, 6)
+        if "object_pos" in demos:
+            self.object_pos = torch.from_numpy(np.asarray(demos["object_pos"], dtype=np.float32)[rows])  # (N, 6)
         elif config.aux_weight > 0:
-            raise ValueError("the auxiliary loss needs the demo set's task: load it with load_or_collect or "
-                             "load_demo_set (a set saved with its DemoConfig)")
+            raise ValueError("the auxiliary loss needs the demos' object positions: load the set with "
+                             "load_or_collect (it replays older sets once to find them)")
 
     def __len__(self) -> int:
         return len(self.state)

@@ -312,6 +312,14 @@ class AlohaSim:
         grasp = fingers + x.xmat["vx300s_right/gripper_link"].reshape(3, 3) @ _GRASP_POINT
         return float(np.linalg.norm(grasp - self.physics.data.qpos[16:19]))
 
+    def object_positions(self) -> np.ndarray:
+        """Where each arm's object is now: ``(6,)`` world positions (metres) of the right arm's object, then the
+        left arm's -- the cube twice, or the peg and the socket (the layout of :func:`object_targets`)."""
+        q = self.physics.data.qpos
+        if self.spec.name == "transfer_cube":
+            return np.concatenate([q[16:19], q[16:19]])
+        return np.concatenate([q[16:19], q[23:26]])
+
     @property
     def object_state(self) -> np.ndarray:
         """Current free-joint poses of the task's objects ``(7,)`` or ``(14,)``."""
