@@ -2,6 +2,7 @@
 the study (`ropekit robot aloha experiment --preset cpu --aux-weight 0`: same demos, recipe without the object
 loss, encoder row and training seed; 20 held-out poses at 2000 and 4000 steps, 50 at the end), then write
 ``result.json`` into the run folder."""
+import inspect
 import json
 import sys
 import time
@@ -21,8 +22,8 @@ from ropekit.robot.train import train_policy
 def run(what: str, make_policy: Callable[[Any, Any, torch.Tensor], Any],
         adapt_data: Callable[[Any, torch.Tensor], None] = lambda data, cube: None, parallel: Any = None) -> None:
     """``python SCRIPT OUT SEED [ENCODER]``. ``make_policy(config, demos, cube)`` builds the variant,
-    ``adapt_data(data, cube)`` changes the training examples; ``cube (N, 3)`` is each example's initial cube
-    position (privileged, from the simulator). ``parallel``: episodes simulated in lockstep (default the study's)."""
+    ``adapt_data(data, cube)`` or ``adapt_data(data, cube, (demos, demo_path))`` changes the training examples;
+    ``cube (N, 3)`` is each example's initial cube position (privileged, from the simulator). ``parallel``: episodes simulated in lockstep (default the study's)."""
     out, seed = Path(sys.argv[1]), int(sys.argv[2])
     label = sys.argv[3] if len(sys.argv) > 3 else "Cayley-STRING"
     cfg = PRESETS["cpu"]()
@@ -40,7 +41,10 @@ def run(what: str, make_policy: Callable[[Any, Any, torch.Tensor], Any],
                         dtype=torch.float32)  # (episodes, 3)
     data = AlohaChunks(demos, pcfg)
     frame_episode = torch.from_numpy(np.asarray(demos["episode"])[np.asarray(demos["frame_row"])])  # (N,)
-    adapt_data(data, cube[frame_episode])
+    if len(inspect.signature(adapt_data).parameters) > 2:
+        adapt_data(data, cube[frame_episode], (demos, path))
+    else:
+        adapt_data(data, cube[frame_episode])
     eval_seeds = cfg.eval_seeds()
     t0 = time.time()
     torch.manual_seed(seed)

@@ -36,3 +36,7 @@ for s in 0 1; do python "$D/oracle.py" runs/oracle/cayley-s$s $s; done
 # privileged, training only): Cayley-STRING seeds 0-3, learned APE seeds 0-1; cubeaux/ holds their results and output
 for s in 0 1 2 3; do python "$D/cubeaux.py" runs/cubeaux/cayley-s$s $s; done
 for s in 0 1; do python "$D/cubeaux.py" runs/cubeaux/ape-s$s $s "ViT (learned APE)"; done
+# the cube loss on the image alone: its head reads the image features only (no joint state) and predicts where the
+# cube is in each frame (the demos replayed once, physics only): Cayley-STRING seed 0, the seed that failed with
+# the loss above; seecube/ holds its result and output
+python "$D/seecube.py" runs/seecube/cayley-s0 0
