@@ -150,7 +150,8 @@ def _train(args: Any) -> int:
     cfg = AlohaPolicyConfig(pe=pe, pe_options=dict(options), modality=modality, image_hw=args.image_size,
                             fovy=args.fovy, aux_weight=args.aux_weight)
     policy = AlohaPolicy(cfg)
-    tc = PolicyTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.train_seed, shift=2)
+    # no image shift: the object loss ties pixels to positions (the study presets train without it too)
+    tc = PolicyTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.train_seed, shift=0)
     rows = train_policy(policy, AlohaChunks(demos, cfg), tc, None, progress=not args.no_progress)
     out = Path(args.out)
     save_aloha_policy(policy, out / "checkpoint.pt", train_config=tc.to_dict(), history=rows, demos=str(path),
