@@ -14,3 +14,5 @@ R="ropekit robot aloha experiment --preset cpu --threads 1 --no-progress"
 wait
 ropekit robot aloha merge "$W"/cayley-s0 "$W"/cayley-s1 "$W"/axial-s0 "$W"/axial-s1 "$W"/mixed-s0 \
     "$W"/absolute-s0 "$W"/absolute-s1 "$W"/cayley-rgbd-s0 "$W"/cayley-rgbd-s1 "$W"/mixed-s1 --out docs/results/aloha/cpu
+# how well each policy's object head finds the cube in the first frames of the 50 held-out poses
+python docs/results/aloha/diagnosis/locate.py docs/results/aloha/cpu/locate.json "$W"/*/runs/transfer_cube/*/
