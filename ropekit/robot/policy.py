@@ -288,13 +288,15 @@ class DiffusionPolicy(nn.Module):
         return {f"encoder.{n}" for n in self.encoder.no_weight_decay()} | {"queries"}
 
     def encode(self, images: Tensor, state: Tensor) -> Tensor:
-        """Conditioning ``(B, E)`` from ``images (B, 3 or 4, Hi, Wi)`` and raw ``state (B, S)``."""
-        return self.encode_parts(images, state)[0]
+        """Conditioning ``(B, E)`` from ``images (B, 3 or 4, Hi, Wi)`` and raw ``state (B, S)``. Training and
+        sampling both go through :meth:`encode_parts`: a subclass that changes the conditioning overrides that."""
+        return self.encode_parts(images, state, image_features=False)[0]
 
-    def encode_parts(self, images: Tensor, state: Tensor) -> Tuple[Tensor, Tensor]:
-        """``(conditioning (B, E), image features (B, F))``: the conditioning of :meth:`encode` and what it is
-        made from apart from the state -- the pooled tokens, their mean and (with ``keypoints``) the queries'
-        expected patch positions, ``F = (Q + 1) D (+ 2 Q)``."""
+    def encode_parts(self, images: Tensor, state: Tensor, image_features: bool = True
+                     ) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(conditioning (B, E), image features (B, F) or None)``: the conditioning of :meth:`encode` and what
+        it is made from apart from the state -- the pooled tokens, their mean and (with ``keypoints``) the
+        queries' expected patch positions, ``F = (Q + 1) D (+ 2 Q)`` (``None`` unless ``image_features``)."""
         tokens = self.encoder.forward_features(images)  # (B, M, D)
         q = self.queries.expand(tokens.shape[0], -1, -1)  # (B, Q, D)
         pooled, weights = self.pool(q, tokens, tokens, need_weights=self.config.keypoints)  # (B, Q, D), (B, Q, M)
@@ -303,7 +305,7 @@ class DiffusionPolicy(nn.Module):
         if self.config.keypoints:
             feats.append((weights @ self._patch_grid(images, tokens)).flatten(1))  # (B, Q, 2) -> (B, 2 Q)
         cond = self.cond_proj(torch.cat(feats, dim=-1))  # (B, E)
-        return cond, torch.cat([f for f in feats if f is not s], dim=-1)
+        return cond, torch.cat([f for f in feats if f is not s], dim=-1) if image_features else None
 
     def image_feature_dim(self) -> int:
         """``F`` of :meth:`encode_parts`."""
@@ -337,7 +339,7 @@ class DiffusionPolicy(nn.Module):
         The encoder runs once per example; ``noise_samples`` draws of ``(t, noise)`` share it (the head is
         cheap), which gives the head more signal per encoder pass.
         """
-        cond, image_features = self.encode_parts(images, state)  # (B, E), (B, F)
+        cond, image_features = self.encode_parts(images, state, self.aux_head is not None)  # (B, E), (B, F)
         aux = None
         if self.aux_head is not None:
             if object_pos is None:

@@ -335,10 +335,15 @@ def save_demo_set(demos: Dict[str, np.ndarray], path: PathLike, cfg: Optional[De
     arrays = dict(demos)
     if cfg is not None:
         arrays["config_json"] = np.asarray(json.dumps(cfg.to_dict(), sort_keys=True))
+    return _atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def _atomic_write(path: Path, write: Any) -> Path:
+    """``write(file)`` into a temporary file beside ``path``, then rename it to ``path`` (no partial file)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -383,14 +388,7 @@ def _replayed_object_positions(task: str, demos: Mapping[str, Any], path: Path, 
     if side.exists():
         return np.load(side)
     positions = replay_object_positions(task, demos, progress)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=side.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, positions)
-        os.replace(tmp, side)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _atomic_write(side, lambda f: np.save(f, positions))
     return positions
 
 

@@ -78,10 +78,15 @@ def object_targets(task: str, seed: int) -> np.ndarray:
     """Where each arm's object starts in ``task``'s episode of object-pose ``seed``: ``(6,)`` world positions
     (metres) of the right arm's object, then the left arm's -- the cube twice (the right arm lifts it, the left
     takes it over) or the peg (right) and the socket (left). What an ALOHA policy's auxiliary loss predicts."""
-    pose = sample_object_pose(task, seed)
+    return _arm_objects(task, sample_object_pose(task, seed))
+
+
+def _arm_objects(task: str, poses: np.ndarray) -> np.ndarray:
+    """The object poses ``(7,)`` or ``(14,)`` (free joints: xyz, quat) -> ``(6,)`` the right arm's object's
+    position, then the left arm's (the cube twice; the peg, then the socket)."""
     if task_spec(task).name == "transfer_cube":
-        return np.concatenate([pose[:3], pose[:3]])
-    return np.concatenate([pose[:3], pose[7:10]])
+        return np.concatenate([poses[:3], poses[:3]])
+    return np.concatenate([poses[:3], poses[7:10]])
 
 
 def require_sim() -> Tuple[Any, Any]:
@@ -315,10 +320,7 @@ class AlohaSim:
     def object_positions(self) -> np.ndarray:
         """Where each arm's object is now: ``(6,)`` world positions (metres) of the right arm's object, then the
         left arm's -- the cube twice, or the peg and the socket (the layout of :func:`object_targets`)."""
-        q = self.physics.data.qpos
-        if self.spec.name == "transfer_cube":
-            return np.concatenate([q[16:19], q[16:19]])
-        return np.concatenate([q[16:19], q[23:26]])
+        return _arm_objects(self.spec.name, self.physics.data.qpos[16:])
 
     @property
     def object_state(self) -> np.ndarray:

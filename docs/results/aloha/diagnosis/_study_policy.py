@@ -2,7 +2,6 @@
 the study (`ropekit robot aloha experiment --preset cpu --aux-weight 0`: same demos, recipe without the object
 loss, encoder row and training seed; 20 held-out poses at 2000 and 4000 steps, 50 at the end), then write
 ``result.json`` into the run folder."""
-import inspect
 import json
 import sys
 import time
@@ -14,16 +13,40 @@ import torch
 
 from ropekit.robot.aloha.experiment import PRESETS
 from ropekit.robot.aloha.expert import load_or_collect
-from ropekit.robot.aloha.policy import ENCODINGS, AlohaChunks, evaluate_policy
+from ropekit.robot.aloha.policy import ENCODINGS, AlohaChunks, AlohaPolicy, evaluate_policy
 from ropekit.robot.aloha.sim import AlohaSim
 from ropekit.robot.train import train_policy
+
+
+class CubeLossPolicy(AlohaPolicy):
+    """The study's policy (its own object loss off) plus a diagnosis's cube loss: ``aux_head`` maps features a
+    subclass keeps in ``self._feat`` during the forward pass to the standardised cube position ``(B, 3)``; the
+    loss adds ``weight`` times its mean squared error to the diffusion loss."""
+
+    def __init__(self, config, make_head: Callable[["CubeLossPolicy"], torch.nn.Module], mean: torch.Tensor,
+                 scale: torch.Tensor, weight: float = 1.0):
+        super().__init__(config)
+        self.aux_head = make_head(self)
+        self.register_buffer("cube_mean", mean)
+        self.register_buffer("cube_scale", scale)
+        self._feat, self._weight = None, weight
+
+    def loss(self, images, state, actions, noise_samples=1, generator=None, object_pos=None):
+        head, self.aux_head = self.aux_head, None  # the base loss's auxiliary term is the library's
+        try:
+            loss = super().loss(images, state, actions, noise_samples, generator)
+        finally:
+            self.aux_head = head
+        feat, self._feat = self._feat, None  # keep no graph on the module (the EMA snapshot deep-copies it)
+        target = (object_pos - self.cube_mean) / self.cube_scale  # (B, 3)
+        return loss + self._weight * torch.nn.functional.mse_loss(head(feat), target)
 
 
 def run(what: str, make_policy: Callable[[Any, Any, torch.Tensor], Any],
         adapt_data: Callable[[Any, torch.Tensor], None] = lambda data, cube: None, parallel: Any = None) -> None:
     """``python SCRIPT OUT SEED [ENCODER]``. ``make_policy(config, demos, cube)`` builds the variant,
-    ``adapt_data(data, cube)`` or ``adapt_data(data, cube, (demos, demo_path))`` changes the training examples;
-    ``cube (N, 3)`` is each example's initial cube position (privileged, from the simulator). ``parallel``: episodes simulated in lockstep (default the study's)."""
+    ``adapt_data(data, cube)`` changes the training examples; ``cube (N, 3)`` is each example's initial cube
+    position (privileged, from the simulator). ``parallel``: episodes simulated in lockstep (default the study's)."""
     out, seed = Path(sys.argv[1]), int(sys.argv[2])
     label = sys.argv[3] if len(sys.argv) > 3 else "Cayley-STRING"
     cfg = PRESETS["cpu"]()
@@ -41,10 +64,7 @@ def run(what: str, make_policy: Callable[[Any, Any, torch.Tensor], Any],
                         dtype=torch.float32)  # (episodes, 3)
     data = AlohaChunks(demos, pcfg)
     frame_episode = torch.from_numpy(np.asarray(demos["episode"])[np.asarray(demos["frame_row"])])  # (N,)
-    if len(inspect.signature(adapt_data).parameters) > 2:
-        adapt_data(data, cube[frame_episode], (demos, path))
-    else:
-        adapt_data(data, cube[frame_episode])
+    adapt_data(data, cube[frame_episode])
     eval_seeds = cfg.eval_seeds()
     t0 = time.time()
     torch.manual_seed(seed)

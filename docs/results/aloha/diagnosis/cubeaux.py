@@ -10,36 +10,19 @@ end). Writes `result.json` into OUT.
 """
 from torch import nn
 
-from ropekit.robot.aloha.policy import AlohaPolicy
-
-from _study_policy import run
-
-AUX_WEIGHT = 1.0
+from _study_policy import CubeLossPolicy, run
 
 
-class CubeAuxPolicy(AlohaPolicy):
+class CubeAuxPolicy(CubeLossPolicy):
     """The study's policy plus ``aux_head``: conditioning ``(B, E)`` -> normalised cube position ``(B, 3)``."""
 
     def __init__(self, config, mean, scale):
-        super().__init__(config)
-        self.aux_head = nn.Linear(config.cond_dim, 3)
-        self.register_buffer("cube_mean", mean)
-        self.register_buffer("cube_scale", scale)
+        super().__init__(config, lambda p: nn.Linear(config.cond_dim, 3), mean, scale)
 
-    def encode(self, images, state):
-        cond = super().encode(images, state)
-        self._cond = cond  # (B, E), before the loss repeats it per noise sample
-        return cond
-
-    def loss(self, images, state, actions, noise_samples=1, generator=None, object_pos=None):
-        head, self.aux_head = self.aux_head, None  # the base loss's auxiliary term is the KUKA one
-        try:
-            loss = super().loss(images, state, actions, noise_samples, generator)
-        finally:
-            self.aux_head = head
-        cond, self._cond = self._cond, None  # keep no graph on the module (the EMA snapshot deep-copies it)
-        target = (object_pos - self.cube_mean) / self.cube_scale  # (B, 3)
-        return loss + AUX_WEIGHT * nn.functional.mse_loss(head(cond), target)
+    def encode_parts(self, images, state, image_features=True):
+        cond, feats = super().encode_parts(images, state, image_features)
+        self._feat = cond  # (B, E), before the loss repeats it per noise sample
+        return cond, feats
 
 
 def _set_targets(data, cube):

@@ -18,8 +18,8 @@ class ImagesOnlyPolicy(AlohaPolicy):
     """The study's policy with the joint state replaced by zeros in the conditioning (a constant: no information).
     The executed actions are still absolute joint targets, so the real state is needed nowhere else."""
 
-    def encode(self, images, state):
-        return super().encode(images, torch.zeros_like(state))
+    def encode_parts(self, images, state, image_features=True):  # the one path of training and sampling
+        return super().encode_parts(images, torch.zeros_like(state), image_features)
 
 
 if __name__ == "__main__":
