@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -337,3 +338,27 @@ def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "noaux" / "config.json").read_text())["config"]["policy"]["aux_weight"] == 0.0
     ckpt = torch.load(next((tmp_path / "noaux" / "runs").glob("*/*/checkpoint.pt")), weights_only=True)
     assert not any(k.startswith(("aux_head", "object_norm")) for k in ckpt["state_dict"])
+
+
+@pytest.mark.parametrize("study,extra", [("cpu", ()), ("cpu-200", ()), ("cpu-noloss", ("--aux-weight", "0"))])
+def test_committed_study_is_what_its_commands_train(study, extra):
+    """Every committed ALOHA study (each part of a merge) records a command that resolves, at this version, to
+    the configuration it ran with: a changed preset fails here until the study is regenerated. The study made
+    before the object loss existed is checked with the ``--aux-weight 0`` its commands.sh states."""
+    from ropekit.robot.aloha.experiment import compare_with_committed
+
+    folder = Path(__file__).resolve().parent.parent / "docs" / "results" / "aloha" / study
+    assert compare_with_committed(folder, extra) == []
+
+
+def test_committed_study_check_sees_a_changed_recipe(tmp_path):
+    from ropekit.robot.aloha.experiment import compare_with_committed
+
+    src = Path(__file__).resolve().parent.parent / "docs" / "results" / "aloha" / "cpu-200" / "config.json"
+    doc = json.loads(src.read_text())
+    doc["merged"][0]["config"]["train"]["lr"] = 0.5
+    doc["merged"][1]["command"] = "ropekit train"
+    (tmp_path / "config.json").write_text(json.dumps(doc))
+    diffs = compare_with_committed(tmp_path)
+    assert any("part 0: train.lr: committed 0.5" in d for d in diffs)
+    assert any("part 1: no parsable" in d for d in diffs)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, List
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "experiment_config", "parse_command", "run"]
 
 
 def _list(text: str) -> List[str]:
@@ -176,8 +176,10 @@ def _eval(args: Any) -> int:
     return 0
 
 
-def _experiment(args: Any) -> int:
-    from .experiment import PRESETS, encoding_label, run_experiment
+def experiment_config(args: Any):
+    """The :class:`~.experiment.AlohaExperimentConfig` that ``ropekit robot aloha experiment`` with the parsed
+    ``args`` runs: the preset, then the options given on the command line."""
+    from .experiment import PRESETS, encoding_label
 
     cfg = PRESETS["quick" if args.quick else args.preset]()
     changes: dict = {"progress": not args.no_progress, "save_checkpoints": not args.no_checkpoints}
@@ -194,7 +196,27 @@ def _experiment(args: Any) -> int:
     given = {"seeds": args.seeds, "demos": args.demos, "eval_episodes": args.eval_episodes,
              "threads": args.threads, "cache_dir": args.cache_dir}
     changes.update({k: v for k, v in given.items() if v})
-    cfg = dataclasses.replace(cfg, **changes)
+    return dataclasses.replace(cfg, **changes)
+
+
+def parse_command(command: str) -> Any:
+    """Parse a recorded ``ropekit robot aloha ...`` command line (as ``config.json`` stores it) into its arguments.
+
+    Raises:
+        ValueError: ``command`` is not a ``ropekit robot aloha`` command.
+    """
+    words = shlex.split(command)
+    if words[:3] != ["ropekit", "robot", "aloha"]:
+        raise ValueError(f"not a 'ropekit robot aloha' command: {command!r}")
+    parser = argparse.ArgumentParser(prog="ropekit robot aloha")
+    add_arguments(parser)
+    return parser.parse_args(words[3:])
+
+
+def _experiment(args: Any) -> int:
+    from .experiment import run_experiment
+
+    cfg = experiment_config(args)
     command = "ropekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     doc = run_experiment(cfg, args.out, command=command, device=args.device, workers=args.workers)
     print((Path(args.out) / "table.md").read_text())
