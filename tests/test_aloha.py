@@ -362,3 +362,32 @@ def test_committed_study_check_sees_a_changed_recipe(tmp_path):
     diffs = compare_with_committed(tmp_path)
     assert any("part 0: train.lr: committed 0.5" in d for d in diffs)
     assert any("part 1: no parsable" in d for d in diffs)
+
+
+@pytest.mark.parametrize("study", ["cpu", "cpu-200", "cpu-noloss"])
+def test_committed_table_is_what_the_report_writes_from_the_results(study):
+    from ropekit.robot.aloha.experiment import _table
+
+    folder = Path(__file__).resolve().parent.parent / "docs" / "results" / "aloha" / study
+    assert (folder / "table.md").read_text() == _table(json.loads((folder / "results.json").read_text()))
+
+
+def test_paired_differences_against_the_absolute_embedding():
+    from ropekit.robot.aloha.experiment import _paired_lines
+    from ropekit.robot.experiment import pooled_z
+
+    def runs(*rates):  # one run per seed with 10 episodes at the given success rate
+        return [{"seed": s, "final": {"success": [i < round(10 * r) for i in range(10)]}} for s, r in enumerate(rates)]
+
+    doc = {"tasks": {"insertion": {"policies": {"ViT (learned APE)": runs(0.5, 0.6, 0.4),
+                                                "Cayley-STRING": runs(0.7, 0.6, 0.8),
+                                                "RoPE (axial)": runs(0.5)}}}}
+    lines = _paired_lines(doc)
+    cayley = next(line for line in lines if "Cayley-STRING" in line)
+    # per seed +20, +0, +40 points: mean 20, sample sd 20; pooled 21/30 against 15/30
+    assert "| +20, +0, +40 | +20.0 ± 20.0 |" in cayley
+    assert f"{pooled_z(21, 30, 15, 30):+.2f}" in cayley
+    assert abs(pooled_z(21, 30, 15, 30) - 0.2 / np.sqrt(0.6 * 0.4 * (2 / 30))) < 1e-12
+    axial = next(line for line in lines if "RoPE (axial)" in line)
+    assert "| +0 | +0.0 ± - | +0.00 |" in axial  # one common seed: no spread
+    assert _paired_lines({"tasks": {"insertion": {"policies": {"Cayley-STRING": runs(0.5)}}}}) == []

@@ -110,6 +110,15 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> Tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def pooled_z(k1: int, n1: int, k2: int, n2: int) -> float:
+    """Two-proportion z statistic of ``k1 / n1`` against ``k2 / n2`` with the pooled variance (``nan`` when both
+    proportions are 0 or both are 1, where it is undefined). It treats every episode as independent, so it
+    ignores the spread between training seeds: read it beside the per-seed differences."""
+    pooled = (k1 + k2) / (n1 + n2)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+    return (k1 / n1 - k2 / n2) / se if se > 0 else float("nan")
+
+
 def env_config(condition: str, image_size: int, overrides: Optional[Mapping[str, Any]] = None) -> PickConfig:
     """The :class:`PickConfig` of a condition as evaluated: stop at the first success, the policy's image size."""
     return PickConfig.preset(condition, **{"terminate_on_success": True, **(overrides or {}),
@@ -441,10 +450,7 @@ def _paired_lines(table: Mapping[Tuple[str, str], Mapping[str, Any]], policies: 
                 continue
             diffs = [100 * (x - y) for x, y in zip(a["seed_rates"], b["seed_rates"])]
             sd = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else float("nan")
-            n1, n2 = a["episodes"], b["episodes"]
-            pooled = (a["successes"] + b["successes"]) / (n1 + n2)
-            se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
-            z = (a["success_rate"] - b["success_rate"]) / se if se > 0 else float("nan")
+            z = pooled_z(a["successes"], a["episodes"], b["successes"], b["episodes"])
             lines.append(f"| {LABELS.get(a_name, a_name)} − {LABELS.get(b_name, b_name)} | {c} | "
                          + ", ".join(f"{d:+.0f}" for d in diffs) + f" | {np.mean(diffs):+.1f} ± {sd:.1f} | {z:+.2f} |")
     return lines

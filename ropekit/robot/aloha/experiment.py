@@ -446,7 +446,43 @@ def _table(doc: Dict[str, Any]) -> str:
                      f"{', '.join(f'{x:.2f}' for x in r['per_seed'])} | {r['max_reward']:.2f} | "
                      f"{cm(r['reach_cm'])} ({cm(r['expert_reach_cm'])}) | "
                      f"{r['expert']:.2f} | {r['seconds'] / 60:.1f} min |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _paired_lines(doc)) + "\n"
+
+
+#: The row every other encoder is compared with: the paper's "ViT".
+BASELINE = "ViT (learned APE)"
+
+
+def _paired_lines(doc: Dict[str, Any]) -> List[str]:
+    """Markdown lines: per task, each encoder's final success minus the learned-APE policy's, paired by training
+    seed (percentage points; mean and sample standard deviation over the seeds), and the two-proportion z of the
+    pooled episodes ("-" where both are at 0 or both at 1). Empty when no task has the APE row beside another encoder
+    on the same seeds."""
+    from ..experiment import pooled_z
+
+    rows = []
+    for task, tdoc in doc["tasks"].items():
+        by_seed = {label: {r["seed"]: r["final"]["success"] for r in runs} for label, runs in tdoc["policies"].items()}
+        base = by_seed.get(BASELINE)
+        if not base:
+            continue
+        for label, runs in by_seed.items():
+            seeds = sorted(set(runs) & set(base))
+            if label == BASELINE or not seeds:
+                continue
+            diffs = [100 * (np.mean(runs[s]) - np.mean(base[s])) for s in seeds]
+            sd = f"{np.std(diffs, ddof=1):.1f}" if len(diffs) > 1 else "-"
+            k1, n1 = sum(int(np.sum(runs[s])) for s in seeds), sum(len(runs[s]) for s in seeds)
+            k2, n2 = sum(int(np.sum(base[s])) for s in seeds), sum(len(base[s]) for s in seeds)
+            z = pooled_z(k1, n1, k2, n2)
+            rows.append(f"| {task} | {label} | {', '.join(f'{d:+.0f}' for d in diffs)} | {np.mean(diffs):+.1f} ± {sd} "
+                        f"| {'-' if np.isnan(z) else f'{z:+.2f}'} |")
+    if not rows:
+        return []
+    return ["", f"Final success minus the {BASELINE} policy's, paired by training seed (percentage points; mean ± "
+            "sample standard deviation over the seeds), and the two-proportion z of the pooled episodes (which "
+            "ignores the spread between seeds):", "", "| task | encoder | per seed | mean ± sd | pooled z |",
+            "|---|---|---|---|---|", *rows]
 
 
 def _write_reports(cfg: Optional[AlohaExperimentConfig], doc: Dict[str, Any], out: Path) -> None:
