@@ -14,3 +14,22 @@ def ctrl_c_delivered():
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, old)
+
+
+@pytest.fixture(scope="module")
+def triton_mode():
+    """The Triton mode for a kernel test module: compiled kernels on a CUDA device when there is one, else Triton's
+    interpreter on the CPU (``TRITON_INTERPRET=1`` for that module's tests only, restored afterwards; ropekit's
+    kernel modules re-import themselves in the mode the variable asks for). Yields the device to test on."""
+    import os
+
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0" if device == "cuda" else "1"
+    yield device
+    if old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = old

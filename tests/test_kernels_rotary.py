@@ -25,14 +25,8 @@ MODE = "0" if DEVICE == "cuda" else "1"  # TRITON_INTERPRET for this module
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _interpreter():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = MODE
+def _interpreter(triton_mode):  # compiled on CUDA, else Triton's interpreter (tests/conftest.py)
     yield
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
 
 
 # ----------------------------------------------------------------------------- independent float64 reference

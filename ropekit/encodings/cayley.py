@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import _fused_kernel, basis_change, cayley_transform, rotate_pairs
+from .functional import _fused_basis_kernel, _fused_kernel, basis_change, cayley_transform, rotate_pairs
 from .rope import MixedRoPE, _KernelState
 from .skew import free_to_skew, full_to_free, num_free
 
@@ -54,6 +54,17 @@ class CayleySTRING(MixedRoPE):
             return _KernelState(coords, self.freqs), p  # the fused kernel rotates P x, angles formed in-kernel
         cos, sin = super()._prepare(coords, dtype)
         return cos, sin, p
+
+    def _encode(self, x: Tensor, data, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
+        """Where the fused rotation kernel runs, ``RoPE(theta) P x`` in one pass over the tokens in their own dtype
+        (``ropekit.kernels.fused_basis_rotary``: ``P x`` is never written to memory); else the two steps."""
+        if isinstance(data, tuple) and isinstance(data[0], _KernelState) and self.pairs == "interleaved" \
+                and dtype == torch.float32:
+            kernel = _fused_basis_kernel(x, data[-1], data[0].coords, data[0].freqs)
+            if kernel is not None:
+                freqs = data[0].freqs[0] if data[0].freqs.shape[0] == 1 else data[0].freqs  # (c, P) or (H, c, P)
+                return kernel(x, data[-1], data[0].coords, freqs, num_prefix_tokens=num_prefix_tokens)
+        return super()._encode(x, data, num_prefix_tokens, dtype)
 
     def _transform(self, x: Tensor, state) -> Tensor:
         x = basis_change(x, state[-1])  # P x per token, one GEMM: (B, H, M, d)

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import (_angle_table, _fused_kernel, mixed_frequencies, precise_matmul, rotate_angles,
-                         skew)
+from .functional import (_angle_table, _block_diag, _fused_basis_kernel, _fused_kernel, mixed_frequencies,
+                         precise_matmul, rotate_angles, skew)
 from .rope import _KernelState
 
 __all__ = ["CirculantSTRING", "circulant", "real_dft_basis"]
@@ -149,6 +149,19 @@ class CirculantSTRING(PositionEncoding):
         if self.block_size % 2 == 0 and _fused_kernel(coords.device) is not None:
             return _KernelState(coords, freqs)
         return _angle_table(coords, freqs, dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
+
+    def _encode(self, x: Tensor, data, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
+        """Where the fused rotation kernel runs (even ``b``), ``Q^T RoPE(theta) Q x`` in one pass over the tokens in
+        their own dtype (``ropekit.kernels.fused_basis_rotary`` with ``Q`` the block-diagonal DFT basis: the DFT
+        coordinates are never written to memory); else the three steps of ``_transform``."""
+        if isinstance(data, _KernelState) and self.pairs == "interleaved" and dtype == torch.float32:
+            nb = self.head_dim // self.block_size
+            basis = _block_diag(self.dft_basis.to(torch.float32).expand(nb, -1, -1))[None]  # (1, d, d)
+            kernel = _fused_basis_kernel(x, basis, data.coords, data.freqs)
+            if kernel is not None:
+                freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, d/2) or (H, c, d/2)
+                return kernel(x, basis, data.coords, freqs, num_prefix_tokens=num_prefix_tokens, transpose_back=True)
+        return super()._encode(x, data, num_prefix_tokens, dtype)
 
     def _transform(self, x: Tensor, state) -> Tensor:
         b = self.block_size

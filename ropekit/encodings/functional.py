@@ -475,6 +475,16 @@ def _fused_kernel(device: torch.device, traceable: bool = False):
     return kernels.fused_rotary if ok else None
 
 
+def _fused_basis_kernel(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor):
+    """``ropekit.kernels.fused_basis_rotary`` where it handles these arguments (the rotation kernel is usable on
+    their device, see :func:`_fused_kernel`, and ``kernels.basis_rotary_supported`` accepts them) outside
+    ``torch.compile``, else None."""
+    kernels = _KERNELS[0] if _fused_kernel(x.device) is not None else None
+    if kernels is None or not kernels.basis_rotary_supported(x, basis, coords, freqs):
+        return None
+    return kernels.fused_basis_rotary
+
+
 def pair_generators(freqs: Tensor) -> Tensor:
     """Dense generators of the pairwise rotation ``RoPE(r) = expm(sum_k r_k J_k)``.
 

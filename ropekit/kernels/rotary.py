@@ -55,11 +55,12 @@ def available(device: Any) -> bool:
     return False
 
 
-def _kernels():
-    """The kernel module, (re)imported so that its compile-or-interpret mode matches ``TRITON_INTERPRET`` now."""
-    mod = sys.modules.get(_MODULE)
+def _kernels(name: str = _MODULE):
+    """The kernel module ``name``, (re)imported so that its compile-or-interpret mode matches ``TRITON_INTERPRET``
+    now."""
+    mod = sys.modules.get(name)
     if mod is None:
-        return importlib.import_module(_MODULE)
+        return importlib.import_module(name)
     if mod.INTERPRET != _interpret_requested():
         return importlib.reload(mod)
     return mod

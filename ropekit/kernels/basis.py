@@ -1,0 +1,208 @@
+"""The fused basis change and frequency rotation, ``RoPE(theta) P x``, as a differentiable function.
+
+Shape legend: ``B`` batch, ``H`` heads, ``M`` tokens (each with a coordinate), ``c`` coordinate dimension, ``d`` head
+dimension, ``Hp`` heads owning a basis (1 or ``H``), ``Hf`` heads owning frequencies (1 or ``H``).
+
+Used where a commuting STRING (Cayley; with ``transpose_back``, Circulant) is applied to every token -- an encoding called on its own, in a user's
+attention, where the basis cannot be folded into a projection weight: the two-step form writes ``P x`` to memory
+and reads it back (forward and backward), this kernel never does. Products with ``P`` accumulate in fp32 at fp32
+accuracy (``input_precision="tf32x3"`` on a GPU: three TF32 products, independent of the TF32 setting), angles
+as in :func:`ropekit.kernels.fused_rotary`. Planes are interleaved pairs ``(2p, 2p + 1)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict, Tuple
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .rotary import _as_heads, _as_rows, available
+from .rotary import _kernels as _rotary_kernels
+
+__all__ = ["basis_rotary_supported", "fused_basis_rotary"]
+
+_MODULE = "ropekit.kernels._basis_triton"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Tokens per tile: the forward's program size, the backward's step through an (example, head).
+BLOCK_N = 32
+
+
+def _kernels():
+    """The kernel module in the mode ``TRITON_INTERPRET`` asks for now, after the rotation kernels' module whose jit
+    helpers it calls (so both are in the same mode)."""
+    _rotary_kernels()
+    return _rotary_kernels(_MODULE)
+
+
+def basis_rotary_supported(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor) -> bool:
+    """Whether :func:`fused_basis_rotary` handles these arguments on their device (else use the two-step form):
+    the kernel is available there, ``d`` is a power of two from 32 to 128, at most 4 coordinate dimensions, fp32 /
+    fp16 / bf16 tokens, no float64 parameter or coordinate, and the kernels passed their self-test for this head
+    dimension, coordinate dimension and dtype on this device (:func:`_self_test`)."""
+    d = x.shape[-1]
+    return (x.dim() == 4 and 32 <= d <= 128 and d & (d - 1) == 0 and x.dtype in _DTYPES
+            and freqs.shape[-2] <= 4 and torch.float64 not in (basis.dtype, freqs.dtype, coords.dtype)
+            and available(x.device) and _self_test(x.device, d, freqs.shape[-2], x.dtype))
+
+
+_SELF_TESTS: Dict[Tuple[str, int, int, torch.dtype], bool] = {}
+
+
+def _self_test(device: torch.device, d: int, c: int, dtype: torch.dtype) -> bool:
+    """Compile the forward and backward kernels for ``(d, c, dtype)`` on ``device`` once and check them on a small
+    random case against the same map in float64 torch operations (outputs and all four gradients). A kernel that
+    fails to compile there, or disagrees, is not used: the caller takes the two-step form, after one warning.
+    Cached per (device, d, c, dtype)."""
+    key = (str(torch.device(device)), d, c, dtype)
+    if key in _SELF_TESTS:
+        return _SELF_TESTS[key]
+    _SELF_TESTS[key] = False  # also while the test itself runs
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.enable_grad():
+            x = torch.randn(2, 2, 2 * BLOCK_N + 3, d, generator=gen).to(dtype)
+            a = torch.randn(2, d, d, generator=gen)
+            p = torch.linalg.matrix_exp(0.1 * (a - a.transpose(-1, -2)))
+            r, w = torch.randn(2, x.shape[2] - 1, c, generator=gen) * 10, torch.randn(c, d // 2, generator=gen)
+            g = torch.randn(x.shape, generator=gen).to(dtype)
+            leaves = [t.to(device).requires_grad_(True) for t in (x, p, r, w)]
+            ref_leaves = [t.double().requires_grad_(True) for t in (x, p, r, w)]
+            pairs = []
+            for post in (False, True):
+                got = torch.autograd.grad(_FusedBasisRotary.apply(*leaves, 1, post), leaves, g.to(device))
+                want = torch.autograd.grad(_two_step(*ref_leaves, 1, post), ref_leaves, g.double())
+                pairs += list(zip(got, want))
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        ok = all(float((u.detach().cpu().double() - v).abs().max()) <= tol * (1 + float(v.abs().max())) for u, v in pairs)
+        reason = "its results disagree with the reference"
+    except Exception as e:  # a kernel that does not compile on this device must not break the encoding
+        ok, reason = False, f"{type(e).__name__}: {e}"
+    if not ok:
+        warnings.warn(f"ropekit: the fused basis rotation kernel is not used on {device} for d={d}, c={c}, {dtype} "
+                      f"({reason}); Cayley-STRING takes its two-step form there", RuntimeWarning, stacklevel=3)
+    _SELF_TESTS[key] = ok
+    return ok
+
+
+def _two_step(x: Tensor, p: Tensor, coords: Tensor, freqs: Tensor, prefix: int, post: bool = False) -> Tensor:
+    """``RoPE(theta) P x`` (``post``: then ``P^T``) in plain torch operations (the self-test's reference), prefix
+    tokens unchanged."""
+    y = torch.einsum("hij,bhnj->bhni", p, x[:, :, prefix:])  # (B, H, M, d)
+    r = coords if coords.dim() == 3 else coords.unsqueeze(0)  # (Bc, M, c)
+    w = freqs if freqs.dim() == 3 else freqs.unsqueeze(0)  # (Hf, c, d/2)
+    theta = torch.einsum("bmc,hcp->bhmp", r, w)  # (Bc, Hf, M, d/2)
+    y0, y1 = y[..., 0::2], y[..., 1::2]
+    out = torch.stack((y0 * theta.cos() - y1 * theta.sin(), y0 * theta.sin() + y1 * theta.cos()), -1).flatten(-2)
+    if post:
+        out = torch.einsum("hji,bhnj->bhni", p, out)  # P^T per head
+    return torch.cat([x[:, :, :prefix], out], dim=2)
+
+
+def _precision(x: Tensor) -> str:
+    return "ieee" if x.device.type == "cpu" else "tf32x3"
+
+
+class _FusedBasisRotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, prefix: int, post: bool) -> Tensor:
+        mod = _kernels()
+        bsz, h, n, d = x.shape
+        p = basis.detach().to(torch.float32).contiguous()  # (Hp, d, d)
+        r = _as_rows(coords, torch.float32)  # (Bc, M, c)
+        w = _as_heads(freqs.detach(), torch.float32)  # (Hf, c, d/2)
+        y = torch.empty_like(x)
+        tiles = -(-n // BLOCK_N)
+        if bsz * h * tiles:
+            mod.basis_rotary_fwd[(bsz * h * tiles,)](
+                x, *x.stride(), y, *y.stride(), p, p.stride(0) if p.shape[0] > 1 else 0, p.stride(1), p.stride(2),
+                r, r.stride(0) if r.shape[0] > 1 else 0, w, w.stride(0) if w.shape[0] > 1 else 0, h, n, prefix, tiles,
+                C=w.shape[1], D=d, D2=d // 2, BLOCK_N=BLOCK_N, PRECISION=_precision(x), POST=post, num_warps=4)
+        ctx.save_for_backward(x, p, r, w)
+        ctx.prefix, ctx.post = prefix, post
+        ctx.meta = (basis.shape, basis.dtype, coords.shape, coords.dtype, freqs.shape, freqs.dtype)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: Tensor):
+        mod = _kernels()
+        x, p, r, w = ctx.saved_tensors
+        p_shape, p_dtype, r_shape, r_dtype, w_shape, w_dtype = ctx.meta
+        need_x, need_p, need_r, need_w = ctx.needs_input_grad[:4]
+        bsz, h, n, d = x.shape
+        m = n - ctx.prefix
+        c = w.shape[1]
+        dev = x.device
+        gx = torch.empty_like(x) if need_x else x.new_empty(1)
+        gp = torch.empty(bsz * h, d, d, device=dev, dtype=torch.float32) if need_p else x.new_empty(1)
+        fpart = torch.empty(bsz * h, c, d // 2, device=dev, dtype=torch.float32) if need_w else x.new_empty(1)
+        cpart = torch.empty(bsz * h, m, c, device=dev, dtype=torch.float32) if need_r else x.new_empty(1)
+        gx_strides = gx.stride() if need_x else (0, 0, 0, 0)
+        if bsz * h and n:
+            mod.basis_rotary_bwd[(bsz * h,)](
+                g, *g.stride(), x, *x.stride(), gx, *gx_strides,
+                p, p.stride(0) if p.shape[0] > 1 else 0, p.stride(1), p.stride(2),
+                r, r.stride(0) if r.shape[0] > 1 else 0, w, w.stride(0) if w.shape[0] > 1 else 0,
+                gp, fpart, cpart, h, n, ctx.prefix,
+                C=c, BLOCK_C=max(1, 1 << (c - 1).bit_length()), D=d, D2=d // 2, BLOCK_N=BLOCK_N,
+                PRECISION=_precision(x), POST=ctx.post, NEED_X=need_x, NEED_P=need_p, NEED_FREQ=need_w, NEED_COORD=need_r,
+                num_warps=4)
+        else:  # nothing to encode: every gradient is zero
+            for t in (gp, fpart, cpart):
+                t.zero_()
+        g_p = g_r = g_w = None
+        if need_p:  # (B, H, d, d) partials: sum the examples, and the heads when they share P
+            g_p = gp.view(bsz, h, d, d).sum(0)
+            g_p = (g_p.sum(0, keepdim=True) if p.shape[0] == 1 else g_p).reshape(p_shape).to(p_dtype)
+        if need_w:
+            g_w = fpart.view(bsz, h, c, d // 2).sum(0)
+            g_w = (g_w.sum(0, keepdim=True) if w.shape[0] == 1 else g_w).reshape(w_shape).to(w_dtype)
+        if need_r:
+            g_r = cpart.view(bsz, h, m, c).sum(1)  # (B, M, c)
+            g_r = (g_r.sum(0, keepdim=True) if r.shape[0] == 1 else g_r).reshape(r_shape).to(r_dtype)
+        return (gx if need_x else None), g_p, g_r, g_w, None, None
+
+
+def fused_basis_rotary(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, *, num_prefix_tokens: int = 0,
+                       transpose_back: bool = False) -> Tensor:
+    """``RoPE(coords . freqs) P x`` (or ``P^T RoPE(coords . freqs) P x``) for every token in one pass;
+    differentiable in all four arguments.
+
+    Args:
+        x: ``(B, H, N, d)`` float32 / float16 / bfloat16, any strides; ``d`` a power of two in [32, 128].
+        basis: ``P``, ``(Hp, d, d)`` with ``Hp`` 1 (shared by the heads) or ``H``.
+        coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example, ``M = N - num_prefix_tokens``,
+            ``c <= 4``.
+        freqs: ``(c, d / 2)`` shared by the heads or ``(H, c, d / 2)`` per head.
+        num_prefix_tokens: leading tokens without a coordinate, passed through unchanged (not even ``P``).
+        transpose_back: multiply by ``P^T`` after the rotation, back to the input's basis (the symmetric form
+            ``R(r) = P^T RoPE(r) P`` of Circulant-STRING and ComRoPE); default the Cayley form ``RoPE(r) P``.
+
+    Returns:
+        ``(B, H, N, d)`` in ``x``'s dtype and layout: plane ``p`` (dimensions ``2p, 2p + 1``) of ``P x`` turned by
+        ``theta_p = sum_j coords_j freqs[j, p]`` (then ``P^T`` with ``transpose_back``). Computed in fp32.
+
+    Raises:
+        ValueError: inconsistent shapes, or arguments :func:`basis_rotary_supported` rejects.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"x must be (B, H, M, d), got shape {tuple(x.shape)}")
+    bsz, h, n, d = x.shape
+    m = n - num_prefix_tokens
+    if not 0 <= num_prefix_tokens <= n:
+        raise ValueError(f"num_prefix_tokens must be in [0, {n}], got {num_prefix_tokens}")
+    if basis.dim() != 3 or basis.shape[1:] != (d, d) or basis.shape[0] not in (1, h):
+        raise ValueError(f"basis must be (1 or {h}, {d}, {d}), got shape {tuple(basis.shape)}")
+    if freqs.dim() not in (2, 3) or freqs.shape[-1] != d // 2 or (freqs.dim() == 3 and freqs.shape[0] not in (1, h)):
+        raise ValueError(f"freqs must be (c, {d // 2}) or ({h}, c, {d // 2}), got shape {tuple(freqs.shape)}")
+    if coords.dim() not in (2, 3) or coords.shape[-2] != m or coords.shape[-1] != freqs.shape[-2] or (
+            coords.dim() == 3 and coords.shape[0] != bsz):
+        raise ValueError(f"coords must be ({m}, {freqs.shape[-2]}) or ({bsz}, {m}, {freqs.shape[-2]}), "
+                         f"got shape {tuple(coords.shape)}")
+    if not basis_rotary_supported(x, basis, coords, freqs):
+        raise ValueError(f"the fused basis rotation does not handle d={d}, c={freqs.shape[-2]}, {x.dtype} on "
+                         f"{x.device} (see basis_rotary_supported)")
+    return _FusedBasisRotary.apply(x, basis, coords, freqs, int(num_prefix_tokens), bool(transpose_back))
+
