@@ -38,7 +38,7 @@ run_stage() {  # name, time limit in seconds, command...
 for stage in "$@"; do
   case $stage in
     checks)
-      run_stage checks 300 python -m pytest -q -rfs -p no:cacheprovider tests/test_kernels_rotary.py \
+      run_stage checks 300 python -m pytest -q -rfs -p no:cacheprovider tests/test_kernels_rotary.py tests/test_kernels_basis.py \
         tests/test_cuda_precision.py tests/test_nn_batched_bases.py tests/test_nn_fold_overhead.py
       ;;
     peop)
