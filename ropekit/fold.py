@@ -142,6 +142,10 @@ def _real_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype:
     for even ``b``, Nyquist) rows, which no circulant generator turns, come last.
     """
     key = (head_dim, block_size, str(device), dtype)
+    if torch.compiler.is_compiling() and key not in _DFT_BASES:
+        # built in the graph (a constant there), not stored: a dictionary filled while Dynamo traces fails its
+        # guard on the next call and compiles the model a second time
+        return _build_real_dft_basis(head_dim, block_size, device, dtype)
     if key in _DFT_BASES:
         return _DFT_BASES[key]
     with torch.inference_mode(False):  # a normal tensor even when first built in inference mode: autograd saves it

@@ -66,3 +66,32 @@ def test_fullgraph_inductor():
     """The default backend end to end on the encoding with the most machinery (custom autograd Functions,
     a complex Hermitian eigendecomposition, batched block products)."""
     _check("comrope-ld", {"block_size": 4}, per_example=False, backend="inductor")
+
+
+@pytest.mark.parametrize("pe", ["cayley", "circulant", "comrope-ld", "mixed"])
+def test_a_compiled_vit_training_step_compiles_once(pe, monkeypatch):
+    """Three training steps of a compiled ViT: one graph, no recompilation. Constants kept in module-level caches
+    (Cayley's skew-index table, Circulant's DFT basis) are built in the graph while Dynamo traces, instead of
+    being stored then -- a dictionary filled during tracing fails its guard on the next call and compiled the whole
+    model a second time (emptied here, as in a fresh process)."""
+    from torch._dynamo.utils import counters
+
+    import ropekit.encodings.skew as skew
+    import ropekit.fold as fold
+    from ropekit.nn import VisionTransformer, vit_config
+
+    monkeypatch.setattr(skew, "_FLAT_INDICES", {})
+    monkeypatch.setattr(fold, "_DFT_BASES", {})
+    counters.clear()
+    torch.manual_seed(0)
+    model = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=1, image_size=(16, 16), pe=pe, depth=2,
+                                         patch_size=4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = torch.compile(model, backend="aot_eager")
+    x, y = torch.rand(4, 1, 16, 16), torch.randint(0, 10, (4,))
+    for _ in range(3):
+        torch.nn.functional.cross_entropy(step(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["recompiles"] and not counters["graph_break"]

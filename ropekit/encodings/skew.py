@@ -57,6 +57,11 @@ def _flat_skew_indices(n: int, band: int | None, device: torch.device) -> tuple[
     device) and kept, so a forward pass does not rebuild them (with a band the selection would also read a mask
     back to the host)."""
     key = (n, band, str(device))
+    if torch.compiler.is_compiling() and key not in _FLAT_INDICES:
+        # built in the graph, not stored: a dictionary filled while Dynamo traces fails its guard on the next call
+        # and compiles the model a second time
+        iu = upper_indices(n, band, device)
+        return iu[0] * n + iu[1], iu[1] * n + iu[0]
     if key not in _FLAT_INDICES:
         with torch.inference_mode(False):  # normal tensors even if first built in inference mode: autograd saves them
             iu = upper_indices(n, band, device)
