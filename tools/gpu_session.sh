@@ -5,13 +5,14 @@
 #   bash tools/gpu_session.sh peop            # every encoding's op table, alone and in training (~4 min)
 #   bash tools/gpu_session.sh vit-eager       # ViT-B/16 training step against APE and timm, eager (~4 min)
 #   bash tools/gpu_session.sh vit-compiled    # the same under torch.compile(mode="reduce-overhead") (~6 min)
+#   bash tools/gpu_session.sh syncs           # host synchronisations per ViT-B step, eager and compiled (~3 min)
 #
 # Several stages can be named in one call; each is cut off by `timeout` so that a slow one cannot take the
 # rest with it. Results go to $OUT (default ./gpu-out): <gpu>-<stage>.json / .md from `ropekit bench`, and
 # <gpu>-log.txt with every stage's output. <gpu> is h100, h200, ... from the device's name. Run from the
 # repository root with the project importable (PYTHONPATH=$PWD or `pip install --no-deps -e .`).
 set -u
-[ $# -gt 0 ] || { sed -n '2,12p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,13p' "$0"; exit 2; }
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -53,8 +54,11 @@ for stage in "$@"; do
         --compile-mode reduce-overhead --vit-pes axial mixed cayley circulant comrope-ld --no-timm \
         --json "$OUT/$gpu-vit-compiled.json" --markdown "$OUT/$gpu-vit-compiled.md"
       ;;
+    syncs)
+      run_stage syncs 300 python tools/profile_step.py syncs none cayley circulant comrope-ld c:cayley
+      ;;
     *)
-      echo "unknown stage '$stage': use checks, peop, vit-eager or vit-compiled" >&2
+      echo "unknown stage '$stage': use checks, peop, vit-eager, vit-compiled or syncs" >&2
       exit 2
       ;;
   esac

@@ -1,10 +1,14 @@
 """Where a ViT training step's time goes: the measurements behind docs/performance.md's profile figures.
 
-Three commands, each on the training step that ``ropekit bench`` times (``ropekit.bench.core._vit_step``):
+Four commands, each on the training step that ``ropekit bench`` times (``ropekit.bench.core._vit_step``):
 
 * ``profile PE [c:PE ...]`` -- on a CUDA device: wall time per step, the ``torch.profiler`` table of the ops with
   the most GPU time, the number of CUDA kernels launched per step and the GPU time per step (``c:PE`` compiles
   the model first). A step whose GPU time is well below its wall time is bound by the host.
+* ``syncs PE [c:PE ...]`` -- on a CUDA device: the host synchronisations of one training step (forward, backward,
+  AdamW) under ``torch.cuda.set_sync_debug_mode("warn")``, counted and listed by the Python line that caused them.
+  A step bound by the host with few launches (the Cayley step's 78 ms wall for 44 ms of GPU work) points at one;
+  a batched LU factorisation of ``64 x 64`` matrices (Cayley's solve) is a suspect on some torch builds.
 * ``ops PE`` -- on the CPU: top-level ATen operations per step (all, and those that are not views), with the
   per-layer Cayley bases solved together (as the ViT does) and, for comparison, one layer at a time.
 * ``ab PE --what loop-threshold|batched-bases`` -- on the CPU, one thread: process CPU time per step of two
@@ -72,6 +76,35 @@ def cmd_profile(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+def cmd_syncs(args: argparse.Namespace) -> None:
+    import collections
+    import warnings
+
+    if not torch.cuda.is_available():
+        raise SystemExit("syncs needs a CUDA device (host synchronisations are a GPU matter)")
+    cfg = BenchConfig.cuda_config()
+    for arg in args.pes:
+        compiled = arg.startswith("c:")
+        step = _vit_step(args.size, arg[2:] if compiled else arg, cfg, compiled=compiled)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        where = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught
+                                    if "synchroniz" in str(w.message).lower())
+        print(f"== {arg}: {sum(where.values())} host synchronisations in one training step", flush=True)
+        for place, count in where.most_common(12):
+            print(f"   {count:4d}  {place}")
+        del step
+        torch.cuda.empty_cache()
+
+
 def _count_ops(step: Callable[[], None]) -> Dict[str, int]:
     step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -122,6 +155,9 @@ def main() -> None:
     sp = sub.add_parser("profile", help="CUDA profile of training steps")
     sp.add_argument("pes", nargs="+", help="encodings; c:NAME compiles the model")
     sp.add_argument("--size", default="base", choices=("tiny", "base"))
+    sy = sub.add_parser("syncs", help="host synchronisations of one CUDA training step")
+    sy.add_argument("pes", nargs="+", help="encodings; c:NAME compiles the model")
+    sy.add_argument("--size", default="base", choices=("tiny", "base"))
     so = sub.add_parser("ops", help="ATen operations per CPU training step")
     so.add_argument("pe")
     so.add_argument("--size", default="tiny", choices=("tiny", "base"))
@@ -131,7 +167,7 @@ def main() -> None:
     sa.add_argument("--size", default="tiny", choices=("tiny", "base"))
     sa.add_argument("--rounds", type=int, default=8)
     args = p.parse_args()
-    {"profile": cmd_profile, "ops": cmd_ops, "ab": cmd_ab}[args.cmd](args)
+    {"profile": cmd_profile, "syncs": cmd_syncs, "ops": cmd_ops, "ab": cmd_ab}[args.cmd](args)
 
 
 if __name__ == "__main__":
