@@ -177,3 +177,15 @@ def test_a_kernel_that_fails_its_self_test_is_not_used(monkeypatch):
     with pytest.warns(RuntimeWarning, match="RuntimeError: no such instruction"):
         qo, ko = pe(q, q, coords)
     assert torch.allclose(qo, q, atol=1e-6)  # zero coordinates and P = I at init: the identity
+
+
+def test_the_self_test_passes_when_the_first_call_comes_in_inference_mode(monkeypatch, triton_mode):
+    monkeypatch.setattr(basis_mod, "_SELF_TESTS", {})
+    pe = ropekit.create_pe("cayley", head_dim=32, coord_dim=2, num_heads=2).to(triton_mode)
+    q = torch.randn(1, 2, 6, 32, device=triton_mode)
+    coords = torch.randn(6, 2, device=triton_mode)
+    with torch.inference_mode():
+        out, _ = pe(q, q, coords)
+    assert all(basis_mod._SELF_TESTS.values()) and basis_mod._SELF_TESTS
+    with torch.no_grad():
+        assert torch.equal(out, pe(q, q, coords)[0])

@@ -60,8 +60,9 @@ def _self_test(device: torch.device, d: int, c: int, dtype: torch.dtype) -> bool
         return _SELF_TESTS[key]
     _SELF_TESTS[key] = False  # also while the test itself runs
     gen = torch.Generator().manual_seed(0)
-    try:
-        with torch.enable_grad():
+    try:  # with gradients on, autocast off and normal tensors, whatever the context of the first call
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type,
+                                                                              enabled=False):
             x = torch.randn(2, 2, 2 * BLOCK_N + 3, d, generator=gen).to(dtype)
             a = torch.randn(2, d, d, generator=gen)
             p = torch.linalg.matrix_exp(0.1 * (a - a.transpose(-1, -2)))
