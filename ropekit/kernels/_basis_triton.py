@@ -74,9 +74,9 @@ def basis_rotary_fwd(x_ptr, sxb, sxh, sxn, sxd, y_ptr, syb, syh, syn, syd, p_ptr
     bh = pid // tiles
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    hp = h * (sph != 0)
-    hf = h * (swh != 0)
-    bc = b * (srb != 0)
+    hp = tl.where(sph != 0, h, 0)  # stride 0: one basis for every head
+    hf = tl.where(swh != 0, h, 0)  # stride 0: frequencies shared by the heads
+    bc = tl.where(srb != 0, b, 0)  # stride 0: coordinates shared by the batch
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     n64 = n.to(tl.int64)
@@ -110,9 +110,9 @@ def basis_rotary_bwd(g_ptr, sgb, sgh, sgn, sgd, x_ptr, sxb, sxh, sxn, sxd, gx_pt
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    hp = h * (sph != 0)
-    hf = h * (swh != 0)
-    bc = b * (srb != 0)
+    hp = tl.where(sph != 0, h, 0)  # stride 0: one basis for every head
+    hf = tl.where(swh != 0, h, 0)  # stride 0: frequencies shared by the heads
+    bc = tl.where(srb != 0, b, 0)  # stride 0: coordinates shared by the batch
     pe, po = _basis_halves(p_ptr + hp * sph, spr, spc, D, D2)
     dims = tl.arange(0, D)
     planes = tl.arange(0, D2)
