@@ -512,14 +512,18 @@ def _plot(doc: Dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .policy import ENCODINGS
+
     tasks = list(doc["tasks"])
+    labels = list(ENCODINGS) + sorted({lb for t in tasks for lb in doc["tasks"][t]["policies"]} - set(ENCODINGS))
+    colour = {lb: f"C{i}" for i, lb in enumerate(labels)}  # one colour per encoder in every panel
     fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(5.5 * max(1, len(tasks)), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         tdoc = doc["tasks"][task]
-        for label, runs in tdoc["policies"].items():
+        for label, runs in sorted(tdoc["policies"].items(), key=lambda kv: labels.index(kv[0])):
             steps = [c["step"] for c in runs[0]["curve"]]
             rates = np.array([[c["success_rate"] for c in r["curve"]] for r in runs if len(r["curve"]) == len(steps)])
-            ax.plot(steps, rates.mean(0), marker="o", label=label)
+            ax.plot(steps, rates.mean(0), marker="o", label=label, color=colour[label])
         if "expert" in tdoc:
             ax.axhline(tdoc["expert"]["success_rate"], color="k", ls="--", lw=1, label="scripted expert")
         ax.set_title(task)
