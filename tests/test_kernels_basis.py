@@ -107,13 +107,15 @@ def test_any_strides_and_no_gradient_requested():
 
 def test_unsupported_arguments_are_refused_with_the_reason():
     x = torch.randn(1, 2, 5, 48, device=DEVICE)
-    p, coords, freqs = torch.eye(48, device=DEVICE)[None], torch.zeros(5, 2, device=DEVICE), torch.zeros(2, 24, device=DEVICE)
+    p, coords = torch.eye(48, device=DEVICE)[None], torch.zeros(5, 2, device=DEVICE)
+    freqs = torch.zeros(2, 24, device=DEVICE)
     assert not basis_rotary_supported(x, p, coords, freqs)  # d = 48 is not a power of two
     with pytest.raises(ValueError, match="does not handle d=48"):
         fused_basis_rotary(x, p, coords, freqs)
     x = torch.randn(1, 2, 5, 32, device=DEVICE)
     with pytest.raises(ValueError, match="basis must be"):
-        fused_basis_rotary(x, torch.eye(32, device=DEVICE)[None].expand(3, -1, -1), coords, torch.zeros(2, 16, device=DEVICE))
+        fused_basis_rotary(x, torch.eye(32, device=DEVICE)[None].expand(3, -1, -1), coords,
+                           torch.zeros(2, 16, device=DEVICE))
     with pytest.raises(ValueError, match="coords must be"):
         fused_basis_rotary(x, torch.eye(32, device=DEVICE)[None], coords[:4], torch.zeros(2, 16, device=DEVICE))
 
@@ -162,7 +164,8 @@ def test_a_kernel_that_fails_its_self_test_is_not_used(monkeypatch):
     real = basis_mod._FusedBasisRotary.apply
     monkeypatch.setattr(basis_mod._FusedBasisRotary, "apply", lambda *a: real(*a) * 1.01)  # slightly wrong
     x = torch.randn(1, 2, 5, 32, device=DEVICE)
-    p, coords, freqs = torch.eye(32, device=DEVICE)[None], torch.zeros(5, 2, device=DEVICE), torch.zeros(2, 16, device=DEVICE)
+    p, coords = torch.eye(32, device=DEVICE)[None], torch.zeros(5, 2, device=DEVICE)
+    freqs = torch.zeros(2, 16, device=DEVICE)
     with pytest.warns(RuntimeWarning, match="not used"):
         assert not basis_rotary_supported(x, p, coords, freqs)
     assert not basis_rotary_supported(x, p, coords, freqs)  # cached: no second test, no second warning

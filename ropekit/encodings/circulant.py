@@ -89,6 +89,7 @@ class CirculantSTRING(PositionEncoding):
         self.num_modes = usable
         self.register_buffer("dft_basis", torch.empty(b, b), persistent=False)
         self.register_buffer("mode_table", torch.empty(b, usable), persistent=False)
+        self.register_buffer("dft_blockdiag", torch.empty(1, head_dim, head_dim), persistent=False)  # fused kernel's
         self._build_buffers()
         self.base = base
         self.circ_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, nb, b))
@@ -112,13 +113,15 @@ class CirculantSTRING(PositionEncoding):
                 self.circ_params.copy_(col)
 
     def _build_buffers(self) -> None:
-        """(Re)compute the fixed basis and sine table exactly (float64, then the buffers' dtype and device)."""
+        """(Re)compute the fixed basis and sine table exactly (float64, then the buffers' dtype and device), and the
+        block-diagonal ``(1, d, d)`` basis of every block that the fused kernel takes."""
         ref = self.dft_basis
         q, table = real_dft_basis(self.block_size, dtype=ref.dtype, device=ref.device)
         if ref.device.type != "meta":
             with torch.no_grad():
                 self.dft_basis.copy_(q)
                 self.mode_table.copy_(table)
+                self.dft_blockdiag.copy_(_block_diag(q.expand(self.head_dim // self.block_size, -1, -1)))
 
     def _apply(self, fn, recurse=True):  # device / dtype moves, to_empty: rebuild the fixed tables exactly
         out = super()._apply(fn, recurse)
@@ -155,8 +158,7 @@ class CirculantSTRING(PositionEncoding):
         their own dtype (``ropekit.kernels.fused_basis_rotary`` with ``Q`` the block-diagonal DFT basis: the DFT
         coordinates are never written to memory); else the three steps of ``_transform``."""
         if isinstance(data, _KernelState) and self.pairs == "interleaved" and dtype == torch.float32:
-            nb = self.head_dim // self.block_size
-            basis = _block_diag(self.dft_basis.to(torch.float32).expand(nb, -1, -1))[None]  # (1, d, d)
+            basis = self.dft_blockdiag  # (1, d, d), built with the other fixed tables
             kernel = _fused_basis_kernel(x, basis, data.coords, data.freqs)
             if kernel is not None:
                 freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, d/2) or (H, c, d/2)

@@ -1,19 +1,22 @@
 """The fused basis change and frequency rotation, ``RoPE(theta) P x``, as a differentiable function.
 
-Shape legend: ``B`` batch, ``H`` heads, ``M`` tokens (each with a coordinate), ``c`` coordinate dimension, ``d`` head
-dimension, ``Hp`` heads owning a basis (1 or ``H``), ``Hf`` heads owning frequencies (1 or ``H``).
+Shape legend: ``B`` batch, ``H`` heads, ``N`` tokens of which the first ``num_prefix_tokens`` carry no coordinate,
+``M`` tokens with a coordinate, ``c`` coordinate dimension, ``d`` head dimension, ``Hp`` heads owning a basis (1 or
+``H``), ``Hf`` heads owning frequencies (1 or ``H``).
 
-Used where a commuting STRING (Cayley; with ``transpose_back``, Circulant) is applied to every token -- an encoding called on its own, in a user's
-attention, where the basis cannot be folded into a projection weight: the two-step form writes ``P x`` to memory
-and reads it back (forward and backward), this kernel never does. Products with ``P`` accumulate in fp32 at fp32
-accuracy (``input_precision="tf32x3"`` on a GPU: three TF32 products, independent of the TF32 setting), angles
-as in :func:`ropekit.kernels.fused_rotary`. Planes are interleaved pairs ``(2p, 2p + 1)``.
+Used where a commuting STRING (Cayley; with ``transpose_back``, Circulant) is applied to every token -- an
+encoding called on its own, in a user's attention, where the basis cannot be folded into a projection weight:
+the two-step form writes ``P x`` to memory and reads it back (forward and backward), this kernel never does.
+Products with ``P`` accumulate in fp32 at fp32 accuracy (``input_precision="tf32x3"`` on a GPU: three TF32
+products, independent of the TF32 setting), angles as in :func:`ropekit.kernels.fused_rotary`. Planes are
+interleaved pairs ``(2p, 2p + 1)``.
 """
 
 from __future__ import annotations
 
 import warnings
 from typing import Dict, Tuple
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -76,13 +79,14 @@ def _self_test(device: torch.device, d: int, c: int, dtype: torch.dtype) -> bool
                 want = torch.autograd.grad(_two_step(*ref_leaves, 1, post), ref_leaves, g.double())
                 pairs += list(zip(got, want))
         tol = 1e-4 if dtype == torch.float32 else 3e-2
-        ok = all(float((u.detach().cpu().double() - v).abs().max()) <= tol * (1 + float(v.abs().max())) for u, v in pairs)
+        ok = all(float((u.detach().cpu().double() - v).abs().max()) <= tol * (1 + float(v.abs().max()))
+                 for u, v in pairs)
         reason = "its results disagree with the reference"
     except Exception as e:  # a kernel that does not compile on this device must not break the encoding
         ok, reason = False, f"{type(e).__name__}: {e}"
     if not ok:
         warnings.warn(f"ropekit: the fused basis rotation kernel is not used on {device} for d={d}, c={c}, {dtype} "
-                      f"({reason}); Cayley-STRING takes its two-step form there", RuntimeWarning, stacklevel=3)
+                      f"({reason}); the encodings take their unfused form there", RuntimeWarning, stacklevel=3)
     _SELF_TESTS[key] = ok
     return ok
 
@@ -148,8 +152,8 @@ class _FusedBasisRotary(torch.autograd.Function):
                 r, r.stride(0) if r.shape[0] > 1 else 0, w, w.stride(0) if w.shape[0] > 1 else 0,
                 gp, fpart, cpart, h, n, ctx.prefix,
                 C=c, BLOCK_C=max(1, 1 << (c - 1).bit_length()), D=d, D2=d // 2, BLOCK_N=BLOCK_N,
-                PRECISION=_precision(x), POST=ctx.post, NEED_X=need_x, NEED_P=need_p, NEED_FREQ=need_w, NEED_COORD=need_r,
-                num_warps=4)
+                PRECISION=_precision(x), POST=ctx.post, NEED_X=need_x, NEED_P=need_p, NEED_FREQ=need_w,
+                NEED_COORD=need_r, num_warps=4)
         else:  # nothing to encode: every gradient is zero
             for t in (gp, fpart, cpart):
                 t.zero_()
@@ -189,7 +193,7 @@ def fused_basis_rotary(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, 
         ValueError: inconsistent shapes, or arguments :func:`basis_rotary_supported` rejects.
     """
     if x.dim() != 4:
-        raise ValueError(f"x must be (B, H, M, d), got shape {tuple(x.shape)}")
+        raise ValueError(f"x must be (B, H, N, d), got shape {tuple(x.shape)}")
     bsz, h, n, d = x.shape
     m = n - num_prefix_tokens
     if not 0 <= num_prefix_tokens <= n:
