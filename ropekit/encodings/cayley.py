@@ -61,9 +61,8 @@ class CayleySTRING(MixedRoPE):
         if isinstance(data, tuple) and isinstance(data[0], _KernelState) and self.pairs == "interleaved" \
                 and dtype == torch.float32:
             kernel = _fused_basis_kernel(x, data[-1], data[0].coords, data[0].freqs)
-            if kernel is not None:
-                freqs = data[0].freqs[0] if data[0].freqs.shape[0] == 1 else data[0].freqs  # (c, P) or (H, c, P)
-                return kernel(x, data[-1], data[0].coords, freqs, num_prefix_tokens=num_prefix_tokens)
+            if kernel is not None:  # freqs (Hp, c, P), Hp = 1 or H: as the kernel takes them
+                return kernel(x, data[-1], data[0].coords, data[0].freqs, num_prefix_tokens=num_prefix_tokens)
         return super()._encode(x, data, num_prefix_tokens, dtype)
 
     def _transform(self, x: Tensor, state) -> Tensor:

@@ -160,9 +160,9 @@ class CirculantSTRING(PositionEncoding):
         if isinstance(data, _KernelState) and self.pairs == "interleaved" and dtype == torch.float32:
             basis = self.dft_blockdiag  # (1, d, d), built with the other fixed tables
             kernel = _fused_basis_kernel(x, basis, data.coords, data.freqs)
-            if kernel is not None:
-                freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, d/2) or (H, c, d/2)
-                return kernel(x, basis, data.coords, freqs, num_prefix_tokens=num_prefix_tokens, transpose_back=True)
+            if kernel is not None:  # freqs (Hp, c, d/2), Hp = 1 or H: as the kernel takes them
+                return kernel(x, basis, data.coords, data.freqs, num_prefix_tokens=num_prefix_tokens,
+                              transpose_back=True)
         return super()._encode(x, data, num_prefix_tokens, dtype)
 
     def _transform(self, x: Tensor, state) -> Tensor:

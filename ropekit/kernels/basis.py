@@ -180,7 +180,7 @@ def fused_basis_rotary(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, 
         basis: ``P``, ``(Hp, d, d)`` with ``Hp`` 1 (shared by the heads) or ``H``.
         coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example, ``M = N - num_prefix_tokens``,
             ``c <= 4``.
-        freqs: ``(c, d / 2)`` shared by the heads or ``(H, c, d / 2)`` per head.
+        freqs: ``(c, d / 2)`` or ``(1, c, d / 2)`` shared by the heads, or ``(H, c, d / 2)`` per head.
         num_prefix_tokens: leading tokens without a coordinate, passed through unchanged (not even ``P``).
         transpose_back: multiply by ``P^T`` after the rotation, back to the input's basis (the symmetric form
             ``R(r) = P^T RoPE(r) P`` of Circulant-STRING and ComRoPE); default the Cayley form ``RoPE(r) P``.
