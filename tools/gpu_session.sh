@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/performance.md, in stages that each fit a 10-minute command on a lent GPU.
 #
+#   bash tools/gpu_session.sh new             # first on a short loan: what this version has never run on a GPU
+#                                             # (fused basis kernel tests, Cayley / Circulant rows; ~5 min)
 #   bash tools/gpu_session.sh checks          # kernel, folding and precision tests on CUDA (~3 min)
 #   bash tools/gpu_session.sh peop            # every encoding's op table, alone and in training (~4 min)
 #   bash tools/gpu_session.sh vit-eager       # ViT-B/16 training step against APE and timm, eager (~4 min)
@@ -12,7 +14,7 @@
 # <gpu>-log.txt with every stage's output. <gpu> is h100, h200, ... from the device's name. Run from the
 # repository root with the project importable (PYTHONPATH=$PWD or `pip install --no-deps -e .`).
 set -u
-[ $# -gt 0 ] || { sed -n '2,13p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,15p' "$0"; exit 2; }
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -38,6 +40,12 @@ run_stage() {  # name, time limit in seconds, command...
 
 for stage in "$@"; do
   case $stage in
+    new)
+      run_stage new-tests 180 python -m pytest -q -rfs -p no:cacheprovider tests/test_kernels_basis.py
+      run_stage new-peop 300 $bench --no-vit --cases grid2d rgbd3d --rows cayley circulant "circulant (b=16)" \
+        "cayley in training (folded)" "circulant in training (folded)" \
+        --json "$OUT/$gpu-new-peop.json" --markdown "$OUT/$gpu-new-peop.md"
+      ;;
     checks)
       run_stage checks 300 python -m pytest -q -rfs -p no:cacheprovider tests/test_kernels_rotary.py tests/test_kernels_basis.py \
         tests/test_cuda_precision.py tests/test_nn_batched_bases.py tests/test_nn_fold_overhead.py
@@ -58,7 +66,7 @@ for stage in "$@"; do
       run_stage syncs 300 python tools/profile_step.py syncs none cayley circulant comrope-ld c:cayley
       ;;
     *)
-      echo "unknown stage '$stage': use checks, peop, vit-eager, vit-compiled or syncs" >&2
+      echo "unknown stage '$stage': use new, checks, peop, vit-eager, vit-compiled or syncs" >&2
       exit 2
       ;;
   esac
