@@ -52,6 +52,21 @@ def test_cli_quick_writes_json_and_markdown(tmp_path, capsys):
     assert "| grid2d | axial |" in md.read_text().split("### In training")[1]
 
 
+def test_report_records_the_cpu_allocator(monkeypatch):
+    """The allocator's settings move CPU figures (page faults of fresh buffers): the report says which were used."""
+    from ropekit.bench.core import allocator_settings
+
+    for var in ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                "MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "MALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    assert allocator_settings() == "C library defaults"
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
+    assert allocator_settings() == "MALLOC_MMAP_THRESHOLD_=33554432"
+    records = run_bench(_tiny(rows=("none",), cases=("grid2d",), vit=()), log=lambda s: None)
+    assert records and all(r["allocator"] == "MALLOC_MMAP_THRESHOLD_=33554432" for r in records)
+    assert "CPU allocator: MALLOC_MMAP_THRESHOLD_=33554432" in format_report(records)
+
+
 def test_training_rows_time_the_folded_work_and_the_layer():
     """A training row times what a folded encoding adds to one attention layer: its form, the merge into the
     projection, the rotation; the cayley row's ratio is the one its target reads."""

@@ -393,7 +393,20 @@ def machine_info() -> Dict[str, Any]:
     except OSError:
         load = None
     return {"cpu": model, "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "load_avg": load}
+            "python": platform.python_version(), "load_avg": load, "allocator": allocator_settings()}
+
+
+#: Environment variables that change how the C library allocates the CPU's tensors (glibc's tunables, a preloaded
+#: allocator such as jemalloc or tcmalloc): on the CPU they move the figures of rows with large temporaries.
+ALLOCATOR_VARIABLES = ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                       "MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "MALLOC_CONF")
+
+
+def allocator_settings() -> str:
+    """The allocator settings of this process as one line: ``"C library defaults"`` or the variables that are set,
+    e.g. ``"MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824"``."""
+    set_ = [f"{k}={os.environ[k]}" for k in ALLOCATOR_VARIABLES if os.environ.get(k)]
+    return " ".join(set_) if set_ else "C library defaults"
 
 
 def device_info(device: Any) -> Dict[str, Any]:
@@ -864,6 +877,7 @@ def _stamp(records: List[Dict[str, Any]], cfg: BenchConfig, info: Dict[str, Any]
     for rec in records:
         rec.update(threads=cfg.threads, clock="cuda events" if cfg.on_gpu else cfg.clock, cpu=info["cpu"],
                    cpus=info["cpus"], torch=info["torch"], quick=cfg.quick, load_avg_start=info["load_avg"],
+                   allocator=info.get("allocator"),
                    device=cfg.device, dtype=cfg.dtype,
                    **{k: info[k] for k in ("gpu", "capability", "cuda", "triton", "tf32_matmul") if k in info})
 

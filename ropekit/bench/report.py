@@ -138,6 +138,7 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
                    f"{meta.get('triton', '–')}, TF32 matmul {'on' if meta.get('tf32_matmul') else 'off'}); host ")
         lines += [f"Machine: {gpu}{meta.get('cpu')}, {meta.get('cpus')} cores visible, {meta.get('threads')} torch "
                   f"threads, torch {meta.get('torch')}{load}; times are {clock}"
+                  + (f"; CPU allocator: {meta['allocator']}" if meta.get("allocator") else "")
                   + (" (quick run)" if meta.get("quick") else ""), ""]
     for case in ("grid2d", "rgbd3d"):
         rows = [r for r in records if r.get("case") == case and r.get("kind") in ("pe", "kernel")]
