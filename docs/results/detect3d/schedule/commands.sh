@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # How long must a detect3d model train? Seed 0 of the study's recipe (Cayley-STRING ViTD; an APE ViTD and an
-# axial RGB ViT for comparison; the 9600-step pair on seeds 1 and 2 too) trained on different schedules; every training field that differs between them
-# is stated on its line, so the lines do not depend on the preset's current schedule. About 4.5 CPU-hours in all
-# (one thread per run; each 9600-step run takes 20-25 minutes);
+# axial RGB ViT for comparison; the 9600- and 19200-step pairs on seeds 1 and 2 too) trained on different schedules;
+# every training field that differs between them is stated on its line, so the lines do not depend on the preset's
+# current schedule. About 6.5 CPU-hours in all (one thread per run; each 9600-step run takes 20-25 minutes, each
+# 19200-step run 25-30 minutes with one run per core);
 # summarise.py writes table.md and schedule.png from the run folders (metrics.json, curve.csv, config.json).
 # The committed b32-s300 files are the earlier study recipe's own seed-0 run (the same settings), copied, not
 # retrained. Run from anywhere: it works from the repository root, where the scene cache (.cache/scenes) lives.
@@ -38,7 +39,11 @@ run ape-b32-s9600-seed1 absolute rgbd 9600 32 0.001 100 400 1
 run b32-s9600-seed2     cayley   rgbd 9600 32 0.001 100 400 2
 run ape-b32-s9600-seed2 absolute rgbd 9600 32 0.001 100 400 2
 run rgb-b16-s2400 axial  rgb  2400 16 0.001 100 100
-# where does the IoU level off? The pair on twice the longest schedule (76.8 epochs), seed 0; ~50 min each
+# where does the IoU level off? The pair on twice the longest schedule (76.8 epochs), seeds 0-2; 25-30 min each
 run b32-s19200     cayley   rgbd 19200 32 0.001 100 800
 run ape-b32-s19200 absolute rgbd 19200 32 0.001 100 800
+run b32-s19200-seed1     cayley   rgbd 19200 32 0.001 100 800 1
+run ape-b32-s19200-seed1 absolute rgbd 19200 32 0.001 100 800 1
+run b32-s19200-seed2     cayley   rgbd 19200 32 0.001 100 800 2
+run ape-b32-s19200-seed2 absolute rgbd 19200 32 0.001 100 800 2
 python "$here/summarise.py"
