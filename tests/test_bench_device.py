@@ -54,10 +54,9 @@ def test_cli_quick_writes_json_and_markdown(tmp_path, capsys):
 
 def test_report_records_the_cpu_allocator(monkeypatch):
     """The allocator's settings move CPU figures (page faults of fresh buffers): the report says which were used."""
-    from ropekit.bench.core import allocator_settings
+    from ropekit.bench.core import ALLOCATOR_VARIABLES, allocator_settings
 
-    for var in ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                "MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "MALLOC_CONF"):
+    for var in ALLOCATOR_VARIABLES:
         monkeypatch.delenv(var, raising=False)
     assert allocator_settings() == "C library defaults"
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")

@@ -23,13 +23,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ropekit.bench.core import ALLOCATOR_VARIABLES
+
 TUNED = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 BENCH = ["--threads", "1", "--clock", "cpu", "--rows", "axial", "mixed", "cayley", "circulant", "comrope-ld",
          "--no-vit"]
 
 
 def _env(tuned: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
     return {**env, **TUNED} if tuned else env
 
 
@@ -51,8 +53,7 @@ def summarise(out: Path, rounds: int, command: str) -> str:
             for r in json.loads((out / f"{name}-{i}.json").read_text()):
                 meta.setdefault(name, r)
                 if r["kind"] in ("pe", "train"):
-                    share = 100 * r["fwdbwd_ms"] / r["sdpa_fwdbwd_ms"]
-                    table.setdefault((r["case"], r["label"]), {}).setdefault(name, []).append(share)
+                    table.setdefault((r["case"], r["label"]), {}).setdefault(name, []).append(100 * r["frac_sdpa"])
     m = meta["default"]
     lines = [f"Command: `{command}`", "",
              f"Machine: {m['cpu']}, {m['cpus']} cores visible, torch {m['torch']}; `ropekit bench --threads 1 "

@@ -877,7 +877,7 @@ def _stamp(records: List[Dict[str, Any]], cfg: BenchConfig, info: Dict[str, Any]
     for rec in records:
         rec.update(threads=cfg.threads, clock="cuda events" if cfg.on_gpu else cfg.clock, cpu=info["cpu"],
                    cpus=info["cpus"], torch=info["torch"], quick=cfg.quick, load_avg_start=info["load_avg"],
-                   allocator=info.get("allocator"),
+                   allocator=info["allocator"],
                    device=cfg.device, dtype=cfg.dtype,
                    **{k: info[k] for k in ("gpu", "capability", "cuda", "triton", "tf32_matmul") if k in info})
 
