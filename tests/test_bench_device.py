@@ -172,3 +172,90 @@ def test_gpu_report_and_targets():
     timm = targets[("ropekit absolute-embedding ViT-B step <= timm's (eager)", "vit-base")]
     assert timm["met"] and timm["value"] == pytest.approx(1 / 1.01)
     assert targets[("ViT-B/16 step with circulant <= 1.05x absolute embedding (eager)", "vit-base")]["met"] is None
+
+
+class _FakeGpu:
+    """A GPU timeline in milliseconds: launches queue work behind what is queued, synchronisations make the host
+    wait for it, events stamp the time the GPU reaches them -- enough to run ``_gpu_times`` without a GPU."""
+
+    def __init__(self):
+        self.host = 0.0
+        self.free = 0.0  # when the GPU has finished everything queued so far
+
+    def launch(self, ms: float, host_ms: float = 0.02) -> None:
+        self.free = max(self.free, self.host) + ms
+        self.host += host_ms
+
+    def sync(self) -> None:
+        self.host = max(self.host, self.free)
+
+
+def _patch_fake_gpu(monkeypatch, gpu: _FakeGpu) -> None:
+    import types
+
+    import ropekit.bench.core as core
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = 0.0
+
+        def record(self):
+            self.t = max(gpu.free, gpu.host)
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: gpu.sync())
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: gpu.launch(cycles / 1000.0, host_ms=0.0))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(core, "time", types.SimpleNamespace(perf_counter=lambda: gpu.host / 1e3))
+    monkeypatch.setitem(core._CYCLES_PER_MS, 0, 1000.0)
+
+
+def test_gpu_times_isolate_gpu_work_and_flag_a_synchronising_op(monkeypatch):
+    """The queued sleep hides the host's launch time; an op that synchronises inside the call (as a CUDA eigh's
+    error check does) is flagged -- and its rounds must not lengthen the next sleep: doubling it every round made
+    the ComRoPE row of a 20-round GPU run wait for hours (found on an H200)."""
+    from ropekit.bench.core import _gpu_times
+
+    gpu = _FakeGpu()
+    _patch_fake_gpu(monkeypatch, gpu)
+
+    def op():  # 0.1 ms of GPU work behind 0.3 ms of host launch overhead
+        gpu.launch(0.05, host_ms=0.15)
+        gpu.launch(0.05, host_ms=0.15)
+
+    def syncing_op():
+        gpu.launch(0.05, host_ms=0.15)
+        gpu.sync()
+        gpu.launch(0.05, host_ms=0.15)
+
+    times, synced = _gpu_times({"op": op}, repeats=40, device=torch.device("cuda", 0))
+    assert not synced and len(times["op"]) == 40
+    assert max(times["op"]) == pytest.approx(0.1)  # the GPU work alone, not the 0.3 ms of host time
+
+    start = gpu.host
+    times, synced = _gpu_times({"op": op, "syncing": syncing_op}, repeats=40, device=torch.device("cuda", 0))
+    assert synced
+    assert gpu.host - start < 200.0  # 40 rounds of bounded sleeps (the unbounded rule took 2**40 ms)
+    assert min(times["syncing"]) > 0.1  # host gaps inside the call: not the op's GPU time
+
+
+def test_gpu_time_of_a_synchronising_op_is_reported_as_not_isolable():
+    recs = _gpu_records()
+    gpu_fields = dict(fwd_gpu_ms=2.0, fwdbwd_gpu_ms=4.9, floor_fwdbwd_gpu_ms=0.11, sdpa_fwdbwd_gpu_ms=0.2,
+                      none_fwdbwd_gpu_ms=0.18, x_floor_gpu=44.5, frac_sdpa_gpu=24.5)
+    for r in recs:
+        if r["kind"] == "pe":
+            r.update(gpu_fields, x_floor_gpu=r["fwdbwd_ms"] / 0.2)
+    synced = dict(recs[0], label="comrope-ld (b=8)", pe="comrope-ld", fwdbwd_ms=4.6, x_floor=23.0, **gpu_fields,
+                  gpu_synced=True)
+    recs.append(synced)
+    targets = {(t["target"], t["case"]): t for t in evaluate_targets(recs)}
+    gpu = targets[("comrope-ld (b=8) fwd+bwd <= 2x floor (q*c, k*c), GPU time", "grid2d")]
+    assert gpu["met"] is None and gpu["value"] is None and "synchronises the host" in gpu["note"]
+    assert targets[("comrope-ld (b=8) fwd+bwd <= 2x floor (q*c, k*c)", "grid2d")]["met"] is False  # latency stands
+    assert targets[("axial fwd+bwd <= 1.5x floor (q*c, k*c), GPU time", "grid2d")]["met"]
+    report = format_report(recs, command="ropekit bench --device cuda --dtype bf16")
+    assert "| comrope-ld (b=8) (synchronises the host: host gaps included) |" in report
+    assert "| not isolable: the op synchronises the host |" in report

@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/performance.md, in stages that each fit a 10-minute command on a lent GPU.
 #
-#   bash tools/gpu_session.sh new             # first on a short loan: what this version has never run on a GPU
-#                                             # (fused basis kernel tests, Cayley / Circulant rows; ~5 min)
-#   bash tools/gpu_session.sh checks          # kernel, folding and precision tests on CUDA (~3 min)
+#   bash tools/gpu_session.sh new             # first on a short loan: what this version has not measured on a GPU
+#                                             # (the folded in-training rows, ComRoPE's rows; ~3 min)
+#   bash tools/gpu_session.sh checks          # kernel, folding and precision tests on CUDA (~3.5 min on an H200)
 #   bash tools/gpu_session.sh peop            # every encoding's op table, alone and in training (~4 min)
 #   bash tools/gpu_session.sh vit-eager       # ViT-B/16 training step against APE and timm, eager (~4 min)
 #   bash tools/gpu_session.sh vit-compiled    # the same under torch.compile(mode="reduce-overhead") (~6 min)
 #   bash tools/gpu_session.sh syncs           # host synchronisations per ViT-B step, eager and compiled (~3 min)
 #
 # Several stages can be named in one call; each is cut off by `timeout` so that a slow one cannot take the
-# rest with it. Results go to $OUT (default ./gpu-out): <gpu>-<stage>.json / .md from `ropekit bench`, and
-# <gpu>-log.txt with every stage's output. <gpu> is h100, h200, ... from the device's name. Run from the
-# repository root with the project importable (PYTHONPATH=$PWD or `pip install --no-deps -e .`).
+# rest with it, leaving the Python traceback of where it was in the log. Results go to $OUT (default ./gpu-out):
+# <gpu>-<stage>.json / .md from `ropekit bench`, and <gpu>-log.txt with every stage's output. <gpu> is h100,
+# h200, ... from the device's name. Run from the repository root with the project importable (PYTHONPATH=$PWD or
+# `pip install --no-deps -e .`).
 set -u
-[ $# -gt 0 ] || { sed -n '2,15p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1  # a stage cut off by its limit (SIGABRT) leaves every thread's traceback in the log
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 gpu=$(echo "$name" | grep -oiE 'h100|h200|a100|l40s|l4|a10' | head -n 1 | tr 'A-Z' 'a-z')
@@ -34,16 +36,15 @@ run_stage() {  # name, time limit in seconds, command...
   local stage=$1 limit=$2
   shift 2
   echo "== stage $stage (limit ${limit}s): $*" | tee -a "$log"
-  timeout "$limit" "$@" >> "$log" 2>&1
+  timeout -s ABRT -k 10 "$limit" "$@" >> "$log" 2>&1
   echo "== stage $stage: exit $?" | tee -a "$log"
 }
 
 for stage in "$@"; do
   case $stage in
     new)
-      run_stage new-tests 180 python -m pytest -q -rfs -p no:cacheprovider tests/test_kernels_basis.py
-      run_stage new-peop 300 $bench --no-vit --cases grid2d rgbd3d --rows cayley circulant "circulant (b=16)" \
-        "cayley in training (folded)" "circulant in training (folded)" \
+      run_stage new-peop 300 $bench --no-vit --cases grid2d rgbd3d --rows cayley "comrope-ld (b=8)" \
+        "cayley in training (folded)" "circulant in training (folded)" "comrope-ld (b=8) in training (folded)" \
         --json "$OUT/$gpu-new-peop.json" --markdown "$OUT/$gpu-new-peop.md"
       ;;
     checks)

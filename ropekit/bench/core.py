@@ -58,7 +58,8 @@ that the queue is empty -- a call's time (its *latency*) then includes its host-
 dominates (small tensors) and the GPU time otherwise. The encoding table also records the *GPU time* alone
 (``*_gpu_ms``, ``x_floor_gpu``): each round first queues a GPU sleep that outlasts the host's queueing of the
 round, so the events around a call measure only its kernels -- what the op costs inside a model whose GPU work
-hides the host overhead. q and k are created in ``dtype`` and the encodings run under
+hides the host overhead. An op that synchronises the host inside the call (an error check of a factorisation, an
+``.item()``) defeats this: its row is marked ``gpu_synced`` and its GPU-time targets are reported as not isolable. q and k are created in ``dtype`` and the encodings run under
 ``torch.autocast`` for bf16 / fp16 (parameters stay fp32); the ViT steps use autocast and fused AdamW. The floor
 is then ``q * c, k * c`` (two elementwise products with a fixed ``(M, d)`` table, forward + backward): the memory
 traffic of a rotation of q and k without its arithmetic. ``peak_mb`` is the growth of
@@ -283,17 +284,49 @@ def _cycles_per_ms(device: torch.device) -> float:
     return _CYCLES_PER_MS[idx]
 
 
-def _gpu_times(fns: Dict[str, Callable[[], Any]], repeats: int, device: torch.device) -> Dict[str, List[float]]:
+class _SleepPlan:
+    """How long a GPU sleep :func:`_gpu_times` queues before each round, and whether a round's calls synchronised.
+
+    Round 0 runs without a sleep and measures the host time ``h`` of queueing one round. Every later round queues
+    ``2 h + 0.5`` ms of GPU sleep first. A round whose host time reaches the sleep's length waited for the GPU: one
+    of its calls synchronised the host (a ``.item()``, an error check of a factorisation), so the events around the
+    calls include host gaps and do not isolate their GPU work. Such a round is counted, and its host time -- the
+    sleep plus the work -- is not taken as the host's: it would double the next sleep, and the next, without bound.
+    """
+
+    def __init__(self) -> None:
+        self.host_ms: Optional[float] = None
+        self.synced_rounds = 0
+
+    def sleep_ms(self) -> float:
+        """GPU sleep to queue before the next round (0 before the calibration round)."""
+        return 0.0 if self.host_ms is None else 2.0 * self.host_ms + 0.5
+
+    def observe(self, host_ms: float) -> None:
+        """Record the host time of the round just queued behind ``sleep_ms()`` of sleep."""
+        slept = self.sleep_ms()
+        if self.host_ms is None:
+            self.host_ms = host_ms
+        elif host_ms >= 0.9 * slept:  # the host waited for the sleep: a call synchronised
+            self.synced_rounds += 1
+        else:
+            self.host_ms = max(self.host_ms, host_ms)
+
+
+def _gpu_times(fns: Dict[str, Callable[[], Any]], repeats: int,
+               device: torch.device) -> Tuple[Dict[str, List[float]], bool]:
     """GPU milliseconds of every function, host overhead excluded: each round first queues a GPU sleep long enough
-    for the host to queue all the round's calls behind it, so that the events around a call see only its GPU work
-    (a host synchronisation inside a call would defeat this; the latency from :func:`_round_times` shows it)."""
+    for the host to queue all the round's calls behind it, so that the events around a call see only its GPU work.
+
+    Returns ``(times, synced)``: ``synced`` is True when a call synchronised the host in most rounds -- its
+    "GPU time" then includes host gaps and is not the op's GPU cost (see :class:`_SleepPlan`)."""
     times: Dict[str, List[float]] = {name: [] for name in fns}
-    host_ms = 1.0
+    plan = _SleepPlan()
     for r in range(repeats + 1):  # round 0 calibrates the host time of one round
         events = []
         torch.cuda.synchronize()
         if r:
-            torch.cuda._sleep(int(_cycles_per_ms(device) * (2.0 * host_ms + 0.5)))
+            torch.cuda._sleep(int(_cycles_per_ms(device) * plan.sleep_ms()))
         t0 = time.perf_counter()
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -303,13 +336,12 @@ def _gpu_times(fns: Dict[str, Callable[[], Any]], repeats: int, device: torch.de
             events.append((name, start, end))
         host = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
+        plan.observe(host)
         if r == 0:
-            host_ms = host
             continue
-        host_ms = max(host_ms, host)
         for name, start, end in events:
             times[name].append(start.elapsed_time(end))
-    return times
+    return times, plan.synced_rounds * 2 > repeats
 
 
 def _clock(cfg: "BenchConfig") -> Any:
@@ -653,7 +685,10 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
     rec["x_floor"] = rec["fwdbwd_ms"] / rec["floor_fwdbwd_ms"]
     rec["frac_sdpa"] = rec["fwdbwd_ms"] / rec["sdpa_fwdbwd_ms"]
     if cfg.on_gpu:  # GPU time alone (host overhead hidden behind a queued sleep): what the op costs in a model
-        gpu = _gpu_times({k: fns[k] for k in ("fwd", "fwdbwd", "floor", "sdpa", "none")}, repeats, case.q.device)
+        gpu, synced = _gpu_times({k: fns[k] for k in ("fwd", "fwdbwd", "floor", "sdpa", "none")}, repeats,
+                                 case.q.device)
+        if synced:  # the op waits for the GPU inside the call: its GPU time cannot be isolated from host gaps
+            rec["gpu_synced"] = True
         for name, v in gpu.items():
             key = name if name in ("fwd", "fwdbwd") else f"{name}_fwdbwd"
             rec[f"{key}_gpu_ms"] = _median(v)
@@ -696,6 +731,7 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
     log(f"  {case.name:7s} {row.label:30s} fwd {rec['fwd_ms']:9.2f} ms  fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  "
         f"x floor {rec['x_floor']:7.2f}  SDPA {100 * rec['frac_sdpa']:6.1f}%"
         + (f"  GPU time {rec['fwdbwd_gpu_ms']:7.3f} ms x floor {rec['x_floor_gpu']:5.2f}" if cfg.on_gpu else "")
+        + ("  (synchronises the host)" if rec.get("gpu_synced") else "")
         + (f"  peak {rec['peak_mb']:8.1f} MB" if "peak_mb" in rec else ""))
     return rec
 
