@@ -246,15 +246,30 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
         lam = pe.mode_frequencies().flatten(-2)[:hp]  # (Hp, c, nb * u): the rotating pairs, block by block
         freqs = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], pe.head_dim // 2 - lam.shape[-1])), dim=-1)
         return RoPEForm(_half_pairs_basis(pe, basis), freqs, None)
-    post = blocks = None
     if kind == "string":  # L_k = Q D_k Q^T
-        basis = pe.basis().transpose(-1, -2)[:hp]
-    elif kind == "relaxed":  # R(r) = RoPE_active(r) P_sp, R(0) = P_sp: one computation for both
-        basis = post = pe.post_rotation_matrix()[:hp]
-    else:  # "blocks"
-        k = pe.block_generators()[:, 0] if isinstance(pe, LieRE) else pe.block_generators()  # (Hp, nb, b, b)
-        blocks = _block_eigenbasis(k)  # (Hp, nb, b, b)
-        basis = _block_diag(blocks)
+        return _basis_form(pe, pe.basis().transpose(-1, -2)[:hp])
+    if kind == "relaxed":  # R(r) = RoPE_active(r) P_sp, R(0) = P_sp: one computation for both
+        basis = pe.post_rotation_matrix()[:hp]
+        return _basis_form(pe, basis, post=basis)
+    return _blocks_form(pe, _block_eigenbasis(_skew_blocks(pe)))  # "blocks"
+
+
+def _skew_blocks(pe: PositionEncoding) -> Tensor:
+    """The skew blocks ``K_j`` ``(Hp, nb, b, b)`` of an encoding of kind ``"blocks"`` (ComRoPE, one-axis LieRE)."""
+    return pe.block_generators()[:, 0] if isinstance(pe, LieRE) else pe.block_generators()
+
+
+def _blocks_form(pe: PositionEncoding, blocks: Tensor) -> RoPEForm:
+    """The RoPE form of a ``"blocks"`` encoding from its blocks ``Q_j^T`` ``(Hp, nb, b, b)`` (``_block_eigenbasis``)."""
+    return _basis_form(pe, _block_diag(blocks), blocks=blocks)
+
+
+def _basis_form(pe: PositionEncoding, basis: Tensor, post: Optional[Tensor] = None,
+                blocks: Optional[Tensor] = None) -> RoPEForm:
+    """The RoPE form from the basis ``P`` ``(Hp, d, d)``: frequencies ``P L_k P^T`` read off the generators, the
+    prefix transform ``T = P R(0)^T P^T`` from ``R(0)`` (``post``, else the encoding's own)."""
+    hp = pe.param_heads
+    prefix: Optional[Tensor] = None
     gen = pe.generators()[:hp]  # (Hp, c, d, d)
     freqs = _pair_frequencies(gen, basis)  # (Hp, c, d/2)
     if post is None:
@@ -279,8 +294,11 @@ def rope_forms(pes: Sequence[PositionEncoding]) -> List[RoPEForm]:
 
     Cayley-STRING encodings of one configuration (size, band, parameter heads, dtype, device) get their bases from
     one batched solve over all of them instead of one solve per encoding -- on a GPU, where each small operation
-    is a launch, that removes the per-layer preparation's launches but one. Every other encoding is written by
-    :func:`rope_form`. Values and gradients are :func:`rope_form`'s (each matrix is solved as it would be alone).
+    is a launch, that removes the per-layer preparation's launches but one. ComRoPE (and one-axis LieRE)
+    encodings of one configuration get their block eigenbases from one batched eigendecomposition: on a GPU each
+    eigendecomposition also makes the host wait for the device (its error check), so one per model forward
+    instead of one per layer. Every other encoding is written by :func:`rope_form`. Values and gradients are
+    :func:`rope_form`'s (each matrix is factorised as it would be alone).
 
     Raises:
         ValueError: as :func:`rope_form`, for an encoding that has no RoPE form.
@@ -288,11 +306,21 @@ def rope_forms(pes: Sequence[PositionEncoding]) -> List[RoPEForm]:
     forms: List[Optional[RoPEForm]] = [None] * len(pes)
     groups: Dict[tuple, List[int]] = {}
     for i, pe in enumerate(pes):
-        if isinstance(pe, CayleySTRING) and foldable_kind(pe) == "post":
+        kind = foldable_kind(pe)
+        if isinstance(pe, CayleySTRING) and kind == "post":
             p = pe.cayley_params
-            groups.setdefault((pe.head_dim, pe.band, tuple(p.shape), p.dtype, p.device), []).append(i)
-    for idx in groups.values():
+            groups.setdefault(("post", pe.head_dim, pe.band, tuple(p.shape), p.dtype, p.device), []).append(i)
+        elif kind == "blocks":
+            p = next(pe.parameters())
+            groups.setdefault(("blocks", type(pe), pe.head_dim, pe.block_size, pe.param_heads, p.dtype, p.device),
+                              []).append(i)
+    for key, idx in groups.items():
         if len(idx) < 2:
+            continue
+        if key[0] == "blocks":
+            blocks = _block_eigenbasis(torch.stack([_skew_blocks(pes[i]) for i in idx]))  # (L, Hp, nb, b, b)
+            for i, b in zip(idx, blocks.unbind(0)):
+                forms[i] = _blocks_form(pes[i], b)
             continue
         first = pes[idx[0]]
         params = torch.stack([pes[i].cayley_params for i in idx])  # (L, Hp, F)

@@ -1,5 +1,6 @@
-"""Per-layer Cayley-STRING bases are solved together once per forward (``fold.rope_forms``): the model's outputs
-and every gradient are bit for bit those of solving each layer's basis alone, and only one solve runs."""
+"""Per-layer Cayley-STRING bases are solved together once per forward (``fold.rope_forms``), and per-layer ComRoPE
+block eigenbases come from one batched eigendecomposition: the model's outputs and every gradient are bit for bit
+those of factorising each layer's basis alone, and only one solve (one eigendecomposition) runs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ropekit.nn import VisionTransformer, vit_config
 def _model(pe: str = "cayley") -> VisionTransformer:
     torch.manual_seed(0)
     m = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=3, image_size=(16, 16), patch_size=4, pe=pe,
-                                     depth=3))
+                                     depth=3, pe_sharing="layer"))  # ComRoPE's own default shares one set
     with torch.no_grad():  # non-trivial parameters in every layer
         for blk in m.blocks:
             for p in blk.attn.pe.parameters():
@@ -31,7 +32,7 @@ def _run(m: VisionTransformer):
     return out, grads
 
 
-@pytest.mark.parametrize("pe", ["cayley", "circulant", "mixed"])
+@pytest.mark.parametrize("pe", ["cayley", "circulant", "mixed", "comrope-ld", "comrope-ap"])
 def test_batched_bases_equal_per_layer_bases_bit_for_bit(pe, monkeypatch):
     """Also for the other per-layer encodings, whose forms are now computed before the blocks run."""
     m = _model(pe)
@@ -50,6 +51,17 @@ def test_one_solve_per_forward():
         m(x)
     solves = [e for e in prof.events() if e.name == "aten::linalg_solve_ex"]
     assert len(solves) == 1
+
+
+def test_one_eigendecomposition_per_forward():
+    """ComRoPE's block Schur form runs two eigendecompositions (the eigenpairs, the null space's basis); on a GPU
+    each one waits for the device, so they run once per model forward for all layers, not once per layer."""
+    m = _model("comrope-ld")
+    x = torch.randn(2, 3, 16, 16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        m(x)
+    eighs = [e for e in prof.events() if e.name == "aten::linalg_eigh"]
+    assert len(eighs) == 2
 
 
 def test_rope_forms_mixes_kinds():
