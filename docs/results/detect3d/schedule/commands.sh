@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # How long must a detect3d model train? Seed 0 of the study's recipe (Cayley-STRING ViTD; an APE ViTD and an
-# axial RGB ViT for comparison; the 9600- and 19200-step pairs on seeds 1 and 2 too) trained on different schedules;
+# axial RGB ViT for comparison; the 9600- and 19200-step pairs on seeds 1 and 2 too) trained on different schedules,
+# then the study's other questions at the longest one (RGB ViTs, depth as input only; two or three seeds);
 # every training field that differs between them is stated on its line, so the lines do not depend on the preset's
-# current schedule. About 6.5 CPU-hours in all (one thread per run; each 9600-step run takes 20-25 minutes, each
+# current schedule. About 10 CPU-hours in all (one thread per run; each 9600-step run takes 20-25 minutes, each
 # 19200-step run 25-30 minutes with one run per core);
-# summarise.py writes table.md and schedule.png from the run folders (metrics.json, curve.csv, config.json).
+# summarise.py writes table.md, schedule.png and plateau.png from the run folders (metrics.json, curve.csv, config.json).
 # The committed b32-s300 files are the earlier study recipe's own seed-0 run (the same settings), copied, not
 # retrained. Run from anywhere: it works from the repository root, where the scene cache (.cache/scenes) lives.
 set -euo pipefail
@@ -46,4 +47,13 @@ run b32-s19200-seed1     cayley   rgbd 19200 32 0.001 100 800 1
 run ape-b32-s19200-seed1 absolute rgbd 19200 32 0.001 100 800 1
 run b32-s19200-seed2     cayley   rgbd 19200 32 0.001 100 800 2
 run ape-b32-s19200-seed2 absolute rgbd 19200 32 0.001 100 800 2
+# the study's other questions at that length: the RGB ViT (Cayley, APE) and depth as input only (Cayley); 23-28 min each
+run rgb-b32-s19200           cayley   rgb          19200 32 0.001 100 800
+run ape-rgb-b32-s19200       absolute rgb          19200 32 0.001 100 800
+run ch-b32-s19200            cayley   rgbd-channel 19200 32 0.001 100 800
+run rgb-b32-s19200-seed1     cayley   rgb          19200 32 0.001 100 800 1
+run ape-rgb-b32-s19200-seed1 absolute rgb          19200 32 0.001 100 800 1
+run ch-b32-s19200-seed1      cayley   rgbd-channel 19200 32 0.001 100 800 1
+run ape-rgb-b32-s19200-seed2 absolute rgb          19200 32 0.001 100 800 2
+run ch-b32-s19200-seed2      cayley   rgbd-channel 19200 32 0.001 100 800 2
 python "$here/summarise.py"

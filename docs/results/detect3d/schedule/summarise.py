@@ -1,8 +1,10 @@
-"""Summarise the detect3d schedule pilots (``commands.sh``): ``table.md`` and ``schedule.png``.
+"""Summarise the detect3d schedule pilots (``commands.sh``): ``table.md``, ``schedule.png`` and ``plateau.png``.
 
 Reads every ``<pilot>/runs/<run>/metrics.json`` (test metrics, settings, learning curve) beside this file and
-writes one table row per pilot, a comparison of the encodings over seeds at every schedule that was run on
-several seeds, and one plot of the held-out IoU against the number of training images seen.
+writes one table row per pilot, a comparison of the models over seeds at every schedule that was run on several
+seeds, the study's questions answered at the longest schedule (differences paired by seed), a plot of the
+held-out IoU against the number of training images seen (the ViTD schedule pilots) and one of every model at the
+longest schedule (mean over seeds, the seeds' range shaded).
 """
 from __future__ import annotations
 
@@ -51,25 +53,40 @@ def render_table(rows) -> str:
                      f"{r['images'] / N_TRAIN:.1f} | {r['iou']:.3f} | {r['map25']:.3f} | {r['map50']:.3f} | "
                      f"{r['val_final']:.3f} ({r['val_last_quarter']:+.3f}) | {r['seconds']:.0f} |")
     lines += _over_seeds(rows)
+    lines += _questions(rows)
     return "\n".join(lines) + "\n"
 
 
+INPUTS = {"rgbd": "ViTD", "rgb": "ViT (RGB)", "rgbd-channel": "ViTD (depth input only)"}
+
+#: The study's questions as differences of two models (encoding, input) trained on the same schedule and seeds.
+QUESTIONS = (
+    ("depth in the network: Cayley ViTD − Cayley ViT (RGB)", ("cayley", "rgbd"), ("cayley", "rgb")),
+    ("depth in the network: APE ViTD − APE ViT (RGB)", ("absolute", "rgbd"), ("absolute", "rgb")),
+    ("depth also as the rotary coordinate: Cayley ViTD − Cayley depth input only", ("cayley", "rgbd"),
+     ("cayley", "rgbd-channel")),
+    ("rotary against learned absolute, ViTD: Cayley − APE", ("cayley", "rgbd"), ("absolute", "rgbd")),
+    ("rotary against learned absolute, RGB ViT: Cayley − APE", ("cayley", "rgb"), ("absolute", "rgb")),
+)
+
+
 def _model(r) -> str:
-    return f"{r['encoding']} {'ViTD' if r['input'] == 'rgbd' else 'ViT (RGB)'}"
+    return f"{r['encoding']} {INPUTS[r['input']]}"
 
 
 def _over_seeds(rows) -> list:
     """Mean ± sample standard deviation over seeds of every model and schedule run on two seeds or more, and the
-    differences to the APE ViTD of the same schedule, paired by seed."""
+    differences to the APE model with the same image input (RGB, or RGB + depth channel) and schedule, paired by
+    seed."""
     groups = {}
     for r in rows:
         groups.setdefault((r["steps"], r["batch"], r["lr"], r["encoding"], r["input"]), {})[r["seed"]] = r
     multi = {k: v for k, v in groups.items() if len(v) >= 2}
     if not multi:
         return []
-    out = ["", "Over seeds (mean ± sample standard deviation; the difference to the APE ViTD of the same schedule is "
-           "paired by seed):", "",
-           "| model | steps × batch | seeds | mean 3-D IoU | mAP@0.25 | − APE ViTD (mean 3-D IoU) |",
+    out = ["", "Over seeds (mean ± sample standard deviation; the difference to the APE model with the same image "
+           "input and schedule -- the APE ViT for RGB, the APE ViTD for depth as a channel -- is paired by seed):", "",
+           "| model | steps × batch | seeds | mean 3-D IoU | mAP@0.25 | − APE, same input (mean 3-D IoU) |",
            "|---|---|---|---:|---:|---:|"]
 
     def ms(values) -> str:
@@ -77,15 +94,76 @@ def _over_seeds(rows) -> list:
 
     for (steps, batch, lr, enc, inp), runs in sorted(multi.items()):
         seeds = sorted(runs)
-        ape = groups.get((steps, batch, lr, "absolute", "rgbd"), {})
+        ape = groups.get((steps, batch, lr, "absolute", "rgb" if inp == "rgb" else "rgbd"), {})
         paired = [runs[s]["iou"] - ape[s]["iou"] for s in seeds if s in ape]
-        diff = ms(paired) if enc != "absolute" and len(paired) >= 2 else "–"
+        diff = (f"{statistics.mean(paired):+.3f} ± {statistics.stdev(paired):.3f}"
+                if enc != "absolute" and len(paired) >= 2 else "–")
         out.append(f"| {_model(runs[seeds[0]])} | {steps} × {batch} | {', '.join(map(str, seeds))} | "
                    f"{ms([runs[s]['iou'] for s in seeds])} | {ms([runs[s]['map25'] for s in seeds])} | {diff} |")
     return out
 
 
+def _longest(rows) -> int:
+    return max(r["steps"] for r in rows if r["batch"] == 32)
+
+
+def _questions(rows) -> list:
+    """Each question of :data:`QUESTIONS` at the longest schedule: the difference of the two models' mean 3-D IoU
+    paired by seed (mean ± sample standard deviation), where both ran on two seeds or more."""
+    steps = _longest(rows)
+    runs = {}
+    for r in rows:
+        if r["steps"] == steps and r["batch"] == 32 and r["lr"] == 1e-3:
+            runs.setdefault((r["encoding"], r["input"]), {})[r["seed"]] = r
+    out = []
+    for text, a, b in QUESTIONS:
+        seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
+        if len(seeds) < 2:
+            continue
+        d = [runs[a][s]["iou"] - runs[b][s]["iou"] for s in seeds]
+        ratio = abs(statistics.mean(d)) / statistics.stdev(d) if statistics.stdev(d) > 0 else float("inf")
+        out.append(f"| {text} | {', '.join(map(str, seeds))} | {statistics.mean(d):+.3f} ± {statistics.stdev(d):.3f} | "
+                   f"{ratio:.1f} |")
+    if not out:
+        return []
+    return ["", f"The study's questions at {steps} × 32 (where the IoU has levelled off; each difference is paired "
+            "by seed, mean ± sample standard deviation, and |mean| / sd says how far it stands above the seed "
+            "spread):", "", "| question | seeds | difference in mean 3-D IoU | abs(mean) / sd |", "|---|---|---:|---:|"] + out
+
+
+def plot_plateau(rows) -> None:
+    """Every model trained at the longest schedule on two seeds or more: the held-out curve's mean over seeds and
+    the seeds' range."""
+    steps = _longest(rows)
+    models = {}
+    for r in rows:
+        if r["steps"] == steps and r["batch"] == 32 and r["lr"] == 1e-3:
+            models.setdefault((r["encoding"], r["input"]), []).append(r)
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for i, ((enc, inp), runs) in enumerate(sorted(models.items())):
+        if len(runs) < 2:
+            continue
+        xs = [x / N_TRAIN for x, _ in runs[0]["curve"]]
+        ys = [[y for _, y in r["curve"]] for r in runs]
+        mean = [statistics.mean(v) for v in zip(*ys)]
+        colour = plt.cm.tab10.colors[i % 10]
+        ax.plot(xs, mean, "-" if enc != "absolute" else "--", color=colour, lw=1.5,
+                label=f"{enc} {INPUTS[inp]} ({len(runs)} seeds)")
+        ax.fill_between(xs, [min(v) for v in zip(*ys)], [max(v) for v in zip(*ys)], color=colour, alpha=0.15)
+    ax.set_xlabel("epochs of the 8000 training scenes")
+    ax.set_ylabel("held-out mean 3-D IoU (100 test scenes)")
+    ax.set_title(f"detect3d at {steps} steps of 32: mean over seeds, range shaded")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(HERE / "plateau.png", dpi=110)
+    plt.close(fig)
+
+
 def plot(rows) -> None:
+    """The schedule pilots: the ViTD runs, and the RGB ViT below the longest schedule (which plateau.png shows)."""
+    steps = _longest(rows)
+    rows = [r for r in rows if r["input"] == "rgbd" or r["steps"] < steps]
     fig, ax = plt.subplots(figsize=(8, 4.8))
     colours = plt.cm.tab20.colors
     for i, r in enumerate(rows):
@@ -108,4 +186,5 @@ if __name__ == "__main__":
     rows = load()
     (HERE / "table.md").write_text(render_table(rows))
     plot(rows)
+    plot_plateau(rows)
     print((HERE / "table.md").read_text())
