@@ -59,10 +59,11 @@ dominates (small tensors) and the GPU time otherwise. The encoding table also re
 (``*_gpu_ms``, ``x_floor_gpu``): each round first queues a GPU sleep that outlasts the host's queueing of the
 round, so the events around a call measure only its kernels -- what the op costs inside a model whose GPU work
 hides the host overhead. An op that synchronises the host inside the call (an error check of a factorisation, an
-``.item()``) defeats this: its row is marked ``gpu_synced`` and its GPU-time targets are reported as not isolable. q and k are created in ``dtype`` and the encodings run under
-``torch.autocast`` for bf16 / fp16 (parameters stay fp32); the ViT steps use autocast and fused AdamW. The floor
-is then ``q * c, k * c`` (two elementwise products with a fixed ``(M, d)`` table, forward + backward): the memory
-traffic of a rotation of q and k without its arithmetic. ``peak_mb`` is the growth of
+``.item()``) defeats this: its row is marked ``gpu_synced`` and its GPU-time targets are reported as not
+isolable. q and k are created in ``dtype`` and the encodings run under ``torch.autocast`` for bf16 / fp16
+(parameters stay fp32); the ViT steps use autocast and fused AdamW. The floor is then ``q * c, k * c`` (two
+elementwise products with a fixed ``(M, d)`` table, forward + backward): the memory traffic of a rotation of q
+and k without its arithmetic. ``peak_mb`` is the growth of
 ``torch.cuda.max_memory_allocated`` during one forward + backward. Rows of kind ``kernel`` time
 ``ropekit.kernels.fused_rotary`` alone (per-head mixed frequencies), where the device can run it.
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["format_report", "evaluate_targets"]
 
@@ -60,12 +60,12 @@ def evaluate_targets(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         out.append({"target": target, "case": case, "value": value, "bound": bound, "unit": unit, "met": met,
                     **({"note": note} if note else {})})
 
-    def gpu_time(r: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-        """The GPU-time ratio of a row, or why there is none: a call that synchronises the host has no GPU time
-        of its own (its events include the host's gaps)."""
+    def gpu_time(r: Optional[Dict[str, Any]]) -> Tuple[Optional[float], Optional[str]]:
+        """``(ratio, note)``: the GPU-time ratio of a row, or None and why: a call that synchronises the host has
+        no GPU time of its own (its events include the host's gaps)."""
         if r and r.get("gpu_synced"):
-            return {"value": None, "note": "not isolable: the op synchronises the host"}
-        return {"value": r and r.get("x_floor_gpu")}
+            return None, "not isolable: the op synchronises the host"
+        return r and r.get("x_floor_gpu"), None
 
     if _on_gpu(records):
         for case in ("grid2d", "rgbd3d"):
@@ -74,14 +74,14 @@ def evaluate_targets(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                                  ("fused kernel (mixed freqs)", 1.5)):
                 r = _find(records, label, case)
                 add(f"{label} fwd+bwd <= {bound:g}x floor (q*c, k*c)", case, r and r["x_floor"], bound, "x floor")
-                g = gpu_time(r)
-                add(f"{label} fwd+bwd <= {bound:g}x floor (q*c, k*c), GPU time", case, g["value"], bound, "x floor",
-                    note=g.get("note"))
+                value, note = gpu_time(r)
+                add(f"{label} fwd+bwd <= {bound:g}x floor (q*c, k*c), GPU time", case, value, bound, "x floor",
+                    note=note)
             for label in ("cayley", "circulant", "comrope-ap (b=8)", "comrope-ld (b=8)"):
                 r = _find(records, f"{label} in training (folded)", case)
-                g = gpu_time(r)
+                value, note = gpu_time(r)
                 add(f"{label} in training (folded, per layer) fwd+bwd <= 2x floor (q*c, k*c), GPU time", case,
-                    g["value"], 2.0, "x floor", note=g.get("note"))
+                    value, 2.0, "x floor", note=note)
         for mode in ("eager", "compiled"):
             for pe in ("axial", "mixed", "cayley", "circulant", "comrope-ld"):
                 r = _vit_find(records, pe, "base", mode)

@@ -103,18 +103,20 @@ def _over_seeds(rows) -> list:
     return out
 
 
-def _longest(rows) -> int:
-    return max(r["steps"] for r in rows if r["batch"] == 32)
+def _at_longest(rows):
+    """``(steps, {(encoding, input): {seed: row}})``: the runs of the longest schedule at batch 32, lr 1e-3."""
+    steps = max(r["steps"] for r in rows if r["batch"] == 32)
+    runs = {}
+    for r in rows:
+        if r["steps"] == steps and r["batch"] == 32 and r["lr"] == 1e-3:
+            runs.setdefault((r["encoding"], r["input"]), {})[r["seed"]] = r
+    return steps, runs
 
 
 def _questions(rows) -> list:
     """Each question of :data:`QUESTIONS` at the longest schedule: the difference of the two models' mean 3-D IoU
     paired by seed (mean ± sample standard deviation), where both ran on two seeds or more."""
-    steps = _longest(rows)
-    runs = {}
-    for r in rows:
-        if r["steps"] == steps and r["batch"] == 32 and r["lr"] == 1e-3:
-            runs.setdefault((r["encoding"], r["input"]), {})[r["seed"]] = r
+    steps, runs = _at_longest(rows)
     out = []
     for text, a, b in QUESTIONS:
         seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
@@ -122,25 +124,23 @@ def _questions(rows) -> list:
             continue
         d = [runs[a][s]["iou"] - runs[b][s]["iou"] for s in seeds]
         ratio = abs(statistics.mean(d)) / statistics.stdev(d) if statistics.stdev(d) > 0 else float("inf")
-        out.append(f"| {text} | {', '.join(map(str, seeds))} | {statistics.mean(d):+.3f} ± {statistics.stdev(d):.3f} | "
-                   f"{ratio:.1f} |")
+        out.append(f"| {text} | {', '.join(map(str, seeds))} | "
+                   f"{statistics.mean(d):+.3f} ± {statistics.stdev(d):.3f} | {ratio:.1f} |")
     if not out:
         return []
     return ["", f"The study's questions at {steps} × 32 (where the IoU has levelled off; each difference is paired "
             "by seed, mean ± sample standard deviation, and |mean| / sd says how far it stands above the seed "
-            "spread):", "", "| question | seeds | difference in mean 3-D IoU | abs(mean) / sd |", "|---|---|---:|---:|"] + out
+            "spread):", "", "| question | seeds | difference in mean 3-D IoU | abs(mean) / sd |",
+            "|---|---|---:|---:|"] + out
 
 
 def plot_plateau(rows) -> None:
     """Every model trained at the longest schedule on two seeds or more: the held-out curve's mean over seeds and
     the seeds' range."""
-    steps = _longest(rows)
-    models = {}
-    for r in rows:
-        if r["steps"] == steps and r["batch"] == 32 and r["lr"] == 1e-3:
-            models.setdefault((r["encoding"], r["input"]), []).append(r)
+    steps, models = _at_longest(rows)
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    for i, ((enc, inp), runs) in enumerate(sorted(models.items())):
+    for i, ((enc, inp), by_seed) in enumerate(sorted(models.items())):
+        runs = list(by_seed.values())
         if len(runs) < 2:
             continue
         xs = [x / N_TRAIN for x, _ in runs[0]["curve"]]
@@ -162,7 +162,7 @@ def plot_plateau(rows) -> None:
 
 def plot(rows) -> None:
     """The schedule pilots: the ViTD runs, and the RGB ViT below the longest schedule (which plateau.png shows)."""
-    steps = _longest(rows)
+    steps, _ = _at_longest(rows)
     rows = [r for r in rows if r["input"] == "rgbd" or r["steps"] < steps]
     fig, ax = plt.subplots(figsize=(8, 4.8))
     colours = plt.cm.tab20.colors
