@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # How long must a detect3d model train? Seed 0 of the study's recipe (Cayley-STRING ViTD; an APE ViTD and an
 # axial RGB ViT for comparison; the 9600- and 19200-step pairs on seeds 1 and 2 too) trained on different schedules,
-# then the study's other questions at the longest one (RGB ViTs, depth as input only; two or three seeds);
-# every training field that differs between them is stated on its line, so the lines do not depend on the preset's
-# current schedule. About 10 CPU-hours in all (one thread per run; each 9600-step run takes 20-25 minutes, each
-# 19200-step run 25-30 minutes with one run per core);
+# then the study's other questions at the longest one (RGB ViTs, depth as input only, every other encoding's ViTD;
+# two or three seeds); every training field that differs between them is stated on its line, so the lines do not
+# depend on the preset's current schedule. About 15 CPU-hours in all (one thread per run; each 9600-step run takes
+# 20-25 minutes, each 19200-step run 22-31 minutes with one run per core);
 # summarise.py writes table.md, schedule.png and plateau.png from the run folders (metrics.json, curve.csv, config.json).
 # The committed b32-s300 files are the earlier study recipe's own seed-0 run (the same settings), copied, not
 # retrained. Run from anywhere: it works from the repository root, where the scene cache (.cache/scenes) lives.
@@ -56,4 +56,16 @@ run ape-rgb-b32-s19200-seed1 absolute rgb          19200 32 0.001 100 800 1
 run ch-b32-s19200-seed1      cayley   rgbd-channel 19200 32 0.001 100 800 1
 run ape-rgb-b32-s19200-seed2 absolute rgb          19200 32 0.001 100 800 2
 run ch-b32-s19200-seed2      cayley   rgbd-channel 19200 32 0.001 100 800 2
+# every other encoding's ViTD (depth as input and as coordinate) at that length: seeds 0-1, and 2 for NoPE and
+# axial (22-30 min each)
+run none-b32-s19200           none      rgbd 19200 32 0.001 100 800
+run axial-b32-s19200          axial     rgbd 19200 32 0.001 100 800
+run mixed-b32-s19200          mixed     rgbd 19200 32 0.001 100 800
+run circulant-b32-s19200      circulant rgbd 19200 32 0.001 100 800
+run none-b32-s19200-seed1     none      rgbd 19200 32 0.001 100 800 1
+run axial-b32-s19200-seed1    axial     rgbd 19200 32 0.001 100 800 1
+run mixed-b32-s19200-seed1    mixed     rgbd 19200 32 0.001 100 800 1
+run circulant-b32-s19200-seed1 circulant rgbd 19200 32 0.001 100 800 1
+run none-b32-s19200-seed2     none      rgbd 19200 32 0.001 100 800 2
+run axial-b32-s19200-seed2    axial     rgbd 19200 32 0.001 100 800 2
 python "$here/summarise.py"

@@ -65,8 +65,12 @@ QUESTIONS = (
     ("depth in the network: APE ViTD − APE ViT (RGB)", ("absolute", "rgbd"), ("absolute", "rgb")),
     ("depth also as the rotary coordinate: Cayley ViTD − Cayley depth input only", ("cayley", "rgbd"),
      ("cayley", "rgbd-channel")),
-    ("rotary against learned absolute, ViTD: Cayley − APE", ("cayley", "rgbd"), ("absolute", "rgbd")),
     ("rotary against learned absolute, RGB ViT: Cayley − APE", ("cayley", "rgb"), ("absolute", "rgb")),
+) + tuple((f"the encodings with depth (ViTD): {name} − APE", (enc, "rgbd"), ("absolute", "rgbd"))
+          for enc, name in (("none", "NoPE"), ("axial", "RoPE (axial)"), ("mixed", "RoPE-Mixed"),
+                            ("cayley", "Cayley"), ("circulant", "Circulant"))) + (
+    ("STRING against RoPE, ViTD: Cayley − RoPE (axial)", ("cayley", "rgbd"), ("axial", "rgbd")),
+    ("STRING against RoPE, ViTD: Circulant − RoPE (axial)", ("circulant", "rgbd"), ("axial", "rgbd")),
 )
 
 
@@ -134,36 +138,48 @@ def _questions(rows) -> list:
             "|---|---|---:|---:|"] + out
 
 
+#: The models plateau.png's right panel compares across inputs (the left one shows every ViTD).
+ACROSS_INPUTS = ("cayley", "absolute")
+
+
 def plot_plateau(rows) -> None:
     """Every model trained at the longest schedule on two seeds or more: the held-out curve's mean over seeds and
-    the seeds' range."""
+    the seeds' range; left every encoding's ViTD, right Cayley and APE on each input."""
     steps, models = _at_longest(rows)
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    for i, ((enc, inp), by_seed) in enumerate(sorted(models.items())):
-        runs = list(by_seed.values())
-        if len(runs) < 2:
-            continue
-        xs = [x / N_TRAIN for x, _ in runs[0]["curve"]]
-        ys = [[y for _, y in r["curve"]] for r in runs]
-        mean = [statistics.mean(v) for v in zip(*ys)]
-        colour = plt.cm.tab10.colors[i % 10]
-        ax.plot(xs, mean, "-" if enc != "absolute" else "--", color=colour, lw=1.5,
-                label=f"{enc} {INPUTS[inp]} ({len(runs)} seeds)")
-        ax.fill_between(xs, [min(v) for v in zip(*ys)], [max(v) for v in zip(*ys)], color=colour, alpha=0.15)
-    ax.set_xlabel("epochs of the 8000 training scenes")
-    ax.set_ylabel("held-out mean 3-D IoU (100 test scenes)")
-    ax.set_title(f"detect3d at {steps} steps of 32: mean over seeds, range shaded")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    models = {k: list(v.values()) for k, v in sorted(models.items()) if len(v) >= 2}
+    colours = {enc: plt.cm.tab10.colors[i] for i, enc in
+               enumerate(sorted({enc for enc, _ in models}))}
+    styles = {"rgbd": "-", "rgbd-channel": ":", "rgb": "--"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    panels = (("ViTD (depth as input and, for rotary encodings, as the third coordinate)",
+               lambda enc, inp: inp == "rgbd"),
+              ("Cayley and APE: RGB ViT, depth as input only, ViTD", lambda enc, inp: enc in ACROSS_INPUTS))
+    for ax, (title, keep) in zip(axes, panels):
+        for (enc, inp), runs in models.items():
+            if not keep(enc, inp):
+                continue
+            xs = [x / N_TRAIN for x, _ in runs[0]["curve"]]
+            ys = [[y for _, y in r["curve"]] for r in runs]
+            ax.plot(xs, [statistics.mean(v) for v in zip(*ys)], styles[inp], color=colours[enc], lw=1.5,
+                    label=f"{enc} {INPUTS[inp]} ({len(runs)} seeds)")
+            ax.fill_between(xs, [min(v) for v in zip(*ys)], [max(v) for v in zip(*ys)], color=colours[enc],
+                            alpha=0.12)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("epochs of the 8000 training scenes")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("held-out mean 3-D IoU (100 test scenes)")
+    fig.suptitle(f"detect3d at {steps} steps of 32: mean over seeds, range shaded")
     fig.tight_layout()
     fig.savefig(HERE / "plateau.png", dpi=110)
     plt.close(fig)
 
 
 def plot(rows) -> None:
-    """The schedule pilots: the ViTD runs, and the RGB ViT below the longest schedule (which plateau.png shows)."""
+    """The schedule pilots: the Cayley and APE ViTDs, and the RGB ViT below the longest schedule (plateau.png
+    shows every model at the longest)."""
     steps, _ = _at_longest(rows)
-    rows = [r for r in rows if r["input"] == "rgbd" or r["steps"] < steps]
+    rows = [r for r in rows if r["steps"] < steps or (r["input"] == "rgbd" and r["encoding"] in ACROSS_INPUTS)]
     fig, ax = plt.subplots(figsize=(8, 4.8))
     colours = plt.cm.tab20.colors
     for i, r in enumerate(rows):
