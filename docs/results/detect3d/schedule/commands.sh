@@ -56,8 +56,8 @@ run ape-rgb-b32-s19200-seed1 absolute rgb          19200 32 0.001 100 800 1
 run ch-b32-s19200-seed1      cayley   rgbd-channel 19200 32 0.001 100 800 1
 run ape-rgb-b32-s19200-seed2 absolute rgb          19200 32 0.001 100 800 2
 run ch-b32-s19200-seed2      cayley   rgbd-channel 19200 32 0.001 100 800 2
-# every other encoding's ViTD (depth as input and as coordinate) at that length: seeds 0-1, and 2 for NoPE and
-# axial (22-30 min each)
+# every other encoding's ViTD (depth as input and as coordinate) at that length, seeds 0-2
+# (22-30 min each)
 run none-b32-s19200           none      rgbd 19200 32 0.001 100 800
 run axial-b32-s19200          axial     rgbd 19200 32 0.001 100 800
 run mixed-b32-s19200          mixed     rgbd 19200 32 0.001 100 800
@@ -68,4 +68,6 @@ run mixed-b32-s19200-seed1    mixed     rgbd 19200 32 0.001 100 800 1
 run circulant-b32-s19200-seed1 circulant rgbd 19200 32 0.001 100 800 1
 run none-b32-s19200-seed2     none      rgbd 19200 32 0.001 100 800 2
 run axial-b32-s19200-seed2    axial     rgbd 19200 32 0.001 100 800 2
+run mixed-b32-s19200-seed2    mixed     rgbd 19200 32 0.001 100 800 2
+run circulant-b32-s19200-seed2 circulant rgbd 19200 32 0.001 100 800 2
 python "$here/summarise.py"
