@@ -78,13 +78,24 @@ def _model(r) -> str:
     return f"{r['encoding']} {INPUTS[r['input']]}"
 
 
+def _mean_sd(values, signed: bool = False) -> str:
+    """``"mean ± sd"`` (sample standard deviation) of ``values``; ``signed`` writes the mean's sign (a difference)."""
+    return f"{statistics.mean(values):{'+' if signed else ''}.3f} ± {statistics.stdev(values):.3f}"
+
+
+def _by_model(rows) -> dict:
+    """``{(steps, batch, lr, encoding, input): {seed: row}}``: the runs of each model and schedule."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["steps"], r["batch"], r["lr"], r["encoding"], r["input"]), {})[r["seed"]] = r
+    return groups
+
+
 def _over_seeds(rows) -> list:
     """Mean ± sample standard deviation over seeds of every model and schedule run on two seeds or more, and the
     differences to the APE model with the same image input (RGB, or RGB + depth channel) and schedule, paired by
     seed."""
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["steps"], r["batch"], r["lr"], r["encoding"], r["input"]), {})[r["seed"]] = r
+    groups = _by_model(rows)
     multi = {k: v for k, v in groups.items() if len(v) >= 2}
     if not multi:
         return []
@@ -93,28 +104,21 @@ def _over_seeds(rows) -> list:
            "| model | steps × batch | seeds | mean 3-D IoU | mAP@0.25 | − APE, same input (mean 3-D IoU) |",
            "|---|---|---|---:|---:|---:|"]
 
-    def ms(values) -> str:
-        return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
-
     for (steps, batch, lr, enc, inp), runs in sorted(multi.items()):
         seeds = sorted(runs)
         ape = groups.get((steps, batch, lr, "absolute", "rgb" if inp == "rgb" else "rgbd"), {})
         paired = [runs[s]["iou"] - ape[s]["iou"] for s in seeds if s in ape]
-        diff = (f"{statistics.mean(paired):+.3f} ± {statistics.stdev(paired):.3f}"
-                if enc != "absolute" and len(paired) >= 2 else "–")
+        diff = _mean_sd(paired, signed=True) if enc != "absolute" and len(paired) >= 2 else "–"
         out.append(f"| {_model(runs[seeds[0]])} | {steps} × {batch} | {', '.join(map(str, seeds))} | "
-                   f"{ms([runs[s]['iou'] for s in seeds])} | {ms([runs[s]['map25'] for s in seeds])} | {diff} |")
+                   f"{_mean_sd([runs[s]['iou'] for s in seeds])} | {_mean_sd([runs[s]['map25'] for s in seeds])} | {diff} |")
     return out
 
 
 def _at_longest(rows):
     """``(steps, {(encoding, input): {seed: row}})``: the runs of the longest schedule at batch 32, lr 1e-3."""
     steps = max(r["steps"] for r in rows if r["batch"] == 32)
-    runs = {}
-    for r in rows:
-        if r["steps"] == steps and r["batch"] == 32 and r["lr"] == 1e-3:
-            runs.setdefault((r["encoding"], r["input"]), {})[r["seed"]] = r
-    return steps, runs
+    return steps, {(enc, inp): runs for (s, batch, lr, enc, inp), runs in _by_model(rows).items()
+                   if (s, batch, lr) == (steps, 32, 1e-3)}
 
 
 def _questions(rows) -> list:
@@ -127,9 +131,9 @@ def _questions(rows) -> list:
         if len(seeds) < 2:
             continue
         d = [runs[a][s]["iou"] - runs[b][s]["iou"] for s in seeds]
-        ratio = abs(statistics.mean(d)) / statistics.stdev(d) if statistics.stdev(d) > 0 else float("inf")
-        out.append(f"| {text} | {', '.join(map(str, seeds))} | "
-                   f"{statistics.mean(d):+.3f} ± {statistics.stdev(d):.3f} | {ratio:.1f} |")
+        sd = statistics.stdev(d)
+        ratio = abs(statistics.mean(d)) / sd if sd > 0 else float("inf")
+        out.append(f"| {text} | {', '.join(map(str, seeds))} | {_mean_sd(d, signed=True)} | {ratio:.1f} |")
     if not out:
         return []
     return ["", f"The study's questions at {steps} × 32 (where the IoU has levelled off; each difference is paired "
