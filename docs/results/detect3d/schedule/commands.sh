@@ -54,6 +54,7 @@ run ch-b32-s19200            cayley   rgbd-channel 19200 32 0.001 100 800
 run rgb-b32-s19200-seed1     cayley   rgb          19200 32 0.001 100 800 1
 run ape-rgb-b32-s19200-seed1 absolute rgb          19200 32 0.001 100 800 1
 run ch-b32-s19200-seed1      cayley   rgbd-channel 19200 32 0.001 100 800 1
+run rgb-b32-s19200-seed2     cayley   rgb          19200 32 0.001 100 800 2
 run ape-rgb-b32-s19200-seed2 absolute rgb          19200 32 0.001 100 800 2
 run ch-b32-s19200-seed2      cayley   rgbd-channel 19200 32 0.001 100 800 2
 # every other encoding's ViTD (depth as input and as coordinate) at that length, seeds 0-2
@@ -70,4 +71,6 @@ run none-b32-s19200-seed2     none      rgbd 19200 32 0.001 100 800 2
 run axial-b32-s19200-seed2    axial     rgbd 19200 32 0.001 100 800 2
 run mixed-b32-s19200-seed2    mixed     rgbd 19200 32 0.001 100 800 2
 run circulant-b32-s19200-seed2 circulant rgbd 19200 32 0.001 100 800 2
+# every other encoding's RGB ViT at that length (22-27 min each)
+run axial-rgb-b32-s19200     axial     rgb 19200 32 0.001 100 800
 python "$here/summarise.py"

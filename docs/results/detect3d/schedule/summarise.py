@@ -59,18 +59,24 @@ def render_table(rows) -> str:
 
 INPUTS = {"rgbd": "ViTD", "rgb": "ViT (RGB)", "rgbd-channel": "ViTD (depth input only)"}
 
-#: The study's questions as differences of two models (encoding, input) trained on the same schedule and seeds.
+#: The encodings' names in the questions; every rotary one also runs with depth as an input channel only.
+NAMES = {"absolute": "APE", "none": "NoPE", "axial": "RoPE (axial)", "mixed": "RoPE-Mixed", "cayley": "Cayley",
+         "circulant": "Circulant"}
+ROTARY = ("axial", "mixed", "cayley", "circulant")
+
+#: The study's questions as differences of two models (encoding, input) trained on the same schedule and seeds;
+#: a question appears in the table once both of its models have run on two seeds or more.
 QUESTIONS = (
-    ("depth in the network: Cayley ViTD − Cayley ViT (RGB)", ("cayley", "rgbd"), ("cayley", "rgb")),
-    ("depth in the network: APE ViTD − APE ViT (RGB)", ("absolute", "rgbd"), ("absolute", "rgb")),
-    ("depth also as the rotary coordinate: Cayley ViTD − Cayley depth input only", ("cayley", "rgbd"),
-     ("cayley", "rgbd-channel")),
-    ("rotary against learned absolute, RGB ViT: Cayley − APE", ("cayley", "rgb"), ("absolute", "rgb")),
-) + tuple((f"the encodings with depth (ViTD): {name} − APE", (enc, "rgbd"), ("absolute", "rgbd"))
-          for enc, name in (("none", "NoPE"), ("axial", "RoPE (axial)"), ("mixed", "RoPE-Mixed"),
-                            ("cayley", "Cayley"), ("circulant", "Circulant"))) + (
-    ("STRING against RoPE, ViTD: Cayley − RoPE (axial)", ("cayley", "rgbd"), ("axial", "rgbd")),
-    ("STRING against RoPE, ViTD: Circulant − RoPE (axial)", ("circulant", "rgbd"), ("axial", "rgbd")),
+    tuple((f"depth in the network: {name} ViTD − {name} ViT (RGB)", (enc, "rgbd"), (enc, "rgb"))
+          for enc, name in NAMES.items())
+    + tuple((f"depth also as the rotary coordinate: {NAMES[enc]} ViTD − {NAMES[enc]} depth input only",
+             (enc, "rgbd"), (enc, "rgbd-channel")) for enc in ROTARY)
+    + tuple((f"the encodings on RGB (ViT): {name} − APE", (enc, "rgb"), ("absolute", "rgb"))
+            for enc, name in NAMES.items() if enc != "absolute")
+    + tuple((f"the encodings with depth (ViTD): {name} − APE", (enc, "rgbd"), ("absolute", "rgbd"))
+            for enc, name in NAMES.items() if enc != "absolute")
+    + tuple((f"STRING against RoPE, {label}: {NAMES[enc]} − RoPE (axial)", (enc, inp), ("axial", inp))
+            for inp, label in (("rgb", "ViT (RGB)"), ("rgbd", "ViTD")) for enc in ("cayley", "circulant"))
 )
 
 
@@ -142,37 +148,37 @@ def _questions(rows) -> list:
             "|---|---|---:|---:|"] + out
 
 
-#: The models plateau.png's right panel compares across inputs (the left one shows every ViTD).
-ACROSS_INPUTS = ("cayley", "absolute")
+#: The models whose schedule pilots schedule.png shows (plateau.png shows every model at the longest schedule).
+SCHEDULE_MODELS = ("cayley", "absolute")
 
 
 def plot_plateau(rows) -> None:
     """Every model trained at the longest schedule on two seeds or more: the held-out curve's mean over seeds and
-    the seeds' range; left every encoding's ViTD, right Cayley and APE on each input."""
+    the seeds' range, one panel per input (RGB ViT, ViTD, depth as input only)."""
     steps, models = _at_longest(rows)
-    models = {k: list(v.values()) for k, v in sorted(models.items()) if len(v) >= 2}
-    colours = {enc: plt.cm.tab10.colors[i] for i, enc in
-               enumerate(sorted({enc for enc, _ in models}))}
-    styles = {"rgbd": "-", "rgbd-channel": ":", "rgb": "--"}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
-    panels = (("ViTD (depth as input and, for rotary encodings, as the third coordinate)",
-               lambda enc, inp: inp == "rgbd"),
-              ("Cayley and APE: RGB ViT, depth as input only, ViTD", lambda enc, inp: enc in ACROSS_INPUTS))
-    for ax, (title, keep) in zip(axes, panels):
+    models = {k: list(v.values()) for k, v in sorted(models.items(), key=lambda kv: list(NAMES).index(kv[0][0]))
+              if len(v) >= 2}
+    colours = {enc: plt.cm.tab10.colors[i] for i, enc in enumerate(NAMES)}
+    panels = [(inp, title) for inp, title in (
+        ("rgb", "ViT: RGB only"),
+        ("rgbd", "ViTD: depth as input and, for rotary encodings, as the third coordinate"),
+        ("rgbd-channel", "depth as input only (rotary over the 2-D grid)")) if any(i == inp for _, i in models)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.8), sharey=True, squeeze=False)
+    for ax, (panel, title) in zip(axes[0], panels):
         for (enc, inp), runs in models.items():
-            if not keep(enc, inp):
+            if inp != panel:
                 continue
             xs = [x / N_TRAIN for x, _ in runs[0]["curve"]]
             ys = [[y for _, y in r["curve"]] for r in runs]
-            ax.plot(xs, [statistics.mean(v) for v in zip(*ys)], styles[inp], color=colours[enc], lw=1.5,
-                    label=f"{enc} {INPUTS[inp]} ({len(runs)} seeds)")
+            ax.plot(xs, [statistics.mean(v) for v in zip(*ys)], color=colours[enc], lw=1.5,
+                    label=f"{NAMES[enc]} ({len(runs)} seeds)")
             ax.fill_between(xs, [min(v) for v in zip(*ys)], [max(v) for v in zip(*ys)], color=colours[enc],
                             alpha=0.12)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("epochs of the 8000 training scenes")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_ylabel("held-out mean 3-D IoU (100 test scenes)")
+    axes[0][0].set_ylabel("held-out mean 3-D IoU (100 test scenes)")
     fig.suptitle(f"detect3d at {steps} steps of 32: mean over seeds, range shaded")
     fig.tight_layout()
     fig.savefig(HERE / "plateau.png", dpi=110)
@@ -183,7 +189,7 @@ def plot(rows) -> None:
     """The schedule pilots: the Cayley and APE ViTDs, and the RGB ViT below the longest schedule (plateau.png
     shows every model at the longest)."""
     steps, _ = _at_longest(rows)
-    rows = [r for r in rows if r["steps"] < steps or (r["input"] == "rgbd" and r["encoding"] in ACROSS_INPUTS)]
+    rows = [r for r in rows if r["steps"] < steps or (r["input"] == "rgbd" and r["encoding"] in SCHEDULE_MODELS)]
     fig, ax = plt.subplots(figsize=(8, 4.8))
     colours = plt.cm.tab20.colors
     for i, r in enumerate(rows):
