@@ -53,6 +53,7 @@ def render_table(rows) -> str:
                      f"{r['images'] / N_TRAIN:.1f} | {r['iou']:.3f} | {r['map25']:.3f} | {r['map50']:.3f} | "
                      f"{r['val_final']:.3f} ({r['val_last_quarter']:+.3f}) | {r['seconds']:.0f} |")
     lines += _over_seeds(rows)
+    lines += _grid(rows)
     lines += _questions(rows)
     return "\n".join(lines) + "\n"
 
@@ -125,6 +126,26 @@ def _at_longest(rows):
     steps = max(r["steps"] for r in rows if r["batch"] == 32)
     return steps, {(enc, inp): runs for (s, batch, lr, enc, inp), runs in _by_model(rows).items()
                    if (s, batch, lr) == (steps, 32, 1e-3)}
+
+
+def _grid(rows) -> list:
+    """The study's grid at the longest schedule: per encoding and input, the mean 3-D IoU over seeds (mean ± sample
+    standard deviation, and how many seeds), where a model ran on two seeds or more."""
+    steps, runs = _at_longest(rows)
+    runs = {k: v for k, v in runs.items() if len(v) >= 2}
+    if not runs:
+        return []
+    out = ["", f"The grid at {steps} × 32: mean 3-D IoU, mean ± sample standard deviation over seeds (number of "
+           "seeds); APE and NoPE have no coordinate path, so depth as input only is their ViTD:", "",
+           "| encoding | " + " | ".join(INPUTS[i] for i in ("rgb", "rgbd", "rgbd-channel")) + " |", "|---|---:|---:|---:|"]
+    for enc, name in NAMES.items():
+        cells = []
+        for inp in ("rgb", "rgbd", "rgbd-channel"):
+            got = runs.get((enc, inp), {})
+            cells.append(f"{_mean_sd([r['iou'] for r in got.values()])} ({len(got)})" if got else "–")
+        if any(c != "–" for c in cells):
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _questions(rows) -> list:
