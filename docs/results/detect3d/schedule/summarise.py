@@ -58,7 +58,8 @@ def render_table(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-INPUTS = {"rgbd": "ViTD", "rgb": "ViT (RGB)", "rgbd-channel": "ViTD (depth input only)"}
+#: The inputs in the order of the grid's columns and plateau.png's panels.
+INPUTS = {"rgb": "ViT (RGB)", "rgbd": "ViTD", "rgbd-channel": "ViTD (depth input only)"}
 
 #: The encodings' names in the questions; every rotary one also runs with depth as an input channel only.
 NAMES = {"absolute": "APE", "none": "NoPE", "axial": "RoPE (axial)", "mixed": "RoPE-Mixed", "cayley": "Cayley",
@@ -137,10 +138,10 @@ def _grid(rows) -> list:
         return []
     out = ["", f"The grid at {steps} × 32: mean 3-D IoU, mean ± sample standard deviation over seeds (number of "
            "seeds); APE and NoPE have no coordinate path, so depth as input only is their ViTD:", "",
-           "| encoding | " + " | ".join(INPUTS[i] for i in ("rgb", "rgbd", "rgbd-channel")) + " |", "|---|---:|---:|---:|"]
+           "| encoding | " + " | ".join(INPUTS.values()) + " |", "|---|---:|---:|---:|"]
     for enc, name in NAMES.items():
         cells = []
-        for inp in ("rgb", "rgbd", "rgbd-channel"):
+        for inp in INPUTS:
             got = runs.get((enc, inp), {})
             cells.append(f"{_mean_sd([r['iou'] for r in got.values()])} ({len(got)})" if got else "–")
         if any(c != "–" for c in cells):
@@ -180,10 +181,10 @@ def plot_plateau(rows) -> None:
     models = {k: list(v.values()) for k, v in sorted(models.items(), key=lambda kv: list(NAMES).index(kv[0][0]))
               if len(v) >= 2}
     colours = {enc: plt.cm.tab10.colors[i] for i, enc in enumerate(NAMES)}
-    panels = [(inp, title) for inp, title in (
-        ("rgb", "ViT: RGB only"),
-        ("rgbd", "ViTD: depth as input and, for rotary encodings, as the third coordinate"),
-        ("rgbd-channel", "depth as input only (rotary over the 2-D grid)")) if any(i == inp for _, i in models)]
+    titles = {"rgb": "ViT: RGB only",
+              "rgbd": "ViTD: depth as input and, for rotary encodings, as the third coordinate",
+              "rgbd-channel": "depth as input only (rotary over the 2-D grid)"}
+    panels = [(inp, titles[inp]) for inp in INPUTS if any(i == inp for _, i in models)]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.8), sharey=True, squeeze=False)
     for ax, (panel, title) in zip(axes[0], panels):
         for (enc, inp), runs in models.items():
