@@ -80,3 +80,6 @@ def test_detect3d_schedule_pilots_are_what_their_commands_train():
     assert sorted(r["pilot"] for r in rows) == sorted(name for name, _ in pilots)
     committed = (RESULTS / "detect3d" / "schedule" / "table.md").read_text()
     assert mod.render_table(rows) == committed, "run docs/results/detect3d/schedule/summarise.py"
+    readme = (RESULTS / "detect3d" / "README.md").read_text()
+    assert mod.with_readme_block(readme, mod.readme_block(rows)) == readme, \
+        "docs/results/detect3d/README.md's grid and questions differ from the run files: run summarise.py"

@@ -1,10 +1,13 @@
-"""Summarise the detect3d schedule pilots (``commands.sh``): ``table.md``, ``schedule.png`` and ``plateau.png``.
+"""Summarise the detect3d schedule pilots (``commands.sh``): ``table.md``, ``schedule.png``, ``plateau.png`` and the
+grid and questions block of the study's ``README.md``.
 
 Reads every ``<pilot>/runs/<run>/metrics.json`` (test metrics, settings, learning curve) beside this file and
 writes one table row per pilot, a comparison of the models over seeds at every schedule that was run on several
 seeds, the study's questions answered at the longest schedule (differences paired by seed), a plot of the
 held-out IoU against the number of training images seen (the ViTD schedule pilots) and one of every model at the
-longest schedule (mean over seeds, the seeds' range shaded).
+longest schedule (mean over seeds, the seeds' range shaded). The README's copy of the grid and the questions lies
+between two marker lines (:data:`BEGIN`, :data:`END`) and is rewritten on every run, so it cannot drift from
+``table.md``.
 """
 from __future__ import annotations
 
@@ -18,6 +21,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+README = HERE.parent / "README.md"
+#: The marker lines around the block of the study's README that this script writes.
+BEGIN = "<!-- begin: written by schedule/summarise.py from the run files; edits here are overwritten -->"
+END = "<!-- end: written by schedule/summarise.py -->"
 N_TRAIN = 8000  # training scenes of the default recipe (each pilot's settings are checked against it below)
 
 
@@ -170,6 +177,26 @@ def _questions(rows) -> list:
             "|---|---|---:|---:|"] + out
 
 
+def readme_block(rows) -> list:
+    """The README's lines between the markers: the grid and the questions as in ``table.md``, indented to sit
+    inside the README's list item."""
+    return [f"  {line}" if line else "" for line in (_grid(rows) + _questions(rows))[1:]]
+
+
+def with_readme_block(text: str, block) -> str:
+    """``text`` (the README) with the lines between its :data:`BEGIN` and :data:`END` markers replaced by
+    ``block``.
+
+    Raises:
+        SystemExit: the README lacks either marker line, or has them in the wrong order.
+    """
+    lines = text.split("\n")
+    where = {m: [i for i, line in enumerate(lines) if line.strip() == m] for m in (BEGIN, END)}
+    if len(where[BEGIN]) != 1 or len(where[END]) != 1 or where[BEGIN][0] > where[END][0]:
+        raise SystemExit(f"{README}: needs one line {BEGIN!r} and, below it, one line {END!r}")
+    return "\n".join(lines[:where[BEGIN][0] + 1] + ["", *block, ""] + lines[where[END][0]:])
+
+
 #: The models whose schedule pilots schedule.png shows (plateau.png shows every model at the longest schedule).
 SCHEDULE_MODELS = ("cayley", "absolute")
 
@@ -233,6 +260,7 @@ def plot(rows) -> None:
 if __name__ == "__main__":
     rows = load()
     (HERE / "table.md").write_text(render_table(rows))
+    README.write_text(with_readme_block(README.read_text(), readme_block(rows)))
     plot(rows)
     plot_plateau(rows)
     print((HERE / "table.md").read_text())
