@@ -3,7 +3,7 @@
 # axial RGB ViT for comparison; the 9600- and 19200-step pairs on seeds 1 and 2 too) trained on different schedules,
 # then the study's other questions at the longest one (RGB ViTs, depth as input only, every other encoding's ViTD;
 # two or three seeds); every training field that differs between them is stated on its line, so the lines do not
-# depend on the preset's current schedule. About 21 CPU-hours in all (one thread per run; each 9600-step run takes
+# depend on the preset's current schedule. About 24 CPU-hours in all (one thread per run; each 9600-step run takes
 # 20-25 minutes, each 19200-step run 22-31 minutes with one run per core);
 # summarise.py writes table.md, schedule.png and plateau.png from the run folders (metrics.json, curve.csv, config.json).
 # The committed b32-s300 files are the earlier study recipe's own seed-0 run (the same settings), copied, not
@@ -83,4 +83,16 @@ run circulant-rgb-b32-s19200-seed1 circulant rgb 19200 32 0.001 100 800 1
 run axial-rgb-b32-s19200-seed2     axial     rgb 19200 32 0.001 100 800 2
 run mixed-rgb-b32-s19200-seed2     mixed     rgb 19200 32 0.001 100 800 2
 run none-rgb-b32-s19200-seed2      none      rgb 19200 32 0.001 100 800 2
+# every other rotary encoding with depth as input only at that length, seeds 0-2, and the Circulant RGB ViT's
+# third seed (25-37 min each)
+run axial-ch-b32-s19200            axial     rgbd-channel 19200 32 0.001 100 800
+run mixed-ch-b32-s19200            mixed     rgbd-channel 19200 32 0.001 100 800
+run axial-ch-b32-s19200-seed1      axial     rgbd-channel 19200 32 0.001 100 800 1
+run mixed-ch-b32-s19200-seed1      mixed     rgbd-channel 19200 32 0.001 100 800 1
+run circulant-ch-b32-s19200        circulant rgbd-channel 19200 32 0.001 100 800
+run circulant-ch-b32-s19200-seed1  circulant rgbd-channel 19200 32 0.001 100 800 1
+run axial-ch-b32-s19200-seed2      axial     rgbd-channel 19200 32 0.001 100 800 2
+run mixed-ch-b32-s19200-seed2      mixed     rgbd-channel 19200 32 0.001 100 800 2
+run circulant-ch-b32-s19200-seed2  circulant rgbd-channel 19200 32 0.001 100 800 2
+run circulant-rgb-b32-s19200-seed2 circulant rgb          19200 32 0.001 100 800 2
 python "$here/summarise.py"
