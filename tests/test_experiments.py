@@ -19,7 +19,7 @@ from ropekit.experiments.data_efficiency import epochs_to_reach
 from ropekit.experiments.evaluation import is_offset_invariant, shift_images, shuffle_patches
 from ropekit.experiments.offset import OFFSET_RTOL
 from ropekit.experiments.recipes import recipe
-from ropekit.experiments.report import fmt_pm, mean_std
+from ropekit.experiments.report import fmt_pm, mean_std, replace_marked_lines
 from ropekit.experiments.runs import RunCache, canonical_pe_options, run_key
 
 #: The studies of this file (classification and its controlled variants); detect3d and robot have their own tests.
@@ -240,3 +240,17 @@ def test_invariance_flags():
     assert not is_offset_invariant(model(pe="mixed", cls="unrotated"))
     assert not is_offset_invariant(model(pe="liere"))
     assert not is_offset_invariant(model(pe="absolute"))
+
+
+def test_replace_marked_lines_keeps_markers_and_everything_outside():
+    text = "intro\n  <!-- b -->\n  old 1\n  old 2\n  <!-- e -->\noutro"
+    assert replace_marked_lines(text, "<!-- b -->", "<!-- e -->", ["new"]) == \
+        "intro\n  <!-- b -->\nnew\n  <!-- e -->\noutro"
+    assert replace_marked_lines(text, "<!-- b -->", "<!-- e -->", []) == "intro\n  <!-- b -->\n  <!-- e -->\noutro"
+
+
+@pytest.mark.parametrize("text", ["no markers", "<!-- e -->\n<!-- b -->", "<!-- b -->\n<!-- b -->\n<!-- e -->",
+                                  "x <!-- b --> y\n<!-- e -->"])
+def test_replace_marked_lines_rejects_missing_repeated_or_misordered_markers(text):
+    with pytest.raises(ValueError, match="needs one line"):
+        replace_marked_lines(text, "<!-- b -->", "<!-- e -->", ["new"])

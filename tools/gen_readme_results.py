@@ -16,26 +16,28 @@ import argparse
 import sys
 from pathlib import Path
 
+from ropekit.experiments.report import replace_marked_lines
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 TABLE = ROOT / "docs" / "results" / "classify" / "table.md"
 BEGIN, END = "<!-- results:classify -->", "<!-- /results:classify -->"
 
 
-def block(table_text: str) -> str:
-    """The README block for ``table_text`` (the contents of the committed ``table.md``)."""
+def block(table_text: str) -> list:
+    """The README lines between the markers for ``table_text`` (the contents of the committed ``table.md``)."""
     source = ("*Copied from [docs/results/classify/table.md](docs/results/classify/table.md) by "
               "`tools/gen_readme_results.py`; regenerate with `ropekit experiment classify --out "
               "docs/results/classify`.*")
-    return f"{BEGIN}\n{source}\n\n{table_text.strip()}\n{END}"
+    return [source, "", *table_text.strip().split("\n")]
 
 
 def render(readme_text: str, table_text: str) -> str:
-    """``readme_text`` with its marked block replaced. Raises ``ValueError`` when the markers are missing."""
-    start, stop = readme_text.find(BEGIN), readme_text.find(END)
-    if start < 0 or stop < start:
-        raise ValueError(f"README.md has no {BEGIN} ... {END} block")
-    return readme_text[:start] + block(table_text) + readme_text[stop + len(END):]
+    """``readme_text`` with its marked block replaced. Raises ``ValueError`` when the marker lines are missing."""
+    try:
+        return replace_marked_lines(readme_text, BEGIN, END, block(table_text))
+    except ValueError as e:
+        raise ValueError(f"README.md: {e}") from None
 
 
 def main(argv=None) -> int:

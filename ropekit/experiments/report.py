@@ -23,8 +23,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-__all__ = ["mean_std", "fmt_pm", "aggregate", "markdown_table", "StudyWriter", "setup_matplotlib", "PE_LABELS",
-           "pe_label"]
+__all__ = ["mean_std", "fmt_pm", "aggregate", "markdown_table", "replace_marked_lines", "StudyWriter",
+           "setup_matplotlib", "PE_LABELS", "pe_label"]
 
 #: Display names of the encodings in tables and plots.
 PE_LABELS = {
@@ -90,6 +90,23 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align:
     for row in rows:
         lines.append("| " + " | ".join(str(c) for c in row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def replace_marked_lines(text: str, begin: str, end: str, lines: Sequence[str]) -> str:
+    """``text`` with the lines strictly between its ``begin`` and ``end`` marker lines replaced by ``lines``.
+
+    A marker line is a line whose stripped text equals the marker (so a marker may be indented, e.g. inside a
+    markdown list item); the marker lines themselves are kept. This is how a generated table is kept inside a
+    hand-written document (a README's results block).
+
+    Raises:
+        ValueError: ``text`` does not have exactly one ``begin`` line and, below it, exactly one ``end`` line.
+    """
+    rows = text.split("\n")
+    at = {m: [i for i, row in enumerate(rows) if row.strip() == m] for m in (begin, end)}
+    if len(at[begin]) != 1 or len(at[end]) != 1 or at[begin][0] > at[end][0]:
+        raise ValueError(f"needs one line {begin!r} and, below it, one line {end!r}")
+    return "\n".join(rows[:at[begin][0] + 1] + list(lines) + rows[at[end][0]:])
 
 
 def setup_matplotlib():

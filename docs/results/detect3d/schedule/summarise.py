@@ -20,6 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ropekit.experiments.report import replace_marked_lines  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 README = HERE.parent / "README.md"
 #: The marker lines around the block of the study's README that this script writes.
@@ -190,11 +192,10 @@ def with_readme_block(text: str, block) -> str:
     Raises:
         SystemExit: the README lacks either marker line, or has them in the wrong order.
     """
-    lines = text.split("\n")
-    where = {m: [i for i, line in enumerate(lines) if line.strip() == m] for m in (BEGIN, END)}
-    if len(where[BEGIN]) != 1 or len(where[END]) != 1 or where[BEGIN][0] > where[END][0]:
-        raise SystemExit(f"{README}: needs one line {BEGIN!r} and, below it, one line {END!r}")
-    return "\n".join(lines[:where[BEGIN][0] + 1] + ["", *block, ""] + lines[where[END][0]:])
+    try:
+        return replace_marked_lines(text, BEGIN, END, ["", *block, ""])
+    except ValueError as e:
+        raise SystemExit(f"{README}: {e}") from None
 
 
 #: The models whose schedule pilots schedule.png shows (plateau.png shows every model at the longest schedule).
