@@ -2,10 +2,11 @@
 # How long must a detect3d model train? Seed 0 of the study's recipe (Cayley-STRING ViTD; an APE ViTD and an
 # axial RGB ViT for comparison; the 9600- and 19200-step pairs on seeds 1 and 2 too) trained on different schedules,
 # then the study's other questions at the longest one (RGB ViTs, depth as input only, every other encoding's ViTD;
-# two or three seeds); every training field that differs between them is stated on its line, so the lines do not
+# three seeds each); every training field that differs between them is stated on its line, so the lines do not
 # depend on the preset's current schedule. About 24 CPU-hours in all (one thread per run; each 9600-step run takes
-# 20-25 minutes, each 19200-step run 22-31 minutes with one run per core);
-# summarise.py writes table.md, schedule.png and plateau.png from the run folders (metrics.json, curve.csv, config.json).
+# 20-25 minutes, each 19200-step run 21-37 minutes with one run per core);
+# summarise.py writes table.md, schedule.png, plateau.png and the README's grid block from the run folders (metrics.json,
+# curve.csv, config.json).
 # The committed b32-s300 files are the earlier study recipe's own seed-0 run (the same settings), copied, not
 # retrained. Run from anywhere: it works from the repository root, where the scene cache (.cache/scenes) lives.
 set -euo pipefail
