@@ -184,6 +184,16 @@ def test_compare_with_committed_on_quick_output(tmp_path, monkeypatch):
     doc["runs"][0]["train_config"]["lr"] = 0.5
     (out / "config.json").write_text(json.dumps(doc))
     assert [d for d in R.compare_with_committed(out) if "lr = 0.5" in d]
+    # seeds (or encodings) chosen on the recorded command line narrow the recipe's lists; others are reported
+    doc["runs"][0]["train_config"]["lr"] = R.recipe("classify", "quick")["train"]["lr"]
+    doc["command"] = "ropekit experiment classify --quick --seeds 0 --pe mixed"
+    (out / "config.json").write_text(json.dumps(doc))
+    assert R.compare_with_committed(out) == []
+    doc["command"] = "ropekit experiment classify --quick --seeds 0,7"
+    (out / "config.json").write_text(json.dumps(doc))
+    diffs = R.compare_with_committed(out)
+    assert any("--seeds [7] are not in the recipe's [0]" in d for d in diffs)
+    assert any("recipe study.seeds: committed [0], now [0, 7]" in d for d in diffs)
     # a results folder written before recipes were pinned says so
     (out / "config.json").write_text(json.dumps({"study": "classify", "runs": []}))
     assert "no study/preset recorded" in R.compare_with_committed(out)[0]

@@ -11,6 +11,13 @@ from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 __all__ = ["run_classify"]
 
 
+def _where(rows: List[Dict[str, Any]]) -> str:
+    """Where the runs trained, for the time column: the devices their summaries record; runs from before
+    summaries recorded it were all trained on this repository's shared 2-core CPU."""
+    devices = sorted({r["device"] for r in rows if r.get("device")})
+    return ", ".join(devices) if devices else "shared 2-core CPU"
+
+
 def run_classify(cfg: ExperimentConfig, out: Any) -> StudyResult:
     """Train every encoding of ``cfg`` over ``cfg.seeds``; report final test accuracy and loss."""
     pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
@@ -24,6 +31,7 @@ def run_classify(cfg: ExperimentConfig, out: Any) -> StudyResult:
             rows.append({"pe": pe, "seed": seed, "test_acc": f.get("test_acc"), "test_loss": f.get("test_loss"),
                          "train_acc": f.get("train_acc"), "train_loss": f.get("train_loss"),
                          "num_params": rec.summary.get("num_params"), "wall_time": rec.summary.get("wall_time"),
+                         "device": rec.summary.get("device"),
                          "run": rec.run_dir.name})
             for h in rec.history:
                 curves.append({"pe": pe, "seed": seed, "epoch": int(h["epoch"]), "test_acc": h["test_acc"],
@@ -47,7 +55,7 @@ def run_classify(cfg: ExperimentConfig, out: Any) -> StudyResult:
     table = (f"**Classification** — {headline(cfg)}. Test accuracy and loss after the last epoch, "
              f"mean ± std across seeds; the difference to {pe_label(ref)} is paired by seed (same data order).\n\n"
              + markdown_table(["encoding", "test accuracy", f"− {pe_label(ref)} (paired)", "test loss",
-                               "train accuracy", "parameters", "train time / run (s, shared 2-core CPU)"], table_rows))
+                               "train accuracy", "parameters", f"train time / run (s, {_where(rows)})"], table_rows))
 
     plt = setup_matplotlib()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.45 * len(pes) + 2.2),

@@ -287,14 +287,33 @@ def experiment_config(study: str, preset: str = "default", r: Optional[Dict[str,
                             preset=preset, **slots)
 
 
+def _selection(command: Optional[str]) -> Dict[str, List[Any]]:
+    """The encodings (``pes``) and seeds a recorded ``ropekit experiment`` command chose with ``--pe`` and
+    ``--seeds``: a subset of the recipe's lists (e.g. the seeds a lent GPU had time for), not a recipe change."""
+    import argparse
+    import shlex
+
+    from .cli import add_arguments
+
+    words = shlex.split(command or "")
+    if words[:2] != ["ropekit", "experiment"]:
+        return {}
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    args, _ = parser.parse_known_args(words[2:])
+    given = vars(args)
+    return {key: list(given[flag]) for key, flag in (("pes", "pe"), ("seeds", "seeds")) if flag in given}
+
+
 def compare_with_committed(study_dir: Any) -> List[str]:
     """Differences between a study's committed ``config.json`` and what its recorded preset resolves to now.
 
     Compares the recipe section as a whole and, for every recorded run, each recipe field of its training
     configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted),
-    and every study option the recipe states with the option the study recorded. detect3d and robot folders are
-    compared by :func:`ropekit.detection.recipes.compare_with_committed` and
-    :func:`ropekit.robot.recipes.compare_with_committed`.
+    and every study option the recipe states with the option the study recorded. Encodings and seeds the
+    recorded command chose with ``--pe`` / ``--seeds`` replace the recipe's lists (an error unless they are among
+    them). detect3d and robot folders are compared by :func:`ropekit.detection.recipes.compare_with_committed`
+    and :func:`ropekit.robot.recipes.compare_with_committed`.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
     from .registry import STUDIES
@@ -313,10 +332,16 @@ def compare_with_committed(study_dir: Any) -> List[str]:
 
         return compare_robot(doc)
     now = recipe(name, preset)
+    diffs: List[str] = []
+    for key, chosen in _selection(doc.get("command")).items():  # --pe / --seeds narrow the recipe's lists
+        outside = [v for v in chosen if v not in now["study"][key]]
+        if outside:
+            diffs.append(f"{name}: the command's --{'pe' if key == 'pes' else key} {outside} "
+                         f"are not in the recipe's {now['study'][key]}")
+        now["study"][key] = chosen
     options = now["study"].pop("options")  # the outputs record the options the study resolved ...
     now, options = json.loads(json.dumps(now)), json.loads(json.dumps(options))
     committed = doc.get("recipe") or {}
-    diffs: List[str] = []
     ran = doc.get("options") or {}
     for k, v in options.items():  # ... which include every option the recipe states
         if ran.get(k, "<missing>") != v:

@@ -26,6 +26,13 @@ class DistContext:
     initialized_here: bool = False
 
     @property
+    def device_name(self) -> str:
+        """The device in words for run summaries: ``cpu``, or ``cuda (NVIDIA H200)``."""
+        if self.device.type == "cuda":
+            return f"cuda ({torch.cuda.get_device_name(self.device)})"
+        return self.device.type
+
+    @property
     def enabled(self) -> bool:
         return self.world_size > 1
 

@@ -458,7 +458,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
                    "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None,
                    "seed": cfg.seed, "epochs_done": len(history), "interrupted": res.interrupted,
                    "wall_time": res.wall_time, "num_params": n_params, "world_size": ctx.world_size,
-                   "precision": cfg.precision,
+                   "device": ctx.device_name, "precision": cfg.precision,
                    **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
         engine.write_json(run_dir / "summary.json", summary, "summary")
     ctx.barrier()
