@@ -21,9 +21,11 @@ from ropekit.experiments.offset import OFFSET_RTOL
 from ropekit.experiments.recipes import recipe
 from ropekit.experiments.report import fmt_pm, mean_std, replace_marked_lines
 from ropekit.experiments.runs import RunCache, canonical_pe_options, run_key
+from ropekit.experiments.scale import parse_arm
 
 #: The studies of this file (classification and its controlled variants); detect3d and robot have their own tests.
-NAMES = ["classify", "resolution", "offset", "shuffle", "data-efficiency", "exact-vs-relaxed", "video", "ablations"]
+NAMES = ["classify", "resolution", "offset", "shuffle", "data-efficiency", "exact-vs-relaxed", "video", "ablations",
+         "scale"]
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +207,35 @@ def test_shuffle_patches_permutes_whole_patches():
     v = torch.rand(2, 1, 4, 4, 4)
     sv = shuffle_patches(v, 2, tubelet_size=2, generator=g)
     assert torch.equal(sv.reshape(2, -1).sort(1).values, v.reshape(2, -1).sort(1).values)
+
+
+def test_scale_changes_one_factor_per_arm_and_pairs_by_seed(outputs):
+    _, out = outputs["scale"]
+    config = json.loads((out / "config.json").read_text())
+    runs = {(r["train_config"]["pe"], r["train_config"]["model_options"]["depth"], r["train_config"]["epochs"]): r
+            for r in config["runs"]}
+    assert sorted(runs) == [("absolute", 1, 1), ("absolute", 2, 1), ("mixed", 1, 1), ("mixed", 2, 1)]
+    # the reference arm is the classification study's own runs, read from the cache
+    classify = {r["key"] for r in json.loads((outputs["classify"][1] / "config.json").read_text())["runs"]}
+    assert {runs[("absolute", 1, 1)]["key"], runs[("mixed", 1, 1)]["key"]} <= classify
+    assert runs[("mixed", 1, 1)]["cached"] and not runs[("mixed", 2, 1)]["cached"]
+    # the other arm differs from it in the depth alone
+    a, b = runs[("mixed", 1, 1)]["train_config"], runs[("mixed", 2, 1)]["train_config"]
+    assert {k for k in a if a[k] != b[k]} == {"model_options"}
+    assert {k for k in a["model_options"] if a["model_options"][k] != b["model_options"][k]} == {"depth"}
+    with open(out / "scale.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    acc = {(r["arm"], r["pe"], r["seed"]): float(r["test_acc"]) for r in rows}
+    for r in rows:
+        assert float(r["diff_vs_absolute"]) == pytest.approx(acc[(r["arm"], r["pe"], r["seed"])]
+                                                             - acc[(r["arm"], "absolute", r["seed"])])
+    assert parse_arm("6x10") == (6, 10) and parse_arm([2, 40]) == (2, 40)
+    for bad in ("6", "x10", "0x10", [2], "6x10x2"):
+        with pytest.raises(ValueError, match="arm"):
+            parse_arm(bad)
+    with pytest.raises(ValueError, match="repeated arm"):
+        run_experiment("scale", out=out / "again", quick=True, arms=["1x1", "1x1"],
+                       overrides={"cache_dir": str(out / "unused"), "progress": False})
 
 
 def test_small_helpers():

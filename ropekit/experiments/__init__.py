@@ -5,7 +5,7 @@
 >>> print(result.table)                                                               # doctest: +SKIP
 
 Studies: ``classify``, ``resolution``, ``offset``, ``shuffle``, ``data-efficiency``, ``exact-vs-relaxed``,
-``video``, ``ablations``. Each trains (or takes from the run cache) the same backbone for every encoding and
+``video``, ``ablations``, ``scale``. Each trains (or takes from the run cache) the same backbone for every encoding and
 seed, from its pinned recipe (:mod:`ropekit.experiments.recipes`; presets ``default``, ``gpu``, ``quick``), and
 writes ``<study>.csv``, ``<study>.json``, ``table.md``, ``<study>.png`` and ``config.json`` (with the recipe).
 """

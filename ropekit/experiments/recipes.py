@@ -237,6 +237,10 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
         for preset, base, seeds, limit in (
             ("default", {"train": _mnist()}, SEEDS, None), ("gpu", {"train": _mnist_gpu()}, GPU_SEEDS, None),
             ("quick", {"train": _mnist_quick()}, [0], 200))},
+    # depth and training length one at a time, then both (the reference arm first: the recipe's own)
+    "scale": _presets(_study(["absolute", "axial", "cayley", "circulant"], SEEDS, arms=[[2, 10], [6, 10], [2, 40], [6, 40]]),
+                      _study(["absolute", "axial", "cayley", "circulant"], SEEDS, arms=[[6, 40], [2, 40], [6, 10], [2, 10]]),
+                      _study(["absolute", "mixed"], [0], 200, arms=[[1, 1], [2, 1]])),
     "video": {preset: {"train": {**_mnist(), **_video(preset)}, "study": _study(pes, seeds, limit)}
               for preset, pes, seeds, limit in (("default", VIDEO_PES, SEEDS, None), ("gpu", ALL_PES, GPU_SEEDS, None),
                                                 ("quick", QUICK_PES, [0], None))},

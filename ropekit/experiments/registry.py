@@ -13,6 +13,7 @@ from .data_efficiency import run_data_efficiency
 from .exact_vs_relaxed import run_exact_vs_relaxed
 from .offset import run_offset
 from .resolution import run_resolution
+from .scale import run_scale
 from .recipes import PRESETS, RECIPES, experiment_config, recipe
 from .settings import ExperimentConfig, default_config, quick_config
 from .shuffle import run_shuffle
@@ -57,6 +58,8 @@ STUDIES: Dict[str, Study] = {
     "ablations": Study(run_ablations, "sharing for every learnable encoding, block sizes, position jitter",
                        ("groups", "sharing_pe", "block_pe", "jitter_pe", "block_sizes_"),
                        ("pe_sharing", "per_head", "pe_options", "jitter"), varies_overrides=True),
+    "scale": Study(run_scale, "depth and training length one at a time: which turns rotary vs APE",
+                   ("arms",), ("pe_sharing", "model_options", "epochs")),
     "robot": Study(lambda cfg, out, **o: __import__("ropekit.robot.experiment", fromlist=["run_study"]).run_study(
         cfg, out, **o), "2-D vs 3-D STRING robot policies in and out of distribution (needs pybullet)"),
     "aloha": Study(lambda c, out, **o: __import__("ropekit.robot.aloha.experiment", fromlist=["run_study"]).run_study(

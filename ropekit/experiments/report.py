@@ -23,7 +23,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-__all__ = ["mean_std", "fmt_pm", "aggregate", "markdown_table", "replace_marked_lines", "StudyWriter",
+__all__ = ["mean_std", "fmt_pm", "where_trained", "aggregate", "markdown_table", "replace_marked_lines", "StudyWriter",
            "setup_matplotlib", "PE_LABELS", "pe_label"]
 
 #: Display names of the encodings in tables and plots.
@@ -56,6 +56,13 @@ def _fmt_num(x: float, digits: int, sci: bool) -> str:
     if sci or (x != 0 and (abs(x) < 10 ** (-digits) or abs(x) >= 1e5)):
         return f"{x:.{max(1, digits - 2)}e}"
     return f"{x:.{digits}f}"
+
+
+def where_trained(rows: Sequence[Dict[str, Any]]) -> str:
+    """Where a study's runs trained, for its time column: the devices the rows carry (``device`` from each run's
+    summary). Runs from before summaries recorded it were all trained on this repository's shared 2-core CPU."""
+    devices = sorted({r["device"] for r in rows if r.get("device")})
+    return ", ".join(devices) if devices else "shared 2-core CPU"
 
 
 def fmt_pm(stats: Dict[str, float], digits: int = 3, scale: float = 1.0, sci: bool = False) -> str:
