@@ -41,11 +41,12 @@ torch.version.cuda, '| cuda available', torch.cuda.is_available())"
   echo "cpus: $(nproc); preset: $PRESET; seeds: ${SEEDS:-all in the recipe}; train limit: ${TRAIN_LIMIT}s"
 } | tee "$env_txt"
 
-pes=$(python3 -c "from ropekit.experiments.recipes import recipe; print(' '.join(recipe('classify', '$PRESET')['study']['pes']))")
+pes=$(python3 -c "from ropekit.experiments.recipes import recipe
+print(' '.join(recipe('classify', '$PRESET')['study']['pes']))")
 for pe in $pes; do
   ( s=$(date +%s)
-    timeout -s ABRT -k 10 "$TRAIN_LIMIT" $rk experiment classify --preset "$PRESET" --pe "$pe" "${pick[@]}" --cache-dir "$CACHE" \
-      --out "$LOGS/warm-$pe" --no-progress > "$LOGS/train-$pe.log" 2>&1
+    timeout -s ABRT -k 10 "$TRAIN_LIMIT" $rk experiment classify --preset "$PRESET" --pe "$pe" "${pick[@]}" \
+      --cache-dir "$CACHE" --out "$LOGS/warm-$pe" --no-progress > "$LOGS/train-$pe.log" 2>&1
     echo "train $pe: exit $? after $(( $(date +%s) - s ))s" >> "$env_txt" ) &
 done
 wait
@@ -53,8 +54,8 @@ echo "training phase: $(( $(date +%s) - t0 ))s" | tee -a "$env_txt"
 
 for study in classify shuffle; do
   s=$(date +%s)
-  timeout -s ABRT -k 10 "$REPORT_LIMIT" $rk experiment "$study" --preset "$PRESET" "${pick[@]}" --cache-dir "$CACHE" \
-    --out "$DEST/$study" --no-progress > "$LOGS/$study.log" 2>&1
+  timeout -s ABRT -k 10 "$REPORT_LIMIT" $rk experiment "$study" --preset "$PRESET" "${pick[@]}" \
+    --cache-dir "$CACHE" --out "$DEST/$study" --no-progress > "$LOGS/$study.log" 2>&1
   echo "$study (documented command): exit $? after $(( $(date +%s) - s ))s" | tee -a "$env_txt"
 done
 echo "total: $(( $(date +%s) - t0 ))s" | tee -a "$env_txt"

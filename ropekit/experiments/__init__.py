@@ -5,9 +5,9 @@
 >>> print(result.table)                                                               # doctest: +SKIP
 
 Studies: ``classify``, ``resolution``, ``offset``, ``shuffle``, ``data-efficiency``, ``exact-vs-relaxed``,
-``video``, ``ablations``, ``scale``. Each trains (or takes from the run cache) the same backbone for every encoding and
-seed, from its pinned recipe (:mod:`ropekit.experiments.recipes`; presets ``default``, ``gpu``, ``quick``), and
-writes ``<study>.csv``, ``<study>.json``, ``table.md``, ``<study>.png`` and ``config.json`` (with the recipe).
+``video``, ``ablations``, ``scale``. Each trains (or takes from the run cache) the same backbone for every
+encoding and seed, from its pinned recipe (:mod:`ropekit.experiments.recipes`; presets ``default``, ``gpu``,
+``quick``), and writes ``<study>.csv``, ``<study>.json``, ``table.md``, ``<study>.png`` and ``config.json`` (with the recipe).
 """
 
 from .common import StudyResult

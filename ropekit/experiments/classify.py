@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from .common import StudyContext, StudyResult, headline
-from .report import aggregate, fmt_pm, where_trained, markdown_table, mean_std, pe_label, setup_matplotlib
+from .report import aggregate, fmt_pm, markdown_table, mean_std, pe_label, setup_matplotlib, where_trained
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
 __all__ = ["run_classify"]
@@ -48,7 +48,8 @@ def run_classify(cfg: ExperimentConfig, out: Any) -> StudyResult:
     table = (f"**Classification** — {headline(cfg)}. Test accuracy and loss after the last epoch, "
              f"mean ± std across seeds; the difference to {pe_label(ref)} is paired by seed (same data order).\n\n"
              + markdown_table(["encoding", "test accuracy", f"− {pe_label(ref)} (paired)", "test loss",
-                               "train accuracy", "parameters", f"train time / run (s, {where_trained(rows)})"], table_rows))
+                               "train accuracy", "parameters", f"train time / run (s, {where_trained(rows)})"],
+                              table_rows))
 
     plt = setup_matplotlib()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.45 * len(pes) + 2.2),

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .common import StudyContext, StudyResult, headline
-from .report import aggregate, fmt_pm, markdown_table, where_trained, pe_label, setup_matplotlib
+from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib, where_trained
 from .settings import ExperimentConfig
 
 __all__ = ["run_scale", "parse_arm", "REFERENCE"]
@@ -92,8 +92,8 @@ def run_scale(cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[Any]] = N
             trs.append([arm, pe_label(pe), fmt_pm(stats["test_acc"][k], 4), fmt_pm(stats["train_acc"][k], 4), diff,
                         signs, f"{stats['wall_time'][k]['mean']:.0f}"])
     table = (f"**Scale** — {headline(cfg)} as the reference arm; each other arm changes the depth or the number "
-             f"of epochs alone, or both. Test accuracy after the last epoch, mean ± std across seeds; the difference to "
-             f"{pe_label(REFERENCE)} is paired by seed (same data order), and listed seed by seed.\n\n"
+             f"of epochs alone, or both. Test accuracy after the last epoch, mean ± std across seeds; the difference "
+             f"to {pe_label(REFERENCE)} is paired by seed (same data order), and listed seed by seed.\n\n"
              + markdown_table(["arm", "encoding", "test accuracy", "train accuracy", f"− {pe_label(REFERENCE)} "
                                "(paired)", "per seed", f"train time / run (s, {where_trained(rows)})"], trs, "llrrrlr"))
 
