@@ -194,6 +194,14 @@ def test_compare_with_committed_on_quick_output(tmp_path, monkeypatch):
     diffs = R.compare_with_committed(out)
     assert any("--seeds [7] are not in the recipe's [0]" in d for d in diffs)
     assert any("recipe study.seeds: committed [0], now [0, 7]" in d for d in diffs)
+    # --model-opt on the recorded command is part of what it trains: the committed runs must have it
+    doc["command"] = "ropekit experiment classify --quick --model-opt depth=3"
+    (out / "config.json").write_text(json.dumps(doc))
+    diffs = R.compare_with_committed(out)
+    assert any("model_options" in d and "'depth': 3" in d for d in diffs)
+    doc["command"] = "ropekit experiment classify --quick --model-opt nonsense=3"
+    (out / "config.json").write_text(json.dumps(doc))
+    assert any("--model-opt nonsense are not architecture fields" in d for d in R.compare_with_committed(out))
     # a results folder written before recipes were pinned says so
     (out / "config.json").write_text(json.dumps({"study": "classify", "runs": []}))
     assert "no study/preset recorded" in R.compare_with_committed(out)[0]

@@ -295,12 +295,14 @@ def experiment_config(study: str, preset: str = "default", r: Optional[Dict[str,
                             preset=preset, **slots)
 
 
-def _selection(command: Optional[str]) -> Dict[str, List[Any]]:
-    """The encodings (``pes``) and seeds a recorded ``ropekit experiment`` command chose with ``--pe`` and
-    ``--seeds``: a subset of the recipe's lists (e.g. the seeds a lent GPU had time for), not a recipe change."""
+def _selection(command: Optional[str]) -> Dict[str, Any]:
+    """What a recorded ``ropekit experiment`` command chose on top of its preset's recipe: the encodings
+    (``pes``) and seeds of ``--pe`` and ``--seeds`` (a subset of the recipe's lists, e.g. the seeds a lent GPU had
+    time for) and the architecture fields of ``--model-opt`` (``model_options``, e.g. a deeper backbone)."""
     import argparse
     import shlex
 
+    from ..train import parse_key_values
     from .cli import add_arguments
 
     words = shlex.split(command or "")
@@ -310,7 +312,11 @@ def _selection(command: Optional[str]) -> Dict[str, List[Any]]:
     add_arguments(parser)
     args, _ = parser.parse_known_args(words[2:])
     given = vars(args)
-    return {key: list(given[flag]) for key, flag in (("pes", "pe"), ("seeds", "seeds")) if flag in given}
+    out: Dict[str, Any] = {key: list(given[flag]) for key, flag in (("pes", "pe"), ("seeds", "seeds"))
+                           if flag in given}
+    if "model_opt" in given:
+        out["model_options"] = parse_key_values(given["model_opt"], "--model-opt")
+    return out
 
 
 def compare_with_committed(study_dir: Any) -> List[str]:
@@ -320,7 +326,7 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted),
     and every study option the recipe states with the option the study recorded. Encodings and seeds the
     recorded command chose with ``--pe`` / ``--seeds`` replace the recipe's lists (an error unless they are among
-    them). detect3d and robot folders are compared by :func:`ropekit.detection.recipes.compare_with_committed`
+    them), and its ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are compared by :func:`ropekit.detection.recipes.compare_with_committed`
     and :func:`ropekit.robot.recipes.compare_with_committed`.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
@@ -341,12 +347,18 @@ def compare_with_committed(study_dir: Any) -> List[str]:
         return compare_robot(doc)
     now = recipe(name, preset)
     diffs: List[str] = []
-    for key, chosen in _selection(doc.get("command")).items():  # --pe / --seeds narrow the recipe's lists
-        outside = [v for v in chosen if v not in now["study"][key]]
+    chosen = _selection(doc.get("command"))
+    model_options = chosen.pop("model_options", {})  # --model-opt replaces the recipe's architecture fields
+    unknown = sorted(set(model_options) - architecture_fields())
+    if unknown:
+        diffs.append(f"{name}: the command's --model-opt {', '.join(unknown)} are not architecture fields")
+    now["train"]["model_options"].update(model_options)
+    for key, values in chosen.items():  # --pe / --seeds narrow the recipe's lists
+        outside = [v for v in values if v not in now["study"][key]]
         if outside:
             diffs.append(f"{name}: the command's --{'pe' if key == 'pes' else key} {outside} "
                          f"are not in the recipe's {now['study'][key]}")
-        now["study"][key] = chosen
+        now["study"][key] = values
     options = now["study"].pop("options")  # the outputs record the options the study resolved ...
     now, options = json.loads(json.dumps(now)), json.loads(json.dumps(options))
     committed = doc.get("recipe") or {}
