@@ -17,8 +17,8 @@ from ropekit.experiments.recipes import compare_with_committed
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 COMMITTED = ["classify", "shuffle", "offset", "resolution", "data-efficiency", "exact-vs-relaxed", "video",
-             "ablations", "scale", "data-efficiency-depth6", "video-depth6", "detect3d", "robot",
-             "gpu/classify"]
+             "ablations", "scale", "data-efficiency-depth6", "video-depth6", "resolution-depth6", "detect3d",
+             "robot", "gpu/classify"]
 
 
 @pytest.mark.parametrize("study", COMMITTED)
