@@ -7,7 +7,8 @@
 Studies: ``classify``, ``resolution``, ``offset``, ``shuffle``, ``data-efficiency``, ``exact-vs-relaxed``,
 ``video``, ``ablations``, ``scale``. Each trains (or takes from the run cache) the same backbone for every
 encoding and seed, from its pinned recipe (:mod:`ropekit.experiments.recipes`; presets ``default``, ``gpu``,
-``quick``), and writes ``<study>.csv``, ``<study>.json``, ``table.md``, ``<study>.png`` and ``config.json`` (with the recipe).
+``quick``), and writes ``<study>.csv``, ``<study>.json``, ``table.md``, ``<study>.png`` and ``config.json``
+(with the recipe).
 """
 
 from .common import StudyResult

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from .common import StudyContext, StudyResult, headline
-from .report import aggregate, fmt_pm, markdown_table, mean_std, pe_label, setup_matplotlib, where_trained
+from .report import (add_paired_difference, aggregate, fmt_pm, markdown_table, mean_std, pe_label, setup_matplotlib,
+                     where_trained)
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
 __all__ = ["run_classify"]
@@ -31,12 +32,8 @@ def run_classify(cfg: ExperimentConfig, out: Any) -> StudyResult:
                                "train_loss": h["train_loss"], "test_loss": h["test_loss"]})
             ctx.advance(f"{pe} s{seed}")
 
-    # paired by seed: every encoding sees the same data order and seed, so the per-seed difference to a
-    # reference encoding removes the variation shared by all encodings of that seed
     ref = "absolute" if "absolute" in pes else pes[0]
-    ref_acc = {r["seed"]: r["test_acc"] for r in rows if r["pe"] == ref}
-    for r in rows:
-        r[f"diff_vs_{ref}"] = r["test_acc"] - ref_acc[r["seed"]]
+    add_paired_difference(rows, ref)
     stats = {k: {r["pe"]: r for r in aggregate(rows, ["pe"], k)} for k in
              ("test_acc", "test_loss", "train_acc", "num_params", "wall_time", f"diff_vs_{ref}")}
     table_rows = []

@@ -326,8 +326,9 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted),
     and every study option the recipe states with the option the study recorded. Encodings and seeds the
     recorded command chose with ``--pe`` / ``--seeds`` replace the recipe's lists (an error unless they are among
-    them), and its ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are compared by :func:`ropekit.detection.recipes.compare_with_committed`
-    and :func:`ropekit.robot.recipes.compare_with_committed`.
+    them), and its ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are
+    compared by :func:`ropekit.detection.recipes.compare_with_committed` and
+    :func:`ropekit.robot.recipes.compare_with_committed`.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
     from .registry import STUDIES

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-__all__ = ["mean_std", "fmt_pm", "where_trained", "aggregate", "markdown_table", "replace_marked_lines", "StudyWriter",
+__all__ = ["mean_std", "fmt_pm", "where_trained", "add_paired_difference", "aggregate", "markdown_table", "replace_marked_lines", "StudyWriter",
            "setup_matplotlib", "PE_LABELS", "pe_label"]
 
 #: Display names of the encodings in tables and plots.
@@ -63,6 +63,23 @@ def where_trained(rows: Sequence[Dict[str, Any]]) -> str:
     summary). Runs from before summaries recorded it were all trained on this repository's shared 2-core CPU."""
     devices = sorted({r["device"] for r in rows if r.get("device")})
     return ", ".join(devices) if devices else "shared 2-core CPU"
+
+
+def add_paired_difference(rows: Sequence[Dict[str, Any]], ref: str, value: str = "test_acc",
+                          within: Sequence[str] = ()) -> str:
+    """Set ``row["diff_vs_<ref>"]`` on every row: its ``value`` minus that of the ``ref`` encoding's row with the
+    same seed (and the same ``within`` fields). Every encoding of a seed sees the same initialisation seed and data
+    order, so the per-seed difference removes the variation they share. Returns the new column's name.
+
+    Raises:
+        KeyError: a seed (or ``within`` group) has no row of ``ref``.
+    """
+    column = f"diff_vs_{ref}"
+    keys = ("seed", *within)
+    base = {tuple(r[k] for k in keys): r[value] for r in rows if r["pe"] == ref}
+    for r in rows:
+        r[column] = r[value] - base[tuple(r[k] for k in keys)]
+    return column
 
 
 def fmt_pm(stats: Dict[str, float], digits: int = 3, scale: float = 1.0, sci: bool = False) -> str:

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .common import StudyContext, StudyResult, headline
-from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib, where_trained
+from .report import (add_paired_difference, aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib,
+                     where_trained)
 from .settings import ExperimentConfig
 
 __all__ = ["run_scale", "parse_arm", "REFERENCE"]
@@ -76,9 +77,7 @@ def run_scale(cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[Any]] = N
                              "device": rec.summary.get("device"), "run": rec.run_dir.name})
                 ctx.advance(f"{pe} {depth}x{epochs} s{seed}")
 
-    ref = {(r["arm"], r["seed"]): r["test_acc"] for r in rows if r["pe"] == REFERENCE}
-    for r in rows:
-        r[f"diff_vs_{REFERENCE}"] = r["test_acc"] - ref[(r["arm"], r["seed"])]
+    add_paired_difference(rows, REFERENCE, within=("arm",))
     stats = {k: {(s["arm"], s["pe"]): s for s in aggregate(rows, ["arm", "pe"], k)}
              for k in ("test_acc", "train_acc", f"diff_vs_{REFERENCE}", "wall_time")}
     arms_l = [_label(*a) for a in arm_list]
