@@ -62,6 +62,30 @@ def test_quick_outputs_match_their_recipe(outputs, name, tmp_path):
         assert [d for d in compare_with_committed(tmp_path) if f"option {stated[0]}:" in d]
 
 
+def test_command_options_narrow_the_recipe(outputs, tmp_path):
+    """A list-valued study option on the recorded command (``--groups``, ``--sharing-pe``, ...) is part of what the
+    command trains: the committed options must equal it, and it must be a subset of the recipe's list."""
+    from ropekit.experiments.recipes import compare_with_committed
+
+    _, out = outputs["ablations"]
+    doc = json.loads((out / "config.json").read_text())
+    groups = doc["options"]["groups"]
+    assert groups == recipe("ablations", "quick")["study"]["options"]["groups"] and len(groups) > 1
+
+    def diffs(command):
+        (tmp_path / "config.json").write_text(json.dumps(dict(doc, command=command)))
+        return compare_with_committed(tmp_path)
+
+    assert diffs(f"ropekit experiment ablations --quick --groups {','.join(groups)}") == []
+    # a command naming one group did not train what these (all-group) outputs hold
+    assert [d for d in diffs(f"ropekit experiment ablations --quick --groups {groups[0]}") if "option groups:" in d]
+    # an option outside the recipe's list, or one the recipe states no list for, is reported
+    assert [d for d in diffs("ropekit experiment ablations --quick --groups sharing,nonsense")
+            if "--groups ['nonsense'] are not in the recipe's" in d]
+    assert [d for d in diffs("ropekit experiment ablations --quick --block-sizes 2,4")
+            if "--block-sizes is not a list the recipe states" in d]
+
+
 def test_registry_lists_the_studies():
     assert set(NAMES) <= set(STUDIES)
 

@@ -298,12 +298,13 @@ def experiment_config(study: str, preset: str = "default", r: Optional[Dict[str,
 def _selection(command: Optional[str]) -> Dict[str, Any]:
     """What a recorded ``ropekit experiment`` command chose on top of its preset's recipe: the encodings
     (``pes``) and seeds of ``--pe`` and ``--seeds`` (a subset of the recipe's lists, e.g. the seeds a lent GPU had
-    time for) and the architecture fields of ``--model-opt`` (``model_options``, e.g. a deeper backbone)."""
+    time for), the architecture fields of ``--model-opt`` (``model_options``, e.g. a deeper backbone) and the
+    list-valued study options given on the command line (``options``, e.g. ``--groups sharing``)."""
     import argparse
     import shlex
 
     from ..train import parse_key_values
-    from .cli import add_arguments
+    from .cli import _OPTION_FIELDS, add_arguments
 
     words = shlex.split(command or "")
     if words[:2] != ["ropekit", "experiment"]:
@@ -316,6 +317,9 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
                            if flag in given}
     if "model_opt" in given:
         out["model_options"] = parse_key_values(given["model_opt"], "--model-opt")
+    options = {dest: list(given[dest]) for dest in _OPTION_FIELDS if isinstance(given.get(dest), list)}
+    if options:  # e.g. --groups sharing --sharing-pe mixed,cayley: a part of the ablations
+        out["options"] = options
     return out
 
 
@@ -326,7 +330,9 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted),
     and every study option the recipe states with the option the study recorded. Encodings and seeds the
     recorded command chose with ``--pe`` / ``--seeds`` replace the recipe's lists (an error unless they are among
-    them), and its ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are
+    them), as do list-valued study options it gave (``--groups``, ``--sharing-pe``, ...: a part of the study;
+    an error unless a subset of the recipe's list, or where the recipe states no such list), and its
+    ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are
     compared by :func:`ropekit.detection.recipes.compare_with_committed` and
     :func:`ropekit.robot.recipes.compare_with_committed`.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
@@ -354,6 +360,7 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     if unknown:
         diffs.append(f"{name}: the command's --model-opt {', '.join(unknown)} are not architecture fields")
     now["train"]["model_options"].update(model_options)
+    narrowed = chosen.pop("options", {})
     for key, values in chosen.items():  # --pe / --seeds narrow the recipe's lists
         outside = [v for v in values if v not in now["study"][key]]
         if outside:
@@ -361,6 +368,15 @@ def compare_with_committed(study_dir: Any) -> List[str]:
                          f"are not in the recipe's {now['study'][key]}")
         now["study"][key] = values
     options = now["study"].pop("options")  # the outputs record the options the study resolved ...
+    for key, values in narrowed.items():  # ... of which a list the command gave must narrow the recipe's list
+        stated, flag = options.get(key), key.rstrip("_").replace("_", "-")
+        if not isinstance(stated, list):
+            diffs.append(f"{name}: the command's --{flag} is not a list the recipe states")
+            continue
+        outside = [v for v in values if v not in stated]
+        if outside:
+            diffs.append(f"{name}: the command's --{flag} {outside} are not in the recipe's {stated}")
+        options[key] = values
     now, options = json.loads(json.dumps(now)), json.loads(json.dumps(options))
     committed = doc.get("recipe") or {}
     ran = doc.get("options") or {}
