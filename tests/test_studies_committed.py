@@ -17,14 +17,22 @@ from ropekit.experiments.recipes import compare_with_committed
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 COMMITTED = ["classify", "shuffle", "offset", "resolution", "data-efficiency", "exact-vs-relaxed", "video",
-             "ablations", "scale", "data-efficiency-depth6", "video-depth6", "resolution-depth6", "detect3d",
-             "robot", "gpu/classify"]
+             "ablations", "scale", "data-efficiency-depth6", "video-depth6", "resolution-depth6", "shuffle-depth6",
+             "exact-vs-relaxed-depth6", "detect3d", "robot", "gpu/classify"]
 
 
 @pytest.mark.parametrize("study", COMMITTED)
 def test_committed_study_matches_its_recipe(study):
     assert (RESULTS / study / "config.json").is_file(), f"docs/results/{study} has no config.json"
     assert compare_with_committed(RESULTS / study) == []
+
+
+def test_every_committed_study_folder_is_checked():
+    """A study folder committed under docs/results (or docs/results/gpu) is in the list above, so no result
+    escapes the check against its recipe."""
+    found = {str(p.parent.relative_to(RESULTS)) for pattern in ("*/config.json", "gpu/*/config.json")
+             for p in RESULTS.glob(pattern)}
+    assert found == set(COMMITTED)
 
 
 def test_readme_results_table_is_the_committed_one():
