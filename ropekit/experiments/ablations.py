@@ -185,8 +185,9 @@ def run_ablations(cfg: ExperimentConfig, out: Any, groups: Optional[Sequence[str
                     rs = [res[(group, pe, s)] for pe in pes if (group, pe, s) in res]
                     ax.errorbar(xs, [t["mean"] for t in rs], yerr=[0 if t["n"] < 2 else t["std"] for t in rs],
                                 fmt="^", color=f"C{j}", mec="k", ms=6, capsize=2, label=f"{s}, at {big} px")
-            ax.set_xticks(range(len(pes)), [pe_label(pe) for pe in pes],  # seven names do not fit level
-                          rotation=25 if len(pes) > 3 else 0, ha="right" if len(pes) > 3 else "center")
+            slant = len(pes) > 3  # seven names do not fit level
+            ax.set_xticks(range(len(pes)), [pe_label(pe) for pe in pes], rotation=25 if slant else 0,
+                          ha="right" if slant else "center")
             ax.set_xlabel("encoding")
             lo = min(min(r["test_acc"], r.get(res_key, 1.0)) for r in rows if r["group"] == group)
             ax.set_ylim(max(0.0, lo - 0.15), 1.0)

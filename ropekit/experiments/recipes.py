@@ -337,6 +337,7 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     :func:`ropekit.robot.recipes.compare_with_committed`.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
+    from .cli import _STUDY_OPTIONS
     from .registry import STUDIES
 
     path = Path(study_dir) / "config.json"
@@ -361,22 +362,26 @@ def compare_with_committed(study_dir: Any) -> List[str]:
         diffs.append(f"{name}: the command's --model-opt {', '.join(unknown)} are not architecture fields")
     now["train"]["model_options"].update(model_options)
     narrowed = chosen.pop("options", {})
-    for key, values in chosen.items():  # --pe / --seeds narrow the recipe's lists
-        outside = [v for v in values if v not in now["study"][key]]
-        if outside:
-            diffs.append(f"{name}: the command's --{'pe' if key == 'pes' else key} {outside} "
-                         f"are not in the recipe's {now['study'][key]}")
-        now["study"][key] = values
-    options = now["study"].pop("options")  # the outputs record the options the study resolved ...
-    for key, values in narrowed.items():  # ... of which a list the command gave must narrow the recipe's list
-        stated, flag = options.get(key), key.rstrip("_").replace("_", "-")
+
+    def narrows(flag: str, values: List[Any], stated: Any) -> bool:
+        """Whether the command's ``values`` may replace the recipe's list ``stated``; reports why not, or the
+        values outside it (which still replace it, so that the committed outputs are compared with them)."""
         if not isinstance(stated, list):
-            diffs.append(f"{name}: the command's --{flag} is not a list the recipe states")
-            continue
+            diffs.append(f"{name}: the command's {flag} is not a list the recipe states")
+            return False
         outside = [v for v in values if v not in stated]
         if outside:
-            diffs.append(f"{name}: the command's --{flag} {outside} are not in the recipe's {stated}")
-        options[key] = values
+            diffs.append(f"{name}: the command's {flag} {outside} are not in the recipe's {stated}")
+        return True
+
+    for key, values in chosen.items():  # --pe / --seeds narrow the recipe's lists
+        if narrows("--pe" if key == "pes" else f"--{key}", values, now["study"][key]):
+            now["study"][key] = values
+    options = now["study"].pop("options")  # the outputs record the options the study resolved ...
+    flags = {dest: flag for flag, _, dest, _ in _STUDY_OPTIONS}
+    for key, values in narrowed.items():  # ... of which a list the command gave narrows the recipe's list
+        if narrows(flags.get(key, key), values, options.get(key)):
+            options[key] = values
     now, options = json.loads(json.dumps(now)), json.loads(json.dumps(options))
     committed = doc.get("recipe") or {}
     ran = doc.get("options") or {}

@@ -23,8 +23,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-__all__ = ["mean_std", "fmt_pm", "where_trained", "add_paired_difference", "aggregate", "markdown_table", "replace_marked_lines", "StudyWriter",
-           "setup_matplotlib", "PE_LABELS", "pe_label"]
+__all__ = ["mean_std", "fmt_pm", "where_trained", "add_paired_difference", "aggregate", "markdown_table",
+           "replace_marked_lines", "StudyWriter", "setup_matplotlib", "PE_LABELS", "pe_label"]
 
 #: Display names of the encodings in tables and plots.
 PE_LABELS = {
