@@ -184,7 +184,8 @@ def run_ablations(cfg: ExperimentConfig, out: Any, groups: Optional[Sequence[str
                 if group == "jitter" and res:
                     rs = [res[(group, pe, s)] for pe in pes if (group, pe, s) in res]
                     ax.errorbar(xs, [t["mean"] for t in rs], yerr=[0 if t["n"] < 2 else t["std"] for t in rs],
-                                fmt="^", color=f"C{j}", mec="k", ms=6, capsize=2, label=f"{s}, at {big} px")
+                                fmt="^", mfc=f"C{j}", mec="k", ecolor="k", ms=6, capsize=2,
+                                label=f"{s}, at {big} px")  # black bars: they lie on the bar of their colour
             slant = len(pes) > 3  # seven names do not fit level
             ax.set_xticks(range(len(pes)), [pe_label(pe) for pe in pes], rotation=25 if slant else 0,
                           ha="right" if slant else "center")
@@ -193,7 +194,11 @@ def run_ablations(cfg: ExperimentConfig, out: Any, groups: Optional[Sequence[str
             ax.set_ylim(max(0.0, lo - 0.15), 1.0)
         ax.set_ylabel("test accuracy")
         ax.set_title({"sharing": "parameter sharing", "block": "block size", "jitter": "position jitter σ"}[group])
-        ax.legend(fontsize=7)
+        if group == "block":
+            ax.legend(fontsize=7)
+        else:  # above the bars, which fill the bottom of the panel
+            ax.set_ylim(top=1.08)
+            ax.legend(fontsize=7, loc="upper center", ncol=4 if group == "jitter" else 3, columnspacing=0.8)
     fig.suptitle(f"Ablations (mean ± std): {headline(cfg)}")
     fig.tight_layout()
     summary = {f"{g}/{pe}/{s}": st for (g, pe, s), st in acc.items()}
