@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .common import StudyContext, StudyResult, headline
 from .report import (add_paired_difference, aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib,
                      where_trained)
-from .settings import ExperimentConfig
+from .settings import SCALE_PES, ExperimentConfig
 
 __all__ = ["run_scale", "parse_arm", "REFERENCE"]
 
@@ -58,7 +58,7 @@ def run_scale(cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[Any]] = N
                                                  (3 * base[0], 4 * base[1])])]
     if len(set(arm_list)) != len(arm_list):
         raise ValueError(f"repeated arm in {['%dx%d' % a for a in arm_list]}")
-    pes = list(cfg.pes or [REFERENCE, "axial", "cayley", "circulant"])
+    pes = cfg.pe_list(SCALE_PES)
     if REFERENCE not in pes:
         pes = [REFERENCE] + pes
     ctx = StudyContext("scale", cfg, out, total=len(arm_list) * len(pes) * len(cfg.seeds))

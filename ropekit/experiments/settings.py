@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..train import TrainConfig
 
-__all__ = ["ExperimentConfig", "DEFAULT_PES", "QUICK_PES", "quick_config", "default_config", "shared_train_fields"]
+__all__ = ["ExperimentConfig", "DEFAULT_PES", "QUICK_PES", "SCALE_PES", "quick_config", "default_config",
+           "shared_train_fields"]
 
 #: The encodings every comparison study trains unless ``--pe`` says otherwise.
 DEFAULT_PES: Tuple[str, ...] = ("none", "absolute", "axial", "mixed", "cayley", "circulant", "liere",
@@ -27,6 +28,9 @@ DEFAULT_PES: Tuple[str, ...] = ("none", "absolute", "axial", "mixed", "cayley", 
 
 #: ``--quick``: one encoding without coordinates, one commuting, one non-commuting.
 QUICK_PES: Tuple[str, ...] = ("absolute", "mixed", "liere")
+
+#: The scale study: the learned absolute embedding (its reference) against three rotary encodings.
+SCALE_PES: Tuple[str, ...] = ("absolute", "axial", "cayley", "circulant")
 
 
 @dataclass
