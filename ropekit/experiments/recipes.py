@@ -181,8 +181,8 @@ def _presets(study_default: Dict[str, Any], study_gpu: Dict[str, Any], study_qui
 SEEDS = [0, 1, 2]
 GPU_SEEDS = [0, 1, 2, 3, 4]
 #: The classification, the ranking every other study is read against, has five seeds on the CPU as well: the
-#: differences between its rotary encodings are below their spread over three seeds. The shuffle study, which
-#: evaluates the classification's models, takes the same five.
+#: differences between its rotary encodings are below their spread over three seeds. The shuffle and offset
+#: studies, which evaluate the classification's models, take the same five.
 CLASSIFY_SEEDS = [0, 1, 2, 3, 4]
 #: Resolution: grid coordinates, normalised ones, and normalised ones trained with scale augmentation (each step at
 #: one image size of ``scale_sizes``: 5..9 tokens per side around the 7x7 training grid).
@@ -226,7 +226,7 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
                scale_sizes=[20, 24, 28, 32, 36]),
         _study(ALL_PES, SEEDS, coord_modes=_RES_MODES, scale_sizes=[20, 24, 28, 32, 36]),
         _study(QUICK_PES, [0], 200, coord_modes=_RES_MODES, scale_sizes=[24, 28, 32])),
-    "offset": _presets(_study(ALL_PES, SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"]),
+    "offset": _presets(_study(ALL_PES, CLASSIFY_SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"]),
                        _study(ALL_PES, GPU_SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed", "cayley"]),
                        _study(QUICK_PES, [0], 200, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"])),
     "shuffle": _presets(_study(ALL_PES, CLASSIFY_SEEDS), _study(ALL_PES, GPU_SEEDS), _study(QUICK_PES, [0], 200)),
