@@ -173,6 +173,7 @@ def run_ablations(cfg: ExperimentConfig, out: Any, groups: Optional[Sequence[str
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.minorticks_off()
             ax.set_xlabel(f"block size b (head dimension d = {head_dim})")
+            ax.legend(fontsize=7)
         else:
             settings = list(dict.fromkeys(v["setting"] for v in vs))
             w = 0.8 / len(settings)
@@ -191,14 +192,10 @@ def run_ablations(cfg: ExperimentConfig, out: Any, groups: Optional[Sequence[str
                           ha="right" if slant else "center")
             ax.set_xlabel("encoding")
             lo = min(min(r["test_acc"], r.get(res_key, 1.0)) for r in rows if r["group"] == group)
-            ax.set_ylim(max(0.0, lo - 0.15), 1.0)
+            ax.set_ylim(max(0.0, lo - 0.15), 1.08)  # the legend goes in one row above the bars, which fill the bottom
+            ax.legend(fontsize=7, loc="upper center", ncol=len(ax.get_legend_handles_labels()[1]), columnspacing=0.8)
         ax.set_ylabel("test accuracy")
         ax.set_title({"sharing": "parameter sharing", "block": "block size", "jitter": "position jitter σ"}[group])
-        if group == "block":
-            ax.legend(fontsize=7)
-        else:  # above the bars, which fill the bottom of the panel
-            ax.set_ylim(top=1.08)
-            ax.legend(fontsize=7, loc="upper center", ncol=4 if group == "jitter" else 3, columnspacing=0.8)
     fig.suptitle(f"Ablations (mean ± std): {headline(cfg)}")
     fig.tight_layout()
     summary = {f"{g}/{pe}/{s}": st for (g, pe, s), st in acc.items()}

@@ -33,8 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 
 from ..nn.vit import ViTConfig
 from ..train import TrainConfig
-from .settings import DEFAULT_PES, SCALE_PES, ExperimentConfig
-from .settings import QUICK_PES as _QUICK_PES
+from .settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
 __all__ = ["PRESETS", "RECIPES", "RUNTIME_FIELDS", "PER_RUN_FIELDS", "DATA_FIELDS", "recipe", "check_recipe",
            "architecture_fields", "recipe_fields", "experiment_config", "compare_with_committed", "recipe_names"]
@@ -116,9 +115,8 @@ PAPER_SHARING: Dict[str, Dict[str, Any]] = {
     "liere-commute": {"pe_sharing": "model"}, "comrope-ap": {"pe_sharing": "model"},
     "comrope-ld": {"pe_sharing": "model"},
 }
-#: The comparison: no position, learned absolute, and every rotary preset above.
-ALL_PES = list(DEFAULT_PES)
-QUICK_PES = list(_QUICK_PES)
+# The comparison is DEFAULT_PES (no position, learned absolute, every rotary preset above), the quick preset
+# QUICK_PES and the scale study SCALE_PES, all from settings, where the studies take their defaults.
 #: Video on the CPU: the comparison without the second LieRE and ComRoPE variants (30 epochs per run).
 VIDEO_PES = ["none", "absolute", "axial", "mixed", "cayley", "circulant", "liere", "comrope-ap"]
 
@@ -216,21 +214,19 @@ def _video(preset: str) -> Dict[str, Any]:
                 epochs={"default": 30, "gpu": 60, "quick": 1}[preset])
 
 
-#: Scale: APE, the fixed rotary encoding and the two STRING variants the papers lead with.
-_SCALE_PES = list(SCALE_PES)
-
-
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
-    "classify": _presets(_study(ALL_PES, CLASSIFY_SEEDS), _study(ALL_PES, GPU_SEEDS), _study(QUICK_PES, [0], 200)),
+    "classify": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
+                         _study(QUICK_PES, [0], 200)),
     "resolution": _presets(
         _study(["none", "absolute", "axial", "mixed", "cayley", "liere"], SEEDS, coord_modes=_RES_MODES,
                scale_sizes=[20, 24, 28, 32, 36]),
-        _study(ALL_PES, SEEDS, coord_modes=_RES_MODES, scale_sizes=[20, 24, 28, 32, 36]),
+        _study(DEFAULT_PES, SEEDS, coord_modes=_RES_MODES, scale_sizes=[20, 24, 28, 32, 36]),
         _study(QUICK_PES, [0], 200, coord_modes=_RES_MODES, scale_sizes=[24, 28, 32])),
-    "offset": _presets(_study(ALL_PES, CLASSIFY_SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"]),
-                       _study(ALL_PES, GPU_SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed", "cayley"]),
+    "offset": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"]),
+                       _study(DEFAULT_PES, GPU_SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed", "cayley"]),
                        _study(QUICK_PES, [0], 200, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"])),
-    "shuffle": _presets(_study(ALL_PES, CLASSIFY_SEEDS), _study(ALL_PES, GPU_SEEDS), _study(QUICK_PES, [0], 200)),
+    "shuffle": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
+                        _study(QUICK_PES, [0], 200)),
     "data-efficiency": _presets(
         _study(["absolute", "mixed", "cayley"], CLASSIFY_SEEDS, fractions=[0.1, 0.25, 0.5, 1.0],
                budgets=["epochs", "steps"]),
@@ -248,12 +244,12 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
             ("default", {"train": _mnist()}, SEEDS, None), ("gpu", {"train": _mnist_gpu()}, GPU_SEEDS, None),
             ("quick", {"train": _mnist_quick()}, [0], 200))},
     # depth and training length one at a time, then both (the reference arm first: the recipe's own)
-    "scale": _presets(_study(_SCALE_PES, SEEDS, arms=[[2, 10], [6, 10], [2, 40], [6, 40]]),
-                      _study(_SCALE_PES, SEEDS, arms=[[6, 40], [2, 40], [6, 10], [2, 10]]),
+    "scale": _presets(_study(SCALE_PES, SEEDS, arms=[[2, 10], [6, 10], [2, 40], [6, 40]]),
+                      _study(SCALE_PES, SEEDS, arms=[[6, 40], [2, 40], [6, 10], [2, 10]]),
                       _study(["absolute", "mixed"], [0], 200, arms=[[1, 1], [2, 1]])),
     "video": {preset: {"train": {**_mnist(), **_video(preset)}, "study": _study(pes, seeds, limit)}
-              for preset, pes, seeds, limit in (("default", VIDEO_PES, SEEDS, None), ("gpu", ALL_PES, GPU_SEEDS, None),
-                                                ("quick", QUICK_PES, [0], None))},
+              for preset, pes, seeds, limit in (("default", VIDEO_PES, SEEDS, None),
+                                                ("gpu", DEFAULT_PES, GPU_SEEDS, None), ("quick", QUICK_PES, [0], None))},
     "ablations": _presets(
         _study(["mixed", "cayley", "circulant", "liere", "liere-commute", "comrope-ap", "comrope-ld"], SEEDS,
                groups=["sharing", "block", "jitter"],
@@ -289,7 +285,6 @@ def recipe(study: str, preset: str = "default") -> Dict[str, Any]:
 def experiment_config(study: str, preset: str = "default", r: Optional[Dict[str, Any]] = None):
     """The :class:`~ropekit.experiments.ExperimentConfig` of ``study`` at ``preset``, built from its recipe
     (or from ``r``): every ``TrainConfig`` field is given explicitly, so no dataclass default is used."""
-
     r = check_recipe(copy.deepcopy(r), f"recipe {study}/{preset}") if r is not None else recipe(study, preset)
     train = r["train"]
     slots = {k: train[k] for k in _SLOTS}

@@ -29,7 +29,8 @@ DEFAULT_PES: Tuple[str, ...] = ("none", "absolute", "axial", "mixed", "cayley", 
 #: ``--quick``: one encoding without coordinates, one commuting, one non-commuting.
 QUICK_PES: Tuple[str, ...] = ("absolute", "mixed", "liere")
 
-#: The scale study: the learned absolute embedding (its reference) against three rotary encodings.
+#: The scale study: the learned absolute embedding (its reference) against the fixed rotary encoding and the two
+#: STRING variants the papers lead with.
 SCALE_PES: Tuple[str, ...] = ("absolute", "axial", "cayley", "circulant")
 
 
