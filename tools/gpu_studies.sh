@@ -3,6 +3,7 @@
 #
 #   OUT=/path bash tools/gpu_studies.sh            # preset gpu; PRESET=quick for a dry run on the CPU
 #   SEEDS=0,1,2 OUT=/path bash tools/gpu_studies.sh  # the first three of the recipe's five seeds
+#   RUNS="cayley:3 liere:4" REPORT=0 bash tools/gpu_studies.sh  # only these runs, one process each, no report
 #
 # One process per encoding trains that encoding's seeds into the shared run cache, all side by side (the runs
 # are small: the host's kernel launches, not the GPU, limit each one, so ten processes keep the GPU busier than
@@ -26,6 +27,8 @@ OUT=${OUT:-$PWD/gpu-out}
 CACHE=${CACHE:-.cache/ropekit-experiments}
 DEST=${DEST:-docs/results/gpu}
 SEEDS=${SEEDS:-}
+RUNS=${RUNS:-}      # "pe:seed pe:seed ...": train just these runs, each in its own process
+REPORT=${REPORT:-1} # 0: train only (the folders are then written elsewhere from the runs' summaries)
 pick=()
 [ -n "$SEEDS" ] && pick=(--seeds "$SEEDS")
 LOGS=${LOGS:-/tmp/gpu-studies-logs}
@@ -43,18 +46,27 @@ torch.version.cuda, '| cuda available', torch.cuda.is_available())"
   echo "cpus: $(nproc); preset: $PRESET; seeds: ${SEEDS:-all in the recipe}; train limit: ${TRAIN_LIMIT}s"
 } | tee "$env_txt"
 
-pes=$(python3 -c "from ropekit.experiments.recipes import recipe
+if [ -n "$RUNS" ]; then
+  jobs_=$RUNS
+else
+  jobs_=$(python3 -c "from ropekit.experiments.recipes import recipe
 print(' '.join(recipe('classify', '$PRESET')['study']['pes']))")
-for pe in $pes; do
+fi
+for job in $jobs_; do
+  pe=${job%%:*}
+  sel=("${pick[@]}")
+  [ "$pe" != "$job" ] && sel=(--seeds "${job#*:}")
   ( s=$(date +%s)
-    timeout -s ABRT -k 10 "$TRAIN_LIMIT" $rk experiment classify --preset "$PRESET" --pe "$pe" "${pick[@]}" \
-      --cache-dir "$CACHE" --out "$LOGS/warm-$pe" --no-progress > "$LOGS/train-$pe.log" 2>&1
-    echo "train $pe: exit $? after $(( $(date +%s) - s ))s" >> "$env_txt" ) &
+    timeout -s ABRT -k 10 "$TRAIN_LIMIT" $rk experiment classify --preset "$PRESET" --pe "$pe" "${sel[@]}" \
+      --cache-dir "$CACHE" --out "$LOGS/warm-$job" --no-progress > "$LOGS/train-$job.log" 2>&1
+    echo "train $job: exit $? after $(( $(date +%s) - s ))s" >> "$env_txt" ) &
 done
 wait
 echo "training phase: $(( $(date +%s) - t0 ))s" | tee -a "$env_txt"
 
-for study in classify shuffle; do
+studies="classify shuffle"
+[ "$REPORT" = 0 ] && studies=""
+for study in $studies; do
   s=$(date +%s)
   timeout -s ABRT -k 10 "$REPORT_LIMIT" $rk experiment "$study" --preset "$PRESET" "${pick[@]}" \
     --cache-dir "$CACHE" --out "$DEST/$study" --no-progress > "$LOGS/$study.log" 2>&1
