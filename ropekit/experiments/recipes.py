@@ -182,7 +182,7 @@ GPU_SEEDS = [0, 1, 2, 3, 4]
 #: differences between its rotary encodings are below their spread over three seeds. The shuffle and offset
 #: studies, which evaluate the classification's models, take the same five, and so does data efficiency (its
 #: full-data runs are the classification's), whose growth of a lead on less data is a small difference too.
-#: Exact vs relaxed and video take five as well: each is cheap, and both read differences of a few points.
+#: Resolution (whose grid-coordinate runs are the classification's), exact vs relaxed and video take five as well.
 CLASSIFY_SEEDS = [0, 1, 2, 3, 4]
 #: Resolution: grid coordinates, normalised ones, and normalised ones trained with scale augmentation (each step at
 #: one image size of ``scale_sizes``: 5..9 tokens per side around the 7x7 training grid).
@@ -219,9 +219,9 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "classify": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
                          _study(QUICK_PES, [0], 200)),
     "resolution": _presets(
-        _study(["none", "absolute", "axial", "mixed", "cayley", "liere"], SEEDS, coord_modes=_RES_MODES,
+        _study(["none", "absolute", "axial", "mixed", "cayley", "liere"], CLASSIFY_SEEDS, coord_modes=_RES_MODES,
                scale_sizes=[20, 24, 28, 32, 36]),
-        _study(DEFAULT_PES, SEEDS, coord_modes=_RES_MODES, scale_sizes=[20, 24, 28, 32, 36]),
+        _study(DEFAULT_PES, GPU_SEEDS, coord_modes=_RES_MODES, scale_sizes=[20, 24, 28, 32, 36]),
         _study(QUICK_PES, [0], 200, coord_modes=_RES_MODES, scale_sizes=[24, 28, 32])),
     "offset": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed"]),
                        _study(DEFAULT_PES, GPU_SEEDS, rhos=[0.0, 0.5, 1.0, 2.0, 4.0, 8.0], cls_pe=["mixed", "cayley"]),
