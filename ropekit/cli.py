@@ -57,8 +57,8 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
     # hidden until the module exists.
     "bench": Subcommand("benchmark the encodings", "ropekit.bench.cli:add_arguments", "ropekit.bench.cli:run",
                         optional=True),
-    "experiment": Subcommand("run the experiment studies (offset, resolution, data efficiency, ...)", "ropekit.experiments.cli:add_arguments",
-                             "ropekit.experiments.cli:run", optional=True),
+    "experiment": Subcommand("run the experiment studies (offset, resolution, data efficiency, ...)",
+                             "ropekit.experiments.cli:add_arguments", "ropekit.experiments.cli:run", optional=True),
     "data": Subcommand("inspect and prepare datasets", "ropekit.data.cli:add_arguments", "ropekit.data.cli:run",
                        optional=True),
     "robot": Subcommand("train and evaluate the RGB-D robot policy", "ropekit.robot.cli:add_arguments",
@@ -107,7 +107,8 @@ def _resolve(target: Target) -> Callable:
 
 
 #: Reported as one line (checkpoint errors are ``ValueError`` subclasses).
-USER_ERRORS = (CommandError, MissingDependency, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+USER_ERRORS = (CommandError, MissingDependency, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+               PermissionError)
 
 
 def _one_line(e: BaseException) -> str:

@@ -59,8 +59,8 @@ from .encodings.rope import FrequencyRoPE, NoPE
 from .encodings.skew import free_to_skew
 from .encodings.string import GeneralSTRING
 
-__all__ = ["to_rope", "rope_form", "rope_forms", "RoPEForm", "foldable_kind", "FoldedRoPE", "fold_pe", "fold", "is_foldable",
-           "fold_qkv_weight", "frequency_rope"]
+__all__ = ["to_rope", "rope_form", "rope_forms", "RoPEForm", "foldable_kind", "FoldedRoPE", "fold_pe", "fold",
+           "is_foldable", "fold_qkv_weight", "frequency_rope"]
 
 
 class RoPEForm(NamedTuple):

@@ -54,7 +54,7 @@ def test_liere_chunked_equals_unchunked(per_example):
     torch.manual_seed(2)
     pe = create_pe("liere", head_dim=16, coord_dim=3, num_heads=1)
     gen = pe.block_generators().detach().double()
-    coords = torch.rand(2, 7, 3, dtype=torch.float64) * 13 if per_example else torch.rand(7, 3, dtype=torch.float64) * 13
+    coords = torch.rand(*((2,) if per_example else ()), 7, 3, dtype=torch.float64) * 13
     flat = coords.reshape(-1, 3).requires_grad_()
     a = linear_skew_expm(flat, gen, budget=1)
     b = linear_skew_expm(flat, gen, budget=1 << 30)

@@ -284,7 +284,8 @@ def test_cayley_matches_explicit_inverse_and_expm_of_implied_generators():
         rope = _expm_blocks([_rot2(v) for v in theta])
         assert torch.allclose(got[t], rope @ p, atol=1e-10)
         gen = pe.generators()[0]
-        assert torch.allclose(got[t], p @ torch.linalg.matrix_exp(torch.einsum("c,cij->ij", coords[t], gen)), atol=1e-10)
+        want = p @ torch.linalg.matrix_exp(torch.einsum("c,cij->ij", coords[t], gen))
+        assert torch.allclose(got[t], want, atol=1e-10)
 
 
 @pytest.mark.parametrize("name", ["comrope-ap", "comrope-ld"])
@@ -545,8 +546,8 @@ def test_prefix_tokens_untouched(name):
     if pe.is_rotation:
         assert torch.equal(qe[:, :, :2], q[:, :, :2]) and torch.equal(ke[:, :, :2], k[:, :, :2])
     else:  # tensor: prefix-prefix logits are exactly q^T k
-        assert torch.allclose(qe[:, :, :2] @ ke[:, :, :2].transpose(-1, -2), q[:, :, :2] @ k[:, :, :2].transpose(-1, -2),
-                              atol=1e-5)
+        assert torch.allclose(qe[:, :, :2] @ ke[:, :, :2].transpose(-1, -2),
+                              q[:, :, :2] @ k[:, :, :2].transpose(-1, -2), atol=1e-5)
 
 
 def test_bad_inputs_raise_useful_errors():

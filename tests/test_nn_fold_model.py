@@ -67,7 +67,8 @@ def _assert_same(a, b):
 def test_meta_build_reset_equals_eager(kw):
     eager, meta = _eager_and_meta(**kw)
     _assert_same(eager, meta)
-    x = torch.rand(2, 4 if kw.get("modality") == "rgbd" else 1, *((4,) if kw.get("modality") == "video" else ()), 16, 16)
+    channels = 4 if kw.get("modality") == "rgbd" else 1
+    x = torch.rand(2, channels, *((4,) if kw.get("modality") == "video" else ()), 16, 16)
     with torch.no_grad():
         assert torch.equal(eager.eval()(x), meta.eval()(x))
 

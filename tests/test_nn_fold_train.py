@@ -120,8 +120,9 @@ def _vit_pair(pe, cls, modality="image", **kw):
     return model, ref
 
 
-@pytest.mark.parametrize("pe,opts", [("cayley", {}), ("circulant", {"block_size": 8}), ("comrope-ld", {"block_size": 4}),
-                                     ("string", {}), ("relaxed", {"exact": True}), ("mixed", {})])
+@pytest.mark.parametrize("pe,opts", [("cayley", {}), ("circulant", {"block_size": 8}),
+                                     ("comrope-ld", {"block_size": 4}), ("string", {}), ("relaxed", {"exact": True}),
+                                     ("mixed", {})])
 @pytest.mark.parametrize("cls", ["none", "unrotated", "centroid"])
 @pytest.mark.parametrize("modality", ["image", "rgbd"])
 def test_folded_vit_logits_and_gradients(pe, opts, cls, modality):

@@ -231,7 +231,8 @@ def test_cli_train_and_eval(quick_run, tmp_path):
     demos = str(quick_run / "demos.npz")
     run3d = tmp_path / "3d"
     args = ["robot", "train", "--demos", demos, "--out", str(run3d), "--modality", "rgbd", "--init-from",
-            str(quick_run / "policies" / "s0" / "2d"), "--steps", "1", "--batch-size", "4", "--all-episodes", "--no-progress"]
+            str(quick_run / "policies" / "s0" / "2d"), "--steps", "1", "--batch-size", "4", "--all-episodes",
+            "--no-progress"]
     assert main(args) == 0  # (--all-episodes: the 6-step quick demos rarely succeed)
     out = tmp_path / "eval.json"
     assert main(["robot", "eval", str(run3d), "--conditions", "ood_light", "--episodes", "1", "--max-steps", "2",

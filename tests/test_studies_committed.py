@@ -83,7 +83,8 @@ def test_detect3d_schedule_pilots_are_what_their_commands_train():
         doc = json.loads((RESULTS / "detect3d" / "schedule" / name / "runs" / f"{enc}-{inp}-s{seed}" / "metrics.json")
                          .read_text())
         assert doc["settings"] == json.loads(json.dumps(ex.run_settings(cfg, enc, inp, seed))), name
-    spec = importlib.util.spec_from_file_location("schedule_summary", RESULTS / "detect3d" / "schedule" / "summarise.py")
+    summarise = RESULTS / "detect3d" / "schedule" / "summarise.py"
+    spec = importlib.util.spec_from_file_location("schedule_summary", summarise)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rows = mod.load()

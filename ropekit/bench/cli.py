@@ -30,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 + ", ".join(VIT_PES_GPU) + ", plus timm's vit_base_patch16_224). Rows: "
                 + ", ".join(r.label for r in ROWS) + ".")
     d = BenchConfig()
-    p.add_argument("--quick", action="store_true", help="reduced run: 3 rounds per row, no naive reference rows, tiny ViT "
-                                                        "only (under two minutes on 2 idle cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="reduced run: 3 rounds per row, no naive reference rows, tiny ViT only (under two minutes on "
+                        "2 idle cores)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda[:i]): GPU defaults change batch, rounds and the "
                                                    "ViT table (see the examples)")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="q/k dtype and autocast dtype (default: fp32 on the CPU, "
@@ -71,8 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     kw = dict(heads=args.heads, head_dim=args.head_dim, grid=args.grid, cases=tuple(args.cases),
-              rows=tuple(args.rows) if args.rows else None, threads=args.threads, clock=args.clock, memory=not args.no_memory,
-              check=not args.no_check, device=args.device, timm=not args.no_timm)
+              rows=tuple(args.rows) if args.rows else None, threads=args.threads, clock=args.clock,
+              memory=not args.no_memory, check=not args.no_check, device=args.device, timm=not args.no_timm)
     for name in ("batch", "repeats", "dtype", "vit_batch", "compile", "compile_mode"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

@@ -110,7 +110,8 @@ def evaluate_targets(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         for label in ("comrope-ap (b=8)", "comrope-ld (b=8)"):
             r = _find(records, label, case)
             dense = _find(records, f"dense d x d {label}", case)
-            ratio = (r["peak_mb"] / dense["peak_mb"]) if (r and dense and "peak_mb" in r and "peak_mb" in dense) else None
+            measured = r and dense and "peak_mb" in r and "peak_mb" in dense
+            ratio = r["peak_mb"] / dense["peak_mb"] if measured else None
             add(f"{label} peak memory <= 1/5 of dense per-token d x d", case, ratio, 0.2, "of dense")
         for label in ("liere (b=8)", "liere (dense)"):
             naive = _find(records, f"naive {label}", case)
@@ -202,7 +203,8 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
                   "|---|---|---:|---|---:|---:|---:|---:|"]
         for r in naive:
             if "skipped" in r:
-                lines.append(f"| {r['case']} | {r['label']} | – | {r['base']} | – | – | – | not run: {r['skipped']} |")
+                lines.append(f"| {r['case']} | {r['label']} | – | {r['base']} | – | – | – "
+                             f"| not run: {r['skipped']} |")
                 continue
             fast = _find(records, r["base"], r["case"])
             fast_peak = r.get("fast_peak_mb", fast and fast.get("peak_mb"))  # measured in the naive row's run first

@@ -334,4 +334,5 @@ def check_options(name: str, builder: DatasetBuilder, options: Mapping[str, Any]
     unknown = sorted(set(options) - set(known))
     if unknown:
         accepted = ", ".join(known) if known else "none"
-        raise ValueError(f"dataset {canonical_name(name)!r} has no option {', '.join(unknown)} (its options: {accepted})")
+        raise ValueError(f"dataset {canonical_name(name)!r} has no option {', '.join(unknown)} "
+                         f"(its options: {accepted})")

@@ -127,8 +127,8 @@ def corners_to_box12(corners: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`box12_to_corners` for corners in the fixed order.
 
     The centre is the mean of the corners; the local axes are the means of the four parallel edges of each
-    direction (x: 0→1, 3→2, 4→5, 7→6; y: 0→3, 1→2, 4→7, 5→6; z: 0→4, 1→5, 2→6, 3→7).  The rotation
-    columns are returned orthonormalised (Gram–Schmidt, third = cross product) and the sizes are the edge
+    direction (x: 0→1, 3→2, 4→5, 7→6; y: 0→3, 1→2, 4→7, 5→6; z: 0→4, 1→5, 2→6, 3→7).  The
+    rotation columns are returned orthonormalised (Gram–Schmidt, third = cross product) and the sizes are the edge
     vectors projected on them (``s_x, s_y ≥ 0``; ``s_z`` takes the sign that reproduces the corners).
 
     Ambiguity: one solid box has several 12-vectors (turning it by π about a local axis, or relabelling

@@ -462,7 +462,8 @@ def markdown_table(summary: Sequence[Dict[str, Any]], encodings: Sequence[str], 
                 return "= ViTD †"
             return "–"
 
-        lines += [f"**{title}** — mean ± std over seeds (best seed)", ""] + _grid(encodings, inputs, find, metric_cell)
+        lines += [f"**{title}** — mean ± std over seeds (best seed)", ""]
+        lines += _grid(encodings, inputs, find, metric_cell)
     if any(not is_rotary(e) for e in encodings) and any(i != "rgb" for i in inputs):
         lines += ["† no coordinate path (NoPE, APE): depth enters as a fourth input channel only, so the ViTD and "
                   "the depth-as-input model are one model.", ""]
@@ -471,8 +472,9 @@ def markdown_table(summary: Sequence[Dict[str, Any]], encodings: Sequence[str], 
         lines.append("| encoding | comparison | difference | seeds |")
         lines.append("|---|---|---:|---:|")
         for d in differences:
-            lines.append(f"| {d['encoding']} | {INPUT_LABELS.get(d['a'], d['a'])} − {INPUT_LABELS.get(d['b'], d['b'])} "
-                         f"| {d['diff_mean']:+.3f} ± {d['diff_std']:.3f} | {d['seeds']} |")
+            a, b = INPUT_LABELS.get(d["a"], d["a"]), INPUT_LABELS.get(d["b"], d["b"])
+            lines.append(f"| {d['encoding']} | {a} − {b} | {d['diff_mean']:+.3f} ± {d['diff_std']:.3f} "
+                         f"| {d['seeds']} |")
         lines.append("")
     if any(np.isfinite(s.get(f"{ERRORS[0]}_mean", np.nan)) for s in summary):
         lines += ["**Where the boxes go wrong** — Hungarian-matched pairs, mean over seeds: centre error across "

@@ -14,8 +14,8 @@ from .string import GeneralSTRING
 from .tensor import TensorSTRING
 
 __all__ = [
-    "PositionEncoding", "PEState", "check_coords", "apply_frequency_rope", "create_pe", "list_pes", "pe_options", "PE_REGISTRY",
-    "PAPER_PRESETS", "count_parameters",
+    "PositionEncoding", "PEState", "check_coords", "apply_frequency_rope", "create_pe", "list_pes", "pe_options",
+    "PE_REGISTRY", "PAPER_PRESETS", "count_parameters",
     "NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute", "CayleySTRING", "CirculantSTRING",
     "TensorSTRING", "GeneralSTRING", "LieRE", "ComRoPEAP", "ComRoPELD", "RelaxedSTRING",
 ]

@@ -133,7 +133,8 @@ def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: 
     if coords.shape[-1] != coord_dim:
         raise ValueError(
             f"coords have {coords.shape[-1]} coordinate dimensions but the encoding was built for "
-            f"coord_dim={coord_dim}: expected shape {_expected(num_tokens, coord_dim, batch)}, got {tuple(coords.shape)}"
+            f"coord_dim={coord_dim}: expected shape {_expected(num_tokens, coord_dim, batch)}, "
+            f"got {tuple(coords.shape)}"
         )
     if num_tokens is not None and coords.shape[-2] != num_tokens:
         raise ValueError(
@@ -547,6 +548,6 @@ class PositionEncoding(nn.Module):
             if num_prefix_tokens == 0:
                 return _cast(self._transform_any(_cast(x, dtype), data), x.dtype)
             prefix, rest = x[:, :, :num_prefix_tokens], x[:, :, num_prefix_tokens:]
-            out = torch.cat([self._transform_prefix(_cast(prefix, dtype)), self._transform_any(_cast(rest, dtype), data)],
-                            dim=2)
+            out = torch.cat([self._transform_prefix(_cast(prefix, dtype)),
+                             self._transform_any(_cast(rest, dtype), data)], dim=2)
             return _cast(out, x.dtype)

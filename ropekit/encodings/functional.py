@@ -394,8 +394,9 @@ def _check_rope_args(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor,
         kc = coords if k_coords is None else k_coords
         if k_coords is None and k.shape[-2] != q.shape[-2]:
             raise ValueError(f"q has {q.shape[-2]} tokens and k has {k.shape[-2]}: pass k_coords for the keys")
-        if kc.dim() not in (2, 3) or kc.shape[-2] != k.shape[-2] - num_prefix_tokens or kc.shape[-1] != coords.shape[-1]:
-            raise ValueError(f"k_coords must be (M, c) or (B, M, c) with M = {k.shape[-2] - num_prefix_tokens}, "
+        num_keys = k.shape[-2] - num_prefix_tokens
+        if kc.dim() not in (2, 3) or kc.shape[-2] != num_keys or kc.shape[-1] != coords.shape[-1]:
+            raise ValueError(f"k_coords must be (M, c) or (B, M, c) with M = {num_keys}, "
                              f"got {tuple(kc.shape)}")
     return f
 

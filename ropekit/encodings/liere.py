@@ -34,8 +34,9 @@ from .skew import real_schur
 
 __all__ = ["LieRE"]
 
-#: Matrix entries per chunk of per-example exponentials on the CPU (~4 MiB per complex128 work array): the workspace stays a
-#: small fraction of the rotations themselves at a batch of ViT tokens, at no measurable cost in speed.
+#: Matrix entries per chunk of per-example exponentials on the CPU (~4 MiB per complex128 work array): the
+#: workspace stays a small fraction of the rotations themselves at a batch of ViT tokens, at no measurable cost in
+#: speed.
 _PER_EXAMPLE_BUDGET = 1 << 18
 
 

@@ -63,7 +63,8 @@ class RelaxedSTRING(PositionEncoding):
     def num_effective_parameters(self) -> int:
         """Frequencies plus the free entries of every matrix used through ``A - A^T``."""
         skews = (self.null_params,) if self.exact else (self.relax_params, self.mix_params)
-        return self.freq_param.numel() + sum(math.prod(p.shape[:-2]) * p.shape[-1] * (p.shape[-1] - 1) // 2 for p in skews)
+        free = sum(math.prod(p.shape[:-2]) * p.shape[-1] * (p.shape[-1] - 1) // 2 for p in skews)
+        return self.freq_param.numel() + free
 
     @property
     def active_dim(self) -> int:

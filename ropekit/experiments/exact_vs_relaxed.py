@@ -133,7 +133,8 @@ def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Seque
             ctx.advance(f"{name} s{seed}")
 
     names = [n for n, _ in VARIANTS]
-    metrics = [("test_acc", "test accuracy", 4, False), ("commutator_abs", "commutator error ‖[L_a, L_b]‖_F", 2, True),
+    metrics = [("test_acc", "test accuracy", 4, False),
+               ("commutator_abs", "commutator error ‖[L_a, L_b]‖_F", 2, True),
                ("commutator_rel", "relative commutator error", 2, True), ("mixing_norm", "mixing norm", 2, True),
                ("relative_operator_error", "relative-operator error", 2, True),
                ("invariant_residual", "invariant residual (ρ = 1 patch)", 2, True)]

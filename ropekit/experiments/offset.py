@@ -99,10 +99,10 @@ def run_offset(cfg: ExperimentConfig, out: Any, rhos: Optional[Sequence[float]] 
                f"(largest change {inv_worst:.2e}; tolerance {OFFSET_RTOL:g} × max(1, |logits|)).") if not failed else (
         "FAILED: " + "; ".join(f"{c['variant']} s{c['seed']} changed logits by {c['max_logit_diff']:.3g} "
                                f"> {c['tolerance']:.3g}" for c in failed))
-    table = (f"**Global coordinate offset** — one offset ~ N(0, ρ² I) (ρ in patches) per test image added to every "
-             f"token coordinate; test accuracy (mean ± std across seeds) and the largest absolute logit change over "
-             f"all images, seeds and ρ. {headline(cfg)}.\n\n" + markdown_table(headers, table_rows) + "\n" + verdict
-             + "\n")
+    table = (f"**Global coordinate offset** — one offset ~ N(0, ρ² I) (ρ in patches) per test image added to "
+             f"every token coordinate; test accuracy (mean ± std across seeds) and the largest absolute logit "
+             f"change over all images, seeds and ρ. {headline(cfg)}.\n\n" + markdown_table(headers, table_rows)
+             + "\n" + verdict + "\n")
 
     plt = setup_matplotlib()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))

@@ -98,7 +98,8 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
             ctx.advance(f"{pe} s{seed}")
 
     eval_sizes = sorted({r["image_size"] for r in rows})
-    stats = {(s["mode"], s["pe"], s["image_size"]): s for s in aggregate(rows, ["mode", "pe", "image_size"], "test_acc")}
+    keys = ["mode", "pe", "image_size"]
+    stats = {(s["mode"], s["pe"], s["image_size"]): s for s in aggregate(rows, keys, "test_acc")}
     grids = {r["image_size"]: r["grid"] for r in rows}
     headers = ["encoding"] + [f"{s} px ({grids[s]}){' train' if s == train_size else ''}" for s in eval_sizes]
     what = {"resize": "test images resized to each size (the digit scales with the image)",

@@ -44,9 +44,9 @@ def run_shuffle(cfg: ExperimentConfig, out: Any) -> StudyResult:
     st = {k: {s["pe"]: s for s in aggregate(rows, ["pe"], k)} for k in ("test_acc", "shuffled_acc", "relative_drop")}
     table_rows = [[pe_label(pe), fmt_pm(st["test_acc"][pe], 3), fmt_pm(st["shuffled_acc"][pe], 3),
                    fmt_pm(st["relative_drop"][pe], 3)] for pe in pes]
-    table = (f"**Patch shuffling** — accuracy before and after permuting the patches of each test image (pixels move, "
-             f"the coordinate grid stays); relative drop = (before − after) / before, mean ± std across seeds. "
-             f"{headline(cfg)}.\n\n"
+    table = (f"**Patch shuffling** — accuracy before and after permuting the patches of each test image (pixels "
+             f"move, the coordinate grid stays); relative drop = (before − after) / before, mean ± std across "
+             f"seeds. {headline(cfg)}.\n\n"
              + markdown_table(["encoding", "accuracy", "shuffled accuracy", "relative drop"], table_rows))
 
     plt = setup_matplotlib()

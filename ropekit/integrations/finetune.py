@@ -199,6 +199,7 @@ def init_from_checkpoint(model: nn.Module, ckpt: Mapping[str, object]) -> str:
         return (f"initialised the 3-D model from the 2-D checkpoint {where} ({len(report['copied'])} copied, "
                 f"{len(report['widened'])} encoding tensors widened, "
                 f"{len(report['zeroed']) + len(report['depth_lift'])} new set to zero)")
-    report = load_model_state(model, ckpt["model"], strict=False, source=f"checkpoint {where}")  # type: ignore[arg-type]
+    report = load_model_state(model, ckpt["model"], strict=False,  # type: ignore[arg-type]
+                              source=f"checkpoint {where}")
     return (f"initialised {len(report['loaded'])} tensors from {where} ({len(report['missing'])} new, "
             f"{len(report['skipped'])} skipped)")

@@ -14,12 +14,14 @@ those of k after them: both tensors are rotated by one launch. In registers, in 
 where ``(x0, x1)`` is plane ``p``: the dimensions ``(2p, 2p + 1)`` (interleaved pairs) or ``(p, p + P)`` (half
 split). In fp32 the angle is not the plain rounded sum (off by ~1e-3 rad at ``|theta| ~ 10^4``, coordinates in the
 thousands): each product is split exactly and reduced modulo 2 pi before the terms are added
-(``_reduced_angles``), so ``theta`` reaches cos/sin within ~1e-6 rad of the float64 angle, in ``[-pi, pi]``. The backward pass is the same rotation by ``-theta`` applied to the output gradient, and, when the
-frequencies or coordinates need a gradient, the angle gradient of every (token, plane)::
+(``_reduced_angles``), so ``theta`` reaches cos/sin within ~1e-6 rad of the float64 angle, in ``[-pi, pi]``. The
+backward pass is the same rotation by ``-theta`` applied to the output gradient, and, when the frequencies or
+coordinates need a gradient, the angle gradient of every (token, plane)::
 
     g_theta = g0 * dy0/dtheta + g1 * dy1/dtheta = y0 * g1 - y1 * g0     (dy0/dtheta = -y1, dy1/dtheta = y0)
 
-computed from the saved forward output ``y`` and the incoming gradient ``g``. It is summed over the program's copies and reduced in the kernel to per-program partial sums --
+computed from the saved forward output ``y`` and the incoming gradient ``g``. It is summed over the program's
+copies and reduced in the kernel to per-program partial sums --
 ``sum_n g_theta[n, p] * coords[n, j]`` for the frequencies and ``sum_p g_theta[n, p] * freqs[h, j, p]`` for the
 coordinates -- which the caller sums over programs in one small deterministic reduction (no atomics).
 
@@ -36,8 +38,8 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
-# Triton's own library functions (``tl.sum``, ``tl.zeros``, ``tl.cdiv``) are jit functions whose compile-or-interpret mode was
-# fixed when Triton was imported; the kernels below call only builtins (``tl.reduce`` with the library's sum
+# Triton's own library functions (``tl.sum``, ``tl.zeros``, ``tl.cdiv``) are jit functions whose compile-or-interpret
+# mode was fixed when Triton was imported; the kernels below call only builtins (``tl.reduce`` with the library's sum
 # combiner, which the interpreter recognises) so that they also run when TRITON_INTERPRET is set after that.
 _sum_combine = tl.standard._sum_combine
 
@@ -45,9 +47,9 @@ _sum_combine = tl.standard._sum_combine
 @triton.jit
 def _load_pairs(base, stride, nmask, p, pmask, P, acc, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
                 HALF: tl.constexpr):
-    """The two halves ``(x0, x1)`` ``(BLOCK_N, BLOCK_P)`` in the compute dtype of ``acc`` of every plane of a tile of rows (``base``: row
-    pointers ``(BLOCK_N, 1)``). Interleaved pairs are read as whole contiguous rows and split in registers, so the
-    loads stay coalesced and vectorised; half-split pairs are two contiguous loads."""
+    """The two halves ``(x0, x1)`` ``(BLOCK_N, BLOCK_P)`` in the compute dtype of ``acc`` of every plane of a tile
+    of rows (``base``: row pointers ``(BLOCK_N, 1)``). Interleaved pairs are read as whole contiguous rows and split
+    in registers, so the loads stay coalesced and vectorised; half-split pairs are two contiguous loads."""
     mask = nmask[:, None] & pmask[None, :]
     if HALF:
         x0 = tl.load(base + p[None, :] * stride, mask=mask, other=0.0).to(acc.dtype)

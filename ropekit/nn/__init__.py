@@ -10,10 +10,12 @@ from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_uni
 from .depth import DepthLift, patch_mean_depth, valid_depth_mask
 from .linear_attention import LinearAttention
 from .embed import LearnedPosEmbed, PatchEmbed, SinCosPosEmbed, TubeletEmbed, sincos_pos_embed
-from .vit import ABSOLUTE_PES, PAPER_SHARING, VIT_SIZES, Block, DropPath, Mlp, ViTConfig, VisionTransformer, build_encodings, vit_config
+from .vit import (ABSOLUTE_PES, PAPER_SHARING, VIT_SIZES, Block, DropPath, Mlp, ViTConfig, VisionTransformer,
+                  build_encodings, vit_config)
 
 __all__ = [
-    "Attention", "PreparedPE", "LinearAttention", "VisionTransformer", "ViTConfig", "VIT_SIZES", "ABSOLUTE_PES", "PAPER_SHARING", "vit_config", "build_encodings",
+    "Attention", "PreparedPE", "LinearAttention", "VisionTransformer", "ViTConfig", "VIT_SIZES", "ABSOLUTE_PES",
+    "PAPER_SHARING", "vit_config", "build_encodings",
     "Block", "Mlp", "DropPath", "PatchEmbed", "TubeletEmbed", "LearnedPosEmbed", "SinCosPosEmbed",
     "sincos_pos_embed", "DepthLift", "patch_mean_depth", "valid_depth_mask", "COORD_MODES", "grid_coords",
     "patch_units", "jitter_coords", "centroid",

@@ -33,7 +33,8 @@ from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_uni
 from .depth import DepthLift, valid_depth_mask
 from .embed import LearnedPosEmbed, PatchEmbed, SinCosPosEmbed, TubeletEmbed
 
-__all__ = ["ViTConfig", "VIT_SIZES", "ABSOLUTE_PES", "PAPER_SHARING", "vit_config", "VisionTransformer", "Block", "Mlp", "DropPath"]
+__all__ = ["ViTConfig", "VIT_SIZES", "ABSOLUTE_PES", "PAPER_SHARING", "vit_config", "VisionTransformer", "Block", "Mlp",
+           "DropPath"]
 
 #: Width, depth, heads and MLP ratio of the named sizes. ``tiny`` is sized for CPU training (head_dim 48:
 #: a multiple of 6, so every encoding splits evenly over 2 or 3 axes, and 6 blocks of 8 for ComRoPE-AP);

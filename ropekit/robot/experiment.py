@@ -373,8 +373,8 @@ def aggregate(rows: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
         kinds = {key: sum(x["failures"][key] for x in rs) for key in rs[0]["failures"] if key.startswith("fail_")}
         out.append({"policy": policy, "condition": cond, "seeds": [x["seed"] for x in rs], "successes": k,
                     "episodes": n, "success_rate": k / n, "ci95_low": lo, "ci95_high": hi, "seed_rates": rates,
-                    "seed_mean": float(np.mean(rates)), "seed_std": float(np.std(rates, ddof=1)) if len(rs) > 1 else 0.0,
-                    **kinds})
+                    "seed_mean": float(np.mean(rates)),
+                    "seed_std": float(np.std(rates, ddof=1)) if len(rs) > 1 else 0.0, **kinds})
     return out
 
 
@@ -497,16 +497,16 @@ def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[Tuple[str, in
                      f"{a['fail_too_high']} | {a['fail_suction_off']} | {a['fail_no_lift']} |")
     depth = doc["summary"].get("depth_use") or []
     if depth:
-        lines += ["", "Depth use of the RGB-D policies (lift z = a * depth + b in coordinate units, y and x advance by 1 "
-                  "per patch; shuffle: mean change of the predicted tip targets when the depth patches of an image "
-                  "are permuted; control: mean distance to the fine-tuned 2-D control's tip targets):", "",
+        lines += ["", "Depth use of the RGB-D policies (lift z = a * depth + b in coordinate units, y and x advance "
+                  "by 1 per patch; shuffle: mean change of the predicted tip targets when the depth patches of an "
+                  "image are permuted; control: mean distance to the fine-tuned 2-D control's tip targets):", "",
                   "| policy | seed | a (per m) | b | z range | shuffle (mm) | vs control (mm) |",
                   "|---|---|---|---|---|---|---|"]
         for d in depth:
             ctrl = d.get("diff_to_control_mm_mean")
-            lines.append(f"| {LABELS.get(d['policy'], d['policy'])} | {d['seed']} | {d['scale']:.3f} | {d['bias']:.3f} | "
-                         f"{d['z_min']:.2f} to {d['z_max']:.2f} | {d['shuffle_diff_mm_mean']:.2f} | "
-                         + (f"{ctrl:.2f}" if ctrl is not None else "-") + " |")
+            lines.append(f"| {LABELS.get(d['policy'], d['policy'])} | {d['seed']} | {d['scale']:.3f} "
+                         f"| {d['bias']:.3f} | {d['z_min']:.2f} to {d['z_max']:.2f} "
+                         f"| {d['shuffle_diff_mm_mean']:.2f} | " + (f"{ctrl:.2f}" if ctrl is not None else "-") + " |")
     tol = doc["summary"].get("tolerance")
     if tol:
         offsets = [t["offset_m"] for t in tol["recipe"]]
@@ -515,7 +515,8 @@ def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[Tuple[str, in
                   f"({tol['recipe'][0]['episodes']} in-distribution scenes per cell):", "",
                   "| grasp | " + " | ".join(f"{1000 * o:+.0f} mm" for o in offsets) + " |",
                   "|---|" + "---|" * len(offsets)]
-        names = {"recipe": "press 2 cm in, suction on from 3 cm above (the demos)", "close_on_top": "close on the top face"}
+        names = {"recipe": "press 2 cm in, suction on from 3 cm above (the demos)",
+                 "close_on_top": "close on the top face"}
         for key, rs in tol.items():
             lines.append(f"| {names.get(key, key)} | " + " | ".join(f"{t['success_rate']:.2f}" for t in rs) + " |")
     atomic_write_text(out / "table.md", "\n".join(lines) + "\n")
@@ -592,7 +593,8 @@ def _rollout_media(cfg: RobotExperimentConfig, out: Path, runs: Mapping[str, Pat
 
     r = cfg.recipe
     seed = int(episode_seeds(r["eval_seed"], max(1, r["eval_episodes"]))[0])
-    conditions = [c for c in ("in_distribution", "ood_table_height") if c in r["conditions"]] or list(r["conditions"][:1])
+    conditions = ([c for c in ("in_distribution", "ood_table_height") if c in r["conditions"]]
+                  or list(r["conditions"][:1]))
     rows = []
     for name, path in runs.items():
         policy = load_policy(path)

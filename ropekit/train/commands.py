@@ -52,7 +52,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--pe-opt", metavar="KEY=VALUE", action="append", default=S,
                    help="encoding option, e.g. block_size=8 (repeatable; see ropekit.pe_options(name))")
     m.add_argument("--per-head", action="store_true", default=S, help="encoding parameters per head")
-    m.add_argument("--pe-sharing", default=S, help="auto (as each encoding's paper: mixed per layer and head, liere one set for the model, STRING per layer; see docs/presets.md), model (one encoding for all layers), layer, or head")
+    m.add_argument("--pe-sharing", default=S,
+                   help="auto (as each encoding's paper: mixed per layer and head, liere one set for the model, STRING "
+                        "per layer; see docs/presets.md), model (one encoding for all layers), layer, or head")
     m.add_argument("--ape", default=S, help="absolute embedding added besides the rotary one: none, learned, sincos")
     m.add_argument("--cls", default=S, help="none (mean pooling), unrotated or centroid CLS token")
     m.add_argument("--coords", default=S, help="patch coordinates: grid (indices) or normalized ([0, 1])")
@@ -75,7 +77,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--grad-clip", type=float, default=S, help="gradient-norm clipping (default 0: off)")
     r = p.add_argument_group("run")
     r.add_argument("--seed", type=int, default=S, help="seed of initialisation, data order and augmentation")
-    r.add_argument("--out", metavar="DIR", default=S, help="run folder (default runs/<data>-<pe>-<model>-s<seed>-<time>)")
+    r.add_argument("--out", metavar="DIR", default=S,
+                   help="run folder (default runs/<data>-<pe>-<model>-s<seed>-<time>)")
     r.add_argument("--resume", nargs="?", const=True, metavar="RUN_DIR", default=S,
                    help="continue the run in RUN_DIR (or --out) exactly where its checkpoint stopped")
     r.add_argument("--allow-change", metavar="KEY[,KEY]", action="append", default=S,

@@ -21,7 +21,8 @@ from ..nn.vit import VIT_SIZES, ViTConfig, vit_config
 if TYPE_CHECKING:
     from .engine import EngineOptions
 
-__all__ = ["TrainConfig", "RENAMED", "check_type", "load_config_file", "parse_key_values", "parse_value", "build_vit_config", "auto_patch_size", "model_fields"]
+__all__ = ["TrainConfig", "RENAMED", "check_type", "load_config_file", "parse_key_values", "parse_value",
+           "build_vit_config", "auto_patch_size", "model_fields"]
 
 
 @dataclass
@@ -47,8 +48,8 @@ class TrainConfig:
         grids; ``[]`` disables; images only).
     Run:
         seed, out (run folder; ``None``: ``runs/<data>-<pe>-<model>-s<seed>-<time>``), device (``auto``, ``cpu``,
-        ``cuda``...), precision (``fp32``, ``bf16`` or ``fp16`` autocast), compile (``torch.compile`` the model: ``True`` or a
-        backend name such as ``aot_eager``),
+        ``cuda``...), precision (``fp32``, ``bf16`` or ``fp16`` autocast), compile (``torch.compile`` the model:
+        ``True`` or a backend name such as ``aot_eager``),
         eval_batch_size, progress (bar), tensorboard (event files when installed), threads (torch
         CPU threads; ``None``: half the cores per process, see ``trainer.resolve_threads``).
     """
@@ -289,7 +290,8 @@ def _check_pe_options(pe: str, options: Dict[str, Any]) -> None:
 
 
 def parse_value(text: str) -> Any:
-    """``"8" -> 8``, ``"0.5" -> 0.5``, ``"true" -> True``, ``"null" -> None``, ``"[2, 4]" -> [2, 4]``, else the string."""
+    """``"8" -> 8``, ``"0.5" -> 0.5``, ``"true" -> True``, ``"null" -> None``, ``"[2, 4]" -> [2, 4]``, else the
+    string."""
     import yaml
 
     try:
