@@ -83,6 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._platform import cpu_model
 from ..encodings import create_pe
 from ..fold import fold_pe, fold_qkv_weight, frequency_rope, rope_form
 from .baselines import DenseComRoPE, NaiveLieRE
@@ -412,15 +413,7 @@ def saved_memory_mb(forward: Callable[[], Any], exclude: Sequence[Tensor]) -> fl
 
 
 def machine_info() -> Dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    model = cpu_model()
     try:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:

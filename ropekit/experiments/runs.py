@@ -113,11 +113,12 @@ class RunRecord:
         self._model = None
 
     def describe(self) -> Dict[str, Any]:
-        """What the outputs record about this run (no absolute paths)."""
+        """What the outputs record about this run (no absolute paths); ``machine`` is where it was trained
+        (:func:`ropekit._platform.numerics_fingerprint`; ``None`` for a run trained before summaries recorded it)."""
         doc = {k: v for k, v in self.config.to_dict().items() if k not in RUNTIME_FIELDS}
         return {"key": self.key, "label": self.label, "run": self.run_dir.name, "cached": self.cached,
                 "wall_time": self.summary.get("wall_time"), "num_params": self.summary.get("num_params"),
-                "train_config": doc}
+                "machine": self.summary.get("machine"), "train_config": doc}
 
 
 class Progress:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import atexit
 import os
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
+
+from .._platform import numerics_fingerprint
 
 __all__ = ["DistContext", "init_distributed", "resolve_device"]
 
@@ -31,6 +33,12 @@ class DistContext:
         if self.device.type == "cuda":
             return f"cuda ({torch.cuda.get_device_name(self.device)})"
         return self.device.type
+
+    @property
+    def machine(self) -> Dict[str, Any]:
+        """What decides this process's floating-point results (CPU, its vector instruction set, torch, threads,
+        and the GPU on CUDA), for run summaries: see :func:`ropekit._platform.numerics_fingerprint`."""
+        return numerics_fingerprint(self.device)
 
     @property
     def enabled(self) -> bool:

@@ -653,7 +653,8 @@ def _fit(task: Any, schedule: Schedule, epochs: int, opts: EngineOptions, run: O
     if run is not None and ctx.is_main and summary is not None:
         write_json(run / "summary.json", {**summary, "epochs_done": len(history), "interrupted": interrupted,
                                           "wall_time": wall, "num_params": n_params, "world_size": ctx.world_size,
-                                          "device": ctx.device_name, "precision": opts.precision}, "summary")
+                                          "device": ctx.device_name, "machine": ctx.machine,
+                                          "precision": opts.precision}, "summary")
     ctx.barrier()
     return result
 

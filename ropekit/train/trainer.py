@@ -49,8 +49,8 @@ from .distributed import DistContext, init_distributed, resolve_device
 from .metrics import METRIC_COLUMNS, plot_curves
 from .run_folder import load_run
 
-__all__ = ["TrainResult", "ClassificationTask", "train", "evaluate", "evaluate_run", "load_data", "build_model", "build_optimizer",
-           "build_scheduler", "default_run_dir", "fetch_batch", "random_shift", "load_run"]
+__all__ = ["TrainResult", "ClassificationTask", "train", "evaluate", "evaluate_run", "load_data", "build_model",
+           "build_optimizer", "build_scheduler", "default_run_dir", "fetch_batch", "random_shift", "load_run"]
 
 StepCallback = Callable[[int], Optional[bool]]
 
@@ -458,7 +458,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
                    "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None,
                    "seed": cfg.seed, "epochs_done": len(history), "interrupted": res.interrupted,
                    "wall_time": res.wall_time, "num_params": n_params, "world_size": ctx.world_size,
-                   "device": ctx.device_name, "precision": cfg.precision,
+                   "device": ctx.device_name, "machine": ctx.machine, "precision": cfg.precision,
                    **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
         engine.write_json(run_dir / "summary.json", summary, "summary")
     ctx.barrier()
