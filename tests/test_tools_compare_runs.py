@@ -33,6 +33,8 @@ def test_shared_runs_are_matched_and_differences_measured(tmp_path):
     # seed spreads of the new folder per encoding: stdev(0.841, 0.876) and stdev(0.862, 0.800), median of the two
     assert doc["median_seed_std"] == pytest.approx((0.02474873734 + 0.04384062043) / 2, abs=1e-9)
     assert "identical: 2 of 3" in compare_runs.render(doc)
+    compare_runs.plot(doc, tmp_path / "runs.png")
+    assert (tmp_path / "runs.png").stat().st_size > 1000
 
 
 def test_no_shared_run_is_an_error(tmp_path, capsys):

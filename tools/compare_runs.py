@@ -39,8 +39,12 @@ def compare(new: Path, olds: List[Path], metric: str = "test_acc") -> Dict[str, 
     old = {}
     for folder in olds:
         for r in study_rows(folder):
+            if metric not in r:
+                raise ValueError(f"{folder}'s study CSV has no column {metric!r}")
             old.setdefault(r["run"], (folder.name, float(r[metric])))
     rows = study_rows(new)
+    if rows and metric not in rows[0]:
+        raise ValueError(f"{new}'s study CSV has no column {metric!r}")
     matched = [{"run": r["run"], "group": r.get("arm") or r.get("pe"), "pe": r.get("pe"), "seed": int(r["seed"]),
                 "new": float(r[metric]), "old": old[r["run"]][1], "old_folder": old[r["run"]][0]}
                for r in rows if r["run"] in old]
@@ -71,12 +75,43 @@ def render(doc: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(doc: Dict[str, Any], path: Path) -> None:
+    """Each matched run as a point (earlier value across, new value up) per group, the diagonal, and a band of
+    one median seed spread around it."""
+    from ropekit.experiments.report import setup_matplotlib
+
+    plt = setup_matplotlib()
+    fig, ax = plt.subplots(figsize=(5.2, 5.0))
+    values = [m[k] for m in doc["runs"] for k in ("new", "old")]
+    lo, hi = min(values), max(values)
+    pad = 0.05 * (hi - lo or 1.0)
+    lo, hi = lo - pad, hi + pad
+    ax.plot([lo, hi], [lo, hi], color="0.3", lw=1, label="same value")
+    if doc["median_seed_std"]:
+        s = doc["median_seed_std"]
+        ax.fill_between([lo, hi], [lo - s, hi - s], [lo + s, hi + s], color="0.85", label="± median seed spread")
+    for group in dict.fromkeys(m["group"] for m in doc["runs"]):
+        pts = [(m["old"], m["new"]) for m in doc["runs"] if m["group"] == group]
+        ax.scatter(*zip(*pts), s=22, label=group)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_aspect("equal")
+    ax.set_xlabel(f"{doc['metric']}, committed run")
+    ax.set_ylabel(f"{doc['metric']}, retrained")
+    ax.set_title(f"{doc['identical']} of {doc['matched']} identical; largest |difference| {doc['max_abs_diff']:.3f}",
+                 fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.savefig(path, bbox_inches="tight", dpi=120)
+    plt.close(fig)
+
+
 def main(argv: List[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("new", type=Path, help="study folder whose runs are compared")
     p.add_argument("old", type=Path, nargs="+", help="study folders with the same runs trained before")
     p.add_argument("--metric", default="test_acc", help="CSV column compared (default test_acc)")
     p.add_argument("--json", type=Path, help="also write the comparison as JSON")
+    p.add_argument("--plot", type=Path, help="also draw each run's retrained against its committed value (PNG)")
     args = p.parse_args(argv)
     try:
         doc = compare(args.new, args.old, args.metric)
@@ -86,6 +121,8 @@ def main(argv: List[str] | None = None) -> int:
     print(render(doc))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.plot:
+        plot(doc, args.plot)
     return 0
 
 
