@@ -36,9 +36,8 @@ def numerics_fingerprint(device: Any = None) -> Dict[str, Any]:
     environment variable can lower it), the torch version and the intra-op thread count -- plus ``"gpu"`` and
     ``"cuda"`` for a CUDA device.
     """
-    capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", lambda: None)()
-    doc: Dict[str, Any] = {"cpu": cpu_model(), "cpu_capability": capability, "torch": torch.__version__,
-                           "threads": torch.get_num_threads()}
+    doc: Dict[str, Any] = {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                           "torch": torch.__version__, "threads": torch.get_num_threads()}
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda":
         doc.update(gpu=torch.cuda.get_device_name(dev), cuda=torch.version.cuda)

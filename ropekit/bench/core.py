@@ -83,7 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._platform import cpu_model
+from .._platform import numerics_fingerprint
 from ..encodings import create_pe
 from ..fold import fold_pe, fold_qkv_weight, frequency_rope, rope_form
 from .baselines import DenseComRoPE, NaiveLieRE
@@ -413,13 +413,14 @@ def saved_memory_mb(forward: Callable[[], Any], exclude: Sequence[Tensor]) -> fl
 
 
 def machine_info() -> Dict[str, Any]:
-    model = cpu_model()
+    """The numerics fingerprint of this process (CPU, instruction set, torch, threads) plus what else moves a
+    timing: CPU count, Python, load average and allocator settings."""
     try:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
-    return {"cpu": model, "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "load_avg": load, "allocator": allocator_settings()}
+    return {**numerics_fingerprint(), "cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": load,
+            "allocator": allocator_settings()}
 
 
 #: Environment variables that change how the C library allocates the CPU's tensors (glibc's tunables, a preloaded
