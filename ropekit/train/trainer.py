@@ -279,9 +279,9 @@ class ClassificationTask:
     name = "train"
 
     def __init__(self, cfg: TrainConfig, model: nn.Module, train_ds: Dataset, test_ds: Dataset,
-                 ctx: DistContext, label: str, quiet: bool = False) -> None:
+                 ctx: DistContext, label: str, quiet: bool = False, run_dir: Optional[Path] = None) -> None:
         self.cfg, self.model, self.train_ds, self.test_ds = cfg, model, train_ds, test_ds
-        self.label, self.quiet = label, quiet
+        self.label, self.quiet, self.run_dir = label, quiet, run_dir
         modality = getattr(getattr(model, "cfg", None), "modality", "image")
         if cfg.augment_sizes and modality != "image":
             raise ValueError(f"augment_sizes (scale augmentation) works on images only; this data is {modality}")
@@ -322,6 +322,16 @@ class ClassificationTask:
 
     def plot(self, history: List[Dict[str, Any]], path: Path) -> None:
         plot_curves(history, path, title=f"{self.cfg.data} ViT-{self.cfg.model} pe={self.label}")
+
+    def summary(self, history: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """The run's identity and final metrics; the engine adds epochs, wall time, parameters and machine."""
+        vit_cfg = getattr(self.model, "cfg", None)
+        rgbd = getattr(vit_cfg, "modality", "image") == "rgbd"
+        final = history[-1] if history else {}
+        return {"run_dir": str(self.run_dir) if self.run_dir is not None else None, "data": self.cfg.data,
+                "model": self.cfg.model, "pe": getattr(vit_cfg, "pe", self.cfg.pe),
+                "depth_input": getattr(vit_cfg, "depth_input", None) if rgbd else None, "seed": self.cfg.seed,
+                **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, on_step: Optional[StepCallback] = None,
@@ -407,7 +417,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
         _log(init_from_checkpoint(model, load_checkpoint(cfg.init_from)), ctx, quiet)
 
     label = f"{vit_cfg.pe}" + (f", depth as {vit_cfg.depth_input}" if vit_cfg.modality == "rgbd" else "")
-    task = ClassificationTask(cfg, model, train_ds, test_ds, ctx, label, quiet)
+    task = ClassificationTask(cfg, model, train_ds, test_ds, ctx, label, quiet, run_dir=run_dir)
     schedule = schedule_of(cfg, task.steps_per_epoch)
     n_params = count_parameters(model)  # encodings by their effective count
     config_doc = {"train": cfg.to_dict(), "model": vit_cfg.to_dict(),
@@ -453,15 +463,6 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
         metric_columns=METRIC_COLUMNS, fresh_start=fresh_start)
     history = res.history
     final = dict(history[-1]) if history else {}
-    if ctx.is_main:
-        summary = {"run_dir": str(run_dir), "data": cfg.data, "model": cfg.model, "pe": vit_cfg.pe,
-                   "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None,
-                   "seed": cfg.seed, "epochs_done": len(history), "interrupted": res.interrupted,
-                   "wall_time": res.wall_time, "num_params": n_params, "world_size": ctx.world_size,
-                   "device": ctx.device_name, "machine": ctx.machine, "precision": cfg.precision,
-                   **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
-        engine.write_json(run_dir / "summary.json", summary, "summary")
-    ctx.barrier()
     return TrainResult(run_dir=run_dir, history=history, interrupted=res.interrupted, wall_time=res.wall_time,
                        model=model, final=final, is_main=ctx.is_main)
 
