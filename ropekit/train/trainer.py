@@ -325,12 +325,11 @@ class ClassificationTask:
 
     def summary(self, history: List[Dict[str, Any]]) -> Dict[str, Any]:
         """The run's identity and final metrics; the engine adds epochs, wall time, parameters and machine."""
-        vit_cfg = getattr(self.model, "cfg", None)
-        rgbd = getattr(vit_cfg, "modality", "image") == "rgbd"
+        vit_cfg = self.model.cfg  # (the VisionTransformer that build_model made)
         final = history[-1] if history else {}
         return {"run_dir": str(self.run_dir) if self.run_dir is not None else None, "data": self.cfg.data,
-                "model": self.cfg.model, "pe": getattr(vit_cfg, "pe", self.cfg.pe),
-                "depth_input": getattr(vit_cfg, "depth_input", None) if rgbd else None, "seed": self.cfg.seed,
+                "model": self.cfg.model, "pe": vit_cfg.pe,
+                "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None, "seed": self.cfg.seed,
                 **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
 
 
