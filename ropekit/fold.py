@@ -48,8 +48,8 @@ from torch import Tensor, nn
 
 from .encodings import PositionEncoding
 from .encodings.cayley import CayleySTRING
-from .encodings.functional import (_block_diag, apply_frequency_rope, basis_change, cayley_transform, precise_matmul,
-                                   skew_real_schur)
+from .encodings.functional import (_block_diag, apply_frequency_rope, basis_change, cayley_transform, frequency_angles,
+                                   precise_matmul, rotate_in_block_eigenbasis, skew_real_schur)
 
 from .encodings.circulant import CirculantSTRING
 from .encodings.comrope import _ComRoPE
@@ -59,8 +59,29 @@ from .encodings.rope import FrequencyRoPE, NoPE
 from .encodings.skew import free_to_skew
 from .encodings.string import GeneralSTRING
 
-__all__ = ["to_rope", "rope_form", "rope_forms", "RoPEForm", "foldable_kind", "FoldedRoPE", "fold_pe", "fold",
-           "is_foldable", "fold_qkv_weight", "frequency_rope"]
+__all__ = ["to_rope", "rope_form", "rope_forms", "RoPEForm", "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe",
+           "fold", "is_foldable", "fold_qkv_weight", "frequency_rope"]
+
+
+class BlockEigenForm(NamedTuple):
+    """What the folded rotation of a block encoding (ComRoPE, one-axis LieRE) needs for exact gradients.
+
+    Block ``j`` of ``R(r)`` is ``expm(s_j(r) K_j)`` with ``s_j(r) = sum_k r_k axis_weights[k, j]``. The basis
+    ``Q`` and the frequencies ``mu`` (``K_j = Q_j blockdiag_n(mu_{j,n} J) Q_j^T``) are constants of this forward
+    pass; the gradient reaches ``K`` and the axis weights through the exponential
+    (``functional.rotate_in_block_eigenbasis``), never through an eigenvector derivative.
+
+    Attributes:
+        generators: ``K`` ``(Hp, nb, b, b)``, differentiable.
+        axis_weights: ``(Hp, c, nb)``, differentiable (one-hot for comrope-ap, ones for one-axis LieRE).
+        schur: ``Q`` ``(Hp, nb, b, b)`` float64, constant.
+        mu: ``(Hp, nb, b/2)`` float64, constant.
+    """
+
+    generators: Tensor
+    axis_weights: Tensor
+    schur: Tensor
+    mu: Tensor
 
 
 class RoPEForm(NamedTuple):
@@ -77,9 +98,12 @@ class RoPEForm(NamedTuple):
         blocks: ``(Hp, nb, b, b)`` with ``basis = blockdiag(blocks)``, when ``P`` is block diagonal (comrope and
             one-coordinate LieRE with interleaved pairs), else ``None``. :func:`fold_qkv_weight` then merges the
             blocks, ``d / b`` times fewer products than the dense ``P``.
+        eigen: for comrope and one-coordinate LieRE from :func:`rope_form`, the :class:`BlockEigenForm` that
+            :func:`frequency_rope` rotates with; ``basis``, ``blocks`` and ``freqs`` are then constants (the
+            eigenbasis has no derivative where frequencies coincide, so the gradient takes another way).
 
     ``Hp`` is 1 when the encoding's parameters are shared by its heads, else ``H``. Every tensor is differentiable
-    in the encoding's parameters.
+    in the encoding's parameters, except where ``eigen`` is set.
     """
 
     basis: Optional[Tensor]
@@ -87,6 +111,7 @@ class RoPEForm(NamedTuple):
     prefix: Optional[Tensor]
     pairs: str = "interleaved"
     blocks: Optional[Tensor] = None
+    eigen: Optional[BlockEigenForm] = None
 
 
 def foldable_kind(pe: Optional[PositionEncoding]) -> Optional[str]:
@@ -217,6 +242,11 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
     ``prefix`` into the few prefix tokens. Gradients flow to every parameter of the encoding. Computed once per
     forward pass (once per model forward when the encoding is shared by the layers).
 
+    For comrope and one-coordinate LieRE the basis is the eigenbasis of the skew blocks, which has no derivative
+    where two frequencies of a block coincide (``K = 0``, ties met during training): their form carries the
+    blocks themselves (:attr:`RoPEForm.eigen`), the basis is a constant, and :func:`frequency_rope` takes the
+    gradient through the block exponential -- exact everywhere, ties included, to second order.
+
     Raises:
         ValueError: for an encoding that does not commute or is not a rotation (see :func:`foldable_kind`).
     """
@@ -251,7 +281,35 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
     if kind == "relaxed":  # R(r) = RoPE_active(r) P_sp, R(0) = P_sp: one computation for both
         basis = pe.post_rotation_matrix()[:hp]
         return _basis_form(pe, basis, post=basis)
-    return _blocks_form(pe, _block_eigenbasis(_skew_blocks(pe)))  # "blocks"
+    k = _skew_blocks(pe)  # "blocks"
+    q, mu = skew_real_schur(k.detach().to(_wide(k.device)))
+    return _eigen_form(pe, k, q, mu)
+
+
+def _wide(device: torch.device) -> torch.dtype:
+    """float64 where the device has it (every one but MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _block_axis_weights(pe: PositionEncoding) -> Tensor:
+    """``(Hp, c, nb)``: the weights of ``s_j(r) = sum_k r_k w[k, j]`` of a "blocks" encoding."""
+    if isinstance(pe, LieRE):  # one coordinate: every block turns with r
+        k = pe.block_generators()
+        return k.new_ones(k.shape[0], 1, k.shape[2])
+    return pe._axis_weights()
+
+
+def _eigen_form(pe: PositionEncoding, k: Tensor, q: Tensor, mu: Tensor) -> RoPEForm:
+    """The RoPE form of a "blocks" encoding from its skew blocks ``K`` ``(Hp, nb, b, b)`` and their constant Schur
+    form ``(Q, mu)`` (float64): ``P = blockdiag_j(Q_j^T)`` and frequencies ``w_{k,j} mu_{j,n}``, both constants,
+    with the :class:`BlockEigenForm` that makes the gradients exact."""
+    dtype = k.dtype
+    weights = _block_axis_weights(pe)  # (Hp, c, nb)
+    blocks = q.transpose(-1, -2).to(dtype)  # (Hp, nb, b, b)
+    freqs = (weights.detach().to(mu.dtype).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
+    half = getattr(pe, "pairs", "interleaved") == "half"  # the pair permutation goes into P, which is then dense
+    return RoPEForm(_half_pairs_basis(pe, _block_diag(blocks)), freqs, None, blocks=None if half else blocks,
+                    eigen=BlockEigenForm(k, weights, q, mu))
 
 
 def _skew_blocks(pe: PositionEncoding) -> Tensor:
@@ -318,9 +376,10 @@ def rope_forms(pes: Sequence[PositionEncoding]) -> List[RoPEForm]:
         if len(idx) < 2:
             continue
         if key[0] == "blocks":
-            blocks = _block_eigenbasis(torch.stack([_skew_blocks(pes[i]) for i in idx]))  # (L, Hp, nb, b, b)
-            for i, b in zip(idx, blocks.unbind(0)):
-                forms[i] = _blocks_form(pes[i], b)
+            ks = [_skew_blocks(pes[i]) for i in idx]
+            qs, mus = skew_real_schur(torch.stack(ks).detach().to(_wide(ks[0].device)))  # (L, Hp, nb, b, b)
+            for i, k, q, mu in zip(idx, ks, qs.unbind(0), mus.unbind(0)):
+                forms[i] = _eigen_form(pes[i], k, q, mu)
             continue
         first = pes[idx[0]]
         params = torch.stack([pes[i].cayley_params for i in idx])  # (L, Hp, F)
@@ -348,7 +407,10 @@ def to_rope(pe: PositionEncoding) -> Tuple[Tensor, Tensor]:
     Returns:
         ``P`` ``(H, d, d)`` orthogonal and ``freqs`` ``(H, c, d/2)`` (pair ``n`` of ``P x`` turns by
         ``sum_k r_k freqs[k, n]``, as in ``functional.rotate_pairs``), in the encoding's dtype, differentiable in
-        its parameters (:func:`rope_form` with the heads expanded; detach them to keep a snapshot).
+        its parameters (:func:`rope_form` with the heads expanded; detach them to keep a snapshot). For comrope
+        and one-coordinate LieRE ``P`` is the eigenbasis of the skew blocks, whose derivative exists only where
+        the frequencies of a block are distinct and non-zero; train through :func:`rope_form` and
+        :func:`frequency_rope` (what ``ropekit.nn.Attention`` does), which are exact there too.
 
     Raises:
         ValueError: for an encoding that does not commute (LieRE with ``c >= 2`` and blocks > 2, relaxed STRING
@@ -356,7 +418,10 @@ def to_rope(pe: PositionEncoding) -> Tuple[Tensor, Tensor]:
     """
     if not isinstance(pe, PositionEncoding):
         raise ValueError(f"to_rope needs a PositionEncoding, got {type(pe).__name__}")
-    form = rope_form(pe)
+    if foldable_kind(pe) == "blocks":  # the eigenbasis itself, differentiated where it has a derivative
+        form = _blocks_form(pe, _block_eigenbasis(_skew_blocks(pe)))
+    else:
+        form = rope_form(pe)
     h = pe.num_heads
     freqs = form.freqs
     p = form.basis
@@ -440,12 +505,35 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
         ``(q, k)`` of the same shapes and dtypes, from ``encodings.functional.apply_frequency_rope`` (float32 math,
         elementwise angles; the fused kernel on CUDA).
     """
+    if form.eigen is not None:
+        return _block_eigen_rope(q, k, coords, form.eigen, num_prefix_tokens)
     if form.prefix is not None and num_prefix_tokens > 0:
         p0 = num_prefix_tokens
         q = torch.cat([basis_change(q[:, :, :p0], form.prefix.to(q.dtype)), q[:, :, p0:]], dim=2)  # (B, H, N, d)
         k = torch.cat([basis_change(k[:, :, :p0], form.prefix.to(k.dtype)), k[:, :, p0:]], dim=2)
     f = form.freqs[0] if form.freqs.shape[0] == 1 else form.freqs  # (c, d/2) shared or (H, c, d/2)
     return apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs)
+
+
+def _block_eigen_rope(q: Tensor, k: Tensor, coords: Tensor, eigen: BlockEigenForm, num_prefix_tokens: int
+                      ) -> Tuple[Tensor, Tensor]:
+    """:func:`frequency_rope` of a "blocks" encoding: RoPE by the angles ``s_j(r) mu_{j,n}`` on the tokens after the
+    prefix, with the gradients of the block exponential (``functional.rotate_in_block_eigenbasis``); float32 math
+    (float64 for float64 tokens), autocast off, output in the tokens' dtype."""
+    wide = _wide(coords.device)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        s = frequency_angles(coords.to(wide), eigen.axis_weights.to(wide))  # (Hp, M, nb) or (B, Hp, M, nb)
+        s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, Hp, M, nb)
+        mu = eigen.mu.to(wide)
+
+        def rotate(x: Tensor) -> Tensor:
+            xr = x[:, :, num_prefix_tokens:] if num_prefix_tokens else x
+            dtype = torch.float64 if xr.dtype == torch.float64 else torch.float32
+            y = rotate_in_block_eigenbasis(xr.to(dtype), s, eigen.generators, eigen.schur, mu).to(x.dtype)
+            return torch.cat((x[:, :, :num_prefix_tokens], y), dim=2) if num_prefix_tokens else y
+
+        return rotate(q), rotate(k)
+
 
 class FoldedRoPE(FrequencyRoPE):
     """RoPE with fixed frequencies: what a commuting STRING leaves after :func:`fold` (``name="folded"``).

@@ -51,6 +51,7 @@ __all__ = [
     "scaled_block_exp_matrices",
     "scaled_block_exp_apply",
     "scaled_block_exp_reference",
+    "rotate_in_block_eigenbasis",
 ]
 
 
@@ -843,43 +844,72 @@ class _ScaledBlockExpm(torch.autograd.Function):
                 grads = iter(torch.autograd.grad(ref, want, ge, create_graph=True))
             return tuple(next(grads) if n else None for n in ctx.needs_input_grad[:2])
         bs, hp, m, nb = ctx.shape
-        b, h = q.shape[-1], mu.shape[-1]
-        gs = gk = None
+        b = q.shape[-1]
         kron = (q.unsqueeze(-1).unsqueeze(-3) * q.unsqueeze(-2).unsqueeze(-4)).reshape(hp, nb, b * b, b * b)
         ge = ge.permute(1, 3, 0, 2, 4, 5).reshape(hp, nb, bs * m, b * b)  # (Hp, nb, T, b*b)
-        gh = precise_matmul(ge, kron).view(hp, nb, bs * m, h, 2, h, 2)  # Q^T gE Q in 2x2 blocks (n, m)
-        # (Hp, nb, 2, 2, T, h*h): every later op runs on contiguous (T, h*h) planes, no small broadcast dims
-        gh = gh.permute(0, 1, 4, 6, 2, 3, 5).reshape(hp, nb, 2, 2, bs * m, h * h)
-        g00, g01, g10, g11 = gh[:, :, 0, 0], gh[:, :, 0, 1], gh[:, :, 1, 0], gh[:, :, 1, 1]  # (Hp, nb, T, h*h)
-        ca, cb = (g00 + g11) * 0.5, (g10 - g01) * 0.5  # commuting part a I + b J of block (n, m)
+        gh = precise_matmul(ge, kron).view(hp, nb, bs * m, b, b)  # Q^T gE Q
+        gst, mt = _frechet_block_grads(gh, st, mu, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        gs = None if gst is None else gst.view(hp, nb, bs, m).permute(2, 0, 3, 1)  # (Bs, Hp, M, nb)
+        gk = None if mt is None else precise_matmul(precise_matmul(q, mt), q.transpose(-1, -2))
+        return gs, gk
+
+
+def _frechet_block_grads(gh: Tensor, st: Tensor, mu: Tensor, need_s: bool, need_k: bool
+                         ) -> tuple[Tensor | None, Tensor | None]:
+    """Gradients of ``E_t = Q expm(s_t D) Q^T`` (``D = blockdiag_n(mu_n J)``) with respect to ``s`` and to ``D``,
+    from the gradient of the ``E_t`` written in the basis ``Q``: the exact Frechet derivative of the exponential.
+
+    Args:
+        gh: ``(Hp, nb, T, b, b)``: ``Q^T gE_t Q`` for every coordinate ``t`` (for ``y = E x``:
+            ``sum (Q^T g)(Q^T x)^T`` over the tokens at ``t``).
+        st: ``(Hp, nb, T, 1)`` the scalars ``s_t``; mu: ``(Hp, nb, b/2)`` the plane frequencies.
+        need_s, need_k: which gradients to form.
+
+    Returns:
+        ``(gs, gd)``: ``gs`` ``(Hp, nb, T)`` and ``gd`` ``(Hp, nb, b, b)``, the gradient with respect to a
+        perturbation of the generator in the basis (``Q gd Q^T`` is the one of ``K``); ``None`` where not asked.
+        Computed in ``st``'s dtype.
+
+    Every 2x2 block ``(n, m)`` of ``gh`` splits into a part commuting with the plane rotations, ``a I + b J``, and
+    an anti-commuting one, ``c Z + e W``; integrating ``expm(-(1 - t) s D) gh expm(-t s D)`` over ``t`` multiplies
+    them by ``s sinc(s (mu_n - mu_m) / 2)`` and ``s sinc(s (mu_n + mu_m) / 2)`` phase factors -- finite and exact
+    also where frequencies coincide or vanish, where an eigenvector derivative would divide by zero.
+    """
+    hp, nb, t, b, _ = gh.shape
+    h = b // 2
+    gh = gh.to(st.dtype).view(hp, nb, t, h, 2, h, 2)  # 2x2 blocks (n, m)
+    # (Hp, nb, 2, 2, T, h*h): every later op runs on contiguous (T, h*h) planes, no small broadcast dims
+    gh = gh.permute(0, 1, 4, 6, 2, 3, 5).reshape(hp, nb, 2, 2, t, h * h)
+    g00, g01, g10, g11 = gh[:, :, 0, 0], gh[:, :, 0, 1], gh[:, :, 1, 0], gh[:, :, 1, 1]  # (Hp, nb, T, h*h)
+    ca, cb = (g00 + g11) * 0.5, (g10 - g01) * 0.5  # commuting part a I + b J of block (n, m)
+    mu = mu.to(st.dtype)
+    gst = gd = None
+    if need_s:
         half = st * mu.unsqueeze(-2) * 0.5  # alpha_n = s mu_n / 2: (Hp, nb, T, h)
         ch, sh = torch.cos(half), torch.sin(half)
-        if ctx.needs_input_grad[0]:
-            diag = torch.arange(h, device=ge.device) * (h + 1)  # (n, n) in the flattened h*h
-            ca_d, sa_d = ch * ch - sh * sh, 2.0 * sh * ch  # cos, sin of s mu_n
-            da, db = ca[..., diag], cb[..., diag]  # (Hp, nb, T, h)
-            # <G^_nn, mu_n J Rot(s mu_n)> = 2 mu_n Im((a + ib) exp(-i s mu_n))
-            gst = 2.0 * (mu.unsqueeze(-2) * (db * ca_d - da * sa_d)).sum(-1)
-            gs = gst.view(hp, nb, bs, m).permute(2, 0, 3, 1)  # (Bs, Hp, M, nb)
-        if ctx.needs_input_grad[1]:
-            aa, ae = (g00 - g11) * 0.5, (g01 + g10) * 0.5  # anti-commuting part c Z + e W
-            hd = (mu.unsqueeze(-1) - mu.unsqueeze(-2)).flatten(-2).unsqueeze(-2) * 0.5  # (Hp, nb, 1, h*h)
-            hs = (mu.unsqueeze(-1) + mu.unsqueeze(-2)).flatten(-2).unsqueeze(-2) * 0.5  # (mu_n -+ mu_m) / 2
-            x1, x2 = st * hd, st * hs  # (Hp, nb, T, h*h)
-            c1, s1, c2, s2 = torch.cos(x1), torch.sin(x1), torch.cos(x2), torch.sin(x2)
-            # s sinc(s (mu_n -+ mu_m) / 2) = sin(x) / ((mu_n -+ mu_m) / 2), and s where the difference is 0:
-            # exact for tiny differences too (sin is accurate relative to its argument), no Taylor branch
-            u1 = torch.where(hd == 0, st, s1 / torch.where(hd == 0, torch.ones_like(hd), hd))
-            u2 = torch.where(hs == 0, st, s2 / torch.where(hs == 0, torch.ones_like(hs), hs))
-            # commuting part times w_c = u1 exp(-i x2); anti-commuting part times conj(w_a) = u2 exp(-i x1)
-            zcr = (u1 * (ca * c2 + cb * s2)).sum(2)  # (Hp, nb, h*h)
-            zci = (u1 * (cb * c2 - ca * s2)).sum(2)
-            zar = (u2 * (aa * c1 + ae * s1)).sum(2)
-            zai = (u2 * (ae * c1 - aa * s1)).sum(2)
-            mt = torch.stack((zcr + zar, zai - zci, zci + zai, zcr - zar), dim=-1)  # (Hp, nb, h*h, 4): 2x2 blocks
-            mt = mt.view(hp, nb, h, h, 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(hp, nb, b, b)
-            gk = precise_matmul(precise_matmul(q, mt), q.transpose(-1, -2))
-        return gs, gk
+        diag = torch.arange(h, device=gh.device) * (h + 1)  # (n, n) in the flattened h*h
+        ca_d, sa_d = ch * ch - sh * sh, 2.0 * sh * ch  # cos, sin of s mu_n
+        da, db = ca[..., diag], cb[..., diag]  # (Hp, nb, T, h)
+        # <G^_nn, mu_n J Rot(s mu_n)> = 2 mu_n Im((a + ib) exp(-i s mu_n))
+        gst = 2.0 * (mu.unsqueeze(-2) * (db * ca_d - da * sa_d)).sum(-1)  # (Hp, nb, T)
+    if need_k:
+        aa, ae = (g00 - g11) * 0.5, (g01 + g10) * 0.5  # anti-commuting part c Z + e W
+        hd = (mu.unsqueeze(-1) - mu.unsqueeze(-2)).flatten(-2).unsqueeze(-2) * 0.5  # (Hp, nb, 1, h*h)
+        hs = (mu.unsqueeze(-1) + mu.unsqueeze(-2)).flatten(-2).unsqueeze(-2) * 0.5  # (mu_n -+ mu_m) / 2
+        x1, x2 = st * hd, st * hs  # (Hp, nb, T, h*h)
+        c1, s1, c2, s2 = torch.cos(x1), torch.sin(x1), torch.cos(x2), torch.sin(x2)
+        # s sinc(s (mu_n -+ mu_m) / 2) = sin(x) / ((mu_n -+ mu_m) / 2), and s where the difference is 0:
+        # exact for tiny differences too (sin is accurate relative to its argument), no Taylor branch
+        u1 = torch.where(hd == 0, st, s1 / torch.where(hd == 0, torch.ones_like(hd), hd))
+        u2 = torch.where(hs == 0, st, s2 / torch.where(hs == 0, torch.ones_like(hs), hs))
+        # commuting part times w_c = u1 exp(-i x2); anti-commuting part times conj(w_a) = u2 exp(-i x1)
+        zcr = (u1 * (ca * c2 + cb * s2)).sum(2)  # (Hp, nb, h*h)
+        zci = (u1 * (cb * c2 - ca * s2)).sum(2)
+        zar = (u2 * (aa * c1 + ae * s1)).sum(2)
+        zai = (u2 * (ae * c1 - aa * s1)).sum(2)
+        gd = torch.stack((zcr + zar, zai - zci, zci + zai, zcr - zar), dim=-1)  # (Hp, nb, h*h, 4): 2x2 blocks
+        gd = gd.view(hp, nb, h, h, 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(hp, nb, b, b)
+    return gst, gd
 
 
 def scaled_block_exp_matrices(s: Tensor, k: Tensor) -> Tensor:
@@ -919,6 +949,99 @@ def scaled_block_exp_apply(x: Tensor, s: Tensor, k: Tensor) -> Tensor:
     real block-diagonalisation per block (``scaled_block_exp_matrices``), then applied with ``block_apply``.
     """
     return block_apply(scaled_block_exp_matrices(s, k), x)
+
+
+class _BlockEigenRotation(torch.autograd.Function):
+    """``y = Q^T expm(s K) Q x`` block by block, computed as RoPE in the basis ``Q`` (see
+    ``rotate_in_block_eigenbasis``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, s: Tensor, k: Tensor, q: Tensor, mu: Tensor) -> Tensor:
+        # x: (B, H, M, d); s: (Bs, Hp, M, nb) wide; k: (Hp, nb, b, b); q: (Hp, nb, b, b), mu: (Hp, nb, h) wide
+        theta = (s.unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Bs, Hp, M, d/2): pair (j, n) of block j
+        y = _rotate_heads(x, torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype))
+        ctx.save_for_backward(x, s, k, q, mu, theta)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, s, k, q, mu, theta = ctx.saved_tensors
+        need_x, need_s, need_k = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # a gradient graph is requested: differentiate the dense exponential instead
+            with torch.enable_grad():
+                want = [t for t, n in zip((x, s, k), (need_x, need_s, need_k)) if n]
+                grads = iter(torch.autograd.grad(_block_eigen_reference(x, s, k, q), want, g, create_graph=True))
+            return tuple(next(grads) if n else None for n in (need_x, need_s, need_k)) + (None, None)
+        gx = gs = gk = None
+        cos, sin = torch.cos(theta).to(g.dtype), torch.sin(theta).to(g.dtype)
+        if need_x:
+            gx = _rotate_heads(g, cos, -sin)
+        if need_s or need_k:
+            bs, hp, m, nb = s.shape
+            bsz, heads = x.shape[:2]
+            b = q.shape[-1]
+            xv = x.reshape(bsz, hp, heads // hp, m, nb, b)
+            gv = g.reshape(bsz, hp, heads // hp, m, nb, b)
+            if bs == 1:  # coordinates shared by the batch: one outer product per coordinate and block
+                gh = torch.einsum("bgrmni,bgrmnj->gnmij", gv, xv)  # (Hp, nb, M, b, b)
+            else:
+                gh = torch.einsum("bgrmni,bgrmnj->gnbmij", gv, xv).reshape(hp, nb, bs * m, b, b)
+            st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M
+            gst, gd = _frechet_block_grads(gh, st, mu, need_s, need_k)
+            if need_s:
+                gs = gst.view(hp, nb, bs, m).permute(2, 0, 3, 1).to(s.dtype)  # (Bs, Hp, M, nb)
+            if need_k:
+                qw = q.to(gd.dtype)
+                gk = precise_matmul(precise_matmul(qw, gd), qw.transpose(-1, -2)).to(k.dtype)
+        return gx, gs, gk, None, None
+
+
+def _rotate_heads(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``rotate_pairs`` of ``x`` ``(B, H, M, d)`` by tables ``(Bs, Hp, M, d/2)`` whose ``Hp`` divides ``H``."""
+    bsz, heads, m, d = x.shape
+    hp = cos.shape[1]
+    if hp in (1, heads):
+        return rotate_pairs(x, cos, sin)
+    xv = x.reshape(bsz, hp, heads // hp, m, d)
+    return rotate_pairs(xv, cos.unsqueeze(2), sin.unsqueeze(2)).reshape(bsz, heads, m, d)
+
+
+def _block_eigen_reference(x: Tensor, s: Tensor, k: Tensor, q: Tensor) -> Tensor:
+    """Dense form of ``_BlockEigenRotation``: ``Q^T expm(s K) Q`` by ``torch.linalg.matrix_exp``, differentiable
+    in ``x``, ``s`` and ``k`` (``Q`` is a constant)."""
+    bsz, heads, m, d = x.shape
+    hp, nb, b = k.shape[0], k.shape[1], k.shape[-1]
+    e = torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.to(s.dtype).unsqueeze(-4))  # (Bs, Hp, M, nb, b, b)
+    qw = q.to(s.dtype).unsqueeze(1)  # (Hp, 1, nb, b, b)
+    e = (qw.transpose(-1, -2) @ e @ qw).to(x.dtype)
+    xv = x.reshape(bsz, hp, heads // hp, m, nb, b)
+    y = (e.unsqueeze(2) @ xv.unsqueeze(-1)).squeeze(-1)  # (B, Hp, H / Hp, M, nb, b)
+    return y.reshape(bsz, heads, m, d)
+
+
+def rotate_in_block_eigenbasis(x: Tensor, s: Tensor, k: Tensor, q: Tensor, mu: Tensor) -> Tensor:
+    """Apply a block-diagonal rotation ``expm(s_j K_j)`` to tokens already written in the eigenbasis of its skew
+    blocks: ``y = Q_j^T expm(s_j K_j) Q_j x`` in block ``j`` -- the per-token work of a folded ComRoPE.
+
+    With ``K_j = Q_j blockdiag_n(mu_{j,n} J) Q_j^T`` (``skew_real_schur``) the value is plain RoPE by the angles
+    ``s_j mu_{j,n}``. The gradients are those of the exponential itself, not of the eigendecomposition: with
+    respect to ``K`` the exact Frechet derivative (``_frechet_block_grads``), so they are exact and finite also
+    where frequencies coincide or vanish (where the derivative of an eigenbasis does not exist), and ``Q``, ``mu``
+    are constants. Under ``create_graph`` the backward differentiates the dense ``matrix_exp`` form, so second
+    derivatives are exact too.
+
+    Args:
+        x: ``(B, H, M, d)`` tokens in the basis (``Q_j x`` per block), float32 or float64.
+        s: ``(Bs, Hp, M, nb)`` scalar of each block per token (``Bs`` 1 or ``B``); float64 for exact angles at
+            large coordinates.
+        k: ``(Hp, nb, b, b)`` the skew blocks (differentiable).
+        q, mu: ``(Hp, nb, b, b)`` and ``(Hp, nb, b/2)`` from ``skew_real_schur(k)`` (constants; ``mu`` in ``s``'s
+            dtype).
+
+    Returns:
+        ``(B, H, M, d)`` in ``x``'s dtype.
+    """
+    return _BlockEigenRotation.apply(x, s, k, q.detach(), mu.detach())
 
 
 def scaled_block_exp_reference(s: Tensor, k: Tensor) -> Tensor:

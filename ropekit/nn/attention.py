@@ -21,12 +21,69 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..encodings import PositionEncoding
 from ..encodings.functional import basis_change
 from ..fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rope_form
 
-__all__ = ["Attention", "PreparedPE"]
+__all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
+
+
+class _TwiceDifferentiableSDPA(torch.autograd.Function):
+    """``F.scaled_dot_product_attention`` whose backward is itself differentiable.
+
+    The forward pass and a first-order backward run the fused kernel PyTorch picks (flash attention on the CPU
+    and on CUDA), through the graph recorded in the forward pass -- no recomputation. Those kernels have no
+    double backward; so when a gradient graph is requested (``create_graph=True``, second derivatives) the
+    backward recomputes the attention with the math backend, whose operations are all differentiable, and
+    differentiates that instead.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        with torch.enable_grad():
+            inner = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), ctx.needs_input_grad[:3])]
+            out = F.scaled_dot_product_attention(*inner, scale=scale)
+        ctx.inner, ctx.out, ctx.scale = inner, out, scale
+        ctx.save_for_backward(q, k, v)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        needs = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph: the math backend, differentiable to any order
+            q, k, v = ctx.saved_tensors
+            with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
+                out = F.scaled_dot_product_attention(q, k, v, scale=ctx.scale)
+                grads = iter(torch.autograd.grad(out, [t for t, n in zip((q, k, v), needs) if n], g,
+                                                 create_graph=True))
+        else:
+            grads = iter(torch.autograd.grad(ctx.out, [t for t, n in zip(ctx.inner, needs) if n], g,
+                                             retain_graph=True))
+        return tuple(next(grads) if n else None for n in needs) + (None,)
+
+
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
+                                 scale: Optional[float] = None) -> Tensor:
+    """``F.scaled_dot_product_attention`` (no mask) that also supports second derivatives.
+
+    Args:
+        q, k, v: ``(B, H, N, d)`` (``k`` and ``v`` may have their own length).
+        dropout_p: attention dropout; with dropout (or inside ``torch.compile``, or without gradients) this is
+            PyTorch's function itself.
+        scale: logit scale (``None``: ``1 / sqrt(d)``).
+
+    Returns:
+        ``(B, H, N, d)``. Values and first derivatives come from the fused kernel PyTorch selects; under
+        ``torch.autograd.grad(..., create_graph=True)`` the backward is recomputed with the math backend, so
+        second derivatives (gradient penalties, meta-learning, Hessian-vector products) are exact -- PyTorch's
+        fused CPU and CUDA kernels have no double backward.
+    """
+    if (dropout_p == 0.0 and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _TwiceDifferentiableSDPA.apply(q, k, v, scale)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
 
 
 class PreparedPE(NamedTuple):
@@ -147,8 +204,8 @@ class Attention(nn.Module):
                 q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, N, d') each
             else:
                 q, k = pe.apply(q, k, state.value)  # (B, H, N, d') each
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0,
-                                             scale=self.scale)  # (B, H, N, d)
+        out = scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0,
+                                           scale=self.scale)  # (B, H, N, d)
         out = out.transpose(1, 2).reshape(b, n, dim)  # (B, N, D)
         return self.proj_drop(self.proj(out))
 

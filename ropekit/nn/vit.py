@@ -93,9 +93,8 @@ class ViTConfig:
         per_head: separate encoding parameters per head.
         pe_fold_train: for commuting encodings (all but liere with ``c >= 2``, relaxed and tensor), merge the
             encoding's learned basis into the attention's q/k projection at every forward pass and rotate the
-            tokens by plain RoPE (same logits and gradients, RoPE's per-token cost); ``False`` applies the
-            encoding to every token. ComRoPE with ``init="zero"`` always takes the exact per-token path (its
-            block eigenbases are degenerate at zero, where the folded basis gradient is not the exact one).
+            tokens by plain RoPE (same logits and gradients, RoPE's per-token cost, ComRoPE at coinciding
+            frequencies and at ``init="zero"`` included); ``False`` applies the encoding to every token.
         ape: absolute embedding added to the patch embeddings besides the rotary one (``"none"``,
             ``"learned"``, ``"sincos"``).
         cls: ``"none"`` (mean pooling over patch tokens -- a commuting encoding then makes the model exactly
@@ -352,10 +351,7 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if self.num_prefix_tokens else None
 
         encodings = build_encodings(cfg, self.coord_dim)
-        # ComRoPE from zero: at K = 0 every block's eigenbasis is degenerate, and the folded form's basis gradient
-        # (an eigenvector derivative) cannot reproduce the exact one there, so such a model keeps the exact path
-        fold = cfg.pe_fold_train and not (cfg.rotary in ("comrope-ap", "comrope-ld")
-                                          and cfg.pe_options.get("init") == "zero")
+        fold = cfg.pe_fold_train
         dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]  # no tensor: meta-safe
         self.blocks = nn.ModuleList([
             Block(dim, cfg.num_heads, encodings[i], cfg.mlp_ratio, cfg.qkv_bias, cfg.drop_rate, cfg.attn_drop_rate,
