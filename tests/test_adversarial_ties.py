@@ -222,3 +222,37 @@ def test_first_order_attention_keeps_the_fused_kernel():
     assert names.count("aten::scaled_dot_product_attention") == 1
     assert "aten::_scaled_dot_product_attention_math" not in names
     assert math.isfinite(float(att.qkv.weight.grad.sum()))
+
+
+@pytest.mark.parametrize("small", [4e-9, 1e-11, 1e-14, 0.0])
+def test_schur_form_keeps_small_frequencies(small):
+    """``skew_real_schur`` reconstructs ``K`` to round-off also when a plane turns 1e-8 to 1e-11 times slower than
+    the fastest (at main such planes were taken as still: an angle error of ``mu * s``, 4e-5 rad at ``s = 1e4``)."""
+    from ropekit.encodings.functional import skew_real_schur
+
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64, generator=g))
+    mus = torch.tensor([1.0, 0.3, small, 0.0], dtype=torch.float64)
+    k = q @ torch.block_diag(*[m * J for m in mus]) @ q.T
+    qs, mu = skew_real_schur(k)
+    assert torch.allclose(qs.T @ qs, torch.eye(8, dtype=torch.float64), rtol=0, atol=1e-14)
+    rebuilt = qs @ torch.block_diag(*[m * J for m in mu]) @ qs.T
+    assert float((rebuilt - k).abs().max()) < 2e-14
+    assert torch.allclose(mu.sort().values, mus.sort().values, rtol=1e-4, atol=1e-13)
+    for s in (1e3, 1e4):  # the block exponential at a large coordinate
+        want = torch.linalg.matrix_exp(s * k)
+        got = qs @ torch.linalg.matrix_exp(s * torch.block_diag(*[m * J for m in mu])) @ qs.T
+        assert float((got - want).abs().max()) < 1e-9
+
+
+@pytest.mark.parametrize("coord", [1e3, 1e4])
+def test_folded_comrope_with_a_nearly_still_plane_at_large_coordinates(coord):
+    """A block with one plane 1e-8 times slower than the other, coordinates up to 1e4: the folded layer equals the
+    dense float64 reference (at main: ~1e-5 relative, the slow plane was dropped)."""
+    torch.manual_seed(0)
+    pe = ropekit.create_pe("comrope-ld", head_dim=8, coord_dim=2, num_heads=2, block_size=4).double()
+    _set_blocks(pe, [-1.0 + 8e-9])  # frequencies 0.5 and 4e-9
+    att = Attention(16, 2, pe, fold=True).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    coords = torch.rand(5, 2, dtype=torch.float64) * coord
+    assert _rel(att(x, coords), _dense_attention(att, x, coords, 0)) < 1e-10

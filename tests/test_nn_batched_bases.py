@@ -54,14 +54,15 @@ def test_one_solve_per_forward():
 
 
 def test_one_eigendecomposition_per_forward():
-    """ComRoPE's block Schur form runs two eigendecompositions (the eigenpairs, the null space's basis); on a GPU
-    each one waits for the device, so they run once per model forward for all layers, not once per layer."""
+    """ComRoPE's block Schur form runs four small eigendecompositions (the eigenpairs, a basis of the complement of
+    the well-separated planes, the small planes on their own scale, the null space's basis); on a GPU each one
+    waits for the device, so they run once per model forward for all layers, not once per layer."""
     m = _model("comrope-ld")
     x = torch.randn(2, 3, 16, 16)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         m(x)
     eighs = [e for e in prof.events() if e.name == "aten::linalg_eigh"]
-    assert len(eighs) == 2
+    assert len(eighs) == 4
 
 
 def test_rope_forms_mixes_kinds():
