@@ -90,7 +90,10 @@ class RoPEForm(NamedTuple):
     Attributes:
         basis: ``P`` ``(Hp, d, d)`` orthogonal (``(1, d, d)`` when it does not depend on the head), or ``None``
             when ``P = I`` (the RoPE family).
-        freqs: ``(Hp, c, d/2)``: pair ``n`` of ``P x`` turns by ``sum_k r_k freqs[k, n]``.
+        freqs: ``(Hp, c, d/2)``: pair ``n`` of ``P x`` turns by ``sum_k r_k freqs[k, n]``. The parameters' dtype
+            where they are parameters; float64 where they are derived from parameters (circulant's mode
+            frequencies), since a float32 rounding of a frequency turns by ``r * ulp(freq)`` at coordinate ``r``
+            (~1e-3 rad at 10^4); :func:`frequency_rope` forms the angles in float64 and rotates in q's dtype.
         prefix: ``T = P R(0)^T P^T`` ``(Hp, d, d)`` for prefix tokens whose q and k already carry ``P``, or
             ``None`` for the identity (``R(0) = I``).
         pairs: the pair convention of the frequency rotation (``"half"`` only for a RoPE-family encoding
@@ -273,11 +276,12 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
         return _post_form(pe, pe.post_rotation_matrix()[:hp])
     if kind == "fixed":  # constant basis, frequencies linear in the parameters: no generator is built
         basis = _real_dft_basis(pe.head_dim, pe.block_size, pe.circ_params.device, pe.circ_params.dtype)
-        lam = pe.mode_frequencies().flatten(-2)[:hp]  # (Hp, c, nb * u): the rotating pairs, block by block
+        # derived frequencies stay in the table's float64: rounded to float32 they would turn by r * ulp(lambda)
+        lam = pe.mode_frequencies(pe.mode_table.dtype).flatten(-2)[:hp]  # (Hp, c, nb * u): block by block
         freqs = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], pe.head_dim // 2 - lam.shape[-1])), dim=-1)
         return RoPEForm(_half_pairs_basis(pe, basis), freqs, None)
-    if kind == "string":  # L_k = Q D_k Q^T
-        return _basis_form(pe, pe.basis().transpose(-1, -2)[:hp])
+    if kind == "string":  # L_k = Q D_k Q^T: in the basis P = Q^T the frequencies are the parameters themselves
+        return RoPEForm(_half_pairs_basis(pe, pe.basis().transpose(-1, -2)[:hp]), pe.freq_param[:hp], None)
     if kind == "relaxed":  # R(r) = RoPE_active(r) P_sp, R(0) = P_sp: one computation for both
         basis = pe.post_rotation_matrix()[:hp]
         return _basis_form(pe, basis, post=basis)
@@ -423,7 +427,7 @@ def to_rope(pe: PositionEncoding) -> Tuple[Tensor, Tensor]:
     else:
         form = rope_form(pe)
     h = pe.num_heads
-    freqs = form.freqs
+    freqs = form.freqs.to(pe._param_dtype())
     p = form.basis
     if p is None:
         p = torch.eye(pe.head_dim, dtype=freqs.dtype, device=freqs.device).unsqueeze(0)

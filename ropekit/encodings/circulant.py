@@ -12,11 +12,13 @@ into RoPE planes -- mode ``f`` of the spectrum is the plane spanned by the rows
 
     R(r) = blockdiag(Q^T) RoPE_lambda(r) blockdiag(Q),   lambda_f = -2 sum_n c_n sin(2 pi f n / b)
 
-with ``lambda`` linear in the parameters (elementwise products with a fixed sine table: exact in fp32, no
-TF32-rounded matmul). The DC mode (and the Nyquist mode for even ``b``) has ``lambda = 0``: those dimensions
+with ``lambda`` linear in the parameters (elementwise products with a fixed sine table, both in float64: no
+TF32-rounded matmul, and no float32 rounding of ``lambda``, which would turn by ``r * ulp(lambda)`` ~ 1e-3 rad at
+coordinates of 10^4). The DC mode (and the Nyquist mode for even ``b``) has ``lambda = 0``: those dimensions
 are never rotated (2 of every ``b``). No complex tensor is involved, so ``torch.compile`` (Inductor) compiles it
 and autograd gives exact first and second derivatives. ``Q`` and the sine table are non-persistent buffers,
-rebuilt exactly whenever the module changes device or dtype.
+rebuilt exactly whenever the module changes device or dtype (the sine table stays float64 whatever the module's
+dtype, float32 on devices without float64).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import (_angle_table, _block_diag, _fused_basis_kernel, _fused_kernel, mixed_frequencies,
-                         precise_matmul, rotate_angles, skew)
+from .functional import (_angle_table, _block_diag, _fused_basis_kernel, _fused_kernel, _wide_dtype,
+                         mixed_frequencies, precise_matmul, rotate_angles, skew)
 from .rope import _KernelState
 
 __all__ = ["CirculantSTRING", "circulant", "real_dft_basis"]
@@ -113,14 +115,15 @@ class CirculantSTRING(PositionEncoding):
                 self.circ_params.copy_(col)
 
     def _build_buffers(self) -> None:
-        """(Re)compute the fixed basis and sine table exactly (float64, then the buffers' dtype and device), and the
-        block-diagonal ``(1, d, d)`` basis of every block that the fused kernel takes."""
+        """(Re)compute the fixed basis and sine table exactly (float64, then the basis in the buffers' dtype; the
+        table stays float64), and the block-diagonal ``(1, d, d)`` basis of every block that the fused kernel
+        takes."""
         ref = self.dft_basis
-        q, table = real_dft_basis(self.block_size, dtype=ref.dtype, device=ref.device)
+        q, table = real_dft_basis(self.block_size, dtype=_wide_dtype(ref.device), device=ref.device)
         if ref.device.type != "meta":
             with torch.no_grad():
                 self.dft_basis.copy_(q)
-                self.mode_table.copy_(table)
+                self.mode_table = table
                 self.dft_blockdiag.copy_(_block_diag(q.expand(self.head_dim // self.block_size, -1, -1)))
 
     def _apply(self, fn, recurse=True):  # device / dtype moves, to_empty: rebuild the fixed tables exactly
@@ -129,13 +132,16 @@ class CirculantSTRING(PositionEncoding):
         return out
 
     def mode_frequencies(self, dtype: torch.dtype | None = None) -> Tensor:
-        """``lambda_f = 2 Im(rfft(c))_f`` of the rotating modes ``f = 1..u``: ``(Hp, c, nb, u)``.
+        """``lambda_f = 2 Im(rfft(c))_f`` of the rotating modes ``f = 1..u``: ``(Hp, c, nb, u)`` in ``dtype``
+        (default: the parameters').
 
-        Elementwise products with the fixed sine table and a sum (linear in the parameters; no FFT, no matmul).
+        Elementwise products with the fixed sine table and a sum (linear in the parameters; no FFT, no matmul), in
+        the table's float64, rounded once to ``dtype``: pass float64 where the frequencies multiply large
+        coordinates.
         """
-        c = self.circ_params if dtype is None else self.circ_params.to(dtype)
-        table = self.mode_table.to(c.dtype)
-        return (c.unsqueeze(-1) * table).sum(-2)  # (Hp, c, nb, b, 1) * (b, u) -> (Hp, c, nb, u)
+        table = self.mode_table  # (b, u)
+        lam = (self.circ_params.to(table.dtype).unsqueeze(-1) * table).sum(-2)  # (Hp, c, nb, b, 1) -> (Hp, c, nb, u)
+        return lam.to(self.circ_params.dtype if dtype is None else dtype)
 
     def _pair_frequencies(self, dtype: torch.dtype) -> Tensor:
         """Frequencies of the ``nb * b/2`` pairs of the DFT-basis coordinates (zero for the DC/Nyquist pair):
@@ -147,8 +153,9 @@ class CirculantSTRING(PositionEncoding):
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         """``(theta, cos, sin)`` tables ``(1 | B, Hp, M, F)``; where the fused rotation kernel runs (CUDA) and
-        ``b`` is even, the coordinates and pair frequencies it forms the angles from instead."""
-        freqs = self._pair_frequencies(dtype)
+        ``b`` is even, the coordinates and pair frequencies it forms the angles from instead. The frequencies are
+        float64 (the table's dtype) either way."""
+        freqs = self._pair_frequencies(self.mode_table.dtype)
         if self.block_size % 2 == 0 and _fused_kernel(coords.device) is not None:
             return _KernelState(coords, freqs)
         return _angle_table(coords, freqs, dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import _block_diag, block_apply, frequency_angles, scaled_block_exp_matrices
+from .functional import _block_diag, _wide_dtype, block_apply, frequency_angles, scaled_block_exp_matrices
 from .skew import free_to_skew, full_to_free, num_free, real_schur
 
 __all__ = ["ComRoPEAP", "ComRoPELD"]
@@ -190,5 +190,7 @@ class ComRoPELD(_ComRoPE):
 
     def block_scales(self, coords: Tensor) -> Tensor:
         """``s_j(r) = sum_k r_k lambda_{k,j}`` by elementwise products and sums (``frequency_angles``), never a
-        matmul / einsum, which a GPU with TF32 enabled would run on 10-bit-mantissa inputs."""
-        return frequency_angles(coords, self.axis_weights.to(coords.dtype))
+        matmul / einsum, which a GPU with TF32 enabled would run on 10-bit-mantissa inputs; in float64 (rounded to
+        float32, ``s`` would be off by ~1e-3 at coordinates of 10^4), which the block exponentials take as it is."""
+        wide = _wide_dtype(coords.device)
+        return frequency_angles(coords.to(wide), self.axis_weights.to(wide))

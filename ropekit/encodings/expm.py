@@ -107,12 +107,12 @@ class _LinearSkewExpm(torch.autograd.Function):
     agree to round-off)."""
 
     @staticmethod
-    def forward(ctx, coords: Tensor, gen: Tensor, budget: int, recompute: bool) -> Tensor:
+    def forward(ctx, coords: Tensor, gen: Tensor, budget: int, recompute: bool, dtype: torch.dtype) -> Tensor:
         t, c = coords.shape
         hp, _, nb, n, _ = gen.shape
         r64, l64 = coords.detach().to(torch.float64), gen.detach().to(torch.float64)
-        keep = torch.complex128 if gen.dtype == torch.float64 else torch.complex64
-        out = gen.new_empty(t, hp, nb, n, n)
+        keep = torch.complex128 if dtype == torch.float64 else torch.complex64
+        out = gen.new_empty(t, hp, nb, n, n, dtype=dtype)
         us, lams = [], []
         step = _chunk_tokens(hp * nb * n * n, budget)
         for i in range(0, t, step):
@@ -135,8 +135,8 @@ class _LinearSkewExpm(torch.autograd.Function):
             with torch.enable_grad():
                 ref = torch.linalg.matrix_exp(_combine(coords, gen))
                 want = [x for x, need in zip((coords, gen), ctx.needs_input_grad[:2]) if need]
-                grads = iter(torch.autograd.grad(ref, want, ge, create_graph=True))
-            return tuple(next(grads) if need else None for need in ctx.needs_input_grad[:2]) + (None, None)
+                grads = iter(torch.autograd.grad(ref, want, ge.to(ref.dtype), create_graph=True))
+            return tuple(next(grads) if need else None for need in ctx.needs_input_grad[:2]) + (None, None, None)
         r64, l64 = coords.to(torch.float64), gen.to(torch.float64)
         g_r = torch.zeros_like(r64) if ctx.needs_input_grad[0] else None
         g_l = torch.zeros_like(l64) if ctx.needs_input_grad[1] else None
@@ -153,11 +153,12 @@ class _LinearSkewExpm(torch.autograd.Function):
                 g_r[i:i + step] = torch.einsum("thnij,hknij->tk", gg, l64)  # float64: no reduced-precision GEMM
             if g_l is not None:  # dG/dL_k = r_k
                 g_l += torch.einsum("tk,thnij->hknij", r64[i:i + step], gg)
-        return (None if g_r is None else g_r.to(coords.dtype), None if g_l is None else g_l.to(gen.dtype), None, None)
+        return (None if g_r is None else g_r.to(coords.dtype), None if g_l is None else g_l.to(gen.dtype), None, None,
+                None)
 
 
 def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_BUDGET, *,
-                     recompute: bool = False) -> Tensor:
+                     recompute: bool = False, dtype: torch.dtype | None = None) -> Tensor:
     """``expm(sum_k r_k L_k)`` for every token: orthogonal to float64 round-off whatever the norm.
 
     Args:
@@ -168,9 +169,11 @@ def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_B
             there, chunk by chunk, instead of keeping one complex eigenbasis per token (twice the output's bytes in
             float32). The gradients agree to round-off; the backward pass costs one more eigendecomposition per
             token. Worth it when there are many tokens (per-example coordinates); ignored elsewhere.
+        dtype: dtype of the result (default: ``generators``'): float64 generators with a float32 result keep
+            generator sums that float32 would round (``r * ulp(L)`` at coordinate ``r``) at float32's memory cost.
 
     Returns:
-        ``(T, Hp, nb, n, n)`` in ``generators``' dtype; differentiable in both inputs (first and second order).
+        ``(T, Hp, nb, n, n)`` in ``dtype``; differentiable in both inputs (first and second order).
 
     Raises:
         ValueError: on shapes that do not fit.
@@ -179,17 +182,18 @@ def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_B
             or generators.shape[-1] != generators.shape[-2]:
         raise ValueError(f"linear_skew_expm needs coords (T, c) and generators (Hp, c, nb, n, n), got "
                          f"{tuple(coords.shape)} and {tuple(generators.shape)}")
+    dtype = generators.dtype if dtype is None else dtype
     if coords.shape[0] == 0:
-        return generators.new_zeros(0, *generators.shape[:1], *generators.shape[2:])
+        return generators.new_zeros(0, *generators.shape[:1], *generators.shape[2:], dtype=dtype)
     if F._is_compiling():  # traceable form: one float64 matrix_exp per token (orthogonal, unchunked)
-        return _expm64(coords, generators)
+        return _expm64(coords, generators).to(dtype)
     if coords.device.type != "cpu":
         # GPU solvers batch small eigendecompositions only up to n = 32 (larger ones run one by one), while the
         # float64 matrix_exp is batched: use it there, chunk by chunk (bounded workspace)
         hp, _, nb, n, _ = generators.shape
         step = _chunk_tokens(hp * nb * n * n, budget)
-        return torch.cat([_expm64(part, generators) for part in coords.split(step)])
-    return _LinearSkewExpm.apply(coords, generators, int(budget), bool(recompute))
+        return torch.cat([_expm64(part, generators).to(dtype) for part in coords.split(step)])
+    return _LinearSkewExpm.apply(coords, generators, int(budget), bool(recompute), dtype)
 
 
 def _expm64(coords: Tensor, generators: Tensor) -> Tensor:

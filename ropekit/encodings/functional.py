@@ -37,7 +37,6 @@ __all__ = [
     "rope_cos_sin",
     "rotate_angles",
     "apply_frequency_rope",
-    "rope_angles",
     "rotate_pairs",
     "pair_generators",
     "axial_frequencies",
@@ -75,19 +74,6 @@ def frequency_angles(coords: Tensor, freqs: Tensor) -> Tensor:
         term = coords[..., j].unsqueeze(-2).unsqueeze(-1) * freqs[:, j].unsqueeze(-2)
         theta = term if theta is None else theta + term
     return theta
-
-
-def rope_angles(coords: Tensor, freqs: Tensor) -> Tensor:
-    """Angles ``theta_n(r) = sum_k r_k * freqs[k, n]`` of every rotation plane (see ``frequency_angles``).
-
-    Args:
-        coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example.
-        freqs: ``(Hp, c, P)``.
-
-    Returns:
-        ``(Hp, M, P)`` for shared coordinates, ``(B, Hp, M, P)`` per example; dtype of ``coords``.
-    """
-    return frequency_angles(coords, freqs.to(coords.dtype))
 
 
 def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, pairs: str = "interleaved") -> Tensor:
@@ -335,7 +321,7 @@ def rope_cos_sin(coords: Tensor, freqs: Tensor, dtype: torch.dtype | None = None
     """
     if dtype is None:
         dtype = torch.float64 if torch.float64 in (coords.dtype, freqs.dtype) else torch.float32
-    wide = torch.float32 if coords.device.type == "mps" else torch.float64
+    wide = _wide_dtype(coords.device)
     with torch.autocast(device_type=coords.device.type, enabled=False):
         theta = frequency_angles(coords.to(wide), freqs.to(wide))
         if theta.dim() == 3:
@@ -343,10 +329,16 @@ def rope_cos_sin(coords: Tensor, freqs: Tensor, dtype: torch.dtype | None = None
         return torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
 
 
+def _wide_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype angles, derived frequencies and fixed tables are formed in on ``device``: float64, or float32 on
+    devices without float64 (MPS)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 def _angle_table(coords: Tensor, freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """``(theta, cos, sin)``, each ``(1 | B, Hp, M, P)``: float64 angles (differentiable) and their cos/sin in
     ``dtype`` (constants), for ``rotate_angles``."""
-    wide = torch.float32 if coords.device.type == "mps" else torch.float64
+    wide = _wide_dtype(coords.device)
     theta = frequency_angles(coords if coords.dtype == wide else coords.to(wide),
                              freqs if freqs.dtype == wide else freqs.to(wide))
     if theta.dim() == 3:
@@ -421,9 +413,9 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         ``(q_out, k_out)`` in the input dtypes and shapes (``k_out`` is ``None`` when ``k`` is); differentiable
         in q, k, freqs and coords.
 
-    Numerics: angles by elementwise products and sums in float64 (``rope_cos_sin``) -- never a matrix product,
-    so TF32 settings do not round them -- cos/sin and the rotation in float32 (float64 if an input is float64),
-    autocast disabled.
+    Numerics: angles by elementwise products and sums in float64 (``_angle_table``) -- never a matrix product,
+    so TF32 settings do not round them, and float64 frequencies (e.g. derived from parameters) are used as they
+    are -- cos/sin and the rotation in float32 (float64 if q or k is float64), autocast disabled.
     On CUDA the fused Triton kernel ``ropekit.kernels.fused_rotary`` runs when it is installed and available
     for the device (on the CPU only in Triton's interpreter mode, ``TRITON_INTERPRET=1``, for tests); otherwise
     the PyTorch path below, which is also the reference.
@@ -437,7 +429,7 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         kernel = None  # inside torch.compile the kernel covers q and k together only: the PyTorch path below
     if kernel is not None:
         return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
-    dtype = torch.float64 if torch.float64 in (q.dtype, coords.dtype, freqs.dtype) else torch.float32
+    dtype = torch.float64 if torch.float64 in (q.dtype, None if k is None else k.dtype) else torch.float32
     table = _angle_table(coords, f, dtype)
     q_out = _rotate_tokens(q, table, num_prefix_tokens, pairs)
     if k is None:
@@ -845,7 +837,9 @@ class _ScaledBlockExpm(torch.autograd.Function):
 
     Forward: one real block-diagonalisation per block (``skew_real_schur``) serves every coordinate:
     ``expm(s K) = Q RoPE(s mu) Q^T = sum_n cos(s mu_n) A_n + sin(s mu_n) B_n`` -- one small matrix product
-    per block for all coordinates (``_plane_basis``).
+    per block for all coordinates (``_plane_basis``). The angles ``s mu_n`` are formed in float64 from ``s`` (pass
+    it in float64 where it is itself a sum of products) and the float64 eigenvalues, so the exponentials stay exact
+    to ``K``'s dtype at any coordinate scale.
 
     Backward: the exact Frechet derivative of the exponential, in the real basis ``Q``. ``G^ = Q^T gE Q`` (one
     product with ``Q (x) Q`` per block); every 2x2 block ``(n, m)`` of ``G^`` splits into a part commuting with
@@ -862,10 +856,13 @@ class _ScaledBlockExpm(torch.autograd.Function):
         # s: (Bs, Hp, M, nb); k: (Hp, nb, b, b)
         bs, hp, m, nb = s.shape
         b = k.shape[-1]
-        q, mu = skew_real_schur(k)  # (Hp, nb, b, b), (Hp, nb, h)
+        wide = _wide_dtype(k.device)
+        q, mu_wide = skew_real_schur(k.to(wide))  # (Hp, nb, b, b), (Hp, nb, h)
+        q, mu = q.to(k.dtype), mu_wide.to(k.dtype)
         st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M coordinates
-        theta = st * mu.unsqueeze(-2)  # (Hp, nb, T, h)
-        cs = torch.cat((torch.cos(theta), torch.sin(theta)), dim=-1)  # (Hp, nb, T, 2h)
+        theta = st.to(wide) * mu_wide.unsqueeze(-2)  # (Hp, nb, T, h): float64, exact at any coordinate scale
+        cs = torch.cat((torch.cos(theta), torch.sin(theta)), dim=-1).to(k.dtype)  # (Hp, nb, T, 2h)
+        st = st.to(k.dtype)  # the backward pass works in k's dtype
         e = precise_matmul(cs, _plane_basis(q))  # (Hp, nb, T, b*b)
         ctx.save_for_backward(s, k, st, q, mu)
         ctx.shape = (bs, hp, m, nb)
@@ -953,11 +950,12 @@ def scaled_block_exp_matrices(s: Tensor, k: Tensor) -> Tensor:
     """``expm(s_{t,j} K_j)`` for every coordinate ``t`` and block ``j`` (the ``b x b`` blocks only).
 
     Args:
-        s: ``(Hp, M, nb)`` shared by the batch or ``(B, Hp, M, nb)`` per example.
+        s: ``(Hp, M, nb)`` shared by the batch or ``(B, Hp, M, nb)`` per example, float32 or float64 (the angles
+            ``s mu`` are formed in float64 either way).
         k: ``(Hp, nb, b, b)`` skew-symmetric block generators, ``b`` even.
 
     Returns:
-        ``(1 | B, Hp, M, nb, b, b)``; differentiable in ``s`` and ``k`` (finite at ``k = 0``).
+        ``(1 | B, Hp, M, nb, b, b)`` in ``k``'s dtype; differentiable in ``s`` and ``k`` (finite at ``k = 0``).
     """
     if s.dim() == 3:
         s = s.unsqueeze(0)  # (1, Hp, M, nb)
@@ -965,7 +963,7 @@ def scaled_block_exp_matrices(s: Tensor, k: Tensor) -> Tensor:
     s = s.expand(s.shape[0], hp, *s.shape[2:])
     k = k.expand(hp, *k.shape[1:])
     if k.shape[-1] % 2:
-        return torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4))
+        return torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4)).to(k.dtype)
     return _ScaledBlockExpm.apply(s, k)
 
 

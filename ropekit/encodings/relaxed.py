@@ -21,7 +21,8 @@ from torch import Tensor, nn
 
 from .base import PositionEncoding
 from .expm import linear_skew_expm
-from .functional import basis_change, block_apply, mixed_frequencies, pair_generators, rope_angles, rotate_pairs, skew
+from .functional import (_angle_table, _wide_dtype, basis_change, block_apply, mixed_frequencies, pair_generators,
+                         rotate_angles, skew)
 
 __all__ = ["RelaxedSTRING"]
 
@@ -70,10 +71,11 @@ class RelaxedSTRING(PositionEncoding):
     def active_dim(self) -> int:
         return 2 * self.active_planes
 
-    def active_generators(self) -> Tensor:
-        """``L_k`` restricted to the active subspace: ``(Hp, c, 2m, 2m)``."""
-        gen = pair_generators(self.freq_param)
-        return gen if self.exact else gen + skew(self.relax_params)
+    def active_generators(self, dtype: torch.dtype | None = None) -> Tensor:
+        """``L_k`` restricted to the active subspace: ``(Hp, c, 2m, 2m)``, formed in ``dtype`` (default: the
+        parameters')."""
+        gen = pair_generators(self.freq_param if dtype is None else self.freq_param.to(dtype))
+        return gen if self.exact else gen + skew(self.relax_params.to(gen.dtype))
 
     def generators(self) -> Tensor:
         a = self.active_dim
@@ -115,12 +117,11 @@ class RelaxedSTRING(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         p = self._post_rotation().to(dtype)
         if self.exact:
-            theta = rope_angles(coords, self.freq_param.to(dtype))
-            theta = theta.unsqueeze(0) if theta.dim() == 3 else theta
-            return p, (torch.cos(theta), torch.sin(theta))
-        gen = self.active_generators().to(dtype).unsqueeze(2)  # (Hp, c, 1, 2m, 2m)
+            return p, _angle_table(coords, self.freq_param, dtype)  # float64 angles, cos/sin: (1 | B, Hp, M, m)
+        # the generator sums in float64: rounded to float32, each entry would be off by r * ulp at coordinate r
+        gen = self.active_generators(_wide_dtype(coords.device)).unsqueeze(2)  # (Hp, c, 1, 2m, 2m)
         lead = coords.shape[:-1]  # (M,) or (B, M)
-        r = linear_skew_expm(coords.reshape(-1, self.coord_dim), gen)  # (T, Hp, 1, 2m, 2m)
+        r = linear_skew_expm(coords.reshape(-1, self.coord_dim), gen, dtype=dtype)  # (T, Hp, 1, 2m, 2m)
         r = r.view(*lead, *r.shape[1:])  # ([B,] M, Hp, 1, 2m, 2m)
         r = (r if coords.dim() == 3 else r.unsqueeze(0)).transpose(1, 2).contiguous()  # (B | 1, Hp, M, 1, 2m, 2m)
         return p, r
@@ -131,7 +132,7 @@ class RelaxedSTRING(PositionEncoding):
         x = basis_change(x, p)  # P_sp x: (B, H, M, d)
         act, null = x[..., :a], x[..., a:]
         if self.exact:
-            act = rotate_pairs(act, *rot)
+            act = rotate_angles(act, *rot)
         else:
             act = block_apply(rot, act.contiguous())  # one (2m x 2m) block per token
         return torch.cat([act, null], dim=-1)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import basis_change, mixed_frequencies, pair_generators, rope_angles, rotate_pairs, skew
+from .functional import _angle_table, basis_change, mixed_frequencies, pair_generators, rotate_angles, skew
 
 __all__ = ["GeneralSTRING", "dense_expm_rotations"]
 
@@ -75,14 +75,12 @@ class GeneralSTRING(PositionEncoding):
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         q = self.basis(dtype)  # (Hp, d, d)
-        theta = rope_angles(coords, self.freq_param.to(dtype))  # (Hp, M, P) or (B, Hp, M, P)
-        theta = theta.unsqueeze(0) if theta.dim() == 3 else theta
-        return q, torch.cos(theta), torch.sin(theta)
+        return q, _angle_table(coords, self.freq_param, dtype)  # float64 angles, cos/sin: (1 | B, Hp, M, P) each
 
     def _transform(self, x: Tensor, state) -> Tensor:
-        q, cos, sin = state
+        q, table = state
         y = basis_change(x, q.transpose(-1, -2))  # Q^T x: (B, H, M, d)
-        return basis_change(rotate_pairs(y, cos, sin), q)  # Q RoPE(r) Q^T x
+        return basis_change(rotate_angles(y, *table), q)  # Q RoPE(r) Q^T x
 
     def to_rope(self) -> tuple[Tensor, Tensor]:
         """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: ``P = Q^T``. ``(H, d, d)``,

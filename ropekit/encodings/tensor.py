@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .functional import frequency_angles, mixed_frequencies
+from .functional import _wide_dtype, frequency_angles, mixed_frequencies
 
 __all__ = ["TensorSTRING"]
 
@@ -45,13 +45,16 @@ class TensorSTRING(PositionEncoding):
         return 2 * self.num_features * self.head_dim
 
     def features(self, coords: Tensor) -> Tensor:
-        """``phi(r)``: ``(Hp, M, 2m)`` for shared coords, ``(B, Hp, M, 2m)`` per example.
+        """``phi(r)``: ``(Hp, M, 2m)`` for shared coords, ``(B, Hp, M, 2m)`` per example, in ``coords``' dtype.
 
         The angles ``w_i^T r`` are elementwise products and sums (``frequency_angles``), not an einsum: on a GPU
-        with TF32 matmuls enabled a product would round coordinates and frequencies to 10 mantissa bits.
+        with TF32 matmuls enabled a product would round coordinates and frequencies to 10 mantissa bits. They are
+        formed in float64 (a float32 angle of ~10^4 rad is off by ~1e-3 rad) and rounded after cos/sin.
         """
-        ang = frequency_angles(coords, self.feature_freqs.to(coords.dtype).transpose(1, 2))  # (.., Hp, M, m)
-        return torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1) / math.sqrt(self.num_features)
+        wide = _wide_dtype(coords.device)
+        ang = frequency_angles(coords.to(wide), self.feature_freqs.to(wide).transpose(1, 2))  # (.., Hp, M, m)
+        phi = torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1).to(coords.dtype)
+        return phi / math.sqrt(self.num_features)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
         phi = self.features(coords)

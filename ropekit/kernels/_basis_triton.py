@@ -9,9 +9,10 @@ A commuting STRING (Cayley, and any encoding written as RoPE in a learnt orthogo
 vector ``x`` as ``RoPE(theta) P x``. Applied to a whole tensor in two steps, ``P x`` is written to memory and read
 back; here one program loads a tile of ``BLOCK_N`` tokens of one (example, head), forms the two halves of every
 plane with two small matrix products against the even and odd rows of ``P`` (``y0 = x P[0::2]^T``, ``y1 = x
-P[1::2]^T``, fp32 accumulation), rotates them by the angles ``theta[n, p] = sum_j r[n, j] w[j, p]`` (the fp32
-split-product and reduction of :mod:`ropekit.kernels._rotary_triton`, so angles do not depend on the TF32
-setting) and writes the result once: the memory traffic of plain RoPE.
+P[1::2]^T``, fp32 accumulation), rotates them by the angles ``theta[n, p] = sum_j r[n, j] w[j, p]`` (formed in
+fp64 from fp64 coordinates and frequencies and reduced modulo 2 pi before rounding, as in
+:mod:`ropekit.kernels._rotary_triton`, so angles are exact to fp32 rounding and do not depend on the TF32 setting)
+and writes the result once: the memory traffic of plain RoPE.
 
 Backward, one program per (example, head) walking its token tiles, with ``g`` the output gradient::
 
@@ -158,12 +159,12 @@ def basis_rotary_bwd(g_ptr, sgb, sgh, sgn, sgd, x_ptr, sxb, sxh, sxn, sxd, gx_pt
                 gth = o0 * g1 - o1 * g0  # (BN, D2): the angle gradient, zero for prefix rows
                 r_rows = r_ptr + bc * srb + m64[:, None] * C + cdims[None, :]
                 if NEED_FREQ:
-                    r = tl.load(r_rows, mask=rows[:, None] & (cdims < C)[None, :], other=0.0)  # (BN, BC)
+                    r = tl.load(r_rows, mask=rows[:, None] & (cdims < C)[None, :], other=0.0).to(tl.float32)
                     f_acc += tl.reduce(r[:, :, None] * gth[:, None, :], 0, _sum_combine)  # (BC, D2)
                 if NEED_COORD:
                     c_row = cpart_ptr + (bh.to(tl.int64) * M + m64) * C  # (B H, M, C) partials
                     for j in tl.static_range(C):
-                        w = tl.load(w_ptr + hf * swh + j * D2 + planes)
+                        w = tl.load(w_ptr + hf * swh + j * D2 + planes).to(tl.float32)
                         tl.store(c_row + j, tl.reduce(gth * w[None, :], 1, _sum_combine), mask=rows)
     if NEED_P:
         gp_base = gp_ptr + bh.to(tl.int64) * (D * D)

@@ -12,9 +12,11 @@ those of k after them: both tensors are rotated by one launch. In registers, in 
     y0 = x0 cos(theta) - x1 sin(theta),   y1 = x0 sin(theta) + x1 cos(theta)
 
 where ``(x0, x1)`` is plane ``p``: the dimensions ``(2p, 2p + 1)`` (interleaved pairs) or ``(p, p + P)`` (half
-split). In fp32 the angle is not the plain rounded sum (off by ~1e-3 rad at ``|theta| ~ 10^4``, coordinates in the
-thousands): each product is split exactly and reduced modulo 2 pi before the terms are added
-(``_reduced_angles``), so ``theta`` reaches cos/sin within ~1e-6 rad of the float64 angle, in ``[-pi, pi]``. The
+split). The angle is formed in fp64 from fp64 coordinates and frequencies (an fp32 sum is off by ~1e-3 rad at
+``|theta| ~ 10^4``, coordinates in the thousands, and frequencies derived in float64 from parameters would be
+rounded), reduced modulo 2 pi in fp64 and only then rounded to the fp32 compute dtype (``_reduced_angles``): cos
+and sin get the float64 angle to fp32 rounding, in ``[-pi, pi]``. Per (token, plane) and program that is ``c``
+fp64 multiply-adds, one fp64 multiply, a floor and one more multiply-add, shared by the program's copies. The
 backward pass is the same rotation by ``-theta`` applied to the output gradient, and, when the frequencies or
 coordinates need a gradient, the angle gradient of every (token, plane)::
 
@@ -76,49 +78,28 @@ def _store_pairs(base, stride, y0, y1, nmask, p, pmask, P, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _split12(x):
-    """``x`` (fp32) truncated to 12 significant bits: the product of two such numbers is exact in fp32."""
-    return (x.to(tl.int32, bitcast=True) & -4096).to(tl.float32, bitcast=True)
+def _reduced_angles(r_row, rmask, w_row, p, pmask, P, C: tl.constexpr):
+    """Angles ``sum_j r_j w_jp`` ``(BN, BP)`` formed in fp64 from the fp64 coordinates and frequencies, reduced
+    modulo 2 pi in fp64 (``theta - round(theta / 2 pi) 2 pi``, exact to ~1e-12 rad at ``|theta| ~ 10^4``) and only
+    then rounded to fp32, in ``[-pi, pi]``: within fp32 rounding of the float64 angle whatever the coordinate scale,
+    where an fp32 sum is off by up to ~1e-3 rad at ``|theta| ~ 10^4``, and frequencies derived in float64 from
+    parameters are used unrounded."""
+    theta = _angles64(r_row, rmask, w_row, p, pmask, P, C)
+    k = tl.floor(theta * 0.15915494309189535 + 0.5)
+    return (theta - k * 6.283185307179586).to(tl.float32)
 
 
 @triton.jit
-def _reduced_angles(r_row, rmask, w_row, p, pmask, P, C: tl.constexpr):
-    """fp32 angles ``sum_j r_j w_jp`` reduced to ``[-pi, pi]``, accurate to ~1e-6 rad where the plain fp32 sum
-    is off by up to ~1e-3 rad at ``|theta| ~ 10^4`` (half an ulp per product and per addition).
-
-    Each factor is split exactly into 12 leading bits and a remainder, ``r = rh + rl``, ``w = wh + wl``, so that
-    ``rh * wh`` is exact and ``rh * wl + rl * w`` is small (its rounding error negligible). The exact large part of
-    every term is reduced modulo 2 pi by Cody-Waite before anything is added to it: ``k = round(x / 2 pi)``,
-    ``x - k * HI`` is exact (``HI`` = 2 pi to 10 bits, so ``k * HI`` is exact for ``|k| < 2^14`` -- terms up
-    to ~10^5 rad -- and the difference is representable), then ``- k * LO`` with ``LO = 2 pi - HI``. The
-    reduced parts and the small parts are summed (a few 1e-7 of rounding) and brought back to ``[-pi, pi]``.
-    ``floor``, bit masks and plain products only: no fused multiply-add needed, and fp contraction by the compiler
-    does not change the result (every product it could fuse is exact or small).
-    """
+def _angles64(r_row, rmask, w_row, p, pmask, P, C: tl.constexpr):
+    """fp64 angles ``sum_j r_j w_jp`` ``(BN, BP)`` from the fp64 coordinate rows and frequency rows."""
     r = tl.load(r_row, mask=rmask, other=0.0)
     w = tl.load(w_row + p, mask=pmask, other=0.0)
-    red, small = _reduced_term(r, w)
+    theta = r[:, None] * w[None, :]
     for j in tl.static_range(1, C):
         r = tl.load(r_row + j, mask=rmask, other=0.0)
         w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
-        red_j, small_j = _reduced_term(r, w)
-        red += red_j
-        small += small_j
-    theta = red + small  # |theta| <= c pi + small: one more reduction, |k| <= c
-    k = tl.floor(theta * 0.15915494309189535 + 0.5)
-    return (theta - k * 6.28125) - k * 0.0019353071693331003
-
-
-@triton.jit
-def _reduced_term(r, w):
-    """One term ``r_j w_jp`` (``r`` ``(BN,)``, ``w`` ``(BP,)``) as ``(reduced, small)`` ``(BN, BP)``: ``reduced`` the
-    exact product of the leading bits modulo 2 pi (Cody-Waite), ``small`` the rest (see ``_reduced_angles``)."""
-    rh = _split12(r)
-    wh = _split12(w)
-    big = rh[:, None] * wh[None, :]  # exact
-    small = rh[:, None] * (w - wh)[None, :] + (r - rh)[:, None] * w[None, :]
-    k = tl.floor(big * 0.15915494309189535 + 0.5)
-    return (big - k * 6.28125) - k * 0.0019353071693331003, small
+        theta += r[:, None] * w[None, :]
+    return theta
 
 
 @triton.jit
@@ -152,20 +133,14 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
     pmask = p < P
     m = n - prefix  # coordinate row; < 0 for prefix tokens
     rmask = nmask & (m >= 0)
-    # coords (Bc, M, C) and freqs (Hf, C, P) are contiguous in the compute dtype: fp32, or fp64 for fp64 inputs
+    # coords (Bc, M, C) and freqs (Hf, C, P) are contiguous fp64: the angles are formed in fp64 (see the module doc)
     r_row = r_ptr + bk.to(tl.int64) * srb + m.to(tl.int64) * C
     w_row = w_ptr + hk.to(tl.int64) * swh
 
-    if REDUCE:
+    if REDUCE:  # fp32 compute dtype: the fp64 angle reduced modulo 2 pi, then rounded
         theta = _reduced_angles(r_row, rmask, w_row, p, pmask, P, C)
-    else:
-        r = tl.load(r_row, mask=rmask, other=0.0)
-        w = tl.load(w_row + p, mask=pmask, other=0.0)
-        theta = r[:, None] * w[None, :]  # (BN, BP) in the compute dtype
-        for j in tl.static_range(1, C):
-            r = tl.load(r_row + j, mask=rmask, other=0.0)
-            w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
-            theta += r[:, None] * w[None, :]
+    else:  # fp64 compute dtype
+        theta = _angles64(r_row, rmask, w_row, p, pmask, P, C)  # (BN, BP)
     cos = tl.cos(theta)
     sin = tl.sin(theta) * sign
 
@@ -192,12 +167,12 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
     if NEED_FREQ:
         f_row = fpart_ptr + t.to(tl.int64) * (C * P)  # (programs, C, P) partial sums, program order
         for j in tl.static_range(C):
-            r = tl.load(r_row + j, mask=rmask, other=0.0)
+            r = tl.load(r_row + j, mask=rmask, other=0.0).to(g_acc.dtype)
             tl.store(f_row + j * P + p, tl.reduce(g_acc * r[:, None], 0, _sum_combine), mask=pmask)
     if NEED_COORD:
         c_row = cpart_ptr + ((key * n_chunks + chunk).to(tl.int64) * N + n64) * C  # (keys, chunks, N, C) partials
         for j in tl.static_range(C):
-            w = tl.load(w_row + j * P + p, mask=pmask, other=0.0)
+            w = tl.load(w_row + j * P + p, mask=pmask, other=0.0).to(g_acc.dtype)
             tl.store(c_row + j, tl.reduce(g_acc * w[None, :], 1, _sum_combine), mask=nmask)
 
 

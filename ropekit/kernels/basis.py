@@ -42,11 +42,12 @@ def _kernels():
 def basis_rotary_supported(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor) -> bool:
     """Whether :func:`fused_basis_rotary` handles these arguments on their device (else use the two-step form):
     the kernel is available there, ``d`` is a power of two from 32 to 128, at most 4 coordinate dimensions, fp32 /
-    fp16 / bf16 tokens, no float64 parameter or coordinate, and the kernels passed their self-test for this head
+    fp16 / bf16 tokens, no float64 basis (float64 coordinates and frequencies are fine: the angles are formed in
+    float64), and the kernels passed their self-test for this head
     dimension, coordinate dimension and dtype on this device (:func:`_self_test`)."""
     d = x.shape[-1]
     return (x.dim() == 4 and 32 <= d <= 128 and d & (d - 1) == 0 and x.dtype in _DTYPES
-            and freqs.shape[-2] <= 4 and torch.float64 not in (basis.dtype, freqs.dtype, coords.dtype)
+            and freqs.shape[-2] <= 4 and basis.dtype != torch.float64
             and available(x.device) and _self_test(x.device, d, freqs.shape[-2], x.dtype))
 
 
@@ -115,8 +116,8 @@ class _FusedBasisRotary(torch.autograd.Function):
         mod = _kernels()
         bsz, h, n, d = x.shape
         p = basis.detach().to(torch.float32).contiguous()  # (Hp, d, d)
-        r = _as_rows(coords, torch.float32)  # (Bc, M, c)
-        w = _as_heads(freqs.detach(), torch.float32)  # (Hf, c, d/2)
+        r = _as_rows(coords, torch.float64)  # (Bc, M, c): the angles are formed in fp64 (see _reduced_angles)
+        w = _as_heads(freqs.detach(), torch.float64)  # (Hf, c, d/2)
         y = torch.empty_like(x)
         tiles = -(-n // BLOCK_N)
         if bsz * h * tiles:
@@ -187,7 +188,8 @@ def fused_basis_rotary(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, 
 
     Returns:
         ``(B, H, N, d)`` in ``x``'s dtype and layout: plane ``p`` (dimensions ``2p, 2p + 1``) of ``P x`` turned by
-        ``theta_p = sum_j coords_j freqs[j, p]`` (then ``P^T`` with ``transpose_back``). Computed in fp32.
+        ``theta_p = sum_j coords_j freqs[j, p]`` (then ``P^T`` with ``transpose_back``). Computed in fp32, the
+        angles in fp64.
 
     Raises:
         ValueError: inconsistent shapes, or arguments :func:`basis_rotary_supported` rejects.

@@ -7,9 +7,10 @@ dimension, ``P = d / 2`` rotation planes.
 
 Plane ``p`` of a head vector is the pair of dimensions ``(2p, 2p + 1)`` (``pairs="interleaved"``) or
 ``(p, p + d / 2)`` (``pairs="half"``); it turns counter-clockwise by ``theta_p(r) = sum_j r_j * freqs[j, p]``.
-Angles, cos/sin and the rotation are computed in fp32 registers (fp64 when an input is fp64) from the coordinates
-and frequencies -- no angle or cos/sin table is written to memory, and no matrix product is involved, so the
-angles do not depend on the TF32 setting. Inputs and outputs keep their dtype (bf16, fp16, fp32 or fp64).
+Angles are formed in fp64 registers from the coordinates and frequencies (float64 ones used as they are) and
+reduced modulo 2 pi before cos/sin and the rotation in fp32 (fp64 when q or k is fp64) -- no angle or cos/sin
+table is written to memory, and no matrix product is involved, so the angles do not depend on the TF32 setting
+and stay exact to fp32 rounding at any coordinate scale. Inputs and outputs keep their dtype (bf16, fp16, fp32 or fp64).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
             o_k: Optional[Tensor], r_k: Optional[Tensor], w: Tensor, prefix: int, half: bool, sign: float,
             need_freq: bool, need_coord: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """One launch over q's and k's programs. ``r_*``: contiguous (Bc, M, c) and ``w``: contiguous (Hf, c, P), both
-    in the compute dtype (fp32, or fp64).
+    in fp64 (the kernel forms its angles in fp64 whatever the compute dtype).
 
     Returns the reduced angle-gradient products when asked for, else None: the frequency gradient ``(Hf, c, P)``,
     and the coordinate gradients of q's and of k's tokens ``(Bc, N, c)`` (prefix rows included, summed over heads).
@@ -184,7 +185,7 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
     else:
         gk = _geometry(x_k, r_k, w, block_n)
     q_programs, k_programs = gq[-1], gk[-1]
-    acc = w.dtype  # the compute dtype: float32, or float64 for float64 inputs
+    acc = _compute_dtype(x_q, x_k)  # float32, or float64 for float64 inputs
     fpart = torch.empty((q_programs + k_programs, c, p) if need_freq else (1,), device=dev, dtype=acc)
 
     def cpart(x: Tensor, g: Tuple[int, ...], used: bool) -> Tensor:
@@ -201,7 +202,7 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
         w, w.stride(0) if w.shape[0] > 1 else 0, fpart, cq, ck,
         q_programs, prefix, p, sign,
         C=c, BLOCK_N=block_n, BLOCK_P=block_p, HALF=half, NEED_FREQ=need_freq, NEED_COORD=need_coord,
-        REDUCE=acc == torch.float32,  # fp32: exact split products and reduction mod 2 pi (fp64 needs neither)
+        REDUCE=acc == torch.float32,  # fp32: the fp64 angles reduced mod 2 pi before rounding (fp64: used as they are)
         num_warps=4)
     g_w = g_rq = g_rk = None
     if need_freq:  # program order (key_b, key_h, tile, chunk): sum all but key_h
@@ -216,7 +217,7 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
 
 
 def _compute_dtype(*xs: Optional[Tensor]) -> torch.dtype:
-    """float64 when an input is float64, else float32 (the dtype of angles, cos/sin and the rotation)."""
+    """float64 when an input is float64, else float32 (the dtype of cos/sin and the rotation)."""
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
 
@@ -236,10 +237,9 @@ class _FusedRotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, k_coords: Optional[Tensor],
                 prefix: int, half: bool):
-        acc = _compute_dtype(q, k)
-        r_q = _as_rows(coords, acc)
-        r_k = r_q if k_coords is None else _as_rows(k_coords, acc)
-        w = _as_heads(freqs.detach(), acc)  # (Hf, c, P)
+        r_q = _as_rows(coords, torch.float64)  # angles in fp64 whatever the compute dtype (see _reduced_angles)
+        r_k = r_q if k_coords is None else _as_rows(k_coords, torch.float64)
+        w = _as_heads(freqs.detach(), torch.float64)  # (Hf, c, P)
         q_out = torch.empty_like(q)  # keeps q's layout when it is a dense (permuted) view
         k_out = None if k is None else torch.empty_like(k)
         _launch(q, q_out, q, r_q, k, k_out, k, r_k, w, prefix, half, 1.0, False, False)
@@ -303,8 +303,8 @@ class _FusedRotary(torch.autograd.Function):
 
 @torch.library.custom_op("ropekit::rotary_qk", mutates_args=())
 def _rotary_qk(q: Tensor, k: Tensor, r: Tensor, w: Tensor, prefix: int, half: bool) -> Tuple[Tensor, Tensor]:
-    """``(q_out, k_out)``: q and k rotated by ``r . w`` (``r``: contiguous fp32 ``(Bc, M, c)``; ``w``: contiguous
-    fp32 ``(Hf, c, P)``), in the inputs' dtypes and layouts."""
+    """``(q_out, k_out)``: q and k rotated by ``r . w`` (``r``: contiguous fp64 ``(Bc, M, c)``; ``w``: contiguous
+    fp64 ``(Hf, c, P)``), in the inputs' dtypes and layouts."""
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     _launch(q, q_out, q, r, k, k_out, k, r, w, prefix, half, 1.0, False, False)
     return q_out, k_out
@@ -322,7 +322,7 @@ def _rotary_qk_backward(g_q: Tensor, g_k: Tensor, o_q: Tensor, o_k: Tensor, r: T
     frequency gradient ``(Hf, c, P)`` from the saved outputs ``o_q``, ``o_k`` (zeros without)."""
     gq_in, gk_in = torch.empty_like(g_q), torch.empty_like(g_k)
     g_w, _, _ = _launch(g_q, gq_in, o_q, r, g_k, gk_in, o_k, r, w, prefix, half, -1.0, need_freq, False)
-    return gq_in, gk_in, (g_w if need_freq else torch.zeros_like(w))
+    return gq_in, gk_in, (g_w.to(w.dtype) if need_freq else torch.zeros_like(w))
 
 
 @_rotary_qk_backward.register_fake
@@ -350,14 +350,15 @@ _rotary_qk.register_autograd(_rotary_qk_grad, setup_context=_rotary_qk_setup)
 def compile_supported(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor,
                       k_coords: Optional[Tensor]) -> bool:
     """Whether :func:`fused_rotary` can run inside ``torch.compile`` for these arguments (else the caller takes
-    its PyTorch path): q and k together, keys on the queries' coordinates, no coordinate gradient, no float64."""
+    its PyTorch path): q and k together, keys on the queries' coordinates, no coordinate gradient, no float64 q or
+    k (float64 coordinates and frequencies are fine: the kernel forms its angles in float64)."""
     return (k is not None and k_coords is None and not coords.requires_grad
-            and torch.float64 not in (q.dtype, k.dtype, freqs.dtype, coords.dtype))
+            and torch.float64 not in (q.dtype, k.dtype))
 
 
 def _compiled_rotary(q: Tensor, k: Tensor, coords: Tensor, freqs: Tensor, prefix: int,
                      half: bool) -> Tuple[Tensor, Tensor]:
-    return _rotary_qk(q, k, _as_rows(coords, torch.float32), _as_heads(freqs, torch.float32), prefix, half)
+    return _rotary_qk(q, k, _as_rows(coords, torch.float64), _as_heads(freqs, torch.float64), prefix, half)
 
 
 def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, *, k_coords: Optional[Tensor] = None,
@@ -377,9 +378,9 @@ def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, 
         pairs: ``"interleaved"`` (planes ``(2p, 2p + 1)``) or ``"half"`` (planes ``(p, p + d / 2)``).
 
     Returns:
-        ``(q_out, k_out)`` in the inputs' dtypes and layouts (``k_out`` is None when ``k`` is None). Angles and
-        rotation are computed in fp32 (fp64 when an input is fp64); gradients reach ``q``, ``k``, ``freqs``,
-        ``coords`` and ``k_coords``.
+        ``(q_out, k_out)`` in the inputs' dtypes and layouts (``k_out`` is None when ``k`` is None). Angles are
+        formed in fp64, cos/sin and the rotation in fp32 (fp64 when q or k is fp64); gradients reach ``q``, ``k``,
+        ``freqs``, ``coords`` and ``k_coords``.
         When ``freqs`` or coordinates need a gradient the outputs are saved for the backward pass (attention
         keeps them anyway), so they must not be modified in place.
 
