@@ -494,8 +494,8 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
     return w, b
 
 
-def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0
-                   ) -> Tuple[Tensor, Tensor]:
+def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0,
+                   backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """The per-token part of a folded encoding: RoPE by the angles ``coords . freqs`` on q and k (whose projection
     already holds the basis), with the prefix tokens transformed by ``form.prefix``.
 
@@ -504,6 +504,7 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
         coords: ``(M, c)`` shared or ``(B, M, c)`` per example, ``M = N - num_prefix_tokens``.
         form: the encoding's :class:`RoPEForm`.
         num_prefix_tokens: ``P0`` leading tokens without a coordinate.
+        backend: the execution path, ``"auto"``, ``"torch"`` or ``"triton"`` (see ``apply_frequency_rope``).
 
     Returns:
         ``(q, k)`` of the same shapes and dtypes, from ``encodings.functional.apply_frequency_rope`` (float32 math,
@@ -516,7 +517,8 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
         q = torch.cat([basis_change(q[:, :, :p0], form.prefix.to(q.dtype)), q[:, :, p0:]], dim=2)  # (B, H, N, d)
         k = torch.cat([basis_change(k[:, :, :p0], form.prefix.to(k.dtype)), k[:, :, p0:]], dim=2)
     f = form.freqs[0] if form.freqs.shape[0] == 1 else form.freqs  # (c, d/2) shared or (H, c, d/2)
-    return apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs)
+    return apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs,
+                                backend=backend)
 
 
 def _block_eigen_rope(q: Tensor, k: Tensor, coords: Tensor, eigen: BlockEigenForm, num_prefix_tokens: int

@@ -234,7 +234,7 @@ def test_fused_kernel_dispatch(monkeypatch):
     def fused_rotary(q, k, coords, freqs, *, k_coords=None, num_prefix_tokens=0, pairs="interleaved"):
         calls.append((tuple(q.shape), k is None, tuple(coords.shape), tuple(freqs.shape), num_prefix_tokens, pairs))
         with monkeypatch.context() as m:
-            m.setattr(fn, "_fused_kernel", lambda device, traceable=False: None)
+            m.setattr(fn, "_fused_kernel", lambda device, traceable=False, backend="auto": None)
             return reference(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
 
     fake = types.SimpleNamespace(available=lambda device: True, fused_rotary=fused_rotary)

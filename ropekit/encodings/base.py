@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .functional import check_backend
+
 __all__ = ["PositionEncoding", "PEState", "check_coords", "normalize_coords", "LAYOUTS", "PAIRS"]
 
 LAYOUTS = ("bhnd", "bnhd")
@@ -238,13 +240,25 @@ class PositionEncoding(nn.Module):
         self.param_heads = num_heads if per_head else 1
         self.layout = "bhnd"
         self.pairs = "interleaved"
+        self.backend = "auto"
         self.set_conventions(layout=layout, pairs=pairs)
 
-    def set_conventions(self, *, layout: str | None = None, pairs: str | None = None) -> "PositionEncoding":
-        """Set the tensor layout (``"bhnd"`` / ``"bnhd"``) and pair convention (``"interleaved"`` / ``"half"``).
+    def set_conventions(self, *, layout: str | None = None, pairs: str | None = None,
+                        backend: str | None = None) -> "PositionEncoding":
+        """Set the tensor layout (``"bhnd"`` / ``"bnhd"``), pair convention (``"interleaved"`` / ``"half"``) and
+        execution path of the fused rotation (``backend``: ``"auto"``, ``"torch"`` or ``"triton"``).
+
+        ``backend="auto"`` (the default) runs the fused Triton kernels of ``ropekit.kernels`` on CUDA where they
+        work (warning once, with the reason, where they do not) and PyTorch operations elsewhere; ``"torch"`` always
+        PyTorch operations; ``"triton"`` always the kernels, a ``ValueError`` saying why where they cannot run. It
+        governs the encodings' own forward (RoPE family, Cayley, Circulant) and the folded path of
+        ``ropekit.nn.Attention``; paths without a kernel (LieRE, relaxed and general STRING, the tensor product,
+        ComRoPE applied per token) always run PyTorch operations.
 
         Returns ``self``. Raises ``ValueError`` for an unknown value.
         """
+        if backend is not None:
+            self.backend = check_backend(backend)
         if layout is not None:
             if layout not in LAYOUTS:
                 raise ValueError(f"{self.name}: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")

@@ -50,7 +50,7 @@ class CayleySTRING(MixedRoPE):
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         p = cayley_transform(self.skew_matrix().to(dtype))  # (Hp, d, d)
-        if _fused_kernel(coords.device) is not None:
+        if _fused_kernel(coords.device, backend=self.backend) is not None:
             return _KernelState(coords, self.freqs), p  # the fused kernel rotates P x, angles formed in-kernel
         cos, sin = super()._prepare(coords, dtype)
         return cos, sin, p
@@ -60,7 +60,7 @@ class CayleySTRING(MixedRoPE):
         (``ropekit.kernels.fused_basis_rotary``: ``P x`` is never written to memory); else the two steps."""
         if isinstance(data, tuple) and isinstance(data[0], _KernelState) and self.pairs == "interleaved" \
                 and dtype == torch.float32:
-            kernel = _fused_basis_kernel(x, data[-1], data[0].coords, data[0].freqs)
+            kernel = _fused_basis_kernel(x, data[-1], data[0].coords, data[0].freqs, self.backend)
             if kernel is not None:  # freqs (Hp, c, P), Hp = 1 or H: as the kernel takes them
                 return kernel(x, data[-1], data[0].coords, data[0].freqs, num_prefix_tokens=num_prefix_tokens)
         return super()._encode(x, data, num_prefix_tokens, dtype)
@@ -70,7 +70,7 @@ class CayleySTRING(MixedRoPE):
         if isinstance(state[0], _KernelState):
             data = state[0]
             freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
-            return _fused_kernel(x.device)(x, None, data.coords, freqs)[0]
+            return _fused_kernel(x.device, backend=self.backend)(x, None, data.coords, freqs)[0]
         cos, sin, _ = state
         return rotate_pairs(x, cos, sin)
 

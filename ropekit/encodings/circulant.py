@@ -156,7 +156,7 @@ class CirculantSTRING(PositionEncoding):
         ``b`` is even, the coordinates and pair frequencies it forms the angles from instead. The frequencies are
         float64 (the table's dtype) either way."""
         freqs = self._pair_frequencies(self.mode_table.dtype)
-        if self.block_size % 2 == 0 and _fused_kernel(coords.device) is not None:
+        if self.block_size % 2 == 0 and _fused_kernel(coords.device, backend=self.backend) is not None:
             return _KernelState(coords, freqs)
         return _angle_table(coords, freqs, dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
 
@@ -166,7 +166,7 @@ class CirculantSTRING(PositionEncoding):
         coordinates are never written to memory); else the three steps of ``_transform``."""
         if isinstance(data, _KernelState) and self.pairs == "interleaved" and dtype == torch.float32:
             basis = self.dft_blockdiag  # (1, d, d), built with the other fixed tables
-            kernel = _fused_basis_kernel(x, basis, data.coords, data.freqs)
+            kernel = _fused_basis_kernel(x, basis, data.coords, data.freqs, self.backend)
             if kernel is not None:  # freqs (Hp, c, d/2), Hp = 1 or H: as the kernel takes them
                 return kernel(x, basis, data.coords, data.freqs, num_prefix_tokens=num_prefix_tokens,
                               transpose_back=True)
@@ -178,7 +178,8 @@ class CirculantSTRING(PositionEncoding):
         z = precise_matmul(x.unflatten(-1, (-1, b)), q.transpose(0, 1))  # (B, H, M, nb, b): Q z per block
         if isinstance(state, _KernelState):  # even b: every pair of the DFT coordinates, in one launch
             freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, F) shared or (H, c, F)
-            z = _fused_kernel(x.device)(z.flatten(-2), None, state.coords, freqs)[0]  # (B, H, M, d)
+            kernel = _fused_kernel(x.device, backend=self.backend)
+            z = kernel(z.flatten(-2), None, state.coords, freqs)[0]  # (B, H, M, d)
             return precise_matmul(z.unflatten(-1, (-1, b)), q).flatten(-2)  # Q^T per block: (B, H, M, d)
         theta, cos, sin = state
         if b % 2 == 0:

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "BACKENDS",
+    "check_backend",
     "frequency_angles",
     "rope_cos_sin",
     "rotate_angles",
@@ -122,7 +125,7 @@ def _fast_rotation_ok(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
 
 def _interpreting() -> bool:
     """Triton's interpreter mode (kernels run on the CPU, for tests)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _is_compiling() -> bool:
@@ -396,7 +399,7 @@ def _check_rope_args(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor,
 
 def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, *,
                          k_coords: Tensor | None = None, num_prefix_tokens: int = 0,
-                         pairs: str = "interleaved") -> tuple[Tensor, Tensor | None]:
+                         pairs: str = "interleaved", backend: str = "auto") -> tuple[Tensor, Tensor | None]:
     """Rotate q and k by the angles ``theta = r . omega``: the per-token work of every frequency RoPE.
 
     Args:
@@ -408,24 +411,31 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
             use ``coords`` (then ``Nk`` must equal ``Nq``).
         num_prefix_tokens: leading tokens of q and k passed through unrotated.
         pairs: ``"interleaved"`` (planes ``(x_2n, x_2n+1)``) or ``"half"`` (planes ``(x_n, x_{n+d/2})``).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (:data:`BACKENDS`), see below.
 
     Returns:
         ``(q_out, k_out)`` in the input dtypes and shapes (``k_out`` is ``None`` when ``k`` is); differentiable
-        in q, k, freqs and coords.
+        twice in q, k, freqs and coords.
 
     Numerics: angles by elementwise products and sums in float64 (``_angle_table``) -- never a matrix product,
     so TF32 settings do not round them, and float64 frequencies (e.g. derived from parameters) are used as they
     are -- cos/sin and the rotation in float32 (float64 if q or k is float64), autocast disabled.
-    On CUDA the fused Triton kernel ``ropekit.kernels.fused_rotary`` runs when it is installed and available
-    for the device (on the CPU only in Triton's interpreter mode, ``TRITON_INTERPRET=1``, for tests); otherwise
-    the PyTorch path below, which is also the reference.
+    Path: with ``backend="auto"`` the fused Triton kernel ``ropekit.kernels.fused_rotary`` runs on CUDA when it is
+    installed and works there (on the CPU only in Triton's interpreter mode, ``TRITON_INTERPRET=1``, for tests),
+    else the PyTorch path below, which is also the reference (on CUDA after one warning saying why);
+    ``"torch"`` always takes the PyTorch path; ``"triton"`` always the kernel. Inside ``torch.compile`` the kernel
+    covers q and k together on shared coordinates only (``kernels.compile_supported``): ``"auto"`` takes the
+    PyTorch path for other calls there.
 
     Raises:
-        ValueError: shapes that do not fit together.
+        ValueError: shapes that do not fit together, an unknown ``backend``, or ``backend="triton"`` where the
+            kernel cannot run (the message says why).
     """
     f = _check_rope_args(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
-    kernel = _fused_kernel(q.device, traceable=True)
+    kernel = _fused_kernel(q.device, traceable=True, backend=check_backend(backend))
     if kernel is not None and _is_compiling() and not _KERNELS[0].compile_supported(q, k, coords, freqs, k_coords):
+        if backend == "triton":
+            raise ValueError(_TRITON_IN_COMPILE)
         kernel = None  # inside torch.compile the kernel covers q and k together only: the PyTorch path below
     if kernel is not None:
         return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
@@ -439,41 +449,82 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
     return q_out, _rotate_tokens(k, table, num_prefix_tokens, pairs)
 
 
+#: Execution paths of the per-token rotation: ``"auto"`` (the fused Triton kernel where it runs, else PyTorch),
+#: ``"torch"`` (always PyTorch operations), ``"triton"`` (the fused kernel, or a ``ValueError`` saying why not).
+BACKENDS = ("auto", "torch", "triton")
+
+_TRITON_IN_COMPILE = ("backend='triton': inside torch.compile the fused kernel runs only for q and k together on "
+                      "shared coordinates without a coordinate gradient (kernels.compile_supported); use "
+                      "backend='auto' there")
+
 _KERNELS: list = []  # the imported ropekit.kernels module, or None when absent (looked up once)
+_WARNED: set = set()  # the reasons "auto" has already warned about (one warning per reason and process)
 
 
-def _fused_kernel(device: torch.device, traceable: bool = False):
-    """``ropekit.kernels.fused_rotary`` if that optional package is present and usable on ``device``, else None.
+def check_backend(backend: str) -> str:
+    """``backend`` if it is one of :data:`BACKENDS`, else a ``ValueError``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    return backend
 
-    The package is imported lazily (it is merged separately and needs Triton), once; a failing ``available``
-    check falls back to the PyTorch path. On the CPU only Triton's interpreter runs it (tests): there the answer
-    is None at once, without importing anything. Inside ``torch.compile`` the kernel is returned only for a call
-    that ``kernels.compile_supported`` accepts (the caller says so with ``traceable``): it then runs as a custom
-    operator that Inductor keeps.
-    """
-    if torch.device(device).type == "cpu" and not _interpreting():
-        return None
+
+def _kernel_reason(device: torch.device) -> str | None:
+    """Why the fused rotation kernel cannot run on ``device``, or None when it can (``ropekit.kernels`` imported
+    once; its check never raises here: a broken install is a reason like any other)."""
     if not _KERNELS:
         try:
-            from .. import kernels  # noqa: PLC0415 -- optional package
+            from .. import kernels  # noqa: PLC0415 -- imports Triton only when a kernel is first used
         except ImportError:
             kernels = None
         _KERNELS.append(kernels)
     kernels = _KERNELS[0]
-    if kernels is None or (_is_compiling() and not traceable):
-        return None
+    if kernels is None:
+        return "ropekit.kernels cannot be imported"
     try:
-        ok = kernels.available(device)
-    except Exception:  # a broken Triton install must not break the PyTorch path
+        if kernels.available(device):
+            return None
+        return kernels.unavailable_reason(device)
+    except Exception as e:  # noqa: BLE001 -- reported to the caller, which warns or raises
+        return f"checking the kernels raised {type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _fused_kernel(device: torch.device, traceable: bool = False, backend: str = "auto"):
+    """``ropekit.kernels.fused_rotary`` where ``backend`` asks for it and it can run on ``device``, else None.
+
+    ``"torch"``: None. ``"auto"``: the kernel on a CUDA device (and on the CPU under ``TRITON_INTERPRET=1``, for
+    tests) when it runs there; when it does not (Triton missing or broken, its check raising), one
+    ``RuntimeWarning`` per reason and process, and None. On other devices (the CPU without the interpreter) None
+    at once: PyTorch is their path, not a fallback. ``"triton"``: the kernel, or a ``ValueError`` naming why it
+    cannot run. Inside ``torch.compile`` the kernel is returned only for a call that ``kernels.compile_supported``
+    accepts (the caller says so with ``traceable``): it then runs as a custom operator that Inductor keeps.
+    """
+    if backend == "torch":
         return None
-    return kernels.fused_rotary if ok else None
+    device = torch.device(device)
+    if backend == "auto" and not (device.type == "cuda" or (device.type == "cpu" and _interpreting())):
+        return None
+    if _is_compiling() and not traceable:
+        if backend == "triton":
+            raise ValueError(_TRITON_IN_COMPILE)
+        return None
+    reason = _kernel_reason(device)
+    if reason is None:
+        return _KERNELS[0].fused_rotary
+    if backend == "triton":
+        raise ValueError(f"backend='triton' cannot run on {device}: {reason}")
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"ropekit: the fused Triton kernels are not used on {device} ({reason}); the encodings run "
+                      f"their PyTorch operations (pass backend='torch' to choose them explicitly)", RuntimeWarning,
+                      stacklevel=3)
+    return None
 
 
-def _fused_basis_kernel(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor):
-    """``ropekit.kernels.fused_basis_rotary`` where it handles these arguments (the rotation kernel is usable on
-    their device, see :func:`_fused_kernel`, and ``kernels.basis_rotary_supported`` accepts them) outside
-    ``torch.compile``, else None."""
-    kernels = _KERNELS[0] if _fused_kernel(x.device) is not None else None
+def _fused_basis_kernel(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, backend: str = "auto"):
+    """``ropekit.kernels.fused_basis_rotary`` where it handles these arguments (the rotation kernel is chosen by
+    ``backend`` for their device, see :func:`_fused_kernel`, and ``kernels.basis_rotary_supported`` accepts them)
+    outside ``torch.compile``, else None."""
+    kernels = _KERNELS[0] if _fused_kernel(x.device, backend=backend) is not None else None
     if kernels is None or not kernels.basis_rotary_supported(x, basis, coords, freqs):
         return None
     return kernels.fused_basis_rotary

@@ -17,8 +17,8 @@ from .tensor import TensorSTRING
 
 __all__ = ["PE_REGISTRY", "PAPER_PRESETS", "create_pe", "list_pes"]
 
-#: options every encoding accepts (``PositionEncoding.set_conventions``): tensor layout and pair convention
-_CONVENTIONS = ("layout", "pairs")
+#: options every encoding accepts (``PositionEncoding.set_conventions``): tensor layout, pair convention, backend
+_CONVENTIONS = ("layout", "pairs", "backend")
 
 PE_REGISTRY: dict[str, type[PositionEncoding]] = {
     "none": NoPE,
@@ -93,8 +93,9 @@ def create_pe(name: str, *, head_dim: int, coord_dim: int, num_heads: int = 1, p
             ``block_size`` (circulant, liere, comrope-*), ``base`` (rotation base / frequency scale),
             ``init_scale`` (liere), ``init`` (comrope: "rope" or "zero"), ``exact`` and ``active_planes``
             (relaxed), ``band`` (cayley), ``num_features`` (tensor), ``learnable_freqs`` (axial); and for every
-            encoding ``layout`` (``"bhnd"`` default, or ``"bnhd"``) and ``pairs`` (``"interleaved"`` default, or
-            ``"half"`` for HF / Llama ``rotate_half`` checkpoints).
+            encoding ``layout`` (``"bhnd"`` default, or ``"bnhd"``), ``pairs`` (``"interleaved"`` default, or
+            ``"half"`` for HF / Llama ``rotate_half`` checkpoints) and ``backend`` (``"auto"`` default, ``"torch"``
+            or ``"triton"``: the execution path of the fused rotation, see ``PositionEncoding.set_conventions``).
         preset: ``None`` (ropekit's defaults) or ``"paper"``: the options each encoding's paper trained with
             (``PAPER_PRESETS``; see docs/presets-encodings.md); explicit ``options`` override the preset.
 

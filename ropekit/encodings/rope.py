@@ -14,17 +14,26 @@ import torch
 from torch import Tensor, nn
 
 from .base import PEState, PositionEncoding
-from .functional import (_angle_table, _fused_kernel, apply_frequency_rope, axial_frequencies, frequency_angles,
-                         mixed_frequencies, pair_generators, rope_cos_sin, rotate_angles)
+from .functional import (_angle_table, _fused_kernel, _is_compiling, apply_frequency_rope, axial_frequencies,
+                         frequency_angles, mixed_frequencies, pair_generators, rope_cos_sin, rotate_angles)
 
 __all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute"]
 
 
 class NoPE(PositionEncoding):
-    """The identity: no position information (``name="none"``)."""
+    """The identity: no position information (``name="none"``).
+
+    It holds no numbers, only an empty buffer that follows ``.to(...)``, ``.double()`` and the like, so that
+    ``generators()``, ``to_rope()`` and ``matrix()`` come in the module's device and dtype as every encoding's do.
+    """
 
     name = "none"
     _native_half_pairs = True
+
+    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, per_head: bool = False, *,
+                 layout: str = "bhnd", pairs: str = "interleaved") -> None:
+        super().__init__(head_dim, coord_dim, num_heads, per_head, layout=layout, pairs=pairs)
+        self.register_buffer("placement", torch.empty(0), persistent=False)  # (0,): the device and dtype only
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> None:
         return None
@@ -36,26 +45,29 @@ class NoPE(PositionEncoding):
         return x
 
     def generators(self) -> Tensor:
-        return torch.zeros(self.num_heads, self.coord_dim, self.head_dim, self.head_dim)
+        """Zeros ``(H, c, d, d)`` in the module's device and dtype."""
+        return self.placement.new_zeros(self.num_heads, self.coord_dim, self.head_dim, self.head_dim)
 
     def to_rope(self) -> tuple[Tensor, Tensor]:
-        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: the identity and zero frequencies."""
-        dtype = self._param_dtype()
-        eye = torch.eye(self.head_dim, dtype=dtype).expand(self.num_heads, -1, -1)
-        return eye, torch.zeros(self.num_heads, self.coord_dim, self.head_dim // 2, dtype=dtype)
+        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: the identity ``(H, d, d)`` and zero
+        frequencies ``(H, c, d/2)``, in the module's device and dtype."""
+        eye = torch.eye(self.head_dim, dtype=self.placement.dtype, device=self.placement.device)
+        return eye.expand(self.num_heads, -1, -1), self.placement.new_zeros(self.num_heads, self.coord_dim,
+                                                                            self.head_dim // 2)
 
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _rotate(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, **kw) -> tuple[Tensor, Tensor | None]:
+def _rotate(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, backend: str,
+            **kw) -> tuple[Tensor, Tensor | None]:
     """The fused kernel on a prepared :class:`_KernelState`: called directly in eager mode; inside
     ``torch.compile`` through ``apply_frequency_rope``, which keeps the kernel (as a custom operator) where it
     can be traced -- q and k together -- and takes the PyTorch rotation otherwise."""
-    kernel = _fused_kernel(q.device)
+    kernel = None if _is_compiling() else _fused_kernel(q.device, backend=backend)
     if kernel is not None:
         return kernel(q, k, coords, freqs, **kw)
-    return apply_frequency_rope(q, k, coords, freqs, **kw)
+    return apply_frequency_rope(q, k, coords, freqs, backend=backend, **kw)
 
 
 class _KernelState(NamedTuple):
@@ -97,7 +109,7 @@ class FrequencyRoPE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
             return rope_cos_sin(coords, self.freqs, dtype)
-        if _fused_kernel(coords.device, traceable=not coords.requires_grad) is not None:  # (compiled: see _rotate)
+        if _fused_kernel(coords.device, not coords.requires_grad, self.backend) is not None:  # (compiled: _rotate)
             return _KernelState(coords, self.freqs)  # the fused kernel forms the angles itself
         return _angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
 
@@ -113,7 +125,8 @@ class FrequencyRoPE(PositionEncoding):
         if not self._kernel_direct(x, data, dtype):
             return super()._encode(x, data, num_prefix_tokens, dtype)
         freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
-        return _rotate(x, None, data.coords, freqs, num_prefix_tokens=num_prefix_tokens, pairs=self.pairs)[0]
+        return _rotate(x, None, data.coords, freqs, self.backend, num_prefix_tokens=num_prefix_tokens,
+                       pairs=self.pairs)[0]
 
     def apply(self, q: Tensor, k: Tensor | None, state: PEState) -> tuple[Tensor, Tensor | None]:
         """As ``PositionEncoding.apply``; where the fused kernel runs, q and k go through one launch in their
@@ -124,14 +137,15 @@ class FrequencyRoPE(PositionEncoding):
         qb, kb = self._checked_bhnd(q, state, "q"), self._checked_bhnd(k, state, "k")
         data = state.q
         freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
-        q_out, k_out = _rotate(qb, kb, data.coords, freqs, k_coords=state.k.coords if state.separate_k else None,
+        q_out, k_out = _rotate(qb, kb, data.coords, freqs, self.backend,
+                               k_coords=state.k.coords if state.separate_k else None,
                                num_prefix_tokens=state.num_prefix_tokens, pairs=self.pairs)
         return self._from_bhnd(q_out), self._from_bhnd(k_out)
 
     def _transform(self, x: Tensor, state) -> Tensor:
         if isinstance(state, _KernelState):
             freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, P) shared or (H, c, P)
-            return _rotate(x, None, state.coords, freqs, pairs=self.pairs)[0]
+            return _rotate(x, None, state.coords, freqs, self.backend, pairs=self.pairs)[0]
         theta, cos, sin = state
         return rotate_angles(x, theta, cos, sin, self.pairs)
 
@@ -155,14 +169,22 @@ class AxialRoPE(FrequencyRoPE):
 
     Pair ``n`` of axis ``k`` turns by ``r_k * base ** (-2n / d_k)``. If ``d/2`` is not divisible by ``c``,
     the leftover pairs (the last ones) are not rotated. ``learnable_freqs=True`` makes the frequencies a
-    parameter (initialised to the axial values). With ``c = 1`` this is classic RoPE on interleaved pairs.
+    parameter (initialised to the axial values); ``per_head=True`` then gives every head its own. With ``c = 1``
+    this is classic RoPE on interleaved pairs.
+
+    Raises:
+        ValueError: ``per_head=True`` without ``learnable_freqs=True`` (fixed frequencies are the same for every
+            head: there is nothing to keep per head).
     """
 
     name = "axial"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 10000.0,
                  learnable_freqs: bool = False, per_head: bool = False) -> None:
-        super().__init__(head_dim, coord_dim, num_heads, per_head=per_head and learnable_freqs)
+        if per_head and not learnable_freqs:
+            raise ValueError("axial: per_head=True needs learnable_freqs=True (fixed axial frequencies are the same "
+                             "for every head)")
+        super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
         self.base = base
         shape = (self.param_heads, coord_dim, head_dim // 2)
         if learnable_freqs:

@@ -103,7 +103,8 @@ class RunRecord:
         """The trained model in eval mode (loaded from the checkpoint once, then kept)."""
         if self._model is None:
             _, ckpt = load_run(self.run_dir)
-            model = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"]))
+            model = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"], source=f"checkpoint {ckpt['path']}",
+                                                          strict=False))
             load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
             self._model = model
         return self._model.eval()

@@ -161,7 +161,8 @@ def load_source_model(run: str) -> nn.Module:
     from ..train.run_folder import load_run
 
     _, ckpt = load_run(run)
-    source = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"]))
+    source = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"], source=f"checkpoint {ckpt['path']}",
+                                                   strict=False))
     load_model_state(source, ckpt["model"], source=f"checkpoint {ckpt['path']}")
     return source.eval()
 
@@ -187,12 +188,13 @@ def init_from_checkpoint(model: nn.Module, ckpt: Mapping[str, object]) -> str:
     from ..train.checkpoint import load_model_state
 
     src_model = None
+    where = ckpt.get("path", "the checkpoint")
     if "vit_config" in ckpt and getattr(getattr(model, "cfg", None), "modality", None) == "rgbd":
         try:
-            src_model = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"]))  # type: ignore[arg-type]
+            src_model = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"],  # type: ignore[arg-type]
+                                                              source=f"checkpoint {where}", strict=False))
         except (TypeError, ValueError):
             src_model = None
-    where = ckpt.get("path", "the checkpoint")
     if src_model is not None and _coord_dim(src_model) < _coord_dim(model):
         load_model_state(src_model, ckpt["model"], source=f"checkpoint {where}")  # type: ignore[arg-type]
         report = init_3d_from_2d(model, src_model.eval())

@@ -14,13 +14,10 @@ interleaved pairs ``(2p, 2p + 1)``.
 
 from __future__ import annotations
 
-import warnings
-from typing import Dict, Tuple
-
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
+from ..encodings.functional import _rotate_pairs_real, basis_change, rope_cos_sin
 from .rotary import _as_heads, _as_rows, available
 from .rotary import _kernels as _rotary_kernels
 
@@ -42,68 +39,28 @@ def _kernels():
 def basis_rotary_supported(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor) -> bool:
     """Whether :func:`fused_basis_rotary` handles these arguments on their device (else use the two-step form):
     the kernel is available there, ``d`` is a power of two from 32 to 128, at most 4 coordinate dimensions, fp32 /
-    fp16 / bf16 tokens, no float64 basis (float64 coordinates and frequencies are fine: the angles are formed in
-    float64), and the kernels passed their self-test for this head
-    dimension, coordinate dimension and dtype on this device (:func:`_self_test`)."""
+    fp16 / bf16 tokens, and no float64 basis (float64 coordinates and frequencies are fine: the angles are formed
+    in float64)."""
     d = x.shape[-1]
     return (x.dim() == 4 and 32 <= d <= 128 and d & (d - 1) == 0 and x.dtype in _DTYPES
-            and freqs.shape[-2] <= 4 and basis.dtype != torch.float64
-            and available(x.device) and _self_test(x.device, d, freqs.shape[-2], x.dtype))
-
-
-_SELF_TESTS: Dict[Tuple[str, int, int, torch.dtype], bool] = {}
-
-
-def _self_test(device: torch.device, d: int, c: int, dtype: torch.dtype) -> bool:
-    """Compile the forward and backward kernels for ``(d, c, dtype)`` on ``device`` once and check them on a small
-    random case against the same map in float64 torch operations (outputs and all four gradients). A kernel that
-    fails to compile there, or disagrees, is not used: the caller takes the two-step form, after one warning.
-    Cached per (device, d, c, dtype)."""
-    key = (str(torch.device(device)), d, c, dtype)
-    if key in _SELF_TESTS:
-        return _SELF_TESTS[key]
-    _SELF_TESTS[key] = False  # also while the test itself runs
-    gen = torch.Generator().manual_seed(0)
-    try:  # with gradients on, autocast off and normal tensors, whatever the context of the first call
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type,
-                                                                              enabled=False):
-            x = torch.randn(2, 2, 2 * BLOCK_N + 3, d, generator=gen).to(dtype)
-            a = torch.randn(2, d, d, generator=gen)
-            p = torch.linalg.matrix_exp(0.1 * (a - a.transpose(-1, -2)))
-            r, w = torch.randn(2, x.shape[2] - 1, c, generator=gen) * 10, torch.randn(c, d // 2, generator=gen)
-            g = torch.randn(x.shape, generator=gen).to(dtype)
-            leaves = [t.to(device).requires_grad_(True) for t in (x, p, r, w)]
-            ref_leaves = [t.double().requires_grad_(True) for t in (x, p, r, w)]
-            pairs = []
-            for post in (False, True):
-                got = torch.autograd.grad(_FusedBasisRotary.apply(*leaves, 1, post), leaves, g.to(device))
-                want = torch.autograd.grad(_two_step(*ref_leaves, 1, post), ref_leaves, g.double())
-                pairs += list(zip(got, want))
-        tol = 1e-4 if dtype == torch.float32 else 3e-2
-        ok = all(float((u.detach().cpu().double() - v).abs().max()) <= tol * (1 + float(v.abs().max()))
-                 for u, v in pairs)
-        reason = "its results disagree with the reference"
-    except Exception as e:  # a kernel that does not compile on this device must not break the encoding
-        ok, reason = False, f"{type(e).__name__}: {e}"
-    if not ok:
-        warnings.warn(f"ropekit: the fused basis rotation kernel is not used on {device} for d={d}, c={c}, {dtype} "
-                      f"({reason}); the encodings take their unfused form there", RuntimeWarning, stacklevel=3)
-    _SELF_TESTS[key] = ok
-    return ok
+            and freqs.shape[-2] <= 4 and basis.dtype != torch.float64 and available(x.device))
 
 
 def _two_step(x: Tensor, p: Tensor, coords: Tensor, freqs: Tensor, prefix: int, post: bool = False) -> Tensor:
-    """``RoPE(theta) P x`` (``post``: then ``P^T``) in plain torch operations (the self-test's reference), prefix
-    tokens unchanged."""
-    y = torch.einsum("hij,bhnj->bhni", p, x[:, :, prefix:])  # (B, H, M, d)
-    r = coords if coords.dim() == 3 else coords.unsqueeze(0)  # (Bc, M, c)
-    w = freqs if freqs.dim() == 3 else freqs.unsqueeze(0)  # (Hf, c, d/2)
-    theta = torch.einsum("bmc,hcp->bhmp", r, w)  # (Bc, Hf, M, d/2)
-    y0, y1 = y[..., 0::2], y[..., 1::2]
-    out = torch.stack((y0 * theta.cos() - y1 * theta.sin(), y0 * theta.sin() + y1 * theta.cos()), -1).flatten(-2)
+    """``RoPE(theta) P x`` (``post``: then ``P^T``) in differentiable PyTorch operations, prefix tokens unchanged:
+    the map the backward pass differentiates under ``create_graph``. Computed in float32 as the kernel is (angles
+    in float64 by elementwise products, products with ``P`` float32-accurate under TF32), output in ``x``'s dtype.
+
+    Shapes as :func:`fused_basis_rotary`'s arguments: ``x`` ``(B, H, N, d)``, ``p`` ``(Hp, d, d)``, ``coords``
+    ``(M, c)`` / ``(B, M, c)``, ``freqs`` ``(c, d / 2)`` / ``(Hf, c, d / 2)``.
+    """
+    pf = p.to(torch.float32)
+    y = basis_change(x[:, :, prefix:].to(torch.float32), pf)  # (B, H, M, d)
+    cos, sin = rope_cos_sin(coords, freqs if freqs.dim() == 3 else freqs.unsqueeze(0), torch.float32)
+    out = _rotate_pairs_real(y, cos, sin)  # cos, sin: (1 | B, Hf, M, d/2)
     if post:
-        out = torch.einsum("hji,bhnj->bhni", p, out)  # P^T per head
-    return torch.cat([x[:, :, :prefix], out], dim=2)
+        out = basis_change(out, pf.transpose(-1, -2))  # P^T per head
+    return torch.cat([x[:, :, :prefix], out.to(x.dtype)], dim=2)
 
 
 def _precision(x: Tensor) -> str:
@@ -125,16 +82,23 @@ class _FusedBasisRotary(torch.autograd.Function):
                 x, *x.stride(), y, *y.stride(), p, p.stride(0) if p.shape[0] > 1 else 0, p.stride(1), p.stride(2),
                 r, r.stride(0) if r.shape[0] > 1 else 0, w, w.stride(0) if w.shape[0] > 1 else 0, h, n, prefix, tiles,
                 C=w.shape[1], D=d, D2=d // 2, BLOCK_N=BLOCK_N, PRECISION=_precision(x), POST=post, num_warps=4)
-        ctx.save_for_backward(x, p, r, w)
+        ctx.save_for_backward(x, p, r, w, basis, coords, freqs)  # the inputs themselves: for a recorded backward
         ctx.prefix, ctx.post = prefix, post
         ctx.meta = (basis.shape, basis.dtype, coords.shape, coords.dtype, freqs.shape, freqs.dtype)
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g: Tensor):
+        if torch.is_grad_enabled():  # a gradient graph is requested: differentiate the same map in torch operations
+            x, basis, coords, freqs = (ctx.saved_tensors[i] for i in (0, 4, 5, 6))
+            inputs = (x, basis, coords, freqs)
+            want = [t for t, n in zip(inputs, ctx.needs_input_grad[:4]) if n]
+            with torch.enable_grad():
+                ref = _two_step(*inputs, ctx.prefix, ctx.post)
+                grads = iter(torch.autograd.grad(ref, want, g, create_graph=True))
+            return tuple(next(grads) if n else None for n in ctx.needs_input_grad[:4]) + (None, None)
         mod = _kernels()
-        x, p, r, w = ctx.saved_tensors
+        x, p, r, w = ctx.saved_tensors[:4]
         p_shape, p_dtype, r_shape, r_dtype, w_shape, w_dtype = ctx.meta
         need_x, need_p, need_r, need_w = ctx.needs_input_grad[:4]
         bsz, h, n, d = x.shape

@@ -22,9 +22,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-__all__ = ["available", "compile_supported", "fused_rotary"]
+__all__ = ["available", "compile_supported", "fused_rotary", "unavailable_reason"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MODULE = "ropekit.kernels._rotary_triton"
@@ -34,26 +33,40 @@ def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _triton_importable() -> bool:
+def _triton_import_error() -> Optional[str]:
+    """None when Triton imports, else why it does not (one line)."""
     try:
         import triton  # noqa: F401
-    except Exception:  # ImportError, or a broken install raising something else at import
-        return False
-    return True
+    except ImportError as e:
+        if getattr(e, "name", None) == "triton" and "halted" not in str(e):
+            return "Triton is not installed (pip install triton)"
+        return f"importing Triton failed ({type(e).__name__}: {' '.join(str(e).split())})"
+    except Exception as e:  # noqa: BLE001 -- a broken install raising something else at import
+        return f"importing Triton failed ({type(e).__name__}: {' '.join(str(e).split())})"
+    return None
 
 
-def available(device: Any) -> bool:
-    """Whether :func:`fused_rotary` can run on ``device``.
+def unavailable_reason(device: Any) -> Optional[str]:
+    """Why :func:`fused_rotary` cannot run on ``device`` (one line), or None when it can.
 
-    True on a CUDA device when CUDA is available and Triton imports; on the CPU only when ``TRITON_INTERPRET=1``
-    is set (Triton's interpreter, slow: meant for tests).
+    It runs on a CUDA device when CUDA is available and Triton imports; on the CPU only when ``TRITON_INTERPRET=1``
+    is set (Triton's interpreter, slow: meant for tests); on no other device.
     """
     dev = torch.device(device)
     if dev.type == "cuda":
-        return torch.cuda.is_available() and _triton_importable()
-    if dev.type == "cpu":
-        return _interpret_requested() and _triton_importable()
-    return False
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+    elif dev.type == "cpu":
+        if not _interpret_requested():
+            return "on the CPU the Triton kernels run only in Triton's interpreter (TRITON_INTERPRET=1)"
+    else:
+        return f"the Triton kernels run on CUDA devices (the CPU only under TRITON_INTERPRET=1), not on {dev.type}"
+    return _triton_import_error()
+
+
+def available(device: Any) -> bool:
+    """Whether :func:`fused_rotary` can run on ``device`` (see :func:`unavailable_reason`)."""
+    return unavailable_reason(device) is None
 
 
 def _kernels(name: str = _MODULE):
@@ -250,7 +263,7 @@ class _FusedRotary(torch.autograd.Function):
         ctx.k_coords_meta = None if k_coords is None else (k_coords.shape, k_coords.dtype)
         ctx.freqs_meta = (freqs.shape, freqs.dtype)
         ctx.need_theta = need_theta
-        saved = [r_q, r_k, w]
+        saved = [r_q, r_k, w, coords, freqs, k_coords]  # the inputs themselves: for a recorded backward
         if need_theta:
             saved += [q_out] + ([k_out] if k is not None else [])
         ctx.save_for_backward(*saved)
@@ -259,14 +272,15 @@ class _FusedRotary(torch.autograd.Function):
         return q_out, k_out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
         g_q = grads[0]
         g_k = grads[1] if ctx.has_k else None
         saved = ctx.saved_tensors
         r_q, r_k, w = saved[:3]
-        o_q = saved[3] if ctx.need_theta else None
-        o_k = saved[4] if (ctx.need_theta and ctx.has_k) else None
+        o_q = saved[6] if ctx.need_theta else None
+        o_k = saved[7] if (ctx.need_theta and ctx.has_k) else None
+        if torch.is_grad_enabled():
+            return _recorded_backward(ctx, g_q, g_k, o_q, o_k, *saved[3:6])
         need_freq = ctx.needs_input_grad[3]
         need_coord = ctx.needs_input_grad[2] or (ctx.has_k_coords and ctx.needs_input_grad[4])
         # gradients of unused outputs arrive as zeros (autograd materialises them), so g_q / g_k are tensors
@@ -292,6 +306,64 @@ class _FusedRotary(torch.autograd.Function):
                 g_kc = g_rk[:, prefix:].reshape(shape).to(dtype)
         return (gq_in if ctx.needs_input_grad[0] else None, gk_in if ctx.has_k and ctx.needs_input_grad[1] else None,
                 g_coords, g_freqs, g_kc, None, None)
+
+
+def _angle_gradient(g: Tensor, o: Tensor, prefix: int, half: bool, dtype: torch.dtype) -> Tensor:
+    """``dL/dtheta = o0 g1 - o1 g0`` of every coordinate token and plane, ``(B, H, M, P)`` in ``dtype``, from the
+    output gradient ``g`` and the output ``o`` ``(B, H, N, d)``; differentiable."""
+    g, o = g[:, :, prefix:].to(dtype), o[:, :, prefix:].to(dtype)
+    if half:
+        (g0, g1), (o0, o1) = g.chunk(2, dim=-1), o.chunk(2, dim=-1)
+    else:
+        g0, g1, o0, o1 = g[..., 0::2], g[..., 1::2], o[..., 0::2], o[..., 1::2]
+    return o0 * g1 - o1 * g0
+
+
+def _coords_gradient(g_theta: Tensor, freqs: Tensor, coords: Tensor) -> Tensor:
+    """``sum_{h, p} freqs[h, j, p] g_theta[b, h, m, p]`` in ``coords``' shape ``(M, c)`` / ``(B, M, c)``, by
+    elementwise products and sums (no TF32-rounded matmul); ``g_theta`` ``(B, H, M, P)``, ``freqs``
+    ``(Hf, c, P)``."""
+    g = (freqs.unsqueeze(0).unsqueeze(2) * g_theta.unsqueeze(-2)).sum((1, -1))  # (B, M, c)
+    return (g if coords.dim() == 3 else g.sum(0)).to(coords.dtype)
+
+
+def _freqs_gradient(g_theta: Tensor, coords: Tensor, freqs: Tensor) -> Tensor:
+    """``sum_{b, m} coords[b, m, j] g_theta[b, h, m, p]`` in ``freqs``' shape (summed over the heads when they
+    share the frequencies), by elementwise products and sums; ``g_theta`` ``(B, H, M, P)``."""
+    r = coords if coords.dim() == 3 else coords.unsqueeze(0)  # (Bc, M, c)
+    g = (r.to(g_theta.dtype).unsqueeze(1).unsqueeze(-1) * g_theta.unsqueeze(-2)).sum((0, 2))  # (H, c, P)
+    shared = freqs.dim() == 2 or freqs.shape[0] == 1
+    return (g.sum(0, keepdim=True) if shared else g).reshape(freqs.shape).to(freqs.dtype)
+
+
+def _recorded_backward(ctx, g_q: Tensor, g_k: Optional[Tensor], o_q: Optional[Tensor], o_k: Optional[Tensor],
+                       coords: Tensor, freqs: Tensor, k_coords: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """:meth:`_FusedRotary.backward` in operations that autograd records (``create_graph``), so that second
+    derivatives are exact: the input gradients are the same rotation by the negated angles (this kernel again), and
+    the angle gradient ``o0 g1 - o1 g0`` is reduced onto the frequencies and coordinates with elementwise operations
+    on the saved outputs (which carry their own graph back to the inputs)."""
+    prefix, half, acc = ctx.prefix, ctx.half, _compute_dtype(g_q, g_k)
+    need_q, need_k, need_r, need_w, need_kr = ctx.needs_input_grad[:5]
+    gq_in = gk_in = g_coords = g_freqs = g_kc = None
+    if need_q or (ctx.has_k and need_k):
+        out = _FusedRotary.apply(g_q, g_k, coords, -freqs, k_coords, prefix, half)
+        gq_in, gk_in = (out, None) if g_k is None else out
+    if need_r or need_w or (ctx.has_k_coords and need_kr):
+        w = freqs.to(acc)
+        w = w if w.dim() == 3 else w.unsqueeze(0)  # (Hf, c, P)
+        th_q = _angle_gradient(g_q, o_q, prefix, half, acc)
+        th_k = None if g_k is None else _angle_gradient(g_k, o_k, prefix, half, acc)
+        if need_w:
+            g_freqs = _freqs_gradient(th_q, coords, freqs)
+            if th_k is not None:
+                g_freqs = g_freqs + _freqs_gradient(th_k, coords if k_coords is None else k_coords, freqs)
+        if need_r:
+            g_coords = _coords_gradient(th_q, w, coords)
+            if th_k is not None and k_coords is None:
+                g_coords = g_coords + _coords_gradient(th_k, w, coords)
+        if ctx.has_k_coords and need_kr:
+            g_kc = _coords_gradient(th_k, w, k_coords)
+    return (gq_in if need_q else None, gk_in if ctx.has_k and need_k else None, g_coords, g_freqs, g_kc, None, None)
 
 
 # ----------------------------------------------------------------------------- the same kernel inside torch.compile
@@ -394,9 +466,9 @@ def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, 
             raise ValueError("inside torch.compile the fused rotation needs q and k together on shared coordinates "
                              "without a coordinate gradient, in fp32/bf16/fp16 (see compile_supported)")
         return _compiled_rotary(q, k, coords, freqs, int(num_prefix_tokens), pairs == "half")
-    if not available(q.device):
-        raise ValueError(f"the fused rotation kernel cannot run on {q.device} (CUDA with Triton, or the CPU with "
-                         "TRITON_INTERPRET=1)")
+    reason = unavailable_reason(q.device)
+    if reason is not None:
+        raise ValueError(f"the fused rotation kernel cannot run on {q.device}: {reason}")
     out = _FusedRotary.apply(q, k, coords, freqs, k_coords, int(num_prefix_tokens), pairs == "half")
     if k is None:
         return out, None

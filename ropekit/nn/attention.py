@@ -120,6 +120,9 @@ class Attention(nn.Module):
         fold: merge a commuting encoding's basis into the q/k projection (see the module docstring); ``False``
             applies the encoding to every token as ``pe(q, k, coords)`` does. Ignored for encodings that
             cannot be folded.
+
+    The folded rotation runs on the execution path the encoding's ``backend`` names (``"auto"``, ``"torch"`` or
+    ``"triton"``, see ``PositionEncoding.set_conventions``), as its own forward does.
     """
 
     def __init__(self, dim: int, num_heads: int, pe: Optional[PositionEncoding] = None, *, qkv_bias: bool = True,
@@ -198,7 +201,7 @@ class Attention(nn.Module):
         if state is not None:
             if state.kind == "fold":
                 form: RoPEForm = state.value
-                q, k = frequency_rope(q, k, coords, form, num_prefix_tokens)  # (B, H, N, d)
+                q, k = frequency_rope(q, k, coords, form, num_prefix_tokens, pe.backend)  # (B, H, N, d)
             elif getattr(pe, "layout", "bhnd") == "bnhd":  # the encoding takes (B, N, H, d) views
                 q, k = pe.apply(q.transpose(1, 2), k.transpose(1, 2), state.value)
                 q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, N, d') each

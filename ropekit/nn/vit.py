@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._config_keys import known_keys
 from ..encodings import PositionEncoding, create_pe, list_pes
 from ..fold import rope_forms
 from .attention import Attention, PreparedPE
@@ -65,6 +66,8 @@ PAPER_SHARING: Dict[str, str] = {
     "comrope-ld": "model", "none": "model",
 }
 APE_KINDS = ("none", "learned", "sincos")
+#: Fields renamed since configurations were first saved: old name -> new name (saved runs stay loadable).
+RENAMED: Dict[str, str] = {}
 DEPTH_INPUTS = ("auto", "coord", "channel", "both", "ignore")
 
 
@@ -85,7 +88,9 @@ class ViTConfig:
         pe: a ``create_pe`` name (``none, axial, mixed, cayley, circulant, tensor, string, liere, liere-commute,
             comrope-ap, comrope-ld, relaxed``), or ``"absolute"`` (learned APE, no rotary encoding) or
             ``"sincos"`` (fixed 2-D/3-D sinusoidal APE, no rotary encoding).
-        pe_options: keyword options of the encoding (``ropekit.pe_options(pe)``), e.g. ``{"block_size": 8}``.
+        pe_options: keyword options of the encoding (``ropekit.pe_options(pe)``), e.g. ``{"block_size": 8}``;
+            ``{"backend": "torch"}`` (or ``"triton"``) pins the execution path of the rotation (default
+            ``"auto"``: the fused Triton kernels on CUDA where they work; see ``PositionEncoding.set_conventions``).
         pe_sharing: ``"auto"`` (as the encoding's paper trained it, see ``PAPER_SHARING``: mixed per layer and
             head, liere one set for the model, the STRING family per layer shared by heads), ``"model"`` (one
             encoding module reused by every layer), ``"layer"`` (one per layer) or ``"head"`` (one per layer with
@@ -228,12 +233,13 @@ class ViTConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "ViTConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown ViTConfig field(s): {', '.join(unknown)}")
-        d = dict(d)
+    def from_dict(cls, d: Dict[str, Any], *, source: str = "ViTConfig", strict: bool = True) -> "ViTConfig":
+        """Build from a mapping (``to_dict``'s). Fields renamed since a configuration was saved are mapped to their
+        new names (:data:`RENAMED`). Unknown fields raise ``ValueError`` naming them (``strict``: the user's own
+        options), or -- loading a saved run or checkpoint (``strict=False``), perhaps written by a newer ropekit --
+        give one warning naming them and are ignored. ``source`` starts the messages."""
+        d = known_keys(d, [f.name for f in dataclasses.fields(cls)], RENAMED, source=source, strict=strict,
+                       what="field")
         if "image_size" in d:
             s = d["image_size"]
             d["image_size"] = (int(s), int(s)) if isinstance(s, (int, float)) else tuple(int(v) for v in s)
@@ -241,9 +247,15 @@ class ViTConfig:
 
 
 def vit_config(size: str = "tiny", **overrides: Any) -> ViTConfig:
-    """A :class:`ViTConfig` of the named size (``tiny``, ``small``, ``base``) with ``overrides`` applied."""
+    """A :class:`ViTConfig` of the named size (``tiny``, ``small``, ``base``) with ``overrides`` applied.
+
+    Raises:
+        ValueError: an unknown size, or an override that is no ``ViTConfig`` field (every such name listed).
+    """
     if size not in VIT_SIZES:
         raise ValueError(f"unknown model size {size!r}; known: {', '.join(VIT_SIZES)}")
+    overrides = known_keys(overrides, [f.name for f in dataclasses.fields(ViTConfig)], RENAMED, source="vit_config",
+                           strict=True, what="field")
     return ViTConfig(**{**VIT_SIZES[size], **overrides})
 
 

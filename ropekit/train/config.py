@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
+from .._config_keys import known_keys
 from ..nn.vit import VIT_SIZES, ViTConfig, vit_config
 
 if TYPE_CHECKING:
@@ -112,19 +113,7 @@ class TrainConfig:
         """Build from a mapping. Keys renamed since a run was written are mapped to their new names
         (:data:`RENAMED`). Unknown keys raise ``ValueError`` naming them (``strict``: the user's own options), or
         -- reading a run folder written by another ropekit version -- give one warning and are ignored."""
-        d = dict(d)
-        for old, new in RENAMED.items():
-            if old in d and new not in d:
-                d[new] = d.pop(old)
-            d.pop(old, None)
-        unknown = sorted(set(d) - set(cls.field_names()))
-        if unknown:
-            if strict:
-                raise ValueError(f"{source}: unknown option(s) {', '.join(unknown)}")
-            warnings.warn(f"{source}: ignoring unknown option(s) {', '.join(unknown)} (written by another ropekit "
-                          f"version?)", stacklevel=2)
-            d = {k: v for k, v in d.items() if k not in unknown}
-        return cls(**d).validate(source)
+        return cls(**known_keys(d, cls.field_names(), RENAMED, source=source, strict=strict)).validate(source)
 
     def replace(self, **changes: Any) -> "TrainConfig":
         unknown = sorted(set(changes) - set(self.field_names()))

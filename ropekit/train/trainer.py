@@ -186,7 +186,7 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
     global coordinate offset per image drawn from ``N(0, offset_std^2 I)`` (seeded by ``seed``)."""
     config, ckpt = load_run(run_dir)
     tcfg = TrainConfig.from_dict(config.get("train", {}), source="config.json", strict=False)
-    vit_cfg = ViTConfig.from_dict(ckpt["vit_config"])
+    vit_cfg = ViTConfig.from_dict(ckpt["vit_config"], source=f"checkpoint {ckpt['path']}", strict=False)
     model = VisionTransformer(vit_cfg)
     load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
     dev = resolve_device(device)
