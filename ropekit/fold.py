@@ -510,8 +510,10 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
         ``(q, k)`` of the same shapes and dtypes, from ``encodings.functional.apply_frequency_rope`` (float32 math,
         elementwise angles; the fused kernel on CUDA).
     """
-    if form.eigen is not None:
-        return _block_eigen_rope(q, k, coords, form.eigen, num_prefix_tokens)
+    if form.eigen is not None:  # the value as below, the gradients through the block exponentials
+        e = form.eigen
+        return rotate_in_block_eigenbasis(q, k, coords, e.axis_weights, e.generators, e.schur, e.mu,
+                                          num_prefix_tokens, backend)
     if form.prefix is not None and num_prefix_tokens > 0:
         p0 = num_prefix_tokens
         q = torch.cat([basis_change(q[:, :, :p0], form.prefix.to(q.dtype)), q[:, :, p0:]], dim=2)  # (B, H, N, d)
@@ -519,26 +521,6 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
     f = form.freqs[0] if form.freqs.shape[0] == 1 else form.freqs  # (c, d/2) shared or (H, c, d/2)
     return apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs,
                                 backend=backend)
-
-
-def _block_eigen_rope(q: Tensor, k: Tensor, coords: Tensor, eigen: BlockEigenForm, num_prefix_tokens: int
-                      ) -> Tuple[Tensor, Tensor]:
-    """:func:`frequency_rope` of a "blocks" encoding: RoPE by the angles ``s_j(r) mu_{j,n}`` on the tokens after the
-    prefix, with the gradients of the block exponential (``functional.rotate_in_block_eigenbasis``); float32 math
-    (float64 for float64 tokens), autocast off, output in the tokens' dtype."""
-    wide = _wide(coords.device)
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        s = frequency_angles(coords.to(wide), eigen.axis_weights.to(wide))  # (Hp, M, nb) or (B, Hp, M, nb)
-        s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, Hp, M, nb)
-        mu = eigen.mu.to(wide)
-
-        def rotate(x: Tensor) -> Tensor:
-            xr = x[:, :, num_prefix_tokens:] if num_prefix_tokens else x
-            dtype = torch.float64 if xr.dtype == torch.float64 else torch.float32
-            y = rotate_in_block_eigenbasis(xr.to(dtype), s, eigen.generators, eigen.schur, mu).to(x.dtype)
-            return torch.cat((x[:, :, :num_prefix_tokens], y), dim=2) if num_prefix_tokens else y
-
-        return rotate(q), rotate(k)
 
 
 class FoldedRoPE(FrequencyRoPE):
@@ -550,7 +532,9 @@ class FoldedRoPE(FrequencyRoPE):
         prefix_matrix: ``(Hp, d, d)`` applied to prefix tokens (``T = P R(0)^T P^T``), or ``None`` for the identity.
 
     The frequencies and the prefix matrix are persistent buffers: they are the folded model's weights, not
-    caches derived from parameters.
+    caches derived from parameters. The frequencies stay float64 whatever the module's dtype (float32 on devices
+    without float64): a frequency rounded to float32 turns a token at coordinate 1e4 by ~1e-3 rad too much or too
+    little; the angles are formed in float64 and only their cos / sin meet the tokens' dtype.
     """
 
     name = "folded"
@@ -562,7 +546,7 @@ class FoldedRoPE(FrequencyRoPE):
             raise ValueError(f"freqs must have shape (1 or {num_heads}, {coord_dim}, {head_dim // 2}), "
                              f"got {tuple(freqs.shape)}")
         super().__init__(head_dim, coord_dim, num_heads, per_head=hp > 1)
-        self.register_buffer("freq_table", freqs.detach().clone())
+        self.register_buffer("freq_table", freqs.detach().to(_wide(freqs.device)).clone())
         if prefix_matrix is not None:
             if prefix_matrix.shape[0] not in (1, num_heads) or prefix_matrix.shape[1:] != (head_dim, head_dim):
                 raise ValueError(f"prefix_matrix must have shape (1 or {num_heads}, {head_dim}, {head_dim}), "
@@ -573,6 +557,13 @@ class FoldedRoPE(FrequencyRoPE):
     @property
     def freqs(self) -> Tensor:
         return self.freq_table
+
+    def _apply(self, fn, recurse=True):  # device and dtype moves: the frequencies keep their float64 values
+        table = self.freq_table
+        out = super()._apply(fn, recurse)
+        device = self.freq_table.device
+        self.freq_table = table.to(device=device, dtype=_wide(device))
+        return out
 
     def _transform_prefix(self, x: Tensor) -> Tensor:
         if self.prefix_matrix is None:
@@ -600,13 +591,13 @@ def fold_pe(pe: PositionEncoding) -> Tuple[FoldedRoPE, Tensor]:
         pe64 = copy.deepcopy(pe).double()
         p64, freqs = to_rope(pe64)
         post = pe64.post_rotation_matrix()
-    p, freqs = p64.to(dtype), freqs.to(dtype)
+    p = p64.to(dtype)  # the frequencies stay float64 (FoldedRoPE)
     prefix = None
     if post is not None:  # T = P R(0)^T P^T
         prefix = (p64 @ post.detach().double().transpose(-1, -2) @ p64.transpose(-1, -2)).to(p.dtype)
         prefix = _shared(prefix)
     folded = FoldedRoPE(pe.head_dim, pe.coord_dim, pe.num_heads, _shared(freqs.contiguous()), prefix)
-    folded.to(device=p.device)
+    folded.set_conventions(backend=pe.backend).to(device=p.device)
     return folded, p
 
 

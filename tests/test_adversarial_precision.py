@@ -112,17 +112,8 @@ def test_fp32_within_1e6_of_float64(name, opts, r, kind, path):
     assert max(_rel(g, want) for g in got) <= TOL
 
 
-def _blocks_fold(name: str, opts: dict):
-    """ComRoPE folds through the eigenbases of its blocks (``fold.py``'s ``"blocks"`` kind), whose frequencies
-    are read off the generators in float32: marked until that kind keeps them in float64."""
-    if name.startswith("comrope"):
-        return pytest.param(name, opts, marks=pytest.mark.xfail(
-            reason="fold.py 'blocks' kind: RoPEForm freqs derived in float32", strict=False))
-    return pytest.param(name, opts)
-
-
 @pytest.mark.parametrize("r", SCALES)
-@pytest.mark.parametrize("name,opts", [_blocks_fold(n, o) for n, o in CONFIGS], ids=IDS)
+@pytest.mark.parametrize("name,opts", CONFIGS, ids=IDS)
 def test_folded_attention_fp32_within_1e6_of_float64(name, opts, r):
     """``nn.Attention``'s default (folded) path, its unfolded path and the float64 layer give the same output.
 
@@ -229,3 +220,27 @@ def test_kernel_bf16_inputs_within_bf16_rounding_at_1e4(kernel_device):
         qr, _ = ref(q.double(), k.double(), coords.double())
     err = (qe.cpu().double() - qr).abs()
     assert bool((err <= BF16_U * qr.abs() + TOL * qr.abs().max()).all()), float(err.max())
+
+
+FOLDABLE = [(n, o) for n, o in CONFIGS if n in ("cayley", "circulant", "comrope-ap", "comrope-ld", "string")]
+
+
+@pytest.mark.parametrize("r", SCALES)
+@pytest.mark.parametrize("name,opts", FOLDABLE, ids=[f"{n}-{'head' if o['per_head'] else 'shared'}"
+                                                      for n, o in FOLDABLE])
+def test_inference_fold_keeps_its_frequencies_exact(name, opts, r):
+    """``ropekit.fold.fold`` for inference: ``folded(P q, P k)`` has the float64 logits of ``pe(q, k)`` at
+    coordinates of 1e3 / 1e4, also after the folded encoding is moved to float32 (at main its frequencies, derived
+    from the parameters, were rounded to float32: 1e-5 to 1e-4 off at 1e4)."""
+    from ropekit.encodings.functional import basis_change
+    from ropekit.fold import fold
+
+    pe = _pe(name, opts)
+    coords = _coords(r, "random")
+    q, k = _qk(M + 1)
+    want = _reference_logits(pe, q, k, coords, 1)
+    folded, p = fold(pe)
+    folded = folded.float()
+    with torch.no_grad():
+        got = _logits(*folded(basis_change(q, p), basis_change(k, p), coords, num_prefix_tokens=1))
+    assert _rel(got, want) <= TOL

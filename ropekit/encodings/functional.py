@@ -913,9 +913,9 @@ class _ScaledBlockExpm(torch.autograd.Function):
         st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M coordinates
         theta = st.to(wide) * mu_wide.unsqueeze(-2)  # (Hp, nb, T, h): float64, exact at any coordinate scale
         cs = torch.cat((torch.cos(theta), torch.sin(theta)), dim=-1).to(k.dtype)  # (Hp, nb, T, 2h)
-        st = st.to(k.dtype)  # the backward pass works in k's dtype
         e = precise_matmul(cs, _plane_basis(q))  # (Hp, nb, T, b*b)
-        ctx.save_for_backward(s, k, st, q, mu)
+        # the backward's phase factors are angles too: float64 scalars and frequencies
+        ctx.save_for_backward(s, k, st.to(wide), q, mu_wide)
         ctx.shape = (bs, hp, m, nb)
         return e.view(hp, nb, bs, m, b, b).permute(2, 0, 3, 1, 4, 5).contiguous()  # (Bs, Hp, M, nb, b, b)
 
@@ -934,9 +934,11 @@ class _ScaledBlockExpm(torch.autograd.Function):
         ge = ge.permute(1, 3, 0, 2, 4, 5).reshape(hp, nb, bs * m, b * b)  # (Hp, nb, T, b*b)
         gh = precise_matmul(ge, kron).view(hp, nb, bs * m, b, b)  # Q^T gE Q
         gst, mt = _frechet_block_grads(gh, st, mu, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        gs = None if gst is None else gst.view(hp, nb, bs, m).permute(2, 0, 3, 1)  # (Bs, Hp, M, nb)
-        gk = None if mt is None else precise_matmul(precise_matmul(q, mt), q.transpose(-1, -2))
-        return gs, gk
+        gs = None if gst is None else gst.view(hp, nb, bs, m).permute(2, 0, 3, 1).to(s.dtype)  # (Bs, Hp, M, nb)
+        if mt is not None:
+            qw = q.to(mt.dtype)
+            mt = precise_matmul(precise_matmul(qw, mt), qw.transpose(-1, -2)).to(k.dtype)
+        return gs, mt
 
 
 def _frechet_block_grads(gh: Tensor, st: Tensor, mu: Tensor, need_s: bool, need_k: bool
@@ -1038,96 +1040,107 @@ def scaled_block_exp_apply(x: Tensor, s: Tensor, k: Tensor) -> Tensor:
 
 
 class _BlockEigenRotation(torch.autograd.Function):
-    """``y = Q^T expm(s K) Q x`` block by block, computed as RoPE in the basis ``Q`` (see
-    ``rotate_in_block_eigenbasis``)."""
+    """q and k rotated by ``Q_j^T expm(s_j K_j) Q_j`` block by block after their prefix tokens, computed as RoPE in
+    the basis ``Q`` (see ``rotate_in_block_eigenbasis``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, s: Tensor, k: Tensor, q: Tensor, mu: Tensor) -> Tensor:
-        # x: (B, H, M, d); s: (Bs, Hp, M, nb) wide; k: (Hp, nb, b, b); q: (Hp, nb, b, b), mu: (Hp, nb, h) wide
-        theta = (s.unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Bs, Hp, M, d/2): pair (j, n) of block j
-        y = _rotate_heads(x, torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype))
-        ctx.save_for_backward(x, s, k, q, mu, theta)
-        return y
+    def forward(ctx, q: Tensor, k: Tensor, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor, coords: Tensor,
+                freqs: Tensor, num_prefix_tokens: int, backend: str) -> tuple[Tensor, Tensor]:
+        # q, k: (B, H, N, d); s: (Bs, Hp, M, nb) wide; gens, basis: (Hp, nb, b, b); mu: (Hp, nb, h) wide;
+        # coords: (M, c) | (B, M, c); freqs: (Hp, c, d/2) wide, = axis weights x mu
+        f = freqs[0] if freqs.shape[0] == 1 else freqs
+        qo, ko = apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, backend=backend)
+        ctx.save_for_backward(q, k, s, gens, basis, mu, coords, f)
+        ctx.num_prefix_tokens, ctx.backend = num_prefix_tokens, backend
+        return qo, ko
 
     @staticmethod
-    def backward(ctx, g: Tensor):
-        x, s, k, q, mu, theta = ctx.saved_tensors
-        need_x, need_s, need_k = ctx.needs_input_grad[:3]
+    def backward(ctx, gq: Tensor, gk: Tensor):
+        q, k, s, gens, basis, mu, coords, f = ctx.saved_tensors
+        p0 = ctx.num_prefix_tokens
+        need_q, need_k, need_s, need_g = ctx.needs_input_grad[:4]
         if torch.is_grad_enabled():  # a gradient graph is requested: differentiate the dense exponential instead
             with torch.enable_grad():
-                want = [t for t, n in zip((x, s, k), (need_x, need_s, need_k)) if n]
-                grads = iter(torch.autograd.grad(_block_eigen_reference(x, s, k, q), want, g, create_graph=True))
-            return tuple(next(grads) if n else None for n in (need_x, need_s, need_k)) + (None, None)
-        gx = gs = gk = None
-        cos, sin = torch.cos(theta).to(g.dtype), torch.sin(theta).to(g.dtype)
-        if need_x:
-            gx = _rotate_heads(g, cos, -sin)
-        if need_s or need_k:
+                inputs = [t for t, n in zip((q, k, s, gens), (need_q, need_k, need_s, need_g)) if n]
+                outs = [_block_eigen_reference(x, s, gens, basis, p0) for x in (q, k)]
+                grads = iter(torch.autograd.grad(outs, inputs, [gq, gk], create_graph=True, allow_unused=True))
+            return tuple(next(grads) if n else None for n in (need_q, need_k, need_s, need_g)) + (None,) * 6
+        gx_q = gx_k = g_s = g_gens = None
+        if need_q or need_k:  # the transposed rotation: the same angles negated
+            gx_q, gx_k = apply_frequency_rope(gq, gk, coords, -f, num_prefix_tokens=p0, backend=ctx.backend)
+        if need_s or need_g:
             bs, hp, m, nb = s.shape
-            bsz, heads = x.shape[:2]
-            b = q.shape[-1]
-            xv = x.reshape(bsz, hp, heads // hp, m, nb, b)
-            gv = g.reshape(bsz, hp, heads // hp, m, nb, b)
-            if bs == 1:  # coordinates shared by the batch: one outer product per coordinate and block
-                gh = torch.einsum("bgrmni,bgrmnj->gnmij", gv, xv)  # (Hp, nb, M, b, b)
-            else:
-                gh = torch.einsum("bgrmni,bgrmnj->gnbmij", gv, xv).reshape(hp, nb, bs * m, b, b)
-            st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M
-            gst, gd = _frechet_block_grads(gh, st, mu, need_s, need_k)
+            b = basis.shape[-1]
+            heads = q.shape[1]
+            with torch.autocast(device_type=q.device.type, enabled=False):
+                gh = None
+                dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+                for x, g in ((q, gq), (k, gk)):  # sum over the tokens at each coordinate of g x^T in the basis
+                    xv = x[:, :, p0:].to(dt).reshape(-1, hp, heads // hp, m, nb, b)
+                    gv = g[:, :, p0:].to(dt).reshape(-1, hp, heads // hp, m, nb, b)
+                    if bs == 1:  # coordinates shared by the batch: one outer product per coordinate and block
+                        part = torch.einsum("bgrmni,bgrmnj->gnmij", gv, xv)  # (Hp, nb, M, b, b)
+                    else:
+                        part = torch.einsum("bgrmni,bgrmnj->gnbmij", gv, xv).reshape(hp, nb, bs * m, b, b)
+                    gh = part if gh is None else gh + part
+                st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M
+                gst, gd = _frechet_block_grads(gh, st, mu, need_s, need_g)
             if need_s:
-                gs = gst.view(hp, nb, bs, m).permute(2, 0, 3, 1).to(s.dtype)  # (Bs, Hp, M, nb)
-            if need_k:
-                qw = q.to(gd.dtype)
-                gk = precise_matmul(precise_matmul(qw, gd), qw.transpose(-1, -2)).to(k.dtype)
-        return gx, gs, gk, None, None
+                g_s = gst.view(hp, nb, bs, m).permute(2, 0, 3, 1).to(s.dtype)  # (Bs, Hp, M, nb)
+            if need_g:
+                qw = basis.to(gd.dtype)
+                g_gens = precise_matmul(precise_matmul(qw, gd), qw.transpose(-1, -2)).to(gens.dtype)
+        return gx_q, gx_k, g_s, g_gens, None, None, None, None, None, None
 
 
-def _rotate_heads(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """``rotate_pairs`` of ``x`` ``(B, H, M, d)`` by tables ``(Bs, Hp, M, d/2)`` whose ``Hp`` divides ``H``."""
-    bsz, heads, m, d = x.shape
-    hp = cos.shape[1]
-    if hp in (1, heads):
-        return rotate_pairs(x, cos, sin)
-    xv = x.reshape(bsz, hp, heads // hp, m, d)
-    return rotate_pairs(xv, cos.unsqueeze(2), sin.unsqueeze(2)).reshape(bsz, heads, m, d)
+def _block_eigen_reference(x: Tensor, s: Tensor, gens: Tensor, basis: Tensor, num_prefix_tokens: int) -> Tensor:
+    """Dense form of one output of ``_BlockEigenRotation``: ``Q^T expm(s K) Q`` by ``torch.linalg.matrix_exp``,
+    differentiable in ``x``, ``s`` and ``K`` (``Q`` a constant), computed in ``s``'s dtype."""
+    bsz, heads, n, d = x.shape
+    hp, nb, b = gens.shape[0], gens.shape[1], gens.shape[-1]
+    m = n - num_prefix_tokens
+    e = torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * gens.to(s.dtype).unsqueeze(-4))  # (Bs,Hp,M,nb,b,b)
+    qw = basis.to(s.dtype).unsqueeze(1)  # (Hp, 1, nb, b, b)
+    e = qw.transpose(-1, -2) @ e @ qw
+    xv = x[:, :, num_prefix_tokens:].to(s.dtype).reshape(bsz, hp, heads // hp, m, nb, b)
+    y = (e.unsqueeze(2) @ xv.unsqueeze(-1)).squeeze(-1).reshape(bsz, heads, m, d).to(x.dtype)
+    return torch.cat((x[:, :, :num_prefix_tokens], y), dim=2) if num_prefix_tokens else y
 
 
-def _block_eigen_reference(x: Tensor, s: Tensor, k: Tensor, q: Tensor) -> Tensor:
-    """Dense form of ``_BlockEigenRotation``: ``Q^T expm(s K) Q`` by ``torch.linalg.matrix_exp``, differentiable
-    in ``x``, ``s`` and ``k`` (``Q`` is a constant)."""
-    bsz, heads, m, d = x.shape
-    hp, nb, b = k.shape[0], k.shape[1], k.shape[-1]
-    e = torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.to(s.dtype).unsqueeze(-4))  # (Bs, Hp, M, nb, b, b)
-    qw = q.to(s.dtype).unsqueeze(1)  # (Hp, 1, nb, b, b)
-    e = (qw.transpose(-1, -2) @ e @ qw).to(x.dtype)
-    xv = x.reshape(bsz, hp, heads // hp, m, nb, b)
-    y = (e.unsqueeze(2) @ xv.unsqueeze(-1)).squeeze(-1)  # (B, Hp, H / Hp, M, nb, b)
-    return y.reshape(bsz, heads, m, d)
-
-
-def rotate_in_block_eigenbasis(x: Tensor, s: Tensor, k: Tensor, q: Tensor, mu: Tensor) -> Tensor:
-    """Apply a block-diagonal rotation ``expm(s_j K_j)`` to tokens already written in the eigenbasis of its skew
-    blocks: ``y = Q_j^T expm(s_j K_j) Q_j x`` in block ``j`` -- the per-token work of a folded ComRoPE.
+def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weights: Tensor, gens: Tensor,
+                               basis: Tensor, mu: Tensor, num_prefix_tokens: int = 0, backend: str = "auto"
+                               ) -> tuple[Tensor, Tensor]:
+    """Rotate q and k, already written in the eigenbasis of a block-diagonal generator, by ``expm(s_j K_j)`` in
+    block ``j``: ``y = Q_j^T expm(s_j(r) K_j) Q_j x``, ``s_j(r) = sum_k r_k axis_weights[k, j]`` -- the per-token
+    work of a folded ComRoPE (and one-axis LieRE).
 
     With ``K_j = Q_j blockdiag_n(mu_{j,n} J) Q_j^T`` (``skew_real_schur``) the value is plain RoPE by the angles
-    ``s_j mu_{j,n}``. The gradients are those of the exponential itself, not of the eigendecomposition: with
-    respect to ``K`` the exact Frechet derivative (``_frechet_block_grads``), so they are exact and finite also
-    where frequencies coincide or vanish (where the derivative of an eigenbasis does not exist), and ``Q``, ``mu``
-    are constants. Under ``create_graph`` the backward differentiates the dense ``matrix_exp`` form, so second
-    derivatives are exact too.
+    ``s_j(r) mu_{j,n}`` (``apply_frequency_rope``: the fused kernel where it runs). The gradients are those of
+    the exponential itself, not of the eigendecomposition: with respect to ``K`` the exact Frechet derivative
+    (``_frechet_block_grads``), so they are exact and finite also where frequencies coincide or vanish (where an
+    eigenbasis has no derivative); ``Q`` and ``mu`` are constants. Under ``create_graph`` the backward
+    differentiates the dense ``matrix_exp`` form, so second derivatives are exact too.
 
     Args:
-        x: ``(B, H, M, d)`` tokens in the basis (``Q_j x`` per block), float32 or float64.
-        s: ``(Bs, Hp, M, nb)`` scalar of each block per token (``Bs`` 1 or ``B``); float64 for exact angles at
-            large coordinates.
-        k: ``(Hp, nb, b, b)`` the skew blocks (differentiable).
-        q, mu: ``(Hp, nb, b, b)`` and ``(Hp, nb, b/2)`` from ``skew_real_schur(k)`` (constants; ``mu`` in ``s``'s
-            dtype).
+        q, k: ``(B, H, N, d)`` in the basis (``Q_j x`` per block), any float dtype; the first
+            ``num_prefix_tokens`` pass unrotated.
+        coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example, ``M = N - num_prefix_tokens``.
+        axis_weights: ``(Hp, c, nb)``, differentiable.
+        gens: ``(Hp, nb, b, b)`` the skew blocks ``K``, differentiable; ``Hp`` is 1 or ``H``.
+        basis, mu: ``(Hp, nb, b, b)`` and ``(Hp, nb, b/2)`` from ``skew_real_schur(K)`` (constants; float64 for
+            exact angles at large coordinates).
+        backend: the path of the rotation, as ``apply_frequency_rope``.
 
     Returns:
-        ``(B, H, M, d)`` in ``x``'s dtype.
+        ``(q, k)`` of the same shapes and dtypes (float32 math, float64 for float64 tokens).
     """
-    return _BlockEigenRotation.apply(x, s, k, q.detach(), mu.detach())
+    wide = mu.dtype
+    s = frequency_angles(coords.to(wide), axis_weights.to(wide))  # (Hp, M, nb) or (B, Hp, M, nb)
+    s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, Hp, M, nb)
+    mu = mu.detach()
+    freqs = (axis_weights.detach().to(wide).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
+    return _BlockEigenRotation.apply(q, k, s, gens, basis.detach(), mu, coords.detach(), freqs, num_prefix_tokens,
+                                     backend)
 
 
 def scaled_block_exp_reference(s: Tensor, k: Tensor) -> Tensor:
