@@ -32,6 +32,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .validation import check_finite
+
 __all__ = [
     "frequency_angles",
     "rope_cos_sin",
@@ -403,7 +405,7 @@ def _check_rope_args(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor,
 
 def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, *,
                          k_coords: Tensor | None = None, num_prefix_tokens: int = 0,
-                         pairs: str = "interleaved") -> tuple[Tensor, Tensor | None]:
+                         pairs: str = "interleaved", validate: bool = True) -> tuple[Tensor, Tensor | None]:
     """Rotate q and k by the angles ``theta = r . omega``: the per-token work of every frequency RoPE.
 
     Args:
@@ -415,6 +417,9 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
             use ``coords`` (then ``Nk`` must equal ``Nq``).
         num_prefix_tokens: leading tokens of q and k passed through unrotated.
         pairs: ``"interleaved"`` (planes ``(x_2n, x_2n+1)``) or ``"half"`` (planes ``(x_n, x_{n+d/2})``).
+        validate: check ``coords`` and ``k_coords`` for NaN and infinity (``check_coords``'s finiteness check:
+            at once on the CPU, counted on the device and reported by ``check_deferred_coords()`` on an
+            accelerator); ``False`` for callers that checked them already.
 
     Returns:
         ``(q_out, k_out)`` in the input dtypes and shapes (``k_out`` is ``None`` when ``k`` is); differentiable
@@ -428,14 +433,20 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
     the PyTorch path below, which is also the reference.
 
     Raises:
-        ValueError: shapes that do not fit together.
+        ValueError: shapes that do not fit together, or (``validate``) NaN / infinite coordinates, naming their
+            count.
     """
     f = _check_rope_args(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
+    if validate:
+        check_finite(coords)
+        if k_coords is not None:
+            check_finite(k_coords, "k_coords")
     kernel = _fused_kernel(q.device, traceable=True)
     if kernel is not None and _is_compiling() and not _KERNELS[0].compile_supported(q, k, coords, freqs, k_coords):
         kernel = None  # inside torch.compile the kernel covers q and k together only: the PyTorch path below
     if kernel is not None:
-        return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
+        return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs,
+                      validate=False)
     dtype = torch.float64 if torch.float64 in (q.dtype, coords.dtype, freqs.dtype) else torch.float32
     table = _angle_table(coords, f, dtype)
     q_out = _rotate_tokens(q, table, num_prefix_tokens, pairs)

@@ -54,8 +54,8 @@ def _rotate(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, **kw) ->
     can be traced -- q and k together -- and takes the PyTorch rotation otherwise."""
     kernel = _fused_kernel(q.device)
     if kernel is not None:
-        return kernel(q, k, coords, freqs, **kw)
-    return apply_frequency_rope(q, k, coords, freqs, **kw)
+        return kernel(q, k, coords, freqs, validate=False, **kw)
+    return apply_frequency_rope(q, k, coords, freqs, validate=False, **kw)
 
 
 class _KernelState(NamedTuple):
