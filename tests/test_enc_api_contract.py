@@ -231,11 +231,12 @@ def test_fused_kernel_dispatch(monkeypatch):
     calls = []
     reference = apply_frequency_rope
 
-    def fused_rotary(q, k, coords, freqs, *, k_coords=None, num_prefix_tokens=0, pairs="interleaved"):
+    def fused_rotary(q, k, coords, freqs, *, k_coords=None, num_prefix_tokens=0, pairs="interleaved", validate=True):
         calls.append((tuple(q.shape), k is None, tuple(coords.shape), tuple(freqs.shape), num_prefix_tokens, pairs))
         with monkeypatch.context() as m:
             m.setattr(fn, "_fused_kernel", lambda device, traceable=False, backend="auto": None)
-            return reference(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
+            return reference(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs,
+                             validate=validate)
 
     fake = types.SimpleNamespace(available=lambda device: True, fused_rotary=fused_rotary)
     monkeypatch.setitem(sys.modules, "ropekit.kernels", fake)

@@ -12,9 +12,11 @@ from .relaxed import RelaxedSTRING
 from .rope import AxialRoPE, FrequencyRoPE, LieRECommute, MixedRoPE, NoPE
 from .string import GeneralSTRING
 from .tensor import TensorSTRING
+from .validation import check_deferred_coords, set_coord_validation
 
 __all__ = [
-    "PositionEncoding", "PEState", "check_coords", "apply_frequency_rope", "create_pe", "list_pes", "pe_options",
+    "PositionEncoding", "PEState", "check_coords", "check_deferred_coords", "set_coord_validation",
+    "apply_frequency_rope", "create_pe", "list_pes", "pe_options",
     "PE_REGISTRY", "PAPER_PRESETS", "count_parameters",
     "NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute", "CayleySTRING", "CirculantSTRING",
     "TensorSTRING", "GeneralSTRING", "LieRE", "ComRoPEAP", "ComRoPELD", "RelaxedSTRING",

@@ -28,7 +28,6 @@ Conventions (constructor options of every encoding):
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,18 +35,12 @@ import torch
 from torch import Tensor, nn
 
 from .functional import check_backend
+from .validation import check_finite
 
 __all__ = ["PositionEncoding", "PEState", "check_coords", "normalize_coords", "LAYOUTS", "PAIRS"]
 
 LAYOUTS = ("bhnd", "bnhd")
 PAIRS = ("interleaved", "half")
-
-
-def _is_compiling() -> bool:
-    try:
-        return torch.compiler.is_compiling()
-    except AttributeError:  # torch < 2.3
-        return False
 
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
@@ -69,49 +62,6 @@ def _expected(num_tokens: Any, coord_dim: int, batch: Any) -> str:
     return f"({num_tokens}, {coord_dim}) or ({batch if batch is not None else 'B'}, {num_tokens}, {coord_dim})"
 
 
-#: coordinate tensors already checked: ``id -> (weak reference, version counter at the check)``
-_CHECKED: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def _version(t: Tensor) -> int | None:
-    try:
-        return t._version
-    except (RuntimeError, AttributeError):  # inference tensors keep no version counter
-        return None
-
-
-def _already_checked(coords: Tensor) -> bool:
-    entry = _CHECKED.get(id(coords))
-    return entry is not None and entry[0]() is coords and entry[1] == _version(coords)
-
-
-def _remember_checked(coords: Tensor) -> None:
-    version = _version(coords)
-    if version is None:
-        return
-    key = id(coords)
-    _CHECKED[key] = (weakref.ref(coords, lambda _ref, key=key: _CHECKED.pop(key, None)), version)
-
-
-def _check_finite(coords: Tensor) -> None:
-    """Raise ``ValueError`` if ``coords`` hold NaN or infinity -- without a host synchronisation on a GPU.
-
-    On the CPU the check is a plain reduction. On an accelerator, reading the result back would stall the
-    host every forward pass; there the check runs device-side (``torch._assert_async``), which fails the next
-    synchronising operation instead. Each coordinate tensor is checked once until it is modified in place (its
-    version counter changes): a model passing the same grid every step pays no launches for it after the first.
-    Skipped while ``torch.compile`` traces.
-    """
-    if _is_compiling() or not coords.is_floating_point() or _already_checked(coords):
-        return
-    if coords.device.type == "cpu":
-        if not bool(torch.isfinite(coords).all()):
-            raise ValueError("coords contain NaN or infinite values; mask invalid tokens before encoding")
-    elif hasattr(torch, "_assert_async"):
-        torch._assert_async(torch.isfinite(coords).all())
-    _remember_checked(coords)
-
-
 def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: int | None = None) -> None:
     """Validate a coordinate tensor; raise ``ValueError`` naming the expected shape.
 
@@ -122,8 +72,14 @@ def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: 
         batch: expected ``B`` for per-example coordinates (``None`` skips that check).
 
     Raises:
-        ValueError: wrong type, dtype, rank, coordinate dimension, token count or batch, or non-finite values
-            (on an accelerator the finiteness check is asynchronous, see ``_check_finite``).
+        ValueError: wrong type, dtype, rank, coordinate dimension, token count or batch; or NaN / infinite
+            values, naming their count (``"3 non-finite values (NaN or infinite) in coords ..."``).
+
+    The finiteness check (``ropekit.encodings.validation.check_finite``, shared by every execution path) reads
+    the values at every call, so values written in place since an earlier call are seen too. On the CPU it raises
+    at once; on an accelerator, and inside ``torch.compile``, it counts the bad entries on the device without a
+    host synchronisation, and ``check_deferred_coords()`` raises this error later (the training engine calls it
+    at every step). ``set_coord_validation("eager" | "deferred" | "off")`` overrides that choice.
     """
     if not isinstance(coords, Tensor):
         raise ValueError(f"coords must be a torch.Tensor of shape {_expected(num_tokens, coord_dim, batch)}, "
@@ -146,7 +102,7 @@ def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: 
     if coords.dim() == 3 and batch is not None and coords.shape[0] != batch:
         raise ValueError(f"per-example coords have batch {coords.shape[0]}, input has {batch}: "
                          f"expected {_expected(num_tokens, coord_dim, batch)}")
-    _check_finite(coords)
+    check_finite(coords)
 
 
 def normalize_coords(coords: Tensor, coord_dim: int, num_tokens: int | None = None,

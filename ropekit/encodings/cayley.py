@@ -62,7 +62,8 @@ class CayleySTRING(MixedRoPE):
                 and dtype == torch.float32:
             kernel = _fused_basis_kernel(x, data[-1], data[0].coords, data[0].freqs, self.backend)
             if kernel is not None:  # freqs (Hp, c, P), Hp = 1 or H: as the kernel takes them
-                return kernel(x, data[-1], data[0].coords, data[0].freqs, num_prefix_tokens=num_prefix_tokens)
+                return kernel(x, data[-1], data[0].coords, data[0].freqs, num_prefix_tokens=num_prefix_tokens,
+                              validate=False)
         return super()._encode(x, data, num_prefix_tokens, dtype)
 
     def _transform(self, x: Tensor, state) -> Tensor:
@@ -70,7 +71,7 @@ class CayleySTRING(MixedRoPE):
         if isinstance(state[0], _KernelState):
             data = state[0]
             freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
-            return _fused_kernel(x.device, backend=self.backend)(x, None, data.coords, freqs)[0]
+            return _fused_kernel(x.device, backend=self.backend)(x, None, data.coords, freqs, validate=False)[0]
         cos, sin, _ = state
         return rotate_pairs(x, cos, sin)
 

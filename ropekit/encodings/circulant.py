@@ -169,7 +169,7 @@ class CirculantSTRING(PositionEncoding):
             kernel = _fused_basis_kernel(x, basis, data.coords, data.freqs, self.backend)
             if kernel is not None:  # freqs (Hp, c, d/2), Hp = 1 or H: as the kernel takes them
                 return kernel(x, basis, data.coords, data.freqs, num_prefix_tokens=num_prefix_tokens,
-                              transpose_back=True)
+                              transpose_back=True, validate=False)
         return super()._encode(x, data, num_prefix_tokens, dtype)
 
     def _transform(self, x: Tensor, state) -> Tensor:
@@ -179,7 +179,7 @@ class CirculantSTRING(PositionEncoding):
         if isinstance(state, _KernelState):  # even b: every pair of the DFT coordinates, in one launch
             freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, F) shared or (H, c, F)
             kernel = _fused_kernel(x.device, backend=self.backend)
-            z = kernel(z.flatten(-2), None, state.coords, freqs)[0]  # (B, H, M, d)
+            z = kernel(z.flatten(-2), None, state.coords, freqs, validate=False)[0]  # (B, H, M, d)
             return precise_matmul(z.unflatten(-1, (-1, b)), q).flatten(-2)  # Q^T per block: (B, H, M, d)
         theta, cos, sin = state
         if b % 2 == 0:

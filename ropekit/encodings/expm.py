@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from . import functional as F
+from .validation import check_deferred_coords
 
 __all__ = ["linear_skew_expm", "DEFAULT_BUDGET"]
 
@@ -91,7 +92,11 @@ def _eigen(r64: Tensor, l64: Tensor) -> tuple[Tensor, Tensor]:
 
     ``r64`` ``(t, c)``, ``l64`` ``(Hp, c, nb, n, n)`` float64 -> ``(t, Hp, nb, n, n)`` complex128, ``(t, Hp, nb, n)``.
     """
-    lam, u = torch.linalg.eigh((-1j) * _combine(r64, l64).to(torch.complex128))
+    try:
+        lam, u = torch.linalg.eigh((-1j) * _combine(r64, l64).to(torch.complex128))
+    except torch.linalg.LinAlgError:
+        check_deferred_coords(r64.device)  # NaN coordinates that a deferred check counted: that error instead
+        raise
     return u, lam
 
 

@@ -33,6 +33,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .validation import check_finite
+
 __all__ = [
     "BACKENDS",
     "check_backend",
@@ -399,7 +401,8 @@ def _check_rope_args(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor,
 
 def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, *,
                          k_coords: Tensor | None = None, num_prefix_tokens: int = 0,
-                         pairs: str = "interleaved", backend: str = "auto") -> tuple[Tensor, Tensor | None]:
+                         pairs: str = "interleaved", backend: str = "auto", validate: bool = True
+                         ) -> tuple[Tensor, Tensor | None]:
     """Rotate q and k by the angles ``theta = r . omega``: the per-token work of every frequency RoPE.
 
     Args:
@@ -412,6 +415,9 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         num_prefix_tokens: leading tokens of q and k passed through unrotated.
         pairs: ``"interleaved"`` (planes ``(x_2n, x_2n+1)``) or ``"half"`` (planes ``(x_n, x_{n+d/2})``).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (:data:`BACKENDS`), see below.
+        validate: check ``coords`` and ``k_coords`` for NaN and infinity (``check_coords``'s finiteness check:
+            at once on the CPU, counted on the device and reported by ``check_deferred_coords()`` on an
+            accelerator); ``False`` for callers that checked them already.
 
     Returns:
         ``(q_out, k_out)`` in the input dtypes and shapes (``k_out`` is ``None`` when ``k`` is); differentiable
@@ -428,17 +434,23 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
     PyTorch path for other calls there.
 
     Raises:
-        ValueError: shapes that do not fit together, an unknown ``backend``, or ``backend="triton"`` where the
-            kernel cannot run (the message says why).
+        ValueError: shapes that do not fit together, an unknown ``backend``, ``backend="triton"`` where the
+            kernel cannot run (the message says why), or (``validate``) NaN / infinite coordinates, naming their
+            count.
     """
     f = _check_rope_args(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
+    if validate:
+        check_finite(coords)
+        if k_coords is not None:
+            check_finite(k_coords, "k_coords")
     kernel = _fused_kernel(q.device, traceable=True, backend=check_backend(backend))
     if kernel is not None and _is_compiling() and not _KERNELS[0].compile_supported(q, k, coords, freqs, k_coords):
         if backend == "triton":
             raise ValueError(_TRITON_IN_COMPILE)
         kernel = None  # inside torch.compile the kernel covers q and k together only: the PyTorch path below
     if kernel is not None:
-        return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs)
+        return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs,
+                      validate=False)
     dtype = torch.float64 if torch.float64 in (q.dtype, None if k is None else k.dtype) else torch.float32
     table = _angle_table(coords, f, dtype)
     q_out = _rotate_tokens(q, table, num_prefix_tokens, pairs)
@@ -1067,7 +1079,8 @@ class _BlockEigenRotation(torch.autograd.Function):
             return tuple(next(grads) if n else None for n in (need_q, need_k, need_s, need_g)) + (None,) * 6
         gx_q = gx_k = g_s = g_gens = None
         if need_q or need_k:  # the transposed rotation: the same angles negated
-            gx_q, gx_k = apply_frequency_rope(gq, gk, coords, -f, num_prefix_tokens=p0, backend=ctx.backend)
+            gx_q, gx_k = apply_frequency_rope(gq, gk, coords, -f, num_prefix_tokens=p0, backend=ctx.backend,
+                                              validate=False)
         if need_s or need_g:
             bs, hp, m, nb = s.shape
             b = basis.shape[-1]

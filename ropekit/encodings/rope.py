@@ -66,8 +66,8 @@ def _rotate(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, backend:
     can be traced -- q and k together -- and takes the PyTorch rotation otherwise."""
     kernel = None if _is_compiling() else _fused_kernel(q.device, backend=backend)
     if kernel is not None:
-        return kernel(q, k, coords, freqs, **kw)
-    return apply_frequency_rope(q, k, coords, freqs, backend=backend, **kw)
+        return kernel(q, k, coords, freqs, validate=False, **kw)
+    return apply_frequency_rope(q, k, coords, freqs, backend=backend, validate=False, **kw)
 
 
 class _KernelState(NamedTuple):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..encodings.functional import _rotate_pairs_real, basis_change, rope_cos_sin
+from ..encodings.validation import check_finite
 from .rotary import _as_heads, _as_rows, available
 from .rotary import _kernels as _rotary_kernels
 
@@ -136,7 +137,7 @@ class _FusedBasisRotary(torch.autograd.Function):
 
 
 def fused_basis_rotary(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, *, num_prefix_tokens: int = 0,
-                       transpose_back: bool = False) -> Tensor:
+                       transpose_back: bool = False, validate: bool = True) -> Tensor:
     """``RoPE(coords . freqs) P x`` (or ``P^T RoPE(coords . freqs) P x``) for every token in one pass;
     differentiable in all four arguments.
 
@@ -149,6 +150,8 @@ def fused_basis_rotary(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, 
         num_prefix_tokens: leading tokens without a coordinate, passed through unchanged (not even ``P``).
         transpose_back: multiply by ``P^T`` after the rotation, back to the input's basis (the symmetric form
             ``R(r) = P^T RoPE(r) P`` of Circulant-STRING and ComRoPE); default the Cayley form ``RoPE(r) P``.
+        validate: check ``coords`` for NaN and infinity, as :func:`ropekit.kernels.fused_rotary` does; ``False``
+            for callers that checked them already.
 
     Returns:
         ``(B, H, N, d)`` in ``x``'s dtype and layout: plane ``p`` (dimensions ``2p, 2p + 1``) of ``P x`` turned by
@@ -156,7 +159,8 @@ def fused_basis_rotary(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, 
         angles in fp64.
 
     Raises:
-        ValueError: inconsistent shapes, or arguments :func:`basis_rotary_supported` rejects.
+        ValueError: inconsistent shapes, arguments :func:`basis_rotary_supported` rejects, or (``validate``) NaN /
+            infinite coordinates on the CPU.
     """
     if x.dim() != 4:
         raise ValueError(f"x must be (B, H, N, d), got shape {tuple(x.shape)}")
@@ -175,5 +179,7 @@ def fused_basis_rotary(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, 
     if not basis_rotary_supported(x, basis, coords, freqs):
         raise ValueError(f"the fused basis rotation does not handle d={d}, c={freqs.shape[-2]}, {x.dtype} on "
                          f"{x.device} (see basis_rotary_supported)")
+    if validate:
+        check_finite(coords)
     return _FusedBasisRotary.apply(x, basis, coords, freqs, int(num_prefix_tokens), bool(transpose_back))
 

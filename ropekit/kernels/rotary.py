@@ -23,6 +23,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..encodings.validation import check_finite
+
 __all__ = ["available", "compile_supported", "fused_rotary", "unavailable_reason"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -434,7 +436,8 @@ def _compiled_rotary(q: Tensor, k: Tensor, coords: Tensor, freqs: Tensor, prefix
 
 
 def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, *, k_coords: Optional[Tensor] = None,
-                 num_prefix_tokens: int = 0, pairs: str = "interleaved") -> Tuple[Tensor, Optional[Tensor]]:
+                 num_prefix_tokens: int = 0, pairs: str = "interleaved",
+                 validate: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     """Rotate ``q`` and ``k`` by the angles ``coords . freqs`` in one fused launch; differentiable in all four.
 
     Args:
@@ -448,6 +451,9 @@ def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, 
             (``Mk = Nk - num_prefix_tokens``); default: ``coords`` (then ``Nk`` must equal ``Nq``).
         num_prefix_tokens: leading tokens of q and k that carry no coordinate; passed through unchanged.
         pairs: ``"interleaved"`` (planes ``(2p, 2p + 1)``) or ``"half"`` (planes ``(p, p + d / 2)``).
+        validate: check ``coords`` and ``k_coords`` for NaN and infinity (``ropekit.encodings.check_coords``'s
+            finiteness check: on a GPU counted on the device, without a host synchronisation, and reported by
+            ``ropekit.encodings.check_deferred_coords()``); ``False`` for callers that checked them already.
 
     Returns:
         ``(q_out, k_out)`` in the inputs' dtypes and layouts (``k_out`` is None when ``k`` is None). Angles are
@@ -457,10 +463,14 @@ def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, 
         keeps them anyway), so they must not be modified in place.
 
     Raises:
-        ValueError: on inconsistent shapes, dtypes or devices, or when the device cannot run the kernel (a CPU
-            tensor without ``TRITON_INTERPRET=1``).
+        ValueError: on inconsistent shapes, dtypes or devices, when the device cannot run the kernel (a CPU
+            tensor without ``TRITON_INTERPRET=1``), or (``validate``) NaN / infinite coordinates on the CPU.
     """
     _validate(q, k, coords, freqs, k_coords, num_prefix_tokens, pairs)
+    if validate:
+        check_finite(coords)
+        if k_coords is not None:
+            check_finite(k_coords, "k_coords")
     if torch.compiler.is_compiling():
         if not compile_supported(q, k, coords, freqs, k_coords):
             raise ValueError("inside torch.compile the fused rotation needs q and k together on shared coordinates "

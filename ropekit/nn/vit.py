@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from .._config_keys import known_keys
 from ..encodings import PositionEncoding, create_pe, list_pes
+from ..encodings.validation import check_finite
 from ..fold import rope_forms
 from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
@@ -460,7 +461,9 @@ class VisionTransformer(nn.Module):
 
         Args:
             x: ``(B, C, H, W)``, ``(B, C + 1, H, W)`` (RGB-D) or ``(B, C, T, H, W)`` (video).
-            coord_offset: optional ``(B, c)`` (or ``(c,)``) added to every patch coordinate (coordinate units).
+            coord_offset: optional ``(B, c)`` (or ``(c,)``) added to every patch coordinate (coordinate units);
+                NaN or infinite entries raise ``ValueError`` naming their count (on an accelerator, from
+                ``ropekit.encodings.check_deferred_coords()``, see ``ropekit.encodings.check_coords``).
 
         Returns:
             ``(tokens (B, N, D), coords (M', c) or (B, M', c) or None, num_prefix_tokens)`` with ``M' = M``,
@@ -503,6 +506,7 @@ class VisionTransformer(nn.Module):
                 if off.dim() != 2 or off.shape[-1] != self.coord_dim or off.shape[0] not in (1, b):
                     raise ValueError(f"coord_offset must be ({b}, {self.coord_dim}) or ({self.coord_dim},), "
                                      f"got {tuple(off.shape)}")
+                check_finite(off, "coord_offset")
                 coords = coords + off.expand(b, -1).unsqueeze(1)  # (B, M, c)
             if cfg.cls == "centroid":
                 coords = torch.cat([centroid(coords), coords], dim=-2)  # (.., 1 + M, c)

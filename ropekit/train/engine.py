@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ..encodings.counting import count_parameters
+from ..encodings.validation import check_deferred_coords
 from .checkpoint import CheckpointError, atomic_save, capture_rng, load_checkpoint, load_model_state, restore_rng
 from .distributed import DistContext, init_distributed
 from .metrics import TensorBoardLogger, atomic_write_text, write_metrics_csv
@@ -412,6 +413,15 @@ def _log(msg: str, ctx: DistContext, quiet: bool) -> None:
         tqdm.write(msg, file=sys.stderr)
 
 
+def _deferred_coord_error(device: torch.device) -> Optional[ValueError]:
+    """The error :func:`ropekit.encodings.check_deferred_coords` raises for ``device``, or ``None``."""
+    try:
+        check_deferred_coords(device)
+    except ValueError as e:
+        return e
+    return None
+
+
 def fit(task: Any, schedule: Schedule, epochs: int, *, options: Optional[EngineOptions] = None,
         run_dir: Optional[Union[str, Path]] = None, checkpoint_name: str = "checkpoint.pt", resume: bool = False,
         ctx: Optional[DistContext] = None, on_step: Optional[StepCallback] = None, quiet: bool = False,
@@ -442,6 +452,8 @@ def fit(task: Any, schedule: Schedule, epochs: int, *, options: Optional[EngineO
 
     Raises:
         NonFiniteLossError: a NaN / Inf loss (step named; nothing saved after the last good checkpoint).
+        ValueError: NaN / Inf coordinates counted on the device by ``ropekit.encodings.check_deferred_coords``
+            (an accelerator, or a compiled model), raised at the step that used them, before the update.
         SaveError: a checkpoint could not be written (the previous one is intact).
         RunLockedError: another process is writing ``run_dir``.
         CheckpointError: ``resume`` without a usable checkpoint, or a checkpoint that does not fit.
@@ -572,6 +584,7 @@ def _fit(task: Any, schedule: Schedule, epochs: int, opts: EngineOptions, run: O
     bar = tqdm(total=total_steps, initial=min(global_step, total_steps), desc=getattr(task, "name", "train"),
                disable=not (opts.progress and ctx.is_main), leave=False, dynamic_ncols=True, file=sys.stderr)
     resumed_from = global_step if ckpt is not None else None
+    check_deferred_coords(device)  # sets up the device's counter before a compiled model traces its checks
     model.train()
     with _StopRequest(verbose=ctx.is_main and not quiet, enabled=run is not None) as stop:
         for epoch in range(start_epoch, epochs):
@@ -585,11 +598,14 @@ def _fit(task: Any, schedule: Schedule, epochs: int, opts: EngineOptions, run: O
                 with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
                     loss, sums = step_module(batches[step])
                 value = float(loss.detach())
-                if ctx.any(not math.isfinite(value)):
-                    raise NonFiniteLossError(
-                        f"non-finite loss ({value}) at step {global_step + 1} (epoch {epoch + 1}, batch {step + 1}): "
-                        f"stopped before the update" + (f"; the last good checkpoint {ckpt_path} is intact"
-                                                        if ckpt_path is not None and ckpt_path.exists() else ""))
+                coord_error = _deferred_coord_error(device)  # the host waits for the device here anyway
+                if ctx.any(coord_error is not None or not math.isfinite(value)):
+                    where = (f"at step {global_step + 1} (epoch {epoch + 1}, batch {step + 1}): stopped before the "
+                             f"update" + (f"; the last good checkpoint {ckpt_path} is intact"
+                                          if ckpt_path is not None and ckpt_path.exists() else ""))
+                    if coord_error is not None:
+                        raise ValueError(f"{coord_error} ({where})") from None
+                    raise NonFiniteLossError(f"non-finite loss ({value}) {where}")
                 opt.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()
                 if schedule.grad_clip > 0:
