@@ -18,7 +18,8 @@ How it checks, by mode (:func:`set_coord_validation`):
 
 Inside ``torch.compile`` a check counts (without a graph break) on a device whose counter existed when the graph was
 traced: the CPU's always; an accelerator's after its first eager check or a call of
-``check_deferred_coords(device)``.
+``check_deferred_coords(device)``. A graph traced by ``torch.export`` (and so an ONNX export) holds no check: it can
+neither raise nor keep a counter.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def check_finite(values: Tensor, name: str = "coords") -> None:
         ValueError: ``"<n> non-finite values (NaN or infinite) in <name> ..."``, at once in the eager mode;
             in the deferred mode by :func:`check_deferred_coords` later.
     """
-    if not values.is_floating_point() or values.device.type == "meta":
-        return
+    if not values.is_floating_point() or values.device.type == "meta" or torch.compiler.is_exporting():
+        return  # an exported graph (torch.export, ONNX) can neither raise nor keep a counter
     compiling = torch.compiler.is_compiling()
     mode = _resolve(_MODE[0], values.device.type, compiling)
     if mode == "eager":
