@@ -1086,16 +1086,16 @@ class _BlockEigenRotation(torch.autograd.Function):
             b = basis.shape[-1]
             heads = q.shape[1]
             with torch.autocast(device_type=q.device.type, enabled=False):
-                gh = None
                 dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+                # (Hp, nb, M | (B, M), ., .) batches of outer products summed over the batch and heads sharing the
+                # parameters (shared coordinates) or over the heads only (per example): one bmm each for q and k
+                order, batch = ((1, 4, 3, 0, 2, 5), hp * nb * m) if bs == 1 else ((1, 4, 0, 3, 2, 5), hp * nb * bs * m)
+                gh = None
                 for x, g in ((q, gq), (k, gk)):  # sum over the tokens at each coordinate of g x^T in the basis
-                    xv = x[:, :, p0:].to(dt).reshape(-1, hp, heads // hp, m, nb, b)
-                    gv = g[:, :, p0:].to(dt).reshape(-1, hp, heads // hp, m, nb, b)
-                    if bs == 1:  # coordinates shared by the batch: one outer product per coordinate and block
-                        part = torch.einsum("bgrmni,bgrmnj->gnmij", gv, xv)  # (Hp, nb, M, b, b)
-                    else:
-                        part = torch.einsum("bgrmni,bgrmnj->gnbmij", gv, xv).reshape(hp, nb, bs * m, b, b)
-                    gh = part if gh is None else gh + part
+                    xv, gv = (t[:, :, p0:].to(dt).unflatten(1, (hp, heads // hp)).unflatten(-1, (nb, b))
+                              .permute(order).reshape(batch, -1, b) for t in (x, g))  # (batch, B r | r, b)
+                    gh = torch.bmm(gv.transpose(1, 2), xv) if gh is None else gh.baddbmm_(gv.transpose(1, 2), xv)
+                gh = gh.view(hp, nb, bs * m, b, b)
                 st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M
                 gst, gd = _frechet_block_grads(gh, st, mu, need_s, need_g)
             if need_s:

@@ -30,38 +30,33 @@ from ..fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rop
 __all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
 
 
-class _TwiceDifferentiableSDPA(torch.autograd.Function):
-    """``F.scaled_dot_product_attention`` whose backward is itself differentiable.
+class _SecondOrderSDPA(torch.autograd.Function):
+    """An identity on the attention's output whose backward routes a gradient graph around the fused kernel.
 
-    The forward pass and a first-order backward run the fused kernel PyTorch picks (flash attention on the CPU
-    and on CUDA), through the graph recorded in the forward pass -- no recomputation. Those kernels have no
-    double backward; so when a gradient graph is requested (``create_graph=True``, second derivatives) the
-    backward recomputes the attention with the math backend, whose operations are all differentiable, and
-    differentiates that instead.
+    ``out = F.scaled_dot_product_attention(q, k, v)`` runs the kernel PyTorch picks (flash attention on the CPU and
+    on CUDA) and records its backward as usual; this node sits after it. A first-order backward passes the
+    gradient straight on to that fused backward (one trivial node, nothing recomputed). Those kernels have no double
+    backward, so when a gradient graph is requested (``create_graph=True``) this node instead recomputes the
+    attention with the math backend, whose operations are all differentiable, and returns its gradients for q, k
+    and v directly -- the fused node then receives no gradient and is skipped.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        with torch.enable_grad():
-            inner = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), ctx.needs_input_grad[:3])]
-            out = F.scaled_dot_product_attention(*inner, scale=scale)
-        ctx.inner, ctx.out, ctx.scale = inner, out, scale
+    def forward(ctx, out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float]) -> Tensor:
         ctx.save_for_backward(q, k, v)
-        return out.detach()
+        ctx.scale = scale
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        needs = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():  # create_graph: the math backend, differentiable to any order
-            q, k, v = ctx.saved_tensors
-            with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
-                out = F.scaled_dot_product_attention(q, k, v, scale=ctx.scale)
-                grads = iter(torch.autograd.grad(out, [t for t, n in zip((q, k, v), needs) if n], g,
-                                                 create_graph=True))
-        else:
-            grads = iter(torch.autograd.grad(ctx.out, [t for t, n in zip(ctx.inner, needs) if n], g,
-                                             retain_graph=True))
-        return tuple(next(grads) if n else None for n in needs) + (None,)
+        if not torch.is_grad_enabled():
+            return g, None, None, None, None
+        q, k, v = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:4]
+        with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
+            out = F.scaled_dot_product_attention(q, k, v, scale=ctx.scale)
+            grads = iter(torch.autograd.grad(out, [t for t, n in zip((q, k, v), needs) if n], g, create_graph=True))
+        return (None,) + tuple(next(grads) if n else None for n in needs) + (None,)
 
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
@@ -76,14 +71,15 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: flo
 
     Returns:
         ``(B, H, N, d)``. Values and first derivatives come from the fused kernel PyTorch selects; under
-        ``torch.autograd.grad(..., create_graph=True)`` the backward is recomputed with the math backend, so
+        ``torch.autograd.grad(..., create_graph=True)`` the gradients come from the math backend instead, so
         second derivatives (gradient penalties, meta-learning, Hessian-vector products) are exact -- PyTorch's
         fused CPU and CUDA kernels have no double backward.
     """
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
     if (dropout_p == 0.0 and torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return _TwiceDifferentiableSDPA.apply(q, k, v, scale)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+        return _SecondOrderSDPA.apply(out, q, k, v, scale)
+    return out
 
 
 class PreparedPE(NamedTuple):
