@@ -25,7 +25,8 @@ J = torch.tensor([[0.0, -1.0], [1.0, 0.0]], dtype=torch.float64)
 
 def _dense_attention(att: Attention, x: torch.Tensor, coords: torch.Tensor, p0: int) -> torch.Tensor:
     """``att(x, coords, p0)`` in float64 from the encoding's generators: ``R(r) = expm(sum_k r_k L_k)`` per token
-    (Cayley-STRING: ``P expm(...)``), prefix tokens unrotated, softmax attention written out."""
+    (Cayley-STRING: ``P expm(...)``, relaxed STRING: ``expm(...) P_sp``), prefix tokens unrotated, softmax attention
+    written out."""
     pe = att.pe
     b, n, dim = x.shape
     h, d = att.num_heads, att.head_dim
@@ -34,7 +35,9 @@ def _dense_attention(att: Attention, x: torch.Tensor, coords: torch.Tensor, p0: 
     gen = torch.einsum("mc,hcij->hmij", coords, pe.generators())  # (H, M, d, d)
     rot = torch.linalg.matrix_exp(gen.contiguous())
     post = pe.post_rotation_matrix()
-    if post is not None:  # Cayley-STRING: R(r) = P R_STR(r)
+    if post is not None and pe.name == "relaxed":  # relaxed STRING: R(r) = R_STR(r) P_sp
+        rot = rot @ post.unsqueeze(1)
+    elif post is not None:  # Cayley-STRING: R(r) = P R_STR(r)
         rot = post.unsqueeze(1) @ rot
 
     def encode(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +76,8 @@ def _grads(m, x, coords, p0, forward=None):
 
 
 def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 BLOCK_CASES = [("comrope-ld", {"block_size": 4}), ("comrope-ap", {"block_size": 4}),
@@ -161,16 +165,36 @@ def _hvp(m, x, coords, p0, forward):
     return torch.autograd.grad(sum((gi * v).sum() for gi, v in zip(grads, vs)), params)
 
 
-SECOND_ORDER = [("axial", {"learnable_freqs": True}), ("mixed", {}), ("cayley", {}),
-                ("circulant", {"block_size": 4}), ("string", {}), ("liere-commute", {}),
-                ("comrope-ld", {"block_size": 4}), ("comrope-ap", {"block_size": 4})]
+ROTATIONS = [("axial", {"learnable_freqs": True}), ("mixed", {}), ("cayley", {}), ("circulant", {"block_size": 4}),
+             ("string", {}), ("liere", {}), ("liere", {"block_size": 4}), ("liere-commute", {}),
+             ("comrope-ld", {"block_size": 4}), ("comrope-ap", {"block_size": 4}), ("relaxed", {}),
+             ("relaxed", {"exact": True}), ("none", {})]
 
 
-@pytest.mark.parametrize("name,opts", SECOND_ORDER, ids=str)
-@pytest.mark.parametrize("fold", [True, False], ids=["folded", "unfolded"])
-def test_attention_second_derivatives(name, opts, fold):
-    """Hessian-vector products through ``nn.Attention`` (folded and per-token) equal the dense reference's, ComRoPE
-    at a tie included (at main: PyTorch's fused CPU attention kernel has no double backward, so this raised)."""
+def _paths() -> list:
+    """``(name, opts, fold)``: every rotation unfolded, and folded where it commutes (the others have no folded
+    path: ``nn.Attention`` takes the unfolded one for them, covered by ``fold=False``)."""
+    from ropekit.fold import foldable_kind
+
+    out = []
+    for name, opts in ROTATIONS:
+        pe = ropekit.create_pe(name, head_dim=8, coord_dim=2, num_heads=2, **opts)
+        folds = [True, False] if foldable_kind(pe) is not None else [False]
+        out += [pytest.param(name, opts, f, id=f"{'folded' if f else 'unfolded'}-{name}-{opts}") for f in folds]
+    return out
+
+
+PATHS = _paths()
+
+
+def test_every_rotation_is_covered():
+    """Every registered encoding but the tensor product (not a rotation: no dense ``R(r)`` to compare with)."""
+    assert {n for n, _ in ROTATIONS} == set(ropekit.list_pes()) - {"tensor"}
+
+
+def _tied_layer(name: str, opts: dict, fold: bool) -> tuple:
+    """A float64 layer with parameters off their init (ComRoPE: tied frequencies in every block) and coordinates
+    that include the origin twice -- where every token generator is zero, so all its eigenvalues coincide."""
     torch.manual_seed(0)
     pe = ropekit.create_pe(name, head_dim=8, coord_dim=2, num_heads=2, **opts).double()
     with torch.no_grad():
@@ -179,9 +203,31 @@ def test_attention_second_derivatives(name, opts, fold):
     if name.startswith("comrope"):
         _set_blocks(pe, [0.0])
     att = Attention(16, 2, pe, fold=fold).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    coords = torch.cat((torch.zeros(2, 2, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64) * 2))
+    return att, x, coords
+
+
+@pytest.mark.parametrize("name,opts,fold", PATHS)
+def test_attention_first_derivatives(name, opts, fold):
+    """Every rotation on both attention paths: values and gradients (encoding, projections, input) equal the
+    dense reference's, at the origin and at ties."""
+    att, x, coords = _tied_layer(name, opts, fold)
     assert att.folds == fold
-    x = torch.randn(2, 5, 16, dtype=torch.float64)
-    coords = torch.randn(4, 2, dtype=torch.float64) * 2
+    x.requires_grad_()
+    out, g = _grads(att, x, coords, 1)
+    want, g_ref = _grads(att, x, coords, 1, lambda: _dense_attention(att, x, coords, 1))
+    assert _rel(out, want) < 1e-12
+    for n in g_ref:
+        assert _rel(g[n], g_ref[n]) < 1e-10, n
+
+
+@pytest.mark.parametrize("name,opts,fold", PATHS)
+def test_attention_second_derivatives(name, opts, fold):
+    """Hessian-vector products through ``nn.Attention`` (folded and per-token) equal the dense reference's, at the
+    origin and at ties (at main: PyTorch's fused CPU attention kernel has no double backward, so this raised)."""
+    att, x, coords = _tied_layer(name, opts, fold)
+    assert att.folds == fold
     got = _hvp(att, x, coords, 1, lambda: att(x, coords, 1))
     want = _hvp(att, x, coords, 1, lambda: _dense_attention(att, x, coords, 1))
     for a, b in zip(got, want):
@@ -246,13 +292,14 @@ def test_schur_form_keeps_small_frequencies(small):
 
 
 @pytest.mark.parametrize("coord", [1e3, 1e4])
-def test_folded_comrope_with_a_nearly_still_plane_at_large_coordinates(coord):
-    """A block with one plane 1e-8 times slower than the other, coordinates up to 1e4: the folded layer equals the
-    dense float64 reference (at main: ~1e-5 relative, the slow plane was dropped)."""
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "unfolded"])
+def test_comrope_with_a_nearly_still_plane_at_large_coordinates(coord, fold):
+    """A block with one plane 1e-8 times slower than the other, coordinates up to 1e4: both attention paths equal
+    the dense float64 reference (at main the per-token path dropped the slow plane: ~1e-6 relative)."""
     torch.manual_seed(0)
     pe = ropekit.create_pe("comrope-ld", head_dim=8, coord_dim=2, num_heads=2, block_size=4).double()
     _set_blocks(pe, [-1.0 + 8e-9])  # frequencies 0.5 and 4e-9
-    att = Attention(16, 2, pe, fold=True).double()
+    att = Attention(16, 2, pe, fold=fold).double()
     x = torch.randn(2, 5, 16, dtype=torch.float64)
     coords = torch.rand(5, 2, dtype=torch.float64) * coord
     assert _rel(att(x, coords), _dense_attention(att, x, coords, 0)) < 1e-10
