@@ -161,7 +161,7 @@ def _hvp(m, x, coords, p0, forward):
     loss = (out.square() * torch.linspace(0.5, 1.5, out.numel(), dtype=out.dtype).view_as(out)).sum()
     grads = torch.autograd.grad(loss, params, create_graph=True)
     g = torch.Generator().manual_seed(7)
-    vs = [torch.randn(p.shape, dtype=p.dtype, generator=g) for p in params]
+    vs = [torch.randn(p.shape, dtype=torch.float64, generator=g).to(p) for p in params]  # same draws in any dtype
     return torch.autograd.grad(sum((gi * v).sum() for gi, v in zip(grads, vs)), params)
 
 

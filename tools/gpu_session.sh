@@ -3,7 +3,7 @@
 #
 #   bash tools/gpu_session.sh new             # first on a short loan: what this version has not measured on a GPU
 #                                             # (the folded in-training rows, ComRoPE's rows; ~3 min)
-#   bash tools/gpu_session.sh checks          # kernel, folding and precision tests on CUDA (~3.5 min on an H200)
+#   bash tools/gpu_session.sh checks          # kernel, folding, precision and adversarial tests on CUDA (~4.5 min)
 #   bash tools/gpu_session.sh peop            # every encoding's op table, alone and in training (~4 min)
 #   bash tools/gpu_session.sh vit-eager       # ViT-B/16 training step against APE and timm, eager (~4 min)
 #   bash tools/gpu_session.sh vit-compiled    # the same under torch.compile(mode="reduce-overhead") (~6 min)
@@ -48,8 +48,9 @@ for stage in "$@"; do
         --json "$OUT/$gpu-new-peop.json" --markdown "$OUT/$gpu-new-peop.md"
       ;;
     checks)
-      run_stage checks 300 python -m pytest -q -rfs -p no:cacheprovider tests/test_kernels_rotary.py tests/test_kernels_basis.py \
-        tests/test_cuda_precision.py tests/test_nn_batched_bases.py tests/test_nn_fold_overhead.py
+      run_stage checks 420 python -m pytest -q -rfs -p no:cacheprovider tests/test_kernels_rotary.py tests/test_kernels_basis.py \
+        tests/test_cuda_precision.py tests/test_nn_batched_bases.py tests/test_nn_fold_overhead.py \
+        tests/test_adversarial_devices.py tests/test_adversarial_precision.py tests/test_adversarial_paths.py
       ;;
     peop)
       run_stage peop 420 $bench --no-vit --json "$OUT/$gpu-peop.json" --markdown "$OUT/$gpu-peop.md"
