@@ -18,7 +18,7 @@ import ropekit
 from ropekit.nn import Attention
 from test_adversarial_ties import _dense_attention, _hvp, _rel, _set_blocks
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 
 
 def _layer(name: str, opts: dict, device: str, tie: bool = True) -> Attention:

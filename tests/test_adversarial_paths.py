@@ -308,6 +308,7 @@ def test_every_checkpoint_loader_warns_about_unknown_vit_keys(tmp_path, monkeypa
 
 
 # ----------------------------------------------------------------------------- second derivatives on the kernels
+@pytest.mark.slow
 def test_fused_rotary_second_derivatives_gradgradcheck(interpreter):
     torch.manual_seed(0)
     dt = torch.float64

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+pytestmark = pytest.mark.sim
 pytest.importorskip("gym_aloha", reason='the ALOHA tests need pip install "ropekit[aloha]"')
 
 from ropekit.robot.aloha.expert import (DemoConfig, collect_demos, expert_actions,  # noqa: E402
@@ -77,6 +78,7 @@ def test_demo_set_round_trips_through_the_cache(demos):
     assert not list(root.glob("*.tmp"))  # atomic write left no temporary behind
 
 
+@pytest.mark.slow
 def test_parallel_collection_gives_the_same_set():
     """Two processes simulate demos side by side; the kept seeds and every array are one process's."""
     cfg = DemoConfig(task="transfer_cube", episodes=2, seed=7, image_hw=(24, 32), frame_stride=100)
@@ -284,6 +286,7 @@ def test_presets_state_every_policy_and_training_field():
     assert missing_fields(cfg) == ["policy.vit_overrides.mlp_ratio", "train.lr"]
 
 
+@pytest.mark.slow
 def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     from ropekit.experiments.registry import run_experiment
 
@@ -340,6 +343,7 @@ def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     assert not any(k.startswith(("aux_head", "object_norm")) for k in ckpt["state_dict"])
 
 
+@pytest.mark.repro
 @pytest.mark.parametrize("study,extra", [("cpu", ()), ("cpu-200", ()), ("cpu-noloss", ("--aux-weight", "0"))])
 def test_committed_study_is_what_its_commands_train(study, extra):
     """Every committed ALOHA study (each part of a merge) records a command that resolves, at this version, to
@@ -364,6 +368,7 @@ def test_committed_study_check_sees_a_changed_recipe(tmp_path):
     assert any("part 1: no parsable" in d for d in diffs)
 
 
+@pytest.mark.repro
 @pytest.mark.parametrize("study", ["cpu", "cpu-200", "cpu-noloss"])
 def test_committed_table_is_what_the_report_writes_from_the_results(study):
     from ropekit.robot.aloha.experiment import _table

@@ -111,6 +111,7 @@ def test_corrupt_and_mismatched_checkpoints_get_one_line_errors(run_dir, tmp_pat
     assert code == 2 and "--resume" in err
 
 
+@pytest.mark.slow
 def test_console_script_error_has_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "ropekit.cli", "train", "--pe", "nope"], capture_output=True,
                           text=True, timeout=120)

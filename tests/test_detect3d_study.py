@@ -136,6 +136,7 @@ def test_coordinate_only_variant_is_an_option():
 # ------------------------------------------------------------------------------------------------ end to end
 
 
+@pytest.mark.sim
 def test_quick_study_end_to_end(tmp_path, monkeypatch, capsys):
     pytest.importorskip("pybullet")
     from ropekit.cli import main as cli_main
@@ -224,6 +225,7 @@ def test_cli_maps_subsets_onto_the_recipe(tmp_path, monkeypatch, capsys):
     assert "unknown input 'depth'" in capsys.readouterr().err
 
 
+@pytest.mark.sim
 def test_a_run_locked_by_another_process_is_waited_for(tmp_path, monkeypatch, capsys):
     """Two processes on one output folder: a run whose folder another process holds is passed over, and taken up
     once that process has ended."""

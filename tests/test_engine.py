@@ -229,6 +229,7 @@ def test_policy_snapshots_hold_the_ema_weights_and_leave_training_alone():
 # ------------------------------------------------------------------------------------------------ DDP
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_detection_and_policy(tmp_path):
     """torchrun, 2 gloo processes: every rank ends with the same weights (gradients were averaged)."""
     if not torch.distributed.is_available() or shutil.which("torchrun") is None:

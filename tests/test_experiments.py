@@ -46,6 +46,7 @@ def outputs(tmp_path_factory, cache) -> dict:
     return done
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_quick_outputs_match_their_recipe(outputs, name, tmp_path):
     """Every study records its preset, recipe and options so that ``compare_with_committed`` can check it; a
@@ -62,6 +63,7 @@ def test_quick_outputs_match_their_recipe(outputs, name, tmp_path):
         assert [d for d in compare_with_committed(tmp_path) if f"option {stated[0]}:" in d]
 
 
+@pytest.mark.slow
 def test_command_options_narrow_the_recipe(outputs, tmp_path):
     """A list-valued study option on the recorded command (``--groups``, ``--sharing-pe``, ...) is part of what the
     command trains: the committed options must equal it, and it must be a subset of the recipe's list."""
@@ -90,6 +92,7 @@ def test_registry_lists_the_studies():
     assert set(NAMES) <= set(STUDIES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_study_writes_its_files(outputs, name):
     result, out = outputs[name]
@@ -109,6 +112,7 @@ def test_study_writes_its_files(outputs, name):
     assert table.count("|") > 8 and result.table == table
 
 
+@pytest.mark.slow
 def test_offset_invariance_holds(outputs):
     _, out = outputs["offset"]
     doc = json.loads((out / "offset.json").read_text())
@@ -132,6 +136,7 @@ def test_offset_invariance_holds(outputs):
     assert all(c["max_logit_diff"] == 0.0 and not c["coordinate_input"] for c in by_variant["absolute"])
 
 
+@pytest.mark.slow
 def test_exact_relaxed_diagnostics(outputs):
     _, out = outputs["exact-vs-relaxed"]
     with open(out / "diagnostics.csv", newline="") as f:
@@ -155,6 +160,7 @@ def test_exact_relaxed_diagnostics(outputs):
     assert all(float(r["loss_gap"]) == 0.0 for r in rows if r["shift"] == "0")
 
 
+@pytest.mark.slow
 def test_cached_runs_are_reused(outputs, cache):
     # shuffle needs exactly the classify models, resolution those (grid coordinates) and the rotary encodings
     # with normalised coordinates: nothing was trained twice
@@ -233,6 +239,7 @@ def test_shuffle_patches_permutes_whole_patches():
     assert torch.equal(sv.reshape(2, -1).sort(1).values, v.reshape(2, -1).sort(1).values)
 
 
+@pytest.mark.slow
 def test_scale_changes_one_factor_per_arm_and_pairs_by_seed(outputs):
     _, out = outputs["scale"]
     config = json.loads((out / "config.json").read_text())

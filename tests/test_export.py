@@ -39,6 +39,7 @@ def model_and_input(modality, pe, cls):
 
 @pytest.mark.parametrize("modality,pe,cls", [("image", "cayley", "unrotated"), ("image", "circulant", "centroid"),
                                              ("rgbd", "cayley", "none"), ("video", "comrope-ld", "none")])
+@pytest.mark.slow
 def test_folded_model_exports_and_matches_onnxruntime(tmp_path, modality, pe, cls):
     model, x = model_and_input(modality, pe, cls)
     folded = fold(model)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ropekit._platform import cpu_model, numerics_fingerprint
@@ -18,6 +19,7 @@ def test_fingerprint_names_this_process():
     assert "gpu" not in doc  # a CPU run names no GPU
 
 
+@pytest.mark.slow
 def test_fingerprint_follows_a_lowered_instruction_set():
     """``ATEN_CPU_CAPABILITY=default`` switches PyTorch's CPU kernels to their scalar code, which rounds sums in
     another order (a 10-epoch MNIST run then ends at another accuracy): the fingerprint must tell the two apart."""

@@ -11,6 +11,7 @@ import torch
 from ropekit.robot.policy import DiffusionPolicy, PolicyConfig
 from test_robot_policy import _seed_and_one_thread  # noqa: F401  (seed 0 and one torch thread here too)
 
+pytestmark = pytest.mark.sim
 pytest.importorskip("pybullet")
 
 from ropekit.robot.diagnose import (  # noqa: E402  (after the pybullet check)
@@ -34,6 +35,7 @@ def test_expert_tolerance_fails_when_the_target_is_believed_too_high():
     assert rows[1]["success_rate"] == 0.0 and rows[1]["mean_steps"] == 40
 
 
+@pytest.mark.slow
 def test_pressing_with_suction_on_tolerates_what_closing_on_the_top_face_does_not():
     on_top = expert_tolerance([0.02], axis="z", episodes=3, expert_kwargs={"press_depth": 0.0, "suction_height": 0.0})
     pressing = expert_tolerance([0.02], axis="z", episodes=3)

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.sim
 pytest.importorskip("pybullet")
 
 from ropekit.robot import (  # noqa: E402
@@ -114,6 +115,7 @@ def test_determinism_same_seed():
     assert not np.array_equal(a[0]["rgb"], d[0]["rgb"])
 
 
+@pytest.mark.slow
 def test_expert_succeeds_in_distribution():
     cfg = PickConfig.in_distribution(terminate_on_success=True)
     with PickEnv(cfg) as e:
@@ -187,6 +189,7 @@ def test_large_distractors_are_large():
     assert len(sizes) >= 1 and min(sizes) >= 0.09
 
 
+@pytest.mark.slow
 def test_collect_demos_file(tmp_path):
     cfg = PickConfig(max_steps=12)
     out = tmp_path / "sub" / "demos.npz"

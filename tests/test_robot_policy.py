@@ -186,6 +186,8 @@ def quick_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.sim
+@pytest.mark.slow
 def test_quick_experiment_writes_its_files(quick_run):
     for name in ("config.json", "demos.npz", "tolerance.json", "robot.csv", "robot.json", "table.md", "robot.png",
                  "training.png", "rollouts.png", "rollout_2d.gif", "rollout_3d.gif", "rollout_2d_ft.gif",
@@ -211,6 +213,8 @@ def test_quick_experiment_writes_its_files(quick_run):
     assert depth["3d"]["scale"] != 0.0  # the lift starts at the recipe's metric scale, not at zero
 
 
+@pytest.mark.sim
+@pytest.mark.slow
 def test_quick_experiment_config_is_the_pinned_recipe(quick_run):
     from ropekit.robot.recipes import compare_with_committed
 
@@ -225,6 +229,8 @@ def test_quick_experiment_config_is_the_pinned_recipe(quick_run):
     assert any("missing" in line for line in compare_with_committed(dict(doc, runs=doc["runs"][1:])))
 
 
+@pytest.mark.sim
+@pytest.mark.slow
 def test_cli_train_and_eval(quick_run, tmp_path):
     from ropekit.cli import main
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+pytestmark = pytest.mark.sim
 pytest.importorskip("pybullet")
 
 from ropekit.detection import scenes as sc  # noqa: E402

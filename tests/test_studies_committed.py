@@ -14,6 +14,8 @@ import pytest
 
 from ropekit.experiments.recipes import compare_with_committed
 
+pytestmark = pytest.mark.repro
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 COMMITTED = ["classify", "shuffle", "offset", "resolution", "data-efficiency", "exact-vs-relaxed", "video",

@@ -84,6 +84,7 @@ def test_ablation_grid_is_complete():
     assert block_sizes("circulant", 64, 2, BLOCK_CANDIDATES["circulant"]) == [4, 8, 16, 32, None]
 
 
+@pytest.mark.slow
 def test_quick_protocol_outputs(tmp_path):
     """resolution trains the three coordinate conventions, data-efficiency both budgets, video labels direction."""
     cache = str(tmp_path / "cache")

@@ -145,6 +145,7 @@ def test_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # temp file cleaned up
 
 
+@pytest.mark.slow
 def test_process_killed_while_writing_keeps_the_previous_checkpoint(tmp_path):
     """A process that dies mid-write (no cleanup at all) leaves the old checkpoint intact and loadable."""
     path = tmp_path / "checkpoint.pt"
@@ -214,6 +215,7 @@ def test_random_shift_moves_whole_images_and_clips():
 # ------------------------------------------------------------------------------------------------ DDP
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process(tmp_path):
     """torchrun --nproc_per_node 2 (gloo): same files, and the same weights as one process with the same global
     batch (no augmentation, so both see the same batches)."""
