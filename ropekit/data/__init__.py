@@ -39,6 +39,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Tuple
 
+from .._optional import require_extra
+
+require_extra("train", "ropekit.data")  # before the submodules import what it installs
+
 from . import builtin as _builtin  # noqa: F401  (registers mnist, digits)
 from . import readers as _readers  # noqa: F401  (registers imagefolder, cifar10, cifar100, mnist-idx)
 from . import synthetic as _synthetic  # noqa: F401  (registers moving-digits, rgbd-digits)

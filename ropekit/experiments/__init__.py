@@ -11,6 +11,10 @@ encoding and seed, from its pinned recipe (:mod:`ropekit.experiments.recipes`; p
 (with the recipe).
 """
 
+from .._optional import require_extra
+
+require_extra("studies", "ropekit.experiments")  # before the submodules import what it installs
+
 from .common import StudyResult
 from .recipes import PRESETS, RECIPES, compare_with_committed, recipe
 from .registry import STUDIES, run_experiment, study_config

@@ -57,24 +57,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from .._optional import require
 from ..encodings import PositionEncoding, create_pe
 from ..encodings.rope import MixedRoPE
 from ..nn.coords import COORD_MODES, grid_coords
 from .finetune import logits_match
 
-try:  # timm is an optional dependency: ``pip install ropekit[timm]``
-    import timm as _timm
-    from timm.layers import Attention as _TimmAttention
-    from timm.layers import PatchDropout as _PatchDropout
-    from timm.layers.patch_dropout import patch_dropout_forward as _patch_dropout_forward
-    from timm.models.eva import Eva as _Eva
-    from timm.models.eva import EvaAttention as _EvaAttention
-    from timm.layers.pos_embed_sincos import apply_rot_embed_cat as _apply_rot_embed_cat
-    from timm.models.vision_transformer import Block as _Block
-    from timm.models.vision_transformer import ResPostBlock as _ResPostBlock
-    from timm.models.vision_transformer import VisionTransformer as _VisionTransformer
-except ImportError as exc:  # pragma: no cover - exercised only without timm
-    raise ImportError("ropekit.integrations.timm needs timm: pip install 'ropekit[timm]'") from exc
+_timm = require("timm", "timm", "ropekit.integrations.timm")
+from timm.layers import Attention as _TimmAttention
+from timm.layers import PatchDropout as _PatchDropout
+from timm.layers.patch_dropout import patch_dropout_forward as _patch_dropout_forward
+from timm.models.eva import Eva as _Eva
+from timm.models.eva import EvaAttention as _EvaAttention
+from timm.layers.pos_embed_sincos import apply_rot_embed_cat as _apply_rot_embed_cat
+from timm.models.vision_transformer import Block as _Block
+from timm.models.vision_transformer import ResPostBlock as _ResPostBlock
+from timm.models.vision_transformer import VisionTransformer as _VisionTransformer
+
 #: The oldest timm the integration is tested with (see docs/compatibility.md).
 MIN_TIMM = (1, 0, 29)
 

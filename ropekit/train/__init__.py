@@ -8,6 +8,10 @@ The loop itself is :func:`ropekit.train.engine.fit`, shared with the 3-D detecto
 supplies its model, batches and loss (:class:`ropekit.train.engine.Task`).
 """
 
+from .._optional import require_extra
+
+require_extra("train", "ropekit.train")  # before the submodules import what it installs
+
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, atomic_save, capture_rng, load_checkpoint, \
     load_model_state, restore_rng
 from .config import TrainConfig, auto_patch_size, build_vit_config, load_config_file, parse_key_values
