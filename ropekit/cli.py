@@ -26,15 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
+from ._errors import CommandError
 from ._optional import MissingDependency
 
 __all__ = ["CommandError", "Subcommand", "SUBCOMMANDS", "register_subcommand", "available_subcommands", "main"]
 
 Target = Union[str, Callable]
-
-
-class CommandError(Exception):
-    """A user error: printed as one line, exit code 2, no traceback."""
 
 
 @dataclass

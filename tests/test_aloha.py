@@ -288,7 +288,7 @@ def test_presets_state_every_policy_and_training_field():
 
 @pytest.mark.slow
 def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
-    from ropekit.experiments.registry import run_experiment
+    from ropekit.experiments import run_experiment
 
     monkeypatch.setenv("ROPEKIT_ALOHA_CACHE", str(tmp_path / "cache"))
     res = run_experiment("aloha", out=tmp_path / "out", quick=True)
@@ -349,14 +349,14 @@ def test_committed_study_is_what_its_commands_train(study, extra):
     """Every committed ALOHA study (each part of a merge) records a command that resolves, at this version, to
     the configuration it ran with: a changed preset fails here until the study is regenerated. The study made
     before the object loss existed is checked with the ``--aux-weight 0`` its commands.sh states."""
-    from ropekit.robot.aloha.experiment import compare_with_committed
+    from ropekit.robot.aloha.cli import compare_with_committed
 
     folder = Path(__file__).resolve().parent.parent / "docs" / "results" / "aloha" / study
     assert compare_with_committed(folder, extra) == []
 
 
 def test_committed_study_check_sees_a_changed_recipe(tmp_path):
-    from ropekit.robot.aloha.experiment import compare_with_committed
+    from ropekit.robot.aloha.cli import compare_with_committed
 
     src = Path(__file__).resolve().parent.parent / "docs" / "results" / "aloha" / "cpu-200" / "config.json"
     doc = json.loads(src.read_text())

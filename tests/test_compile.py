@@ -76,8 +76,8 @@ def test_a_compiled_vit_training_step_compiles_once(pe, monkeypatch):
     model a second time (emptied here, as in a fresh process)."""
     from torch._dynamo.utils import counters
 
+    import ropekit.encodings.fold as fold
     import ropekit.encodings.skew as skew
-    import ropekit.fold as fold
     from ropekit.nn import VisionTransformer, vit_config
 
     monkeypatch.setattr(skew, "_FLAT_INDICES", {})

@@ -124,7 +124,7 @@ def _tf32_emulated_matmul(a, b):
 def test_precise_matmul_is_tf32_proof(monkeypatch):
     """The split form used for basis changes on TF32 GPUs: forward and gradients to ~1e-6 relative under an
     emulated TF32 product, where the plain product is ~1e-3 off."""
-    import ropekit.encodings.functional as fn
+    import ropekit.encodings.products as fn
 
     torch.manual_seed(0)
     a = torch.randn(3, 2, 50, 16, requires_grad=True)

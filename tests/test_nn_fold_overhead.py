@@ -7,7 +7,8 @@ import torch
 from ropekit.encodings import create_pe
 from ropekit.encodings import cayley as cayley_module
 from ropekit.encodings.functional import _block_diag
-from ropekit.fold import _pair_frequencies, fold_qkv_weight, rope_form
+from ropekit.encodings.fold import _pair_frequencies
+from ropekit.fold import fold_qkv_weight, rope_form
 
 
 def _perturbed(name, **opts):
@@ -112,8 +113,8 @@ def test_block_fold_through_the_tf32_safe_product(monkeypatch):
     """Where float32 products run in TF32 (CUDA), the merge goes through ``_PreciseMatmul``, whose backward reduces
     over broadcast dimensions: forced here on the CPU, the block merge (blocks shared by the heads, broadcast
     over q/k and heads) still equals the dense merge in value and gradients, in float32."""
-    import ropekit.fold as fold_module
-    from ropekit.encodings.functional import _PreciseMatmul
+    import ropekit.encodings.fold as fold_module
+    from ropekit.encodings.products import _PreciseMatmul
 
     torch.manual_seed(0)
     pe = create_pe("comrope-ld", head_dim=16, coord_dim=2, num_heads=3, block_size=4)
@@ -193,7 +194,7 @@ def test_cached_constants_first_built_in_inference_mode_still_train(name, opts):
     """Index and basis constants are cached per device; one first built under inference mode must still be
     usable by autograd afterwards (inference tensors cannot be saved for backward)."""
     from ropekit.encodings import skew
-    from ropekit import fold as fold_module
+    from ropekit.encodings import fold as fold_module
 
     skew._FLAT_INDICES.clear()
     fold_module._DFT_BASES.clear()

@@ -10,9 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ropekit.experiments import study_config
+from ropekit.experiments import STUDIES, run_experiment, study_config
 from ropekit.experiments import recipes as R
-from ropekit.experiments.registry import STUDIES, run_experiment
 from ropekit.nn import vit as vit_module
 from ropekit.nn.vit import ViTConfig
 from ropekit.train import TrainConfig, build_vit_config
@@ -136,7 +135,7 @@ def test_every_comparison_study_has_a_recipe():
 
 def test_gpu_preset_is_larger_and_resolves_from_the_cli():
     from ropekit.cli import build_parser
-    from ropekit.experiments.cli import _overrides
+    from ropekit.experiments.arguments import overrides
 
     for name in R.RECIPES:
         cpu, gpu = study_config(name, preset="default"), study_config(name, preset="gpu")
@@ -149,7 +148,7 @@ def test_gpu_preset_is_larger_and_resolves_from_the_cli():
         assert steps(g) > steps(c) and len(gpu.seeds) >= len(cpu.seeds), name
         args = build_parser("experiment").parse_args(["experiment", name, "--preset", "gpu"])
         assert args.preset == "gpu" and not args.quick
-        assert study_config(name, args.quick, _overrides(args), args.preset) == gpu
+        assert study_config(name, args.quick, overrides(args), args.preset) == gpu
     with pytest.raises(ValueError, match="contradict"):
         study_config("classify", quick=True, preset="gpu")
 

@@ -85,7 +85,7 @@ from torch import Tensor, nn
 
 from .._platform import numerics_fingerprint
 from ..encodings import create_pe
-from ..fold import fold_pe, fold_qkv_weight, frequency_rope, rope_form
+from ..encodings.fold import fold_pe, fold_qkv_weight, frequency_rope, rope_form
 from .baselines import DenseComRoPE, NaiveLieRE
 
 __all__ = ["Row", "ROWS", "CASES", "VIT_PES", "VIT_PES_GPU", "DTYPES", "BenchConfig", "run_bench", "peak_memory_mb",

@@ -62,7 +62,7 @@ from .scenes import CLASS_NAMES, SceneConfig, SceneSet, generate_scenes
 from .train import DetTrainConfig, evaluate_detector, matched_errors, mean_box, predict, seed_everything, train_detector
 
 __all__ = ["Detect3DConfig", "config_from_recipe", "preset_config", "quick_config", "planned_runs", "run_settings",
-           "build_detector", "run_detect3d", "run_study", "add_arguments", "run", "main", "INPUT_LABELS"]
+           "build_detector", "run_detect3d", "run_study", "compare_with_committed", "add_arguments", "run", "main", "INPUT_LABELS"]
 
 #: Column titles: the paper's ViT and ViTD, and the two ablations of ViTD.
 INPUT_LABELS = {"rgb": "ViT (RGB)", "rgbd": "ViTD (depth as input + coordinate)", "rgbd-channel": "depth as input only",
@@ -676,6 +676,35 @@ def run_detect3d(cfg: Detect3DConfig, argv: Optional[Sequence[str]] = None, prog
         result = write_report(cfg, runs, test_set, argv)
     _log(f"done in {time.perf_counter() - t0:.0f}s; results in {out}")
     return result
+
+
+def compare_with_committed(doc: Dict[str, Any], where: str = "detect3d") -> List[str]:
+    """Differences between a committed detect3d ``config.json`` (``doc``) and what its recorded preset resolves
+    to now: the recipe as a whole, the set of runs (none missing, none extra), and every recorded run's settings
+    against the settings the recipe gives that run (:func:`run_settings`). One line
+    per difference; empty when the committed runs are what the documented command trains now."""
+    preset = doc.get("preset")
+    now = json.loads(json.dumps(recipe(preset)))
+    committed = doc.get("recipe") or {}
+    diffs = [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
+             for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
+    cfg = config_from_recipe(recipe(preset), preset=preset)
+    planned = {f"{enc}-{inp}-s{seed}" for seed in cfg.seeds for enc, inp in planned_runs(cfg)}
+    recorded = {run.get("name") for run in doc.get("runs", [])}
+    diffs += [f"{where}: run {name} is missing" for name in sorted(planned - recorded)]
+    diffs += [f"{where}: run {name} is not part of the study" for name in sorted(recorded - planned, key=str)]
+    for run in doc.get("runs", []):
+        s = run.get("settings") or {}
+        try:
+            want = json.loads(json.dumps(run_settings(cfg, s["encoding"], s["input"], int(s["seed"]))))
+        except (KeyError, TypeError, ValueError) as e:
+            diffs.append(f"{where}: run {run.get('name')}: settings unreadable ({e})")
+            continue
+        for k in sorted(set(s) | set(want)):
+            if s.get(k, "<missing>") != want.get(k, "<missing>"):
+                diffs.append(f"{where}: run {run.get('name')}: {k} = {s.get(k, '<missing>')!r}, "
+                             f"recipe {want.get(k, '<missing>')!r}")
+    return diffs
 
 
 def run_study(exp_cfg: Any, out: Any, **options: Any):

@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-from typing import Any, Dict, List, Set
+from typing import Any, Dict, Set
 
 from ..experiments.recipes import DATA_FIELDS, PAPER_SHARING, PRESETS, _arch, _check_fields, preset_copy
 from ..nn.vit import ViTConfig
 from .scenes import SceneConfig
 
 __all__ = ["RECIPES", "TOP_FIELDS", "backbone_fields", "train_fields", "scene_fields", "recipe", "check_recipe",
-           "compare_with_committed", "DEFAULT_ENCODINGS", "DEFAULT_INPUTS"]
+           "DEFAULT_ENCODINGS", "DEFAULT_INPUTS"]
 
 #: APE (learned absolute), NoPE, and the rotary encodings of the STRING paper's detection table.
 DEFAULT_ENCODINGS = ["absolute", "none", "axial", "mixed", "cayley", "circulant"]
@@ -176,34 +175,3 @@ def recipe(preset: str = "default") -> Dict[str, Any]:
         ValueError: unknown preset, or an incomplete recipe.
     """
     return preset_copy(RECIPES, preset, check_recipe, "detect3d")
-
-
-def compare_with_committed(doc: Dict[str, Any], where: str = "detect3d") -> List[str]:
-    """Differences between a committed detect3d ``config.json`` (``doc``) and what its recorded preset resolves
-    to now: the recipe as a whole, the set of runs (none missing, none extra), and every recorded run's settings
-    against the settings the recipe gives that run (:func:`ropekit.detection.experiment.run_settings`). One line
-    per difference; empty when the committed runs are what the documented command trains now."""
-    from .experiment import config_from_recipe, planned_runs, run_settings
-
-    preset = doc.get("preset")
-    now = json.loads(json.dumps(recipe(preset)))
-    committed = doc.get("recipe") or {}
-    diffs = [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
-             for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
-    cfg = config_from_recipe(recipe(preset), preset=preset)
-    planned = {f"{enc}-{inp}-s{seed}" for seed in cfg.seeds for enc, inp in planned_runs(cfg)}
-    recorded = {run.get("name") for run in doc.get("runs", [])}
-    diffs += [f"{where}: run {name} is missing" for name in sorted(planned - recorded)]
-    diffs += [f"{where}: run {name} is not part of the study" for name in sorted(recorded - planned, key=str)]
-    for run in doc.get("runs", []):
-        s = run.get("settings") or {}
-        try:
-            want = json.loads(json.dumps(run_settings(cfg, s["encoding"], s["input"], int(s["seed"]))))
-        except (KeyError, TypeError, ValueError) as e:
-            diffs.append(f"{where}: run {run.get('name')}: settings unreadable ({e})")
-            continue
-        for k in sorted(set(s) | set(want)):
-            if s.get(k, "<missing>") != want.get(k, "<missing>"):
-                diffs.append(f"{where}: run {run.get('name')}: {k} = {s.get(k, '<missing>')!r}, "
-                             f"recipe {want.get(k, '<missing>')!r}")
-    return diffs

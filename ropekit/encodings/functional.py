@@ -33,6 +33,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .angles import _rotate_pairs_real, _wide_dtype, frequency_angles, rope_cos_sin
+from .products import _reduce_to, basis_change, precise_matmul
 from .validation import check_finite
 
 __all__ = [
@@ -57,28 +59,6 @@ __all__ = [
     "scaled_block_exp_reference",
     "rotate_in_block_eigenbasis",
 ]
-
-
-def frequency_angles(coords: Tensor, freqs: Tensor) -> Tensor:
-    """Angles ``theta_n(r) = sum_k r_k * freqs[k, n]`` by elementwise products and sums.
-
-    Never a matrix product: on a GPU with TF32 enabled (``torch.backends.cuda.matmul.allow_tf32``) a matmul or
-    einsum would round the coordinates and frequencies to 10 mantissa bits, an angle error of ~1e-3 relative.
-    The ``c`` products are accumulated in the dtype of the inputs (callers pass float32 or float64).
-
-    Args:
-        coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example.
-        freqs: ``(Hp, c, P)``.
-
-    Returns:
-        ``(Hp, M, P)`` for shared coordinates, ``(B, Hp, M, P)`` per example.
-    """
-    theta = None
-    for j in range(freqs.shape[-2]):
-        # (..., 1, M, 1) * (Hp, 1, P) -> (..., Hp, M, P)
-        term = coords[..., j].unsqueeze(-2).unsqueeze(-1) * freqs[:, j].unsqueeze(-2)
-        theta = term if theta is None else theta + term
-    return theta
 
 
 def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, pairs: str = "interleaved") -> Tensor:
@@ -106,12 +86,6 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, pairs: str = "interleaved"
     if _fast_rotation_ok(x, cos, sin):
         return _RotatePairs.apply(x, cos, sin)
     return _rotate_pairs_real(x, cos, sin)
-
-
-def _rotate_pairs_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Reference form of ``rotate_pairs`` in real arithmetic (any dtype; used under ``torch.compile``)."""
-    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)  # (..., P) each
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
 def _rotate_half_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -146,15 +120,6 @@ def _complex_pairs(x: Tensor) -> Tensor:
     if xr.stride(-1) != 1 or xr.storage_offset() % 2 or any(st % 2 for st in xr.stride()[:-1]):
         xr = xr.contiguous()
     return torch.view_as_complex(xr)
-
-
-def _reduce_to(t: Tensor, shape: Sequence[int]) -> Tensor:
-    """Sum ``t`` over the dimensions that ``shape`` broadcasts (the inverse of broadcasting), in one reduction."""
-    lead = t.dim() - len(shape)
-    dims = list(range(lead)) + [lead + i for i, n in enumerate(shape) if n == 1 and t.shape[lead + i] != 1]
-    if dims:
-        t = t.sum(dim=dims, keepdim=True)
-    return t.reshape(shape)
 
 
 #: Smallest leading slice (bytes) for which a CPU backward reduction loops over the batch. 0 keeps every CPU
@@ -304,40 +269,6 @@ def rotate_angles(x: Tensor, theta: Tensor, cos: Tensor | None = None, sin: Tens
                 cos, sin = torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype)
         return _RotateAngles.apply(x, theta, cos.detach(), sin.detach())
     return rotate_pairs(x, torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype), pairs)
-
-
-def rope_cos_sin(coords: Tensor, freqs: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """cos/sin tables of the angles ``theta = r . freqs``, accurate to float32 round-off at any coordinate.
-
-    The angles are formed in float64 by elementwise products and sums (``frequency_angles``), reduced by
-    ``cos``/``sin`` in float64, then rounded to ``dtype``. A float32 angle of ``4096 * 2 pi`` already carries an
-    error of ~1e-3 rad (its ulp); in float64 the table is exact to float32 precision whatever the coordinate
-    scale. The tables are small (one row per coordinate, not per head and example), so the cost is negligible.
-    On devices without float64 (MPS) the angles are formed in float32.
-
-    Args:
-        coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example.
-        freqs: ``(Hp, c, P)``.
-        dtype: table dtype; ``None``: float64 if an input is float64, else float32.
-
-    Returns:
-        ``(cos, sin)``, each ``(1, Hp, M, P)`` for shared coordinates or ``(B, Hp, M, P)`` per example;
-        differentiable in ``coords`` and ``freqs``.
-    """
-    if dtype is None:
-        dtype = torch.float64 if torch.float64 in (coords.dtype, freqs.dtype) else torch.float32
-    wide = _wide_dtype(coords.device)
-    with torch.autocast(device_type=coords.device.type, enabled=False):
-        theta = frequency_angles(coords.to(wide), freqs.to(wide))
-        if theta.dim() == 3:
-            theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
-        return torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
-
-
-def _wide_dtype(device: torch.device | str) -> torch.dtype:
-    """The dtype angles, derived frequencies and fixed tables are formed in on ``device``: float64, or float32 on
-    devices without float64 (MPS)."""
-    return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 
 def _angle_table(coords: Tensor, freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -631,74 +562,6 @@ def cayley_transform(s: Tensor) -> Tensor:
     eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
     p, _ = torch.linalg.solve_ex(eye + s, eye - s)
     return p
-
-
-def _tf32_round(t: Tensor) -> Tensor:
-    """float32 ``t`` truncated to TF32's 10 explicit mantissa bits (exact in a TF32 product)."""
-    return (t.view(torch.int32) & -8192).view(torch.float32)
-
-
-_mm = torch.matmul  # the product the split form is built from (a test substitutes an emulated TF32 one)
-
-
-def _split_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` from three products whose inputs are exact in TF32: ``ah bh + (al bh + ah bl)``, with
-    ``a = ah + al`` (``al`` below 2^-10 of ``a``); error ~2^-20 relative instead of TF32's ~2^-11."""
-    ah, bh = _tf32_round(a), _tf32_round(b)
-    return _mm(ah, bh) + (_mm(a - ah, bh) + _mm(ah, b - bh))
-
-
-class _PreciseMatmul(torch.autograd.Function):
-    """``a @ b`` (broadcasting) with forward and backward in the split form: independent of TF32 settings."""
-
-    @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
-        ctx.save_for_backward(a, b)
-        return _split_matmul(a, b)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        a, b = ctx.saved_tensors
-        mm = _PreciseMatmul.apply if torch.is_grad_enabled() else _split_matmul  # double backward: recorded
-        ga = gb = None
-        if ctx.needs_input_grad[0]:
-            ga = _reduce_to(mm(g, b.transpose(-1, -2)), a.shape)
-        if ctx.needs_input_grad[1]:
-            gb = _reduce_to(mm(a.transpose(-1, -2), g), b.shape)
-        return ga, gb
-
-
-def _tf32_matmuls() -> bool:
-    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
-
-
-def precise_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``torch.matmul(a, b)`` that stays float32-accurate where float32 products run in TF32.
-
-    On CUDA with TF32 enabled (``torch.backends.cuda.matmul.allow_tf32`` or a float32 matmul precision other
-    than ``"highest"``), a float32 product rounds its inputs to 10 mantissa bits (~1e-3 relative); there it is
-    computed from three TF32-exact products (``_split_matmul``), forward and backward. Elsewhere it is
-    ``torch.matmul``.
-    """
-    if a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32 and _tf32_matmuls():
-        return _PreciseMatmul.apply(a, b)
-    return torch.matmul(a, b)
-
-
-def basis_change(x: Tensor, p: Tensor) -> Tensor:
-    """``P x`` for every token: ``y_i = sum_j p[h, i, j] x_j``.
-
-    Args:
-        x: ``(B, H, M, d)``.
-        p: ``(Hp, d, d)`` with ``Hp`` 1 (shared by heads) or ``H``.
-
-    Returns:
-        ``(B, H, M, d)``. One GEMM over all tokens when ``P`` is shared by the heads (its gradient is then
-        one GEMM too), a batched GEMM per head otherwise; float32-accurate also under TF32 (``precise_matmul``).
-    """
-    if p.shape[0] == 1:
-        return precise_matmul(x, p[0].transpose(0, 1))  # (B, H, M, d) @ (d, d)
-    return precise_matmul(x, p.transpose(-1, -2))  # (B, H, M, d) @ (H, d, d)
 
 
 # ----------------------------------------------------------------------------- per-block matrices

@@ -17,8 +17,13 @@ require_extra("studies", "ropekit.experiments")  # before the submodules import 
 
 from .common import StudyResult
 from .recipes import PRESETS, RECIPES, compare_with_committed, recipe
-from .registry import STUDIES, run_experiment, study_config
+from .registry import STUDIES, register_study
+from .runner import run_experiment, study_config
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig, default_config, quick_config
 
-__all__ = ["run_experiment", "study_config", "STUDIES", "StudyResult", "ExperimentConfig", "default_config",
+# Every study module, each registering its study (in this order: ``ropekit experiment all`` runs them so).
+from . import classify, resolution, offset, shuffle, data_efficiency, exact_vs_relaxed, video, ablations  # noqa: E402,I001
+from . import scale, task_studies  # noqa: E402,I001
+
+__all__ = ["run_experiment", "study_config", "STUDIES", "register_study", "StudyResult", "ExperimentConfig", "default_config",
            "quick_config", "DEFAULT_PES", "QUICK_PES", "PRESETS", "RECIPES", "recipe", "compare_with_committed"]

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..train import build_vit_config
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, predict
+from .registry import register_study
 from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib
 from .runs import memo_data
 from .settings import ExperimentConfig
@@ -54,6 +55,9 @@ def block_sizes(pe: str, head_dim: int, coord_dim: int, candidates: Sequence[Opt
     return out
 
 
+@register_study("ablations", "sharing for every learnable encoding, block sizes, position jitter",
+                options=("groups", "sharing_pe", "block_pe", "jitter_pe", "block_sizes_"),
+                varies=("pe_sharing", "per_head", "pe_options", "jitter"), varies_overrides=True)
 def run_ablations(cfg: ExperimentConfig, out: Any, groups: Optional[Sequence[str]] = None,
                   sharing_pe: Optional[Sequence[str]] = None, block_pe: Optional[Sequence[str]] = None,
                   jitter_pe: Optional[Sequence[str]] = None,

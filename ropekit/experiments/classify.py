@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from .common import StudyContext, StudyResult, headline
+from .registry import register_study
 from .report import (add_paired_difference, aggregate, fmt_pm, markdown_table, mean_std, pe_label, setup_matplotlib,
                      where_trained)
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
@@ -12,6 +13,7 @@ from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 __all__ = ["run_classify"]
 
 
+@register_study("classify", "accuracy of every encoding, paired by seed", varies=("pe_sharing",))
 def run_classify(cfg: ExperimentConfig, out: Any) -> StudyResult:
     """Train every encoding of ``cfg`` over ``cfg.seeds``; report final test accuracy and loss."""
     pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)

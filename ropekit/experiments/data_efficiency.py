@@ -17,6 +17,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence
 
 from .common import StudyContext, StudyResult, headline
+from .registry import register_study
 from .report import aggregate, fmt_pm, markdown_table, mean_std, pe_label, setup_matplotlib
 from .runs import memo_data
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
@@ -46,6 +47,8 @@ def epochs_to_reach(history: Sequence[Dict[str, float]], target: float) -> Optio
     return None
 
 
+@register_study("data-efficiency", "accuracy vs training fraction at equal epochs and at equal steps",
+                options=("fractions", "budgets"), varies=("pe_sharing", "train_fraction", "epochs", "warmup_epochs"))
 def run_data_efficiency(cfg: ExperimentConfig, out: Any, fractions: Optional[Sequence[float]] = None,
                         budgets: Optional[Sequence[str]] = None) -> StudyResult:
     """Train every encoding at every fraction under each of ``budgets`` (``epochs``, ``steps``)."""

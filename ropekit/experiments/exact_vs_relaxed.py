@@ -31,6 +31,7 @@ import torch
 from .. import diagnostics
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, background_value, coord_scale, mean_loss, predict, token_grid
+from .registry import register_study
 from .report import aggregate, fmt_pm, markdown_table, setup_matplotlib
 from .settings import ExperimentConfig
 
@@ -83,6 +84,8 @@ def encoding_diagnostics(model, sample_shape, *, num_pairs: int = 256, seed: int
     return out
 
 
+@register_study("exact-vs-relaxed", "relaxed STRING exact=True vs exact=False, whole-patch shifts on a "
+                "padded canvas", options=("shifts", "canvas_pad", "deltas"), varies=("pe_options",))
 def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Sequence[float]] = None,
                          shifts: Optional[Sequence[int]] = None, canvas_pad: int = 2) -> StudyResult:
     """Train relaxed STRING exact and relaxed over ``cfg.seeds``; diagnostics, logit sensitivity to coordinate

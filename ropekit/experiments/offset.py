@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, coord_scale, has_coordinate_path, is_offset_invariant, predict, random_offsets, \
     summarize_logit_change
+from .registry import register_study
 from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
@@ -40,6 +41,8 @@ def variant_label(pe: str, cls: str) -> str:
     return pe_label(pe) + ("" if cls == "none" else f" + CLS ({cls})")
 
 
+@register_study("offset", "accuracy and logits under random global coordinate offsets", options=("rhos", "cls_pe"),
+                varies=("pe_sharing", "cls"))
 def run_offset(cfg: ExperimentConfig, out: Any, rhos: Optional[Sequence[float]] = None,
                cls_pe: Optional[Sequence[str]] = None) -> StudyResult:
     pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)

@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 
 from ..nn.vit import ViTConfig
 from ..train import TrainConfig
+from .arguments import _OPTION_FIELDS, _STUDY_OPTIONS, add_arguments
+from .registry import STUDIES
 from .settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
 __all__ = ["PRESETS", "RECIPES", "RUNTIME_FIELDS", "PER_RUN_FIELDS", "DATA_FIELDS", "recipe", "check_recipe",
@@ -306,7 +308,6 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
     import shlex
 
     from ..train import parse_key_values
-    from .cli import _OPTION_FIELDS, add_arguments
 
     words = shlex.split(command or "")
     if words[:2] != ["ropekit", "experiment"]:
@@ -335,26 +336,16 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     them), as do list-valued study options it gave (``--groups``, ``--sharing-pe``, ...: a part of the study;
     an error unless a subset of the recipe's list, or where the recipe states no such list), and its
     ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are
-    compared by :func:`ropekit.detection.recipes.compare_with_committed` and
-    :func:`ropekit.robot.recipes.compare_with_committed`.
+    compared by their study's own ``compare`` (:class:`~ropekit.experiments.registry.Study`).
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
-    from .cli import _STUDY_OPTIONS
-    from .registry import STUDIES
-
     path = Path(study_dir) / "config.json"
     doc = json.loads(path.read_text())
     name, preset = doc.get("study"), doc.get("preset")
     if name not in STUDIES or preset not in PRESETS:
         return [f"{path}: no study/preset recorded (written before recipes were pinned?)"]
-    if name == "detect3d":  # its own recipe format (data, detector, backbone, train)
-        from ..detection.recipes import compare_with_committed as compare_detect3d
-
-        return compare_detect3d(doc)
-    if name == "robot":  # its own recipe format (demos, expert, policy, train, arms)
-        from ..robot.recipes import compare_with_committed as compare_robot
-
-        return compare_robot(doc)
+    if STUDIES[name].compare is not None:  # its own recipe format (detect3d, robot)
+        return STUDIES[name].compare(doc)
     now = recipe(name, preset)
     diffs: List[str] = []
     chosen = _selection(doc.get("command"))

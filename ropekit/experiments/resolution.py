@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..train.config import auto_patch_size
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, background_value, mean_loss, pad_or_crop, predict, token_grid
+from .registry import register_study
 from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
@@ -40,6 +41,9 @@ def default_sizes(train_size: int, patch: int, quick: bool = False) -> List[int]
     return [train_size + k * patch for k in ks if train_size + k * patch >= 2 * patch]
 
 
+@register_study("resolution", "train at one size, evaluate at other sizes, grid and normalised coordinates, "
+                "scale augmentation", options=("sizes", "coord_modes", "scale_sizes"),
+                varies=("pe_sharing", "coords", "augment_sizes"))
 def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int]] = None,
                    coord_modes: Optional[Sequence[str]] = None,
                    scale_sizes: Optional[Sequence[int]] = None) -> StudyResult:

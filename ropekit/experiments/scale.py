@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .common import StudyContext, StudyResult, headline
+from .registry import register_study
 from .report import (add_paired_difference, aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib,
                      where_trained)
 from .settings import SCALE_PES, ExperimentConfig
@@ -43,6 +44,8 @@ def _label(depth: int, epochs: int) -> str:
     return f"depth {depth}, {epochs} epoch{'s' if epochs != 1 else ''}"
 
 
+@register_study("scale", "depth and training length one at a time: which turns rotary vs APE", options=("arms",),
+                varies=("pe_sharing", "model_options", "epochs"))
 def run_scale(cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[Any]] = None) -> StudyResult:
     """Train every encoding of ``cfg`` (APE added first when missing) at every arm over ``cfg.seeds``.
 

@@ -11,6 +11,7 @@ import torch
 
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, predict, shuffle_patches
+from .registry import register_study
 from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
@@ -27,6 +28,7 @@ def shuffle_drop(model, x, y, *, seed: int = 0, batch_size: int = 250) -> Dict[s
     return {"test_acc": before, "shuffled_acc": after, "relative_drop": (before - after) / before if before else 0.0}
 
 
+@register_study("shuffle", "relative accuracy drop when the patches are permuted", varies=("pe_sharing",))
 def run_shuffle(cfg: ExperimentConfig, out: Any) -> StudyResult:
     pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
     ctx = StudyContext("shuffle", cfg, out, total=len(pes) * len(cfg.seeds))

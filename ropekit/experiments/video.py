@@ -26,6 +26,7 @@ from torch import Tensor
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, coord_scale, has_coordinate_path, is_offset_invariant, predict, random_offsets, \
     summarize_logit_change, token_grid
+from .registry import register_study
 from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 from .shuffle import shuffle_drop
@@ -45,6 +46,8 @@ def reverse_frames(x: Tensor) -> Tensor:
     return x.flip(2)
 
 
+@register_study("video", "moving-digit clips labelled by direction of motion, (t, y, x) coordinates, frame "
+                "shuffling", varies=("pe_sharing",))
 def run_video(cfg: ExperimentConfig, out: Any) -> StudyResult:
     pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
     ctx = StudyContext("video", cfg, out, total=len(pes) * len(cfg.seeds))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..encodings.functional import _rotate_pairs_real, basis_change, rope_cos_sin
+from ..encodings.angles import _rotate_pairs_real, rope_cos_sin
+from ..encodings.products import basis_change
 from ..encodings.validation import check_finite
 from .rotary import _as_heads, _as_rows, available
 from .rotary import _kernels as _rotary_kernels

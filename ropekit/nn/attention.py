@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..encodings import PositionEncoding
 from ..encodings.functional import basis_change
-from ..fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rope_form
+from ..encodings.fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rope_form
 
 __all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
 

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from .._config_keys import known_keys
 from ..encodings import PositionEncoding, create_pe, list_pes
+from ..encodings.fold import rope_forms
 from ..encodings.validation import check_finite
-from ..fold import rope_forms
 from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
 from .depth import DepthLift, valid_depth_mask

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from .demos import episode_seeds, rollout
-from .env import STATE_SLICES, PickConfig, PickEnv
+from .env import STATE_SLICES, PickConfig, PickEnv, env_config
 from .expert import ScriptedExpert
 
 __all__ = ["AXES", "expert_tolerance", "grasp_errors", "summarize_grasp_errors", "chunk_tracking",
@@ -84,7 +84,6 @@ def grasp_errors(policy: Any, episodes: int, condition: str = "in_distribution",
     import torch
     from tqdm.auto import tqdm
 
-    from .experiment import env_config
     from .policy import PolicyRunner
     from .train import load_policy
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -78,6 +78,7 @@ def require_pybullet() -> None:
 __all__ = [
     "PickConfig",
     "PickEnv",
+    "env_config",
     "CameraParams",
     "STATE_DIM",
     "ACTION_DIM",
@@ -645,3 +646,9 @@ class PickEnv:
             obs["intrinsics" + sfx], obs["extrinsics" + sfx] = cam.intrinsics.copy(), cam.extrinsics.copy()
         obs["state"] = self._state()
         return obs
+
+
+def env_config(condition: str, image_size: int, overrides: Optional[Mapping[str, Any]] = None) -> PickConfig:
+    """The :class:`PickConfig` of a condition as evaluated: stop at the first success, the policy's image size."""
+    return PickConfig.preset(condition, **{"terminate_on_success": True, **(overrides or {}),
+                                           "image_size": image_size})

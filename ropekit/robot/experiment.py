@@ -44,10 +44,10 @@ import numpy as np
 
 from ..train.metrics import atomic_write_text
 from .demos import _default_start_method, collect_demos, episode_seeds, load_demos, rollout
-from .env import PickConfig, PickEnv
+from .env import PickConfig, PickEnv, env_config
 
-__all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study", "evaluate_policy",
-           "depth_diagnostics", "wilson_interval", "add_arguments", "run"]
+__all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study", "compare_with_committed",
+           "evaluate_policy", "depth_diagnostics", "wilson_interval", "add_arguments", "run"]
 
 CONDITIONS = ("in_distribution", "ood_table_height", "ood_large_distractors", "ood_light")
 PathLike = Union[str, Path]
@@ -117,12 +117,6 @@ def pooled_z(k1: int, n1: int, k2: int, n2: int) -> float:
     pooled = (k1 + k2) / (n1 + n2)
     se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
     return (k1 / n1 - k2 / n2) / se if se > 0 else float("nan")
-
-
-def env_config(condition: str, image_size: int, overrides: Optional[Mapping[str, Any]] = None) -> PickConfig:
-    """The :class:`PickConfig` of a condition as evaluated: stop at the first success, the policy's image size."""
-    return PickConfig.preset(condition, **{"terminate_on_success": True, **(overrides or {}),
-                                           "image_size": image_size})
 
 
 def evaluate_policy(policy: Any, condition: str, episodes: int, seed: int = 1000,
@@ -658,6 +652,37 @@ def config_from_args(args: Any) -> RobotExperimentConfig:
     if args.threads is not None:
         cfg.threads = int(args.threads)
     return cfg
+
+
+def compare_with_committed(doc: Dict[str, Any], where: str = "robot") -> List[str]:
+    """Differences between a committed robot ``config.json`` (``doc``) and what its recorded preset resolves to
+    now: the recipe field by field, the set of runs, and every recorded run's policy and training settings
+    against :func:`arm_settings`. One line per difference; empty when the committed
+    runs are what the documented command trains now."""
+    from ..experiments.recipes import PRESETS
+    from .recipes import recipe
+
+    preset = doc.get("preset")
+    if preset not in PRESETS:
+        return [f"{where}: no known preset recorded (got {preset!r})"]
+    now = json.loads(json.dumps(recipe(preset)))
+    committed = doc.get("recipe") or {}
+    diffs = [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
+             for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
+    runs = doc.get("runs") or []
+    if not runs:  # a study still running (or interrupted) records its runs at the end
+        return diffs
+    planned = {f"s{seed}/{arm}": (arm, seed) for arm, seed in planned_runs(now)}
+    recorded = {run.get("name"): run for run in runs}
+    diffs += [f"{where}: run {name} is missing" for name in sorted(set(planned) - set(recorded))]
+    diffs += [f"{where}: run {name} is not part of the study" for name in sorted(set(recorded) - set(planned), key=str)]
+    for name in sorted(set(planned) & set(recorded)):
+        got = recorded[name].get("settings") or {}
+        size = (got.get("policy") or {}).get("image_size", 0)
+        want = json.loads(json.dumps(arm_settings(now, *planned[name], image_size=size)))
+        diffs += [f"{where}: run {name} {k}: committed {got.get(k)!r}, now {want[k]!r}"
+                  for k in sorted(want) if got.get(k) != want[k]]
+    return diffs
 
 
 def run_study(exp_cfg: Any, out: PathLike, **options: Any):

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
-from typing import Any, Dict, List, Set
+from typing import Any, Dict, Set
 
 from ..experiments.recipes import DATA_FIELDS, PRESETS, _check_fields, preset_copy
 from ..nn.vit import ViTConfig
 
-__all__ = ["ARMS", "TOP_FIELDS", "recipe", "check_recipe", "compare_with_committed", "policy_fields",
+__all__ = ["ARMS", "TOP_FIELDS", "recipe", "check_recipe", "policy_fields",
            "backbone_fields", "train_fields", "expert_fields"]
 
 #: The policies a study can train. ``2d``: RGB, 2-D encoding, from scratch. ``3d``: RGB-D with the 3-D encoding,
@@ -187,33 +186,3 @@ def recipe(preset: str = "default") -> Dict[str, Any]:
         ValueError: unknown preset, or an incomplete recipe.
     """
     return preset_copy(RECIPES, preset, check_recipe, "robot")
-
-
-def compare_with_committed(doc: Dict[str, Any], where: str = "robot") -> List[str]:
-    """Differences between a committed robot ``config.json`` (``doc``) and what its recorded preset resolves to
-    now: the recipe field by field, the set of runs, and every recorded run's policy and training settings
-    against :func:`ropekit.robot.experiment.arm_settings`. One line per difference; empty when the committed
-    runs are what the documented command trains now."""
-    from .experiment import arm_settings, planned_runs
-
-    preset = doc.get("preset")
-    if preset not in PRESETS:
-        return [f"{where}: no known preset recorded (got {preset!r})"]
-    now = json.loads(json.dumps(recipe(preset)))
-    committed = doc.get("recipe") or {}
-    diffs = [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
-             for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
-    runs = doc.get("runs") or []
-    if not runs:  # a study still running (or interrupted) records its runs at the end
-        return diffs
-    planned = {f"s{seed}/{arm}": (arm, seed) for arm, seed in planned_runs(now)}
-    recorded = {run.get("name"): run for run in runs}
-    diffs += [f"{where}: run {name} is missing" for name in sorted(set(planned) - set(recorded))]
-    diffs += [f"{where}: run {name} is not part of the study" for name in sorted(set(recorded) - set(planned), key=str)]
-    for name in sorted(set(planned) & set(recorded)):
-        got = recorded[name].get("settings") or {}
-        size = (got.get("policy") or {}).get("image_size", 0)
-        want = json.loads(json.dumps(arm_settings(now, *planned[name], image_size=size)))
-        diffs += [f"{where}: run {name} {k}: committed {got.get(k)!r}, now {want[k]!r}"
-                  for k in sorted(want) if got.get(k) != want[k]]
-    return diffs

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict
 
-from ..cli import CommandError
+from .._errors import CommandError
 
 __all__ = ["add_train_arguments", "run_train", "add_eval_arguments", "run_eval", "config_from_args"]
 

@@ -411,7 +411,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
     if ckpt is not None:  # (checked here, before anything is said or written; the engine restores the rest)
         load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
     if cfg.init_from and ckpt is None:
-        from ..integrations.finetune import init_from_checkpoint
+        from .finetune import init_from_checkpoint
 
         _log(init_from_checkpoint(model, load_checkpoint(cfg.init_from)), ctx, quiet)
 

@@ -17,9 +17,9 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Sequence, Union
 
-__all__ = ["add_arguments", "experiment_config", "parse_command", "run"]
+__all__ = ["add_arguments", "experiment_config", "parse_command", "compare_with_committed", "run"]
 
 
 def _list(text: str) -> List[str]:
@@ -222,3 +222,39 @@ def _experiment(args: Any) -> int:
     print((Path(args.out) / "table.md").read_text())
     print(f"results in {args.out} ({doc['timings_s']['total'] / 60:.1f} min)")
     return 0
+
+
+def compare_with_committed(folder: Union[str, Path], extra_args: Sequence[str] = ()) -> List[str]:
+    """Differences between a committed study folder and what its recorded commands train at this version.
+
+    ``folder``'s ``config.json`` is one study's (its ``command`` and ``config``) or a merge of several
+    (``merged``: one such record per part). Each part's command is parsed as ``ropekit robot aloha experiment``
+    parses it, and the configuration it resolves to now is compared field by field with the recorded one
+    (``threads``, ``progress`` and ``cache_dir`` are the machine's, not the recipe's, and are not compared).
+    ``extra_args`` are appended to every recorded command: options that were the preset's default when the
+    study ran and that its ``commands.sh`` now states (e.g. ``--aux-weight 0`` for the study made before the
+    object loss). One line per difference; empty when every part is what its command trains now.
+    """
+    doc = json.loads((Path(folder) / "config.json").read_text())
+    machine = {"threads", "progress", "cache_dir"}
+    diffs: List[str] = []
+    for i, part in enumerate(doc.get("merged", [doc])):
+        where = f"{Path(folder).name} part {i}"
+        try:
+            args = parse_command(part["command"] + "".join(f" {shlex.quote(a)}" for a in extra_args))
+        except (ValueError, SystemExit, KeyError):
+            diffs.append(f"{where}: no parsable 'ropekit robot aloha experiment' command recorded")
+            continue
+        if args.aloha_command != "experiment":
+            diffs.append(f"{where}: recorded command is 'aloha {args.aloha_command}', not 'aloha experiment'")
+            continue
+        now = json.loads(json.dumps(experiment_config(args).to_dict()))
+        got = part.get("config") or {}
+        for key in sorted((set(now) | set(got)) - machine):
+            a, b = got.get(key, "<missing>"), now.get(key, "<missing>")
+            if isinstance(a, dict) and isinstance(b, dict):
+                diffs += [f"{where}: {key}.{k}: committed {a.get(k, '<missing>')!r}, now {b.get(k, '<missing>')!r}"
+                          for k in sorted(set(a) | set(b)) if a.get(k, "<missing>") != b.get(k, "<missing>")]
+            elif a != b:
+                diffs.append(f"{where}: {key}: committed {a!r}, now {b!r}")
+    return diffs
