@@ -120,7 +120,7 @@ _OPTION_FIELDS = tuple(dest for _, _, dest, _ in _STUDY_OPTIONS) + ("canvas_pad"
 
 
 def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
-    from ..train import parse_key_values
+    from ..train.config import parse_key_values
 
     given = vars(args)
     out: Dict[str, Any] = {}

@@ -305,7 +305,7 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
     import argparse
     import shlex
 
-    from ..train import parse_key_values
+    from ..train.config import parse_key_values
     from .cli import _OPTION_FIELDS, add_arguments
 
     words = shlex.split(command or "")
