@@ -328,3 +328,15 @@ def test_checkpoint_of_another_size_is_refused(tmp_path):
     other = _Quadratic(dim=4)
     with pytest.raises(CheckpointError, match="does not match the model"):
         fit(other, FitOptions(Schedule(lr=1e-2, total_steps=4), 1, execution=CPU, run_dir=tmp_path / "q", resume=True))
+
+
+def test_train_package_exports_its_public_names_only():
+    """``ropekit.train``'s namespace is its training API; helpers live in the submodules."""
+    import types
+
+    import ropekit.train as package
+
+    names = {n for n, v in vars(package).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+    assert names == set(package.__all__)
+    assert len(package.__all__) == 22
+    assert package.build_optimizer is engine.build_optimizer
