@@ -277,7 +277,7 @@ def test_compiled_module_counts_without_a_graph_break(deferred):
 
 
 def test_engine_raises_the_deferred_count_at_the_step_before_the_update(deferred):
-    from ropekit.train.engine import EngineOptions, Schedule, fit
+    from ropekit.train.engine import EngineOptions, FitOptions, Schedule, fit
 
     class Task:
         name = "coords"
@@ -301,8 +301,9 @@ def test_engine_raises_the_deferred_count_at_the_step_before_the_update(deferred
     task = Task()
     with pytest.raises(ValueError, match=r"^2 non-finite values .* in coords .*\(at step 2 \(epoch 1, batch 2\): "
                                          r"stopped before the update\)"):
-        fit(task, Schedule(lr=1e-2, total_steps=3), 1,
-            options=EngineOptions(device="cpu", progress=False, tensorboard=False, plots=False), quiet=True)
+        fit(task, FitOptions(Schedule(lr=1e-2, total_steps=3), 1,
+                             execution=EngineOptions(device="cpu", progress=False, tensorboard=False, plots=False),
+                             quiet=True))
     assert all(torch.isfinite(p).all() for p in task.model.parameters())
 
 

@@ -222,7 +222,7 @@ def test_axial_table_rebuilt_after_to_empty():
 
 def test_fused_kernel_dispatch(monkeypatch):
     """Where ``ropekit.kernels`` says it is available, apply_frequency_rope and the RoPE modules call its
-    ``fused_rotary`` with the agreed signature; a missing package falls back to the PyTorch path."""
+    ``fused_rotary`` with the agreed signature; where they cannot run (no Triton) the PyTorch path runs."""
     import sys
     import types
 
@@ -250,7 +250,8 @@ def test_fused_kernel_dispatch(monkeypatch):
     qe, _ = pe(q, k, coords, num_prefix_tokens=1)
     # module path: q and k in one launch, prefix tokens passed to the kernel, shared frequencies as (c, d/2)
     assert len(calls) == 2 and calls[1] == ((2, H, 6, D), False, (5, 2), (2, D // 2), 1, "interleaved")
-    monkeypatch.setattr(fn, "_KERNELS", [None])  # package absent: the PyTorch path gives the same values
+    absent = types.SimpleNamespace(available=lambda device: False, unavailable_reason=lambda device: "no Triton")
+    monkeypatch.setattr(fn, "_KERNELS", [absent])  # Triton absent: the PyTorch path gives the same values
     torch.testing.assert_close(qe, pe(q, k, coords, num_prefix_tokens=1)[0])
     torch.testing.assert_close(got[0], apply_frequency_rope(q, k, coords, freqs, num_prefix_tokens=1, pairs="half")[0])
     assert len(calls) == 2

@@ -1,4 +1,4 @@
-"""Skew matrices stored by their free entries: counts, Adam-relevant layout, old full-matrix checkpoints."""
+"""Skew matrices stored by their free entries: counts, Adam-relevant layout, the function of full matrices."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ropekit import create_pe, list_pes
-from ropekit.encodings.skew import free_to_skew
+from ropekit.encodings.skew import free_to_skew, full_to_free, skew_to_free
 
 D = 16
 
@@ -53,26 +53,27 @@ def test_relaxed_counts_with_an_empty_null_space():
     assert relaxed.num_effective_parameters() == c * d // 2 + c * d * (d - 1) // 2 + d * (d - 1) // 2
 
 
-def _old_cayley_state(pe, a_full: torch.Tensor) -> dict:
+def _cayley_state(pe, s: torch.Tensor, band) -> dict:
     sd = pe.state_dict()
-    sd["cayley_params"] = a_full
+    sd["cayley_params"] = skew_to_free(s, band)
     return sd
 
 
 @pytest.mark.parametrize("band", [None, 3])
-def test_cayley_loads_full_matrix_checkpoint(band):
+def test_cayley_free_entries_of_a_full_matrix(band):
+    """The free entries of ``S = A - A^T`` (banded: of ``M * A - (M * A)^T``) give the encoding of ``S``."""
     torch.manual_seed(0)
     pe = create_pe("cayley", head_dim=D, coord_dim=2, num_heads=2, band=band)
     a = torch.randn(1, D, D)
     if band is None:
         s_old = a - a.transpose(-1, -2)
-    else:  # the old banded form masked A to its upper band before A - A^T
+    else:  # banded: A masked to its upper band before A - A^T
         i = torch.arange(D)
         mask = ((i[None, :] - i[:, None]) > 0) & ((i[None, :] - i[:, None]) <= band)
         s_old = a * mask - (a * mask).transpose(-1, -2)
-    pe.load_state_dict(_old_cayley_state(pe, a))
+    pe.load_state_dict(_cayley_state(pe, s_old, band))
     assert torch.allclose(pe.skew_matrix(), s_old, atol=1e-6)
-    # the same function as the old encoding: R(r) = RoPE(r) (I - S)(I + S)^-1
+    # the function of the full-matrix form: R(r) = RoPE(r) (I - S)(I + S)^-1
     eye = torch.eye(D)
     p_old = (eye - s_old[0]) @ torch.linalg.inv(eye + s_old[0])
     x, coords = torch.randn(2, 2, 5, D), torch.randn(5, 2) * 3
@@ -81,16 +82,17 @@ def test_cayley_loads_full_matrix_checkpoint(band):
 
 
 @pytest.mark.parametrize("name", ["comrope-ap", "comrope-ld"])
-def test_comrope_loads_full_matrix_checkpoint(name):
+def test_comrope_free_entries_of_full_bases(name):
+    """Full bases ``B_j`` (``K_j = B_j - B_j^T``, the authors' parametrisation) through ``full_to_free``."""
     torch.manual_seed(0)
     pe = create_pe(name, head_dim=D, coord_dim=2, num_heads=2, block_size=4, per_head=True)
     b_full = torch.randn(2, 4, 4, 4)
     sd = pe.state_dict()
-    sd["block_params"] = b_full
+    sd["block_params"] = full_to_free(b_full)
     pe.load_state_dict(sd)
     k_old = b_full - b_full.transpose(-1, -2)
     assert torch.allclose(pe.block_generators(), k_old, atol=1e-6)
-    # outputs equal the old definition: block j of R(r) = expm(s_j K_j), checked with a dense matrix_exp
+    # outputs equal the definition: block j of R(r) = expm(s_j K_j), checked with a dense matrix_exp
     coords = torch.randn(3, 2, dtype=torch.float64)
     s = pe.block_scales(coords).double().expand(2, -1, -1)  # (Hp, M, nb)
     blocks = torch.linalg.matrix_exp((s[..., None, None] * k_old.double()[:, None]).contiguous())  # (Hp, M, nb, b, b)

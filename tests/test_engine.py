@@ -19,7 +19,7 @@ from ropekit.robot.policy import DiffusionPolicy, PolicyConfig, images_from_obs
 from ropekit.robot.train import TRAIN_STATE, PolicyTrainConfig, load_policy, train_policy
 from ropekit.train import engine, load_checkpoint, train
 from ropekit.train.checkpoint import CheckpointError
-from ropekit.train.engine import EngineOptions, NonFiniteLossError, SaveError, Schedule, fit
+from ropekit.train.engine import EngineOptions, FitOptions, NonFiniteLossError, SaveError, Schedule, fit
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train import tiny_cfg  # noqa: E402
@@ -121,9 +121,9 @@ class _Quadratic:
 
 def test_fp16_uses_a_gradient_scaler_and_trains(tmp_path):
     task = _Quadratic()
-    res = fit(task, Schedule(lr=3e-2, total_steps=40), 10, options=EngineOptions(device="cpu", precision="fp16",
-                                                                                 progress=False, plots=False),
-              run_dir=tmp_path / "fp16")
+    res = fit(task, FitOptions(Schedule(lr=3e-2, total_steps=40), 10,
+                               execution=EngineOptions(device="cpu", precision="fp16", progress=False, plots=False),
+                               run_dir=tmp_path / "fp16"))
     assert res.history[-1]["loss"] < 0.2 * res.history[0]["loss"]
     scaler = load_checkpoint(tmp_path / "fp16")["scaler"]
     assert scaler is not None and scaler["scale"] > 0
@@ -131,10 +131,10 @@ def test_fp16_uses_a_gradient_scaler_and_trains(tmp_path):
 
 def test_compile_a_tiny_model(tmp_path):
     """torch.compile (the cheap 'eager' backend: graph capture without code generation) trains to the same loss."""
-    plain = fit(_Quadratic(), Schedule(lr=1e-2, total_steps=8), 2, options=CPU)
+    plain = fit(_Quadratic(), FitOptions(Schedule(lr=1e-2, total_steps=8), 2, execution=CPU))
     task = _Quadratic()
-    compiled = fit(task, Schedule(lr=1e-2, total_steps=8), 2,
-                   options=EngineOptions(device="cpu", compile="eager", progress=False, plots=False))
+    eager = EngineOptions(device="cpu", compile="eager", progress=False, plots=False)
+    compiled = fit(task, FitOptions(Schedule(lr=1e-2, total_steps=8), 2, execution=eager))
     assert task.model._compiled_call_impl is not None  # compiled in place: the state_dict keeps its names
     assert list(task.model.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
     for a, b in zip(plain.history, compiled.history):
@@ -155,7 +155,8 @@ def test_detection_resume_is_bit_exact(tmp_path):
     task = DetectionTask(part, scenes, cfg)
     sch = Schedule(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, min_lr=cfg.min_lr,
                    weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
-    stopped = fit(task, sch, task.epochs, options=CPU, run_dir=tmp_path / "part", on_step=lambda s: s == 3)
+    stopped = fit(task, FitOptions(sch, task.epochs, execution=CPU, run_dir=tmp_path / "part",
+                                   on_step=lambda s: s == 3))
     assert stopped.interrupted and len(stopped.history) == 1  # stopped mid-epoch 2
     again = tiny_detector(scenes)  # a new process: fresh weights, the checkpoint restores everything
     torch.manual_seed(123)  # (the global RNG too)
@@ -324,7 +325,19 @@ def test_one_training_loop_in_the_code_base():
 
 def test_checkpoint_of_another_size_is_refused(tmp_path):
     task = _Quadratic()
-    fit(task, Schedule(lr=1e-2, total_steps=4), 1, options=CPU, run_dir=tmp_path / "q")
+    fit(task, FitOptions(Schedule(lr=1e-2, total_steps=4), 1, execution=CPU, run_dir=tmp_path / "q"))
     other = _Quadratic(dim=4)
     with pytest.raises(CheckpointError, match="does not match the model"):
-        fit(other, Schedule(lr=1e-2, total_steps=4), 1, options=CPU, run_dir=tmp_path / "q", resume=True)
+        fit(other, FitOptions(Schedule(lr=1e-2, total_steps=4), 1, execution=CPU, run_dir=tmp_path / "q", resume=True))
+
+
+def test_train_package_exports_its_public_names_only():
+    """``ropekit.train``'s namespace is its training API; helpers live in the submodules."""
+    import types
+
+    import ropekit.train as package
+
+    names = {n for n, v in vars(package).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+    assert names == set(package.__all__)
+    assert len(package.__all__) == 22
+    assert package.build_optimizer is engine.build_optimizer

@@ -8,6 +8,7 @@ import torch
 
 import ropekit
 from ropekit.encodings.functional import basis_change
+from ropekit.encodings.skew import full_to_free
 from ropekit.fold import FoldedRoPE, fold, fold_pe, is_foldable, to_rope
 from ropekit.nn import VisionTransformer, vit_config
 
@@ -76,8 +77,9 @@ def test_comrope_degenerate_eigenvalues_fold_exactly():
     j[1, 0], j[3, 2] = 0.7, 0.7  # two equal planes, two zero planes
     j = j - j.transpose(0, 1)
     q = torch.linalg.qr(torch.randn(2, 8, 8, dtype=torch.float64))[0]
-    # full bases B = K / 2 give K = B - B^T = q j q^T in each of the 2 blocks (converted to free entries on load)
-    pe.load_state_dict({**pe.state_dict(), "block_params": (q @ j @ q.transpose(-1, -2)).unsqueeze(0) / 2})
+    # full bases B = K / 2 give K = B - B^T = q j q^T in each of the 2 blocks
+    bases = (q @ j @ q.transpose(-1, -2)).unsqueeze(0) / 2  # (1, 2, 8, 8)
+    pe.load_state_dict({**pe.state_dict(), "block_params": full_to_free(bases)})
     p, freqs = to_rope(pe)
     r, s = torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
     lhs = pe.matrix(r).transpose(-1, -2) @ pe.matrix(s)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from ropekit.nn import VisionTransformer, vit_config
-from ropekit.train import (CheckpointError, TrainConfig, atomic_save, build_optimizer, evaluate_run, load_checkpoint,
-                           load_model_state, random_shift, train)
+from ropekit.train import CheckpointError, TrainConfig, build_optimizer, evaluate_run, load_checkpoint, train
+from ropekit.train.augment import random_shift
+from ropekit.train.checkpoint import atomic_save, load_model_state
 
 TINY = dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0)
 
@@ -152,7 +153,7 @@ def test_process_killed_while_writing_keeps_the_previous_checkpoint(tmp_path):
     atomic_save(_ckpt(1), path)
     script = textwrap.dedent(f"""
         import os, torch
-        from ropekit.train import atomic_save
+        from ropekit.train.checkpoint import atomic_save
         def dying_save(obj, f, *a, **k):
             f.write(b"PK\\x03\\x04 partial")
             f.flush()
@@ -192,7 +193,7 @@ def test_corrupt_truncated_and_mismatched_checkpoints_raise_one_line_errors(tmp_
 
 def test_optimizer_excludes_encodings_norms_and_biases_from_weight_decay():
     model = VisionTransformer(vit_config("tiny", pe="cayley", depth=2, cls="centroid", ape="learned"))
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1)
     decay, no_decay = ({id(p) for p in g["params"]} for g in opt.param_groups)
     assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
     pe = model.encodings[0]

@@ -71,7 +71,6 @@ and k without its arithmetic. ``peak_mb`` is the growth of
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import platform
 import statistics
@@ -911,7 +910,3 @@ def _stamp(records: List[Dict[str, Any]], cfg: BenchConfig, info: Dict[str, Any]
                    allocator=info["allocator"],
                    device=cfg.device, dtype=cfg.dtype,
                    **{k: info[k] for k in ("gpu", "capability", "cuda", "triton", "tf32_matmul") if k in info})
-
-
-def as_dict(cfg: BenchConfig) -> Dict[str, Any]:
-    return dataclasses.asdict(cfg)

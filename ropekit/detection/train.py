@@ -34,7 +34,7 @@ from .matching import DetectionEvaluator, DetectionLossConfig, detection_loss, h
 from .model import Detector3D
 from .scenes import SceneDataset, SceneSet, collate_detection
 
-__all__ = ["DetTrainConfig", "DetectionTask", "batch_indices", "scene_batch", "mean_box", "build_optimizer",
+__all__ = ["DetTrainConfig", "DetectionTask", "batch_indices", "scene_batch", "mean_box",
            "train_detector", "evaluate_detector", "matched_mean_iou",
            "matched_errors", "predict", "seed_everything"]
 
@@ -92,11 +92,6 @@ def mean_box(scenes: SceneSet) -> Tensor:
     if len(boxes) == 0:
         return torch.tensor([0, 0, 1.0, 1, 0, 0, 0, 1, 0, 0.1, 0.1, 0.1])
     return torch.from_numpy(boxes.mean(0)).float()
-
-
-def build_optimizer(model: nn.Module, cfg: DetTrainConfig) -> torch.optim.AdamW:
-    """AdamW; no weight decay for ``model.no_weight_decay()`` names and every parameter with < 2 dimensions."""
-    return engine.build_optimizer(model, cfg.lr, cfg.weight_decay)
 
 
 def batch_indices(n: int, cfg: DetTrainConfig) -> List[List[int]]:
@@ -201,8 +196,9 @@ def train_detector(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,
     schedule = engine.Schedule(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, min_lr=cfg.min_lr,
                                weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
     config = {"train": cfg.to_dict(), "model": _model_config(model), "scenes": len(scenes)}
-    res = engine.fit(task, schedule, task.epochs, options=opts, run_dir=out_dir, resume=resume,
-                     config_doc=config, checkpoint_extra={"det_train_config": cfg.to_dict()}, quiet=True)
+    res = engine.fit(task, engine.FitOptions(schedule, task.epochs, execution=opts, run_dir=out_dir, resume=resume,
+                                             config_doc=config, checkpoint_extra={"det_train_config": cfg.to_dict()},
+                                             quiet=True))
     model.to(home)
     model.eval()
     if res.interrupted:

@@ -45,10 +45,7 @@ PAIRS = ("interleaved", "half")
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """Disable autocast on ``device_type`` (a no-op context when it is not enabled: entering one costs time)."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except TypeError:  # older torch: no device argument
-        enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+    enabled = torch.is_autocast_enabled(device_type)
     return torch.autocast(device_type=device_type, enabled=False) if enabled else contextlib.nullcontext()
 
 

@@ -5,9 +5,6 @@ parameter head; with ``band`` only the entries with ``0 < j - i <= band``); they
 encoding starts as RoPE-Mixed. ``P`` comes from one factorised solve per forward (``solve_ex``), shared by q,
 k and every token, and is applied as a matrix product. The commuting generators it implies are
 ``L_k = P^T J_k P`` (``J_k`` the RoPE-Mixed generators): ``R(r) = P expm(sum_k r_k L_k)`` (``P`` on the left).
-
-Checkpoints that stored a full ``d x d`` matrix ``A`` with ``S = A - A^T`` load unchanged: the state-dict hook
-converts ``A`` to the free entries of ``S`` (``skew.full_to_free``), so the encoding computes the same function.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from torch import Tensor, nn
 
 from .functional import _fused_basis_kernel, _fused_kernel, basis_change, cayley_transform, rotate_pairs
 from .rope import MixedRoPE, _KernelState
-from .skew import free_to_skew, full_to_free, num_free
+from .skew import free_to_skew, num_free
 
 __all__ = ["CayleySTRING"]
 
@@ -91,13 +88,3 @@ class CayleySTRING(MixedRoPE):
         parameters (the rotation is solved in float64 and cast back)."""
         p = cayley_transform(self.skew_matrix().double()).to(self.cayley_params.dtype)
         return p.expand(self.num_heads, -1, -1), self.freqs.expand(self.num_heads, -1, -1)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
-        key = prefix + "cayley_params"
-        old = state_dict.get(key)
-        d = self.head_dim
-        if isinstance(old, Tensor) and old.dim() == 3 and old.shape[-2:] == (d, d):  # full-matrix checkpoint
-            state_dict[key] = full_to_free(old, self.band, masked=self.band is not None)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)

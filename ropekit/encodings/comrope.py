@@ -21,10 +21,7 @@ without it); ``init="normal"`` is the authors' random start: full bases ``B_j`` 
 scale it down by the grid size.
 
 Parameters: each block's skew generator ``K_j`` is stored by its ``b (b - 1) / 2`` free entries (the strict upper
-triangle), not as a full ``B_j`` with ``K_j = B_j - B_j^T`` (which counts and steps every free entry twice).
-Checkpoints holding the full ``(Hp, nb, b, b)`` bases load unchanged: the state-dict hook converts them
-(``skew.full_to_free``).
-"""
+triangle), not as a full ``B_j`` with ``K_j = B_j - B_j^T`` (which counts and steps every free entry twice)."""
 
 from __future__ import annotations
 
@@ -87,15 +84,6 @@ class _ComRoPE(PositionEncoding):
     def block_generators(self) -> Tensor:
         """``K_j`` from the free entries: ``(Hp, nb, b, b)``."""
         return free_to_skew(self.block_params, self.block_size)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
-        key, b = prefix + "block_params", self.block_size
-        old = state_dict.get(key)
-        if isinstance(old, Tensor) and old.dim() == 4 and old.shape[-2:] == (b, b):  # full-matrix checkpoint
-            state_dict[key] = full_to_free(old)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
 
     def block_scales(self, coords: Tensor) -> Tensor:
         """``s_j(r)``: ``(Hp, M, nb)`` for ``(M, c)`` coords, ``(B, Hp, M, nb)`` per example."""

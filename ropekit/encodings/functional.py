@@ -105,10 +105,7 @@ def _interpreting() -> bool:
 
 
 def _is_compiling() -> bool:
-    try:
-        return torch.compiler.is_compiling()
-    except AttributeError:  # torch < 2.3
-        return False
+    return torch.compiler.is_compiling()
 
 
 def _complex_pairs(x: Tensor) -> Tensor:
@@ -400,7 +397,7 @@ _TRITON_IN_COMPILE = ("backend='triton': inside torch.compile the fused kernel r
                       "shared coordinates without a coordinate gradient (kernels.compile_supported); use "
                       "backend='auto' there")
 
-_KERNELS: list = []  # the imported ropekit.kernels module, or None when absent (looked up once)
+_KERNELS: list = []  # the imported ropekit.kernels module (imported on first use)
 _WARNED: set = set()  # the reasons "auto" has already warned about (one warning per reason and process)
 
 
@@ -415,14 +412,10 @@ def _kernel_reason(device: torch.device) -> str | None:
     """Why the fused rotation kernel cannot run on ``device``, or None when it can (``ropekit.kernels`` imported
     once; its check never raises here: a broken install is a reason like any other)."""
     if not _KERNELS:
-        try:
-            from .. import kernels  # noqa: PLC0415 -- imports Triton only when a kernel is first used
-        except ImportError:
-            kernels = None
+        from .. import kernels  # noqa: PLC0415 -- ropekit.kernels imports ropekit.encodings
+
         _KERNELS.append(kernels)
     kernels = _KERNELS[0]
-    if kernels is None:
-        return "ropekit.kernels cannot be imported"
     try:
         if kernels.available(device):
             return None

@@ -4,9 +4,6 @@ A skew ``n x n`` matrix has ``n (n - 1) / 2`` free entries, its strict upper tri
 ``A`` and using ``A - A^T`` doubles every free entry's parameter count and its step under Adam (each free
 entry is the difference of two parameters that both move by ~lr); Cayley-STRING and ComRoPE therefore store
 the free entries (in ``torch.triu_indices(n, n, 1)`` order, optionally restricted to a band).
-
-Old checkpoints held the full matrix ``A``; :func:`full_to_free` converts it exactly (``S = A - A^T``, so the
-free entry ``(i, j)``, ``i < j``, is ``A[i, j] - A[j, i]``): the encodings call it from their state-dict hook.
 """
 
 from __future__ import annotations
@@ -75,15 +72,10 @@ def skew_to_free(s: Tensor, band: int | None = None) -> Tensor:
     return s[..., iu[0], iu[1]]
 
 
-def full_to_free(a: Tensor, band: int | None = None, masked: bool = False) -> Tensor:
-    """Free entries of ``S = A - A^T`` from a full matrix ``A`` ``(..., n, n)``: ``A[i, j] - A[j, i]``.
-
-    With ``masked=True`` the old form was ``S = M * A - (M * A)^T`` with ``M`` the upper-band mask (only the
-    band's upper entries used): the free entries are then ``A[i, j]``.
-    """
-    iu = upper_indices(a.shape[-1], band, a.device)
-    upper = a[..., iu[0], iu[1]]
-    return upper if masked else upper - a[..., iu[1], iu[0]]
+def full_to_free(a: Tensor) -> Tensor:
+    """Free entries ``(..., F)`` of ``S = A - A^T`` from full matrices ``A`` ``(..., n, n)``: ``A[i, j] - A[j, i]``."""
+    iu = upper_indices(a.shape[-1], None, a.device)
+    return a[..., iu[0], iu[1]] - a[..., iu[1], iu[0]]
 
 
 # ----------------------------------------------------------------------------- differentiable real Schur form

@@ -307,7 +307,7 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
     import argparse
     import shlex
 
-    from ..train import parse_key_values
+    from ..train.config import parse_key_values
 
     words = shlex.split(command or "")
     if words[:2] != ["ropekit", "experiment"]:

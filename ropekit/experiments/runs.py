@@ -27,8 +27,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from .. import __version__
 from ..encodings.registry import PE_REGISTRY
 from ..nn.vit import ViTConfig, VisionTransformer
-from ..train import CHECKPOINT_NAME, TrainConfig, build_vit_config, load_data, load_model_state, load_run, \
-    read_metrics_csv, train
+from ..train import TrainConfig, build_vit_config, load_data, load_run, train
+from ..train.checkpoint import CHECKPOINT_NAME, load_model_state
+from ..train.metrics import read_metrics_csv
 
 __all__ = ["RunRecord", "RunCache", "Progress", "canonical_pe_options", "run_key", "RUNTIME_FIELDS"]
 
@@ -141,10 +142,6 @@ class Progress:
         if note:
             self.study.set_postfix_str(note, refresh=False)
         self.study.update(n)
-
-    def add_total(self, n: int) -> None:
-        self.study.total = (self.study.total or 0) + n
-        self.study.refresh()
 
     def write(self, msg: str) -> None:
         self._tqdm.write(msg, file=sys.stderr)

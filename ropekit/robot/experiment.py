@@ -79,11 +79,6 @@ class RobotExperimentConfig:
             base.update(workers=1, frame_size=64, strip_frames=4)
         return cls(**{**base, **changes})
 
-    @classmethod
-    def quick_preset(cls, **overrides: Any) -> "RobotExperimentConfig":
-        """A few-second end-to-end run for CI: tiny encoder, a handful of demos, steps and episodes."""
-        return cls.from_preset("quick", **overrides)
-
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -291,11 +291,11 @@ def train_policy(policy: DiffusionPolicy, data: DemoChunks, cfg: PolicyTrainConf
                 on_snapshot(step, task.ema_copy())
             return False
 
-        res = engine.fit(task, schedule, task.epochs, options=opts, run_dir=out, checkpoint_name=TRAIN_STATE,
-                         resume=bool(resume), ctx=ctx, quiet=not progress, config_doc=config, on_step=on_step,
-                         checkpoint_extra={"policy_config": policy.config.to_dict(),
-                                           "policy_train_config": cfg.to_dict()},
-                         optimizer=_optimizer(policy, cfg), fresh_start=fresh_start)
+        res = engine.fit(task, engine.FitOptions(
+            schedule, task.epochs, execution=opts, run_dir=out, checkpoint_name=TRAIN_STATE, resume=bool(resume),
+            ctx=ctx, quiet=not progress, config_doc=config, on_step=on_step,
+            checkpoint_extra={"policy_config": policy.config.to_dict(), "policy_train_config": cfg.to_dict()},
+            optimizer=_optimizer(policy, cfg), fresh_start=fresh_start))
         if res.interrupted:
             raise KeyboardInterrupt(f"policy training interrupted; continue it by training into {out} again")
         task.copy_ema()

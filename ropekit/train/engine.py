@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
@@ -45,7 +45,7 @@ from .checkpoint import CheckpointError, atomic_save, capture_rng, load_checkpoi
 from .distributed import DistContext, init_distributed
 from .metrics import TensorBoardLogger, atomic_write_text, write_metrics_csv
 
-__all__ = ["Task", "EngineOptions", "Schedule", "FitResult", "fit", "build_optimizer", "warmup_cosine",
+__all__ = ["Task", "EngineOptions", "Schedule", "FitOptions", "FitResult", "fit", "build_optimizer", "warmup_cosine",
            "NonFiniteLossError", "SaveError", "RunLock", "RunLockedError", "PRECISIONS", "versions",
            "autocast_dtype", "seed_everything"]
 
@@ -161,6 +161,45 @@ class Schedule:
     min_lr: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float = 0.0
+
+
+@dataclass
+class FitOptions:
+    """Everything :func:`fit` needs besides the task.
+
+    Attributes:
+        schedule: optimiser and learning-rate schedule.
+        epochs: epochs to train (a resumed run continues up to this many).
+        execution: device, precision, compile, threads, progress bar, TensorBoard, plots.
+        run_dir: the run folder (``None``: nothing is written and Ctrl-C is not intercepted).
+        checkpoint_name: file name of the training checkpoint in ``run_dir``.
+        resume: continue from ``run_dir / checkpoint_name`` (bit-exact when nothing changed).
+        ctx: an initialised distributed context (``None``: :func:`init_distributed` with ``execution.device``,
+            closed again on return).
+        on_step: called after every step with the global step; returning ``True`` stops like Ctrl-C.
+        quiet: no log lines (the progress bar follows ``execution.progress``).
+        config_doc: written as ``config.json`` (with ``versions``, ``world_size``, ``num_params``, ``engine``).
+        checkpoint_extra: more entries for every checkpoint (e.g. the model's config).
+        metric_columns: column order of ``metrics.csv`` (``None``: the keys of the rows).
+        optimizer: an optimiser over the task's parameters (``None``: :func:`build_optimizer`).
+        fresh_start: called on every rank when the run does not resume, after the model and optimiser are built
+            (e.g. to seed the per-rank random streams).
+    """
+
+    schedule: Schedule
+    epochs: int
+    execution: EngineOptions = field(default_factory=EngineOptions)
+    run_dir: Optional[Union[str, Path]] = None
+    checkpoint_name: str = "checkpoint.pt"
+    resume: bool = False
+    ctx: Optional[DistContext] = None
+    on_step: Optional[StepCallback] = None
+    quiet: bool = False
+    config_doc: Optional[Dict[str, Any]] = None
+    checkpoint_extra: Optional[Dict[str, Any]] = None
+    metric_columns: Optional[Sequence[str]] = None
+    optimizer: Optional[torch.optim.Optimizer] = None
+    fresh_start: Optional[Callable[[DistContext], None]] = None
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, floor: float) -> Callable[[int], float]:
@@ -422,33 +461,13 @@ def _deferred_coord_error(device: torch.device) -> Optional[ValueError]:
     return None
 
 
-def fit(task: Any, schedule: Schedule, epochs: int, *, options: Optional[EngineOptions] = None,
-        run_dir: Optional[Union[str, Path]] = None, checkpoint_name: str = "checkpoint.pt", resume: bool = False,
-        ctx: Optional[DistContext] = None, on_step: Optional[StepCallback] = None, quiet: bool = False,
-        config_doc: Optional[Dict[str, Any]] = None, checkpoint_extra: Optional[Dict[str, Any]] = None,
-        metric_columns: Optional[Sequence[str]] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-        fresh_start: Optional[Callable[[DistContext], None]] = None) -> FitResult:
-    """Train ``task.model`` for ``epochs`` epochs of ``task.epoch_batches``.
+def fit(task: Task, options: FitOptions) -> FitResult:
+    """Train ``task.model`` for ``options.epochs`` epochs of ``task.epoch_batches`` (see :class:`FitOptions`).
 
-    Args:
-        task: see :class:`Task`. Optional hooks: ``state_dict()`` / ``load_state_dict(d)`` (task RNG, EMA...),
-            ``after_step(step)`` (0-based global step, after the update), ``compile_targets()`` (modules to compile;
-            default ``[task.model]``), ``plot(history, path)``, ``summary(history) -> dict``,
-            ``describe(row) -> str`` (a log line per epoch), ``find_unused_parameters`` (DDP).
-        schedule: optimiser and learning-rate schedule.
-        options: device, precision, compile, threads, progress bar, TensorBoard.
-        run_dir: the run folder (``None``: nothing is written and Ctrl-C is not intercepted).
-        checkpoint_name: file name of the training checkpoint in ``run_dir``.
-        resume: continue from ``run_dir / checkpoint_name`` (bit-exact when nothing changed).
-        ctx: an initialised distributed context (default: :func:`init_distributed` with ``options.device``,
-            closed again on return).
-        on_step: called after every step with the global step; returning ``True`` stops like Ctrl-C.
-        config_doc: written as ``config.json`` (with ``versions``, ``world_size``, ``num_params``, ``engine``).
-        checkpoint_extra: more entries for every checkpoint (e.g. the model's config).
-        metric_columns: column order of ``metrics.csv`` (default: the keys of the rows).
-        optimizer: an optimiser over the task's parameters (default: :func:`build_optimizer`).
-        fresh_start: called on every rank when the run does not resume, after the model and optimiser are built
-            (e.g. to seed the per-rank random streams).
+    ``task``: see :class:`Task`. Optional hooks: ``state_dict()`` / ``load_state_dict(d)`` (task RNG, EMA...),
+    ``after_step(step)`` (0-based global step, after the update), ``compile_targets()`` (modules to compile;
+    default ``[task.model]``), ``plot(history, path)``, ``summary(history) -> dict``, ``describe(row) -> str`` (a
+    log line per epoch), ``find_unused_parameters`` (DDP).
 
     Raises:
         NonFiniteLossError: a NaN / Inf loss (step named; nothing saved after the last good checkpoint).
@@ -458,118 +477,233 @@ def fit(task: Any, schedule: Schedule, epochs: int, *, options: Optional[EngineO
         RunLockedError: another process is writing ``run_dir``.
         CheckpointError: ``resume`` without a usable checkpoint, or a checkpoint that does not fit.
     """
-    opts = (options or EngineOptions()).validate()
-    own_ctx = ctx is None
-    ctx = ctx or init_distributed(opts.device)
+    execution = options.execution.validate()
+    ctx = options.ctx or init_distributed(execution.device)
     previous_threads = torch.get_num_threads()
-    if opts.threads:
-        torch.set_num_threads(int(opts.threads))
-    run = Path(run_dir) if run_dir is not None else None
+    if execution.threads:
+        torch.set_num_threads(int(execution.threads))
+    run = Path(options.run_dir) if options.run_dir is not None else None
     lock = RunLock(run) if run is not None and ctx.is_main else None
     try:
         if lock is not None:
             lock.acquire()
-        return _fit(task, schedule, epochs, opts, run, checkpoint_name, resume, ctx, on_step, quiet,
-                    config_doc, checkpoint_extra, metric_columns, optimizer, fresh_start)
+        return _Fit(task, options, ctx, run).run()
     finally:
         if lock is not None:
             lock.release()
         torch.set_num_threads(previous_threads)
-        if own_ctx:
+        if options.ctx is None:
             ctx.close()
 
 
-def _fit(task: Any, schedule: Schedule, epochs: int, opts: EngineOptions, run: Optional[Path], checkpoint_name: str,
-         resume: bool, ctx: DistContext, on_step: Optional[StepCallback], quiet: bool,
-         config_doc: Optional[Dict[str, Any]], checkpoint_extra: Optional[Dict[str, Any]],
-         metric_columns: Optional[Sequence[str]], optimizer: Optional[torch.optim.Optimizer],
-         fresh_start: Optional[Callable[[DistContext], None]]) -> FitResult:
-    t_start = time.time()
-    device = ctx.device
-    ckpt_path = run / checkpoint_name if run is not None else None
-    ckpt = None
-    if resume:
-        if ckpt_path is None:
-            raise ValueError("resume needs a run folder")
-        ckpt = load_checkpoint(ckpt_path)
-    elif ckpt_path is not None and ckpt_path.exists():
-        raise ValueError(f"run folder {run} already holds a checkpoint; continue it with --resume or choose "
-                         f"another --out")
+class _Fit:
+    """One call of :func:`fit`: the run's state and its steps (setup, resume, epochs, evaluation, checkpoints,
+    summary), in the order :meth:`run` calls them."""
 
-    model: nn.Module = task.model
-    model.to(device)
-    opt = optimizer or build_optimizer(model, schedule.lr, schedule.weight_decay)
-    factor = warmup_cosine(schedule.total_steps, schedule.warmup_steps, schedule.min_lr / schedule.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    amp_dtype = autocast_dtype(opts.precision)
-    scaler = torch.amp.GradScaler(device.type, enabled=opts.precision == "fp16")
+    def __init__(self, task: Any, options: FitOptions, ctx: DistContext, run: Optional[Path]) -> None:
+        self.task, self.o, self.ctx, self.run_dir = task, options, ctx, run
+        self.execution = options.execution
+        self.t_start = time.time()
+        self.ckpt_path = run / options.checkpoint_name if run is not None else None
+        self.start_epoch, self.start_step, self.global_step, self.elapsed_before = 0, 0, 0, 0.0
+        self.history: List[Dict[str, Any]] = []
+        self.partial: Dict[str, float] = {}
+        self.interrupted = False
 
-    start_epoch, start_step, global_step, elapsed_before = 0, 0, 0, 0.0
-    history: List[Dict[str, Any]] = []
-    partial: Dict[str, float] = {}
-    if ckpt is not None:
-        load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
+    def run(self) -> FitResult:
+        ckpt = self._checkpoint_to_resume()
+        self._setup()
+        if ckpt is not None:
+            self._resume(ckpt)
+        elif self.o.fresh_start is not None:
+            self.o.fresh_start(self.ctx)
+        self.num_params = count_parameters(self.model)  # encodings by their effective count
+        self._write_start_files()
+        self._compile_and_wrap()
+        self._open_progress(resumed=ckpt is not None)
+        with _StopRequest(verbose=self.ctx.is_main and not self.o.quiet, enabled=self.run_dir is not None) as stop:
+            for epoch in range(self.start_epoch, self.o.epochs):
+                if not self._train_epoch(epoch, stop):
+                    break
+                row = self._evaluate(epoch)
+                self._save(epoch + 1, 0, {})
+                self._log_epoch(row)
+                if self.ctx.any(stop.requested):
+                    self.interrupted = epoch + 1 < self.o.epochs
+                    break
+        return self._finish()
+
+    # ------------------------------------------------------------------ setup and resume
+    def _checkpoint_to_resume(self) -> Optional[Dict[str, Any]]:
+        """The checkpoint ``resume`` continues; a fresh run refuses a folder that already holds one."""
+        if self.o.resume:
+            if self.ckpt_path is None:
+                raise ValueError("resume needs a run folder")
+            return load_checkpoint(self.ckpt_path)
+        if self.ckpt_path is not None and self.ckpt_path.exists():
+            raise ValueError(f"run folder {self.run_dir} already holds a checkpoint; continue it with --resume or "
+                             f"choose another --out")
+        return None
+
+    def _setup(self) -> None:
+        """The model on the run's device, the optimiser, the learning-rate schedule and the gradient scaler."""
+        schedule, device = self.o.schedule, self.ctx.device
+        self.model: nn.Module = self.task.model
+        self.model.to(device)
+        self.opt = self.o.optimizer or build_optimizer(self.model, schedule.lr, schedule.weight_decay)
+        self.factor = warmup_cosine(schedule.total_steps, schedule.warmup_steps, schedule.min_lr / schedule.lr)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.factor)
+        self.amp_dtype = autocast_dtype(self.execution.precision)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.execution.precision == "fp16")
+
+    def _resume(self, ckpt: Dict[str, Any]) -> None:
+        """Model, optimiser, schedule, scaler, counters, history, RNG and task states from ``ckpt``."""
+        load_model_state(self.model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
         try:
-            opt.load_state_dict(ckpt["optimizer"])
-            sched.load_state_dict(ckpt["scheduler"])
-            if scaler.is_enabled() and ckpt.get("scaler"):
-                scaler.load_state_dict(ckpt["scaler"])
+            self.opt.load_state_dict(ckpt["optimizer"])
+            self.sched.load_state_dict(ckpt["scheduler"])
+            if self.scaler.is_enabled() and ckpt.get("scaler"):
+                self.scaler.load_state_dict(ckpt["scaler"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {ckpt['path']} does not match the optimiser: "
                                   f"{str(e).splitlines()[0]}") from None
         # the schedule may have been stretched (more epochs): continue on the current one
-        for group, base in zip(opt.param_groups, sched.base_lrs):
-            group["lr"] = base * factor(sched.last_epoch)
-        sched._last_lr = [g["lr"] for g in opt.param_groups]  # type: ignore[attr-defined]
-        start_epoch, start_step = int(ckpt["epoch"]), int(ckpt.get("step_in_epoch", 0))
-        global_step, elapsed_before = int(ckpt.get("global_step", 0)), float(ckpt.get("elapsed_time", 0.0))
-        history = list(ckpt.get("history", []))
-        partial = dict(ckpt.get("partial") or {})
+        for group, base in zip(self.opt.param_groups, self.sched.base_lrs):
+            group["lr"] = base * self.factor(self.sched.last_epoch)
+        self.sched._last_lr = [g["lr"] for g in self.opt.param_groups]  # type: ignore[attr-defined]
+        self.start_epoch, self.start_step = int(ckpt["epoch"]), int(ckpt.get("step_in_epoch", 0))
+        self.global_step, self.elapsed_before = int(ckpt.get("global_step", 0)), float(ckpt.get("elapsed_time", 0.0))
+        self.history = list(ckpt.get("history", []))
+        self.partial = dict(ckpt.get("partial") or {})
         rng = ckpt.get("rng") or []
-        if ctx.rank < len(rng):
-            restore_rng(rng[ctx.rank])
+        if self.ctx.rank < len(rng):
+            restore_rng(rng[self.ctx.rank])
         task_states = ckpt.get("task") or []
-        if ctx.rank < len(task_states) and task_states[ctx.rank] is not None:
-            _call(task, "load_state_dict", task_states[ctx.rank])
-    elif fresh_start is not None:
-        fresh_start(ctx)
+        if self.ctx.rank < len(task_states) and task_states[self.ctx.rank] is not None:
+            _call(self.task, "load_state_dict", task_states[self.ctx.rank])
 
-    n_params = count_parameters(model)  # encodings by their effective count
-    if run is not None and ctx.is_main:
-        if config_doc is not None:
-            doc = {**config_doc, "engine": {"precision": opts.precision, "compile": opts.compile,
-                                            "device": str(device)},
-                   "world_size": ctx.world_size, "num_params": n_params, "versions": versions()}
-            write_json(run / "config.json", doc, "config")
-        if history:
-            _write_metrics(run, history, metric_columns)
-    tb = TensorBoardLogger(run / "tb", enabled=run is not None and opts.tensorboard and ctx.is_main) \
-        if run is not None else None
+    def _write_start_files(self) -> None:
+        """``config.json`` (and, resuming, ``metrics.csv`` so far); the TensorBoard writer."""
+        run, ctx = self.run_dir, self.ctx
+        if run is not None and ctx.is_main:
+            if self.o.config_doc is not None:
+                doc = {**self.o.config_doc, "engine": {"precision": self.execution.precision,
+                                                       "compile": self.execution.compile, "device": str(ctx.device)},
+                       "world_size": ctx.world_size, "num_params": self.num_params, "versions": versions()}
+                write_json(run / "config.json", doc, "config")
+            if self.history:
+                _write_metrics(run, self.history, self.o.metric_columns)
+        self.tb = TensorBoardLogger(run / "tb", enabled=self.execution.tensorboard and ctx.is_main) \
+            if run is not None else None
 
-    # compile (in place: the state_dict keeps its names) and DDP
-    if opts.compile:
-        backend = opts.compile if isinstance(opts.compile, str) else "inductor"
-        for m in _call(task, "compile_targets", default=None) or [model]:
-            m.compile(backend=backend)
-    step_module: nn.Module = _TaskStep(task, model, device)
-    if ctx.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    def _compile_and_wrap(self) -> None:
+        """``torch.compile`` in place (the state_dict keeps its names), then DDP around the task's loss."""
+        compile_with = self.execution.compile
+        if compile_with:
+            backend = compile_with if isinstance(compile_with, str) else "inductor"
+            for m in _call(self.task, "compile_targets", default=None) or [self.model]:
+                m.compile(backend=backend)
+        device = self.ctx.device
+        self.step_module: nn.Module = _TaskStep(self.task, self.model, device)
+        if self.ctx.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
 
-        step_module = DDP(step_module, device_ids=[device.index] if device.type == "cuda" else None,
-                          find_unused_parameters=bool(getattr(task, "find_unused_parameters", False)))
-    params = [p for p in model.parameters() if p.requires_grad]
+            self.step_module = DDP(self.step_module, device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=bool(getattr(self.task, "find_unused_parameters", False)))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
 
-    def save(epoch_done: int, step_in_epoch: int, part: Dict[str, float]) -> None:
+    def _open_progress(self, resumed: bool) -> None:
+        from tqdm import tqdm
+
+        total_steps = int(self.o.schedule.total_steps)
+        self.bar = tqdm(total=total_steps, initial=min(self.global_step, total_steps),
+                        desc=getattr(self.task, "name", "train"),
+                        disable=not (self.execution.progress and self.ctx.is_main), leave=False, dynamic_ncols=True,
+                        file=sys.stderr)
+        self.resumed_from = self.global_step if resumed else None
+        check_deferred_coords(self.ctx.device)  # sets up the device's counter before a compiled model traces its checks
+        self.model.train()
+
+    # ------------------------------------------------------------------ one epoch
+    def _train_epoch(self, epoch: int, stop: _StopRequest) -> bool:
+        """The epoch's remaining steps; ``False`` when a stop request ended it early (a checkpoint is saved)."""
+        batches = self.task.epoch_batches(epoch, self.ctx)
+        if self.start_step > len(batches):
+            raise CheckpointError(f"checkpoint {self.ckpt_path} stopped at step {self.start_step} of an epoch, but "
+                                  f"an epoch now has {len(batches)} steps (batch size or data changed)")
+        self.t_epoch = time.time() - float(self.partial.pop("time", 0.0))
+        self.model.train()
+        for step in range(self.start_step, len(batches)):
+            self._step(epoch, step, batches[step])
+            wants_stop = bool(self.o.on_step(self.global_step)) if self.o.on_step is not None else False
+            if self.ctx.any(stop.requested or wants_stop):
+                self._save(epoch, step + 1, {**self.partial, "time": time.time() - self.t_epoch})
+                self.interrupted = True
+                return False
+        self.start_step = 0
+        return True
+
+    def _step(self, epoch: int, step: int, batch: Any) -> None:
+        """Forward, the finiteness checks (on every rank together), backward, clipping and the update."""
+        device, ctx = self.ctx.device, self.ctx
+        with torch.autocast(device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
+            loss, sums = self.step_module(batch)
+        value = float(loss.detach())
+        coord_error = _deferred_coord_error(device)  # the host waits for the device here anyway
+        if ctx.any(coord_error is not None or not math.isfinite(value)):
+            where = (f"at step {self.global_step + 1} (epoch {epoch + 1}, batch {step + 1}): stopped before the "
+                     f"update" + (f"; the last good checkpoint {self.ckpt_path} is intact"
+                                  if self.ckpt_path is not None and self.ckpt_path.exists() else ""))
+            if coord_error is not None:
+                raise ValueError(f"{coord_error} ({where})") from None
+            raise NonFiniteLossError(f"non-finite loss ({value}) {where}")
+        opt, scaler = self.opt, self.scaler
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if self.o.schedule.grad_clip > 0:
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(self.params, self.o.schedule.grad_clip)
+        scaler.step(opt)
+        scaler.update()
+        with warnings.catch_warnings():  # (fp16: the scaler skips the steps whose gradients overflowed)
+            warnings.simplefilter("ignore", UserWarning)
+            self.sched.step()
+        _call(self.task, "after_step", self.global_step)
+        self.global_step += 1
+        for k, v in sums.items():
+            self.partial[k] = self.partial.get(k, 0.0) + float(v)
+        self.bar.update(1)
+        if "loss" in sums or "loss_sum" in sums:
+            n = self.partial.get("count", 1.0) or 1.0
+            self.bar.set_postfix(loss=f"{self.partial.get('loss_sum', self.partial.get('loss', 0.0)) / n:.4f}",
+                                 epoch=f"{epoch + 1}/{self.o.epochs}", refresh=False)
+
+    # ------------------------------------------------------------------ evaluation, checkpoint, log
+    def _evaluate(self, epoch: int) -> Dict[str, Any]:
+        """The task's metrics row of the finished epoch (it may evaluate), appended to the history."""
+        info = {"lr": self.opt.param_groups[0]["lr"], "epoch_time": time.time() - self.t_epoch,
+                "elapsed": self.elapsed_before + time.time() - self.t_start, "global_step": self.global_step}
+        row = self.task.epoch_row(epoch, self.partial, info, self.ctx)
+        self.history.append(row)
+        self.partial = {}
+        return row
+
+    def _save(self, epoch_done: int, step_in_epoch: int, part: Dict[str, float]) -> None:
+        """The checkpoint after ``epoch_done`` epochs and ``step_in_epoch`` more steps, with every rank's RNG and
+        task state (rank 0 writes it; a failed write raises on every rank)."""
+        ctx, ckpt_path = self.ctx, self.ckpt_path
         rng_states = ctx.gather_objects(capture_rng())
-        task_states = ctx.gather_objects(_call(task, "state_dict"))
+        task_states = ctx.gather_objects(_call(self.task, "state_dict"))
         failure = None
         if ctx.is_main and ckpt_path is not None:
-            doc = {"format": "ropekit-checkpoint", "version": 1, "model": model.state_dict(),
-                   **(checkpoint_extra or {}), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                   "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                   "epoch": epoch_done, "step_in_epoch": step_in_epoch, "global_step": global_step,
-                   "elapsed_time": elapsed_before + (time.time() - t_start), "rng": rng_states, "task": task_states,
-                   "history": history, "partial": part, "world_size": ctx.world_size, "precision": opts.precision}
+            doc = {"format": "ropekit-checkpoint", "version": 1, "model": self.model.state_dict(),
+                   **(self.o.checkpoint_extra or {}), "optimizer": self.opt.state_dict(),
+                   "scheduler": self.sched.state_dict(),
+                   "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                   "epoch": epoch_done, "step_in_epoch": step_in_epoch, "global_step": self.global_step,
+                   "elapsed_time": self.elapsed_before + (time.time() - self.t_start), "rng": rng_states,
+                   "task": task_states, "history": self.history, "partial": part, "world_size": ctx.world_size,
+                   "precision": self.execution.precision}
             try:
                 _safe("checkpoint", ckpt_path, lambda: atomic_save(doc, ckpt_path))
             except SaveError as e:
@@ -577,102 +711,45 @@ def _fit(task: Any, schedule: Schedule, epochs: int, opts: EngineOptions, run: O
         if ctx.any(failure is not None):
             raise failure or SaveError(f"rank 0 could not write the checkpoint {ckpt_path}")
 
-    from tqdm import tqdm
+    def _log_epoch(self, row: Dict[str, Any]) -> None:
+        """``metrics.csv``, TensorBoard scalars and the task's log line of a finished epoch."""
+        if self.run_dir is not None and self.ctx.is_main:
+            _write_metrics(self.run_dir, self.history, self.o.metric_columns)
+            if self.tb is not None:
+                self.tb.log(row, step=int(row.get("step", row.get("epoch", self.global_step))))
+        line = _call(self.task, "describe", row)
+        if line:
+            self.bar.clear()
+            _log(line, self.ctx, self.o.quiet)
 
-    interrupted = False
-    total_steps = int(schedule.total_steps)
-    bar = tqdm(total=total_steps, initial=min(global_step, total_steps), desc=getattr(task, "name", "train"),
-               disable=not (opts.progress and ctx.is_main), leave=False, dynamic_ncols=True, file=sys.stderr)
-    resumed_from = global_step if ckpt is not None else None
-    check_deferred_coords(device)  # sets up the device's counter before a compiled model traces its checks
-    model.train()
-    with _StopRequest(verbose=ctx.is_main and not quiet, enabled=run is not None) as stop:
-        for epoch in range(start_epoch, epochs):
-            batches = task.epoch_batches(epoch, ctx)
-            if start_step > len(batches):
-                raise CheckpointError(f"checkpoint {ckpt_path} stopped at step {start_step} of an epoch, but an "
-                                      f"epoch now has {len(batches)} steps (batch size or data changed)")
-            t_epoch = time.time() - float(partial.pop("time", 0.0))
-            model.train()
-            for step in range(start_step, len(batches)):
-                with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                    loss, sums = step_module(batches[step])
-                value = float(loss.detach())
-                coord_error = _deferred_coord_error(device)  # the host waits for the device here anyway
-                if ctx.any(coord_error is not None or not math.isfinite(value)):
-                    where = (f"at step {global_step + 1} (epoch {epoch + 1}, batch {step + 1}): stopped before the "
-                             f"update" + (f"; the last good checkpoint {ckpt_path} is intact"
-                                          if ckpt_path is not None and ckpt_path.exists() else ""))
-                    if coord_error is not None:
-                        raise ValueError(f"{coord_error} ({where})") from None
-                    raise NonFiniteLossError(f"non-finite loss ({value}) {where}")
-                opt.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                if schedule.grad_clip > 0:
-                    scaler.unscale_(opt)
-                    nn.utils.clip_grad_norm_(params, schedule.grad_clip)
-                scaler.step(opt)
-                scaler.update()
-                with warnings.catch_warnings():  # (fp16: the scaler skips the steps whose gradients overflowed)
-                    warnings.simplefilter("ignore", UserWarning)
-                    sched.step()
-                _call(task, "after_step", global_step)
-                global_step += 1
-                for k, v in sums.items():
-                    partial[k] = partial.get(k, 0.0) + float(v)
-                bar.update(1)
-                if "loss" in sums or "loss_sum" in sums:
-                    n = partial.get("count", 1.0) or 1.0
-                    bar.set_postfix(loss=f"{partial.get('loss_sum', partial.get('loss', 0.0)) / n:.4f}",
-                                    epoch=f"{epoch + 1}/{epochs}", refresh=False)
-                wants_stop = bool(on_step(global_step)) if on_step is not None else False
-                if ctx.any(stop.requested or wants_stop):
-                    save(epoch, step + 1, {**partial, "time": time.time() - t_epoch})
-                    interrupted = True
-                    break
-            if interrupted:
-                break
-            start_step = 0
-            info = {"lr": opt.param_groups[0]["lr"], "epoch_time": time.time() - t_epoch,
-                    "elapsed": elapsed_before + time.time() - t_start, "global_step": global_step}
-            row = task.epoch_row(epoch, partial, info, ctx)
-            history.append(row)
-            partial = {}
-            save(epoch + 1, 0, {})
-            if run is not None and ctx.is_main:
-                _write_metrics(run, history, metric_columns)
-                if tb is not None:
-                    tb.log(row, step=int(row.get("step", row.get("epoch", global_step))))
-            line = _call(task, "describe", row)
-            if line:
-                bar.clear()
-                _log(line, ctx, quiet)
-            if ctx.any(stop.requested):
-                interrupted = epoch + 1 < epochs
-                break
-    bar.close()
-    if tb is not None:
-        tb.close()
-    wall = elapsed_before + time.time() - t_start
-    if run is not None and ctx.is_main and history and opts.plots:
-        plot = getattr(task, "plot", None)
-        try:
-            if callable(plot):
-                plot(history, run / "curves.png")
-            else:
-                _plot_generic(history, run / "curves.png", getattr(task, "name", "train"))
-        except OSError as e:
-            raise SaveError(f"could not write the plot {run / 'curves.png'}: {e.strerror or e}") from None
-    result = FitResult(history=history, interrupted=interrupted, wall_time=wall, run_dir=run, ctx=ctx,
-                       global_step=global_step, resumed_from=resumed_from, num_params=n_params)
-    summary = _call(task, "summary", history)
-    if run is not None and ctx.is_main and summary is not None:
-        write_json(run / "summary.json", {**summary, "epochs_done": len(history), "interrupted": interrupted,
-                                          "wall_time": wall, "num_params": n_params, "world_size": ctx.world_size,
-                                          "device": ctx.device_name, "machine": ctx.machine,
-                                          "precision": opts.precision}, "summary")
-    ctx.barrier()
-    return result
+    # ------------------------------------------------------------------ summary
+    def _finish(self) -> FitResult:
+        """Close the bar and TensorBoard, write ``curves.png`` and ``summary.json``; the result."""
+        run, ctx, history = self.run_dir, self.ctx, self.history
+        self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        wall = self.elapsed_before + time.time() - self.t_start
+        if run is not None and ctx.is_main and history and self.execution.plots:
+            plot = getattr(self.task, "plot", None)
+            try:
+                if callable(plot):
+                    plot(history, run / "curves.png")
+                else:
+                    _plot_generic(history, run / "curves.png", getattr(self.task, "name", "train"))
+            except OSError as e:
+                raise SaveError(f"could not write the plot {run / 'curves.png'}: {e.strerror or e}") from None
+        result = FitResult(history=history, interrupted=self.interrupted, wall_time=wall, run_dir=run, ctx=ctx,
+                           global_step=self.global_step, resumed_from=self.resumed_from, num_params=self.num_params)
+        summary = _call(self.task, "summary", history)
+        if run is not None and ctx.is_main and summary is not None:
+            write_json(run / "summary.json", {**summary, "epochs_done": len(history), "interrupted": self.interrupted,
+                                              "wall_time": wall, "num_params": self.num_params,
+                                              "world_size": ctx.world_size, "device": ctx.device_name,
+                                              "machine": ctx.machine, "precision": self.execution.precision},
+                       "summary")
+        ctx.barrier()
+        return result
 
 
 def _write_metrics(run: Path, history: List[Dict[str, Any]], columns: Optional[Sequence[str]]) -> None:

@@ -50,7 +50,7 @@ from .metrics import METRIC_COLUMNS, plot_curves
 from .run_folder import load_run
 
 __all__ = ["TrainResult", "ClassificationTask", "train", "evaluate", "evaluate_run", "load_data", "build_model",
-           "build_optimizer", "build_scheduler", "default_run_dir", "fetch_batch", "random_shift", "load_run"]
+           "default_run_dir", "fetch_batch", "random_shift", "load_run"]
 
 StepCallback = Callable[[int], Optional[bool]]
 
@@ -125,24 +125,11 @@ def build_model(cfg: TrainConfig, info: Any) -> Tuple[VisionTransformer, ViTConf
     return VisionTransformer(vit_cfg), vit_cfg
 
 
-def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
-    """AdamW at ``cfg.lr`` / ``cfg.weight_decay`` with the engine's no-weight-decay groups
-    (:func:`ropekit.train.engine.build_optimizer`)."""
-    return engine.build_optimizer(model, cfg.lr, cfg.weight_decay)
-
-
 def schedule_of(cfg: TrainConfig, steps_per_epoch: int) -> engine.Schedule:
     """The optimiser settings and warm-up + cosine schedule of ``cfg`` for epochs of ``steps_per_epoch`` steps."""
     return engine.Schedule(lr=cfg.lr, total_steps=max(1, cfg.epochs * steps_per_epoch),
                            warmup_steps=int(round(cfg.warmup_epochs * steps_per_epoch)), min_lr=cfg.min_lr,
                            weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
-
-
-def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, steps_per_epoch: int):
-    """Per-step schedule: linear warm-up over ``warmup_epochs``, then cosine decay to ``min_lr``."""
-    sch = schedule_of(cfg, steps_per_epoch)
-    return torch.optim.lr_scheduler.LambdaLR(opt, engine.warmup_cosine(sch.total_steps, sch.warmup_steps,
-                                                                       cfg.min_lr / cfg.lr))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -455,11 +442,11 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
     def fresh_start(c: DistContext) -> None:
         seed_everything(cfg.seed + 1_000_003 * (c.rank + 1))  # per-rank stream for jitter/augmentation/dropout
 
-    res = engine.fit(
-        task, schedule, cfg.epochs, options=cfg.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
+    res = engine.fit(task, engine.FitOptions(
+        schedule, cfg.epochs, execution=cfg.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
         resume=ckpt is not None, ctx=ctx, on_step=on_step, quiet=quiet, config_doc=config_doc,
         checkpoint_extra={"vit_config": vit_cfg.to_dict(), "train_config": cfg.to_dict()},
-        metric_columns=METRIC_COLUMNS, fresh_start=fresh_start)
+        metric_columns=METRIC_COLUMNS, fresh_start=fresh_start))
     history = res.history
     final = dict(history[-1]) if history else {}
     return TrainResult(run_dir=run_dir, history=history, interrupted=res.interrupted, wall_time=res.wall_time,

@@ -267,12 +267,6 @@ class AlohaSim:
         f = self._c.normalize_puppet_gripper_position
         return np.array([f(ctrl[0]), f(ctrl[2])])
 
-    def mocap_pose(self) -> Tuple[np.ndarray, np.ndarray]:
-        """Current mocap poses ``(7,)`` each (xyz, quat wxyz), left then right (end-effector mode)."""
-        d = self.physics.data
-        return (np.concatenate([d.mocap_pos[0], d.mocap_quat[0]]).copy(),
-                np.concatenate([d.mocap_pos[1], d.mocap_quat[1]]).copy())
-
     def render(self, camera: str) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """``(rgb (Hi, Wi, 3) uint8, depth (Hi, Wi) float32 metres or None)`` from ``camera``.
 
