@@ -61,7 +61,7 @@ from .._optional import require
 from ..encodings import PositionEncoding, create_pe
 from ..encodings.rope import MixedRoPE
 from ..nn.coords import COORD_MODES, grid_coords
-from .finetune import logits_match
+from ..nn.finetune import logits_match
 
 _timm = require("timm", "timm", "ropekit.integrations.timm")
 from timm.layers import Attention as _TimmAttention
