@@ -10,9 +10,9 @@ files, distributed set-up, augmentation, option parsing) are in the submodules `
 ``distributed``, ``augment`` and ``config``.
 """
 
-from .._optional import require_extra
+from .._optional import require_extra as _require_extra
 
-require_extra("train", "ropekit.train")  # before the submodules import what it installs
+_require_extra("train", "ropekit.train")  # before the submodules import what it installs
 
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import TrainConfig, build_vit_config
