@@ -76,12 +76,12 @@ def test_a_compiled_vit_training_step_compiles_once(pe, monkeypatch):
     model a second time (emptied here, as in a fresh process)."""
     from torch._dynamo.utils import counters
 
-    import ropekit.encodings.fold as fold
+    import ropekit.encodings.circulant as circulant
     import ropekit.encodings.skew as skew
     from ropekit.nn import VisionTransformer, vit_config
 
     monkeypatch.setattr(skew, "_FLAT_INDICES", {})
-    monkeypatch.setattr(fold, "_DFT_BASES", {})
+    monkeypatch.setattr(circulant, "_DFT_BASES", {})
     counters.clear()
     torch.manual_seed(0)
     model = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=1, image_size=(16, 16), pe=pe, depth=2,

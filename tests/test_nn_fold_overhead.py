@@ -7,7 +7,7 @@ import torch
 from ropekit.encodings import create_pe
 from ropekit.encodings import cayley as cayley_module
 from ropekit.encodings.functional import _block_diag
-from ropekit.encodings.fold import _pair_frequencies
+from ropekit.encodings.forms import pair_frequencies
 from ropekit.fold import fold_qkv_weight, rope_form
 
 
@@ -24,7 +24,7 @@ def _perturbed(name, **opts):
 def test_circulant_form_frequencies_equal_generators_read_off(opts):
     pe = _perturbed("circulant", **opts)
     form = rope_form(pe)
-    ref = _pair_frequencies(pe.generators()[:pe.param_heads], form.basis)  # (P L_k P^T)[2n+1, 2n], float64
+    ref = pair_frequencies(pe.generators()[:pe.param_heads], form.basis)  # (P L_k P^T)[2n+1, 2n], float64
     torch.testing.assert_close(form.freqs, ref, rtol=0, atol=1e-12)
     # and the same gradient
     w = torch.randn_like(ref)
@@ -194,10 +194,10 @@ def test_cached_constants_first_built_in_inference_mode_still_train(name, opts):
     """Index and basis constants are cached per device; one first built under inference mode must still be
     usable by autograd afterwards (inference tensors cannot be saved for backward)."""
     from ropekit.encodings import skew
-    from ropekit.encodings import fold as fold_module
+    from ropekit.encodings import circulant
 
     skew._FLAT_INDICES.clear()
-    fold_module._DFT_BASES.clear()
+    circulant._DFT_BASES.clear()
     pe = _perturbed(name, **opts).float()
     with torch.inference_mode():
         rope_form(pe)

@@ -8,8 +8,8 @@ Command line: ``ropekit bench [--quick] [--json FILE]`` or ``python -m ropekit.b
 :mod:`ropekit.bench.core` for what is measured and how, and ``docs/performance.md`` for the latest results.
 """
 
-from .core import CASES, ROWS, VIT_PES, BenchConfig, Row, peak_memory_mb, run_bench, saved_memory_mb
+from .core import CASES, VIT_PES, BenchConfig, Row, all_rows, peak_memory_mb, run_bench, saved_memory_mb
 from .report import evaluate_targets, format_report
 
-__all__ = ["BenchConfig", "Row", "ROWS", "CASES", "VIT_PES", "run_bench", "format_report", "evaluate_targets",
+__all__ = ["BenchConfig", "Row", "all_rows", "CASES", "VIT_PES", "run_bench", "format_report", "evaluate_targets",
            "peak_memory_mb", "saved_memory_mb"]

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import torch
 
-from .core import CASES, COMPILE_MODES, DTYPES, ROWS, VIT_PES, VIT_PES_GPU, BenchConfig, run_bench
+from .core import CASES, COMPILE_MODES, DTYPES, VIT_PES, VIT_PES_GPU, BenchConfig, all_rows, run_bench
 from .report import format_report
 
 __all__ = ["add_arguments", "run", "main"]
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "`ropekit bench --device cuda --dtype bf16 --json gpu.json --markdown gpu.md` (GPU defaults: batch 64, "
                 "CUDA-event timing, the ViT-B/16 training step at batch 128 eager and compiled for "
                 + ", ".join(VIT_PES_GPU) + ", plus timm's vit_base_patch16_224). Rows: "
-                + ", ".join(r.label for r in ROWS) + ".")
+                + ", ".join(r.label for r in all_rows()) + ".")
     d = BenchConfig()
     p.add_argument("--quick", action="store_true",
                    help="reduced run: 3 rounds per row, no naive reference rows, tiny ViT only (under two minutes on "

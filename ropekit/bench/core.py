@@ -84,12 +84,12 @@ from torch import Tensor, nn
 
 from .._platform import numerics_fingerprint
 from ..encodings import create_pe
+from ..encodings.registry import PE_REGISTRY
 from ..encodings.fold import fold_pe, fold_qkv_weight, frequency_rope, rope_form
 from .baselines import DenseComRoPE, NaiveLieRE
 
-__all__ = ["Row", "ROWS", "CASES", "VIT_PES", "VIT_PES_GPU", "DTYPES", "BenchConfig", "run_bench", "peak_memory_mb",
-           "cuda_peak_memory_mb", "saved_memory_mb", "device_info",
-           "machine_info"]
+__all__ = ["Row", "all_rows", "ROW_KINDS", "CASES", "VIT_PES", "VIT_PES_GPU", "DTYPES", "BenchConfig", "run_bench",
+           "peak_memory_mb", "cuda_peak_memory_mb", "saved_memory_mb", "device_info", "machine_info"]
 
 CASES = ("grid2d", "rgbd3d")
 
@@ -118,48 +118,26 @@ class Row:
         return dict(self.options)
 
 
-ROWS: List[Row] = [
-    Row("none", "none"),
-    Row("axial", "axial"),
-    Row("mixed", "mixed"),
-    Row("liere-commute", "liere-commute"),
-    Row("cayley", "cayley"),
-    Row("circulant", "circulant"),
-    Row("circulant (b=16)", "circulant", (("block_size", 16),)),
-    Row("comrope-ap (b=8)", "comrope-ap", (("block_size", 8),)),
-    Row("comrope-ld (b=8)", "comrope-ld", (("block_size", 8),)),
-    Row("tensor", "tensor"),
-    Row("liere (b=8)", "liere", (("block_size", 8),)),
-    Row("liere (dense)", "liere"),
-    Row("string", "string"),
-    Row("relaxed", "relaxed"),
-    Row("relaxed (exact)", "relaxed", (("exact", True),)),
-    Row("folded cayley", "cayley", kind="folded", base="cayley"),
-    Row("folded circulant", "circulant", kind="folded", base="circulant"),
-    Row("folded comrope-ld (b=8)", "comrope-ld", (("block_size", 8),), kind="folded", base="comrope-ld (b=8)"),
-    Row("axial in training", "axial", kind="train", base="axial"),
-    Row("mixed in training", "mixed", kind="train", base="mixed"),
-    Row("cayley in training (folded)", "cayley", kind="train", base="cayley"),
-    Row("circulant in training (folded)", "circulant", kind="train", base="circulant"),
-    Row("comrope-ap (b=8) in training (folded)", "comrope-ap", (("block_size", 8),), kind="train",
-        base="comrope-ap (b=8)"),
-    Row("comrope-ld (b=8) in training (folded)", "comrope-ld", (("block_size", 8),), kind="train",
-        base="comrope-ld (b=8)"),
-    Row("naive liere (b=8)", "liere", (("block_size", 8),), kind="naive", base="liere (b=8)"),
-    Row("naive liere (dense)", "liere", kind="naive", base="liere (dense)", heavy=True),
-    Row("dense d x d comrope-ld (b=8)", "comrope-ld", (("block_size", 8),), kind="naive", base="comrope-ld (b=8)"),
-    Row("dense d x d comrope-ap (b=8)", "comrope-ap", (("block_size", 8),), kind="naive", base="comrope-ap (b=8)",
-        heavy=True),
-    Row("fused kernel (mixed freqs)", "mixed", kind="kernel", device="cuda"),
-]
+#: Kinds of rows, in the order of the table.
+ROW_KINDS = ("pe", "folded", "train", "naive", "kernel")
+#: Rows of the table that are no encoding's: the fused rotation kernel alone.
+KERNEL_ROWS = (Row("fused kernel (mixed freqs)", "mixed", kind="kernel", device="cuda"),)
 
-#: Encodings of the training-step table (``absolute`` is the reference every ratio is taken against).
-VIT_PES = ("none", "axial", "mixed", "liere-commute", "cayley", "circulant", "comrope-ap", "comrope-ld", "tensor",
-           "liere", "string", "relaxed")
-#: The training-step table on a GPU (ViT-B/16 at batch 128 by default).
-VIT_PES_GPU = ("none", "axial", "mixed", "cayley", "circulant", "comrope-ld", "liere")
-#: Options of the encodings in the training-step table (the same blocks as the encoding table).
-VIT_PE_OPTIONS: Dict[str, Dict[str, Any]] = {"comrope-ld": {"block_size": 8}, "comrope-ap": {"block_size": 8}}
+
+def all_rows() -> List[Row]:
+    """Every row of the encoding table: the rows each registered encoding declares (``register_pe(...,
+    bench_rows=...)``), by kind (``ROW_KINDS``) and then in registration order, then the kernel row."""
+    rows = [Row(r.label, name, r.options, r.kind, r.base, r.heavy)
+            for name, cls in PE_REGISTRY.items() for r in cls.bench_rows] + list(KERNEL_ROWS)
+    return sorted(rows, key=lambda r: ROW_KINDS.index(r.kind))
+
+
+#: Encodings of the training-step table (``absolute`` is the reference every ratio is taken against): every
+#: registered one, with its ``bench_vit_options``.
+VIT_PES = tuple(PE_REGISTRY)
+#: The training-step table on a GPU (ViT-B/16 at batch 128 by default): the encodings registered with
+#: ``bench_vit_gpu=True``.
+VIT_PES_GPU = tuple(name for name, cls in PE_REGISTRY.items() if cls.bench_vit_gpu)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: ``torch.compile`` modes of the compiled training-step table.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -226,7 +204,7 @@ class BenchConfig:
 
     def selected_rows(self) -> List[Row]:
         dev = torch.device(self.device).type
-        rows = [r for r in ROWS if not (self.quick and (r.heavy or r.kind == "naive"))
+        rows = [r for r in all_rows() if not (self.quick and (r.heavy or r.kind == "naive"))
                 and (r.device is None or r.device == dev)]
         if self.rows:
             wanted = set(self.rows)
@@ -772,13 +750,19 @@ def _train_step(model: nn.Module, size: str, cfg: BenchConfig, compiled: bool) -
     return step
 
 
+def _vit_options(pe: str) -> Dict[str, Any]:
+    """The options of ``pe`` in the training-step table (its class's ``bench_vit_options``)."""
+    cls = PE_REGISTRY.get(pe)
+    return dict(cls.bench_vit_options) if cls is not None else {}
+
+
 def _vit_step(size: str, pe: str, cfg: BenchConfig, compiled: bool = False) -> Callable[[], None]:
     from ..nn import VisionTransformer, vit_config
 
     image, patch, chans, _ = VIT_SETTINGS[size]
     torch.manual_seed(cfg.seed)
     model = VisionTransformer(vit_config(size, num_classes=10, in_chans=chans, image_size=(image, image),
-                                         patch_size=patch, pe=pe, pe_options=VIT_PE_OPTIONS.get(pe, {})))
+                                         patch_size=patch, pe=pe, pe_options=_vit_options(pe)))
     return _train_step(model, size, cfg, compiled)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["frequency_angles", "rope_cos_sin"]
+__all__ = ["frequency_angles", "wide_angles", "angle_table", "rope_cos_sin"]
 
 
 def frequency_angles(coords: Tensor, freqs: Tensor) -> Tensor:
@@ -37,14 +37,43 @@ def frequency_angles(coords: Tensor, freqs: Tensor) -> Tensor:
     return theta
 
 
+def wide_angles(coords: Tensor, freqs: Tensor) -> Tensor:
+    """The angles ``theta = r . freqs`` every encoding rotates by: ``frequency_angles`` in float64 (float32 on
+    devices without float64, MPS), autocast disabled.
+
+    A float32 angle of ``4096 * 2 pi`` already carries an error of ~1e-3 rad (its ulp); formed in float64 the
+    angle, and the cos/sin taken from it, stay exact to float32 round-off at any coordinate scale.
+
+    Args:
+        coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example, any real dtype.
+        freqs: ``(Hp, c, P)``, any real dtype (parameters, or frequencies derived from them in float64).
+
+    Returns:
+        ``(Hp, M, P)`` for shared coordinates, ``(B, Hp, M, P)`` per example, in the wide dtype; differentiable
+        in ``coords`` and ``freqs``.
+    """
+    wide = _wide_dtype(coords.device)
+    with torch.autocast(device_type=coords.device.type, enabled=False):
+        return frequency_angles(coords if coords.dtype == wide else coords.to(wide),
+                                freqs if freqs.dtype == wide else freqs.to(wide))
+
+
+def angle_table(coords: Tensor, freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(theta, cos, sin)``, each ``(1 | B, Hp, M, P)``: the angles of ``wide_angles`` (differentiable) and their
+    cos/sin in ``dtype`` (constants), for ``functional.rotate_angles``."""
+    theta = wide_angles(coords, freqs)
+    if theta.dim() == 3:
+        theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
+    with torch.no_grad():
+        return theta, torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
+
+
 def rope_cos_sin(coords: Tensor, freqs: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """cos/sin tables of the angles ``theta = r . freqs``, accurate to float32 round-off at any coordinate.
 
-    The angles are formed in float64 by elementwise products and sums (``frequency_angles``), reduced by
-    ``cos``/``sin`` in float64, then rounded to ``dtype``. A float32 angle of ``4096 * 2 pi`` already carries an
-    error of ~1e-3 rad (its ulp); in float64 the table is exact to float32 precision whatever the coordinate
-    scale. The tables are small (one row per coordinate, not per head and example), so the cost is negligible.
-    On devices without float64 (MPS) the angles are formed in float32.
+    The angles come from ``wide_angles`` (float64), are reduced by ``cos``/``sin`` in float64, then rounded to
+    ``dtype``. The tables are small (one row per coordinate, not per head and example), so the cost is
+    negligible.
 
     Args:
         coords: ``(M, c)`` shared by the batch, or ``(B, M, c)`` per example.
@@ -57,12 +86,10 @@ def rope_cos_sin(coords: Tensor, freqs: Tensor, dtype: torch.dtype | None = None
     """
     if dtype is None:
         dtype = torch.float64 if torch.float64 in (coords.dtype, freqs.dtype) else torch.float32
-    wide = _wide_dtype(coords.device)
-    with torch.autocast(device_type=coords.device.type, enabled=False):
-        theta = frequency_angles(coords.to(wide), freqs.to(wide))
-        if theta.dim() == 3:
-            theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
-        return torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
+    theta = wide_angles(coords, freqs)
+    if theta.dim() == 3:
+        theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
+    return torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
 
 
 def _wide_dtype(device: torch.device | str) -> torch.dtype:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .forms import RoPEForm, no_rope_form
 from .functional import check_backend
 from .validation import check_finite
 
@@ -162,7 +163,9 @@ class PositionEncoding(nn.Module):
 
     Class attributes describe the mathematics: ``commuting`` (relative: ``R(r)^T R(s) = R(0)^T R(s - r)``),
     ``post_rotation`` (``R(0) != I``), ``is_rotation`` (``False`` for the tensor-product encoding, which widens
-    q and k instead).
+    q and k instead), ``rope_kind`` (how ``rope_form`` writes the encoding as RoPE in a basis; ``None``: it has
+    no RoPE form and is never folded). ``ropekit.encodings.registry.register_pe`` sets the rest: ``name``,
+    ``label``, ``paper_preset``, ``paper_sharing``, ``bench_rows``, ``bench_vit_options``, ``bench_vit_gpu``.
 
     Where ``R(0) = P != I``, the rotation splits into the generator part ``R_STR(r) = expm(sum_k r_k L_k)``
     (``generators()``) and ``P`` (``post_rotation_matrix()``) on the side the encoding defines: relaxed STRING
@@ -171,9 +174,25 @@ class PositionEncoding(nn.Module):
     """
 
     name: str = "base"
+    #: display name in tables and plots
+    label: str = "base"
+    #: options as the encoding's paper trained it (``create_pe(..., preset="paper")``)
+    paper_preset: dict[str, Any] = {}
+    #: parameter sharing as the paper trained it (``ropekit.nn``'s ``pe_sharing="auto"``): model, layer or head
+    paper_sharing: str = "model"
+    #: rows of ``ropekit bench``'s encoding table (``registry.BenchRow``)
+    bench_rows: tuple = ()
+    #: options in ``ropekit bench``'s training-step table
+    bench_vit_options: dict[str, Any] = {}
+    #: whether ``ropekit bench``'s training-step table on a GPU has the encoding
+    bench_vit_gpu: bool = False
     commuting: bool = True
     post_rotation: bool = False
     is_rotation: bool = True
+    #: how ``rope_form`` writes the encoding as RoPE in a basis: ``"rope"`` (already RoPE, ``P = I``), ``"post"``
+    #: (RoPE followed by a learned rotation), ``"fixed"`` (a constant basis), ``"string"`` (a learned basis),
+    #: ``"relaxed"`` (a post-rotation), ``"blocks"`` (one eigenbasis per skew block); ``None``: no RoPE form
+    rope_kind: str | None = None
     #: the encoding handles ``pairs="half"`` itself (no permutation of q/k needed)
     _native_half_pairs: bool = False
 
@@ -401,6 +420,46 @@ class PositionEncoding(nn.Module):
         state = self.prepare(coords, dtype=dtype)
         cols = self._encode(basis, state.q, 0, state.dtype)  # (d, H, M, d): cols[j] = R e_j
         return cols.permute(1, 2, 3, 0)  # (H, M, d, d), [..., :, j] = R e_j
+
+    def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
+        """The encoding as RoPE in a basis, ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``, differentiably in its
+        parameters (see ``ropekit.encodings.forms.RoPEForm``); encodings with a ``rope_kind`` implement it.
+
+        Args:
+            basis_gradient: for block encodings (``rope_kind == "blocks"``) whose eigenbasis has no derivative
+                where frequencies coincide: ``False`` (training, folding) gives a form whose gradient goes through
+                the block exponentials instead (exact everywhere); ``True`` (``to_rope``) differentiates the
+                eigenbasis itself. Other encodings ignore it.
+
+        Raises:
+            ValueError: for an encoding that does not commute or is not a rotation.
+        """
+        raise no_rope_form(self)
+
+    def to_rope(self) -> tuple[Tensor, Tensor]:
+        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` for a commuting encoding.
+
+        Returns:
+            ``P`` ``(H, d, d)`` orthogonal and ``freqs`` ``(H, c, d/2)`` (pair ``n`` of ``P x`` turns by
+            ``sum_k r_k freqs[k, n]``, as in ``functional.rotate_pairs``), in the encoding's dtype,
+            differentiable in its parameters (``rope_form(basis_gradient=True)`` with the heads expanded; detach
+            them to keep a snapshot). For block encodings (comrope, one-coordinate LieRE) ``P`` is the eigenbasis
+            of the skew blocks, whose derivative exists only where the frequencies of a block are distinct and
+            non-zero; training goes through ``rope_form()`` (what ``ropekit.nn.Attention`` does), exact there too.
+
+        Raises:
+            ValueError: for an encoding that does not commute (LieRE with ``c >= 2`` and blocks > 2, relaxed STRING
+                in its relaxed configuration) or is not a rotation (the tensor-product encoding).
+        """
+        form = self.rope_form(basis_gradient=True)
+        freqs = form.freqs.to(self._param_dtype())
+        p = form.basis
+        if p is None:
+            p = torch.eye(self.head_dim, dtype=freqs.dtype, device=freqs.device).unsqueeze(0)
+            if form.pairs == "half":  # half-split pairs: the permutation to interleaved ones
+                d = self.head_dim
+                p = p[..., torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(p.device)]
+        return p.expand(self.num_heads, -1, -1), freqs.expand(self.num_heads, -1, -1)
 
     def generators(self) -> Tensor:
         """The generators ``L_k`` with ``R_STR(r) = expm(sum_k r_k L_k)``: ``(H, c, d, d)`` (interleaved pairs)."""

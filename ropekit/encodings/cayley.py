@@ -12,16 +12,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .forms import RoPEForm, post_form
 from .functional import _fused_basis_kernel, _fused_kernel, basis_change, cayley_transform, rotate_pairs
+from .registry import BenchRow, register_pe
 from .rope import MixedRoPE, _KernelState
 from .skew import free_to_skew, num_free
 
 __all__ = ["CayleySTRING"]
 
 
+@register_pe("cayley", label="Cayley-STRING", paper_sharing="layer", bench_vit_gpu=True,  # STRING: S = 0 at start
+             bench_rows=(BenchRow("cayley"), BenchRow("folded cayley", kind="folded", base="cayley"),
+                         BenchRow("cayley in training (folded)", kind="train", base="cayley")))
 class CayleySTRING(MixedRoPE):
-    name = "cayley"
     post_rotation = True
+    rope_kind = "post"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 100.0,
                  per_head: bool = False, band: int | None = None, freqs: Tensor | None = None) -> None:
@@ -82,9 +87,7 @@ class CayleySTRING(MixedRoPE):
         j = super().generators()  # (H, c, d, d)
         return p.transpose(-1, -2).unsqueeze(1) @ j @ p.unsqueeze(1)
 
-    def to_rope(self) -> tuple[Tensor, Tensor]:
-        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: the Cayley rotation and the mixed
-        frequencies (``R(r) = RoPE(r) P`` exactly). ``(H, d, d)``, ``(H, c, d/2)``, differentiable in the
-        parameters (the rotation is solved in float64 and cast back)."""
-        p = cayley_transform(self.skew_matrix().double()).to(self.cayley_params.dtype)
-        return p.expand(self.num_heads, -1, -1), self.freqs.expand(self.num_heads, -1, -1)
+    def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
+        """``R(r) = RoPE(r) P`` exactly: ``P`` is the Cayley rotation (one solve, shared by the basis and the prefix
+        transform ``P^T``) and the frequencies are the mixed ones."""
+        return post_form(self, self.post_rotation_matrix()[:self.param_heads])

@@ -28,12 +28,15 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .angles import angle_table
 from .base import PositionEncoding
-from .functional import (_angle_table, _block_diag, _fused_basis_kernel, _fused_kernel, _wide_dtype,
+from .forms import RoPEForm, half_pairs_basis
+from .functional import (_block_diag, _fused_basis_kernel, _fused_kernel, _wide_dtype,
                          mixed_frequencies, precise_matmul, rotate_angles, skew)
+from .registry import BenchRow, register_pe
 from .rope import _KernelState
 
-__all__ = ["CirculantSTRING", "circulant", "real_dft_basis"]
+__all__ = ["CirculantSTRING", "circulant", "real_dft_basis", "block_dft_basis"]
 
 
 def circulant(col: Tensor) -> Tensor:
@@ -69,6 +72,42 @@ def real_dft_basis(b: int, dtype: torch.dtype = torch.float64, device: torch.dev
     return q.to(device=device, dtype=dtype), s.to(device=device, dtype=dtype)
 
 
+_DFT_BASES: dict = {}
+
+
+def block_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``real_dft_basis`` of every block of size ``b``, as one ``(1, d, d)`` matrix with the rotating rows of all
+    blocks first (block by block) and the DC (and, for even ``b``, Nyquist) rows, which no circulant generator
+    turns, last: the basis of circulant's RoPE form.
+
+    Built in float64 once per (size, device, dtype) and kept -- a constant, so no host-to-device copy per forward
+    pass.
+    """
+    key = (head_dim, block_size, str(device), dtype)
+    if torch.compiler.is_compiling() and key not in _DFT_BASES:
+        # built in the graph (a constant there), not stored: a dictionary filled while Dynamo traces fails its
+        # guard on the next call and compiles the model a second time
+        return _build_block_dft_basis(head_dim, block_size, device, dtype)
+    if key in _DFT_BASES:
+        return _DFT_BASES[key]
+    with torch.inference_mode(False):  # a normal tensor even when first built in inference mode: autograd saves it
+        return _DFT_BASES.setdefault(key, _build_block_dft_basis(head_dim, block_size, device, dtype))
+
+
+def _build_block_dft_basis(head_dim: int, block_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    b, nb, u2 = block_size, head_dim // block_size, 2 * ((block_size - 1) // 2)
+    q, _ = real_dft_basis(b)  # (b, b) float64: u2 rotating rows, then DC (and Nyquist)
+    rows = torch.arange(head_dim).view(nb, b)
+    order = torch.cat((rows[:, :u2].reshape(-1), rows[:, u2:].reshape(-1)))  # rotating rows of every block first
+    p = _block_diag(q.expand(nb, -1, -1))[order]  # (d, d)
+    return p.to(device=device, dtype=dtype).unsqueeze(0)
+
+
+@register_pe("circulant", label="Circulant-STRING", paper_sharing="layer", bench_vit_gpu=True,
+             paper_preset={"block_size": 16},  # STRING: block sizes 16-32 worked best
+             bench_rows=(BenchRow("circulant"), BenchRow("circulant (b=16)", (("block_size", 16),)),
+                         BenchRow("folded circulant", kind="folded", base="circulant"),
+                         BenchRow("circulant in training (folded)", kind="train", base="circulant")))
 class CirculantSTRING(PositionEncoding):
     """Circulant-STRING (see the module docstring): ``circ_params`` ``(Hp, c, nb, b)`` are the first columns.
 
@@ -77,7 +116,7 @@ class CirculantSTRING(PositionEncoding):
     ``b``).
     """
 
-    name = "circulant"
+    rope_kind = "fixed"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int | None = None,
                  base: float = 100.0, per_head: bool = False) -> None:
@@ -158,7 +197,7 @@ class CirculantSTRING(PositionEncoding):
         freqs = self._pair_frequencies(self.mode_table.dtype)
         if self.block_size % 2 == 0 and _fused_kernel(coords.device, backend=self.backend) is not None:
             return _KernelState(coords, freqs)
-        return _angle_table(coords, freqs, dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
+        return angle_table(coords, freqs, dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
 
     def _encode(self, x: Tensor, data, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
         """Where the fused rotation kernel runs (even ``b``), ``Q^T RoPE(theta) Q x`` in one pass over the tokens in
@@ -198,20 +237,14 @@ class CirculantSTRING(PositionEncoding):
         out[:, :, idx, :, idx, :] = blocks.permute(2, 0, 1, 3, 4)
         return out.reshape(hp, c, nb * b, nb * b).expand(self.num_heads, -1, -1, -1)
 
-    def to_rope(self) -> tuple[Tensor, Tensor]:
-        """``(P, freqs)`` with ``R(r) = P^T RoPE_freqs(r) P`` (so ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``).
-
-        ``P`` ``(H, d, d)`` is the orthonormal real DFT basis of every block (``real_dft_basis``), with the rotating
-        pairs of all blocks first and the never-rotated DC (and Nyquist) rows last (frequency 0); ``freqs``
-        ``(H, c, d/2)`` are the mode frequencies ``lambda``, differentiable in ``circ_params`` (``P`` is fixed).
-        """
-        b, d, nb, u = self.block_size, self.head_dim, self.head_dim // self.block_size, self.num_modes
-        q = self.dft_basis  # (b, b)
-        eye = torch.eye(nb, dtype=q.dtype, device=q.device)
-        full = (eye[:, None, :, None] * q[None, :, None, :]).reshape(nb * b, nb * b)  # blockdiag(Q): (d, d)
-        rows = torch.arange(d, device=q.device).view(nb, b)
-        order = torch.cat((rows[:, :2 * u].reshape(-1), rows[:, 2 * u:].reshape(-1)))  # rotating rows first
-        p = full[order]
-        lam = self.mode_frequencies().flatten(-2)  # (Hp, c, nb*u)
-        freqs = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], d // 2 - nb * u)), dim=-1)  # (Hp, c, d/2)
-        return p.to(lam.dtype).expand(self.num_heads, -1, -1), freqs.expand(self.num_heads, -1, -1)
+    def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
+        """``R(r) = P^T RoPE_freqs(r) P`` with ``P`` the constant real DFT basis of every block
+        (``block_dft_basis``: the rotating pairs of all blocks first, the never-rotated DC and Nyquist rows last)
+        and ``freqs`` the mode frequencies ``lambda`` (zero for the rows that never turn), linear in
+        ``circ_params``; no generator is built. The frequencies stay in the sine table's float64: rounded to
+        float32 they would turn by ``r * ulp(lambda)``."""
+        hp = self.param_heads
+        basis = block_dft_basis(self.head_dim, self.block_size, self.circ_params.device, self.circ_params.dtype)
+        lam = self.mode_frequencies(self.mode_table.dtype).flatten(-2)[:hp]  # (Hp, c, nb * u): block by block
+        freqs = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], self.head_dim // 2 - lam.shape[-1])), dim=-1)
+        return RoPEForm(half_pairs_basis(self, basis), freqs, None)

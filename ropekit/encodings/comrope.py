@@ -28,9 +28,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .angles import wide_angles
 from .base import PositionEncoding
-from .functional import _block_diag, _wide_dtype, block_apply, frequency_angles, scaled_block_exp_matrices
-from .skew import free_to_skew, full_to_free, num_free, real_schur
+from .forms import RoPEForm, block_form
+from .functional import _block_diag, block_apply, scaled_block_exp_matrices
+from .registry import BenchRow, register_pe
+from .skew import free_to_skew, full_to_free, num_free
 
 __all__ = ["ComRoPEAP", "ComRoPELD"]
 
@@ -52,6 +55,8 @@ def _rope_block_bases(head_dim: int, coord_dim: int, block_size: int, base: floa
 
 
 class _ComRoPE(PositionEncoding):
+    rope_kind = "blocks"
+
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int, block_size: int, init: str, base: float,
                  per_head: bool, init_std: float = 1.0) -> None:
         super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
@@ -100,22 +105,15 @@ class _ComRoPE(PositionEncoding):
     def _transform(self, x: Tensor, blocks: Tensor) -> Tensor:
         return block_apply(blocks, x)
 
-    def to_rope(self) -> tuple[Tensor, Tensor]:
-        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` (here ``R(r) = P^T RoPE_freqs(r) P``).
+    def rope_blocks(self) -> tuple[Tensor, Tensor]:
+        """The skew blocks ``K_j`` ``(Hp, nb, b, b)`` and the axis weights ``lambda`` ``(Hp, c, nb)``."""
+        return self.block_generators(), self._axis_weights()
 
-        Each block generator is brought to real block-diagonal form, ``K_j = Q_j blockdiag_n(mu_{j,n} J) Q_j^T``
-        (``skew.real_schur``: zero and repeated eigenvalues included), so ``P = blockdiag_j(Q_j^T)`` and pair
-        ``n`` of block ``j`` turns with frequency ``lambda_{k,j} mu_{j,n}`` along axis ``k``. Returns
-        ``(H, d, d)`` and ``(H, c, d/2)``, differentiable in the parameters (computed in float64, cast back);
-        the gradient is exact where each block's eigenvalues are distinct and non-zero (the RoPE
-        initialisation), see ``skew.real_schur``.
-        """
-        q, mu = real_schur(self.block_generators().double())  # (Hp, nb, b, b), (Hp, nb, b/2)
-        lam = self._axis_weights().double()  # (Hp, c, nb)
-        freqs = (lam.unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, nb * b/2)
-        p = _block_diag(q.transpose(-1, -2))  # (Hp, d, d)
-        dtype = self.block_params.dtype
-        return (p.to(dtype).expand(self.num_heads, -1, -1), freqs.to(dtype).expand(self.num_heads, -1, -1))
+    def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
+        """``R(r) = P^T RoPE_freqs(r) P`` with ``P = blockdiag_j(Q_j^T)``, ``K_j = Q_j blockdiag_n(mu_{j,n} J) Q_j^T``
+        (zero and repeated eigenvalues included): pair ``n`` of block ``j`` turns with frequency
+        ``lambda_{k,j} mu_{j,n}`` along axis ``k`` (``forms.block_form``)."""
+        return block_form(self, *self.rope_blocks(), basis_gradient=basis_gradient)
 
     def generators(self) -> Tensor:
         lam = self._axis_weights()  # (Hp, c, nb)
@@ -123,8 +121,14 @@ class _ComRoPE(PositionEncoding):
         return _block_diag(blocks).expand(self.num_heads, -1, -1, -1)
 
 
+@register_pe("comrope-ap", label="ComRoPE-AP", bench_vit_options={"block_size": 8},
+             paper_preset={"init": "normal", "init_std": 1.0, "per_head": True},  # Yu et al.: random bases per head
+             bench_rows=(BenchRow("comrope-ap (b=8)", (("block_size", 8),)),
+                         BenchRow("comrope-ap (b=8) in training (folded)", (("block_size", 8),), kind="train",
+                                  base="comrope-ap (b=8)"),
+                         BenchRow("dense d x d comrope-ap (b=8)", (("block_size", 8),), kind="naive",
+                                  base="comrope-ap (b=8)", heavy=True)))
 class ComRoPEAP(_ComRoPE):
-    name = "comrope-ap"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int = 8,
                  init: str = "rope", base: float = 10000.0, per_head: bool = False, init_std: float = 1.0) -> None:
@@ -146,8 +150,16 @@ class ComRoPEAP(_ComRoPE):
         return s.unsqueeze(-3)  # (1, M, nb) or (B, 1, M, nb): shared by all parameter heads
 
 
+@register_pe("comrope-ld", label="ComRoPE-LD", bench_vit_options={"block_size": 8}, bench_vit_gpu=True,
+             paper_preset={"init": "normal", "init_std": 1.0, "per_head": True},
+             bench_rows=(BenchRow("comrope-ld (b=8)", (("block_size", 8),)),
+                         BenchRow("folded comrope-ld (b=8)", (("block_size", 8),), kind="folded",
+                                  base="comrope-ld (b=8)"),
+                         BenchRow("comrope-ld (b=8) in training (folded)", (("block_size", 8),), kind="train",
+                                  base="comrope-ld (b=8)"),
+                         BenchRow("dense d x d comrope-ld (b=8)", (("block_size", 8),), kind="naive",
+                                  base="comrope-ld (b=8)")))
 class ComRoPELD(_ComRoPE):
-    name = "comrope-ld"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int = 8,
                  init: str = "rope", base: float = 10000.0, per_head: bool = False, init_std: float = 1.0) -> None:
@@ -177,8 +189,6 @@ class ComRoPELD(_ComRoPE):
         return self.axis_weights
 
     def block_scales(self, coords: Tensor) -> Tensor:
-        """``s_j(r) = sum_k r_k lambda_{k,j}`` by elementwise products and sums (``frequency_angles``), never a
-        matmul / einsum, which a GPU with TF32 enabled would run on 10-bit-mantissa inputs; in float64 (rounded to
-        float32, ``s`` would be off by ~1e-3 at coordinates of 10^4), which the block exponentials take as it is."""
-        wide = _wide_dtype(coords.device)
-        return frequency_angles(coords.to(wide), self.axis_weights.to(wide))
+        """``s_j(r) = sum_k r_k lambda_{k,j}``, formed as every encoding's angles (``angles.wide_angles``: float64,
+        never a TF32-rounded matmul), which the block exponentials take as they are."""
+        return wide_angles(coords, self.axis_weights)

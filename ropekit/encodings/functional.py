@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .angles import _rotate_pairs_real, _wide_dtype, frequency_angles, rope_cos_sin
+from .angles import _rotate_pairs_real, _wide_dtype, angle_table, frequency_angles, rope_cos_sin, wide_angles
 from .products import _reduce_to, basis_change, precise_matmul
 from .validation import check_finite
 
@@ -268,18 +268,6 @@ def rotate_angles(x: Tensor, theta: Tensor, cos: Tensor | None = None, sin: Tens
     return rotate_pairs(x, torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype), pairs)
 
 
-def _angle_table(coords: Tensor, freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """``(theta, cos, sin)``, each ``(1 | B, Hp, M, P)``: float64 angles (differentiable) and their cos/sin in
-    ``dtype`` (constants), for ``rotate_angles``."""
-    wide = _wide_dtype(coords.device)
-    theta = frequency_angles(coords if coords.dtype == wide else coords.to(wide),
-                             freqs if freqs.dtype == wide else freqs.to(wide))
-    if theta.dim() == 3:
-        theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch
-    with torch.no_grad():
-        return theta, torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
-
-
 def _rotate_tokens(x: Tensor, table: tuple[Tensor, Tensor, Tensor], num_prefix_tokens: int, pairs: str) -> Tensor:
     """Rotate ``x`` ``(B, H, N, d)`` after its prefix tokens, math in the table's dtype, output in ``x``'s."""
     theta, cos, sin = table
@@ -351,7 +339,7 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         ``(q_out, k_out)`` in the input dtypes and shapes (``k_out`` is ``None`` when ``k`` is); differentiable
         twice in q, k, freqs and coords.
 
-    Numerics: angles by elementwise products and sums in float64 (``_angle_table``) -- never a matrix product,
+    Numerics: angles by elementwise products and sums in float64 (``angles.angle_table``) -- never a matrix product,
     so TF32 settings do not round them, and float64 frequencies (e.g. derived from parameters) are used as they
     are -- cos/sin and the rotation in float32 (float64 if q or k is float64), autocast disabled.
     Path: with ``backend="auto"`` the fused Triton kernel ``ropekit.kernels.fused_rotary`` runs on CUDA when it is
@@ -380,12 +368,12 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         return kernel(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs,
                       validate=False)
     dtype = torch.float64 if torch.float64 in (q.dtype, None if k is None else k.dtype) else torch.float32
-    table = _angle_table(coords, f, dtype)
+    table = angle_table(coords, f, dtype)
     q_out = _rotate_tokens(q, table, num_prefix_tokens, pairs)
     if k is None:
         return q_out, None
     if k_coords is not None:
-        table = _angle_table(k_coords, f, dtype)
+        table = angle_table(k_coords, f, dtype)
     return q_out, _rotate_tokens(k, table, num_prefix_tokens, pairs)
 
 
@@ -1004,7 +992,7 @@ def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weight
         ``(q, k)`` of the same shapes and dtypes (float32 math, float64 for float64 tokens).
     """
     wide = mu.dtype
-    s = frequency_angles(coords.to(wide), axis_weights.to(wide))  # (Hp, M, nb) or (B, Hp, M, nb)
+    s = wide_angles(coords, axis_weights)  # (Hp, M, nb) or (B, Hp, M, nb)
     s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, Hp, M, nb)
     mu = mu.detach()
     freqs = (axis_weights.detach().to(wide).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)

@@ -29,10 +29,12 @@ from torch import Tensor, nn
 
 from .base import PositionEncoding
 from .expm import DEFAULT_BUDGET, linear_skew_expm
+from .forms import RoPEForm, block_form
 from .functional import _block_diag, block_apply
-from .skew import real_schur
+from .registry import BenchRow, register_pe
+from .rope import FrequencyRoPE
 
-__all__ = ["LieRE"]
+__all__ = ["LieRE", "LieRECommute"]
 
 #: Matrix entries per chunk of per-example exponentials on the CPU (~4 MiB per complex128 work array): the
 #: workspace stays a small fraction of the rotations themselves at a batch of ViT tokens, at no measurable cost in
@@ -40,8 +42,11 @@ __all__ = ["LieRE"]
 _PER_EXAMPLE_BUDGET = 1 << 18
 
 
+@register_pe("liere", label="LieRE", bench_vit_gpu=True,  # Ostmeier et al.: dense generators, uniform in [0, 2 pi)
+             bench_rows=(BenchRow("liere (b=8)", (("block_size", 8),)), BenchRow("liere (dense)"),
+                         BenchRow("naive liere (b=8)", (("block_size", 8),), kind="naive", base="liere (b=8)"),
+                         BenchRow("naive liere (dense)", kind="naive", base="liere (dense)", heavy=True)))
 class LieRE(PositionEncoding):
-    name = "liere"
     commuting = False
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, block_size: int | None = None,
@@ -94,29 +99,61 @@ class LieRE(PositionEncoding):
     def _transform(self, x: Tensor, rot: Tensor) -> Tensor:
         return block_apply(rot, x)  # rot: (B|1, Hp, M, nb, b, b), never expanded over batch or heads
 
-    def to_rope(self) -> tuple[Tensor, Tensor]:
-        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` -- only where LieRE commutes.
+    @property
+    def rope_kind(self) -> str | None:  # type: ignore[override]
+        """``"rope"`` with 2x2 blocks, ``"blocks"`` with one coordinate; otherwise LieRE does not commute."""
+        if self.block_size == 2:
+            return "rope"
+        return "blocks" if self.coord_dim == 1 else None
 
-        With 2x2 blocks, block ``j`` of ``L_k`` is ``f J`` with ``f = L_k[j][1, 0]``: ``P = I``. With one
-        coordinate, each block generator is brought to real block-diagonal form (``skew.real_schur``).
-        Differentiable in the parameters (computed in float64, cast back).
+    def rope_blocks(self) -> tuple[Tensor, Tensor]:
+        """With one coordinate: the skew blocks ``K_j`` ``(Hp, nb, b, b)`` and their axis weights ``(Hp, 1, nb)``
+        (ones: every block turns with ``r``)."""
+        k = self.block_generators()[:, 0]
+        return k, k.new_ones(k.shape[0], 1, k.shape[1])
+
+    def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
+        """Only where LieRE commutes. With 2x2 blocks, block ``j`` of ``L_k`` is ``f J`` with
+        ``f = L_k[j][1, 0]``: ``P = I``. With one coordinate, the eigenbasis of each block generator
+        (``forms.block_form``).
 
         Raises:
             ValueError: for ``c >= 2`` with blocks larger than 2 (the generators do not commute).
         """
-        gen = self.block_generators().double()  # (Hp, c, nb, b, b)
-        hp, c, nb, b, _ = gen.shape
-        if b == 2:
-            freqs = gen[..., 1, 0].reshape(hp, c, nb)  # (Hp, c, d/2)
-            p = torch.eye(self.head_dim, dtype=gen.dtype, device=gen.device).expand(hp, -1, -1)
-        elif c == 1:
-            q, mu = real_schur(gen[:, 0])  # (Hp, nb, b, b), (Hp, nb, b/2)
-            freqs = mu.reshape(hp, 1, -1)
-            p = _block_diag(q.transpose(-1, -2))
-        else:
-            raise ValueError(
-                f"liere with coord_dim={c} and block_size={b} does not commute: R(r)^T R(s) depends on r and s, "
-                f"not only on s - r, so it has no RoPE form (use block_size=2 or liere-commute)"
-            )
-        dtype = self.generator_params.dtype
-        return p.to(dtype).expand(self.num_heads, -1, -1), freqs.to(dtype).expand(self.num_heads, -1, -1)
+        kind = self.rope_kind
+        if kind == "rope":
+            return RoPEForm(None, self.block_generators()[:, ..., 1, 0], None, self.pairs)  # (Hp, c, d/2)
+        if kind == "blocks":
+            return block_form(self, *self.rope_blocks(), basis_gradient=basis_gradient)
+        raise ValueError(
+            f"liere with coord_dim={self.coord_dim} and block_size={self.block_size} does not commute: "
+            f"R(r)^T R(s) depends on r and s, not only on s - r, so it has no RoPE form (use block_size=2 or "
+            f"liere-commute)")
+
+
+@register_pe("liere-commute", label="LieRE-Commute")
+class LieRECommute(FrequencyRoPE):
+    """LieRE-Commute: LieRE restricted to 2x2 generator blocks, which commute.
+
+    Block ``n`` of ``L_k`` is ``[[0, a_{k,n}], [-a_{k,n}, 0]]`` (LieRE's ``triu - triu^T`` on a 2x2 block), so
+    pair ``n`` turns by ``-sum_k r_k a_{k,n}``. Raw parameters uniform in ``[0, init_scale)`` (LieRE's
+    ``2 pi``). One set shared by all heads by default (and by all layers when the model builder shares it).
+    """
+
+    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, init_scale: float = 2 * math.pi,
+                 per_head: bool = False) -> None:
+        super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
+        self.init_scale = init_scale
+        self.generator_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, head_dim // 2))
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """Re-draw the raw parameters uniformly in ``[0, init_scale)`` (CPU generator)."""
+        init = torch.rand(self.generator_params.shape, device="cpu") * self.init_scale
+        if self.generator_params.device.type != "meta":
+            with torch.no_grad():
+                self.generator_params.copy_(init)
+
+    @property
+    def freqs(self) -> Tensor:
+        return -self.generator_params

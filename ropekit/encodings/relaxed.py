@@ -19,16 +19,20 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .angles import angle_table
 from .base import PositionEncoding
 from .expm import linear_skew_expm
-from .functional import (_angle_table, _wide_dtype, basis_change, block_apply, mixed_frequencies, pair_generators,
-                         rotate_angles, skew)
+from .forms import RoPEForm, basis_form, no_rope_form
+from .functional import (_wide_dtype, basis_change, block_apply, mixed_frequencies, pair_generators, rotate_angles,
+                         skew)
+from .registry import BenchRow, register_pe
 
 __all__ = ["RelaxedSTRING"]
 
 
+@register_pe("relaxed", label="relaxed STRING", paper_sharing="layer",
+             bench_rows=(BenchRow("relaxed"), BenchRow("relaxed (exact)", (("exact", True),))))
 class RelaxedSTRING(PositionEncoding):
-    name = "relaxed"
     post_rotation = True
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, exact: bool = False,
@@ -97,27 +101,27 @@ class RelaxedSTRING(PositionEncoding):
     def post_rotation_matrix(self) -> Tensor:
         return self._post_rotation().expand(self.num_heads, -1, -1)
 
-    def to_rope(self) -> tuple[Tensor, Tensor]:
-        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` -- the exact configuration only.
+    @property
+    def rope_kind(self) -> str | None:  # type: ignore[override]
+        """``"relaxed"`` in the exact configuration; the relaxed one does not commute."""
+        return "relaxed" if self.exact else None
 
-        ``R(r) = RoPE_active(r) P_sp``: ``P = P_sp`` and the null pairs get frequency 0. ``(H, d, d)``,
-        ``(H, c, d/2)``, differentiable in the parameters.
+    def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
+        """The exact configuration only: ``R(r) = RoPE_active(r) P_sp``, so ``P = P_sp = R(0)`` (one computation for
+        both) and the null pairs turn with frequency 0.
 
         Raises:
             ValueError: in the relaxed configuration (``exact=False``), which does not commute.
         """
         if not self.exact:
-            raise ValueError(f"{self.name} does not commute (R(r)^T R(s) is not a function of s - r): "
-                             f"it cannot be written as RoPE in a fixed basis")
-        f = self.freq_param  # (Hp, c, m)
-        freqs = torch.cat([f, f.new_zeros(*f.shape[:2], self.head_dim // 2 - f.shape[-1])], dim=-1)
-        h = self.num_heads
-        return self._post_rotation().expand(h, -1, -1), freqs.expand(h, -1, -1)
+            raise no_rope_form(self)
+        basis = self.post_rotation_matrix()[:self.param_heads]
+        return basis_form(self, basis, post=basis)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         p = self._post_rotation().to(dtype)
         if self.exact:
-            return p, _angle_table(coords, self.freq_param, dtype)  # float64 angles, cos/sin: (1 | B, Hp, M, m)
+            return p, angle_table(coords, self.freq_param, dtype)  # float64 angles, cos/sin: (1 | B, Hp, M, m)
         # the generator sums in float64: rounded to float32, each entry would be off by r * ulp at coordinate r
         gen = self.active_generators(_wide_dtype(coords.device)).unsqueeze(2)  # (Hp, c, 1, 2m, 2m)
         lead = coords.shape[:-1]  # (M,) or (B, M)

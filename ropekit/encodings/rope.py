@@ -7,19 +7,22 @@ Fast path: cos/sin tables in real arithmetic, computed once per forward and shar
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from .base import PEState, PositionEncoding
-from .functional import (_angle_table, _fused_kernel, _is_compiling, apply_frequency_rope, axial_frequencies,
-                         frequency_angles, mixed_frequencies, pair_generators, rope_cos_sin, rotate_angles)
+from .forms import RoPEForm
+from .registry import BenchRow, register_pe
+from .angles import angle_table, rope_cos_sin, wide_angles
+from .functional import (_fused_kernel, _is_compiling, apply_frequency_rope, axial_frequencies, mixed_frequencies,
+                         pair_generators, rotate_angles)
 
-__all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute"]
+__all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE"]
 
 
+@register_pe("none", label="NoPE", bench_vit_gpu=True)
 class NoPE(PositionEncoding):
     """The identity: no position information (``name="none"``).
 
@@ -27,8 +30,8 @@ class NoPE(PositionEncoding):
     ``generators()``, ``to_rope()`` and ``matrix()`` come in the module's device and dtype as every encoding's do.
     """
 
-    name = "none"
     _native_half_pairs = True
+    rope_kind = "rope"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, per_head: bool = False, *,
                  layout: str = "bhnd", pairs: str = "interleaved") -> None:
@@ -48,12 +51,10 @@ class NoPE(PositionEncoding):
         """Zeros ``(H, c, d, d)`` in the module's device and dtype."""
         return self.placement.new_zeros(self.num_heads, self.coord_dim, self.head_dim, self.head_dim)
 
-    def to_rope(self) -> tuple[Tensor, Tensor]:
-        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: the identity ``(H, d, d)`` and zero
-        frequencies ``(H, c, d/2)``, in the module's device and dtype."""
-        eye = torch.eye(self.head_dim, dtype=self.placement.dtype, device=self.placement.device)
-        return eye.expand(self.num_heads, -1, -1), self.placement.new_zeros(self.num_heads, self.coord_dim,
-                                                                            self.head_dim // 2)
+    def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
+        """RoPE with zero frequencies ``(Hp, c, d/2)`` in the module's device and dtype."""
+        return RoPEForm(None, self.placement.new_zeros(self.param_heads, self.coord_dim, self.head_dim // 2), None,
+                        self.pairs)
 
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -89,6 +90,8 @@ class FrequencyRoPE(PositionEncoding):
     with a basis change, gets the base class's permutation instead).
     """
 
+    rope_kind = "rope"
+
     @property
     def _native_half_pairs(self) -> bool:  # type: ignore[override]
         return type(self)._transform is FrequencyRoPE._transform
@@ -100,18 +103,18 @@ class FrequencyRoPE(PositionEncoding):
     def angles(self, coords: Tensor) -> Tensor:
         """Rotation angles ``(Hp, M, d/2)`` for ``(M, c)`` coords or ``(B, Hp, M, d/2)`` per example.
 
-        Computed in float32 (float64 for float64 coords) with autocast disabled.
+        Formed in float64 (``angles.wide_angles``, as every rotation's angles), returned in float32 (float64 for
+        float64 coords).
         """
         dtype = torch.float64 if coords.dtype == torch.float64 else torch.float32
-        with torch.autocast(device_type=coords.device.type, enabled=False):
-            return frequency_angles(coords.to(dtype), self.freqs.to(dtype))
+        return wide_angles(coords, self.freqs).to(dtype)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
             return rope_cos_sin(coords, self.freqs, dtype)
         if _fused_kernel(coords.device, not coords.requires_grad, self.backend) is not None:  # (compiled: _rotate)
             return _KernelState(coords, self.freqs)  # the fused kernel forms the angles itself
-        return _angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
+        return angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
 
     def _kernel_direct(self, x: Tensor, data: object, dtype: torch.dtype) -> bool:
         """Whether ``x`` goes to the fused kernel as it is: the kernel reads and writes bf16 / fp16 / fp32 / fp64
@@ -153,17 +156,13 @@ class FrequencyRoPE(PositionEncoding):
         gen = pair_generators(self.freqs)  # (Hp, c, d, d)
         return gen.expand(self.num_heads, -1, -1, -1)
 
-    def to_rope(self) -> tuple[Tensor, Tensor]:
-        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: ``P = I`` (already RoPE).
-
-        Returns ``P`` ``(H, d, d)`` and ``freqs`` ``(H, c, d/2)``, differentiable in the frequencies (a view of
-        the parameter), so training through the RoPE form updates them.
-        """
-        f = self.freqs
-        eye = torch.eye(self.head_dim, dtype=f.dtype, device=f.device).expand(self.num_heads, -1, -1)
-        return eye, f.expand(self.num_heads, -1, -1)
+    def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
+        """Already RoPE: ``P = I`` and the frequencies ``(Hp, c, d/2)`` themselves (a view of the parameter)."""
+        return RoPEForm(None, self.freqs[:self.param_heads], None, self.pairs)
 
 
+@register_pe("axial", label="Axial RoPE", bench_vit_gpu=True,  # VisionLlama / EVA: base 10000 (the defaults)
+             bench_rows=(BenchRow("axial"), BenchRow("axial in training", kind="train", base="axial")))
 class AxialRoPE(FrequencyRoPE):
     """Axial RoPE (VisionLlama / EVA): the pairs are split evenly across the ``c`` axes.
 
@@ -176,8 +175,6 @@ class AxialRoPE(FrequencyRoPE):
         ValueError: ``per_head=True`` without ``learnable_freqs=True`` (fixed frequencies are the same for every
             head: there is nothing to keep per head).
     """
-
-    name = "axial"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 10000.0,
                  learnable_freqs: bool = False, per_head: bool = False) -> None:
@@ -215,14 +212,15 @@ class AxialRoPE(FrequencyRoPE):
         return out
 
 
+@register_pe("mixed", label="RoPE-Mixed", paper_sharing="head", bench_vit_gpu=True,
+             paper_preset={"base": 10.0, "per_head": True},  # Heo et al.: theta = 10, frequencies per head and layer
+             bench_rows=(BenchRow("mixed"), BenchRow("mixed in training", kind="train", base="mixed")))
 class MixedRoPE(FrequencyRoPE):
     """RoPE-Mixed (Heo et al. 2024): every pair turns by ``sum_k r_k w_{k,n}``, all ``w`` learnable.
 
     Initialised per parameter head with RoPE-like magnitudes (maximum wavelength ``base``, default 100)
     pointing in a random direction (see ``functional.mixed_frequencies``).
     """
-
-    name = "mixed"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 100.0,
                  per_head: bool = False, freqs: Tensor | None = None) -> None:
@@ -255,32 +253,3 @@ class MixedRoPE(FrequencyRoPE):
     def _init_weights(self) -> None:
         """Re-draw the initial frequencies (or restore the ``freqs`` given to the constructor)."""
         self._reset_mixed()
-
-
-class LieRECommute(FrequencyRoPE):
-    """LieRE-Commute: LieRE restricted to 2x2 generator blocks, which commute.
-
-    Block ``n`` of ``L_k`` is ``[[0, a_{k,n}], [-a_{k,n}, 0]]`` (LieRE's ``triu - triu^T`` on a 2x2 block), so
-    pair ``n`` turns by ``-sum_k r_k a_{k,n}``. Raw parameters uniform in ``[0, init_scale)`` (LieRE's
-    ``2 pi``). One set shared by all heads by default (and by all layers when the model builder shares it).
-    """
-
-    name = "liere-commute"
-
-    def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, init_scale: float = 2 * math.pi,
-                 per_head: bool = False) -> None:
-        super().__init__(head_dim, coord_dim, num_heads, per_head=per_head)
-        self.init_scale = init_scale
-        self.generator_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, head_dim // 2))
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        """Re-draw the raw parameters uniformly in ``[0, init_scale)`` (CPU generator)."""
-        init = torch.rand(self.generator_params.shape, device="cpu") * self.init_scale
-        if self.generator_params.device.type != "meta":
-            with torch.no_grad():
-                self.generator_params.copy_(init)
-
-    @property
-    def freqs(self) -> Tensor:
-        return -self.generator_params

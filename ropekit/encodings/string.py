@@ -15,8 +15,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .angles import angle_table
 from .base import PositionEncoding
-from .functional import _angle_table, basis_change, mixed_frequencies, pair_generators, rotate_angles, skew
+from .forms import RoPEForm, half_pairs_basis
+from .functional import basis_change, mixed_frequencies, pair_generators, rotate_angles, skew
+from .registry import register_pe
 
 __all__ = ["GeneralSTRING", "dense_expm_rotations"]
 
@@ -38,8 +41,9 @@ def dense_expm_rotations(coords: Tensor, generators: Tensor) -> Tensor:
     return torch.linalg.matrix_exp(g.contiguous())
 
 
+@register_pe("string", label="STRING (general)", paper_sharing="layer")
 class GeneralSTRING(PositionEncoding):
-    name = "string"
+    rope_kind = "string"
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 100.0,
                  basis_scale: float = 0.5, per_head: bool = False) -> None:
@@ -75,18 +79,17 @@ class GeneralSTRING(PositionEncoding):
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         q = self.basis(dtype)  # (Hp, d, d)
-        return q, _angle_table(coords, self.freq_param, dtype)  # float64 angles, cos/sin: (1 | B, Hp, M, P) each
+        return q, angle_table(coords, self.freq_param, dtype)  # float64 angles, cos/sin: (1 | B, Hp, M, P) each
 
     def _transform(self, x: Tensor, state) -> Tensor:
         q, table = state
         y = basis_change(x, q.transpose(-1, -2))  # Q^T x: (B, H, M, d)
         return basis_change(rotate_angles(y, *table), q)  # Q RoPE(r) Q^T x
 
-    def to_rope(self) -> tuple[Tensor, Tensor]:
-        """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``: ``P = Q^T``. ``(H, d, d)``,
-        ``(H, c, d/2)``, differentiable in the parameters."""
-        h = self.num_heads
-        return self.basis().transpose(-1, -2).expand(h, -1, -1), self.freq_param.expand(h, -1, -1)
+    def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
+        """``L_k = Q D_k Q^T``: in the basis ``P = Q^T`` the frequencies are the parameters themselves."""
+        hp = self.param_heads
+        return RoPEForm(half_pairs_basis(self, self.basis().transpose(-1, -2)[:hp]), self.freq_param[:hp], None)
 
     def num_effective_parameters(self) -> int:
         """Frequencies plus the free entries of ``A - A^T``."""

@@ -14,14 +14,16 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .angles import wide_angles
 from .base import PositionEncoding
-from .functional import _wide_dtype, frequency_angles, mixed_frequencies
+from .functional import mixed_frequencies
+from .registry import register_pe
 
 __all__ = ["TensorSTRING"]
 
 
+@register_pe("tensor", label="⊗-STRING", paper_sharing="layer")
 class TensorSTRING(PositionEncoding):
-    name = "tensor"
     is_rotation = False
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, num_features: int = 2,
@@ -47,12 +49,10 @@ class TensorSTRING(PositionEncoding):
     def features(self, coords: Tensor) -> Tensor:
         """``phi(r)``: ``(Hp, M, 2m)`` for shared coords, ``(B, Hp, M, 2m)`` per example, in ``coords``' dtype.
 
-        The angles ``w_i^T r`` are elementwise products and sums (``frequency_angles``), not an einsum: on a GPU
-        with TF32 matmuls enabled a product would round coordinates and frequencies to 10 mantissa bits. They are
-        formed in float64 (a float32 angle of ~10^4 rad is off by ~1e-3 rad) and rounded after cos/sin.
+        The angles ``w_i^T r`` are every encoding's (``angles.wide_angles``: elementwise products in float64, never a
+        TF32-rounded einsum) and are rounded after cos/sin.
         """
-        wide = _wide_dtype(coords.device)
-        ang = frequency_angles(coords.to(wide), self.feature_freqs.to(wide).transpose(1, 2))  # (.., Hp, M, m)
+        ang = wide_angles(coords, self.feature_freqs.transpose(1, 2))  # (.., Hp, M, m)
         phi = torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1).to(coords.dtype)
         return phi / math.sqrt(self.num_features)
 

@@ -21,22 +21,22 @@ import os
 import sys
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+
+from ..encodings.registry import RegistryView
 
 __all__ = ["mean_std", "fmt_pm", "where_trained", "add_paired_difference", "aggregate", "markdown_table",
            "replace_marked_lines", "StudyWriter", "setup_matplotlib", "PE_LABELS", "pe_label"]
 
-#: Display names of the encodings in tables and plots.
-PE_LABELS = {
-    "none": "NoPE", "absolute": "APE (learned)", "sincos": "APE (sincos)", "axial": "Axial RoPE",
-    "mixed": "RoPE-Mixed", "cayley": "Cayley-STRING", "circulant": "Circulant-STRING", "liere": "LieRE",
-    "liere-commute": "LieRE-Commute", "comrope-ap": "ComRoPE-AP", "comrope-ld": "ComRoPE-LD",
-    "relaxed": "relaxed STRING", "string": "STRING (general)", "tensor": "⊗-STRING",
-}
+#: Display names of the encodings in tables and plots: each registered encoding's ``label``.
+PE_LABELS: Mapping[str, str] = RegistryView("label")
+#: Display names of the absolute embeddings, which are no registered encoding.
+_ABSOLUTE_LABELS = {"absolute": "APE (learned)", "sincos": "APE (sincos)"}
 
 
 def pe_label(pe: str) -> str:
-    return PE_LABELS.get(pe, pe)
+    """The display name of the encoding (or absolute embedding) ``pe``; ``pe`` itself when it has none."""
+    return PE_LABELS[pe] if pe in PE_LABELS else _ABSOLUTE_LABELS.get(pe, pe)
 
 
 def mean_std(values: Iterable[float]) -> Dict[str, float]:

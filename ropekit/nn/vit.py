@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .._config_keys import known_keys
 from ..encodings import PositionEncoding, create_pe, list_pes
+from ..encodings.registry import RegistryView
 from ..encodings.fold import rope_forms
 from ..encodings.validation import check_finite
 from .attention import Attention, PreparedPE
@@ -54,18 +55,15 @@ MODALITIES = ("image", "rgbd", "video")
 CLS_MODES = ("none", "unrotated", "centroid")
 SHARING = ("auto", "model", "layer", "head")
 
-#: How each encoding's parameters are shared when ``pe_sharing="auto"``: as its authors trained it.
-#: ``"model"``: one set for every layer and head; ``"layer"``: one set per layer, shared by its heads;
-#: ``"head"``: one set per layer and per head. RoPE-Mixed learns its frequencies per layer and head (Heo et
-#: al.); LieRE and LieRE-Commute keep one set for the whole model (LieRE's authors found it best); the STRING
-#: family (cayley, circulant, general and relaxed STRING, the tensor product) has one set per layer, shared by
-#: the heads (STRING's authors found sharing across heads slightly better). ComRoPE and axial RoPE (whose
-#: frequencies are fixed unless ``learnable_freqs``) keep one set for the model. See docs/presets.md.
-PAPER_SHARING: Dict[str, str] = {
-    "axial": "model", "mixed": "head", "liere": "model", "liere-commute": "model", "cayley": "layer",
-    "circulant": "layer", "string": "layer", "relaxed": "layer", "tensor": "layer", "comrope-ap": "model",
-    "comrope-ld": "model", "none": "model",
-}
+#: How each encoding's parameters are shared when ``pe_sharing="auto"``: as its authors trained it (each class's
+#: ``paper_sharing``, declared with ``register_pe``). ``"model"``: one set for every layer and head; ``"layer"``:
+#: one set per layer, shared by its heads; ``"head"``: one set per layer and per head. RoPE-Mixed learns its
+#: frequencies per layer and head (Heo et al.); LieRE and LieRE-Commute keep one set for the whole model (LieRE's
+#: authors found it best); the STRING family (cayley, circulant, general and relaxed STRING, the tensor product)
+#: has one set per layer, shared by the heads (STRING's authors found sharing across heads slightly better).
+#: ComRoPE and axial RoPE (whose frequencies are fixed unless ``learnable_freqs``) keep one set for the model.
+#: See docs/presets.md.
+PAPER_SHARING: Mapping[str, str] = RegistryView("paper_sharing")
 APE_KINDS = ("none", "learned", "sincos")
 #: Fields renamed since configurations were first saved: old name -> new name (saved runs stay loadable).
 RENAMED: Dict[str, str] = {}
