@@ -19,7 +19,7 @@ Shape legend: ``B`` images, ``M`` predictions (patch tokens) per image, ``T`` pa
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -29,12 +29,14 @@ from torch import Tensor, nn
 
 from ..train import engine
 from ..train.engine import seed_everything
+from ..train.tasks import register_task
 from .boxes import box_iou_3d, rotation_from_6d
 from .matching import DetectionEvaluator, DetectionLossConfig, detection_loss, hungarian_match
-from .model import Detector3D
+from .model import Detector3D, DetectorConfig, detector_config
 from .scenes import SceneDataset, SceneSet, collate_detection
 
-__all__ = ["DetTrainConfig", "DetectionTask", "batch_indices", "scene_batch", "mean_box",
+__all__ = ["DetTrainConfig", "DetectionTask", "DetectionTaskConfig", "build_detection_task", "load_scenes",
+           "batch_indices", "scene_batch", "mean_box",
            "train_detector", "evaluate_detector", "matched_mean_iou",
            "matched_errors", "predict", "seed_everything"]
 
@@ -166,6 +168,35 @@ class DetectionTask:
 
     def summary(self, history: List[Dict[str, Any]]) -> Dict[str, Any]:
         return {"steps": history[-1]["step"] if history else 0, "loss": history[-1]["loss"] if history else None}
+
+
+@dataclass
+class DetectionTaskConfig:
+    """What builds a :class:`DetectionTask`: ``scenes``, the path of a scene file (the ``.npz`` of a
+    :class:`SceneSet`'s ``arrays()``, as :func:`~ropekit.detection.generate_scenes` caches them), the detector and
+    its training settings."""
+
+    scenes: str
+    detector: DetectorConfig = field(default_factory=detector_config)
+    train: DetTrainConfig = field(default_factory=DetTrainConfig)
+
+
+def load_scenes(path: Union[str, Path]) -> SceneSet:
+    """The :class:`SceneSet` saved in the ``.npz`` file ``path`` (the arrays of :meth:`SceneSet.arrays`)."""
+    with np.load(Path(path), allow_pickle=False) as z:
+        return SceneSet.from_arrays({k: z[k] for k in z.files})
+
+
+@register_task("detection", "3-D boxes from RGB-D images: a ViT detector with the Hungarian set loss",
+               config=DetectionTaskConfig, command="ropekit experiment detect3d")
+def build_detection_task(cfg: DetectionTaskConfig) -> DetectionTask:
+    """The :class:`DetectionTask` of ``cfg``: its scenes loaded, its detector built (seeded by ``cfg.train.seed``)
+    with the box head starting at the scenes' mean box."""
+    scenes = load_scenes(cfg.scenes)
+    seed_everything(cfg.train.seed)
+    model = Detector3D(cfg.detector.validate())
+    model.init_box_prior(mean_box(scenes))
+    return DetectionTask(model, scenes, cfg.train)
 
 
 def train_detector(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,

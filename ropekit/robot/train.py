@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -31,9 +31,11 @@ from ..train import engine
 from ..train.augment import random_shift
 from ..train.checkpoint import atomic_save
 from ..train.distributed import init_distributed
+from ..train.tasks import register_task
+from .demos import load_demos
 from .policy import DiffusionPolicy, PolicyConfig, images_from_obs
 
-__all__ = ["PolicyTrainConfig", "DemoChunks", "PolicyTask", "train_policy", "save_policy", "load_policy",
+__all__ = ["PolicyTrainConfig", "DemoChunks", "PolicyTask", "PolicyTaskConfig", "build_policy_task", "train_policy", "save_policy", "load_policy",
            "CHECKPOINT", "TRAIN_STATE"]
 
 CHECKPOINT = "checkpoint.pt"
@@ -220,6 +222,35 @@ class PolicyTask:
             with torch.no_grad():
                 for p, e in zip(params, self.ema):
                     p.copy_(e)
+
+
+@dataclass
+class PolicyTaskConfig:
+    """What builds a :class:`PolicyTask`: ``demos``, the path of a demo file
+    (:func:`~ropekit.robot.collect_demos`), the policy and its training settings."""
+
+    demos: str
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    train: PolicyTrainConfig = field(default_factory=PolicyTrainConfig)
+
+
+@register_task("robot", "a diffusion policy imitating scripted pick demonstrations (pybullet)",
+               config=PolicyTaskConfig, command="ropekit robot train")
+def build_policy_task(cfg: PolicyTaskConfig) -> PolicyTask:
+    """The :class:`PolicyTask` of ``cfg``: its demonstrations loaded, its policy built (seeded by
+    ``cfg.train.seed``) with the action and state statistics fitted on them."""
+    data = DemoChunks(load_demos(cfg.demos), cfg.policy, cfg.train.only_successful)
+    return policy_task(DiffusionPolicy, cfg.policy, data, cfg.train)
+
+
+def policy_task(policy_class: Callable[[Any], DiffusionPolicy], config: PolicyConfig, data: Any,
+                train: PolicyTrainConfig) -> PolicyTask:
+    """A :class:`PolicyTask` training a new ``policy_class(config)`` (seeded by ``train.seed``) on the demo chunks
+    ``data`` (a :class:`DemoChunks` or one with its interface), with the statistics fitted on them."""
+    torch.manual_seed(train.seed)
+    policy = policy_class(config)
+    policy.fit_normalizers(data.actions, data.state, getattr(data, "object_pos", None))
+    return PolicyTask(policy, data, train)
 
 
 def train_policy(policy: DiffusionPolicy, data: DemoChunks, cfg: PolicyTrainConfig,

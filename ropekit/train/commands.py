@@ -28,7 +28,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Examples: `ropekit train` (MNIST, ViT-tiny, Cayley-STRING); `ropekit train --pe circulant "
                 "--pe-opt block_size=16 --epochs 5`; `ropekit train --data rgbd-digits --pe mixed`; "
                 "`torchrun --nproc_per_node 2 -m ropekit.cli train` (DDP).")
+    from .tasks import task_names
+
     g = p.add_argument_group("configuration")
+    g.add_argument("--task", default=S,
+                   help=f"training task: {', '.join(task_names())} (default classification; the others name the "
+                        f"command that trains them)")
     g.add_argument("--config", metavar="FILE", default=S,
                    help="YAML or JSON file of options (TrainConfig fields); command-line options override it")
     g.add_argument("--set", metavar="KEY=VALUE", action="append", default=S,
@@ -104,7 +109,7 @@ def config_from_args(args: argparse.Namespace):
     from ..encodings import list_pes
     from .config import TrainConfig, load_config_file, parse_key_values
 
-    given: Dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("command", "debug")}
+    given: Dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("command", "debug", "task")}
     resume = given.pop("resume", None)
     config_file = given.pop("config", None)
     sets = given.pop("set", None)
@@ -163,6 +168,11 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from .tasks import lookup_task
+
+    task = lookup_task(getattr(args, "task", "classification"))
+    if task.command is not None:
+        raise CommandError(f"task {task.name!r} is trained by `{task.command}`")
     cfg, resume, allow = config_from_args(args)
     from .trainer import train
 

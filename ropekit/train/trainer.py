@@ -48,6 +48,7 @@ from .config import TrainConfig, build_vit_config
 from .distributed import DistContext, init_distributed, resolve_device
 from .metrics import METRIC_COLUMNS, plot_curves
 from .run_folder import load_run
+from .tasks import register_task
 
 __all__ = ["TrainResult", "ClassificationTask", "train", "evaluate", "evaluate_run", "load_data", "build_model",
            "default_run_dir", "fetch_batch", "random_shift", "load_run"]
@@ -261,14 +262,16 @@ class ClassificationTask:
 
     Batches: this rank's ``DistributedSampler`` order of the epoch (a function of ``(seed, epoch)``), cut into
     ``batch_size / world_size`` indices; the random shift augmentation draws from the global torch RNG.
+    ``info`` describes the data (:func:`load_data`'s third value).
     """
 
     name = "train"
 
     def __init__(self, cfg: TrainConfig, model: nn.Module, train_ds: Dataset, test_ds: Dataset,
-                 ctx: DistContext, label: str, quiet: bool = False, run_dir: Optional[Path] = None) -> None:
+                 ctx: DistContext, label: str, quiet: bool = False, run_dir: Optional[Path] = None,
+                 info: Any = None) -> None:
         self.cfg, self.model, self.train_ds, self.test_ds = cfg, model, train_ds, test_ds
-        self.label, self.quiet, self.run_dir = label, quiet, run_dir
+        self.label, self.quiet, self.run_dir, self.info = label, quiet, run_dir, info
         modality = getattr(getattr(model, "cfg", None), "modality", "image")
         if cfg.augment_sizes and modality != "image":
             raise ValueError(f"augment_sizes (scale augmentation) works on images only; this data is {modality}")
@@ -318,6 +321,20 @@ class ClassificationTask:
                 "model": self.cfg.model, "pe": vit_cfg.pe,
                 "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None, "seed": self.cfg.seed,
                 **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
+
+
+@register_task("classification", "image, RGB-D and video classification of a ViT with cross-entropy",
+               config=TrainConfig)
+def build_classification_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *,
+                              run_dir: Optional[Path] = None, quiet: bool = False) -> ClassificationTask:
+    """The :class:`ClassificationTask` of ``cfg``: its data loaded and its ViT built (seeded by ``cfg.seed``,
+    identical on every rank); ``ctx``: this process's place in the run (default: one process on the CPU)."""
+    ctx = ctx or DistContext()
+    train_ds, test_ds, info = load_data(cfg)
+    seed_everything(cfg.seed)  # model initialisation: identical on every rank
+    model, vit_cfg = build_model(cfg, info)
+    label = f"{vit_cfg.pe}" + (f", depth as {vit_cfg.depth_input}" if vit_cfg.modality == "rgbd" else "")
+    return ClassificationTask(cfg, model, train_ds, test_ds, ctx, label, quiet, run_dir=run_dir, info=info)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, on_step: Optional[StepCallback] = None,
@@ -392,9 +409,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
         raise ValueError(f"run folder {run_dir} already holds a checkpoint; continue it with --resume or choose "
                          f"another --out")
 
-    train_ds, test_ds, info = load_data(cfg)
-    seed_everything(cfg.seed)  # model initialisation: identical on every rank
-    model, vit_cfg = build_model(cfg, info)
+    task = build_classification_task(cfg, ctx, run_dir=run_dir, quiet=quiet)
+    model, vit_cfg, info, train_ds, test_ds = task.model, task.model.cfg, task.info, task.train_ds, task.test_ds
     if ckpt is not None:  # (checked here, before anything is said or written; the engine restores the rest)
         load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
     if cfg.init_from and ckpt is None:
@@ -402,8 +418,6 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
 
         _log(init_from_checkpoint(model, load_checkpoint(cfg.init_from)), ctx, quiet)
 
-    label = f"{vit_cfg.pe}" + (f", depth as {vit_cfg.depth_input}" if vit_cfg.modality == "rgbd" else "")
-    task = ClassificationTask(cfg, model, train_ds, test_ds, ctx, label, quiet, run_dir=run_dir)
     schedule = schedule_of(cfg, task.steps_per_epoch)
     n_params = count_parameters(model)  # encodings by their effective count
     config_doc = {"train": cfg.to_dict(), "model": vit_cfg.to_dict(),
@@ -434,7 +448,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
     if resumes:
         config_doc["resumes"] = resumes
     _log(f"ropekit train: {cfg.data} ({len(train_ds)} train / {len(test_ds)} test, {info.kind}), ViT-{cfg.model} "
-         f"{n_params / 1e6:.2f}M params, pe={label}, {cfg.epochs} epochs, batch {cfg.batch_size}"
+         f"{n_params / 1e6:.2f}M params, pe={task.label}, {cfg.epochs} epochs, batch {cfg.batch_size}"
          f"{f' over {ctx.world_size} processes' if ctx.enabled else ''}"
          f"{f', {cfg.precision}' if cfg.precision != 'fp32' else ''}{', compiled' if cfg.compile else ''}"
          f", run folder {run_dir}", ctx, quiet)

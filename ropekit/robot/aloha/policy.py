@@ -24,11 +24,14 @@ import torch
 from torch import Tensor, nn
 
 from ...nn import ViTConfig
+from ...train.tasks import register_task
 from ..policy import ChunkDenoiser, DiffusionPolicy, Normalizer, PolicyConfig, images_from_obs
+from ..train import PolicyTask, PolicyTrainConfig, policy_task
+from .expert import load_demo_set
 from .sim import ACTION_DIM, AlohaSim, task_spec
 
-__all__ = ["AlohaPolicyConfig", "AlohaPolicy", "AlohaChunks", "evaluate_policy", "save_aloha_policy",
-           "load_aloha_policy", "ENCODINGS"]
+__all__ = ["AlohaPolicyConfig", "AlohaPolicy", "AlohaChunks", "AlohaTaskConfig", "build_aloha_task",
+           "evaluate_policy", "save_aloha_policy", "load_aloha_policy", "ENCODINGS"]
 
 PathLike = Union[str, Path]
 OBJECT_TARGETS = 6  # the auxiliary loss's target: where each arm's object is (xyz, right then left)
@@ -207,6 +210,27 @@ class AlohaChunks:
         """``(images (B, 3|4, Hi, Wi), state (B, 14), actions (B, H, 14))`` for example indices ``(B,)``."""
         depth = self.depth[index] if self.depth is not None else None
         return images_from_obs(self.rgb[index], depth), self.state[index], self.actions[index]
+
+
+@dataclass
+class AlohaTaskConfig:
+    """What builds the ALOHA :class:`~ropekit.robot.train.PolicyTask`: ``demos``, the path of a demo set
+    (:func:`~ropekit.robot.aloha.expert.save_demo_set`), the policy, its training settings and ``episodes``, how
+    many of the set's episodes to train on (``None``: all)."""
+
+    demos: str
+    policy: AlohaPolicyConfig = field(default_factory=AlohaPolicyConfig)
+    train: PolicyTrainConfig = field(default_factory=PolicyTrainConfig)
+    episodes: Optional[int] = None
+
+
+@register_task("aloha", "a diffusion policy on bimanual ALOHA demonstrations (MuJoCo)", config=AlohaTaskConfig,
+               command="ropekit robot aloha")
+def build_aloha_task(cfg: AlohaTaskConfig) -> PolicyTask:
+    """The :class:`~ropekit.robot.train.PolicyTask` of ``cfg``: its demo set loaded, an :class:`AlohaPolicy`
+    built (seeded by ``cfg.train.seed``) with the statistics fitted on the demonstrations."""
+    data = AlohaChunks(load_demo_set(cfg.demos), cfg.policy, cfg.episodes)
+    return policy_task(AlohaPolicy, cfg.policy, data, cfg.train)
 
 
 @torch.no_grad()

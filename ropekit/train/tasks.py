@@ -1,0 +1,72 @@
+"""The task registry: every training task registers how to build its :class:`~ropekit.train.engine.Task` from its
+configuration with :func:`register_task`, in the module that defines it; ``ropekit train --task NAME`` reads
+:data:`TASKS`.
+
+ropekit's own tasks are named in :data:`TASK_MODULES`, the one place that says where each is defined: listing them
+(:func:`task_names`) imports nothing, and :func:`lookup_task` imports a task's module on first use, so that a task
+whose optional dependencies are missing never stands in the way of the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+__all__ = ["TaskSpec", "TASKS", "TASK_MODULES", "register_task", "lookup_task", "task_names"]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A registered task: ``build(cfg)`` returns its :class:`~ropekit.train.engine.Task` (model, batches and loss,
+    ready for :func:`~ropekit.train.engine.fit`) from a ``config`` instance; ``help`` is one line; ``command`` is
+    the command that trains it when ``ropekit train`` does not (``None``: ``ropekit train --task NAME``)."""
+
+    name: str
+    help: str
+    build: Callable[..., Any]
+    config: type
+    command: Optional[str] = None
+
+
+#: name -> :class:`TaskSpec`, in the order the tasks registered.
+TASKS: Dict[str, TaskSpec] = {}
+
+#: ropekit's own tasks: name -> the module that registers it (imported by :func:`lookup_task`).
+TASK_MODULES: Dict[str, str] = {
+    "classification": "ropekit.train.trainer",
+    "detection": "ropekit.detection.train",
+    "robot": "ropekit.robot.train",
+    "aloha": "ropekit.robot.aloha.policy",
+}
+
+
+def register_task(name: str, help: str, *, config: type,
+                  command: Optional[str] = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register the builder ``build(cfg) -> Task`` of the task ``name`` (see :class:`TaskSpec`).
+
+    >>> @register_task("my-task", "what it learns", config=MyConfig)        # doctest: +SKIP
+    ... def build_my_task(cfg: MyConfig) -> MyTask: ...
+    """
+    def add(build: Callable[..., Any]) -> Callable[..., Any]:
+        if name in TASKS:
+            raise ValueError(f"task {name!r} is already registered")
+        TASKS[name] = TaskSpec(name, help, build, config, command)
+        return build
+
+    return add
+
+
+def task_names() -> List[str]:
+    """The names of ropekit's tasks and of every task registered since, without importing any task module."""
+    return list(dict.fromkeys([*TASK_MODULES, *TASKS]))
+
+
+def lookup_task(name: str) -> TaskSpec:
+    """The registered task ``name`` (importing its module from :data:`TASK_MODULES` when needed); ``ValueError``
+    naming the known tasks otherwise."""
+    if name not in TASKS and name in TASK_MODULES:
+        importlib.import_module(TASK_MODULES[name])
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known: {', '.join(task_names())}")
+    return TASKS[name]
