@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ropekit.encodings import PEState, create_pe, list_pes
-from ropekit.encodings.functional import apply_frequency_rope
+from ropekit.encodings.rotation import apply_frequency_rope
 
 H, D = 4, 16
 ROTATIONS = [n for n in list_pes() if n != "tensor"]
@@ -226,7 +226,7 @@ def test_fused_kernel_dispatch(monkeypatch):
     import sys
     import types
 
-    import ropekit.encodings.functional as fn
+    import ropekit.encodings.rotation as fn
 
     calls = []
     reference = apply_frequency_rope
