@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ropekit
-from ropekit.encodings.functional import apply_frequency_rope
+from ropekit.encodings.rotation import apply_frequency_rope
 from ropekit.fold import foldable_kind
 from ropekit.nn import Attention, VisionTransformer, vit_config
 

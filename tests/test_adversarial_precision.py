@@ -232,7 +232,7 @@ def test_inference_fold_keeps_its_frequencies_exact(name, opts, r):
     """``ropekit.fold.fold`` for inference: ``folded(P q, P k)`` has the float64 logits of ``pe(q, k)`` at
     coordinates of 1e3 / 1e4, also after the folded encoding is moved to float32 (at main its frequencies, derived
     from the parameters, were rounded to float32: 1e-5 to 1e-4 off at 1e4)."""
-    from ropekit.encodings.functional import basis_change
+    from ropekit.encodings.products import basis_change
     from ropekit.fold import fold
 
     pe = _pe(name, opts)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ropekit.encodings.functional as fn
+import ropekit.encodings.rotation as fn
 from ropekit import create_pe
 
 

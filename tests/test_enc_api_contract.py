@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ropekit.encodings import PEState, create_pe, list_pes
-from ropekit.encodings.functional import apply_frequency_rope
+from ropekit.encodings.rotation import apply_frequency_rope
 
 H, D = 4, 16
 ROTATIONS = [n for n in list_pes() if n != "tensor"]
@@ -226,7 +226,7 @@ def test_fused_kernel_dispatch(monkeypatch):
     import sys
     import types
 
-    import ropekit.encodings.functional as fn
+    import ropekit.encodings.rotation as fn
 
     calls = []
     reference = apply_frequency_rope
@@ -255,3 +255,19 @@ def test_fused_kernel_dispatch(monkeypatch):
     torch.testing.assert_close(qe, pe(q, k, coords, num_prefix_tokens=1)[0])
     torch.testing.assert_close(got[0], apply_frequency_rope(q, k, coords, freqs, num_prefix_tokens=1, pairs="half")[0])
     assert len(calls) == 2
+
+
+def test_functional_reexports_each_public_name_from_its_home():
+    """``ropekit.encodings.functional`` is a namespace over the modules of each concept: every name in its
+    ``__all__`` is the object of the module it lives in, and that module lists it in its own ``__all__``."""
+    import importlib
+
+    import ropekit.encodings.functional as functional
+    import ropekit.encodings.rotation as rotation
+
+    assert len(functional.__all__) == len(set(functional.__all__)) == 20
+    for name in functional.__all__:
+        obj = getattr(functional, name)
+        home = importlib.import_module(obj.__module__) if callable(obj) else rotation  # BACKENDS: a tuple
+        assert home is not functional and getattr(home, name) is obj, name
+        assert name in home.__all__, f"{name} is not public in {home.__name__}"

@@ -8,7 +8,9 @@ import torch
 
 from ropekit.encodings import create_pe
 from ropekit.encodings.base import check_coords
-from ropekit.encodings.functional import apply_frequency_rope, block_apply, frequency_angles
+from ropekit.encodings.angles import frequency_angles
+from ropekit.encodings.blocks import block_apply
+from ropekit.encodings.rotation import apply_frequency_rope
 
 H, D = 2, 16
 

@@ -16,7 +16,7 @@ import torch
 
 import ropekit
 from ropekit import create_pe, diagnostics, list_pes
-from ropekit.encodings.functional import axial_frequencies
+from ropekit.encodings.frequencies import axial_frequencies
 
 D = 16  # head dim for most tests
 H = 2
@@ -407,7 +407,7 @@ def test_axial_leftover_pairs_not_rotated():
 
 # ----------------------------------------------------------------------------- gradients
 def test_gradcheck_cayley_solve():
-    from ropekit.encodings.functional import cayley_transform
+    from ropekit.encodings.skew import cayley_transform
     a = torch.randn(2, 6, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: cayley_transform(t - t.transpose(-1, -2)), (a,))
 
@@ -453,7 +453,7 @@ def test_gradcheck_parameters(name, param):
 
 def test_gradcheck_comrope_at_zero_and_degenerate():
     """The sinc-form backward must agree with finite differences even where eigenvalues coincide."""
-    from ropekit.encodings.functional import scaled_block_exp_apply
+    from ropekit.encodings.blocks import scaled_block_exp_apply
     x = torch.randn(2, 1, 3, 8, dtype=torch.float64, requires_grad=True)
     s = torch.randn(1, 3, 2, dtype=torch.float64, requires_grad=True)
     for kmat in (torch.zeros(1, 2, 4, 4, dtype=torch.float64),

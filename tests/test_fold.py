@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.encodings.functional import basis_change
+from ropekit.encodings.products import basis_change
 from ropekit.encodings.skew import full_to_free
 from ropekit.fold import FoldedRoPE, fold, fold_pe, is_foldable, to_rope
 from ropekit.nn import VisionTransformer, vit_config

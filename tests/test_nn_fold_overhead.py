@@ -6,7 +6,7 @@ import torch
 
 from ropekit.encodings import create_pe
 from ropekit.encodings import cayley as cayley_module
-from ropekit.encodings.functional import _block_diag
+from ropekit.encodings.blocks import _block_diag
 from ropekit.encodings.forms import pair_frequencies
 from ropekit.fold import fold_qkv_weight, rope_form
 
@@ -153,7 +153,7 @@ def test_half_pairs_and_dense_bases_have_no_blocks():
                                                    ("comrope-ld", {}, False)])
 def test_batched_backward_equals_per_example_loop(monkeypatch, name, opts, per_example):
     """The accelerator form of the backward reductions (one batched operation) equals the CPU's loop."""
-    from ropekit.encodings import functional
+    from ropekit.encodings import blocks, rotation
 
     torch.manual_seed(0)
     pe = create_pe(name, head_dim=16, coord_dim=2, num_heads=2, **opts)
@@ -161,7 +161,8 @@ def test_batched_backward_equals_per_example_loop(monkeypatch, name, opts, per_e
     q, k = torch.randn(3, 2, 10, 16, requires_grad=True), torch.randn(3, 2, 10, 16, requires_grad=True)
     grads = []
     for loops in (True, False):
-        monkeypatch.setattr(functional, "_slice_loops", lambda t, loops=loops: loops)
+        for module in (rotation, blocks):  # every module that decides between the loop and the batched form
+            monkeypatch.setattr(module, "_slice_loops", lambda t, loops=loops: loops)
         qo, ko = pe(q, k, coords)
         w = torch.sin(torch.arange(qo.numel(), dtype=qo.dtype)).view_as(qo)
         loss = (qo * w).sum() + (ko * w.flip(0)).sum()

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import ropekit.encodings.functional as functional
+import ropekit.encodings.rotation as rotation
 import ropekit.nn.vit as vit
 from ropekit.bench.core import BenchConfig, _vit_step
 from ropekit.fold import rope_form, rope_forms
@@ -128,8 +128,8 @@ def cmd_ops(args: argparse.Namespace) -> None:
 def cmd_ab(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     settings: Dict[str, Callable[[], None]] = {
-        "loop-threshold": {"loop (0 B)": lambda: setattr(functional, "_LOOP_MIN_BYTES", 0),
-                           "threshold (256 KiB)": lambda: setattr(functional, "_LOOP_MIN_BYTES", 256 * 1024)},
+        "loop-threshold": {"loop (0 B)": lambda: setattr(rotation, "_LOOP_MIN_BYTES", 0),
+                           "threshold (256 KiB)": lambda: setattr(rotation, "_LOOP_MIN_BYTES", 256 * 1024)},
         "batched-bases": {"bases together": lambda: setattr(vit, "rope_forms", rope_forms),
                           "bases per layer": lambda: setattr(vit, "rope_forms", _per_layer_forms)},
     }[args.what]
@@ -144,7 +144,7 @@ def cmd_ab(args: argparse.Namespace) -> None:
             step()
             step()
             times[name].append((time.process_time() - t) / 2 * 1e3)
-    functional._LOOP_MIN_BYTES, vit.rope_forms = 0, rope_forms
+    rotation._LOOP_MIN_BYTES, vit.rope_forms = 0, rope_forms
     print(f"{args.pe} ({args.size}), one thread, process CPU ms per step, median of {args.rounds} alternating "
           "rounds: " + ", ".join(f"{n} {statistics.median(v):.1f}" for n, v in times.items()))
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..encodings import ComRoPEAP, ComRoPELD, LieRE
-from ..encodings.functional import _block_diag
+from ..encodings.blocks import _block_diag
 
 __all__ = ["NaiveLieRE", "DenseComRoPE"]
 

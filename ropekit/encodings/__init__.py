@@ -1,7 +1,7 @@
 """Rotary position encodings for N-dimensional coordinates, behind one interface (``create_pe``)."""
 
 from .base import PEState, PositionEncoding, check_coords
-from .functional import apply_frequency_rope
+from .rotation import apply_frequency_rope
 from .registry import PAPER_PRESETS, PE_REGISTRY, BenchRow, create_pe, list_pes, pe_options, register_pe
 # the encodings, imported in the order list_pes() gives them (each registers itself)
 from .rope import AxialRoPE, FrequencyRoPE, MixedRoPE, NoPE

@@ -1,10 +1,10 @@
 """Angles ``theta = r . freqs``, their cos/sin tables, and the rotation of pairs by them: the reference every
-rotation path (the PyTorch paths of :mod:`ropekit.encodings.functional` and the fused kernels of
+rotation path (the PyTorch paths of :mod:`ropekit.encodings.rotation` and the fused kernels of
 :mod:`ropekit.kernels`) is built from or checked against.
 
 Shape legend: ``B`` batch, ``Hp`` heads that own parameters (1 or ``H``), ``M`` tokens that carry a coordinate,
 ``c`` coordinate dimension, ``d`` head dimension, ``P = d / 2`` rotation planes; pairs are interleaved
-(``(2n, 2n + 1)``, see :mod:`ropekit.encodings.functional`).
+(``(2n, 2n + 1)``, see :mod:`ropekit.encodings.rotation`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def wide_angles(coords: Tensor, freqs: Tensor) -> Tensor:
 
 def angle_table(coords: Tensor, freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """``(theta, cos, sin)``, each ``(1 | B, Hp, M, P)``: the angles of ``wide_angles`` (differentiable) and their
-    cos/sin in ``dtype`` (constants), for ``functional.rotate_angles``."""
+    cos/sin in ``dtype`` (constants), for ``rotation.rotate_angles``."""
     theta = wide_angles(coords, freqs)
     if theta.dim() == 3:
         theta = theta.unsqueeze(0)  # (1, Hp, M, P): shared by the batch

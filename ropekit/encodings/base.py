@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from .forms import RoPEForm, no_rope_form
-from .functional import check_backend
+from .rotation import check_backend
 from .validation import check_finite
 
 __all__ = ["PositionEncoding", "PEState", "check_coords", "normalize_coords", "LAYOUTS", "PAIRS"]
@@ -441,7 +441,7 @@ class PositionEncoding(nn.Module):
 
         Returns:
             ``P`` ``(H, d, d)`` orthogonal and ``freqs`` ``(H, c, d/2)`` (pair ``n`` of ``P x`` turns by
-            ``sum_k r_k freqs[k, n]``, as in ``functional.rotate_pairs``), in the encoding's dtype,
+            ``sum_k r_k freqs[k, n]``, as in ``rotation.rotate_pairs``), in the encoding's dtype,
             differentiable in its parameters (``rope_form(basis_gradient=True)`` with the heads expanded; detach
             them to keep a snapshot). For block encodings (comrope, one-coordinate LieRE) ``P`` is the eigenbasis
             of the skew blocks, whose derivative exists only where the frequencies of a block are distinct and

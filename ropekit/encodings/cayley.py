@@ -13,10 +13,11 @@ import torch
 from torch import Tensor, nn
 
 from .forms import RoPEForm, post_form
-from .functional import _fused_basis_kernel, _fused_kernel, basis_change, cayley_transform, rotate_pairs
+from .products import basis_change
 from .registry import BenchRow, register_pe
 from .rope import MixedRoPE, _KernelState
-from .skew import free_to_skew, num_free
+from .rotation import _fused_basis_kernel, _fused_kernel, rotate_pairs
+from .skew import cayley_transform, free_to_skew, num_free
 
 __all__ = ["CayleySTRING"]
 

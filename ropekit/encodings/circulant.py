@@ -28,13 +28,16 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .angles import angle_table
+from .angles import _wide_dtype, angle_table
 from .base import PositionEncoding
+from .blocks import _block_diag
 from .forms import RoPEForm, half_pairs_basis
-from .functional import (_block_diag, _fused_basis_kernel, _fused_kernel, _wide_dtype,
-                         mixed_frequencies, precise_matmul, rotate_angles, skew)
+from .frequencies import mixed_frequencies
+from .products import precise_matmul
 from .registry import BenchRow, register_pe
 from .rope import _KernelState
+from .rotation import _fused_basis_kernel, _fused_kernel, rotate_angles
+from .skew import skew
 
 __all__ = ["CirculantSTRING", "circulant", "real_dft_basis", "block_dft_basis"]
 

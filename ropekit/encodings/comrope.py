@@ -9,7 +9,7 @@ Fast path: each block's generator is fixed, so one real block-diagonalisation pe
 ``K = Q blockdiag(mu J) Q^T``, serves all tokens: ``expm(s K) = Q RoPE(s mu) Q^T``. The ``b x b`` block
 exponentials are built once per forward for every distinct (coordinate, parameter head, block) -- ``M * nb``
 matrices for an image grid shared by the batch, never one per example and head -- shared by q and k, and
-applied with batched products (``functional.scaled_block_exp_matrices`` and ``functional.block_apply``). The
+applied with batched products (``blocks.scaled_block_exp_matrices`` and ``blocks.block_apply``). The
 backward pass is the exact Frechet derivative in the basis ``Q`` (``sinc`` form: finite at ``K = 0`` and for
 coinciding eigenvalues). No per-token matrix exponential, no dense ``d x d`` scatter.
 
@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from .angles import wide_angles
 from .base import PositionEncoding
+from .blocks import _block_diag, block_apply, scaled_block_exp_matrices
 from .forms import RoPEForm, block_form
-from .functional import _block_diag, block_apply, scaled_block_exp_matrices
 from .registry import BenchRow, register_pe
 from .skew import free_to_skew, full_to_free, num_free
 

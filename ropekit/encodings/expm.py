@@ -13,7 +13,7 @@
   ``exp(-i (lam_i + lam_j) / 2) sinc((lam_i - lam_j) / 2)`` (finite for equal eigenvalues). On a GPU, whose
   solvers batch eigendecompositions only for small matrices, it is a float64 ``matrix_exp``, chunk by chunk.
   Used by LieRE and relaxed STRING (ComRoPE's block exponentials and the per-block products are
-  ``functional.scaled_block_exp_matrices`` and ``functional.block_apply``).
+  ``blocks.scaled_block_exp_matrices`` and ``blocks.block_apply``).
 
 Second derivatives: the backward pass is hand-written for speed. When a gradient graph is requested
 (``create_graph=True``, e.g. for a gradient penalty or Hessian-vector products) it computes the same gradient
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import functional as F
+from .rotation import _is_compiling
 from .validation import check_deferred_coords
 
 __all__ = ["linear_skew_expm", "DEFAULT_BUDGET"]
@@ -190,7 +190,7 @@ def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_B
     dtype = generators.dtype if dtype is None else dtype
     if coords.shape[0] == 0:
         return generators.new_zeros(0, *generators.shape[:1], *generators.shape[2:], dtype=dtype)
-    if F._is_compiling():  # traceable form: one float64 matrix_exp per token (orthogonal, unchunked)
+    if _is_compiling():  # traceable form: one float64 matrix_exp per token (orthogonal, unchunked)
         return _expm64(coords, generators).to(dtype)
     if coords.device.type != "cpu":
         # GPU solvers batch small eigendecompositions only up to n = 32 (larger ones run one by one), while the

@@ -48,12 +48,13 @@ import torch
 from torch import Tensor
 
 from .base import PositionEncoding
+from .blocks import rotate_in_block_eigenbasis
 from .cayley import CayleySTRING
 from .forms import BlockEigenForm, RoPEForm, block_form, post_form, wide_dtype
-from .functional import apply_frequency_rope, basis_change, cayley_transform, precise_matmul, \
-    rotate_in_block_eigenbasis, skew_real_schur
+from .products import basis_change, precise_matmul
 from .rope import FrequencyRoPE
-from .skew import free_to_skew
+from .rotation import apply_frequency_rope
+from .skew import cayley_transform, free_to_skew, skew_real_schur
 
 __all__ = ["to_rope", "rope_form", "rope_forms", "RoPEForm", "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe",
            "is_foldable", "fold_qkv_weight", "frequency_rope"]
@@ -222,7 +223,7 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
         backend: the execution path, ``"auto"``, ``"torch"`` or ``"triton"`` (see ``apply_frequency_rope``).
 
     Returns:
-        ``(q, k)`` of the same shapes and dtypes, from ``encodings.functional.apply_frequency_rope`` (float32 math,
+        ``(q, k)`` of the same shapes and dtypes, from ``encodings.rotation.apply_frequency_rope`` (float32 math,
         elementwise angles; the fused kernel on CUDA).
     """
     if form.eigen is not None:  # the value as below, the gradients through the block exponentials
@@ -301,7 +302,7 @@ def _shared(t: Tensor) -> Tensor:
 def fold_pe(pe: PositionEncoding) -> Tuple[FoldedRoPE, Tensor]:
     """Fold one encoding: ``(folded, P)`` with ``folded(P q, P k, coords)`` giving the logits of ``pe(q, k, coords)``.
 
-    ``P`` is ``(H, d, d)``; apply it per head (``functional.basis_change(q, P)``) or merge it into the projection
+    ``P`` is ``(H, d, d)``; apply it per head (``products.basis_change(q, P)``) or merge it into the projection
     that produces ``q`` and ``k`` (what :func:`~ropekit.nn.fold.fold` does). Prefix tokens are handled by ``folded`` (see the
     module docstring).
     """

@@ -17,8 +17,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .functional import _block_diag, precise_matmul, skew_real_schur
-from .skew import real_schur
+from .blocks import _block_diag
+from .products import precise_matmul
+from .skew import real_schur, skew_real_schur
 
 __all__ = ["RoPEForm", "BlockEigenForm", "pair_frequencies", "basis_form", "post_form", "half_pairs_basis",
            "block_form", "no_rope_form", "wide_dtype"]
@@ -30,7 +31,7 @@ class BlockEigenForm(NamedTuple):
     Block ``j`` of ``R(r)`` is ``expm(s_j(r) K_j)`` with ``s_j(r) = sum_k r_k axis_weights[k, j]``. The basis
     ``Q`` and the frequencies ``mu`` (``K_j = Q_j blockdiag_n(mu_{j,n} J) Q_j^T``) are constants of this forward
     pass; the gradient reaches ``K`` and the axis weights through the exponential
-    (``functional.rotate_in_block_eigenbasis``), never through an eigenvector derivative.
+    (``blocks.rotate_in_block_eigenbasis``), never through an eigenvector derivative.
 
     Attributes:
         generators: ``K`` ``(Hp, nb, b, b)``, differentiable.

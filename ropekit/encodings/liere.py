@@ -28,9 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
+from .blocks import _block_diag, block_apply
 from .expm import DEFAULT_BUDGET, linear_skew_expm
 from .forms import RoPEForm, block_form
-from .functional import _block_diag, block_apply
 from .registry import BenchRow, register_pe
 from .rope import FrequencyRoPE
 

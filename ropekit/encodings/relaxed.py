@@ -19,13 +19,16 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .angles import angle_table
+from .angles import _wide_dtype, angle_table
 from .base import PositionEncoding
+from .blocks import block_apply
 from .expm import linear_skew_expm
 from .forms import RoPEForm, basis_form, no_rope_form
-from .functional import (_wide_dtype, basis_change, block_apply, mixed_frequencies, pair_generators, rotate_angles,
-                         skew)
+from .frequencies import mixed_frequencies, pair_generators
+from .products import basis_change
 from .registry import BenchRow, register_pe
+from .rotation import rotate_angles
+from .skew import skew
 
 __all__ = ["RelaxedSTRING"]
 

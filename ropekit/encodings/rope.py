@@ -1,6 +1,6 @@
 """Encodings that rotate interleaved pairs by angles linear in the coordinates (RoPE family).
 
-``R(r) = RoPE(r)``: pair ``n`` turns by ``theta_n(r) = sum_k r_k * freqs[k, n]`` (see ``functional``).
+``R(r) = RoPE(r)``: pair ``n`` turns by ``theta_n(r) = sum_k r_k * freqs[k, n]`` (see ``rotation``).
 Fast path: cos/sin tables in real arithmetic, computed once per forward and shared by q and k
 (once for the whole batch when the coordinates are shared).
 """
@@ -12,12 +12,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .angles import angle_table, rope_cos_sin, wide_angles
 from .base import PEState, PositionEncoding
 from .forms import RoPEForm
+from .frequencies import axial_frequencies, mixed_frequencies, pair_generators
 from .registry import BenchRow, register_pe
-from .angles import angle_table, rope_cos_sin, wide_angles
-from .functional import (_fused_kernel, _is_compiling, apply_frequency_rope, axial_frequencies, mixed_frequencies,
-                         pair_generators, rotate_angles)
+from .rotation import _fused_kernel, _is_compiling, apply_frequency_rope, rotate_angles
 
 __all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE"]
 
@@ -219,7 +219,7 @@ class MixedRoPE(FrequencyRoPE):
     """RoPE-Mixed (Heo et al. 2024): every pair turns by ``sum_k r_k w_{k,n}``, all ``w`` learnable.
 
     Initialised per parameter head with RoPE-like magnitudes (maximum wavelength ``base``, default 100)
-    pointing in a random direction (see ``functional.mixed_frequencies``).
+    pointing in a random direction (see ``frequencies.mixed_frequencies``).
     """
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, *, base: float = 100.0,

@@ -1,4 +1,5 @@
-"""Skew-symmetric matrices stored by their free entries, and a differentiable real Schur form.
+"""Skew-symmetric matrices: stored by their free entries, formed as ``A - A^T``, mapped to rotations by the Cayley
+transform, and decomposed into rotation planes by the real Schur form (a plain and a differentiable one).
 
 A skew ``n x n`` matrix has ``n (n - 1) / 2`` free entries, its strict upper triangle. Storing a full matrix
 ``A`` and using ``A - A^T`` doubles every free entry's parameter count and its step under Adam (each free
@@ -8,12 +9,13 @@ the free entries (in ``torch.triu_indices(n, n, 1)`` order, optionally restricte
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from .functional import skew_real_schur
-
-__all__ = ["upper_indices", "num_free", "free_to_skew", "skew_to_free", "full_to_free", "real_schur"]
+__all__ = ["upper_indices", "num_free", "free_to_skew", "skew_to_free", "full_to_free", "skew", "cayley_transform",
+           "skew_real_schur", "real_schur"]
 
 
 def upper_indices(n: int, band: int | None = None, device: torch.device | str | None = None) -> Tensor:
@@ -78,7 +80,97 @@ def full_to_free(a: Tensor) -> Tensor:
     return a[..., iu[0], iu[1]] - a[..., iu[1], iu[0]]
 
 
-# ----------------------------------------------------------------------------- differentiable real Schur form
+def skew(a: Tensor) -> Tensor:
+    """``A - A^T`` over the last two dimensions."""
+    return a - a.transpose(-1, -2)
+
+
+def cayley_transform(s: Tensor) -> Tensor:
+    """Orthogonal ``P = (I - S)(I + S)^-1`` for skew ``S`` of shape ``(..., d, d)``.
+
+    Computed with one factorised linear solve (``torch.linalg.solve_ex``), never an explicit inverse;
+    ``(I - S)`` and ``(I + S)^-1`` commute, so ``P = solve(I + S, I - S)``. ``I + S`` is always
+    invertible for skew ``S`` (its eigenvalues are ``1 + i mu``).
+    """
+    eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
+    p, _ = torch.linalg.solve_ex(eye + s, eye - s)
+    return p
+
+
+# ----------------------------------------------------------------------------- real Schur form
+def skew_real_schur(k: Tensor, rtol: float = 1e-8) -> tuple[Tensor, Tensor]:
+    """Real block-diagonal form of skew matrices: ``K = Q blockdiag_n(mu_n J) Q^T``, ``J = [[0, -1], [1, 0]]``.
+
+    Args:
+        k: ``(..., b, b)`` skew-symmetric, ``b`` even.
+        rtol: eigenvalues ``mu <= rtol * max(mu)`` count as small (see below).
+
+    Returns:
+        ``(Q, mu)``: ``Q`` ``(..., b, b)`` orthogonal, its columns ``(2n, 2n + 1)`` spanning rotation plane ``n``,
+        and ``mu`` ``(..., b / 2)`` >= 0 (ascending: the planes that do not turn first), in ``k``'s dtype;
+        computed in float64, not differentiable.
+
+    From a Hermitian eigendecomposition of ``-iK`` (backward stable whatever the eigenvalue gaps): an
+    eigenvector ``u`` of ``mu > 0`` gives the real orthonormal pair ``sqrt(2) (Im u, Re u)`` -- also when several
+    ``mu`` coincide. For ``mu`` near zero that pairing fails (``u`` and its conjugate, the eigenvector of
+    ``-mu``, mix), so the small eigenvalues are resolved again on their own scale: ``K`` restricted to the
+    complement of the well-separated planes (an exactly block-structured matrix in an orthonormal basis of that
+    complement) is rescaled to norm one and decomposed the same way -- its planes keep their frequencies exactly
+    (``mu`` from ``1e-8`` of the largest down to ``1e-16`` of it, which would otherwise be dropped: an angle error
+    of ``mu * s``, ~1e-4 rad at coordinates of 1e4). What is left below that scale is the null space, given a
+    real orthonormal basis of its own; its planes turn by 0 (``K = 0`` gives a valid ``Q``). Four small
+    eigendecompositions in all, batched over the leading dimensions.
+    """
+    b = k.shape[-1]
+    kd = k.detach().to(torch.float64)
+    eye = torch.eye(b, dtype=kd.dtype, device=kd.device)
+    pairs, mu, good = _schur_pairs(kd, rtol)  # the well-separated planes
+    kept = pairs * good.repeat_interleave(2, dim=-1).unsqueeze(-2).to(pairs.dtype)
+    # an orthonormal basis W whose last 2r columns span the complement of the kept planes (projector eigenvalue 1)
+    lam, w = torch.linalg.eigh(eye - kept @ kept.transpose(-1, -2))
+    inner = (lam > 0.5).to(kd.dtype)  # (..., b): the complement's coordinates in W
+    kn = (w.transpose(-1, -2) @ kd @ w) * inner.unsqueeze(-1) * inner.unsqueeze(-2)  # exactly zero elsewhere
+    scale = kn.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(kd.dtype).tiny)
+    pairs2, mu2, good2 = _schur_pairs(kn / scale, rtol)  # the small planes, on their own scale
+    # below the round-off of K's own entries a plane is still: its pair is noise, and so is its turn
+    good2 = good2 & (mu2 * scale.squeeze(-1) > 64 * torch.finfo(kd.dtype).eps * mu.amax(dim=-1, keepdim=True))
+    small = w @ (pairs2 * good2.repeat_interleave(2, dim=-1).unsqueeze(-2).to(pairs2.dtype))
+    # slot order: null planes, small planes, then the separated ones (each ascending); the separated planes hold
+    # the last g slots, the small ones the g2 slots before them
+    h = b // 2
+    g, g2 = good.sum(-1, keepdim=True), good2.sum(-1, keepdim=True)  # (..., 1)
+    slot = torch.arange(h, device=kd.device)
+    src2 = (slot + g).clamp(max=h - 1)  # small plane at slot n comes from pass 2's slot n + g
+    is_small = (slot >= h - g - g2) & (slot < h - g)  # (..., h)
+    small = torch.gather(small.unflatten(-1, (h, 2)), -2, src2.unsqueeze(-2).unsqueeze(-1).expand(
+        *small.shape[:-1], h, 2)).flatten(-2)
+    mu_small = torch.gather(mu2 * scale.squeeze(-1), -1, src2)
+    small_cols = is_small.repeat_interleave(2, dim=-1).unsqueeze(-2)
+    q = torch.where(small_cols, small, kept)
+    mu = torch.where(good, mu, torch.where(is_small, mu_small, torch.zeros_like(mu)))
+    # the null space: the last 2 r0 eigenvectors of the projector onto the complement of every plane found
+    found = q * (good | is_small).repeat_interleave(2, dim=-1).unsqueeze(-2).to(q.dtype)
+    _, null_vecs = torch.linalg.eigh(eye - found @ found.transpose(-1, -2))
+    r2 = 2 * (~(good | is_small)).sum(dim=-1, keepdim=True)  # (..., 1)
+    idx = (torch.arange(b, device=kd.device) + b - r2).clamp(max=b - 1)  # (..., b): column c <- b - 2r + c
+    null_cols = torch.gather(null_vecs, -1, idx.unsqueeze(-2).expand(null_vecs.shape))
+    q = torch.where((good | is_small).repeat_interleave(2, dim=-1).unsqueeze(-2), q, null_cols)
+    return q.to(k.dtype), mu.to(k.dtype)
+
+
+def _schur_pairs(kd: Tensor, rtol: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The planes of ``kd`` ``(..., b, b)`` (float64 skew) from one eigendecomposition of ``-iK``: ``(pairs, mu,
+    good)`` -- ``(..., b, b)`` columns ``sqrt(2) (Im u, Re u)`` per non-negative eigenvalue (ascending),
+    ``(..., b/2)`` those eigenvalues, and ``(..., b/2)`` whether each exceeds ``rtol`` times the largest (only
+    those columns are trustworthy)."""
+    half = kd.shape[-1] // 2
+    mu_all, u = torch.linalg.eigh((-1j) * kd.to(torch.complex128))  # ascending, -mu_max .. mu_max
+    mu, u = mu_all[..., half:], u[..., :, half:]  # (..., h), (..., b, h): the non-negative half
+    pairs = torch.stack((u.imag, u.real), dim=-1).flatten(-2) * math.sqrt(2.0)  # (..., b, b)
+    good = mu > rtol * mu.abs().amax(dim=-1, keepdim=True)  # (..., h); the small ones come first
+    return pairs, mu, good
+
+
 class _RealSchur(torch.autograd.Function):
     """``(Q, mu)`` of ``skew_real_schur`` with the first-order perturbation backward.
 
@@ -130,7 +222,7 @@ class _RealSchur(torch.autograd.Function):
 def real_schur(k: Tensor) -> tuple[Tensor, Tensor]:
     """``K = Q blockdiag_n(mu_n J) Q^T`` for skew ``K`` ``(..., b, b)``, differentiable in ``K``.
 
-    Returns ``functional.skew_real_schur``'s ``(Q, mu)``. Gradients are exact where the ``mu`` are distinct and
+    Returns ``skew_real_schur``'s ``(Q, mu)``. Gradients are exact where the ``mu`` are distinct and
     non-zero (and pairwise sums non-zero); at repeated or zero eigenvalues the basis is not unique and the
     components along that freedom get zero gradient.
     """

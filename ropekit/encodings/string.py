@@ -18,8 +18,11 @@ from torch import Tensor, nn
 from .angles import angle_table
 from .base import PositionEncoding
 from .forms import RoPEForm, half_pairs_basis
-from .functional import basis_change, mixed_frequencies, pair_generators, rotate_angles, skew
+from .frequencies import mixed_frequencies, pair_generators
+from .products import basis_change
 from .registry import register_pe
+from .rotation import rotate_angles
+from .skew import skew
 
 __all__ = ["GeneralSTRING", "dense_expm_rotations"]
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .angles import wide_angles
 from .base import PositionEncoding
-from .functional import mixed_frequencies
+from .frequencies import mixed_frequencies
 from .registry import register_pe
 
 __all__ = ["TensorSTRING"]

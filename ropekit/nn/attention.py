@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..encodings import PositionEncoding
-from ..encodings.functional import basis_change
+from ..encodings.products import basis_change
 from ..encodings.fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rope_form
 
 __all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
