@@ -184,7 +184,7 @@ class _ScaledBlockExpm(torch.autograd.Function):
         s, k, st, q, mu = ctx.saved_tensors
         if torch.is_grad_enabled():  # a gradient graph is requested: differentiate a dense reference instead
             with torch.enable_grad():
-                ref = torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4).unsqueeze(0))
+                ref = _dense_block_exp(s, k)
                 want = [t for t, n in zip((s, k), ctx.needs_input_grad[:2]) if n]
                 grads = iter(torch.autograd.grad(ref, want, ge, create_graph=True))
             return tuple(next(grads) if n else None for n in ctx.needs_input_grad[:2])
@@ -276,7 +276,7 @@ def scaled_block_exp_matrices(s: Tensor, k: Tensor) -> Tensor:
     s = s.expand(s.shape[0], hp, *s.shape[2:])
     k = k.expand(hp, *k.shape[1:])
     if k.shape[-1] % 2:
-        return torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4)).to(k.dtype)
+        return _dense_block_exp(s, k).to(k.dtype)
     return _ScaledBlockExpm.apply(s, k)
 
 
@@ -360,7 +360,7 @@ def _block_eigen_reference(x: Tensor, s: Tensor, gens: Tensor, basis: Tensor, nu
     bsz, heads, n, d = x.shape
     hp, nb, b = gens.shape[0], gens.shape[1], gens.shape[-1]
     m = n - num_prefix_tokens
-    e = torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * gens.to(s.dtype).unsqueeze(-4))  # (Bs,Hp,M,nb,b,b)
+    e = _dense_block_exp(s, gens.to(s.dtype))  # (Bs, Hp, M, nb, b, b)
     qw = basis.to(s.dtype).unsqueeze(1)  # (Hp, 1, nb, b, b)
     e = qw.transpose(-1, -2) @ e @ qw
     xv = x[:, :, num_prefix_tokens:].to(s.dtype).reshape(bsz, hp, heads // hp, m, nb, b)
@@ -404,6 +404,19 @@ def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weight
                                      backend)
 
 
+def _dense_block_exp(s: Tensor, k: Tensor) -> Tensor:
+    """``expm(s_{t,j} K_j)`` by ``torch.linalg.matrix_exp``, one per scalar and block: the dense reference of the
+    block exponentials, differentiable to any order.
+
+    Args:
+        s: ``(..., Hp, M, nb)``; k: ``(Hp, nb, b, b)``.
+
+    Returns:
+        ``(..., Hp, M, nb, b, b)``.
+    """
+    return torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4))
+
+
 def scaled_block_exp_reference(s: Tensor, k: Tensor) -> Tensor:
     """Dense reference ``blockdiag_j expm(s_j K_j)`` with one ``torch.linalg.matrix_exp`` per token and block.
 
@@ -413,8 +426,7 @@ def scaled_block_exp_reference(s: Tensor, k: Tensor) -> Tensor:
     Returns:
         ``(..., Hp, M, d, d)``.
     """
-    blocks = torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * k.unsqueeze(-4))  # (.., Hp, M, nb, b, b)
-    return _block_diag(blocks)
+    return _block_diag(_dense_block_exp(s, k))  # (.., Hp, M, d, d)
 
 
 def _block_diag(blocks: Tensor) -> Tensor:

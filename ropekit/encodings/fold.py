@@ -47,10 +47,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .angles import _wide_dtype
 from .base import PositionEncoding
 from .blocks import rotate_in_block_eigenbasis
 from .cayley import CayleySTRING
-from .forms import BlockEigenForm, RoPEForm, block_form, post_form, wide_dtype
+from .forms import BlockEigenForm, RoPEForm, block_form, post_form
 from .products import basis_change, precise_matmul
 from .rope import FrequencyRoPE
 from .rotation import apply_frequency_rope
@@ -129,7 +130,7 @@ def rope_forms(pes: Sequence[PositionEncoding]) -> List[RoPEForm]:
         if key[0] == "blocks":
             blocks = [pes[i].rope_blocks() for i in idx]  # (K, axis weights) of each
             ks = [k for k, _ in blocks]
-            qs, mus = skew_real_schur(torch.stack(ks).detach().to(wide_dtype(ks[0].device)))  # (L, Hp, nb, b, b)
+            qs, mus = skew_real_schur(torch.stack(ks).detach().to(_wide_dtype(ks[0].device)))  # (L, Hp, nb, b, b)
             for i, (k, w), q, mu in zip(idx, blocks, qs.unbind(0), mus.unbind(0)):
                 forms[i] = block_form(pes[i], k, w, schur=(q, mu))
             continue
@@ -262,7 +263,7 @@ class FoldedRoPE(FrequencyRoPE):
             raise ValueError(f"freqs must have shape (1 or {num_heads}, {coord_dim}, {head_dim // 2}), "
                              f"got {tuple(freqs.shape)}")
         super().__init__(head_dim, coord_dim, num_heads, per_head=hp > 1)
-        self.register_buffer("freq_table", freqs.detach().to(wide_dtype(freqs.device)).clone())
+        self.register_buffer("freq_table", freqs.detach().to(_wide_dtype(freqs.device)).clone())
         if prefix_matrix is not None:
             if prefix_matrix.shape[0] not in (1, num_heads) or prefix_matrix.shape[1:] != (head_dim, head_dim):
                 raise ValueError(f"prefix_matrix must have shape (1 or {num_heads}, {head_dim}, {head_dim}), "
@@ -282,7 +283,7 @@ class FoldedRoPE(FrequencyRoPE):
         table = self.freq_table
         out = super()._apply(fn, recurse)
         device = self.freq_table.device
-        self.freq_table = table.to(device=device, dtype=wide_dtype(device))
+        self.freq_table = table.to(device=device, dtype=_wide_dtype(device))
         return out
 
     def _transform_prefix(self, x: Tensor) -> Tensor:

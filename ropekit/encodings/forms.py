@@ -17,12 +17,13 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .angles import _wide_dtype
 from .blocks import _block_diag
 from .products import precise_matmul
 from .skew import real_schur, skew_real_schur
 
 __all__ = ["RoPEForm", "BlockEigenForm", "pair_frequencies", "basis_form", "post_form", "half_pairs_basis",
-           "block_form", "no_rope_form", "wide_dtype"]
+           "block_form", "no_rope_form"]
 
 
 class BlockEigenForm(NamedTuple):
@@ -77,11 +78,6 @@ class RoPEForm(NamedTuple):
     pairs: str = "interleaved"
     blocks: Optional[Tensor] = None
     eigen: Optional[BlockEigenForm] = None
-
-
-def wide_dtype(device: torch.device) -> torch.dtype:
-    """float64 where the device has it (every one but MPS)."""
-    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def no_rope_form(pe) -> ValueError:
@@ -159,12 +155,12 @@ def block_form(pe, k: Tensor, axis_weights: Tensor, basis_gradient: bool = False
     """
     half = pe.pairs == "half"  # the pair permutation goes into P, which is then dense
     if basis_gradient:
-        q, mu = real_schur(k.to(wide_dtype(k.device)))  # (Hp, nb, b, b), (Hp, nb, b/2)
+        q, mu = real_schur(k.to(_wide_dtype(k.device)))  # (Hp, nb, b, b), (Hp, nb, b/2)
         freqs = (axis_weights.to(mu.dtype).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
         blocks = q.transpose(-1, -2).to(k.dtype)
         return RoPEForm(half_pairs_basis(pe, _block_diag(blocks)), freqs.to(k.dtype), None,
                         blocks=None if half else blocks)
-    q, mu = schur if schur is not None else skew_real_schur(k.detach().to(wide_dtype(k.device)))
+    q, mu = schur if schur is not None else skew_real_schur(k.detach().to(_wide_dtype(k.device)))
     blocks = q.transpose(-1, -2).to(k.dtype)  # (Hp, nb, b, b)
     freqs = (axis_weights.detach().to(mu.dtype).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
     return RoPEForm(half_pairs_basis(pe, _block_diag(blocks)), freqs, None, blocks=None if half else blocks,
