@@ -16,6 +16,17 @@ def ctrl_c_delivered():
     signal.signal(signal.SIGINT, old)
 
 
+@pytest.fixture
+def one_thread():
+    """One torch CPU thread during the test (training tests on a shared machine), the previous count restored."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def triton_mode():
     """The Triton mode for a kernel test module: compiled kernels on a CUDA device when there is one, else Triton's

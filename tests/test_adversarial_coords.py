@@ -303,8 +303,14 @@ def test_engine_raises_the_deferred_count_at_the_step_before_the_update(deferred
                                          r"stopped before the update\)"):
         fit(task, FitOptions(Schedule(lr=1e-2, total_steps=3), 1,
                              execution=EngineOptions(device="cpu", progress=False, tensorboard=False, plots=False),
-                             quiet=True))
+                             quiet=True, log_every=1))
     assert all(torch.isfinite(p).all() for p in task.model.parameters())
+    # read once per log interval (here: at the end of the epoch), naming the steps it covers
+    with pytest.raises(ValueError, match=r"^2 non-finite values .* in coords .*\(in steps 1-3, found after step 3 "
+                                         r"\(epoch 1\): stopped at the end of the epoch\)"):
+        fit(Task(), FitOptions(Schedule(lr=1e-2, total_steps=3), 1,
+                               execution=EngineOptions(device="cpu", progress=False, tensorboard=False, plots=False),
+                               quiet=True))
 
 
 # ----------------------------------------------------------------------------- the fused kernels (interpreter on CPU)

@@ -27,12 +27,7 @@ from test_train import tiny_cfg  # noqa: E402
 CPU = EngineOptions(device="cpu", progress=False, tensorboard=False, plots=False)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _same_state(a: dict, b: dict) -> bool:

@@ -149,8 +149,8 @@ class DetectionTask:
         out = model(images, K)
         losses = detection_loss(out["logits"].float(), out["boxes"].float(), tg["labels"], tg["boxes"], tg["mask"],
                                 self.loss_cfg)
-        return losses["loss"], {k: float(losses[k].detach()) for k in ("loss", "loss_class", "loss_box",
-                                                                        "loss_corners")} | {"count": 1.0}
+        return losses["loss"], {k: losses[k].detach() for k in ("loss", "loss_class", "loss_box",
+                                                                 "loss_corners")} | {"count": 1.0}
 
     def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: Any) -> Dict[str, float]:
         keys = ("loss", "loss_class", "loss_box", "loss_corners", "count")

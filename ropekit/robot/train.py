@@ -169,7 +169,7 @@ class PolicyTask:
             pos = self.data.object_pos[index].to(device)
         loss = model.loss(images.to(device), state.to(device), actions.to(device), self.cfg.noise_samples, self.gen,
                           object_pos=pos)
-        return loss, {"loss": loss.item(), "count": 1.0}
+        return loss, {"loss": loss.detach(), "count": 1.0}
 
     def after_step(self, step: int) -> None:
         if self.ema is None:

@@ -7,10 +7,24 @@ training run needs, the same way for every task:
 * precision (``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast; a gradient scaler for fp16) and ``torch.compile``,
 * AdamW with the no-weight-decay groups (:func:`build_optimizer`) and linear warm-up + cosine decay
   (:func:`warmup_cosine`), gradient-norm clipping,
-* a guard that stops at the first non-finite loss (before the update, so the last checkpoint stays good),
-* atomic checkpoints after every epoch and on Ctrl-C, with every RNG state, so that a resumed run continues
-  bit for bit; a lock on the run folder while a run writes it,
+* a guard that stops at a non-finite loss before anything trained on it is saved (see *Host synchronisation*),
+* atomic checkpoints after every epoch, every ``checkpoint_every`` steps and on Ctrl-C, with every RNG state, so
+  that a resumed run continues bit for bit (also mid-epoch); a lock on the run folder while a run writes it,
 * a progress bar, ``metrics.csv``, TensorBoard scalars (when installed), ``curves.png`` and ``summary.json``.
+
+Batches: ``epoch_batches`` returns either a ``Sequence`` (indexed by step: index lists, ready tensors) or a
+streamed epoch -- any object with ``__len__`` and ``iter_from(step)`` such as :class:`StreamedEpoch` around a data
+loader that can start at a given batch -- so that a run resumed mid-epoch restarts the loader at that batch.
+
+Host synchronisation: a step reads nothing back from the device. The loss guard, the metric sums and the
+deferred coordinate checks (:func:`ropekit.encodings.check_deferred_coords`) accumulate on the device and are
+read once per ``log_every`` steps (before that step's update), before every checkpoint and at the end of an epoch;
+under DDP that read is one collective, which also carries Ctrl-C / ``on_step`` stop requests. So a NaN loss at
+step ``s`` is reported at the next check, naming step ``s``: with ``log_every=1`` before the update of step ``s``
+(the run holds no bad update), otherwise the updates after it were made in memory but never saved -- a checkpoint
+is only written after a clean check, so the last checkpoint is always good. A stop request takes effect after the
+step it came in with one process, and at the next log step or checkpoint under DDP (every rank stops at the same
+step). (An fp16 gradient scaler reads its overflow flag every step; that is its nature.)
 
 An *epoch* is whatever the task calls one: a pass over the data (classification) or ``log_every`` steps
 (detection, policies). One metrics row is written per epoch, and a checkpoint after each.
@@ -34,7 +48,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +60,7 @@ from .distributed import DistContext, init_distributed
 from .metrics import TensorBoardLogger, atomic_write_text, write_metrics_csv
 
 __all__ = ["Task", "EngineOptions", "Schedule", "FitOptions", "FitResult", "fit", "build_optimizer", "warmup_cosine",
+           "StreamedEpoch",
            "NonFiniteLossError", "SaveError", "RunLock", "RunLockedError", "PRECISIONS", "versions",
            "autocast_dtype", "seed_everything"]
 
@@ -82,18 +97,49 @@ class Task(Protocol):
     model: nn.Module
     name: str
 
-    def epoch_batches(self, epoch: int, ctx: DistContext) -> Sequence[Any]:
-        """This rank's batch descriptors for ``epoch`` (e.g. index lists) -- a pure function of the epoch."""
+    def epoch_batches(self, epoch: int, ctx: DistContext) -> Union[Sequence[Any], "StreamedEpoch"]:
+        """This rank's batches for ``epoch`` -- a pure function of the epoch: a ``Sequence`` indexed by step (e.g.
+        index lists), or a streamed epoch (``__len__`` and ``iter_from(step)``, see :class:`StreamedEpoch`)."""
 
-    def loss(self, model: nn.Module, batch: Any, device: torch.device) -> Tuple[Tensor, Dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any, device: torch.device) -> Tuple[Tensor, Dict[str, Any]]:
         """``(loss, sums)``: the scalar loss to minimise and numbers to add up over the epoch (for ``epoch_row``).
 
-        Called under autocast; ``model`` may be a compiled version of ``self.model``.
+        ``sums`` values are 0-d tensors (added up on the device: no host synchronisation) or numbers. Called under
+        autocast; ``model`` may be a compiled version of ``self.model``.
         """
 
     def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: DistContext) -> Dict[str, Any]:
-        """The metrics row of a finished epoch from the summed ``sums`` (of this rank) and ``info`` (``lr``,
-        ``epoch_time``, ``elapsed``, ``global_step``); may evaluate (every rank calls it)."""
+        """The metrics row of a finished epoch from the summed ``sums`` (of this rank, as floats) and ``info``
+        (``lr``, ``epoch_time``, ``elapsed``, ``global_step``); may evaluate (every rank calls it)."""
+
+
+class StreamedEpoch:
+    """An epoch of ``length`` batches that is iterated rather than indexed: ``open(step)`` returns an iterable of
+    the batches from ``step`` on (e.g. a data loader started at ``start_batch=step``), so that a run resumed
+    mid-epoch skips the batches already trained on without producing them.
+
+    The batches must be a function of the epoch (and the rank) only, as for a ``Sequence``.
+    """
+
+    def __init__(self, length: int, open: Callable[[int], Iterable[Any]]) -> None:
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"StreamedEpoch: length must be an integer >= 0, got {length!r}")
+        self._length, self._open = int(length), open
+
+    def __len__(self) -> int:
+        return self._length
+
+    def iter_from(self, step: int) -> Iterator[Any]:
+        """The batches ``step, step + 1, ...`` of the epoch."""
+        return iter(self._open(int(step)))
+
+
+def _iter_from(batches: Any, start: int) -> Iterator[Any]:
+    """The batches of an epoch from step ``start``: ``iter_from(start)`` of a streamed epoch, else by index."""
+    iter_from = getattr(batches, "iter_from", None)
+    if callable(iter_from):
+        return iter(iter_from(start))
+    return (batches[i] for i in range(start, len(batches)))
 
 
 def _call(task: Any, name: str, *args: Any, default: Any = None) -> Any:
@@ -184,6 +230,10 @@ class FitOptions:
         optimizer: an optimiser over the task's parameters (``None``: :func:`build_optimizer`).
         fresh_start: called on every rank when the run does not resume, after the model and optimiser are built
             (e.g. to seed the per-rank random streams).
+        log_every: steps between the reads of the device-side loss guard and metric sums (and the progress bar's
+            loss); 1 checks every step before its update, as a step-by-step loop would.
+        checkpoint_every: also save a checkpoint every this many global steps inside an epoch (0: only after each
+            epoch and on a stop request); a run resumed from it continues at that step.
     """
 
     schedule: Schedule
@@ -200,6 +250,15 @@ class FitOptions:
     metric_columns: Optional[Sequence[str]] = None
     optimizer: Optional[torch.optim.Optimizer] = None
     fresh_start: Optional[Callable[[DistContext], None]] = None
+    log_every: int = 50
+    checkpoint_every: int = 0
+
+    def validate(self) -> "FitOptions":
+        for name, least in (("log_every", 1), ("checkpoint_every", 0), ("epochs", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
+        return self
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, floor: float) -> Callable[[int], float]:
@@ -461,6 +520,67 @@ def _deferred_coord_error(device: torch.device) -> Optional[ValueError]:
     return None
 
 
+class _DeviceSums:
+    """The epoch's metric sums, added up where they come from: tensors on the device (float64 where the device has
+    it, so that the totals match a host-side float sum), numbers on the host; read with one synchronisation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.dtype = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+        self.values: Dict[str, Any] = {}
+
+    def add(self, sums: Dict[str, Any]) -> None:
+        for k, v in sums.items():
+            cur = self.values.get(k, 0.0)
+            if isinstance(v, Tensor):
+                v = v.detach().to(self.dtype)
+                if not isinstance(cur, Tensor):  # (a restored or host total joins the device total in order)
+                    cur = torch.tensor(float(cur), dtype=self.dtype, device=v.device)
+                self.values[k] = cur + v
+            else:
+                self.values[k] = cur + float(v)
+
+    def read(self) -> Dict[str, float]:
+        """The sums as floats (one host synchronisation for all the device ones)."""
+        keys = [k for k, v in self.values.items() if isinstance(v, Tensor)]
+        read = dict(zip(keys, torch.stack([self.values[k].reshape(()) for k in keys]).tolist())) if keys else {}
+        return {k: read.get(k, v) for k, v in self.values.items()}
+
+    def load(self, values: Dict[str, float]) -> None:
+        self.values = {k: float(v) for k, v in values.items()}
+
+
+class _Guard:
+    """The first non-finite loss since the last check, recorded on the device: its global step and value."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pending = False  # steps since the last check
+        self._where: Dict[int, Tuple[int, int]] = {}  # global step -> (epoch, step in epoch), since the last check
+        self.reset()
+
+    def reset(self) -> None:
+        self.first = torch.full((), -1, dtype=torch.int64, device=self.device)
+        self.value = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._where.clear()
+        self.pending = False
+
+    def watch(self, loss: Tensor, global_step: int, epoch: int, step: int) -> None:
+        loss = loss.detach().float().reshape(())
+        new = torch.isfinite(loss).logical_not() & (self.first < 0)
+        self.first = torch.where(new, global_step, self.first)
+        self.value = torch.where(new, loss, self.value)
+        self._where[global_step] = (epoch, step)
+        self.pending = True
+
+    def read(self) -> Optional[Tuple[int, float, int, int]]:
+        """``(global step, value, epoch, step in epoch)`` of the first non-finite loss, or ``None``."""
+        first, value = torch.stack([self.first.double(), self.value.double()]).tolist()
+        if first < 0:
+            return None
+        epoch, step = self._where.get(int(first), (-1, -1))
+        return int(first), value, epoch, step
+
+
 def fit(task: Task, options: FitOptions) -> FitResult:
     """Train ``task.model`` for ``options.epochs`` epochs of ``task.epoch_batches`` (see :class:`FitOptions`).
 
@@ -478,6 +598,7 @@ def fit(task: Task, options: FitOptions) -> FitResult:
         CheckpointError: ``resume`` without a usable checkpoint, or a checkpoint that does not fit.
     """
     execution = options.execution.validate()
+    options.validate()
     ctx = options.ctx or init_distributed(execution.device)
     previous_threads = torch.get_num_threads()
     if execution.threads:
@@ -507,7 +628,11 @@ class _Fit:
         self.ckpt_path = run / options.checkpoint_name if run is not None else None
         self.start_epoch, self.start_step, self.global_step, self.elapsed_before = 0, 0, 0, 0.0
         self.history: List[Dict[str, Any]] = []
-        self.partial: Dict[str, float] = {}
+        self.sums = _DeviceSums(ctx.device)
+        self.partial_time = 0.0  # seconds of the current epoch before a resume
+        self.guard = _Guard(ctx.device)
+        self.stop_wanted = False  # an on_step request not yet agreed on by every rank
+        self.checked_at = 0  # global steps covered by the last check of the guard
         self.interrupted = False
 
     def run(self) -> FitResult:
@@ -526,9 +651,9 @@ class _Fit:
                 if not self._train_epoch(epoch, stop):
                     break
                 row = self._evaluate(epoch)
-                self._save(epoch + 1, 0, {})
+                self._save(epoch + 1, 0)
                 self._log_epoch(row)
-                if self.ctx.any(stop.requested):
+                if self.ctx.any(stop.requested or self.stop_wanted):
                     self.interrupted = epoch + 1 < self.o.epochs
                     break
         return self._finish()
@@ -573,8 +698,11 @@ class _Fit:
         self.sched._last_lr = [g["lr"] for g in self.opt.param_groups]  # type: ignore[attr-defined]
         self.start_epoch, self.start_step = int(ckpt["epoch"]), int(ckpt.get("step_in_epoch", 0))
         self.global_step, self.elapsed_before = int(ckpt.get("global_step", 0)), float(ckpt.get("elapsed_time", 0.0))
+        self.checked_at = self.global_step
         self.history = list(ckpt.get("history", []))
-        self.partial = dict(ckpt.get("partial") or {})
+        partial = dict(ckpt.get("partial") or {})
+        self.partial_time = float(partial.pop("time", 0.0))
+        self.sums.load(partial)
         rng = ckpt.get("rng") or []
         if self.ctx.rank < len(rng):
             restore_rng(rng[self.ctx.rank])
@@ -627,36 +755,52 @@ class _Fit:
     # ------------------------------------------------------------------ one epoch
     def _train_epoch(self, epoch: int, stop: _StopRequest) -> bool:
         """The epoch's remaining steps; ``False`` when a stop request ended it early (a checkpoint is saved)."""
-        batches = self.task.epoch_batches(epoch, self.ctx)
-        if self.start_step > len(batches):
+        ctx, every = self.ctx, self.o.checkpoint_every
+        batches = self.task.epoch_batches(epoch, ctx)
+        n = len(batches)
+        if self.start_step > n:
             raise CheckpointError(f"checkpoint {self.ckpt_path} stopped at step {self.start_step} of an epoch, but "
-                                  f"an epoch now has {len(batches)} steps (batch size or data changed)")
-        self.t_epoch = time.time() - float(self.partial.pop("time", 0.0))
+                                  f"an epoch now has {n} steps (batch size or data changed)")
+        self.t_epoch = time.time() - self.partial_time
+        self.partial_time = 0.0
         self.model.train()
-        for step in range(self.start_step, len(batches)):
-            self._step(epoch, step, batches[step])
-            wants_stop = bool(self.o.on_step(self.global_step)) if self.o.on_step is not None else False
-            if self.ctx.any(stop.requested or wants_stop):
-                self._save(epoch, step + 1, {**self.partial, "time": time.time() - self.t_epoch})
+        done = self.start_step
+        for step, batch in zip(range(self.start_step, n), _iter_from(batches, self.start_step)):
+            done = step + 1
+            log_step = (self.global_step + 1) % self.o.log_every == 0
+            stop_seen = self._step(epoch, step, batch, check=log_step, stop=stop)
+            if self.o.on_step is not None and self.o.on_step(self.global_step):
+                self.stop_wanted = True
+            save_due = every > 0 and self.global_step % every == 0 and step + 1 < n
+            if not ctx.enabled:
+                stop_seen = stop.requested or self.stop_wanted  # (one process: no collective, at once)
+            elif save_due and not log_step:
+                stop_seen = ctx.any(stop.requested or self.stop_wanted)
+            if stop_seen:
+                self._save(epoch, step + 1)
                 self.interrupted = True
                 return False
+            if save_due:
+                self._save(epoch, step + 1)
+        if done < n:
+            raise RuntimeError(f"the data of epoch {epoch + 1} ended after {done} of its {n} batches (the loader "
+                               f"yielded fewer batches than its length says)")
+        self._check(epoch, "at the end of the epoch")
         self.start_step = 0
         return True
 
-    def _step(self, epoch: int, step: int, batch: Any) -> None:
-        """Forward, the finiteness checks (on every rank together), backward, clipping and the update."""
-        device, ctx = self.ctx.device, self.ctx
+    def _step(self, epoch: int, step: int, batch: Any, *, check: bool, stop: _StopRequest) -> bool:
+        """Forward, the device-side loss guard (read when ``check``, on every rank together, before the update),
+        backward, clipping and the update; whether a stop was agreed on at this step's check."""
+        device = self.ctx.device
         with torch.autocast(device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             loss, sums = self.step_module(batch)
-        value = float(loss.detach())
-        coord_error = _deferred_coord_error(device)  # the host waits for the device here anyway
-        if ctx.any(coord_error is not None or not math.isfinite(value)):
-            where = (f"at step {self.global_step + 1} (epoch {epoch + 1}, batch {step + 1}): stopped before the "
-                     f"update" + (f"; the last good checkpoint {self.ckpt_path} is intact"
-                                  if self.ckpt_path is not None and self.ckpt_path.exists() else ""))
-            if coord_error is not None:
-                raise ValueError(f"{coord_error} ({where})") from None
-            raise NonFiniteLossError(f"non-finite loss ({value}) {where}")
+        self.guard.watch(loss, self.global_step, epoch, step)
+        self.sums.add(sums)
+        stop_seen = False
+        if check:
+            stop_seen = self._check(epoch, "before the update", stop=stop.requested or self.stop_wanted, step=step)
+            self._show_loss(epoch)
         opt, scaler = self.opt, self.scaler
         opt.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -670,12 +814,51 @@ class _Fit:
             self.sched.step()
         _call(self.task, "after_step", self.global_step)
         self.global_step += 1
-        for k, v in sums.items():
-            self.partial[k] = self.partial.get(k, 0.0) + float(v)
         self.bar.update(1)
-        if "loss" in sums or "loss_sum" in sums:
-            n = self.partial.get("count", 1.0) or 1.0
-            self.bar.set_postfix(loss=f"{self.partial.get('loss_sum', self.partial.get('loss', 0.0)) / n:.4f}",
+        return stop_seen
+
+    def _check(self, epoch: int, when: str, stop: bool = False, step: int = -1) -> bool:
+        """Read the loss guard and the deferred coordinate checks (one host synchronisation) and agree on them and
+        on ``stop`` over the ranks (one collective); raise on a bad loss or coordinate anywhere, else whether any
+        rank asked to stop."""
+        if not self.guard.pending and not self.ctx.enabled:
+            return stop
+        device, ctx = self.ctx.device, self.ctx
+        bad = self.guard.read() if self.guard.pending else None
+        coord_error = _deferred_coord_error(device)
+        any_bad, any_coord, any_stop = (v > 0 for v in ctx.all_reduce_sum(
+            [float(bad is not None), float(coord_error is not None), float(stop)]))
+        self.guard.reset()
+        since, self.checked_at = self.checked_at, self.global_step + (when == "before the update")
+        if not (any_bad or any_coord):
+            return any_stop
+        intact = (f"; the last good checkpoint {self.ckpt_path} is intact"
+                  if self.ckpt_path is not None and self.ckpt_path.exists() else "")
+        if when == "before the update":
+            seen = f"at step {self.global_step + 1} (epoch {epoch + 1}, batch {step + 1})"
+        else:
+            seen = f"after step {self.global_step} (epoch {epoch + 1})"
+        if any_coord:
+            counted = seen if since == self.checked_at - 1 else f"in steps {since + 1}-{self.checked_at}, found {seen}"
+            raise ValueError(f"{coord_error or 'non-finite coordinates on another rank'} ({counted}: stopped "
+                             f"{when}{intact})") from None
+        if bad is None:
+            raise NonFiniteLossError(f"non-finite loss on another rank (found {seen}): stopped {when}{intact}")
+        g, value, e, b = bad
+        at = f"at step {g + 1} (epoch {e + 1}, batch {b + 1})"
+        if when == "before the update" and g == self.global_step:
+            raise NonFiniteLossError(f"non-finite loss ({value}) {at}: stopped before the update{intact}")
+        raise NonFiniteLossError(f"non-finite loss ({value}) {at}, found {seen} (log_every {self.o.log_every}): "
+                                 f"nothing trained since was saved{intact}")
+
+    def _show_loss(self, epoch: int) -> None:
+        """The running loss of the epoch on the progress bar (reads the sums: only at log steps)."""
+        if self.bar.disable:
+            return
+        part = self.sums.read()
+        if "loss" in part or "loss_sum" in part:
+            n = part.get("count", 1.0) or 1.0
+            self.bar.set_postfix(loss=f"{part.get('loss_sum', part.get('loss', 0.0)) / n:.4f}",
                                  epoch=f"{epoch + 1}/{self.o.epochs}", refresh=False)
 
     # ------------------------------------------------------------------ evaluation, checkpoint, log
@@ -683,15 +866,18 @@ class _Fit:
         """The task's metrics row of the finished epoch (it may evaluate), appended to the history."""
         info = {"lr": self.opt.param_groups[0]["lr"], "epoch_time": time.time() - self.t_epoch,
                 "elapsed": self.elapsed_before + time.time() - self.t_start, "global_step": self.global_step}
-        row = self.task.epoch_row(epoch, self.partial, info, self.ctx)
+        row = self.task.epoch_row(epoch, self.sums.read(), info, self.ctx)
         self.history.append(row)
-        self.partial = {}
+        self.sums = _DeviceSums(self.ctx.device)
         return row
 
-    def _save(self, epoch_done: int, step_in_epoch: int, part: Dict[str, float]) -> None:
+    def _save(self, epoch_done: int, step_in_epoch: int) -> None:
         """The checkpoint after ``epoch_done`` epochs and ``step_in_epoch`` more steps, with every rank's RNG and
-        task state (rank 0 writes it; a failed write raises on every rank)."""
+        task state (rank 0 writes it; a failed write raises on every rank). The loss guard is read first: nothing
+        trained on a non-finite loss is ever saved."""
         ctx, ckpt_path = self.ctx, self.ckpt_path
+        self._check(epoch_done - (step_in_epoch == 0), "before saving")
+        part = {**self.sums.read(), "time": time.time() - self.t_epoch} if step_in_epoch else {}
         rng_states = ctx.gather_objects(capture_rng())
         task_states = ctx.gather_objects(_call(self.task, "state_dict"))
         failure = None

@@ -292,8 +292,8 @@ class ClassificationTask:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(x)
         loss = F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.label_smoothing)
-        n = y.shape[0]
-        return loss, {"loss_sum": loss.item() * n, "correct": (logits.argmax(-1) == y).sum().item(), "count": n}
+        n = y.shape[0]  # (sums stay on the device: the engine reads them once per log interval)
+        return loss, {"loss_sum": loss.detach().double() * n, "correct": (logits.argmax(-1) == y).sum(), "count": n}
 
     def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: DistContext) -> Dict[str, Any]:
         loss_sum, correct, count = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("correct", 0.0),
