@@ -4,8 +4,22 @@
 >>> train_ds, test_ds, info = load_dataset("mnist")          # doctest: +SKIP
 >>> image, label = train_ds[0]     # float32 (1, 28, 28) in [0, 1], int64 scalar
 
-Every dataset is a :class:`TensorImageDataset` over in-memory tensors, so a ``DataLoader`` with
-``num_workers=0`` is fast. Samples are ``(image, label)`` with ``label`` int64 and ``image`` float32:
+Two kinds of data set:
+
+* **in memory** -- :func:`load_dataset` by name (the table below): a :class:`TensorImageDataset` over tensors,
+  decoded once, so a ``DataLoader`` with ``num_workers=0`` is fast. For small data.
+* **streamed** -- :func:`open_stream` (``"folder-stream"``: an image folder; ``"shards"``: WebDataset tar shards
+  written by ``ropekit data convert``) gives datasets that decode each image when it is read, with the
+  ImageNet transforms of :mod:`ropekit.data.transforms`, and :func:`make_loader` gives their batches of one epoch
+  for one rank in a deterministic order that a resumed run can enter mid-epoch. For data larger than memory;
+  see :mod:`ropekit.data.streaming` and ``docs/data.md``.
+
+>>> train, val, info = open_stream("folder-stream", "imagenet/", image_size=224)     # doctest: +SKIP
+>>> loader = make_loader(train, batch_size=256, seed=0, epoch=3, num_workers=8)    # doctest: +SKIP
+>>> images, labels = next(iter(loader))  # doctest: +SKIP
+(float32 (256, 3, 224, 224) normalised, int64 (256,))
+
+In-memory samples are ``(image, label)`` with ``label`` int64 and ``image`` float32:
 
 =================  ======  ==============================  ==================================================
 name               kind    image                           source / split
@@ -64,7 +78,22 @@ from ._common import (
 )
 from .builtin import load_mnist5k, mnist5k_path, read_digit_csv
 from .readers import read_cifar_batch, read_idx, read_image, read_image_folder
+from .fake import write_fake_image_folder
+from .shards import check_data, describe_data, write_shards
+from .streaming import (
+    ImageFolderStream,
+    ShardStream,
+    StreamLoader,
+    decode_rgb,
+    is_stream,
+    list_streams,
+    make_loader,
+    open_stream,
+    read_manifest,
+    scan_image_folder,
+)
 from .synthetic import DIRECTIONS, make_moving_digits, make_rgbd_digits
+from .transforms import IMAGENET_MEAN, IMAGENET_STD, build_eval_transform, build_train_transform
 
 __all__ = [
     "load_dataset",
@@ -88,6 +117,24 @@ __all__ = [
     "read_image_folder",
     "make_moving_digits",
     "make_rgbd_digits",
+    "open_stream",
+    "list_streams",
+    "is_stream",
+    "make_loader",
+    "StreamLoader",
+    "ImageFolderStream",
+    "ShardStream",
+    "scan_image_folder",
+    "decode_rgb",
+    "read_manifest",
+    "write_shards",
+    "check_data",
+    "describe_data",
+    "write_fake_image_folder",
+    "build_train_transform",
+    "build_eval_transform",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
 ]
 
 
@@ -125,6 +172,8 @@ def load_dataset(
         DataFileError: a file of the user's data cannot be read (a ``ValueError``; the message names it).
         FileNotFoundError: ``root`` (or a file the format needs) does not exist.
     """
+    if is_stream(name):
+        raise ValueError(f"{name!r} is a streamed data set: open it with ropekit.data.open_stream(name, root, ...)")
     builder = get_builder(name)
     check_options(name, builder, kw)
     request = DataRequest(root=root, image_size=image_size, split_seed=split_seed, test_fraction=test_fraction)
