@@ -27,6 +27,32 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def torchrun():
+    """``run(worker, out, timeout)``: run the test script ``worker`` (a file beside the tests) under ``torchrun
+    --standalone --nproc_per_node 2`` on the CPU with ``out`` as its argument, one thread per process, and assert
+    that it succeeded (its stderr's tail otherwise); skips where torch.distributed or torchrun is missing."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import torch
+
+    if not torch.distributed.is_available() or shutil.which("torchrun") is None:
+        pytest.skip("torch.distributed / torchrun not available")
+    here = Path(__file__).parent
+
+    def run(worker: str, out: Path, timeout: float = 300) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", str(here / worker), str(out)],
+                              capture_output=True, text=True, env=env, timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def triton_mode():
     """The Triton mode for a kernel test module: compiled kernels on a CUDA device when there is one, else Triton's

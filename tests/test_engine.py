@@ -3,7 +3,6 @@
 import errno
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -226,16 +225,9 @@ def test_policy_snapshots_hold_the_ema_weights_and_leave_training_alone():
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_detection_and_policy(tmp_path):
+def test_ddp_two_processes_detection_and_policy(tmp_path, torchrun):
     """torchrun, 2 gloo processes: every rank ends with the same weights (gradients were averaged)."""
-    if not torch.distributed.is_available() or shutil.which("torchrun") is None:
-        pytest.skip("torch.distributed / torchrun not available")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    worker = Path(__file__).with_name("engine_ddp_worker.py")
-    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", str(worker), str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("engine_ddp_worker.py", tmp_path)
     scenes = tiny_scenes(8)
     init = tiny_detector(scenes).state_dict()
     for name in ("det", "policy"):

@@ -28,19 +28,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Examples: `ropekit train` (MNIST, ViT-tiny, Cayley-STRING); `ropekit train --pe circulant "
                 "--pe-opt block_size=16 --epochs 5`; `ropekit train --data rgbd-digits --pe mixed`; "
                 "`torchrun --nproc_per_node 2 -m ropekit.cli train` (DDP).")
+    from .recipes import list_recipes
     from .tasks import task_names
 
     g = p.add_argument_group("configuration")
     g.add_argument("--task", default=S,
                    help=f"training task: {', '.join(task_names())} (default classification; the others name the "
                         f"command that trains them)")
+    g.add_argument("--preset", metavar="NAME", default=S,
+                   help=f"a training recipe to start from ({', '.join(list_recipes())}; see ropekit/train/recipes); "
+                        f"--config and command-line options override it")
     g.add_argument("--config", metavar="FILE", default=S,
                    help="YAML or JSON file of options (TrainConfig fields); command-line options override it")
     g.add_argument("--set", metavar="KEY=VALUE", action="append", default=S,
                    help="set any TrainConfig field, e.g. --set weight_decay=0.1 (repeatable)")
     d = p.add_argument_group("data")
-    d.add_argument("--data", default=S, help="dataset: mnist (default), digits, moving-digits, rgbd-digits, "
-                                             "imagefolder, cifar10, cifar100, mnist-idx")
+    d.add_argument("--data", default=S, help="dataset held in memory: mnist (default), digits, moving-digits, "
+                                             "rgbd-digits, imagefolder, cifar10, cifar100, mnist-idx; or streamed "
+                                             "from disk: folder-stream (DATA_ROOT/<class>/<image>, or its train/ and "
+                                             "val/), shards (WebDataset shards of `ropekit data convert`)")
     d.add_argument("--data-root", metavar="PATH", default=S, help="path of user data (imagefolder, cifar*, mnist-idx)")
     d.add_argument("--image-size", type=int, metavar="N", default=S, help="resize (or generate) images at N x N")
     d.add_argument("--data-opt", metavar="KEY=VALUE", action="append", default=S, help="dataset option (repeatable)")
@@ -48,6 +54,24 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="train on this stratified fraction of the training set")
     d.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=S,
                    help="standardise the colour channels with the training set's statistics (default on)")
+    d.add_argument("--workers", type=int, metavar="N", default=S,
+                   help="data-loader processes decoding streamed data (default 0: in the training process)")
+    a = p.add_argument_group("augmentation of streamed data (the in-memory sets use --augment-shift)")
+    a.add_argument("--crop-scale", type=float, nargs=2, metavar=("LO", "HI"), default=S,
+                   help="random resized crop: area fraction range (default 0.08 1)")
+    a.add_argument("--crop-ratio", type=float, nargs=2, metavar=("LO", "HI"), default=S,
+                   help="random resized crop: aspect-ratio range (default 3/4 4/3)")
+    a.add_argument("--hflip", type=float, metavar="P", default=S, help="horizontal flip probability (default 0.5)")
+    a.add_argument("--auto-augment", metavar="POLICY", default=S,
+                   help="none (default), randaugment, trivialaugment, or rand-m9-n2 style (magnitude, ops)")
+    a.add_argument("--random-erasing", type=float, metavar="P", default=S,
+                   help="probability of erasing a random rectangle (default 0)")
+    a.add_argument("--crop-pct", type=float, metavar="F", default=S,
+                   help="evaluation: resize to size / F, crop the centre (default 0.875)")
+    a.add_argument("--mixup", dest="mixup_alpha", type=float, metavar="ALPHA", default=S,
+                   help="MixUp Beta(ALPHA, ALPHA) on every batch, also of in-memory data (default 0: off)")
+    a.add_argument("--cutmix", dest="cutmix_alpha", type=float, metavar="ALPHA", default=S,
+                   help="CutMix Beta(ALPHA, ALPHA) (default 0: off; with --mixup, one of the two per batch)")
     m = p.add_argument_group("model")
     m.add_argument("--model", default=S, help="ViT size: tiny (default), small, base")
     m.add_argument("--patch-size", type=int, metavar="P", default=S, help="patch size (default: ~7 patches per side)")
@@ -74,6 +98,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--epochs", type=int, default=S, help="epochs (default 12)")
     o.add_argument("--batch-size", type=int, default=S, help="global batch size (default 32)")
     o.add_argument("--lr", type=float, default=S, help="peak learning rate of AdamW (default 1e-3)")
+    o.add_argument("--lr-base-batch", type=int, metavar="B", default=S,
+                   help="scale --lr by batch size / B (linear scaling rule; default: no scaling)")
     o.add_argument("--weight-decay", type=float, default=S, help="AdamW weight decay (default 0.05)")
     o.add_argument("--warmup-epochs", type=float, default=S, help="linear warm-up, then cosine decay")
     o.add_argument("--label-smoothing", type=float, default=S)
@@ -97,6 +123,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--compile", nargs="?", const=True, metavar="BACKEND", default=S,
                    help="torch.compile the model (optionally with another backend than inductor, e.g. aot_eager)")
     r.add_argument("--threads", type=int, default=S, help="torch CPU threads per process (default: half the cores)")
+    r.add_argument("--log-every", type=int, metavar="N", default=S,
+                   help="read the loss guard and running loss every N steps (default 50; 1: check before every "
+                        "update)")
+    r.add_argument("--checkpoint-every", type=int, metavar="N", default=S,
+                   help="also checkpoint every N steps inside an epoch (default 0: after each epoch and on Ctrl-C)")
     r.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
     r.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", default=S,
                    help="no TensorBoard event files")
@@ -111,6 +142,7 @@ def config_from_args(args: argparse.Namespace):
 
     given: Dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("command", "debug", "task")}
     resume = given.pop("resume", None)
+    preset = given.pop("preset", None)
     config_file = given.pop("config", None)
     sets = given.pop("set", None)
     allow = [k.strip().replace("-", "_") for item in given.pop("allow_change", None) or [] for k in item.split(",")
@@ -118,6 +150,8 @@ def config_from_args(args: argparse.Namespace):
     if allow and not resume:
         raise CommandError("--allow-change only applies with --resume")
 
+    if preset and resume:
+        raise CommandError("--preset starts a run; a resumed run keeps its own options")
     base: Dict[str, Any] = {}
     if resume:
         run_dir = Path(resume if isinstance(resume, str) else given.get("out") or "")
@@ -130,6 +164,10 @@ def config_from_args(args: argparse.Namespace):
         config, _ = load_run(run_dir)
         base = TrainConfig.from_dict(config.get("train", {}), source=f"{run_dir}/config.json", strict=False).to_dict()
         base["out"] = str(run_dir)
+    if preset:
+        from .recipes import load_recipe
+
+        base.update(load_recipe(preset))
     if config_file:
         base.update(load_config_file(config_file))
     for opt, fld in _KV_OPTIONS.items():
@@ -153,9 +191,11 @@ def config_from_args(args: argparse.Namespace):
     known_pe = list_pes() + list(ABSOLUTE_PES)
     if cfg.pe.lower().replace("_", "-") not in known_pe:
         raise CommandError(f"unknown position encoding {cfg.pe!r}; known: {', '.join(known_pe)}")
+    from ..data.streaming import is_stream, list_streams
+
     data = cfg.data.strip().lower().replace("_", "-")
-    if data not in list_datasets():
-        raise CommandError(f"unknown dataset {cfg.data!r}; known: {', '.join(list_datasets())}")
+    if data not in list_datasets() and not is_stream(data):
+        raise CommandError(f"unknown dataset {cfg.data!r}; known: {', '.join(list_datasets() + list_streams())}")
     if cfg.data_root is not None and not Path(cfg.data_root).expanduser().exists():
         raise FileNotFoundError(f"data root not found: {cfg.data_root}")
     import os

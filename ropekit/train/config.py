@@ -31,10 +31,13 @@ class TrainConfig:
     """A training run.
 
     Data:
-        data: dataset name (``ropekit.data.list_datasets()``); data_root: path of user data;
+        data: dataset name (``ropekit.data.list_datasets()``, held in memory) or a streamed one decoded as it is
+        read (``folder-stream``: ``data_root/<class>/<image>``, ``shards``: WebDataset shards written by
+        ``ropekit data convert``); data_root: path of user data;
         image_size: resize / generate at this size (int or ``[H, W]``); data_options: dataset keyword options;
         split_seed: seed of the train/test split; normalize: standardise colour channels;
-        train_fraction: use this (stratified) fraction of the training set.
+        train_fraction: use this (stratified) fraction of the training set (in-memory data);
+        workers: data-loader processes of streamed data (0: decode in the training process).
     Model (see :class:`ropekit.nn.ViTConfig`):
         model: ``tiny``, ``small`` or ``base``; patch_size (``None``: ``auto_patch_size``, 4-14 patches on the
         short side); tubelet_size (video; ``None``: 2 frames, or 1 for clips shorter than 4); pe, pe_options,
@@ -46,13 +49,25 @@ class TrainConfig:
         label_smoothing, grad_clip (0 disables), augment_shift (random translation by up to this many pixels,
         zero fill; 0 disables), augment_sizes (scale augmentation: each step resizes its batch to one image size
         drawn from this list -- bilinear, antialiased when shrinking -- so the model trains on several token
-        grids; ``[]`` disables; images only).
+        grids; ``[]`` disables; images only); lr_base_batch: when set, the learning rate is
+        ``lr * batch_size / lr_base_batch`` (the linear scaling rule of recipes such as DeiT's).
+    Augmentation of streamed data (``folder-stream``, ``shards``; the in-memory sets use ``augment_shift``):
+        crop_scale, crop_ratio: random resized crop's area fraction and aspect-ratio ranges; hflip: horizontal flip
+        probability; auto_augment: ``none``, ``randaugment``, ``trivialaugment`` or ``rand-m9-n2`` style;
+        random_erasing: probability of erasing a rectangle; crop_pct: evaluation resizes to ``size / crop_pct`` and
+        crops the centre.
+    Mixing (any data, opt-in): mixup_alpha, cutmix_alpha: Beta parameters of MixUp and CutMix (0 disables; both
+        > 0: one of the two per batch, with equal probability). The loss then takes the mixed (soft) targets, with
+        label smoothing on top; the training accuracy counts the predictions that match a mixed target's largest
+        class.
     Run:
         seed, out (run folder; ``None``: ``runs/<data>-<pe>-<model>-s<seed>-<time>``), device (``auto``, ``cpu``,
         ``cuda``...), precision (``fp32``, ``bf16`` or ``fp16`` autocast), compile (``torch.compile`` the model:
         ``True`` or a backend name such as ``aot_eager``),
         eval_batch_size, progress (bar), tensorboard (event files when installed), threads (torch
-        CPU threads; ``None``: half the cores per process, see ``trainer.resolve_threads``).
+        CPU threads; ``None``: half the cores per process, see ``trainer.resolve_threads``); log_every: steps
+        between reads of the loss guard and running metrics (the only host synchronisations of training);
+        checkpoint_every: also checkpoint every this many steps inside an epoch (0: after each epoch only).
     """
 
     data: str = "mnist"
@@ -62,6 +77,7 @@ class TrainConfig:
     split_seed: int = 0
     normalize: bool = True
     train_fraction: float = 1.0
+    workers: int = 0
 
     model: str = "tiny"
     patch_size: Optional[int] = None
@@ -89,6 +105,16 @@ class TrainConfig:
     grad_clip: float = 0.0
     augment_shift: int = 1
     augment_sizes: List[int] = field(default_factory=list)
+    lr_base_batch: Optional[int] = None
+
+    crop_scale: List[float] = field(default_factory=lambda: [0.08, 1.0])
+    crop_ratio: List[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    hflip: float = 0.5
+    auto_augment: str = "none"
+    random_erasing: float = 0.0
+    crop_pct: float = 0.875
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
 
     seed: int = 0
     out: Optional[str] = None
@@ -99,6 +125,8 @@ class TrainConfig:
     progress: bool = True
     tensorboard: bool = True
     threads: Optional[int] = None
+    log_every: int = 50
+    checkpoint_every: int = 0
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
@@ -121,6 +149,14 @@ class TrainConfig:
             raise ValueError(f"unknown option(s) {', '.join(unknown)}")
         return dataclasses.replace(self, **changes).validate()
 
+    @property
+    def peak_lr(self) -> float:
+        """The peak learning rate: ``lr``, scaled by ``batch_size / lr_base_batch`` when that is set."""
+        return self.lr * self.batch_size / self.lr_base_batch if self.lr_base_batch else self.lr
+
+    #: The fields that apply to streamed data only, with their defaults (the in-memory sets refuse other values).
+    STREAM_ONLY = ("crop_scale", "crop_ratio", "hflip", "auto_augment", "random_erasing", "crop_pct", "workers")
+
     def engine_options(self) -> "EngineOptions":
         """The run-execution settings for :func:`ropekit.train.engine.fit` (threads are set by the trainer)."""
         from .engine import EngineOptions
@@ -138,14 +174,15 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("threads", "patch_size", "tubelet_size"):
+        for name in ("threads", "patch_size", "tubelet_size", "lr_base_batch", "log_every"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not 0.0 < float(self.train_fraction) <= 1.0:
             raise ValueError(f"train_fraction must be in (0, 1], got {self.train_fraction}")
         if not self.lr > 0 or not math.isfinite(self.lr):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
-        for name in ("weight_decay", "warmup_epochs", "min_lr", "grad_clip", "jitter", "augment_shift"):
+        for name in ("weight_decay", "warmup_epochs", "min_lr", "grad_clip", "jitter", "augment_shift", "workers",
+                     "checkpoint_every", "mixup_alpha", "cutmix_alpha"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
@@ -155,6 +192,31 @@ class TrainConfig:
             bad = [v for v in self.augment_sizes if v % self.patch_size]
             if bad:
                 raise ValueError("augment_sizes: " + _not_divisible(bad[0], self.patch_size))
+        for name in ("hflip", "random_erasing"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} is a probability in [0, 1], got {getattr(self, name)}")
+        if not 0.0 < self.crop_pct <= 1.0:
+            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        lo_hi = {"crop_scale": (0.0, 1.0), "crop_ratio": (0.0, math.inf)}
+        for name, (lo, hi) in lo_hi.items():
+            v = getattr(self, name)
+            if len(v) != 2 or not lo < v[0] <= v[1] <= hi:
+                raise ValueError(f"{name} must be [low, high] with {lo:g} < low <= high"
+                                 f"{f' <= {hi:g}' if math.isfinite(hi) else ''}, got {v!r}")
+        from ..data.transforms import parse_auto_augment
+
+        with warnings.catch_warnings():  # (the data's transform says what it ignores, once, when it is built)
+            warnings.simplefilter("ignore")
+            parse_auto_augment(self.auto_augment)
+        from ..data.streaming import is_stream
+
+        if not is_stream(self.data):
+            defaults = TrainConfig.__dataclass_fields__
+            given = [n for n in self.STREAM_ONLY if getattr(self, n) != _default(defaults[n])]
+            if given:
+                raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to streamed data "
+                                 f"(--data folder-stream or shards); the in-memory set {self.data!r} augments with "
+                                 f"augment_shift / augment_sizes")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not math.isfinite(self.depth_scale_init):
@@ -184,6 +246,10 @@ class TrainConfig:
             check_type(k, v, hints[k], "--model-opt")
         _check_pe_options(self.pe, self.pe_options)
         return self
+
+
+def _default(f: "dataclasses.Field[Any]") -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 #: Options renamed since runs were first written: old name -> new name (old run folders stay readable).

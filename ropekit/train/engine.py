@@ -700,7 +700,10 @@ class _Fit:
         self.global_step, self.elapsed_before = int(ckpt.get("global_step", 0)), float(ckpt.get("elapsed_time", 0.0))
         self.checked_at = self.global_step
         self.history = list(ckpt.get("history", []))
-        partial = dict(ckpt.get("partial") or {})
+        partial = ckpt.get("partial") or {}
+        if isinstance(partial, list):  # (one entry per rank; a dict in checkpoints of one process before)
+            partial = partial[self.ctx.rank] if self.ctx.rank < len(partial) else {}
+        partial = dict(partial)
         self.partial_time = float(partial.pop("time", 0.0))
         self.sums.load(partial)
         rng = ckpt.get("rng") or []
@@ -872,12 +875,13 @@ class _Fit:
         return row
 
     def _save(self, epoch_done: int, step_in_epoch: int) -> None:
-        """The checkpoint after ``epoch_done`` epochs and ``step_in_epoch`` more steps, with every rank's RNG and
-        task state (rank 0 writes it; a failed write raises on every rank). The loss guard is read first: nothing
-        trained on a non-finite loss is ever saved."""
+        """The checkpoint after ``epoch_done`` epochs and ``step_in_epoch`` more steps, with every rank's RNG,
+        metric sums and task state (rank 0 writes it; a failed write raises on every rank). The loss guard is read
+        first: nothing trained on a non-finite loss is ever saved."""
         ctx, ckpt_path = self.ctx, self.ckpt_path
         self._check(epoch_done - (step_in_epoch == 0), "before saving")
         part = {**self.sums.read(), "time": time.time() - self.t_epoch} if step_in_epoch else {}
+        parts = ctx.gather_objects(part)  # (each rank's own sums of the epoch so far)
         rng_states = ctx.gather_objects(capture_rng())
         task_states = ctx.gather_objects(_call(self.task, "state_dict"))
         failure = None
@@ -888,7 +892,7 @@ class _Fit:
                    "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                    "epoch": epoch_done, "step_in_epoch": step_in_epoch, "global_step": self.global_step,
                    "elapsed_time": self.elapsed_before + (time.time() - self.t_start), "rng": rng_states,
-                   "task": task_states, "history": self.history, "partial": part, "world_size": ctx.world_size,
+                   "task": task_states, "history": self.history, "partial": parts, "world_size": ctx.world_size,
                    "precision": self.execution.precision}
             try:
                 _safe("checkpoint", ckpt_path, lambda: atomic_save(doc, ckpt_path))

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -74,16 +74,44 @@ class TrainResult:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def is_streamed(cfg: TrainConfig) -> bool:
+    """Whether ``cfg.data`` is decoded as it is read (``folder-stream``, ``shards``) rather than held in memory."""
+    from ..data.streaming import is_stream
+
+    return is_stream(cfg.data)
+
+
 def load_data(cfg: TrainConfig, image_size: Any = None) -> Tuple[Dataset, Dataset, Any]:
-    """``(train_ds, test_ds, info)`` for ``cfg`` (``image_size`` overrides ``cfg.image_size``)."""
+    """``(train_ds, test_ds, info)`` for ``cfg`` (``image_size`` overrides ``cfg.image_size``).
+
+    Streamed data (:func:`is_streamed`) gives two streams for :func:`ropekit.data.streaming.make_loader` with the
+    training transform of ``cfg`` (random resized crop, flip, auto augment, random erasing) and the evaluation one
+    (resize to ``size / crop_pct``, centre crop); ``image_size`` defaults to 224 there.
+    """
+    size = image_size if image_size is not None else cfg.image_size
+    if is_streamed(cfg):
+        return _open_stream(cfg, 224 if size is None else size)
     from ..data import load_dataset
 
-    size = image_size if image_size is not None else cfg.image_size
     train_ds, test_ds, info = load_dataset(cfg.data, root=cfg.data_root, image_size=size, split_seed=cfg.split_seed,
                                            normalize=cfg.normalize, **cfg.data_options)
     if cfg.train_fraction < 1.0:
         train_ds = _stratified_subset(train_ds, cfg.train_fraction)
     return train_ds, test_ds, info
+
+
+def _open_stream(cfg: TrainConfig, size: Any) -> Tuple[Dataset, Dataset, Any]:
+    from ..data.streaming import open_stream
+
+    if cfg.data_root is None:
+        raise ValueError(f"--data {cfg.data} reads real images: give their folder with --data-root")
+    if cfg.train_fraction < 1.0:
+        raise ValueError("train_fraction applies to the in-memory data sets, not to streamed data")
+    plain = {} if cfg.normalize else {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)}
+    return open_stream(cfg.data, cfg.data_root, image_size=size, split_seed=cfg.split_seed,
+                       auto_augment=cfg.auto_augment, random_erasing=cfg.random_erasing,
+                       scale=tuple(cfg.crop_scale), ratio=tuple(cfg.crop_ratio), hflip=cfg.hflip, crop_pct=cfg.crop_pct,
+                       **{**plain, **cfg.data_options})
 
 
 def _labels(ds: Dataset) -> Tensor:
@@ -128,7 +156,7 @@ def build_model(cfg: TrainConfig, info: Any) -> Tuple[VisionTransformer, ViTConf
 
 def schedule_of(cfg: TrainConfig, steps_per_epoch: int) -> engine.Schedule:
     """The optimiser settings and warm-up + cosine schedule of ``cfg`` for epochs of ``steps_per_epoch`` steps."""
-    return engine.Schedule(lr=cfg.lr, total_steps=max(1, cfg.epochs * steps_per_epoch),
+    return engine.Schedule(lr=cfg.peak_lr, total_steps=max(1, cfg.epochs * steps_per_epoch),
                            warmup_steps=int(round(cfg.warmup_epochs * steps_per_epoch)), min_lr=cfg.min_lr,
                            weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
 
@@ -140,11 +168,15 @@ def schedule_of(cfg: TrainConfig, steps_per_epoch: int) -> engine.Schedule:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, ds: Dataset, *, batch_size: int = 250, device: Any = "cpu",
-             ctx: Optional[DistContext] = None, offsets: Optional[Tensor] = None) -> Dict[str, float]:
+             ctx: Optional[DistContext] = None, offsets: Optional[Tensor] = None,
+             workers: int = 0) -> Dict[str, float]:
     """Cross-entropy loss and accuracy of ``model`` on ``ds`` (sharded over DDP ranks, summed exactly).
 
     Args:
-        offsets: optional ``(len(ds), c)`` global coordinate offsets, one per example (``coord_offset``).
+        ds: an in-memory dataset, or a stream of :func:`ropekit.data.streaming.open_stream` (read in order through
+            :func:`~ropekit.data.streaming.make_loader` with ``workers`` processes).
+        offsets: optional ``(len(ds), c)`` global coordinate offsets, one per example (``coord_offset``; in-memory
+            data only).
 
     Returns:
         ``{"test_loss", "test_acc", "num_examples"}``.
@@ -152,20 +184,44 @@ def evaluate(model: nn.Module, ds: Dataset, *, batch_size: int = 250, device: An
     ctx = ctx or DistContext()
     was_training = model.training
     model.eval()
-    index = list(range(ctx.rank, len(ds), ctx.world_size))  # (no padding: every example counted once)
-    loss_sum = correct = 0.0
-    for i in range(0, len(index), batch_size):
-        chunk = index[i:i + batch_size]
-        x, y = fetch_batch(ds, chunk)
-        x, y = x.to(device), y.to(device)
-        off = offsets[torch.as_tensor(chunk)].to(device) if offsets is not None else None
-        logits = model(x, coord_offset=off) if off is not None else model(x)
-        loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
-        correct += (logits.argmax(-1) == y).sum().item()
-    loss_sum, correct, count = ctx.all_reduce_sum([loss_sum, correct, float(len(index))])
+    dev = torch.device(device)
+    sums = torch.zeros(3, dtype=torch.float64, device=dev if dev.type in ("cpu", "cuda") else "cpu")
+    for x, y, off in _eval_batches(ds, batch_size, ctx, offsets, workers, dev.type == "cuda"):
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        logits = model(x, coord_offset=off.to(dev)) if off is not None else model(x)
+        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
+                             (logits.argmax(-1) == y).sum().double(),
+                             torch.tensor(float(len(y)), dtype=torch.float64, device=dev)]).to(sums.device)
+    loss_sum, correct, count = ctx.all_reduce_sum(sums.tolist())  # (one host read for the whole evaluation)
     model.train(was_training)
     count = max(count, 1.0)
     return {"test_loss": loss_sum / count, "test_acc": correct / count, "num_examples": int(count)}
+
+
+def _eval_batches(ds: Dataset, batch_size: int, ctx: DistContext, offsets: Optional[Tensor], workers: int,
+                  pin: bool) -> Iterator[Tuple[Tensor, Tensor, Optional[Tensor]]]:
+    """This rank's ``(x, y, offsets or None)`` evaluation batches of ``ds``, every example once over the ranks."""
+    if _is_stream_dataset(ds):
+        if offsets is not None:
+            raise ValueError("coordinate offsets are drawn per example of in-memory data; this data is streamed")
+        from ..data.streaming import make_loader
+
+        loader = make_loader(ds, batch_size=batch_size, rank=ctx.rank, world_size=ctx.world_size, num_workers=workers,
+                             pin_memory=pin, drop_last=False, shuffle=False)
+        for x, y in loader:
+            yield x, y, None
+        return
+    index = list(range(ctx.rank, len(ds), ctx.world_size))  # (no padding: every example counted once)
+    for i in range(0, len(index), batch_size):
+        chunk = index[i:i + batch_size]
+        x, y = fetch_batch(ds, chunk)
+        yield x, y, (offsets[torch.as_tensor(chunk)] if offsets is not None else None)
+
+
+def _is_stream_dataset(ds: Any) -> bool:
+    from ..data.streaming import ImageFolderStream, ShardStream
+
+    return isinstance(ds, (ImageFolderStream, ShardStream))
 
 
 def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: float = 0.0, seed: int = 0,
@@ -184,7 +240,8 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
     if offset_std > 0:
         g = torch.Generator().manual_seed(int(seed))
         offsets = torch.randn(len(test_ds), model.coord_dim, generator=g) * float(offset_std)  # (N_test, c)
-    res = evaluate(model, test_ds, batch_size=batch_size or tcfg.eval_batch_size, device=dev, offsets=offsets)
+    res = evaluate(model, test_ds, batch_size=batch_size or tcfg.eval_batch_size, device=dev, offsets=offsets,
+                   workers=tcfg.workers)
     return {
         "run_dir": str(run_dir), "checkpoint": ckpt["path"], "epoch": int(ckpt.get("epoch", 0)), "data": tcfg.data,
         "pe": vit_cfg.pe, "image_size": list(info.image_size), "offset_std": float(offset_std), "seed": int(seed),
@@ -223,7 +280,7 @@ def resolve_threads(threads: Optional[int], world_size: int = 1) -> int:
 
 
 #: Options that may differ when a run is resumed without changing what it computes.
-RESUME_FREE = ("out", "device", "threads", "progress", "tensorboard", "compile")
+RESUME_FREE = ("out", "device", "threads", "progress", "tensorboard", "compile", "log_every", "checkpoint_every")
 #: Options that may change on resume when allowed explicitly (``--allow-change``); the new values are recorded.
 RESUME_CHANGEABLE = ("epochs", "precision", "eval_batch_size")
 
@@ -260,9 +317,12 @@ def resume_changes(old: Dict[str, Any], new: TrainConfig, allow: Sequence[str] =
 class ClassificationTask:
     """Image / RGB-D / video classification with cross-entropy: what :func:`ropekit.train.engine.fit` needs.
 
-    Batches: this rank's ``DistributedSampler`` order of the epoch (a function of ``(seed, epoch)``), cut into
-    ``batch_size / world_size`` indices; the random shift augmentation draws from the global torch RNG.
-    ``info`` describes the data (:func:`load_data`'s third value).
+    Batches of in-memory data: this rank's ``DistributedSampler`` order of the epoch (a function of ``(seed,
+    epoch)``), cut into ``batch_size / world_size`` indices; the random shift augmentation draws from the global
+    torch RNG. Streamed data: this rank's part of the epoch from :func:`ropekit.data.streaming.make_loader`
+    (``cfg.workers`` processes, pinned memory on CUDA), decoded and augmented in the loader, restarted at the
+    checkpoint's batch on resume. MixUp / CutMix (``mixup_alpha``, ``cutmix_alpha``) apply to either on the
+    device and draw from the global torch RNG. ``info`` describes the data (:func:`load_data`'s third value).
     """
 
     name = "train"
@@ -276,30 +336,52 @@ class ClassificationTask:
         if cfg.augment_sizes and modality != "image":
             raise ValueError(f"augment_sizes (scale augmentation) works on images only; this data is {modality}")
         self.per_rank_bs = max(1, cfg.batch_size // ctx.world_size)
+        self.streamed = _is_stream_dataset(train_ds)
+        self.mix = _mixing(cfg, int(getattr(getattr(model, "cfg", None), "num_classes", 0) or 0), modality)
+        if self.streamed:
+            from ..data.streaming import make_loader
+
+            self.loader = make_loader(train_ds, batch_size=self.per_rank_bs, seed=cfg.seed, rank=ctx.rank,
+                                      world_size=ctx.world_size, num_workers=cfg.workers,
+                                      pin_memory=ctx.device.type == "cuda", persistent_workers=cfg.workers > 0,
+                                      drop_last=True)
+            self.steps_per_epoch = len(self.loader)
+            return
         self.sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
                                           seed=cfg.seed, drop_last=False)
         self.steps_per_epoch = math.ceil(len(self.sampler) / self.per_rank_bs)
 
-    def epoch_batches(self, epoch: int, ctx: DistContext) -> List[List[int]]:
+    def epoch_batches(self, epoch: int, ctx: DistContext) -> Union[List[List[int]], engine.StreamedEpoch]:
+        if self.streamed:
+            n = len(self.loader.set_epoch(epoch))
+            return engine.StreamedEpoch(n, lambda start: self.loader.set_epoch(epoch, start))
         self.sampler.set_epoch(epoch)
         order = list(self.sampler)  # a function of (seed, epoch) only
         return [order[i:i + self.per_rank_bs] for i in range(0, len(order), self.per_rank_bs)]
 
-    def loss(self, model: nn.Module, batch: List[int], device: torch.device) -> Tuple[Tensor, Dict[str, float]]:
-        x, y = fetch_batch(self.train_ds, batch)
-        x = random_shift(x, self.cfg.augment_shift)
+    def loss(self, model: nn.Module, batch: Any, device: torch.device) -> Tuple[Tensor, Dict[str, Any]]:
+        if self.streamed:
+            x, y = batch  # (decoded and augmented by the loader)
+        else:
+            x, y = fetch_batch(self.train_ds, batch)
+            x = random_shift(x, self.cfg.augment_shift)
         x = random_resize(x, self.cfg.augment_sizes)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        target = y
+        if self.mix is not None:
+            x, target = self.mix(x, y)  # (B, num_classes) mixed one-hot targets
         logits = model(x)
-        loss = F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.label_smoothing)
+        loss = F.cross_entropy(logits.float(), target, label_smoothing=self.cfg.label_smoothing)
+        top = target.argmax(-1) if target.dim() > 1 else y
         n = y.shape[0]  # (sums stay on the device: the engine reads them once per log interval)
-        return loss, {"loss_sum": loss.detach().double() * n, "correct": (logits.argmax(-1) == y).sum(), "count": n}
+        return loss, {"loss_sum": loss.detach().double() * n, "correct": (logits.argmax(-1) == top).sum(), "count": n}
 
     def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: DistContext) -> Dict[str, Any]:
         loss_sum, correct, count = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("correct", 0.0),
                                                        sums.get("count", 0.0)])
         t0 = time.time()
-        ev = evaluate(self.model, self.test_ds, batch_size=self.cfg.eval_batch_size, device=ctx.device, ctx=ctx)
+        ev = evaluate(self.model, self.test_ds, batch_size=self.cfg.eval_batch_size, device=ctx.device, ctx=ctx,
+                      workers=self.cfg.workers)
         t_eval = time.time() - t0  # (the epoch's time includes its evaluation)
         return {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
                 "test_loss": ev["test_loss"], "test_acc": ev["test_acc"], "lr": info["lr"],
@@ -321,6 +403,19 @@ class ClassificationTask:
                 "model": self.cfg.model, "pe": vit_cfg.pe,
                 "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None, "seed": self.cfg.seed,
                 **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
+
+
+def _mixing(cfg: TrainConfig, num_classes: int, modality: str) -> Optional[Callable[[Tensor, Tensor], Any]]:
+    """torchvision's MixUp / CutMix of ``cfg`` (one of the two per batch when both are on), or ``None``."""
+    if cfg.mixup_alpha <= 0 and cfg.cutmix_alpha <= 0:
+        return None
+    if modality == "video":
+        raise ValueError("mixup_alpha / cutmix_alpha mix (B, C, H, W) image batches; this data is video")
+    from torchvision.transforms import v2
+
+    mixes = ([v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes)] if cfg.mixup_alpha > 0 else []) + \
+            ([v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes)] if cfg.cutmix_alpha > 0 else [])
+    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
 
 
 @register_task("classification", "image, RGB-D and video classification of a ViT with cross-entropy",
@@ -433,11 +528,11 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
         if "epochs" in changes:
             old_cfg = dataclasses.replace(cfg, epochs=int(changes["epochs"][0]))
             old = schedule_of(old_cfg, task.steps_per_epoch)
-            f_old = engine.warmup_cosine(old.total_steps, old.warmup_steps, cfg.min_lr / cfg.lr)
-            f_new = engine.warmup_cosine(schedule.total_steps, schedule.warmup_steps, cfg.min_lr / cfg.lr)
+            f_old = engine.warmup_cosine(old.total_steps, old.warmup_steps, cfg.min_lr / cfg.peak_lr)
+            f_new = engine.warmup_cosine(schedule.total_steps, schedule.warmup_steps, cfg.min_lr / cfg.peak_lr)
             entry["schedule"] = (f"cosine decay stretched from {old.total_steps} to {schedule.total_steps} steps: "
-                                 f"the learning rate at step {step0 + 1} is {cfg.lr * f_new(step0):.3g} instead of "
-                                 f"{cfg.lr * f_old(step0):.3g}")
+                                 f"the learning rate at step {step0 + 1} is {cfg.peak_lr * f_new(step0):.3g} instead of "
+                                 f"{cfg.peak_lr * f_old(step0):.3g}")
             _log(f"epochs {changes['epochs'][0]} -> {changes['epochs'][1]}: {entry['schedule']}", ctx, quiet)
         resumes.append(entry)
         for k, (a, b) in changes.items():
@@ -460,7 +555,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
         schedule, cfg.epochs, execution=cfg.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
         resume=ckpt is not None, ctx=ctx, on_step=on_step, quiet=quiet, config_doc=config_doc,
         checkpoint_extra={"vit_config": vit_cfg.to_dict(), "train_config": cfg.to_dict()},
-        metric_columns=METRIC_COLUMNS, fresh_start=fresh_start))
+        metric_columns=METRIC_COLUMNS, fresh_start=fresh_start, log_every=cfg.log_every,
+        checkpoint_every=cfg.checkpoint_every))
     history = res.history
     final = dict(history[-1]) if history else {}
     return TrainResult(run_dir=run_dir, history=history, interrupted=res.interrupted, wall_time=res.wall_time,
