@@ -77,7 +77,7 @@ def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: 
     the values at every call, so values written in place since an earlier call are seen too. On the CPU it raises
     at once; on an accelerator, and inside ``torch.compile``, it counts the bad entries on the device without a
     host synchronisation, and ``check_deferred_coords()`` raises this error later (the training engine calls it
-    at every step). ``set_coord_validation("eager" | "deferred" | "off")`` overrides that choice.
+    every ``log_every`` steps and before each checkpoint). ``set_coord_validation("eager" | "deferred" | "off")`` overrides that choice.
     """
     if not isinstance(coords, Tensor):
         raise ValueError(f"coords must be a torch.Tensor of shape {_expected(num_tokens, coord_dim, batch)}, "

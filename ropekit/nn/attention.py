@@ -179,7 +179,7 @@ class Attention(nn.Module):
             ValueError: NaN or infinite coordinates, naming their count, on the folded path and the unfolded one
                 alike (``ropekit.encodings.check_coords``'s finiteness check, run at every call: on the CPU at
                 once; on an accelerator counted on the device without a host synchronisation and raised by
-                ``ropekit.encodings.check_deferred_coords()``, which the training engine calls at every step).
+                ``ropekit.encodings.check_deferred_coords()``, which the training engine calls every ``log_every`` steps).
         """
         b, n, dim = x.shape
         pe = self.pe

@@ -7,7 +7,7 @@
 The loop itself is :func:`fit`, shared with the 3-D detector and the robot policy: a task supplies its model,
 batches and loss (:class:`Task`), :class:`FitOptions` the rest. The helpers behind them (checkpoint files, metrics
 files, distributed set-up, augmentation, option parsing) are in the submodules ``checkpoint``, ``metrics``,
-``distributed``, ``augment`` and ``config``.
+``distributed``, ``augment`` and ``config``; training recipes (``--preset``) in ``recipes``.
 """
 
 from .._optional import require_extra as _require_extra
@@ -17,12 +17,12 @@ _require_extra("train", "ropekit.train")  # before the submodules import what it
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import TrainConfig, build_vit_config
 from .engine import EngineOptions, FitOptions, FitResult, NonFiniteLossError, RunLockedError, SaveError, Schedule, \
-    Task, build_optimizer, fit, warmup_cosine
+    StreamedEpoch, Task, build_optimizer, fit, warmup_cosine
 from .run_folder import load_run
 from .trainer import ClassificationTask, TrainResult, evaluate, evaluate_run, load_data, train
 
 __all__ = [
     "TrainConfig", "TrainResult", "train", "evaluate", "evaluate_run", "load_data", "load_run", "load_checkpoint",
     "build_vit_config", "fit", "FitOptions", "FitResult", "Task", "ClassificationTask", "EngineOptions", "Schedule",
-    "build_optimizer", "warmup_cosine", "CheckpointError", "NonFiniteLossError", "SaveError", "RunLockedError",
+    "build_optimizer", "warmup_cosine", "StreamedEpoch", "CheckpointError", "NonFiniteLossError", "SaveError", "RunLockedError",
 ]
