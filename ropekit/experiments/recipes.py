@@ -43,7 +43,8 @@ __all__ = ["PRESETS", "RECIPES", "RUNTIME_FIELDS", "PER_RUN_FIELDS", "DATA_FIELD
 PRESETS = ("default", "gpu", "quick")
 
 #: ``TrainConfig`` fields that do not change what is learned (never part of a recipe).
-RUNTIME_FIELDS = frozenset({"out", "progress", "tensorboard", "threads", "device", "eval_batch_size", "compile"})
+RUNTIME_FIELDS = frozenset({"out", "progress", "tensorboard", "threads", "device", "eval_batch_size", "compile",
+                            "log_every", "checkpoint_every"})
 #: Set by each run of a study, not by the recipe.
 PER_RUN_FIELDS = frozenset({"pe", "seed"})
 #: ``ViTConfig`` fields that come from the dataset (classes, channels, size, modality, frames).
@@ -135,6 +136,18 @@ def _arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_pat
                 drop_path_rate=drop_path_rate, tubelet_size=tubelet_size, **_ARCH)
 
 
+#: The streamed-data fields (augmentation, evaluation crop, loader processes) at their defaults: the studies train
+#: on in-memory sets, which refuse any other value.
+_STREAM_DEFAULTS = {k: TrainConfig.__dataclass_fields__[k].default_factory()  # type: ignore[misc]
+                    if callable(TrainConfig.__dataclass_fields__[k].default_factory)
+                    else TrainConfig.__dataclass_fields__[k].default for k in TrainConfig.STREAM_ONLY}
+
+
+#: ``TrainConfig`` fields added after studies were committed, with the value that trains as those studies did: a
+#: committed recipe or run that lacks one is compared as if it stated this value.
+ADDED_FIELDS: Dict[str, Any] = {**_STREAM_DEFAULTS, "lr_base_batch": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0}
+
+
 def _mnist(**changes: Any) -> Dict[str, Any]:
     """The MNIST classification recipe of the CPU preset (7x7 tokens of 4x4 pixels), every field stated."""
     train = dict(
@@ -145,7 +158,8 @@ def _mnist(**changes: Any) -> Dict[str, Any]:
         init_from=None,
         model_options=_arch(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
         epochs=10, batch_size=64, lr=2e-3, weight_decay=0.05, warmup_epochs=1.0, min_lr=1e-5, label_smoothing=0.0,
-        grad_clip=1.0, augment_shift=0, augment_sizes=[], precision="fp32",
+        grad_clip=1.0, augment_shift=0, augment_sizes=[], lr_base_batch=None, precision="fp32",
+        mixup_alpha=0.0, cutmix_alpha=0.0, **_STREAM_DEFAULTS,
     )
     train.update(changes)
     return train
@@ -331,7 +345,8 @@ def compare_with_committed(study_dir: Any) -> List[str]:
 
     Compares the recipe section as a whole and, for every recorded run, each recipe field of its training
     configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted),
-    and every study option the recipe states with the option the study recorded. Encodings and seeds the
+    and every study option the recipe states with the option the study recorded (a field added since, of
+    :data:`ADDED_FIELDS`, counts at its value there). Encodings and seeds the
     recorded command chose with ``--pe`` / ``--seeds`` replace the recipe's lists (an error unless they are among
     them), as do list-valued study options it gave (``--groups``, ``--sharing-pe``, ...: a part of the study;
     an error unless a subset of the recipe's list, or where the recipe states no such list), and its
@@ -381,8 +396,11 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     for k, v in options.items():  # ... which include every option the recipe states
         if ran.get(k, "<missing>") != v:
             diffs.append(f"{name}: option {k}: committed {ran.get(k, '<missing>')!r}, recipe {v!r}")
+    added = json.loads(json.dumps(ADDED_FIELDS))
     for section in ("train", "study"):
         a, b = committed.get(section, {}), now[section]
+        if section == "train":
+            a = {**{k: v for k, v in added.items() if k in b}, **a}
         for k in sorted(set(a) | set(b)):
             if a.get(k, "<missing>") != b.get(k, "<missing>"):
                 diffs.append(f"{name}: recipe {section}.{k}: committed {a.get(k, '<missing>')!r}, "
@@ -390,7 +408,7 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     varies = set(STUDIES[name].varies) | PER_RUN_FIELDS
     base = now["train"]
     for run in doc.get("runs", []):
-        tc = run.get("train_config", {})
+        tc = {**added, **run.get("train_config", {})}
         expected = {**base, **now["study"]["pe_overrides"].get(tc.get("pe"), {})}
         for k, v in expected.items():
             if k in varies and (STUDIES[name].varies_overrides

@@ -34,7 +34,8 @@ from ..train.metrics import read_metrics_csv
 __all__ = ["RunRecord", "RunCache", "Progress", "canonical_pe_options", "run_key", "RUNTIME_FIELDS"]
 
 #: ``TrainConfig`` fields that do not change what is learned (left out of the hash).
-RUNTIME_FIELDS = ("out", "progress", "tensorboard", "threads", "device", "eval_batch_size", "compile")
+RUNTIME_FIELDS = ("out", "progress", "tensorboard", "threads", "device", "eval_batch_size", "compile", "log_every",
+                  "checkpoint_every")
 
 
 def canonical_pe_options(pe: str, options: Dict[str, Any]) -> Dict[str, Any]:
