@@ -185,14 +185,15 @@ def evaluate(model: nn.Module, ds: Dataset, *, batch_size: int = 250, device: An
     was_training = model.training
     model.eval()
     dev = torch.device(device)
-    sums = torch.zeros(3, dtype=torch.float64, device=dev if dev.type in ("cpu", "cuda") else "cpu")
+    sums = torch.zeros(2, dtype=torch.float64, device=dev if dev.type in ("cpu", "cuda") else "cpu")
+    count = 0
     for x, y, off in _eval_batches(ds, batch_size, ctx, offsets, workers, dev.type == "cuda"):
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         logits = model(x, coord_offset=off.to(dev)) if off is not None else model(x)
         sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
-                             (logits.argmax(-1) == y).sum().double(),
-                             torch.tensor(float(len(y)), dtype=torch.float64, device=dev)]).to(sums.device)
-    loss_sum, correct, count = ctx.all_reduce_sum(sums.tolist())  # (one host read for the whole evaluation)
+                             (logits.argmax(-1) == y).sum().double()]).to(sums.device)
+        count += len(y)
+    loss_sum, correct, count = ctx.all_reduce_sum(sums.tolist() + [float(count)])  # (one host read in all)
     model.train(was_training)
     count = max(count, 1.0)
     return {"test_loss": loss_sum / count, "test_acc": correct / count, "num_examples": int(count)}
