@@ -311,3 +311,19 @@ def test_open_stream_layouts(tmp_path):
         load_dataset("shards")
     with pytest.raises(ValueError, match="known streams"):
         open_stream("nope", tmp_path)
+
+
+def test_mixed_modes_and_sizes_in_one_batch(tmp_path):
+    rng = np.random.default_rng(1)
+    rgb = rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    for k in range(2):
+        (tmp_path / f"c{k}").mkdir()
+    Image.fromarray(rgb).save(tmp_path / "c0" / "rgb.jpg")
+    Image.fromarray(rgb[..., 0]).save(tmp_path / "c0" / "grey.png")
+    Image.fromarray(np.dstack([rgb, rgb[..., :1]])).save(tmp_path / "c1" / "rgba.png")
+    Image.fromarray(rgb).convert("CMYK").save(tmp_path / "c1" / "cmyk.jpg")
+    Image.fromarray((rgb[:20, :25, 0].astype(np.uint16) * 257)).save(tmp_path / "c1" / "wide.png")
+    train, val, info = open_stream("folder-stream", tmp_path, image_size=16, test_fraction=0.4)
+    ds = ImageFolderStream(tmp_path, train.transform)
+    x, y = next(iter(make_loader(ds, batch_size=5)))
+    assert x.shape == (5, 3, 16, 16) and torch.isfinite(x).all() and sorted(y.tolist()) == [0, 0, 1, 1, 1]
