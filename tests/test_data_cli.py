@@ -21,3 +21,42 @@ def test_data_errors_are_one_line(capsys):
     assert err.count("\n") == 0 and "known datasets" in err and "Traceback" not in err
     assert main(["data", "info", "imagefolder", "--root", "/definitely/missing"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_make_fake_convert_check_info(tmp_path, capsys):
+    folder, shards = tmp_path / "f", tmp_path / "s"
+    assert main(["data", "make-fake", str(folder), "--classes", "3", "--per-class", "5", "--size", "24",
+                 "--no-progress"]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["class_0", "class_1", "class_2"]
+    assert main(["data", "check", str(folder), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["data", "convert", str(folder), str(shards), "--shard-size", "4", "--no-progress"]) == 0
+    assert "train: 12 samples in 3 shards; val: 3 samples in 1 shards" in capsys.readouterr().out
+    assert main(["data", "info", str(shards), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["format"] == "shards" and rec["splits"]["train"]["per_class"] == [4, 4, 4]
+    assert main(["data", "info", str(folder), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["splits"]["all"]["per_class"] == [5, 5, 5]
+    assert main(["data", "check", str(shards), "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"] == 15
+
+
+def test_check_names_bad_files_and_exits_non_zero(tmp_path, capsys):
+    folder = tmp_path / "f"
+    assert main(["data", "make-fake", str(folder), "--classes", "2", "--per-class", "3", "--size", "16",
+                 "--no-progress"]) == 0
+    (folder / "class_1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    capsys.readouterr()
+    assert main(["data", "check", str(folder), "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "broken.png: not a readable image" in out and "bad: 1" in out
+    # convert stops at it in one line, or leaves it out when asked
+    assert main(["data", "convert", str(folder), str(tmp_path / "s"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "broken.png" in err and "--skip-corrupt" in err
+    assert main(["data", "convert", str(folder), str(tmp_path / "s"), "--skip-corrupt", "--no-progress"]) == 0
+    assert "skipped 1 unreadable" in capsys.readouterr().out
+    (folder / "class_2").mkdir()
+    assert main(["data", "check", str(folder), "--no-progress"]) == 1
+    assert "class_2: class folder without images" in capsys.readouterr().out
+    assert main(["data", "check", str(tmp_path / "missing"), "--no-progress"]) == 2

@@ -68,6 +68,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-vit", action="store_true", help="skip the training-step table")
     p.add_argument("--vit-pes", nargs="+", metavar="PE", help="encodings of the ViT table (default: "
                    + " ".join(VIT_PES) + "; on a GPU: " + " ".join(VIT_PES_GPU) + ")")
+    sub = p.add_subparsers(dest="bench_command", metavar="[data]")
+    add_data_arguments(sub.add_parser(
+        "data", help="the training input pipeline: ropekit's folder and shard streams against torchvision's "
+                     "ImageFolder (images/s, memory)", formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``ropekit bench data`` (see :mod:`ropekit.bench.data`)."""
+    from .data import PIPELINES, DataBenchConfig
+
+    d = DataBenchConfig()
+    p.description = ("Images per second through decode, RandomResizedCrop, flip, RandAugment and normalisation, "
+                     "for ropekit's folder stream and shards against torchvision's ImageFolder + DataLoader (same "
+                     "transform, batch and workers), alternated in rounds; and the peak memory of the main process "
+                     "and its workers at two dataset sizes. Generated JPEGs, in a temporary folder deleted after.")
+    p.add_argument("--images", type=int, default=d.images, help="images of the throughput rounds")
+    p.add_argument("--memory-sizes", type=int, nargs="*", default=list(d.memory_sizes),
+                   help="dataset sizes of the memory runs (none: skip)")
+    p.add_argument("--image-size", type=int, default=d.image_size, help="side of the generated JPEGs")
+    p.add_argument("--crop", type=int, default=d.crop, help="RandomResizedCrop output side")
+    p.add_argument("--classes", type=int, default=d.classes)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--workers", type=int, default=d.workers, help="DataLoader workers of every pipeline")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="throughput epochs per pipeline")
+    p.add_argument("--auto-augment", default=d.auto_augment, help="policy (none to leave it out)")
+    p.add_argument("--shard-size", type=int, default=d.shard_size)
+    p.add_argument("--folder", help="an existing image folder for the throughput rounds (default: generated)")
+    p.add_argument("--pipelines", nargs="+", choices=PIPELINES, default=list(PIPELINES))
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads of the main process")
+    p.add_argument("--json", metavar="FILE", help="write the records (a JSON list) to FILE")
+    p.add_argument("--markdown", metavar="FILE", help="also write the markdown report to FILE")
+
+
+def run_data(args: argparse.Namespace, command: str) -> int:
+    """``ropekit bench data``."""
+    from .data import DataBenchConfig, format_data_report, run_data_bench
+
+    cfg = DataBenchConfig(images=args.images, memory_sizes=tuple(args.memory_sizes), image_size=args.image_size,
+                          crop=args.crop, classes=args.classes, batch_size=args.batch_size, workers=args.workers,
+                          rounds=args.rounds, shard_size=args.shard_size, folder=args.folder,
+                          auto_augment=None if str(args.auto_augment).lower() == "none" else args.auto_augment,
+                          pipelines=tuple(args.pipelines), threads=args.threads)
+    records = run_data_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    report = format_data_report(records, command=command)
+    print(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(report)
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -93,11 +143,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
     if getattr(args, "_argv", None) is not None:  # python -m ropekit.bench
         command = "python -m ropekit.bench " + " ".join(shlex.quote(a) for a in args._argv)
     else:  # ropekit bench (sys.argv: ropekit, bench, options)
         command = "ropekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if getattr(args, "bench_command", None) == "data":
+        return run_data(args, command.strip())
+    cfg = config_from_args(args)
 
     def save(records: list) -> None:  # after every row: a run cut short keeps what it measured
         if args.json:

@@ -40,9 +40,9 @@ manifest is always an error, as is a class folder without images.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
-import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -123,6 +123,24 @@ def _to_tensor(img: Any) -> Tensor:
     return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
 
 
+class _Failure:
+    """A :class:`DataFileError` raised in a DataLoader worker, carried to the main process as a value.
+
+    DataLoader re-raises a worker's exception as a ``RuntimeError`` holding the worker's traceback, which would
+    turn the one-line error into many; the loaders of this module raise the original instead.
+    """
+
+    def __init__(self, error: DataFileError) -> None:
+        self.error = error
+
+
+def _failed(error: DataFileError) -> "_Failure":
+    """``error`` as a value in a worker of :func:`make_loader` (the caller raises it otherwise)."""
+    if get_worker_info() is None:
+        raise error
+    return _Failure(error)
+
+
 def _seed(*parts: int) -> int:
     """A 63-bit seed mixed from integers (numpy's SeedSequence: stable across versions and platforms)."""
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFFFFFFFFFF for p in parts]).generate_state(1, np.uint64)[0]
@@ -131,16 +149,20 @@ def _seed(*parts: int) -> int:
 
 @contextlib.contextmanager
 def _sample_rng(seed: Optional[int]) -> Iterator[None]:
-    """Run a transform under torch seed ``seed``; in the main process the caller's RNG state is restored."""
+    """Run a transform under torch CPU seed ``seed``; in the main process the caller's RNG state is restored.
+
+    Seeds the CPU generator only (``torch.manual_seed`` also queues seeds for every accelerator, with a stack
+    trace each: about 30 times slower, for generators the CPU transforms never draw from).
+    """
     if seed is None:
         yield
         return
     if get_worker_info() is None:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
             yield
     else:
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         yield
 
 
@@ -236,6 +258,7 @@ class ImageFolderStream(Dataset):
     """
 
     seeded_index = True  # understands ``ds[(i, seed)]``
+    _defer_errors = False  # set by make_loader: in a worker, return a DataFileError for the main process to raise
 
     def __init__(
         self,
@@ -272,9 +295,11 @@ class ImageFolderStream(Dataset):
         index, seed = key if isinstance(key, tuple) else (key, None)
         try:
             img = decode_rgb(self.path(index))
-        except DataFileError:
+        except DataFileError as e:
             if self.skip_corrupt:
                 return None
+            if self._defer_errors:
+                return _failed(e)  # type: ignore[return-value]
             raise
         with _sample_rng(seed):
             image = self.transform(img) if self.transform is not None else _to_tensor(img)
@@ -323,13 +348,20 @@ def read_manifest(path: PathLike) -> Dict[str, Any]:
 
 
 def _count_tar(path: Path) -> int:
+    """Samples of a tar as WebDataset groups them: runs of consecutive files with the same key (the name up to
+    the first dot of its last component), meta files ``__*__`` left out."""
+    import re
     import tarfile
+
+    from webdataset.tariterators import base_plus_ext
 
     try:
         with tarfile.open(path, "r:*") as tf:
-            return len({m.name.split("/")[-1].split(".", 1)[0] for m in tf.getmembers() if m.isreg()})
+            keys = [base_plus_ext(m.name)[0] for m in tf.getmembers()
+                    if m.isreg() and not re.match(r"__[^/]*__($|/)", m.name)]
     except (tarfile.TarError, OSError, EOFError) as e:
         raise DataFileError(path, f"not a readable tar shard ({type(e).__name__}: {e})") from None
+    return sum(1 for i, k in enumerate(keys) if k is not None and (i == 0 or k != keys[i - 1]))
 
 
 def _resolve_shards(source: Any, split: str) -> Tuple[List[Path], List[int], Optional[List[str]]]:
@@ -481,13 +513,13 @@ class ShardStream(IterableDataset):
             except ValueError:
                 raise DataFileError(where, f"label entry .cls is not an integer: {bytes(raw['cls'])[:20]!r}") from None
             img = decode_rgb(raw[key], name=where)
-        except DataFileError:
+        except DataFileError as e:
             if self.skip_corrupt:
                 return None
-            raise
+            return _failed(e)  # type: ignore[return-value]
         with _sample_rng(seed):
             image = self.transform(img) if self.transform is not None else _to_tensor(img)
-        return image, torch.tensor(label, dtype=torch.int64)
+        return image, torch.tensor(label, dtype=torch.int64)  # type: ignore[return-value]
 
     def _worker_batches(self, worker: int) -> Iterator[Tuple[int, int, Any]]:
         cfg = self._epoch
@@ -507,16 +539,20 @@ class ShardStream(IterableDataset):
             stream = _buffer_shuffle(stream, self.shuffle_buffer, rng)
         batch: List[Any] = []
         j = 0
-        for i, (s, pos, raw) in enumerate(stream):
-            if i < skip * bs:
-                continue  # before the start batch: not decoded
-            batch.append(self._decode(s, pos, raw, (base[s] + pos) & 0x7FFFFFFFFFFFFFFF))
-            if len(batch) == bs:
-                yield worker, skip + j, _collate(batch)
-                j += 1
-                batch = []
-                if skip + j >= len(mine):
-                    return
+        try:
+            for i, (s, pos, raw) in enumerate(stream):
+                if i < skip * bs:
+                    continue  # before the start batch: not decoded
+                batch.append(self._decode(s, pos, raw, (base[s] + pos) & 0x7FFFFFFFFFFFFFFF))
+                if len(batch) == bs:
+                    yield worker, skip + j, _collate(batch)
+                    j += 1
+                    batch = []
+                    if skip + j >= len(mine):
+                        return
+        except DataFileError as e:  # a truncated tar, or a count that disagrees with the manifest
+            yield worker, skip + j, (None, None, 0, _failed(e))
+            return
         if batch and skip + j < len(mine):
             yield worker, skip + j, _collate(batch)
 
@@ -547,14 +583,18 @@ def _buffer_shuffle(stream: Iterator[Any], size: int, rng: np.random.Generator) 
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _collate(items: Sequence[Optional[Tuple[Any, Tensor]]]) -> Tuple[Any, Any, int]:
-    """Default collate of the samples that are not ``None``, and how many were ``None`` (skipped)."""
+def _collate(items: Sequence[Any]) -> Tuple[Any, Any, int, Optional[_Failure]]:
+    """``(images, labels, skipped, failure)``: default collate of the samples that are not ``None`` (skipped) and,
+    if a sample is a :class:`_Failure`, that failure for the main process to raise."""
+    failure = next((x for x in items if isinstance(x, _Failure)), None)
+    if failure is not None:
+        return None, None, 0, failure
     kept = [x for x in items if x is not None]
     skipped = len(items) - len(kept)
     if not kept:
-        return None, None, skipped
+        return None, None, skipped, None
     images, labels = default_collate(kept)
-    return images, labels, skipped
+    return images, labels, skipped, None
 
 
 class _EpochSampler(Sampler):
@@ -644,7 +684,7 @@ class StreamLoader:
         b = self._kw["batch_size"]
         return n // b if self._kw["drop_last"] else -(-n // b)
 
-    def _raw(self) -> Iterator[Tuple[Any, Any, int]]:
+    def _raw(self) -> Iterator[Tuple[Any, Any, int, Optional[_Failure]]]:
         if not self._shards:
             yield from self._loader  # type: ignore[misc]
             return
@@ -653,6 +693,8 @@ class StreamLoader:
         pending: Dict[Tuple[int, int], Any] = {}
         k = 0
         for w, j, batch in self._loader:  # type: ignore[union-attr]
+            if batch[3] is not None:
+                raise batch[3].error
             pending[(w, j)] = batch
             while k < len(order) and order[k] in pending:
                 yield pending.pop(order[k])
@@ -662,7 +704,9 @@ class StreamLoader:
 
     def __iter__(self) -> Iterator[Tuple[Any, Tensor]]:
         self.skipped = 0
-        for images, labels, skipped in self._raw():
+        for images, labels, skipped, failure in self._raw():
+            if failure is not None:
+                raise failure.error
             self.skipped += skipped
             if images is not None:
                 yield images, labels
@@ -724,6 +768,9 @@ def make_loader(
         loader_kw["persistent_workers"] = bool(persistent_workers)
         if prefetch_factor is not None:
             loader_kw["prefetch_factor"] = int(prefetch_factor)
+    if isinstance(dataset, ImageFolderStream) and num_workers > 0:
+        dataset = copy.copy(dataset)  # shares the file list; the caller's dataset keeps raising
+        dataset._defer_errors = True
     loader = StreamLoader(dataset, kw, loader_kw)
     if drop_last and len(loader) == 0:
         raise ValueError(f"{dataset!r} gives no full batch of {batch_size} per rank (world_size {world_size}"

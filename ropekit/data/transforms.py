@@ -79,7 +79,8 @@ def parse_auto_augment(spec: Optional[str]) -> Optional[Dict[str, Any]]:
         return {"policy": "rand", "num_ops": 2, "magnitude": 9}
     parts = s.split("-")
     if parts[0] != "rand":
-        raise ValueError(f"auto_augment must be None, 'randaugment', 'trivialaugment' or 'rand-m9-n2' style, got {spec!r}")
+        raise ValueError(f"auto_augment must be None, 'randaugment', 'trivialaugment' or 'rand-m9-n2' style, "
+                         f"got {spec!r}")
     out: Dict[str, Any] = {"policy": "rand", "num_ops": 2, "magnitude": 9}
     ignored = []
     for part in parts[1:]:
