@@ -104,7 +104,8 @@ def _args(argv):
 
 
 def test_mixup_cutmix_train_on_soft_targets_with_label_smoothing(tmp_path):
-    """In-memory data, opt-in: the loss is the cross-entropy against the mixed one-hot targets, smoothed."""
+    """In-memory data, opt-in: the loss is the cross-entropy against the mixed one-hot targets, smoothed (the
+    streamed runs below train with mixing end to end)."""
     from ropekit.train.trainer import build_classification_task
 
     cfg = tiny_cfg(tmp_path / "r", mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1)
@@ -127,9 +128,8 @@ def test_mixup_cutmix_train_on_soft_targets_with_label_smoothing(tmp_path):
     logp = F.log_softmax(task.model(seen["x"]), -1)
     smoothed = target * 0.9 + 0.1 / 10
     assert loss.item() == pytest.approx(-(smoothed * logp).sum(-1).mean().item(), rel=1e-5)
-    assert isinstance(sums["correct"], torch.Tensor) and 0 <= int(sums["correct"]) <= len(batch)
-    res = train(cfg, quiet=True)
-    assert len(res.history) == 2 and all(torch.isfinite(torch.tensor(r["train_loss"])) for r in res.history)
+    # the training accuracy counts the predictions of each mixed target's largest class
+    assert int(sums["correct"]) == int((task.model(seen["x"]).argmax(-1) == target.argmax(-1)).sum())
 
 
 # ------------------------------------------------------------------------------------------------ streamed runs
