@@ -1,6 +1,8 @@
 """The engine with streamed epochs: mid-epoch checkpoints, exact resume from them, no per-step host reads, the
 loss guard read once per log interval."""
 
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,3 +185,28 @@ def test_streamed_epoch_errors_are_one_line(tmp_path):
 
     with pytest.raises(RuntimeError, match=r"the data of epoch 1 ended after 10 of its 12 batches"):
         fit(Short(), _opts())
+
+
+@pytest.mark.slow
+def test_a_classification_step_reads_nothing_back_either(tmp_path, monkeypatch):
+    """The ViT classification task on in-memory digits, coordinate checks deferred (as on an accelerator) and no
+    random shift (its offsets are drawn on the host by design): no step reads the device outside the log checks."""
+    import ropekit.encodings
+    from ropekit.train import engine, train
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import tiny_cfg
+
+    made = []
+    real = engine.build_optimizer
+    monkeypatch.setattr(engine, "build_optimizer", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    mode = _HostReads(lambda: [s["step"] for opt in made for s in opt.state.values()])
+    previous = ropekit.encodings.set_coord_validation("deferred")
+    try:
+        with mode:
+            res = train(tiny_cfg(tmp_path / "r", epochs=1, augment_shift=0, log_every=2),
+                        on_step=lambda s: setattr(mode, "step", s), quiet=True)
+    finally:
+        ropekit.encodings.set_coord_validation(previous)
+    assert res.history[0]["epoch"] == 1  # (5 steps)
+    assert set(mode.reads) <= {1, 2, 4, 6}, mode.reads  # set-up, the checks of steps 2 and 4, the epoch's end
