@@ -7,7 +7,10 @@ Reproducibility contract (CPU): the data order of epoch ``e`` is a function of `
 (``DistributedSampler`` with ``set_epoch``); every other random draw (position jitter, augmentation, dropout)
 comes from the global torch RNG, whose state is saved with every checkpoint together with the model,
 optimiser, scheduler, epoch and step. ``--resume`` therefore continues bit-for-bit, also from a checkpoint
-written mid-epoch by Ctrl-C (the batches already done are skipped).
+written mid-epoch by Ctrl-C or ``checkpoint_every`` (the batches already done are skipped). Streamed data
+(``--data folder-stream`` / ``shards``) keeps the same contract: its loader's order and per-sample augmentation are
+functions of ``(seed, epoch, rank, world_size)`` (and the number of workers for shards), and it restarts at the
+checkpoint's batch without decoding the ones before.
 
 Run folder layout::
 
