@@ -182,7 +182,8 @@ def test_resume_continues_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize("pe,depth_input,coord_dim,chans", [("absolute", "ignore", 0, 3), ("absolute", "channel", 0, 4),
-                                                            ("cayley", "ignore", 2, 3), ("mixed", "coord", 3, 3)])
+                                                            ("cayley", "ignore", 2, 3), ("mixed", "coord", 3, 3),
+                                                            ("cayley", "both", 3, 4)])
 def test_the_study_arms_build_the_intended_towers(tmp_path, pe, depth_input, coord_dim, chans):
     from ropekit.multimodal import build_retrieval_task
 
@@ -194,7 +195,7 @@ def test_the_study_arms_build_the_intended_towers(tmp_path, pe, depth_input, coo
 
 def test_data_without_captions_is_refused(tmp_path):
     cfg = _tiny(tmp_path)
-    cfg.train = cfg.train.replace(data="digits", data_options={}, image_size=8, patch_size=2)
+    cfg.train = cfg.train.replace(data="rgbd-digits", data_options={"num_train": 8, "num_test": 4})
     with pytest.raises(ValueError, match="retrieval needs captioned data"):
         train_retrieval(cfg, quiet=True)
 
