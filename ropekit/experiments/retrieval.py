@@ -338,6 +338,8 @@ def run_retrieval(cfg: Any, out: Any, arms: Optional[Sequence[str]] = None) -> S
     schedule settings do not apply."""
     from .settings import ExperimentConfig
 
+    if cfg.pes:
+        raise ValueError(f"experiment retrieval chooses vision towers with --arms ({', '.join(ARMS)}), not --pe")
     preset = cfg.preset if cfg.preset in RECIPES else ("quick" if cfg.quick else "default")
     seeds = cfg.seeds if cfg.seeds and list(cfg.seeds) != ExperimentConfig().seeds and preset != "quick" else None
     if isinstance(arms, str):
