@@ -38,6 +38,7 @@ TASK_MODULES: Dict[str, str] = {
     "detection": "ropekit.detection.train",
     "robot": "ropekit.robot.train",
     "aloha": "ropekit.robot.aloha.policy",
+    "owl": "ropekit.detection.owl_task",
 }
 
 
