@@ -24,6 +24,10 @@ name               kind    image                           source / split
 ``mnist-idx``      image   ``(1, 28, 28)`` in [0, 1]       the four IDX files (optionally .gz); own split
 =================  ======  ==============================  ==================================================
 
+``captioned-scenes`` (kind rgbd, samples ``(4, H, W)`` as ``rgbd-digits``; generated, default 32×32, 4,000 /
+1,000 scenes) places MNIST digits and shapes at metric depths and captions them (``ds.scenes``, see
+:mod:`ropekit.data.captioned`); its label is the class of the nearest object (14 classes).
+
 ``image_size`` resizes image datasets bilinearly (antialiased when shrinking) and sets the generated size of
 the synthetic ones. ``normalize=True`` standardises the colour channels (never the depth channel) with the
 training set's per-channel mean and std, recorded in ``info.mean`` / ``info.std``.
@@ -46,6 +50,7 @@ require_extra("train", "ropekit.data")  # before the submodules import what it i
 from . import builtin as _builtin  # noqa: F401  (registers mnist, digits)
 from . import readers as _readers  # noqa: F401  (registers imagefolder, cifar10, cifar100, mnist-idx)
 from . import synthetic as _synthetic  # noqa: F401  (registers moving-digits, rgbd-digits)
+from . import captioned as _captioned  # noqa: F401  (registers captioned-scenes)
 from ._common import (
     DATASET_KINDS,
     DataFileError,

@@ -313,6 +313,22 @@ class Block(nn.Module):
         return {f"attn.{n}" for n in self.attn.no_weight_decay()}
 
 
+def init_linear_layers(model: nn.Module, head: Optional[nn.Module] = None) -> None:
+    """Initialise every ``nn.Linear`` of ``model``: xavier-uniform, q, k and v of an ``attn.qkv`` each as its own
+    ``D x D`` matrix; ``head`` (if given) trunc-normal(0.02); zero biases."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            if name.endswith("attn.qkv"):
+                bound = math.sqrt(6.0 / (m.weight.shape[0] // 3 + m.weight.shape[1]))
+                nn.init.uniform_(m.weight, -bound, bound)
+            elif head is not None and m is head:
+                nn.init.trunc_normal_(m.weight, std=0.02)
+            else:
+                nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
 def build_encodings(cfg: ViTConfig, coord_dim: int) -> List[Optional[PositionEncoding]]:
     """One encoding per layer, following ``cfg.pe_sharing`` (the same object repeated for ``"model"``)."""
     name = cfg.rotary
@@ -417,17 +433,7 @@ class VisionTransformer(nn.Module):
         for blk in self.blocks:
             blk.reset_parameters()
         self.norm.reset_parameters()
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                if name.endswith("attn.qkv"):
-                    bound = math.sqrt(6.0 / (m.weight.shape[0] // 3 + m.weight.shape[1]))
-                    nn.init.uniform_(m.weight, -bound, bound)
-                elif m is self.head:
-                    nn.init.trunc_normal_(m.weight, std=0.02)
-                else:
-                    nn.init.xavier_uniform_(m.weight)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linear_layers(self, head=self.head)
 
     @property
     def encodings(self) -> List[PositionEncoding]:
