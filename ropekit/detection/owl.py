@@ -28,7 +28,7 @@ width, ``Q`` queries, ``T`` padded objects per image.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,10 @@ from .model import NUM_INTRINSICS, BoxHead, intrinsics_features, token_rays
 
 __all__ = ["BOX_KINDS", "OwlLossConfig", "OwlHeads", "OwlDetector", "patch_box_prior", "owl_match", "owl_loss",
            "top_detections"]
+
+#: The logit shift's initial bias: every first score is about ``sigmoid(-4.6) ≈ 0.01`` (the focal-loss prior of
+#: RetinaNet and DETR's descendants), so the many negatives do not swamp the first steps.
+LOGIT_PRIOR = -4.6
 
 #: ``2d``: normalised ``(cx, cy, w, h)`` boxes; ``3d``: camera-frame 12-vector boxes.
 BOX_KINDS = ("2d", "3d")
@@ -91,6 +95,7 @@ class OwlHeads(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias)
+        nn.init.constant_(self.logit_shift.bias, LOGIT_PRIOR)  # (every first score ≈ sigmoid(prior))
 
     def class_logits(self, tokens: Tensor, queries: Tensor, query_mask: Optional[Tensor] = None) -> Tensor:
         """``(B, M, Q)`` logits of tokens ``(B, M, D)`` against query embeddings ``(Q, E)`` or ``(B, Q, E)``;
@@ -117,17 +122,23 @@ class OwlDetector(nn.Module):
         boxes: ``"2d"`` or ``"3d"`` (:data:`BOX_KINDS`).
         input: ``"rgb"`` (a 4-channel input loses its depth channel) or ``"rgbd"`` (the vision tower gets RGB-D).
         head_hidden: width of the box MLP's hidden layers (0: the vision width).
+        colour_stats: ``(mean, std)`` per colour channel that the vision tower was trained with (its images
+            standardised), applied to the colour channels of every input; ``None``: colours in ``[0, 1]`` as given.
 
     >>> out = model(images, query_ids)                # doctest: +SKIP
     >>> out["logits"].shape, out["boxes"].shape      # (B, M, Q), (B, M, 4) or (B, M, 12)
     """
 
     def __init__(self, vision: VisionTransformer, text: Optional[nn.Module], embed_dim: int, boxes: str = "2d",
-                 input: str = "rgb", head_hidden: int = 0) -> None:
+                 input: str = "rgb", head_hidden: int = 0,
+                 colour_stats: Optional[Tuple[Sequence[float], Sequence[float]]] = None) -> None:
         super().__init__()
         if input not in ("rgb", "rgbd"):
             raise ValueError(f"input must be 'rgb' or 'rgbd'; got {input!r}")
         self.vision, self.text, self.input = vision, text, input
+        mean, std = colour_stats if colour_stats is not None else ((0.0,) * 3, (1.0,) * 3)
+        self.register_buffer("colour_mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer("colour_std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
         self.heads = OwlHeads(vision.cfg.embed_dim, embed_dim, boxes, head_hidden)
         self.boxes = boxes
 
@@ -159,10 +170,10 @@ class OwlDetector(nn.Module):
         """Patch tokens ``(B, M, D)`` of images ``x (B, 3 or 4, H, W)`` and the token grid ``(gh, gw)``."""
         if x.dim() != 4 or x.shape[1] not in (3, 4):
             raise ValueError(f"expected images (B, 3 or 4, H, W) (RGB then depth), got {tuple(x.shape)}")
-        if self.input == "rgb":
-            x = x[:, :3]
-        elif x.shape[1] != 4:
+        if self.input == "rgbd" and x.shape[1] != 4:
             raise ValueError(f"an RGB-D detector needs (B, 4, H, W) input (RGB then depth), got {tuple(x.shape)}")
+        rgb = (x[:, :3] - self.colour_mean.to(x.dtype)) / self.colour_std.to(x.dtype)
+        x = rgb if self.input == "rgb" else torch.cat([rgb, x[:, 3:]], dim=1)
         feats = self.vision.forward_features(x)  # (B, N, D)
         p = self.vision.cfg.patch_size
         grid = (x.shape[-2] // p, x.shape[-1] // p)

@@ -88,8 +88,10 @@ class OwlTrainConfig:
 @dataclass
 class OwlDataConfig:
     """The captioned scenes of a run: counts, image side, objects per scene, the generation seed (training scenes
-    use ``[seed, 0]``, test scenes ``[seed, 1]``, and they are drawn from disjoint MNIST digits), the classes held
-    out of detection training and the least visible fraction of an object that makes it a target."""
+    use ``[seed, 0]``, test scenes ``[seed, 1]``, and they are drawn from disjoint MNIST digits), what a query
+    names (``vocabulary``: ``"class"``, the object's class name, or ``"colour"``, its colour name), the categories
+    held out of detection training (``unseen``, words of that vocabulary) and the least visible fraction of an
+    object that makes it a target."""
 
     num_train: int = 2000
     num_test: int = 500
@@ -100,6 +102,7 @@ class OwlDataConfig:
     seed: int = 0
     unseen: Tuple[str, ...] = DEFAULT_UNSEEN
     min_visible: float = 0.25
+    vocabulary: str = "class"
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -136,8 +139,9 @@ class OwlTargets:
     mask: Tensor
 
 
-def owl_targets(scenes: Any, min_visible: float = 0.25) -> OwlTargets:
-    """The :class:`OwlTargets` of ``scenes`` (a :class:`ropekit.data.captioned.CaptionedScenes`).
+def owl_targets(scenes: Any, min_visible: float = 0.25, vocabulary: str = "class") -> OwlTargets:
+    """The :class:`OwlTargets` of ``scenes`` (a :class:`ropekit.data.captioned.CaptionedScenes`); the category of
+    an object is its class or its colour (``vocabulary``).
 
     Boxes are clipped to the image (a box reaching outside is cut at the border); an object becomes no target
     when less than ``min_visible`` of it is seen or its clipped box is under one pixel wide or high.
@@ -149,20 +153,34 @@ def owl_targets(scenes: Any, min_visible: float = 0.25) -> OwlTargets:
     w, h = b[..., 2] - b[..., 0], b[..., 3] - b[..., 1]
     mask = scenes.valid.bool() & (scenes.visible >= min_visible) & (w >= 1) & (h >= 1)
     cxcywh = torch.stack([(b[..., 0] + b[..., 2]) / (2 * W), (b[..., 1] + b[..., 3]) / (2 * H), w / W, h / H], -1)
-    classes = torch.where(mask, scenes.classes.long(), torch.full_like(scenes.classes.long(), -1))
+    cat = (scenes.classes if vocabulary == "class" else scenes.colours).long()
+    classes = torch.where(mask, cat, torch.full_like(cat, -1))
     return OwlTargets(classes, cxcywh, scenes.box3d.float(), mask)
 
 
-def class_split(unseen: Sequence[str]) -> Tuple[List[int], List[int]]:
-    """``(seen, unseen)`` class ids of the captioned scenes' classes; ``ValueError`` for an unknown name or when no
-    class is left to train on."""
-    from ..data.captioned import CLASS_NAMES
+#: What a query names: an object's class (``"3"``, ``"square"``) or its colour (``"red"``).
+VOCABULARIES = ("class", "colour")
 
-    bad = [u for u in unseen if u not in CLASS_NAMES]
+
+def vocabulary_names(vocabulary: str = "class") -> Tuple[str, ...]:
+    """The query words of ``vocabulary``: the captioned scenes' class names or colour names (one word each;
+    a category id is an index into them)."""
+    from ..data.captioned import CLASS_NAMES, COLOUR_NAMES
+
+    if vocabulary not in VOCABULARIES:
+        raise ValueError(f"vocabulary must be one of {', '.join(VOCABULARIES)}; got {vocabulary!r}")
+    return CLASS_NAMES if vocabulary == "class" else COLOUR_NAMES
+
+
+def class_split(unseen: Sequence[str], vocabulary: str = "class") -> Tuple[List[int], List[int]]:
+    """``(seen, unseen)`` category ids of ``vocabulary``; ``ValueError`` for an unknown name or when no category
+    is left to train on."""
+    names = vocabulary_names(vocabulary)
+    bad = [u for u in unseen if u not in names]
     if bad:
-        raise ValueError(f"unknown held-out class {', '.join(map(repr, bad))}; classes: {', '.join(CLASS_NAMES)}")
-    out = [i for i, c in enumerate(CLASS_NAMES) if c in set(unseen)]
-    seen = [i for i in range(len(CLASS_NAMES)) if i not in out]
+        raise ValueError(f"unknown held-out {vocabulary} {', '.join(map(repr, bad))}; known: {', '.join(names)}")
+    out = [i for i, c in enumerate(names) if c in set(unseen)]
+    seen = [i for i in range(len(names)) if i not in out]
     if not seen:
         raise ValueError("every class is held out: nothing is left for detection training")
     return seen, out
@@ -200,16 +218,15 @@ class OwlTask:
     def __init__(self, model: OwlDetector, scenes: Any, tokenize: Callable[[List[str]], Tensor],
                  cfg: OwlTrainConfig, data: OwlDataConfig,
                  log: Optional[Callable[[Dict[str, float]], None]] = None) -> None:
-        from ..data.captioned import CLASS_NAMES
-
         if len(scenes) == 0:
             raise ValueError("no training scenes")
         self.model, self.scenes, self.cfg, self.data, self.log = model, scenes, cfg, data, log
-        self.seen, self.unseen = class_split(data.unseen)
-        self.query_ids = tokenize([CLASS_NAMES[c] for c in self.seen])  # (Qs, L)
-        remap = torch.full((len(CLASS_NAMES),), -1, dtype=torch.long)
+        names = vocabulary_names(data.vocabulary)
+        self.seen, self.unseen = class_split(data.unseen, data.vocabulary)
+        self.query_ids = tokenize([names[c] for c in self.seen])  # (Qs, L)
+        remap = torch.full((len(names),), -1, dtype=torch.long)
         remap[torch.tensor(self.seen)] = torch.arange(len(self.seen))
-        tg = owl_targets(scenes, data.min_visible)
+        tg = owl_targets(scenes, data.min_visible, data.vocabulary)
         labels = torch.where(tg.mask, remap[tg.classes.clamp_min(0)], torch.full_like(tg.classes, -1))
         self.labels, self.mask = labels, labels >= 0  # held-out objects are no training target
         self.boxes = tg.boxes2d if model.boxes == "2d" else tg.boxes3d
@@ -265,7 +282,7 @@ def build_owl_task(cfg: OwlTaskConfig, scenes: Any = None) -> OwlTask:
     ``cfg.train.seed``, the training scenes generated from ``cfg.data`` (or ``scenes``)."""
     if cfg.boxes not in ("2d", "3d"):
         raise ValueError(f"boxes must be '2d' or '3d'; got {cfg.boxes!r}")
-    class_split(cfg.data.unseen)
+    class_split(cfg.data.unseen, cfg.data.vocabulary)
     towers = _towers(cfg)
     seed_everything(cfg.train.seed)
     model = build_detector(towers, cfg.boxes, cfg.head_hidden)
@@ -309,13 +326,12 @@ def evaluate_owl(model: OwlDetector, scenes: Any, tokenize: Callable[[List[str]]
                  cfg: OwlTrainConfig) -> Dict[str, float]:
     """The metrics of the module docstring on ``scenes``, every class queried by its name; the model runs on its
     own device, the metrics on the CPU."""
-    from ..data.captioned import CLASS_NAMES
-
+    names = vocabulary_names(data.vocabulary)
     model.eval()
     device = next(model.parameters()).device
-    seen, unseen = class_split(data.unseen)
-    q = tokenize(list(CLASS_NAMES)).to(device)
-    tg = owl_targets(scenes, data.min_visible)
+    seen, unseen = class_split(data.unseen, data.vocabulary)
+    q = tokenize(list(names)).to(device)
+    tg = owl_targets(scenes, data.min_visible, data.vocabulary)
     H, W = scenes.images.shape[-2:]
     gts, dets, ious, groups_of = [], [], [], []
     gen = torch.Generator().manual_seed(0)
@@ -342,10 +358,10 @@ def evaluate_owl(model: OwlDetector, scenes: Any, tokenize: Callable[[List[str]]
                     groups_of.append(int(labels[b, t]) in unseen_set)
     if model.boxes == "2d":
         m = coco_ap([{k: v.numpy() for k, v in g.items()} for g in gts],
-                    [{k: v.numpy() for k, v in d.items()} for d in dets], len(CLASS_NAMES), (H, W),
+                    [{k: v.numpy() for k, v in d.items()} for d in dets], len(names), (H, W),
                     groups={"seen": seen, "unseen": unseen}, max_dets=cfg.max_dets)
         return {k: v for k, v in m.items() if not k.startswith("AP/")} | {
-            f"AP/{CLASS_NAMES[c]}": m[f"AP/{c}"] for c in range(len(CLASS_NAMES))}
+            f"AP/{names[c]}": m[f"AP/{c}"] for c in range(len(names))}
     a, g = np.asarray(ious, float), np.asarray(groups_of, bool)
     nan = float("nan")
     return {"mean_iou": float(a.mean()) if len(a) else nan,
@@ -376,20 +392,19 @@ def plot_owl_examples(model: OwlDetector, scenes: Any, tokenize: Callable[[List[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..data.captioned import CLASS_NAMES
     from .boxes import box12_to_corners
 
     data = data or OwlDataConfig()
     model.eval()
     device = next(model.parameters()).device
-    names = list(CLASS_NAMES)
+    names = list(vocabulary_names(data.vocabulary))
     idx = torch.as_tensor(list(index), dtype=torch.long)
     K = scenes.K.float().expand(len(idx), 3, 3)
     out = model(scenes.images[idx].to(device), tokenize(names).to(device), K.to(device))
     logits, boxes = out["logits"].float().cpu(), out["boxes"].float().cpu()
     H, W = scenes.images.shape[-2:]
-    tg = owl_targets(scenes, data.min_visible)
-    unseen = {CLASS_NAMES[c] for c in class_split(data.unseen)[1]}
+    tg = owl_targets(scenes, data.min_visible, data.vocabulary)
+    unseen = {names[c] for c in class_split(data.unseen, data.vocabulary)[1]}
 
     def rect(b: Tensor) -> Tuple[float, float, float, float]:
         if b.numel() == 4:
@@ -407,7 +422,7 @@ def plot_owl_examples(model: OwlDetector, scenes: Any, tokenize: Callable[[List[
             x0, y0, w, h = rect(tg.boxes2d[i, t] if model.boxes == "2d" else tg.boxes3d[i, t])
             ax.add_patch(plt.Rectangle((x0, y0), w, h, fill=False, ls="--", lw=1, ec="white"))
         wanted = list(queries) if queries is not None else \
-            list(dict.fromkeys(CLASS_NAMES[int(c)] for c in scenes.classes[i][scenes.valid[i]]))
+            list(dict.fromkeys(names[int(c)] for c in tg.classes[i][tg.mask[i]]))
         for name in wanted:
             s = logits[b, :, names.index(name)].sigmoid()  # (M,)
             m = int(s.argmax())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from ..nn import VisionTransformer, vit_config
 from .owl import OwlDetector
 
 __all__ = ["Towers", "ProjectedText", "build_detector", "load_towers", "scratch_towers", "towers_from_config",
-           "towers_from_retrieval", "SCRATCH_DEFAULTS"]
+           "towers_from_retrieval", "pretrain_towers", "SCRATCH_DEFAULTS"]
 
 #: The from-scratch towers' settings (any of them may be given in ``towers_from_config``'s ``spec``).
 SCRATCH_DEFAULTS: Dict[str, Any] = {"pe": "cayley", "input": "rgb", "image_size": 32, "patch_size": 4,
@@ -41,6 +41,7 @@ class Towers:
     input: str
     vision_proj: Optional[nn.Linear] = None
     source: str = "scratch"
+    colour_stats: Optional[Tuple[Sequence[float], Sequence[float]]] = None
 
 
 def build_detector(towers: Towers, boxes: str, head_hidden: int = 0) -> OwlDetector:
@@ -48,7 +49,7 @@ def build_detector(towers: Towers, boxes: str, head_hidden: int = 0) -> OwlDetec
     one (OWL-ViT reuses the image-text projection), so a token's first class embedding is its projected
     feature."""
     model = OwlDetector(towers.vision, towers.text, towers.embed_dim, boxes=boxes, input=towers.input,
-                        head_hidden=head_hidden)
+                        head_hidden=head_hidden, colour_stats=towers.colour_stats)
     proj = towers.vision_proj
     if proj is not None and tuple(proj.weight.shape) == tuple(model.heads.class_embed.weight.shape):
         with torch.no_grad():
@@ -100,15 +101,84 @@ def towers_from_config(spec: Dict[str, Any]) -> Towers:
 
 
 def towers_from_retrieval(ckpt: Dict[str, Any]) -> Towers:
-    """The towers of a loaded ``retrieval`` checkpoint (the contrastive model rebuilt and its weights loaded)."""
-    raise NotImplementedError("reading retrieval checkpoints needs the retrieval task")
+    """The towers of a loaded ``retrieval`` checkpoint: its dual encoder rebuilt from the checkpoint's
+    ``vit_config``, ``text_config`` and ``retrieval_options`` and its weights loaded; the tokenizer of its
+    context length; the colour statistics its images were standardised with (recomputed from its data settings
+    when it trained with ``normalize``)."""
+    from ..data.text import Tokenizer
+    from ..multimodal.retrieval import DualEncoder
+    from ..nn import ViTConfig
+    from ..nn.text import TextConfig, TextTransformer
+    from ..train.checkpoint import load_model_state
+
+    where = f"checkpoint {ckpt.get('path', '')}"
+    vision = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"], source=where, strict=False))
+    text = TextTransformer(TextConfig(**ckpt["text_config"]))
+    opts = ckpt.get("retrieval_options", {})
+    dual = DualEncoder(vision, text, embed_dim=int(opts.get("embed_dim", 64)))
+    load_model_state(dual, ckpt["model"], source=where)
+    tok = Tokenizer(context_length=int(opts.get("context_length", text.cfg.context_length)))
+    return Towers(dual.vision, ProjectedText(dual.text, dual.text_proj), tok, int(dual.text_proj.out_features),
+                  "rgbd" if dual.vision.cfg.modality == "rgbd" else "rgb", vision_proj=dual.vision_proj,
+                  source=str(ckpt.get("path", "retrieval")), colour_stats=_colour_stats(ckpt.get("train_config", {})))
+
+
+def _colour_stats(train_config: Dict[str, Any]) -> Optional[Tuple[Sequence[float], Sequence[float]]]:
+    """The per-channel mean and std a ``ropekit train`` run standardised its images with (``None`` without
+    ``normalize``): recomputed by loading its data."""
+    if not train_config.get("normalize", False):
+        return None
+    from ..train.config import TrainConfig
+    from ..train.trainer import load_data
+
+    _, _, info = load_data(TrainConfig.from_dict(train_config, source="the contrastive run", strict=False))
+    if info.mean is None:
+        return None
+    return tuple(info.mean)[:3], tuple(info.std)[:3]
+
+
+def pretrain_towers(encoding: str, input: str, seed: int, *, data: Dict[str, Any], towers: Dict[str, Any],
+                    schedule: Dict[str, Any], run_dir: Union[str, Path], device: str = "cpu",
+                    threads: int = 1) -> Dict[str, Any]:
+    """Train the contrastive model whose towers an open-vocabulary detector starts from (``ropekit train --task
+    retrieval`` on captioned scenes) into ``run_dir``; returns its final metrics row.
+
+    ``encoding``: the vision tower's ``pe``; ``input``: ``"rgb"`` (an RGB ViT: the depth channel ignored) or
+    ``"rgbd"`` (ViTD: depth as the third coordinate of a rotary encoding, as an input channel for APE);
+    ``data``: the owl recipe's scene settings (scene counts, size, objects, seed; the contrastive split uses
+    the same digits and generation seeds as :func:`~ropekit.detection.owl_task.load_scenes`); ``towers``: patch
+    size, vision width / depth / heads / MLP ratio, joint width and text width / depth / heads; ``schedule``:
+    epochs, batch size, lr, weight decay, warm-up epochs, min lr, gradient clipping.  Images are not
+    standardised (colours in ``[0, 1]``, as the detector reads them).
+    """
+    from ..multimodal.train import RetrievalConfig, RetrievalOptions, train_retrieval
+    from ..train.config import TrainConfig
+    from .model import is_rotary
+
+    if input not in ("rgb", "rgbd"):
+        raise ValueError(f"input must be 'rgb' or 'rgbd'; got {input!r}")
+    depth_input = "ignore" if input == "rgb" else ("coord" if is_rotary(encoding) else "channel")
+    opts = {k: data[k] for k in ("num_train", "num_test", "min_objects", "max_objects", "shape_fraction")}
+    tc = TrainConfig(data="captioned-scenes", data_options={**opts, "seed": int(data["seed"])},
+                     image_size=int(data["image_size"]), split_seed=int(data["seed"]), normalize=False,
+                     model="tiny", patch_size=int(towers["patch_size"]), pe=encoding, depth_input=depth_input,
+                     model_options={"embed_dim": towers["width"], "depth": towers["depth"],
+                                    "num_heads": towers["heads"], "mlp_ratio": towers["mlp_ratio"]},
+                     augment_shift=0, seed=int(seed), out=str(run_dir), device=device, threads=threads or None,
+                     progress=False, tensorboard=False, **schedule)
+    ro = RetrievalOptions(embed_dim=int(towers["embed_dim"]), text_width=int(towers["text_width"]),
+                          text_depth=int(towers["text_depth"]), text_heads=int(towers["text_heads"]), num_queries=0)
+    result = train_retrieval(RetrievalConfig(tc, ro), quiet=True)
+    if result.interrupted:
+        raise KeyboardInterrupt(f"contrastive pretraining interrupted; checkpoint saved in {run_dir}")
+    return {k: v for k, v in (result.final or {}).items() if isinstance(v, (int, float))}
 
 
 def _checkpoint_task(ckpt: Dict[str, Any]) -> str:
     """The task that wrote a loaded checkpoint (``"classification"`` for ``ropekit train``'s default)."""
     if "task" in ckpt and isinstance(ckpt["task"], str):
         return ckpt["task"]
-    for key, name in (("retrieval_config", "retrieval"), ("owl_config", "owl"), ("det_train_config", "detection"),
+    for key, name in (("retrieval_options", "retrieval"), ("owl_config", "owl"), ("det_train_config", "detection"),
                       ("policy_config", "robot")):
         if key in ckpt:
             return name
