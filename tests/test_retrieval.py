@@ -1,0 +1,219 @@
+"""Contrastive image-text training: the SigLIP loss, retrieval recall, the dual encoder and ``--task retrieval``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ropekit.cli import main
+from ropekit.multimodal import (DualEncoder, RetrievalConfig, RetrievalOptions, recall_ranks, retrieval_recall,
+                                siglip_loss, train_retrieval)
+from ropekit.nn import TextConfig, TextTransformer, VisionTransformer, vit_config
+from ropekit.train import TrainConfig
+
+TINY_VIT = dict(embed_dim=24, depth=1, num_heads=2)
+TINY_TEXT = dict(text_width=16, text_depth=1, text_heads=2, embed_dim=16)
+
+
+def _unit(x):
+    return F.normalize(x, dim=-1)
+
+
+def test_siglip_loss_matches_the_direct_float64_formula():
+    torch.manual_seed(0)
+    b, e = 7, 5
+    x, y = _unit(torch.randn(b, e, dtype=torch.float64)), _unit(torch.randn(b, e, dtype=torch.float64))
+    t, bias = torch.tensor(math.log(10.0), dtype=torch.float64), torch.tensor(-10.0, dtype=torch.float64)
+    direct = 0.0
+    for i in range(b):
+        for j in range(b):
+            z = 1.0 if i == j else -1.0
+            logit = math.exp(float(t)) * float(x[i] @ y[j]) + float(bias)
+            direct += math.log1p(math.exp(-z * logit))  # -log sigmoid(z * logit)
+    direct /= b
+    assert siglip_loss(x, y, t, bias).item() == pytest.approx(direct, rel=1e-12)
+    # float32 inputs agree to float32 precision; custom positives (two equal captions)
+    assert siglip_loss(x.float(), y.float(), t.float(), bias.float()).item() == pytest.approx(direct, rel=1e-5)
+    pos = torch.eye(b, dtype=torch.bool)
+    pos[0, 1] = pos[1, 0] = True
+    with_pos = siglip_loss(x, y, t, bias, pos).item()
+    logit01 = math.exp(float(t)) * float(x[0] @ y[1]) + float(bias)
+    logit10 = math.exp(float(t)) * float(x[1] @ y[0]) + float(bias)
+    expected = direct + (math.log1p(math.exp(-logit01)) - math.log1p(math.exp(logit01))
+                         + math.log1p(math.exp(-logit10)) - math.log1p(math.exp(logit10))) / b
+    assert with_pos == pytest.approx(expected, rel=1e-12)
+    # gradients reach the temperature and the bias
+    t2, b2 = t.clone().requires_grad_(), bias.clone().requires_grad_()
+    siglip_loss(x, y, t2, b2).backward()
+    assert t2.grad is not None and b2.grad is not None and b2.grad.abs() > 0
+    with pytest.raises(ValueError, match=r"both be \(B, E\)"):
+        siglip_loss(x, y[:3], t, bias)
+
+
+def _brute_force_recall(scores, relevant, k):
+    """Sort each row by score, breaking ties so that irrelevant items come first; a hit if a relevant item is in
+    the first k."""
+    hits = []
+    for s, rel in zip(scores.tolist(), relevant.tolist()):
+        order = sorted(range(len(s)), key=lambda j: (-s[j], rel[j]))  # ties: irrelevant (False) first
+        hits.append(any(rel[j] for j in order[:k]))
+    return sum(hits) / len(hits)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_recall_against_a_brute_force_reference_with_ties(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 40
+    # few distinct values: many exact ties
+    img = torch.randint(-2, 3, (n, 3), generator=g).float()
+    txt = torch.randint(-2, 3, (n, 3), generator=g).float()
+    keys = [int(v) for v in torch.randint(0, 30, (n,), generator=g)]  # some texts are equal
+    rec = retrieval_recall(img, txt, keys, ks=(1, 3, 5, 10), chunk=7)
+    key = torch.as_tensor(keys)
+    relevant = key[:, None] == key[None, :]
+    for k in (1, 3, 5, 10):
+        assert rec[f"i2t_r{k}"] == pytest.approx(_brute_force_recall(img @ txt.T, relevant, k))
+        assert rec[f"t2i_r{k}"] == pytest.approx(_brute_force_recall(txt @ img.T, relevant, k))
+    assert rec["mean_recall"] == pytest.approx(sum(v for k, v in rec.items() if k != "mean_recall") / 8)
+
+
+def test_recall_edge_cases():
+    e = torch.eye(4)
+    perfect = retrieval_recall(e, e)
+    assert perfect["i2t_r1"] == perfect["t2i_r1"] == perfect["mean_recall"] == 1.0
+    # all scores equal: ties count against the query, so nothing is retrieved at rank 1..3 among 4
+    flat = retrieval_recall(torch.ones(4, 2), torch.ones(4, 2), ks=(1, 3, 4))
+    assert flat["i2t_r1"] == flat["i2t_r3"] == 0.0 and flat["i2t_r4"] == 1.0
+    # equal captions make every one of their images right
+    same = retrieval_recall(torch.tensor([[1.0, 0], [0.9, 0.1]]), torch.tensor([[0.0, 1], [0.0, 1]]), ["a", "a"])
+    assert same["i2t_r1"] == 1.0 and same["t2i_r1"] == 1.0
+    with pytest.raises(ValueError, match="N > 0"):
+        retrieval_recall(torch.zeros(0, 2), torch.zeros(0, 2))
+    with pytest.raises(ValueError, match="at least one relevant"):
+        recall_ranks(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bool))
+
+
+def test_dual_encoder_embeds_rgbd_and_text_to_unit_vectors():
+    torch.manual_seed(0)
+    vit = VisionTransformer(vit_config("tiny", num_classes=0, in_chans=3, image_size=(16, 16), modality="rgbd",
+                                       patch_size=4, pe="cayley", **TINY_VIT))
+    text = TextTransformer(TextConfig(20, context_length=8, embed_dim=16, depth=1, num_heads=2))
+    model = DualEncoder(vit, text, embed_dim=12)
+    x = torch.rand(3, 4, 16, 16) + torch.tensor([0, 0, 0, 2.0]).view(1, 4, 1, 1)
+    img, txt = model(x, torch.randint(1, 20, (3, 8)))
+    assert img.shape == txt.shape == (3, 12)
+    assert torch.allclose(img.norm(dim=-1), torch.ones(3)) and torch.allclose(txt.norm(dim=-1), torch.ones(3))
+    assert model.logit_scale.item() == pytest.approx(math.log(10)) and model.logit_bias.item() == -10
+    assert {"logit_scale", "logit_bias"} <= model.no_weight_decay()
+    assert any(n.startswith("vision.") for n in model.no_weight_decay())  # the encodings
+    with pytest.raises(ValueError, match="num_classes=0"):
+        DualEncoder(VisionTransformer(vit_config("tiny", num_classes=3, **TINY_VIT)), text)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="unknown"):
+        RetrievalOptions.from_dict({"text_dept": 2})
+    with pytest.raises(ValueError, match="text_depth must be a positive"):
+        RetrievalOptions.from_dict({"text_depth": 0})
+    with pytest.raises(ValueError, match="unknown pe"):
+        RetrievalOptions.from_dict({"text_pe": "bogus"})
+
+
+def _tiny(tmp_path, pe="cayley", depth_input="auto", epochs=2, name="run"):
+    return RetrievalConfig(
+        TrainConfig(data="captioned-scenes", data_options={"num_train": 48, "num_test": 24}, image_size=16,
+                    patch_size=4, pe=pe, depth_input=depth_input, epochs=epochs, batch_size=16, threads=1,
+                    device="cpu", progress=False, tensorboard=False, augment_shift=0, model_options=TINY_VIT,
+                    out=str(tmp_path / name)),
+        RetrievalOptions(**TINY_TEXT, num_queries=2))
+
+
+def test_training_a_few_steps_writes_the_run_folder(tmp_path):
+    res = train_retrieval(_tiny(tmp_path), quiet=True)
+    run = tmp_path / "run"
+    for f in ("config.json", "checkpoint.pt", "metrics.csv", "summary.json", "curves.png", "queries.png"):
+        assert (run / f).is_file(), f
+    assert len(res.history) == 2 and res.history[-1]["train_loss"] < res.history[0]["train_loss"] * 1.5
+    f = res.final
+    assert all(0 <= f[k] <= 1 for k in ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "mean_recall"))
+    assert f["i2t_r1"] <= f["i2t_r5"] <= f["i2t_r10"]
+    config = json.loads((run / "config.json").read_text())
+    assert config["task"] == "retrieval" and config["model"]["num_classes"] == 0
+    assert config["model"]["depth_input"] == "coord"  # (auto, resolved: a rotary encoding takes depth as z)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["num_test_pairs"] == 24 and summary["mean_recall"] == pytest.approx(f["mean_recall"])
+
+
+@pytest.mark.slow
+def test_resume_continues_bit_for_bit(tmp_path):
+    full = train_retrieval(_tiny(tmp_path, epochs=2, name="full"), quiet=True)
+    train_retrieval(_tiny(tmp_path, epochs=1, name="part"), quiet=True)
+    cfg = _tiny(tmp_path, epochs=2, name="part")
+    resumed = train_retrieval(cfg, resume=True, quiet=True, allow_change=["epochs"])
+    assert resumed.history[-1]["train_loss"] == full.history[-1]["train_loss"]
+    assert resumed.history[-1]["mean_recall"] == full.history[-1]["mean_recall"]
+
+
+@pytest.mark.parametrize("pe,depth_input,coord_dim,chans", [("absolute", "ignore", 0, 3), ("absolute", "channel", 0, 4),
+                                                            ("cayley", "ignore", 2, 3), ("mixed", "coord", 3, 3)])
+def test_the_study_arms_build_the_intended_towers(tmp_path, pe, depth_input, coord_dim, chans):
+    from ropekit.multimodal import build_retrieval_task
+
+    task = build_retrieval_task(_tiny(tmp_path, pe=pe, depth_input=depth_input))
+    vit = task.model.vision
+    assert vit.patch_embed.proj.in_channels == chans
+    assert (vit.coord_dim if vit.cfg.rotary else 0) == coord_dim
+
+
+def test_data_without_captions_is_refused(tmp_path):
+    cfg = _tiny(tmp_path)
+    cfg.train = cfg.train.replace(data="digits", data_options={}, image_size=8, patch_size=2)
+    with pytest.raises(ValueError, match="retrieval needs captioned data"):
+        train_retrieval(cfg, quiet=True)
+
+
+def test_the_command_line(tmp_path, capsys):
+    out = tmp_path / "cli"
+    argv = ["train", "--task", "retrieval", "--data-opt", "num_train=32", "--data-opt", "num_test=16",
+            "--image-size", "16", "--patch-size", "4", "--epochs", "1", "--batch-size", "16", "--threads", "1",
+            "--device", "cpu", "--no-progress", "--no-tensorboard", "--out", str(out),
+            "--model-opt", "embed_dim=24", "--model-opt", "depth=1", "--task-opt", "text_width=16",
+            "--task-opt", "text_depth=1", "--task-opt", "num_queries=0"]
+    assert main(argv) == 0
+    assert "mean recall" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["train"]["data"] == "captioned-scenes" and config["retrieval"]["text_width"] == 16
+    assert not (out / "queries.png").exists()
+    assert main(["train", "--task", "retrieval", "--task-opt", "bogus=1", "--out", str(tmp_path / "x")]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert main(["train", "--task-opt", "text_width=8", "--out", str(tmp_path / "y")]) == 2
+    assert "takes no --task-opt" in capsys.readouterr().err
+
+
+def test_the_quick_study_writes_its_report(tmp_path):
+    from ropekit.experiments import compare_with_committed, run_experiment
+    from ropekit.experiments.retrieval import reading
+
+    out = tmp_path / "study"
+    res = run_experiment("retrieval", out=out, preset="quick", overrides={"progress": False},
+                         arms=["rgb-ape", "rgbd-cayley", "rgb-cayley"])
+    for f in ("retrieval.csv", "curves.csv", "retrieval.json", "table.md", "retrieval.png", "queries.png",
+              "config.json"):
+        assert (out / f).is_file(), f
+    assert "Cayley: RGB-D (depth as z) − RGB (2-D)" in res.table and "68.77" in res.table
+    doc = json.loads((out / "config.json").read_text())
+    assert doc["preset"] == "quick" and len(doc["runs"]) == 3
+    assert compare_with_committed(out) == []
+    doc["recipe"]["train"]["epochs"] = 99
+    (out / "config.json").write_text(json.dumps(doc))
+    assert any("train recipe differs" in d for d in compare_with_committed(out))
+    # a second call reads the finished runs back
+    again = run_experiment("retrieval", out=out, preset="quick", overrides={"progress": False},
+                           arms=["rgb-ape", "rgbd-cayley", "rgb-cayley"])
+    assert again.table == res.table
+    assert reading([0.02, 0.03, 0.025]) == "holds" and reading([0.02, -0.01, 0.03]) == "trend"
+    assert reading([0.01, -0.01, 0.0]) == "null" and reading([-0.03, -0.02, -0.025]) == "reversed"
