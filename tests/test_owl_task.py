@@ -97,3 +97,56 @@ def test_a_short_run_trains_evaluates_and_draws(tmp_path, boxes):
     # the run's checkpoint is an owl checkpoint: refused as towers
     with pytest.raises(ValueError, match="owl task"):
         load_towers(tmp_path / "run")
+
+
+def test_ropekit_train_task_owl(tmp_path, capsys):
+    from ropekit.cli import main
+
+    run = tmp_path / "owl"
+    argv = ["train", "--task", "owl", "--image-size", "16", "--data-opt", "num_train=8", "--data-opt", "num_test=4",
+            "--batch-size", "4", "--threads", "1", "--device", "cpu", "--no-progress", "--out", str(run),
+            "--task-opt", "steps=2", "--task-opt", "vocabulary=colour", "--task-opt", "unseen=purple"]
+    # scratch towers are not a command-line choice: init_from names the contrastive run
+    assert main(argv + ["--task-opt", "init_from=" + str(tmp_path / "none")]) == 2
+    assert "contrastive run not found" in capsys.readouterr().err
+    assert main(argv[:-2] + ["--task-opt", "colour=1"]) == 2
+    assert "unknown --task-opt colour" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_towers_from_a_contrastive_run_then_ropekit_train_task_owl(tmp_path, capsys):
+    pytest.importorskip("ropekit.multimodal.train")
+    import json
+
+    from ropekit.cli import main
+    from ropekit.detection.owl_towers import build_detector, pretrain_towers
+    from ropekit.experiments.owl import owl_recipe
+
+    r = owl_recipe("quick")
+    pretrain_towers("cayley", "rgbd", 0, data=r["data"], towers=r["towers"], schedule=r["pretrain"],
+                    run_dir=tmp_path / "pre")
+    towers = load_towers(tmp_path / "pre")
+    assert towers.input == "rgbd" and towers.embed_dim == r["towers"]["embed_dim"] and towers.colour_stats is None
+    model = build_detector(towers, "3d")  # the detector's towers are the contrastive model's, weights included
+    ckpt = torch.load(tmp_path / "pre" / "checkpoint.pt", weights_only=True)["model"]
+    assert torch.equal(model.heads.class_embed.weight, ckpt["vision_proj.weight"])
+    assert torch.equal(model.text.proj.weight, ckpt["text_proj.weight"])
+    assert torch.equal(model.vision.patch_embed.proj.weight, ckpt["vision.patch_embed.proj.weight"])
+    q = towers.tokenize(["red", "blue"])
+    emb = torch.nn.functional.normalize(model.encode_queries(q), dim=-1)
+    from ropekit.multimodal.retrieval import DualEncoder
+    from ropekit.nn import TextConfig, TextTransformer, ViTConfig, VisionTransformer
+
+    full = torch.load(tmp_path / "pre" / "checkpoint.pt", weights_only=True)
+    dual = DualEncoder(VisionTransformer(ViTConfig.from_dict(full["vit_config"], strict=False)),
+                       TextTransformer(TextConfig(**full["text_config"])), embed_dim=r["towers"]["embed_dim"])
+    dual.load_state_dict(full["model"])
+    assert torch.allclose(emb, dual.encode_text(q), atol=1e-6)  # queries embedded as the contrastive model does
+    argv = ["train", "--task", "owl", "--image-size", "16", "--data-opt", "num_train=8", "--data-opt", "num_test=4",
+            "--batch-size", "4", "--threads", "1", "--device", "cpu", "--no-progress", "--out", str(tmp_path / "owl"),
+            "--task-opt", "steps=2", "--task-opt", "vocabulary=colour", "--task-opt", "boxes=3d",
+            "--task-opt", f"init_from={tmp_path / 'pre'}"]
+    assert main(argv) == 0
+    assert "mean_iou" in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "owl" / "metrics.json").read_text())
+    assert 0.0 <= metrics["mean_iou"] <= 1.0 and (tmp_path / "owl" / "examples.png").is_file()

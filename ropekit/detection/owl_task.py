@@ -50,7 +50,10 @@ from .owl import OwlDetector, OwlLossConfig, owl_loss, owl_match, top_detections
 from .owl_towers import Towers, build_detector, load_towers, scratch_towers
 from .train import batch_indices
 
-__all__ = ["OwlTrainConfig", "OwlDataConfig", "OwlTaskConfig", "OwlTask", "OwlTargets", "owl_targets", "build_owl_task", "train_owl", "evaluate_owl", "plot_owl_examples", "DEFAULT_UNSEEN"]
+__all__ = ["OwlTrainConfig", "OwlDataConfig", "OwlTaskConfig", "OwlTask", "OwlTargets", "owl_targets", "class_split",
+           "vocabulary_names", "VOCABULARIES", "load_scenes", "build_owl_task", "train_owl", "evaluate_owl",
+           "plot_owl_examples", "owl_config_from_train", "run_owl_command", "DEFAULT_UNSEEN", "TASK_DEFAULTS",
+           "TASK_OPTIONS"]
 
 #: Classes held out of detection training by default: two digits and a shape.
 DEFAULT_UNSEEN: Tuple[str, ...] = ("7", "9", "triangle")
@@ -275,8 +278,77 @@ def _init_3d_prior(model: OwlDetector, scenes: Any, min_visible: float) -> None:
     model.init_box_prior(mean)
 
 
+#: ``TrainConfig`` values ``ropekit train --task owl`` starts from instead of classification's.
+TASK_DEFAULTS: Dict[str, Any] = {"data": "captioned-scenes", "batch_size": 32, "lr": 2e-3, "augment_shift": 0,
+                                 "grad_clip": 1.0}
+#: ``--task-opt`` keys: the task's own (``init_from``, ``boxes``, ``head_hidden``), the data's (:class:`OwlDataConfig`
+#: ``vocabulary``, ``unseen`` as a comma-separated string, ``min_visible``) and the schedule's (steps, warm-up,
+#: logging, loss weights, ``max_dets``, ``iou_samples``).
+TASK_OPTIONS = ("init_from", "boxes", "head_hidden", "vocabulary", "unseen", "min_visible", "steps", "warmup_steps",
+                "log_every", "class_weight", "box_weight", "giou_weight", "corner_weight", "max_dets", "iou_samples")
+
+
+def owl_config_from_train(cfg: Any, options: Dict[str, Any]) -> OwlTaskConfig:
+    """The :class:`OwlTaskConfig` of a ``ropekit train --task owl`` command line: ``cfg`` (a ``TrainConfig``) gives
+    the scenes (``--image-size``; ``--data-opt`` ``num_train``, ``num_test``, ``min_objects``, ``max_objects``,
+    ``shape_fraction``, ``seed``), the seed and the optimiser (``--batch-size``, ``--lr``, ``--weight-decay``,
+    ``--min-lr``, ``--grad-clip``); ``options`` (``--task-opt``) the rest, :data:`TASK_OPTIONS`.
+
+    Raises:
+        ValueError: another dataset than ``captioned-scenes``, an unknown option (one line, naming the known ones).
+    """
+    if cfg.data != "captioned-scenes":
+        raise ValueError(f"the owl task trains on --data captioned-scenes, got {cfg.data!r}")
+    bad = sorted(set(options) - set(TASK_OPTIONS))
+    if bad:
+        raise ValueError(f"unknown --task-opt {', '.join(bad)} for the owl task; known: {', '.join(TASK_OPTIONS)}")
+    data_keys = ("num_train", "num_test", "min_objects", "max_objects", "shape_fraction", "seed")
+    bad = sorted(set(cfg.data_options) - set(data_keys))
+    if bad:
+        raise ValueError(f"unknown --data-opt {', '.join(bad)} for the owl task; known: {', '.join(data_keys)}")
+    size = cfg.image_size if cfg.image_size is not None else 32
+    data = OwlDataConfig(image_size=int(size if isinstance(size, int) else size[0]),
+                         **{k: cfg.data_options[k] for k in data_keys if k in cfg.data_options},
+                         **{k: options[k] for k in ("vocabulary", "min_visible") if k in options})
+    if "unseen" in options:
+        data.unseen = tuple(w.strip() for w in str(options["unseen"]).split(",") if w.strip())
+    elif data.vocabulary == "colour":
+        data.unseen = ("purple", "cyan")
+    train = OwlTrainConfig(batch_size=cfg.batch_size, lr=cfg.lr, weight_decay=cfg.weight_decay, min_lr=cfg.min_lr,
+                           grad_clip=cfg.grad_clip, seed=cfg.seed,
+                           **{k: options[k] for k in TASK_OPTIONS[6:] if k in options})
+    return OwlTaskConfig(init_from=options.get("init_from"), boxes=str(options.get("boxes", "2d")), data=data,
+                         train=train, head_hidden=int(options.get("head_hidden", 0)))
+
+
+def run_owl_command(cfg: Any, options: Dict[str, Any], *, resume: bool = False, allow_change: Any = ()) -> int:
+    """``ropekit train --task owl``: train in ``--out`` (default ``runs/owl-<boxes>-s<seed>``), evaluate on the
+    test scenes, write ``metrics.json`` and ``examples.png`` there and print the headline metrics; the exit
+    status."""
+    import json
+
+    from ..train.engine import EngineOptions
+
+    if resume:
+        raise ValueError("owl runs are not resumed: start the run again (it takes minutes)")
+    ocfg = owl_config_from_train(cfg, options)
+    out = Path(cfg.out or f"runs/owl-{ocfg.boxes}-s{cfg.seed}")
+    train_set, test_set = load_scenes(ocfg.data)
+    opts = EngineOptions(device=cfg.device, precision=cfg.precision, threads=cfg.threads, progress=cfg.progress,
+                         tensorboard=cfg.tensorboard)
+    model, towers, _ = train_owl(ocfg, train_set, out_dir=out, options=opts)
+    metrics = evaluate_owl(model, test_set, towers.tokenize, ocfg.data, ocfg.train)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    plot_owl_examples(model, test_set, towers.tokenize, out / "examples.png", data=ocfg.data)
+    keys = ("AP", "AP50", "AP_seen", "AP_unseen") if ocfg.boxes == "2d" else ("mean_iou", "mean_iou_seen",
+                                                                            "mean_iou_unseen")
+    print("  ".join(f"{k} {metrics[k]:.4f}" for k in keys) + f"; run folder {out}")
+    return 0
+
+
 @register_task("owl", "open-vocabulary 2-D / 3-D boxes by text query (OWL-ViT) from a contrastive run's towers",
-               config=OwlTaskConfig, command="ropekit experiment owl")
+               config=OwlTaskConfig, defaults=TASK_DEFAULTS,
+               train=lambda cfg, options, **kw: run_owl_command(cfg, options, **kw))
 def build_owl_task(cfg: OwlTaskConfig, scenes: Any = None) -> OwlTask:
     """The :class:`OwlTask` of ``cfg``: towers from ``cfg.init_from`` (or scratch), the detector seeded by
     ``cfg.train.seed``, the training scenes generated from ``cfg.data`` (or ``scenes``)."""
