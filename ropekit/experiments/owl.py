@@ -293,8 +293,8 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
     lines = [f"# owl: open-vocabulary detection from contrastive towers ({preset} preset)\n",
              f"{len(r['seeds'])} seeds; {r['data']['num_train']} training / {r['data']['num_test']} test scenes of "
              f"{r['data']['image_size']}×{r['data']['image_size']} pixels, 1–{r['data']['max_objects']} objects; "
-             f"classes held out of detection training (seen in the captions only): "
-             f"{', '.join(repr(u) for u in r['data']['unseen'])}. Towers: ViT width {r['towers']['width']}, depth "
+             f"queries are {r['data']['vocabulary']} words; held out of detection training (seen in the captions "
+             f"only): {', '.join(repr(u) for u in r['data']['unseen'])}. Towers: ViT width {r['towers']['width']}, depth "
              f"{r['towers']['depth']}, patches of {r['towers']['patch_size']}; contrastive pretraining "
              f"{r['pretrain']['epochs']} epochs; detector {r['owl']['steps']} steps of {r['owl']['batch_size']}. "
              f"Mean ± sample standard deviation over seeds.\n",
