@@ -508,7 +508,7 @@ def plot_owl_examples(model: OwlDetector, scenes: Any, tokenize: Callable[[List[
         ax.set_xlim(0, W)
         ax.set_ylim(H, 0)
         ax.axis("off")
-    fig.suptitle(f"{model.boxes.upper()} boxes by text query: the best box for each query (cyan: class seen in "
+    fig.suptitle(f"{model.boxes.upper()} boxes by text query: the best box for each query (cyan: word seen in "
                  f"detection training, orange: held out; dashed: truth)", fontsize=7)
     fig.tight_layout()
     path = Path(path)
