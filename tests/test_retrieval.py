@@ -146,20 +146,44 @@ def test_training_a_few_steps_writes_the_run_folder(tmp_path):
     assert config["model"]["depth_input"] == "coord"  # (auto, resolved: a rotary encoding takes depth as z)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["num_test_pairs"] == 24 and summary["mean_recall"] == pytest.approx(f["mean_recall"])
+    # the run folder gives back the trained towers: the same test embeddings, hence the same recall
+    from ropekit.multimodal import load_retrieval_run
+
+    model, tok, cfg = load_retrieval_run(run)
+    assert cfg.options.text_width == 16 and tok.context_length == cfg.options.context_length
+    test = res.model  # (the trained model, in memory)
+    ids = tok(["a big red 3", "a small blue square . the blue square is behind the red 3"])
+    assert torch.allclose(model.encode_text(ids), test.encode_text(ids), atol=1e-6)
+    with pytest.raises(ValueError, match="not a retrieval run"):
+        load_retrieval_run_of_classification(tmp_path)
+
+
+def load_retrieval_run_of_classification(tmp_path):
+    from ropekit.multimodal import load_retrieval_run
+    from ropekit.train import train
+
+    train(TrainConfig(data="digits", train_fraction=0.05, epochs=1, batch_size=16, image_size=8, patch_size=2,
+                      threads=1, device="cpu", progress=False, tensorboard=False, out=str(tmp_path / "cls"),
+                      model_options=dict(embed_dim=8, depth=1, num_heads=1)), quiet=True)
+    load_retrieval_run(tmp_path / "cls")
 
 
 @pytest.mark.slow
 def test_resume_continues_bit_for_bit(tmp_path):
+    """A run stopped mid-epoch (the engine saves a checkpoint) and resumed ends where an uninterrupted run ends."""
     full = train_retrieval(_tiny(tmp_path, epochs=2, name="full"), quiet=True)
-    train_retrieval(_tiny(tmp_path, epochs=1, name="part"), quiet=True)
-    cfg = _tiny(tmp_path, epochs=2, name="part")
-    resumed = train_retrieval(cfg, resume=True, quiet=True, allow_change=["epochs"])
+    part = train_retrieval(_tiny(tmp_path, epochs=2, name="part"), quiet=True, on_step=lambda step: step == 4)
+    assert part.interrupted
+    resumed = train_retrieval(_tiny(tmp_path, epochs=2, name="part"), resume=True, quiet=True)
     assert resumed.history[-1]["train_loss"] == full.history[-1]["train_loss"]
     assert resumed.history[-1]["mean_recall"] == full.history[-1]["mean_recall"]
+    for a, b in zip(resumed.model.state_dict().values(), full.model.state_dict().values()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("pe,depth_input,coord_dim,chans", [("absolute", "ignore", 0, 3), ("absolute", "channel", 0, 4),
-                                                            ("cayley", "ignore", 2, 3), ("mixed", "coord", 3, 3)])
+                                                            ("cayley", "ignore", 2, 3), ("mixed", "coord", 3, 3),
+                                                            ("cayley", "both", 3, 4)])
 def test_the_study_arms_build_the_intended_towers(tmp_path, pe, depth_input, coord_dim, chans):
     from ropekit.multimodal import build_retrieval_task
 
@@ -171,7 +195,7 @@ def test_the_study_arms_build_the_intended_towers(tmp_path, pe, depth_input, coo
 
 def test_data_without_captions_is_refused(tmp_path):
     cfg = _tiny(tmp_path)
-    cfg.train = cfg.train.replace(data="digits", data_options={}, image_size=8, patch_size=2)
+    cfg.train = cfg.train.replace(data="rgbd-digits", data_options={"num_train": 8, "num_test": 4})
     with pytest.raises(ValueError, match="retrieval needs captioned data"):
         train_retrieval(cfg, quiet=True)
 

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 COMMITTED = ["classify", "shuffle", "offset", "resolution", "data-efficiency", "exact-vs-relaxed", "video",
              "ablations", "scale", "data-efficiency-depth6", "video-depth6", "resolution-depth6", "shuffle-depth6",
-             "exact-vs-relaxed-depth6", "ablations-depth6", "classify-depth6", "offset-depth6", "detect3d", "robot", "owl",
-             "gpu/classify"]
+             "exact-vs-relaxed-depth6", "ablations-depth6", "classify-depth6", "offset-depth6", "detect3d", "robot",
+             "gpu/classify", "retrieval", "owl"]
 
 
 @pytest.mark.parametrize("study", COMMITTED)

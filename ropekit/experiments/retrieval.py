@@ -10,7 +10,9 @@ Arms (:data:`ARMS`), each a vision tower of the same width and depth:
 * ``rgbd-ape`` -- the same with depth as a fourth input channel;
 * ``rgbd-rope``, ``rgbd-mixed``, ``rgbd-circulant``, ``rgbd-cayley`` -- axial RoPE, RoPE-Mixed, Circulant-STRING and
   Cayley-STRING with depth as the third coordinate of every patch (ViTD);
-* ``rgb-cayley`` -- Cayley-STRING on RGB only (2-D coordinates).
+* ``rgb-cayley`` -- Cayley-STRING on RGB only (2-D coordinates);
+* ``rgbd-cayley-both`` -- Cayley-STRING with depth both as a fourth input channel and as the third coordinate
+  (``depth_input="both"``), which separates what the coordinate adds from what the depth values as input add.
 
 Every arm trains the pinned recipe (:data:`RECIPES`; presets ``default`` for the 2-core CPU, ``gpu`` for one GPU,
 ``quick`` for the tests) over the same seeds; a seed fixes the initialisation and the data order of every arm, so
@@ -46,6 +48,7 @@ ARMS: Dict[str, Tuple[str, str, str]] = {
     "rgbd-circulant": ("RGB-D, Circulant-STRING, depth as z", "circulant", "coord"),
     "rgbd-cayley": ("RGB-D, Cayley-STRING, depth as z", "cayley", "coord"),
     "rgb-cayley": ("RGB, Cayley-STRING (2-D)", "cayley", "ignore"),
+    "rgbd-cayley-both": ("RGB-D, Cayley-STRING, depth as channel and z", "cayley", "both"),
 }
 BASELINE = "rgb-ape"
 
@@ -119,6 +122,9 @@ def _train_run(r: Dict[str, Any], arm: str, seed: int, run_dir: Path, threads: O
                "retrieval": {k: doc.get("retrieval", {}).get(k) for k in want["retrieval"]}}
         same = json.loads(json.dumps(got)) == json.loads(json.dumps(want))
     if not same and run_dir.exists():
+        if (run_dir / ".lock").exists():
+            raise RuntimeError(f"{run_dir} is being written by another process (its .lock is held); run the study "
+                               f"again when it is done")
         shutil.rmtree(run_dir)  # another recipe's run: start again
     finished = same and summary_path.is_file() and \
         json.loads(summary_path.read_text()).get("epochs_done") == r["train"]["epochs"]
@@ -215,6 +221,10 @@ def run_retrieval_study(preset: str, out: Path, *, seeds: Optional[Sequence[int]
         compare("rgbd-cayley", "rgb-cayley", "Cayley: RGB-D (depth as z) − RGB (2-D)")
     if "rgbd-ape" in r["arms"] and "rgbd-cayley" in r["arms"]:
         compare("rgbd-cayley", "rgbd-ape", "RGB-D: Cayley (depth as z) − APE (depth as channel)")
+    if "rgbd-ape" in r["arms"] and "rgbd-cayley-both" in r["arms"]:
+        compare("rgbd-cayley-both", "rgbd-ape", "RGB-D, depth as channel: Cayley (and depth as z) − APE")
+    if "rgbd-cayley" in r["arms"] and "rgbd-cayley-both" in r["arms"]:
+        compare("rgbd-cayley-both", "rgbd-cayley", "Cayley RGB-D: depth as channel and z − depth as z only")
 
     n_test = rows[0] and r["train"]["data_options"]["num_test"]
     tcfg, mo = r["train"], r["train"]["model_options"]

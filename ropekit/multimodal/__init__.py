@@ -13,7 +13,8 @@ The data are :mod:`ropekit.data.captioned`, the tokenizer :mod:`ropekit.data.tex
 
 from .retrieval import RECALL_KS, DualEncoder, recall_ranks, retrieval_recall, siglip_loss
 from .train import (RetrievalConfig, RetrievalOptions, RetrievalResult, RetrievalTask, build_retrieval_task,
-                    train_retrieval)
+                    load_retrieval_run, train_retrieval)
 
 __all__ = ["siglip_loss", "retrieval_recall", "recall_ranks", "DualEncoder", "RECALL_KS", "RetrievalConfig",
-           "RetrievalOptions", "RetrievalTask", "RetrievalResult", "build_retrieval_task", "train_retrieval"]
+           "RetrievalOptions", "RetrievalTask", "RetrievalResult", "build_retrieval_task", "train_retrieval",
+           "load_retrieval_run"]

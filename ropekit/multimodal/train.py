@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +51,7 @@ from ..train.trainer import default_run_dir, load_data, resolve_threads, resume_
 from .retrieval import RECALL_KS, DualEncoder, retrieval_recall, siglip_loss
 
 __all__ = ["RetrievalOptions", "RetrievalConfig", "RetrievalTask", "RetrievalResult", "build_retrieval_task",
-           "train_retrieval", "run_retrieval_command", "METRIC_COLUMNS", "TASK_DEFAULTS"]
+           "train_retrieval", "load_retrieval_run", "run_retrieval_command", "METRIC_COLUMNS", "TASK_DEFAULTS"]
 
 #: ``metrics.csv`` columns of a retrieval run.
 METRIC_COLUMNS = ("epoch", "train_loss", *(f"{d}_r{k}" for d in ("i2t", "t2i") for k in RECALL_KS), "mean_recall",
@@ -321,13 +321,15 @@ class RetrievalResult:
 
 
 def train_retrieval(cfg: RetrievalConfig, *, resume: bool = False, quiet: bool = False,
-                    allow_change: Sequence[str] = ()) -> RetrievalResult:
+                    allow_change: Sequence[str] = (),
+                    on_step: Optional[Callable[[int], Optional[bool]]] = None) -> RetrievalResult:
     """Train the dual encoder of ``cfg`` in the run folder ``cfg.train.out`` (default
     ``runs/<data>-<pe>-<model>-s<seed>-<time>``); see the module docstring for what it holds.
 
     ``resume`` continues the run's checkpoint exactly (the same rules as ``ropekit train --resume``: the options
     must equal the run's, except those that never change results and, with ``allow_change``, epochs, precision
-    and eval_batch_size; the retrieval options must be equal).
+    and eval_batch_size; the retrieval options must be equal). ``on_step(global_step)`` is called after every
+    step; returning ``True`` stops the run as Ctrl-C does (a checkpoint is saved, mid-epoch if need be).
 
     Raises:
         ValueError: bad options, data without captions, a folder that already holds a run (without ``resume``);
@@ -373,7 +375,7 @@ def train_retrieval(cfg: RetrievalConfig, *, resume: bool = False, quiet: bool =
                                "num_test_pairs": len(task.test_index)}}
         res = engine.fit(task, engine.FitOptions(
             schedule, tc.epochs, execution=tc.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
-            resume=ckpt is not None, ctx=ctx, quiet=quiet, config_doc=config_doc,
+            resume=ckpt is not None, ctx=ctx, quiet=quiet, config_doc=config_doc, on_step=on_step,
             checkpoint_extra={"vit_config": vit.to_dict(), "train_config": tc.to_dict(),
                               "retrieval_options": cfg.options.to_dict(), "text_config": task.model.text.cfg.to_dict()},
             metric_columns=METRIC_COLUMNS, fresh_start=fresh_start))
@@ -382,6 +384,31 @@ def train_retrieval(cfg: RetrievalConfig, *, resume: bool = False, quiet: bool =
     finally:
         torch.set_num_threads(previous_threads)
         ctx.close()
+
+
+def load_retrieval_run(run_dir: Any, device: Any = "cpu") -> Tuple[DualEncoder, Tokenizer, RetrievalConfig]:
+    """The trained dual encoder of a retrieval run folder (or its checkpoint file), its tokenizer and its
+    configuration -- e.g. to embed images and texts, or to start another model from its towers.
+
+    >>> model, tok, cfg = load_retrieval_run("runs/retrieval-cayley")                   # doctest: +SKIP
+    >>> model.encode_text(tok(["a big red 3"]))                                        # (1, E), unit norm
+
+    Raises:
+        FileNotFoundError, CheckpointError: no such run, or no readable checkpoint; ValueError: not a retrieval run.
+    """
+    config, ckpt = load_run(run_dir)
+    if "retrieval_options" not in ckpt or "text_config" not in ckpt:
+        raise ValueError(f"{run_dir} is not a retrieval run (its checkpoint has no text tower)")
+    from ..nn import ViTConfig
+
+    tc = TrainConfig.from_dict(ckpt.get("train_config", {}), source="the run's config", strict=False)
+    options = RetrievalOptions.from_dict(ckpt["retrieval_options"], source="the run's config", strict=False)
+    vit = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"], source="the run's config", strict=False))
+    text_cfg = TextConfig(**ckpt["text_config"])
+    model = DualEncoder(vit, TextTransformer(text_cfg), options.embed_dim)
+    load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
+    model.to(device).eval()
+    return model, Tokenizer(context_length=text_cfg.context_length), RetrievalConfig(tc, options)
 
 
 def run_retrieval_command(cfg: TrainConfig, task_options: Dict[str, Any], *, resume: bool = False,
