@@ -27,7 +27,8 @@ pairs, every object counted (an unmatched one as 0), with every class queried; `
 
 Towers.  ``init_from`` names a run folder or checkpoint of the ``retrieval`` task (:func:`load_towers`); a
 checkpoint of another task is refused with a one-line error.  With ``init_from=None`` both towers start from
-scratch (the no-pretraining control), built by the retrieval task's own builders from ``towers``.
+scratch (the no-pretraining control): a ViT, the text transformer and their projections built from ``towers``
+(:func:`~ropekit.detection.owl_towers.towers_from_config`).
 """
 
 from __future__ import annotations

@@ -206,6 +206,5 @@ def load_towers(path: Union[str, Path]) -> Towers:
 
 
 def scratch_towers(spec: Optional[Dict[str, Any]]) -> Towers:
-    """Towers from scratch, built by the retrieval task from its configuration ``spec`` (``None``: its
-    defaults)."""
+    """Towers from scratch (:func:`towers_from_config` of ``spec``; ``None``: :data:`SCRATCH_DEFAULTS`)."""
     return towers_from_config(spec or {})
