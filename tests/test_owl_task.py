@@ -150,3 +150,22 @@ def test_towers_from_a_contrastive_run_then_ropekit_train_task_owl(tmp_path, cap
     assert "mean_iou" in capsys.readouterr().out
     metrics = json.loads((tmp_path / "owl" / "metrics.json").read_text())
     assert 0.0 <= metrics["mean_iou"] <= 1.0 and (tmp_path / "owl" / "examples.png").is_file()
+
+
+def test_colour_statistics_of_a_standardised_contrastive_run_are_applied():
+    from ropekit.detection.owl_towers import _colour_stats
+
+    cfg = {"data": "captioned-scenes", "data_options": {"num_train": 8, "num_test": 4}, "image_size": 16}
+    assert _colour_stats({**cfg, "normalize": False}) is None
+    mean, std = _colour_stats({**cfg, "normalize": True})
+    assert len(mean) == len(std) == 3 and all(0 < m < 1 for m in mean) and all(s > 0 for s in std)
+    towers = towers_from_config(SMALL)
+    from ropekit.detection.owl_towers import build_detector
+
+    plain = build_detector(towers, "2d")
+    towers.colour_stats = (mean, std)
+    standardising = build_detector(towers, "2d")  # (the same tower modules)
+    x = torch.rand(1, 4, 16, 16)
+    xs = x.clone()
+    xs[:, :3] = (x[:, :3] - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    assert torch.allclose(standardising.tokens(x)[0], plain.tokens(xs)[0], atol=1e-5)

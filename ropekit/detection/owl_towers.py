@@ -100,27 +100,18 @@ def towers_from_config(spec: Dict[str, Any]) -> Towers:
                   vision_proj=nn.Linear(vision.cfg.embed_dim, e), source="scratch")
 
 
-def towers_from_retrieval(ckpt: Dict[str, Any]) -> Towers:
-    """The towers of a loaded ``retrieval`` checkpoint: its dual encoder rebuilt from the checkpoint's
-    ``vit_config``, ``text_config`` and ``retrieval_options`` and its weights loaded; the tokenizer of its
-    context length; the colour statistics its images were standardised with (recomputed from its data settings
-    when it trained with ``normalize``)."""
-    from ..data.text import Tokenizer
-    from ..multimodal.retrieval import DualEncoder
-    from ..nn import ViTConfig
-    from ..nn.text import TextConfig, TextTransformer
-    from ..train.checkpoint import load_model_state
+def towers_from_retrieval(path: Union[str, Path]) -> Towers:
+    """The towers of a ``retrieval`` run folder or checkpoint (:func:`ropekit.multimodal.train.load_retrieval_run`):
+    its vision tower and image projection, its text tower with the text projection, its tokenizer, and the colour
+    statistics its images were standardised with (recomputed from its data settings when it trained with
+    ``normalize``)."""
+    from ..multimodal.train import load_retrieval_run
 
-    where = f"checkpoint {ckpt.get('path', '')}"
-    vision = VisionTransformer(ViTConfig.from_dict(ckpt["vit_config"], source=where, strict=False))
-    text = TextTransformer(TextConfig(**ckpt["text_config"]))
-    opts = ckpt.get("retrieval_options", {})
-    dual = DualEncoder(vision, text, embed_dim=int(opts.get("embed_dim", 64)))
-    load_model_state(dual, ckpt["model"], source=where)
-    tok = Tokenizer(context_length=int(opts.get("context_length", text.cfg.context_length)))
+    dual, tok, rcfg = load_retrieval_run(path)
+    dual.train()
     return Towers(dual.vision, ProjectedText(dual.text, dual.text_proj), tok, int(dual.text_proj.out_features),
                   "rgbd" if dual.vision.cfg.modality == "rgbd" else "rgb", vision_proj=dual.vision_proj,
-                  source=str(ckpt.get("path", "retrieval")), colour_stats=_colour_stats(ckpt.get("train_config", {})))
+                  source=str(path), colour_stats=_colour_stats(rcfg.train.to_dict()))
 
 
 def _colour_stats(train_config: Dict[str, Any]) -> Optional[Tuple[Sequence[float], Sequence[float]]]:
@@ -202,7 +193,7 @@ def load_towers(path: Union[str, Path]) -> Towers:
     if task != "retrieval":
         raise ValueError(f"{ckpt['path']} is a checkpoint of the {task} task; open-vocabulary detection starts "
                          f"from a contrastive run (ropekit train --task retrieval)")
-    return towers_from_retrieval(ckpt)
+    return towers_from_retrieval(p)
 
 
 def scratch_towers(spec: Optional[Dict[str, Any]]) -> Towers:
