@@ -32,7 +32,7 @@ _TRAIN = ("numpy", "tqdm", "yaml", "matplotlib", "PIL", "sklearn", "mlxtend", "t
 #: an extra that includes another listing that one's modules too); ``all`` and ``test`` are left out.
 EXTRAS: Dict[str, Tuple[str, ...]] = {
     "train": _TRAIN,
-    "studies": _TRAIN + ("scipy",),
+    "studies": _TRAIN + ("scipy", "pycocotools"),
     "sim": _TRAIN + ("pybullet",),
     "aloha": _TRAIN + ("gym_aloha",),
     "timm": ("timm",),

@@ -16,7 +16,7 @@ from ropekit.cli import main
 from ropekit.train.distributed import DistContext
 from ropekit.train.tasks import TASK_MODULES, TASKS, lookup_task, register_task, task_names
 
-NAMES = ["classification", "detection", "robot", "aloha", "retrieval"]
+NAMES = ["classification", "detection", "robot", "aloha", "retrieval", "owl"]
 SMALL_POLICY = dict(vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48, "num_heads": 1},
                     pe_options={"block_size": 8}, hidden_dim=64, cond_dim=64, num_blocks=1, num_inference_steps=2,
                     horizon=4, n_action_steps=2)
@@ -31,7 +31,7 @@ def test_listing_the_tasks_imports_none_of_their_modules():
 
 def test_an_unknown_task_is_one_line_naming_the_known_ones():
     with pytest.raises(ValueError, match=r"^unknown task 'nope'; known: classification, detection, robot, aloha, "
-                                         r"retrieval$"):
+                                         r"retrieval, owl$"):
         lookup_task("nope")
 
 
@@ -79,6 +79,13 @@ def _tiny_config(name: str, tmp_path):
         return DetectionTaskConfig(str(tmp_path / "scenes.npz"),
                                    detector_config("cayley", "rgbd", image_size=size, patch_size=8, depth=1),
                                    DetTrainConfig(steps=2, batch_size=2, log_every=1))
+    if name == "owl":
+        from ropekit.detection.owl_task import OwlDataConfig, OwlTaskConfig, OwlTrainConfig
+
+        towers = {"vit": {"embed_dim": 24, "depth": 1, "num_heads": 2}, "image_size": 16, "embed_dim": 16,
+                  "text": {"embed_dim": 16, "depth": 1, "num_heads": 2}}
+        return OwlTaskConfig(towers=towers, data=OwlDataConfig(num_train=4, num_test=2, image_size=16),
+                             train=OwlTrainConfig(steps=2, batch_size=2, log_every=1))
     from ropekit.robot.train import PolicyTrainConfig
 
     n, size, rng = 6, 32, np.random.default_rng(0)
@@ -131,7 +138,7 @@ def test_ropekit_train_lists_the_tasks_and_points_to_the_command_of_the_others(c
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--task TASK" in help_text and "training task: classification, detection, robot, aloha, retrieval" in \
+    assert "--task TASK" in help_text and "training task: classification, detection, robot, aloha, retrieval, owl" in \
         help_text
     for name in ("detection", "robot", "aloha"):
         assert main(["train", "--task", name]) == 2

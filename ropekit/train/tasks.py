@@ -46,6 +46,7 @@ TASK_MODULES: Dict[str, str] = {
     "robot": "ropekit.robot.train",
     "aloha": "ropekit.robot.aloha.policy",
     "retrieval": "ropekit.multimodal.train",
+    "owl": "ropekit.detection.owl_task",
 }
 
 

@@ -1,0 +1,64 @@
+"""``ropekit experiment owl``: its plan, its readings, and the quick preset end to end (contrastive pretraining,
+2-D and 3-D open-vocabulary detectors, the report)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("pycocotools")
+
+from ropekit.experiments.owl import compare_owl, owl_recipe, planned, reading  # noqa: E402
+
+
+def test_the_plan_pretrains_every_tower_once_per_seed():
+    r = owl_recipe("default")
+    plan = planned(r)
+    pre = [p for p in plan if p[0] == "pretrain"]
+    assert len(pre) == len(r["seeds"]) * (len(r["encodings"]) + 1)  # + the ViTD (Cayley RGB-D) towers
+    assert ("pretrain", "cayley", "rgbd", 0) in pre and ("pretrain", "absolute", "rgb", 2) in pre
+    assert sum(p[0] == "owl2d" for p in plan) == 7 * 3 and sum(p[0] == "owl3d" for p in plan) == 3 * 3
+    for kind, enc, inp, seed in plan:  # every detector's towers are pretrained before it, in the same seed
+        if kind != "pretrain":
+            assert plan.index(("pretrain", enc, inp, seed)) < plan.index((kind, enc, inp, seed))
+    with pytest.raises(ValueError, match="unknown preset"):
+        owl_recipe("tpu")
+
+
+def test_readings():
+    assert reading([0.05, 0.04, 0.06]) == "holds"
+    assert reading([0.05, 0.04, -0.01]) == "trend"   # a seed against, mean above half a spread
+    assert reading([0.01, -0.02, 0.015]) == "null"
+    assert reading([-0.05, -0.04, -0.06]) == "reversed"
+    assert reading([0.05]) == "-"
+    assert reading([0.05, 0.04, 0.06], claimed=-1) == "reversed"
+
+
+@pytest.mark.slow
+def test_quick_study_end_to_end(tmp_path):
+    pytest.importorskip("ropekit.multimodal.train")
+    from ropekit.experiments import run_experiment
+
+    res = run_experiment("owl", quick=True, out=tmp_path / "owl")
+    out = tmp_path / "owl"
+    for name in ("owl.csv", "owl.json", "table.md", "owl.png", "config.json", "command.txt", "examples_2d.png",
+                 "examples_3d.png"):
+        assert (out / name).is_file(), name
+    doc = json.loads((out / "owl.json").read_text())
+    kinds = sorted((x["kind"], x["encoding"], x["input"]) for x in doc["rows"])
+    assert kinds == [("owl2d", "absolute", "rgb"), ("owl2d", "cayley", "rgb"), ("owl3d", "cayley", "rgb"),
+                     ("owl3d", "cayley", "rgbd")]
+    for x in doc["rows"]:
+        key = "AP_unseen" if x["kind"] == "owl2d" else "mean_iou"
+        assert key in x
+    table = res.table
+    assert "AP_seen" in table and "ViTD (RGB-D)" in table and "ComRoPE, Table 2" in table
+    assert compare_owl(json.loads((out / "config.json").read_text())) == []
+    # resuming reads every finished run back instead of training it again
+    before = {p: p.stat().st_mtime for p in (out / "runs").glob("*/metrics.json")}
+    run_experiment("owl", quick=True, out=out)
+    assert {p: p.stat().st_mtime for p in (out / "runs").glob("*/metrics.json")} == before
+    doc = json.loads((out / "config.json").read_text())
+    doc["recipe"]["owl"]["steps"] = 99
+    assert any("recipe owl" in d for d in compare_owl(doc))
