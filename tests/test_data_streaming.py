@@ -13,6 +13,7 @@ from ropekit.data import (
     DataFileError,
     ImageFolderStream,
     ShardStream,
+    decode_image,
     decode_rgb,
     is_stream,
     load_dataset,
@@ -109,7 +110,7 @@ def test_skipped_batches_are_not_decoded(id_data):
 
     def transform(img):
         calls.append(1)
-        return torch.from_numpy(np.array(img)).permute(2, 0, 1)
+        return img
 
     for ds in (ImageFolderStream(root / "folder", transform), ShardStream(root / "shards", transform)):
         calls.clear()
@@ -174,6 +175,8 @@ def test_decode_modes(tmp_path):
         "rgba.png": (Image.fromarray(np.dstack([rgb, np.full((5, 7), 9, np.uint8)]), "RGBA"), rgb),
         "p.png": (Image.fromarray(rgb).quantize(16), None),
         "cmyk.jpg": (Image.fromarray(rgb).convert("CMYK"), None),
+        "rgb.jpg": (Image.fromarray(rgb), None),
+        "l.jpg": (Image.fromarray(rgb[..., 0], "L"), None),
         "one.png": (Image.fromarray(rgb[..., 0] > 127),
                     np.repeat(((rgb[..., :1] > 127) * 255).astype(np.uint8), 3, -1)),
     }
@@ -183,6 +186,8 @@ def test_decode_modes(tmp_path):
         assert out.shape == (5, 7, 3) and out.dtype == np.uint8, name
         if want is not None:
             np.testing.assert_array_equal(out, want, err_msg=name)
+        # the streams' decoder (torchvision's for JPEG) gives Pillow's pixels as a (3, H, W) tensor
+        np.testing.assert_array_equal(decode_image(tmp_path / name).permute(1, 2, 0).numpy(), out, err_msg=name)
     # 16-bit greyscale: scaled to 8 bits, not clipped at 255
     wide = np.array([[0, 257, 32896, 65535]], dtype=np.uint16)
     Image.fromarray(wide).save(tmp_path / "w.png")

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._optional import require
 from ._common import DataFileError, PathLike, stratified_split
-from .streaming import IMAGE_KEYS, MANIFEST_NAME, ShardStream, decode_rgb, read_manifest, scan_image_folder
+from .streaming import IMAGE_KEYS, MANIFEST_NAME, ShardStream, decode_image, read_manifest, scan_image_folder
 
 __all__ = ["write_shards", "check_data", "describe_data"]
 
@@ -174,7 +174,7 @@ def check_data(path: PathLike, *, progress: Progress = None) -> Dict[str, Any]:
                             if key is None or "cls" not in raw:
                                 raise DataFileError(where, "sample lacks its " + ("image" if key is None else
                                                                                   "label (.cls)") + " entry")
-                            decode_rgb(raw[key], name=where)
+                            decode_image(raw[key], name=where)
                         except DataFileError as e:
                             bad.append(str(e))
                         checked += 1
@@ -188,7 +188,7 @@ def check_data(path: PathLike, *, progress: Progress = None) -> Dict[str, Any]:
             files, _, _, _ = scan_image_folder(root, classes=rec["classes"], allow_empty=True)
             for f in files:
                 try:
-                    decode_rgb(root / f)
+                    decode_image(root / f)
                 except DataFileError as e:
                     bad.append(str(e))
                 checked += 1
