@@ -105,10 +105,10 @@ def rope_forms(pes: Sequence[PositionEncoding]) -> List[RoPEForm]:
     Cayley-STRING encodings of one configuration (size, band, parameter heads, dtype, device) get their bases from
     one batched solve over all of them instead of one solve per encoding -- on a GPU, where each small operation
     is a launch, that removes the per-layer preparation's launches but one. ComRoPE (and one-axis LieRE)
-    encodings of one configuration get their block eigenbases from one batched eigendecomposition: on a GPU each
-    eigendecomposition also makes the host wait for the device (its error check), so one per model forward
-    instead of one per layer. Every other encoding is written by :func:`rope_form`. Values and gradients are
-    :func:`rope_form`'s (each matrix is factorised as it would be alone).
+    encodings of one configuration get their block eigenbases from one batched real Schur form (its Jacobi
+    rounds run once per model forward, not once per layer). Every other encoding is written by
+    :func:`rope_form`. Values and gradients are :func:`rope_form`'s (each matrix is factorised as it would be
+    alone).
 
     Raises:
         ValueError: as :func:`rope_form`, for an encoding that has no RoPE form.
