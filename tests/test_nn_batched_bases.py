@@ -56,7 +56,8 @@ def test_one_solve_per_forward():
 def test_one_schur_form_per_forward():
     """ComRoPE's block Schur forms come from fixed block Jacobi rounds (``skew.skew_real_schur``: no eigensolver,
     whose error check would make the host wait for the device); they run once per model forward for all layers
-    together -- one closed-form 4x4 step (one ``argmax``) per round, not one per round and layer."""
+    together -- one closed-form 4x4 step (one ``addcmul``: its two projectors) per round, not one per round and
+    layer."""
     from ropekit.encodings.skew import _jacobi_rounds, _jacobi_sweeps
 
     m = _model("comrope-ld")
@@ -66,7 +67,7 @@ def test_one_schur_form_per_forward():
         m(x)
     names = [e.name for e in prof.events()]
     assert "aten::linalg_eigh" not in names and "aten::_linalg_eigh" not in names
-    assert names.count("aten::argmax") == _jacobi_sweeps(b) * len(_jacobi_rounds(b, x.device))
+    assert names.count("aten::addcmul") == _jacobi_sweeps(b) * len(_jacobi_rounds(b, x.device))
 
 
 def test_rope_forms_mixes_kinds():

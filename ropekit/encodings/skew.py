@@ -108,10 +108,11 @@ def skew_real_schur(k: Tensor) -> tuple[Tensor, Tensor]:
     the device. ``b = 2``: ``Q = I`` (a column flipped where the block turns backwards). ``b = 4``: one closed
     form (``_schur4``: the self-dual and anti-self-dual parts of ``K`` are commuting complex structures times
     ``alpha`` and ``gamma``, the frequencies are ``alpha + gamma`` and ``|alpha - gamma|``, the planes the
-    eigenspaces of the product of the two structures). Larger ``b``: block Jacobi sweeps, each pair of 2x2
+    eigenspaces of the product of the two structures). ``b = 6, 8``: block Jacobi sweeps, each pair of 2x2
     diagonal blocks brought to block-diagonal form by that closed form, the pairs of a round disjoint and done
-    together (``_jacobi_sweeps``: a fixed number, converged to round-off with a margin for every ``b`` the tests
-    try, ties and zero frequencies included). Every rotation is orthogonal to round-off, and the frequencies are
+    together (``_jacobi_sweeps``: a fixed number, converged to round-off with a margin, ties and zero
+    frequencies included). Blocks larger than ``8 x 8`` (one-axis LieRE's whole head, ComRoPE with ``b > 8``)
+    take Hermitian eigendecompositions instead (``_skew_real_schur_eigh``), which do make the host wait. Every rotation is orthogonal to round-off, and the frequencies are
     read off the converged blocks: a plane ``1e-8`` (or ``1e-16``) times slower than the fastest keeps its
     frequency to the round-off of ``K``'s largest entries (an angle error ~1e-12 rad at coordinates of 1e4), a
     still plane (``K = 0`` included) gets a valid plane and ``mu = 0``.
@@ -119,20 +120,19 @@ def skew_real_schur(k: Tensor) -> tuple[Tensor, Tensor]:
     b = k.shape[-1]
     if b % 2:
         raise ValueError(f"skew_real_schur needs an even size, got {b}")
+    if b > _JACOBI_MAX:
+        return _skew_real_schur_eigh(k)
     a = k.detach().to(torch.float64)
     eye = torch.eye(b, dtype=a.dtype, device=a.device)
-    q = eye.expand(a.shape).clone() if b > 2 else None
-    if b == 4:
-        q = _schur4(a)
-        a = q.transpose(-1, -2) @ a @ q
-    elif b > 4:
-        for _ in range(_jacobi_sweeps(b)):
-            for idx, rows, cols in _jacobi_rounds(b, a.device):  # each round: disjoint pairs of 2x2 blocks
-                q4 = _schur4(a[..., rows, cols])  # (..., pairs, 4, 4)
+    q = None
+    if b >= 4:
+        rounds = _jacobi_rounds(b, a.device)
+        for _ in range(_jacobi_sweeps(b) if b > 4 else 1):  # 4 x 4: the closed form once
+            for rows, cols, put_rows, put_cols in rounds:  # each round: disjoint pairs of 2x2 blocks
                 g = eye.expand(a.shape).clone()
-                g[..., rows, cols] = q4  # the round's rotation, block diagonal after a permutation
+                g[..., put_rows, put_cols] = _schur4(a[..., rows, cols])  # block diagonal after a permutation
                 a = g.transpose(-1, -2) @ a @ g
-                q = q @ g
+                q = g if q is None else q @ g
     m = (a[..., 1::2, 0::2].diagonal(dim1=-2, dim2=-1) - a[..., 0::2, 1::2].diagonal(dim1=-2, dim2=-1)) * 0.5
     mu, order = m.abs().sort(dim=-1)  # (..., b/2) ascending
     sign = torch.where(m < 0, -1.0, 1.0).to(a.dtype)  # a plane turning backwards: flip its second column
@@ -143,22 +143,97 @@ def skew_real_schur(k: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(k.dtype), mu.to(k.dtype)
 
 
+def _skew_real_schur_eigh(k: Tensor, rtol: float = 1e-8) -> tuple[Tensor, Tensor]:
+    """``skew_real_schur`` for blocks larger than ``8 x 8``, from Hermitian eigendecompositions (``rtol``: eigenvalues
+    ``mu <= rtol * max(mu)`` count as small and are resolved again on their own scale).
+
+    From a Hermitian eigendecomposition of ``-iK`` (backward stable whatever the eigenvalue gaps): an
+    eigenvector ``u`` of ``mu > 0`` gives the real orthonormal pair ``sqrt(2) (Im u, Re u)`` -- also when several
+    ``mu`` coincide. For ``mu`` near zero that pairing fails (``u`` and its conjugate, the eigenvector of
+    ``-mu``, mix), so the small eigenvalues are resolved again on their own scale: ``K`` restricted to the
+    complement of the well-separated planes (an exactly block-structured matrix in an orthonormal basis of that
+    complement) is rescaled to norm one and decomposed the same way -- its planes keep their frequencies exactly
+    (``mu`` from ``1e-8`` of the largest down to ``1e-16`` of it, which would otherwise be dropped: an angle error
+    of ``mu * s``, ~1e-4 rad at coordinates of 1e4). What is left below that scale is the null space, given a
+    real orthonormal basis of its own; its planes turn by 0 (``K = 0`` gives a valid ``Q``). Four small
+    eigendecompositions in all, batched over the leading dimensions.
+    """
+    b = k.shape[-1]
+    kd = k.detach().to(torch.float64)
+    eye = torch.eye(b, dtype=kd.dtype, device=kd.device)
+    pairs, mu, good = _schur_pairs(kd, rtol)  # the well-separated planes
+    kept = pairs * good.repeat_interleave(2, dim=-1).unsqueeze(-2).to(pairs.dtype)
+    # an orthonormal basis W whose last 2r columns span the complement of the kept planes (projector eigenvalue 1)
+    lam, w = torch.linalg.eigh(eye - kept @ kept.transpose(-1, -2))
+    inner = (lam > 0.5).to(kd.dtype)  # (..., b): the complement's coordinates in W
+    kn = (w.transpose(-1, -2) @ kd @ w) * inner.unsqueeze(-1) * inner.unsqueeze(-2)  # exactly zero elsewhere
+    scale = kn.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(kd.dtype).tiny)
+    pairs2, mu2, good2 = _schur_pairs(kn / scale, rtol)  # the small planes, on their own scale
+    # below the round-off of K's own entries a plane is still: its pair is noise, and so is its turn
+    good2 = good2 & (mu2 * scale.squeeze(-1) > 64 * torch.finfo(kd.dtype).eps * mu.amax(dim=-1, keepdim=True))
+    small = w @ (pairs2 * good2.repeat_interleave(2, dim=-1).unsqueeze(-2).to(pairs2.dtype))
+    # slot order: null planes, small planes, then the separated ones (each ascending); the separated planes hold
+    # the last g slots, the small ones the g2 slots before them
+    h = b // 2
+    g, g2 = good.sum(-1, keepdim=True), good2.sum(-1, keepdim=True)  # (..., 1)
+    slot = torch.arange(h, device=kd.device)
+    src2 = (slot + g).clamp(max=h - 1)  # small plane at slot n comes from pass 2's slot n + g
+    is_small = (slot >= h - g - g2) & (slot < h - g)  # (..., h)
+    small = torch.gather(small.unflatten(-1, (h, 2)), -2, src2.unsqueeze(-2).unsqueeze(-1).expand(
+        *small.shape[:-1], h, 2)).flatten(-2)
+    mu_small = torch.gather(mu2 * scale.squeeze(-1), -1, src2)
+    small_cols = is_small.repeat_interleave(2, dim=-1).unsqueeze(-2)
+    q = torch.where(small_cols, small, kept)
+    mu = torch.where(good, mu, torch.where(is_small, mu_small, torch.zeros_like(mu)))
+    # the null space: the last 2 r0 eigenvectors of the projector onto the complement of every plane found
+    found = q * (good | is_small).repeat_interleave(2, dim=-1).unsqueeze(-2).to(q.dtype)
+    _, null_vecs = torch.linalg.eigh(eye - found @ found.transpose(-1, -2))
+    r2 = 2 * (~(good | is_small)).sum(dim=-1, keepdim=True)  # (..., 1)
+    idx = (torch.arange(b, device=kd.device) + b - r2).clamp(max=b - 1)  # (..., b): column c <- b - 2r + c
+    null_cols = torch.gather(null_vecs, -1, idx.unsqueeze(-2).expand(null_vecs.shape))
+    q = torch.where((good | is_small).repeat_interleave(2, dim=-1).unsqueeze(-2), q, null_cols)
+    return q.to(k.dtype), mu.to(k.dtype)
+
+
+def _schur_pairs(kd: Tensor, rtol: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The planes of ``kd`` ``(..., b, b)`` (float64 skew) from one eigendecomposition of ``-iK``: ``(pairs, mu,
+    good)`` -- ``(..., b, b)`` columns ``sqrt(2) (Im u, Re u)`` per non-negative eigenvalue (ascending),
+    ``(..., b/2)`` those eigenvalues, and ``(..., b/2)`` whether each exceeds ``rtol`` times the largest (only
+    those columns are trustworthy)."""
+    half = kd.shape[-1] // 2
+    mu_all, u = torch.linalg.eigh((-1j) * kd.to(torch.complex128))  # ascending, -mu_max .. mu_max
+    mu, u = mu_all[..., half:], u[..., :, half:]  # (..., h), (..., b, h): the non-negative half
+    pairs = torch.stack((u.imag, u.real), dim=-1).flatten(-2) * math.sqrt(2.0)  # (..., b, b)
+    good = mu > rtol * mu.abs().amax(dim=-1, keepdim=True)  # (..., h); the small ones come first
+    return pairs, mu, good
+
+
+#: The largest block the Jacobi sweeps take. Larger blocks use the eigensolver path (``_skew_real_schur_eigh``),
+#: which synchronises: the closed-form pair rotations are not chosen nearest to the identity, so with more than
+#: four planes per block, clustered spectra converge only linearly (``10 x 10``: 10 sweeps to round-off,
+#: ``12 x 12``: 14, against 4 and 5 for ``6 x 6`` and ``8 x 8``).
+_JACOBI_MAX = 8
+
+
 def _jacobi_sweeps(b: int) -> int:
-    """Block Jacobi sweeps for ``b x b`` blocks: convergence is quadratic once the off-diagonal blocks are small;
-    random ``8 x 8`` blocks reach round-off in 4 sweeps, ``16 x 16`` in 7, ``64 x 64`` in 12 (measured on random
-    and tied spectra, tests/test_skew_schur.py): two sweeps of margin."""
-    return 2 + math.ceil(2 * math.log2(b)) if b > 8 else 6
+    """Block Jacobi sweeps for ``b x b`` blocks (``b <= 8``): random, clustered, tied and graded (1e-12) spectra
+    reach round-off in 4 sweeps for ``6 x 6`` and 5 for ``8 x 8`` (400 matrices each); one sweep of margin."""
+    return 6
 
 
 #: (size, device) -> the Jacobi rounds' indices, constants built once (see ``_cached``)
 _JACOBI_ROUNDS: dict = {}
 
 
-def _jacobi_rounds(b: int, device: torch.device) -> list[tuple[Tensor, Tensor, Tensor]]:
+def _jacobi_rounds(b: int, device: torch.device) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """The rounds of one block Jacobi sweep over the ``h = b / 2`` diagonal 2x2 blocks, by the round-robin
-    ("circle") schedule: every pair of blocks once per sweep, each round a set of disjoint pairs. Per round
-    ``(idx, rows, cols)``: ``idx`` ``(pairs, 4)`` the indices ``(2i, 2i + 1, 2j, 2j + 1)`` of each pair ``(i, j)``,
-    ``rows`` / ``cols`` the ``(pairs, 4, 1)`` / ``(pairs, 1, 4)`` views that select the ``4 x 4`` submatrices."""
+    ("circle") schedule: every pair of blocks once per sweep, each round a set of disjoint pairs.
+
+    Per round, with ``idx`` ``(pairs, 4)`` the indices ``(2i, 2i + 1, 2j, 2j + 1)`` of each pair ``(i, j)``:
+    ``rows`` / ``cols`` (``(pairs, 4, 1)`` / ``(pairs, 1, 4)``) select the ``4 x 4`` submatrices, and
+    ``put_rows`` / ``put_cols`` (``(pairs, 1, 4, 1)`` / ``(pairs, 2, 1, 2)``) place a ``(pairs, 2, 4, 2)`` table
+    ``X[p, s, r, t]`` (column ``2 s + t``, row ``r`` of pair ``p``'s ``4 x 4`` rotation) into the ``b x b`` one.
+    """
     def build() -> list:
         h = b // 2
         players = list(range(h + h % 2))  # a bye for odd h: its partner rests that round
@@ -166,7 +241,7 @@ def _jacobi_rounds(b: int, device: torch.device) -> list[tuple[Tensor, Tensor, T
         for _ in range(n - 1):
             pairs = [sorted((players[i], players[n - 1 - i])) for i in range(n // 2)]
             idx = torch.tensor([[2 * i, 2 * i + 1, 2 * j, 2 * j + 1] for i, j in pairs if j < h], device=device)
-            rounds.append((idx, idx[:, :, None], idx[:, None, :]))
+            rounds.append((idx[:, :, None], idx[:, None, :], idx[:, None, :, None], idx.view(-1, 2, 1, 2)))
             players = [players[0], players[-1]] + players[1:-1]
         return rounds
 
@@ -176,54 +251,64 @@ def _jacobi_rounds(b: int, device: torch.device) -> list[tuple[Tensor, Tensor, T
 _SCHUR4_TABLES: dict = {}
 
 
-def _schur4_tables(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _schur4_tables(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, ...]:
     """Constants of ``_schur4`` on ``device`` (built once, ``_cached``: no host-to-device copy per call, which a
-    CUDA graph could not hold): which of ``(0, u1, u2, u3)`` sits at each entry of a complex structure
-    ``(16,)``, the signs of the self-dual and anti-self-dual structures (the 't Hooft symbols) ``(2, 4, 4)``, the
-    fallback unit vector ``(3,)`` and the projector signs ``(2, 1, 1)``."""
-    def build() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        which = torch.tensor([0, 1, 2, 3, 1, 0, 3, 2, 2, 3, 0, 1, 3, 2, 1, 0], device=device)
-        signs = torch.tensor([[[0, 1, 1, 1], [-1, 0, 1, -1], [-1, -1, 0, 1], [-1, 1, -1, 0]],
-                              [[0, 1, 1, 1], [-1, 0, -1, 1], [-1, 1, 0, -1], [-1, -1, 1, 0]]],
-                             dtype=dtype, device=device)
-        return (which, signs, torch.tensor([1.0, 0.0, 0.0], dtype=dtype, device=device),
-                torch.tensor([-1.0, 1.0], dtype=dtype, device=device).view(2, 1, 1))
+    CUDA graph could not hold):
+
+    * ``parts`` ``(16, 6)``: a flattened ``4 x 4`` skew ``A`` times it gives its self-dual part
+      ``((a01 + a23), (a02 - a13), (a03 + a12)) / 2`` and its anti-self-dual part (the signs of ``a23``,
+      ``a13``, ``a12`` flipped);
+    * ``structures`` ``(2, 3, 16)``: a unit 3-vector times ``structures[0]`` (``[1]``) is the flattened unit
+      self-dual (anti-self-dual) complex structure, the 't Hooft symbols;
+    * ``first`` ``(3,)``: ``1e-150`` times the first unit vector, added so that a vanishing part still gets a
+      structure (and its square does not underflow);
+    * ``half_eye`` ``(4, 4)`` and ``half_signs`` ``(2, 1, 1)``: ``(I -+ M) / 2 = half_eye + half_signs * M``.
+    """
+    def build() -> tuple[Tensor, ...]:
+        parts = torch.zeros(16, 6, dtype=torch.float64)
+        for col, (x, y, sign) in enumerate([(1, 11, 1), (2, 7, -1), (3, 6, 1), (1, 11, -1), (2, 7, 1), (3, 6, -1)]):
+            parts[x, col], parts[y, col] = 0.5, 0.5 * sign
+        which = [[0, 1, 2, 3], [1, 0, 3, 2], [2, 3, 0, 1], [3, 2, 1, 0]]  # which of (0, u1, u2, u3) sits at (r, c)
+        signs = [[[0, 1, 1, 1], [-1, 0, 1, -1], [-1, -1, 0, 1], [-1, 1, -1, 0]],
+                 [[0, 1, 1, 1], [-1, 0, -1, 1], [-1, 1, 0, -1], [-1, -1, 1, 0]]]
+        structures = torch.zeros(2, 3, 16, dtype=torch.float64)
+        for kind in range(2):
+            for r in range(4):
+                for c in range(4):
+                    if which[r][c]:
+                        structures[kind, which[r][c] - 1, 4 * r + c] = signs[kind][r][c]
+        first = torch.tensor([1e-150, 0.0, 0.0], dtype=torch.float64)
+        half_signs = torch.tensor([-0.5, 0.5], dtype=torch.float64).view(2, 1, 1)
+        return tuple(t.to(device=device, dtype=dtype)
+                     for t in (parts, structures, first, 0.5 * torch.eye(4, dtype=torch.float64), half_signs))
 
     return _cached(_SCHUR4_TABLES, (str(device), dtype), build)
 
 
 def _schur4(a: Tensor) -> Tensor:
-    """``Q`` ``(..., 4, 4)`` orthogonal with ``Q^T A Q = blockdiag(mu_1 J, mu_2 J)`` for skew ``A`` ``(..., 4, 4)``
-    (float64), in closed form.
+    """The plane table ``X`` ``(..., 2, 4, 2)`` of ``Q`` ``(..., 4, 4)`` orthogonal with ``Q^T A Q =
+    blockdiag(mu_1 J, mu_2 J)`` for skew ``A`` ``(..., 4, 4)`` (float64), in closed form: ``X[..., s, :, t]`` is
+    column ``2 s + t`` of ``Q``.
 
     ``A = alpha J_+ + gamma J_-`` with ``J_+`` / ``J_-`` the unit complex structures of its self-dual and
     anti-self-dual parts (they commute; a part that vanishes gets a fixed structure). ``M = J_+ J_-`` is a
     symmetric involution: on its ``-1`` eigenspace ``J_- = J_+`` and ``A = (alpha + gamma) J_+``, on its ``+1``
     eigenspace ``J_- = -J_+`` and ``A = (alpha - gamma) J_+``. Each plane: the largest column of the projector
-    ``(I -+ M) / 2`` normalised, ``v``, and ``+-J_+ v``. Where ``alpha`` is much smaller than ``gamma`` (nearly tied
-    frequencies), ``J_+`` carries the rounding of ``A`` divided by ``alpha``, but enters ``A`` only times ``alpha``:
-    the form stays exact to ``A``'s round-off.
+    ``(I -+ M) / 2`` (its largest diagonal entry), normalised, ``v``, and ``J v`` with ``J`` the structure of the
+    larger part (``J_+`` where ``alpha >= gamma``: then both planes turn forwards). A structure enters ``A``
+    times its part's norm, so the rounding it carries from a small part does not reach the form: exact to
+    ``A``'s round-off, nearly tied frequencies included.
     """
-    a01, a02, a03 = a[..., 0, 1], a[..., 0, 2], a[..., 0, 3]
-    a12, a13, a23 = a[..., 1, 2], a[..., 1, 3], a[..., 2, 3]
-    parts = torch.stack((torch.stack((a01 + a23, a02 - a13, a03 + a12), dim=-1),
-                         torch.stack((a01 - a23, a02 + a13, a03 - a12), dim=-1)), dim=-2) * 0.5  # (..., 2, 3)
-    norm = parts.norm(dim=-1, keepdim=True)  # (..., 2, 1): alpha, gamma
-    which, signs, first, pm = _schur4_tables(a.device, a.dtype)
-    tiny = torch.finfo(a.dtype).tiny
-    unit = torch.where(norm > tiny, parts / norm.clamp_min(tiny), first)  # (..., 2, 3)
-    # the unit self-dual (j[..., 0]) and anti-self-dual (j[..., 1]) structures: entry (r, c) is +-u[which]
-    j = torch.cat((torch.zeros_like(unit[..., :1]), unit), dim=-1)[..., which].unflatten(-1, (4, 4)) * signs
-    m = j[..., 0, :, :] @ j[..., 1, :, :]  # symmetric involution
-    eye = torch.eye(4, dtype=a.dtype, device=a.device)
-    proj = (eye + pm * m.unsqueeze(-3)) * 0.5  # (..., 2, 4, 4): (I - M) / 2, (I + M) / 2
-    best = proj.square().sum(-2).argmax(-1)  # (..., 2): the largest column of each projector
+    parts_of, structures, first, half_eye, half_signs = _schur4_tables(a.device, a.dtype)
+    u = (a.flatten(-2) @ parts_of).unflatten(-1, (2, 3)) + first  # (..., 2, 3): self-dual, anti-self-dual
+    norm = u.norm(dim=-1, keepdim=True)  # (..., 2, 1): alpha, gamma
+    j = ((u / norm).unsqueeze(-2) @ structures).unflatten(-1, (4, 4)).squeeze(-3)  # (..., 2, 4, 4): J_+, J_-
+    proj = torch.addcmul(half_eye, half_signs, (j[..., 0, :, :] @ j[..., 1, :, :]).unsqueeze(-3))  # (..., 2, 4, 4)
+    best = proj.diagonal(dim1=-2, dim2=-1).argmax(-1)  # (..., 2): a column's squared norm is its diagonal entry
     v = torch.gather(proj, -1, best[..., None, None].expand(*proj.shape[:-1], 1))  # (..., 2, 4, 1)
     v = v / v.norm(dim=-2, keepdim=True)
-    w = j[..., :1, :, :] @ v  # J_+ v: (..., 2, 4, 1)
-    turn = torch.where(norm[..., 0, :] >= norm[..., 1, :], 1.0, -1.0).to(a.dtype)  # (..., 1): sign of alpha - gamma
-    w = w * torch.cat((torch.ones_like(turn), turn), dim=-1)[..., None, None]
-    return torch.cat((v, w), dim=-1).transpose(-3, -2).flatten(-2)  # columns v_1, w_1, v_2, w_2
+    larger = norm.argmax(-2, keepdim=True).unsqueeze(-1).expand(*j.shape[:-3], 1, 4, 4)
+    return torch.cat((v, torch.gather(j, -3, larger) @ v), dim=-1)  # (..., 2, 4, 2)
 
 
 def _cached(store: dict, key: tuple, build):
