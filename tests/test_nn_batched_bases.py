@@ -87,3 +87,51 @@ def test_rope_forms_mixes_kinds():
         for a, b in zip(got, rope_form(pe)):
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     assert fold_mod.rope_forms([]) == []
+
+
+@pytest.mark.parametrize("pe", ["cayley", "circulant"])
+@pytest.mark.parametrize("sharing", ["layer", "model"])
+def test_batched_merge_equals_the_per_layer_merge(pe, sharing, monkeypatch):
+    """The bases merged into every layer's q/k projection in one batched product (``fold.fold_qkv_weights``) give
+    the logits and every gradient of merging layer by layer (``fold.fold_qkv_weight``), in float64 to round-off."""
+    from ropekit.fold import fold_qkv_weight
+
+    torch.manual_seed(0)
+    m = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=3, image_size=(16, 16), patch_size=4, pe=pe,
+                                     depth=3, pe_sharing=sharing)).double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = vit_mod.fold_qkv_weights
+    monkeypatch.setattr(vit_mod, "fold_qkv_weights", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        out = m(x)
+        return out, torch.autograd.grad(out.square().sum(), list(m.parameters()))
+
+    out, grads = run()
+    assert calls == [1]  # one batched merge for the three layers
+    monkeypatch.setattr(vit_mod, "fold_qkv_weights",
+                        lambda ws, bs, ps, h: [fold_qkv_weight(w, b, p, h) for w, b, p in zip(ws, bs, ps)])
+    ref_out, ref_grads = run()
+    assert torch.allclose(out, ref_out, rtol=1e-12, atol=1e-13)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, rtol=1e-11, atol=1e-13)
+
+
+def test_fold_qkv_weights_rejects_mismatched_layers():
+    from ropekit.fold import fold_qkv_weights
+
+    w, b, p = torch.randn(24, 8), torch.randn(24), torch.eye(4).expand(2, 4, 4)
+    with pytest.raises(ValueError, match="as many"):
+        fold_qkv_weights([w, w], [b], [p, p], 2)
+    with pytest.raises(ValueError, match="one shape"):
+        fold_qkv_weights([w, torch.randn(24, 6)], [b, b], [p, p], 2)
+    with pytest.raises(ValueError, match="every layer or for none"):
+        fold_qkv_weights([w, w], [b, None], [p, p], 2)
+    with pytest.raises(ValueError, match="every basis"):
+        fold_qkv_weights([w, w], [b, b], [p, torch.eye(3)[None]], 2)
+    out = fold_qkv_weights([w, w], [None, None], [p, p[:1]], 2)
+    assert torch.equal(out[0][0], w) and out[1][1] is None  # the identity basis leaves the weight as it is
