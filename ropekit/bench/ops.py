@@ -13,6 +13,9 @@ Two forms of the same step (forward, cross entropy, backward, AdamW) are counted
   folded encodings is stated in this form.
 * ``cpu`` -- the step as the CPU bench times it (per-parameter AdamW, the CPU's loops).
 
+Both take the PyTorch rotation path; on a CUDA device with Triton the rotation of q and k is one fused kernel
+(forward) for every encoding, so the proxy overstates the per-layer rotation work there, axial's included.
+
 ``all`` counts every top-level ATen operation, ``non_view`` leaves out the view-like ones (no arithmetic, no
 launch: ``VIEWS``).
 """
@@ -75,8 +78,8 @@ def step_op_counts(pes: Sequence[str], size: str = "tiny", batch: int | None = N
 
     Returns:
         One record per encoding: ``pe``, ``size``, ``device_all``, ``device_non_view``, ``cpu_all``,
-        ``cpu_non_view`` (those of ``forms``) and each divided by the reference's (``*_ratio``). Counts do not depend on the batch
-        or image size, except where a CPU loop runs over the batch (the ``cpu`` form).
+        ``cpu_non_view`` (those of ``forms``) and each divided by the reference's (``*_ratio``). Counts do not
+        depend on the batch or image size, except where a CPU loop runs over the batch (the ``cpu`` form).
     """
     from .core import VIT_SETTINGS, BenchConfig, _vit_step
 

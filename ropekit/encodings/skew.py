@@ -112,10 +112,11 @@ def skew_real_schur(k: Tensor) -> tuple[Tensor, Tensor]:
     diagonal blocks brought to block-diagonal form by that closed form, the pairs of a round disjoint and done
     together (``_jacobi_sweeps``: a fixed number, converged to round-off with a margin, ties and zero
     frequencies included). Blocks larger than ``8 x 8`` (one-axis LieRE's whole head, ComRoPE with ``b > 8``)
-    take Hermitian eigendecompositions instead (``_skew_real_schur_eigh``), which do make the host wait. Every rotation is orthogonal to round-off, and the frequencies are
-    read off the converged blocks: a plane ``1e-8`` (or ``1e-16``) times slower than the fastest keeps its
-    frequency to the round-off of ``K``'s largest entries (an angle error ~1e-12 rad at coordinates of 1e4), a
-    still plane (``K = 0`` included) gets a valid plane and ``mu = 0``.
+    take Hermitian eigendecompositions instead (``_skew_real_schur_eigh``), which do make the host wait. Every
+    rotation is orthogonal to round-off, and the frequencies are read off the converged blocks: a plane ``1e-8``
+    (or ``1e-16``) times slower than the fastest keeps its frequency to the round-off of ``K``'s largest entries
+    (an angle error ~1e-12 rad at coordinates of 1e4), a still plane (``K = 0`` included) gets a valid plane and
+    ``mu = 0``.
     """
     b = k.shape[-1]
     if b % 2:
