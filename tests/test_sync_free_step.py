@@ -81,6 +81,19 @@ def test_the_checker_catches_synchronisations():
         torch.linalg.solve_ex(t @ t.T + 4 * torch.eye(4), t)
         torch.where(t > 0, t, 0.0)
 
+    class ReadsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * float(g.sum())  # a host read in the backward pass
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(AssertionError, match="synchronisation"), _NoSync():
+        ReadsInBackward.apply(x).sum().backward()  # the backward pass is checked too
+
 
 @pytest.mark.parametrize("b", [2, 4, 6, 8])
 def test_skew_schur_form_is_sync_free(b):
