@@ -135,3 +135,40 @@ def test_fold_qkv_weights_rejects_mismatched_layers():
         fold_qkv_weights([w, w], [b, b], [p, torch.eye(3)[None]], 2)
     out = fold_qkv_weights([w, w], [None, None], [p, p[:1]], 2)
     assert torch.equal(out[0][0], w) and out[1][1] is None  # the identity basis leaves the weight as it is
+
+
+@pytest.mark.parametrize("init", ["normal", "zero"], ids=["random", "all-tied"])
+@pytest.mark.parametrize("per_example", [False, True])
+def test_shared_comrope_maps_its_gradient_once(init, per_example, monkeypatch):
+    """ComRoPE shared by every layer (its own default): the layers' gradients are gathered and mapped to the
+    encoding's parameters by one Frechet map per step (``blocks.share_block_gradients``), equal to one map per
+    layer in float64 to round-off -- also at ``K = 0``, where every frequency ties."""
+    import ropekit.encodings.blocks as blocks_mod
+    import ropekit.nn.attention as att_mod
+
+    torch.manual_seed(0)
+    m = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=3, image_size=(16, 16), patch_size=4,
+                                     pe="comrope-ld", depth=3, pe_options={"block_size": 8, "init": init})).double()
+    assert len({id(b.attn.pe) for b in m.blocks}) == 1
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "pe." not in n or init == "normal":
+                p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    offset = torch.randn(2, 2, dtype=torch.float64) if per_example else None
+    calls = []
+    real = blocks_mod._frechet_block_grads
+    monkeypatch.setattr(blocks_mod, "_frechet_block_grads", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        out = m(x, coord_offset=offset)
+        return out, torch.autograd.grad(out.square().sum(), list(m.parameters()))
+
+    out, grads = run()
+    assert len(calls) == 1  # one map for the three layers
+    monkeypatch.setattr(att_mod, "share_block_gradients", lambda form, coords: form)
+    ref_out, ref_grads = run()
+    assert len(calls) == 4  # one per layer
+    assert torch.equal(out, ref_out)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, rtol=1e-12, atol=1e-14)

@@ -280,7 +280,7 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
     if form.eigen is not None:  # the value as below, the gradients through the block exponentials
         e = form.eigen
         return rotate_in_block_eigenbasis(q, k, coords, e.axis_weights, e.generators, e.schur, e.mu,
-                                          num_prefix_tokens, backend)
+                                          num_prefix_tokens, backend, e.scales, e.collector)
     if form.prefix is not None and num_prefix_tokens > 0:
         p0 = num_prefix_tokens
         q = torch.cat([basis_change(q[:, :, :p0], form.prefix.to(q.dtype)), q[:, :, p0:]], dim=2)  # (B, H, N, d)

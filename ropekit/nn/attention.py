@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..encodings import PositionEncoding
-from ..encodings.products import basis_change
+from ..encodings.blocks import share_block_gradients
 from ..encodings.fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rope_form
+from ..encodings.products import basis_change
 
 __all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
 
@@ -162,8 +163,8 @@ class Attention(nn.Module):
         pe = self.pe
         if pe is None:
             return None
-        if self.folds:
-            return PreparedPE("fold", pe, rope_form(pe))
+        if self.folds:  # block forms: the angles and one gradient map shared by every layer using this state
+            return PreparedPE("fold", pe, share_block_gradients(rope_form(pe), coords))
         wide = dtype == torch.float64 or coords.dtype == torch.float64 or pe._param_dtype() == torch.float64
         return PreparedPE("prepared", pe, pe.prepare(coords, num_prefix_tokens,
                                                      dtype=torch.float64 if wide else torch.float32))
