@@ -172,3 +172,31 @@ def test_shared_comrope_maps_its_gradient_once(init, per_example, monkeypatch):
     assert torch.equal(out, ref_out)
     for g, r in zip(grads, ref_grads):
         assert torch.allclose(g, r, rtol=1e-12, atol=1e-14)
+
+
+def test_gathered_and_per_rotation_gradients_keep_float64_angles():
+    """float32 tokens at coordinates up to 1e4: the ComRoPE gradient mapped per rotation and the one gathered over
+    rotations (``share_block_gradients``) both form the angles ``s mu`` in float64 -- in float32 they would be off
+    by ~1e-3 rad -- and agree with a float64 computation."""
+    import ropekit
+    from ropekit.encodings.blocks import share_block_gradients
+    from ropekit.fold import frequency_rope
+
+    torch.manual_seed(0)
+    pe = ropekit.create_pe("comrope-ld", head_dim=8, coord_dim=2, num_heads=2, block_size=4, init="normal",
+                           init_std=0.3)
+    coords = torch.rand(6, 2) * 1e4
+    q, k = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+
+    def grads(dtype, shared):
+        p = pe.to(dtype)
+        form = rope_form(p)
+        form = share_block_gradients(form, coords.to(dtype)) if shared else form
+        qo, ko = frequency_rope(q.to(dtype), k.to(dtype), coords.to(dtype), form, backend="torch")
+        loss = (qo * ko).sum() + (qo.square() * torch.linspace(0, 1, 8, dtype=dtype)).sum()
+        return [g.double() for g in torch.autograd.grad(loss, [p.block_params, p.axis_weights])]
+
+    ref = grads(torch.float64, False)
+    for shared in (False, True):
+        for g, r in zip(grads(torch.float32, shared), ref):
+            assert float((g - r).abs().max() / r.abs().max()) < 1e-4

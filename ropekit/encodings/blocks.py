@@ -361,10 +361,11 @@ def _block_grads(gh: Tensor, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor,
                  ) -> tuple[Tensor | None, Tensor | None]:
     """The gradients of ``s`` ``(Bs, Hp, M, nb)`` and of the generators ``(Hp, nb, b, b)`` from ``gh`` ``(Hp, nb,
     Bs * M, b, b)``, the sum of ``Q^T gE_t Q`` over the tokens at each coordinate ``t`` (``_frechet_block_grads``,
-    then back from the basis ``Q``)."""
+    computed in ``s``'s wide dtype -- the angles ``s mu`` stay exact at large coordinates -- then back from the
+    basis ``Q``)."""
     bs, hp, m, nb = s.shape
     with torch.autocast(device_type=gh.device.type, enabled=False):
-        st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1).to(gh.dtype)  # (Hp, nb, T, 1), T = Bs * M
+        st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M
         gst, gd = _frechet_block_grads(gh, st, mu, need_s, need_g)
         g_s = g_gens = None
         if need_s:
