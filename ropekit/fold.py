@@ -3,16 +3,16 @@ RoPE costs.
 
 One name for the two halves: the mathematics, each encoding's RoPE form (:mod:`ropekit.encodings.fold`:
 :func:`rope_form`, :func:`to_rope`, :class:`FoldedRoPE`, :func:`fold_pe`, :func:`fold_qkv_weight`,
-:func:`frequency_rope`), and :func:`fold`, which merges those bases into a model's attention layers
+:func:`fold_qkv_weights`, :func:`frequency_rope`), and :func:`fold`, which merges those bases into a model's attention layers
 (:mod:`ropekit.nn.fold`).
 
 >>> from ropekit.fold import fold
 >>> folded = fold(model).eval()          # same logits, RoPE's cost                     # doctest: +SKIP
 """
 
-from .encodings.fold import (BlockEigenForm, FoldedRoPE, RoPEForm, fold_pe, fold_qkv_weight, foldable_kind,
-                             frequency_rope, is_foldable, rope_form, rope_forms, to_rope)
+from .encodings.fold import (BlockEigenForm, FoldedRoPE, RoPEForm, fold_pe, fold_qkv_weight, fold_qkv_weights,
+                             foldable_kind, frequency_rope, is_foldable, rope_form, rope_forms, to_rope)
 from .nn.fold import fold
 
 __all__ = ["to_rope", "rope_form", "rope_forms", "RoPEForm", "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe",
-           "fold", "is_foldable", "fold_qkv_weight", "frequency_rope"]
+           "fold", "is_foldable", "fold_qkv_weight", "fold_qkv_weights", "frequency_rope"]

@@ -1,6 +1,6 @@
 """Per-layer Cayley-STRING bases are solved together once per forward (``fold.rope_forms``), and per-layer ComRoPE
-block eigenbases come from one batched eigendecomposition: the model's outputs and every gradient are bit for bit
-those of factorising each layer's basis alone, and only one solve (one eigendecomposition) runs."""
+block eigenbases come from one batched Schur form: the model's outputs and every gradient are bit for bit those of
+factorising each layer's basis alone, and only one solve (one set of Jacobi rounds) runs."""
 
 from __future__ import annotations
 
@@ -53,16 +53,21 @@ def test_one_solve_per_forward():
     assert len(solves) == 1
 
 
-def test_one_eigendecomposition_per_forward():
-    """ComRoPE's block Schur form runs four small eigendecompositions (the eigenpairs, a basis of the complement of
-    the well-separated planes, the small planes on their own scale, the null space's basis); on a GPU each one
-    waits for the device, so they run once per model forward for all layers, not once per layer."""
+def test_one_schur_form_per_forward():
+    """ComRoPE's block Schur forms come from fixed block Jacobi rounds (``skew.skew_real_schur``: no eigensolver,
+    whose error check would make the host wait for the device); they run once per model forward for all layers
+    together -- one closed-form 4x4 step (one ``addcmul``: its two projectors) per round, not one per round and
+    layer."""
+    from ropekit.encodings.skew import _jacobi_rounds, _jacobi_sweeps
+
     m = _model("comrope-ld")
+    b = m.blocks[0].attn.pe.block_size
     x = torch.randn(2, 3, 16, 16)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         m(x)
-    eighs = [e for e in prof.events() if e.name == "aten::linalg_eigh"]
-    assert len(eighs) == 4
+    names = [e.name for e in prof.events()]
+    assert "aten::linalg_eigh" not in names and "aten::_linalg_eigh" not in names
+    assert names.count("aten::addcmul") == _jacobi_sweeps(b) * len(_jacobi_rounds(b, x.device))
 
 
 def test_rope_forms_mixes_kinds():
@@ -82,3 +87,116 @@ def test_rope_forms_mixes_kinds():
         for a, b in zip(got, rope_form(pe)):
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     assert fold_mod.rope_forms([]) == []
+
+
+@pytest.mark.parametrize("pe", ["cayley", "circulant"])
+@pytest.mark.parametrize("sharing", ["layer", "model"])
+def test_batched_merge_equals_the_per_layer_merge(pe, sharing, monkeypatch):
+    """The bases merged into every layer's q/k projection in one batched product (``fold.fold_qkv_weights``) give
+    the logits and every gradient of merging layer by layer (``fold.fold_qkv_weight``), in float64 to round-off."""
+    from ropekit.fold import fold_qkv_weight
+
+    torch.manual_seed(0)
+    m = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=3, image_size=(16, 16), patch_size=4, pe=pe,
+                                     depth=3, pe_sharing=sharing)).double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = vit_mod.fold_qkv_weights
+    monkeypatch.setattr(vit_mod, "fold_qkv_weights", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        out = m(x)
+        return out, torch.autograd.grad(out.square().sum(), list(m.parameters()))
+
+    out, grads = run()
+    assert calls == [1]  # one batched merge for the three layers
+    monkeypatch.setattr(vit_mod, "fold_qkv_weights",
+                        lambda ws, bs, ps, h: [fold_qkv_weight(w, b, p, h) for w, b, p in zip(ws, bs, ps)])
+    ref_out, ref_grads = run()
+    assert torch.allclose(out, ref_out, rtol=1e-12, atol=1e-13)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, rtol=1e-11, atol=1e-13)
+
+
+def test_fold_qkv_weights_rejects_mismatched_layers():
+    from ropekit.fold import fold_qkv_weights
+
+    w, b, p = torch.randn(24, 8), torch.randn(24), torch.eye(4).expand(2, 4, 4)
+    with pytest.raises(ValueError, match="as many"):
+        fold_qkv_weights([w, w], [b], [p, p], 2)
+    with pytest.raises(ValueError, match="one shape"):
+        fold_qkv_weights([w, torch.randn(24, 6)], [b, b], [p, p], 2)
+    with pytest.raises(ValueError, match="every layer or for none"):
+        fold_qkv_weights([w, w], [b, None], [p, p], 2)
+    with pytest.raises(ValueError, match="every basis"):
+        fold_qkv_weights([w, w], [b, b], [p, torch.eye(3)[None]], 2)
+    out = fold_qkv_weights([w, w], [None, None], [p, p[:1]], 2)
+    assert torch.equal(out[0][0], w) and out[1][1] is None  # the identity basis leaves the weight as it is
+
+
+@pytest.mark.parametrize("init", ["normal", "zero"], ids=["random", "all-tied"])
+@pytest.mark.parametrize("per_example", [False, True])
+def test_shared_comrope_maps_its_gradient_once(init, per_example, monkeypatch):
+    """ComRoPE shared by every layer (its own default): the layers' gradients are gathered and mapped to the
+    encoding's parameters by one Frechet map per step (``blocks.share_block_gradients``), equal to one map per
+    layer in float64 to round-off -- also at ``K = 0``, where every frequency ties."""
+    import ropekit.encodings.blocks as blocks_mod
+    import ropekit.nn.attention as att_mod
+
+    torch.manual_seed(0)
+    m = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=3, image_size=(16, 16), patch_size=4,
+                                     pe="comrope-ld", depth=3, pe_options={"block_size": 8, "init": init})).double()
+    assert len({id(b.attn.pe) for b in m.blocks}) == 1
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "pe." not in n or init == "normal":
+                p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    offset = torch.randn(2, 2, dtype=torch.float64) if per_example else None
+    calls = []
+    real = blocks_mod._frechet_block_grads
+    monkeypatch.setattr(blocks_mod, "_frechet_block_grads", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        out = m(x, coord_offset=offset)
+        return out, torch.autograd.grad(out.square().sum(), list(m.parameters()))
+
+    out, grads = run()
+    assert len(calls) == 1  # one map for the three layers
+    monkeypatch.setattr(att_mod, "share_block_gradients", lambda form, coords: form)
+    ref_out, ref_grads = run()
+    assert len(calls) == 4  # one per layer
+    assert torch.equal(out, ref_out)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, rtol=1e-12, atol=1e-14)
+
+
+def test_gathered_and_per_rotation_gradients_keep_float64_angles():
+    """float32 tokens at coordinates up to 1e4: the ComRoPE gradient mapped per rotation and the one gathered over
+    rotations (``share_block_gradients``) both form the angles ``s mu`` in float64 -- in float32 they would be off
+    by ~1e-3 rad -- and agree with a float64 computation."""
+    import ropekit
+    from ropekit.encodings.blocks import share_block_gradients
+    from ropekit.fold import frequency_rope
+
+    torch.manual_seed(0)
+    pe = ropekit.create_pe("comrope-ld", head_dim=8, coord_dim=2, num_heads=2, block_size=4, init="normal",
+                           init_std=0.3)
+    coords = torch.rand(6, 2) * 1e4
+    q, k = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+
+    def grads(dtype, shared):
+        p = pe.to(dtype)
+        form = rope_form(p)
+        form = share_block_gradients(form, coords.to(dtype)) if shared else form
+        qo, ko = frequency_rope(q.to(dtype), k.to(dtype), coords.to(dtype), form, backend="torch")
+        loss = (qo * ko).sum() + (qo.square() * torch.linspace(0, 1, 8, dtype=dtype)).sum()
+        return [g.double() for g in torch.autograd.grad(loss, [p.block_params, p.axis_weights])]
+
+    ref = grads(torch.float64, False)
+    for shared in (False, True):
+        for g, r in zip(grads(torch.float32, shared), ref):
+            assert float((g - r).abs().max() / r.abs().max()) < 1e-4

@@ -8,6 +8,12 @@
 #   bash tools/gpu_session.sh vit-eager       # ViT-B/16 training step against APE and timm, eager (~4 min)
 #   bash tools/gpu_session.sh vit-compiled    # the same under torch.compile(mode="reduce-overhead") (~6 min)
 #   bash tools/gpu_session.sh syncs           # host synchronisations per ViT-B step, eager and compiled (~3 min)
+#   bash tools/gpu_session.sh folded          # the folded encodings at RoPE's cost, in one call (~8.5 min): the
+#                                             # sync-free and CUDA-graph tests, the encodings alone in training
+#                                             # against the floor, the ViT-B/16 bf16 step eager and under
+#                                             # reduce-overhead (CUDA graphs) for ape, axial, mixed, cayley,
+#                                             # circulant and comrope-ld
+#   DRY=1 bash tools/gpu_session.sh folded    # print the stages' commands without running them (no GPU needed)
 #
 # Several stages can be named in one call; each is cut off by `timeout` so that a slow one cannot take the
 # rest with it, leaving the Python traceback of where it was in the log. Results go to $OUT (default ./gpu-out):
@@ -15,7 +21,7 @@
 # h200, ... from the device's name. Run from the repository root with the project importable (PYTHONPATH=$PWD or
 # `pip install --no-deps -e .`).
 set -u
-[ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -36,6 +42,7 @@ run_stage() {  # name, time limit in seconds, command...
   local stage=$1 limit=$2
   shift 2
   echo "== stage $stage (limit ${limit}s): $*" | tee -a "$log"
+  if [ "${DRY:-0}" = 1 ]; then return 0; fi
   timeout -s ABRT -k 10 "$limit" "$@" >> "$log" 2>&1
   echo "== stage $stage: exit $?" | tee -a "$log"
 }
@@ -67,8 +74,18 @@ for stage in "$@"; do
     syncs)
       run_stage syncs 300 python tools/profile_step.py syncs none cayley circulant comrope-ld c:cayley
       ;;
+    folded)  # 510 s of limits in all: fits a 9-minute command with the start-up to spare
+      run_stage folded-tests 130 python -m pytest -q -rfs -p no:cacheprovider tests/test_sync_free_step.py \
+        tests/test_skew_schur.py tests/test_nn_batched_bases.py
+      run_stage folded-peop 80 $bench --quick --no-vit --cases grid2d --rows "cayley in training (folded)" \
+        "circulant in training (folded)" "comrope-ld (b=8) in training (folded)" \
+        --json "$OUT/$gpu-folded-peop.json" --markdown "$OUT/$gpu-folded-peop.md"
+      run_stage folded-vit 300 $bench --quick --rows none --cases grid2d --vit base --vit-modes eager compiled \
+        --compile-mode reduce-overhead --vit-pes axial mixed cayley circulant comrope-ld --no-timm \
+        --json "$OUT/$gpu-folded-vit.json" --markdown "$OUT/$gpu-folded-vit.md"
+      ;;
     *)
-      echo "unknown stage '$stage': use new, checks, peop, vit-eager, vit-compiled or syncs" >&2
+      echo "unknown stage '$stage': use new, checks, peop, vit-eager, vit-compiled, syncs or folded" >&2
       exit 2
       ;;
   esac

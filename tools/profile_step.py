@@ -10,7 +10,8 @@ Four commands, each on the training step that ``ropekit bench`` times (``ropekit
   A step bound by the host with few launches (the Cayley step's 78 ms wall for 44 ms of GPU work) points at one;
   a batched LU factorisation of ``64 x 64`` matrices (Cayley's solve) is a suspect on some torch builds.
 * ``ops PE`` -- on the CPU: top-level ATen operations per step (all, and those that are not views), with the
-  per-layer Cayley bases solved together (as the ViT does) and, for comparison, one layer at a time.
+  per-layer Cayley bases solved together (as the ViT does) and, for comparison, one layer at a time, in the CPU
+  form (``ropekit bench --ops`` counts the device form too, for several encodings at once).
 * ``ab PE --what loop-threshold|batched-bases`` -- on the CPU, one thread: process CPU time per step of two
   settings timed in alternation in one process (medians), for a change whose effect is smaller than the
   machine's drift between separate runs.
@@ -35,15 +36,8 @@ from torch.profiler import ProfilerActivity, profile
 import ropekit.encodings.rotation as rotation
 import ropekit.nn.vit as vit
 from ropekit.bench.core import BenchConfig, _vit_step
+from ropekit.bench.ops import count_step_ops
 from ropekit.fold import rope_form, rope_forms
-
-#: View-like operations (no arithmetic, no launch), left out of the "non-view" count.
-VIEWS = {"aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::permute", "aten::select", "aten::slice",
-         "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::detach", "aten::unflatten", "aten::flatten",
-         "aten::as_strided", "aten::alias", "aten::unbind", "aten::split", "aten::split_with_sizes", "aten::narrow",
-         "aten::view_as_real", "aten::view_as_complex", "aten::_unsafe_view", "aten::mH", "aten::diagonal",
-         "aten::imag", "aten::real"}
-
 
 def _per_layer_forms(pes):
     return [rope_form(pe) for pe in pes]
@@ -105,23 +99,14 @@ def cmd_syncs(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-def _count_ops(step: Callable[[], None]) -> Dict[str, int]:
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    top = [e for e in prof.events() if e.name.startswith("aten::")
-           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-    return {"all": len(top), "non-view": sum(e.name not in VIEWS for e in top)}
-
-
 def cmd_ops(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     step = _vit_step(args.size, args.pe, BenchConfig())
     for name, forms in (("bases together", rope_forms), ("bases per layer", _per_layer_forms)):
         vit.rope_forms = forms
-        counts = _count_ops(step)
+        counts = count_step_ops(step)
         print(f"{args.pe} ({args.size}), {name}: top-level ATen ops per step {counts['all']}, "
-              f"non-view {counts['non-view']}")
+              f"non-view {counts['non_view']}")
     vit.rope_forms = rope_forms
 
 

@@ -68,6 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-vit", action="store_true", help="skip the training-step table")
     p.add_argument("--vit-pes", nargs="+", metavar="PE", help="encodings of the ViT table (default: "
                    + " ".join(VIT_PES) + "; on a GPU: " + " ".join(VIT_PES_GPU) + ")")
+    p.add_argument("--ops", action="store_true",
+                   help="instead of timing: count the ATen operations of one ViT training step per encoding of "
+                        "--vit-pes (default axial mixed and the folded ones) on the CPU, as a GPU runs the step and "
+                        "as the CPU does, with the ratio to axial -- the proxy of an eager GPU step's launches "
+                        "(--vit sets the size, default tiny)")
     sub = p.add_subparsers(dest="bench_command", metavar="[data]")
     add_data_arguments(sub.add_parser(
         "data", help="the training input pipeline: ropekit's folder and shard streams against torchvision's "
@@ -142,6 +147,29 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig.quick_config(**kw) if args.quick else BenchConfig(**kw)
 
 
+#: The encodings of ``--ops`` by default: the reference, RoPE-Mixed (learned frequencies, not folded) and the
+#: folded ones whose target is axial's count.
+OPS_PES = ("axial", "mixed", "cayley", "circulant", "comrope-ld")
+
+
+def _run_ops(args: argparse.Namespace, command: str) -> int:
+    from .ops import format_op_counts, step_op_counts
+
+    size = (args.vit or ["tiny"])[0]
+    records = step_op_counts(args.vit_pes or OPS_PES, size=size, batch=args.vit_batch)
+    return _write(args, records, format_op_counts(records, command=command.strip()))
+
+
+def _write(args: argparse.Namespace, records: list, report: str) -> int:
+    """Print the report and write the records (``--json``) and the report (``--markdown``)."""
+    print(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(report + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "_argv", None) is not None:  # python -m ropekit.bench
         command = "python -m ropekit.bench " + " ".join(shlex.quote(a) for a in args._argv)
@@ -149,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
         command = "ropekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if getattr(args, "bench_command", None) == "data":
         return run_data(args, command.strip())
+    if args.ops:
+        return _run_ops(args, command)
     cfg = config_from_args(args)
 
     def save(records: list) -> None:  # after every row: a run cut short keeps what it measured
@@ -158,13 +188,7 @@ def run(args: argparse.Namespace) -> int:
             Path(args.markdown).write_text(format_report(records, command=command.strip()) + "\n")
 
     records = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True), on_record=save)
-    report = format_report(records, command=command.strip())
-    print(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-    if args.markdown:
-        Path(args.markdown).write_text(report + "\n")
-    return 0
+    return _write(args, records, format_report(records, command=command.strip()))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

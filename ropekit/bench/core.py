@@ -726,13 +726,16 @@ def _vit_batch(size: str, cfg: BenchConfig) -> int:
     return 128 if (cfg.on_gpu and size == "base") else VIT_SETTINGS[size][3]
 
 
-def _train_step(model: nn.Module, size: str, cfg: BenchConfig, compiled: bool) -> Callable[[], None]:
-    """One optimisation step (forward, cross entropy, backward, AdamW) of ``model`` on fixed random data."""
+def _train_step(model: nn.Module, size: str, cfg: BenchConfig, compiled: bool, fused_adamw: Optional[bool] = None,
+                image_size: Optional[int] = None) -> Callable[[], None]:
+    """One optimisation step (forward, cross entropy, backward, AdamW) of ``model`` on fixed random data (fused
+    AdamW on a GPU, or where ``fused_adamw`` asks for it; images of ``image_size``, default the size's)."""
     image, _, chans, _ = VIT_SETTINGS[size]
+    image = image_size or image
     batch = _vit_batch(size, cfg)
     dev = torch.device(cfg.device)
     model = model.to(dev).train()
-    fused = {"fused": True} if cfg.on_gpu else {}
+    fused = {"fused": True} if (cfg.on_gpu if fused_adamw is None else fused_adamw) else {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(batch, chans, image, image, generator=g).to(dev)
@@ -756,14 +759,17 @@ def _vit_options(pe: str) -> Dict[str, Any]:
     return dict(cls.bench_vit_options) if cls is not None else {}
 
 
-def _vit_step(size: str, pe: str, cfg: BenchConfig, compiled: bool = False) -> Callable[[], None]:
+def _vit_step(size: str, pe: str, cfg: BenchConfig, compiled: bool = False, fused_adamw: Optional[bool] = None,
+              image_size: Optional[int] = None) -> Callable[[], None]:
+    """The training step of the ViT table for encoding ``pe`` (see ``_train_step``)."""
     from ..nn import VisionTransformer, vit_config
 
     image, patch, chans, _ = VIT_SETTINGS[size]
+    image = image_size or image
     torch.manual_seed(cfg.seed)
     model = VisionTransformer(vit_config(size, num_classes=10, in_chans=chans, image_size=(image, image),
                                          patch_size=patch, pe=pe, pe_options=_vit_options(pe)))
-    return _train_step(model, size, cfg, compiled)
+    return _train_step(model, size, cfg, compiled, fused_adamw, image)
 
 
 def _timm_step(size: str, cfg: BenchConfig, compiled: bool) -> Callable[[], None]:

@@ -20,7 +20,7 @@ from .rotation import _slice_loops, apply_frequency_rope
 from .skew import skew_real_schur
 
 __all__ = ["block_apply", "scaled_block_exp_matrices", "scaled_block_exp_apply", "scaled_block_exp_reference",
-           "rotate_in_block_eigenbasis"]
+           "rotate_in_block_eigenbasis", "share_block_gradients"]
 
 
 def block_apply(e: Tensor, x: Tensor) -> Tensor:
@@ -305,13 +305,16 @@ class _BlockEigenRotation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor, coords: Tensor,
-                freqs: Tensor, num_prefix_tokens: int, backend: str) -> tuple[Tensor, Tensor]:
+                freqs: Tensor, num_prefix_tokens: int, backend: str, collector: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
         # q, k: (B, H, N, d); s: (Bs, Hp, M, nb) wide; gens, basis: (Hp, nb, b, b); mu: (Hp, nb, h) wide;
-        # coords: (M, c) | (B, M, c); freqs: (Hp, c, d/2) wide, = axis weights x mu
+        # coords: (M, c) | (B, M, c); freqs: (Hp, c, d/2) wide, = axis weights x mu; collector: see
+        # share_block_gradients (its gradient is this rotation's Q^T gE Q, mapped to s and K there, once)
         f = freqs[0] if freqs.shape[0] == 1 else freqs
         qo, ko = apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, backend=backend)
         ctx.save_for_backward(q, k, s, gens, basis, mu, coords, f)
         ctx.num_prefix_tokens, ctx.backend = num_prefix_tokens, backend
+        ctx.collector = None if collector is None else collector.dtype
         return qo, ko
 
     @staticmethod
@@ -324,12 +327,15 @@ class _BlockEigenRotation(torch.autograd.Function):
                 inputs = [t for t, n in zip((q, k, s, gens), (need_q, need_k, need_s, need_g)) if n]
                 outs = [_block_eigen_reference(x, s, gens, basis, p0) for x in (q, k)]
                 grads = iter(torch.autograd.grad(outs, inputs, [gq, gk], create_graph=True, allow_unused=True))
-            return tuple(next(grads) if n else None for n in (need_q, need_k, need_s, need_g)) + (None,) * 6
-        gx_q = gx_k = g_s = g_gens = None
+            return tuple(next(grads) if n else None for n in (need_q, need_k, need_s, need_g)) + (None,) * 7
+        gx_q = gx_k = g_s = g_gens = g_collector = None
+        collect = ctx.collector is not None and ctx.needs_input_grad[10]
+        if collect:  # the shared node maps the sum of every rotation's outer products to s and K, once
+            need_s = need_g = False
         if need_q or need_k:  # the transposed rotation: the same angles negated
             gx_q, gx_k = apply_frequency_rope(gq, gk, coords, -f, num_prefix_tokens=p0, backend=ctx.backend,
                                               validate=False)
-        if need_s or need_g:
+        if need_s or need_g or collect:
             bs, hp, m, nb = s.shape
             b = basis.shape[-1]
             heads = q.shape[1]
@@ -344,14 +350,75 @@ class _BlockEigenRotation(torch.autograd.Function):
                               .permute(order).reshape(batch, -1, b) for t in (x, g))  # (batch, B r | r, b)
                     gh = torch.bmm(gv.transpose(1, 2), xv) if gh is None else gh.baddbmm_(gv.transpose(1, 2), xv)
                 gh = gh.view(hp, nb, bs * m, b, b)
-                st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M
-                gst, gd = _frechet_block_grads(gh, st, mu, need_s, need_g)
-            if need_s:
-                g_s = gst.view(hp, nb, bs, m).permute(2, 0, 3, 1).to(s.dtype)  # (Bs, Hp, M, nb)
-            if need_g:
-                qw = basis.to(gd.dtype)
-                g_gens = precise_matmul(precise_matmul(qw, gd), qw.transpose(-1, -2)).to(gens.dtype)
-        return gx_q, gx_k, g_s, g_gens, None, None, None, None, None, None
+                if collect:
+                    g_collector = gh.to(ctx.collector)
+                else:
+                    g_s, g_gens = _block_grads(gh, s, gens, basis, mu, need_s, need_g)
+        return gx_q, gx_k, g_s, g_gens, None, None, None, None, None, None, g_collector
+
+
+def _block_grads(gh: Tensor, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor, need_s: bool, need_g: bool
+                 ) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients of ``s`` ``(Bs, Hp, M, nb)`` and of the generators ``(Hp, nb, b, b)`` from ``gh`` ``(Hp, nb,
+    Bs * M, b, b)``, the sum of ``Q^T gE_t Q`` over the tokens at each coordinate ``t`` (``_frechet_block_grads``,
+    computed in ``s``'s wide dtype -- the angles ``s mu`` stay exact at large coordinates -- then back from the
+    basis ``Q``)."""
+    bs, hp, m, nb = s.shape
+    with torch.autocast(device_type=gh.device.type, enabled=False):
+        st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M
+        gst, gd = _frechet_block_grads(gh, st, mu, need_s, need_g)
+        g_s = g_gens = None
+        if need_s:
+            g_s = gst.view(hp, nb, bs, m).permute(2, 0, 3, 1).to(s.dtype)  # (Bs, Hp, M, nb)
+        if need_g:
+            qw = basis.to(gd.dtype)
+            g_gens = precise_matmul(precise_matmul(qw, gd), qw.transpose(-1, -2)).to(gens.dtype)
+    return g_s, g_gens
+
+
+class _BlockGradientCollector(torch.autograd.Function):
+    """A zero tensor the shape of ``Q^T gE Q`` ``(Hp, nb, T, b, b)`` that every rotation sharing one block form takes
+    as an input: autograd sums their gradients (each layer's outer products) into it, and its backward maps the
+    sum to ``s`` and ``K`` once -- the Frechet map is linear in them, so this equals mapping each layer's and
+    adding (see ``share_block_gradients``)."""
+
+    @staticmethod
+    def forward(ctx, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor, dtype: torch.dtype) -> Tensor:
+        bs, hp, m, nb = s.shape
+        b = basis.shape[-1]
+        ctx.save_for_backward(s, gens, basis, mu)
+        return torch.zeros(hp, nb, bs * m, b, b, dtype=dtype, device=s.device)
+
+    @staticmethod
+    def backward(ctx, gh: Tensor):
+        s, gens, basis, mu = ctx.saved_tensors
+        g_s, g_gens = _block_grads(gh, s, gens, basis, mu, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return g_s, g_gens, None, None, None
+
+
+def share_block_gradients(form, coords: Tensor):
+    """A block encoding's :class:`~ropekit.encodings.forms.RoPEForm` prepared for several rotations on the same
+    coordinates (the layers of a model sharing one encoding): the scalars ``s_j(r)`` formed once, and one node
+    that gathers every rotation's gradient and maps the sum to ``K`` and ``s`` once, instead of one Frechet map per
+    layer. First derivatives only: under ``create_graph`` each rotation differentiates its dense reference as
+    before.
+
+    Args:
+        form: a form with ``eigen`` set (else it is returned as it is).
+        coords: ``(M, c)`` or ``(B, M, c)``, the coordinates every rotation using the result will get.
+
+    The gathered gradients are summed in float64 (float32 on devices without it): a small tensor, ``Hp nb T b^2``.
+    """
+    e = form.eigen
+    if e is None:
+        return form
+    s = wide_angles(coords, e.axis_weights)  # (Hp, M, nb) or (B, Hp, M, nb)
+    s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, Hp, M, nb)
+    if not (torch.is_grad_enabled() and (s.requires_grad or e.generators.requires_grad)):
+        return form._replace(eigen=e._replace(scales=s))
+    collector = _BlockGradientCollector.apply(s, e.generators, e.schur.detach(), e.mu.detach(),
+                                              _wide_dtype(s.device))
+    return form._replace(eigen=e._replace(scales=s, collector=collector))
 
 
 def _block_eigen_reference(x: Tensor, s: Tensor, gens: Tensor, basis: Tensor, num_prefix_tokens: int) -> Tensor:
@@ -369,7 +436,8 @@ def _block_eigen_reference(x: Tensor, s: Tensor, gens: Tensor, basis: Tensor, nu
 
 
 def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weights: Tensor, gens: Tensor,
-                               basis: Tensor, mu: Tensor, num_prefix_tokens: int = 0, backend: str = "auto"
+                               basis: Tensor, mu: Tensor, num_prefix_tokens: int = 0, backend: str = "auto",
+                               scales: Tensor | None = None, collector: Tensor | None = None
                                ) -> tuple[Tensor, Tensor]:
     """Rotate q and k, already written in the eigenbasis of a block-diagonal generator, by ``expm(s_j K_j)`` in
     block ``j``: ``y = Q_j^T expm(s_j(r) K_j) Q_j x``, ``s_j(r) = sum_k r_k axis_weights[k, j]`` -- the per-token
@@ -391,17 +459,19 @@ def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weight
         basis, mu: ``(Hp, nb, b, b)`` and ``(Hp, nb, b/2)`` from ``skew_real_schur(K)`` (constants; float64 for
             exact angles at large coordinates).
         backend: the path of the rotation, as ``apply_frequency_rope``.
+        scales, collector: from ``share_block_gradients`` for these ``coords`` (``BlockEigenForm``): the scalars
+            ``s_j(r)`` already formed, and the node that maps the gradients of every rotation sharing them at once.
 
     Returns:
         ``(q, k)`` of the same shapes and dtypes (float32 math, float64 for float64 tokens).
     """
     wide = mu.dtype
-    s = wide_angles(coords, axis_weights)  # (Hp, M, nb) or (B, Hp, M, nb)
+    s = wide_angles(coords, axis_weights) if scales is None else scales  # (Hp, M, nb) or (B, Hp, M, nb)
     s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, Hp, M, nb)
     mu = mu.detach()
     freqs = (axis_weights.detach().to(wide).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
     return _BlockEigenRotation.apply(q, k, s, gens, basis.detach(), mu, coords.detach(), freqs, num_prefix_tokens,
-                                     backend)
+                                     backend, collector)
 
 
 def _dense_block_exp(s: Tensor, k: Tensor) -> Tensor:

@@ -58,7 +58,7 @@ from .rotation import apply_frequency_rope
 from .skew import cayley_transform, free_to_skew, skew_real_schur
 
 __all__ = ["to_rope", "rope_form", "rope_forms", "RoPEForm", "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe",
-           "is_foldable", "fold_qkv_weight", "frequency_rope"]
+           "is_foldable", "fold_qkv_weight", "fold_qkv_weights", "frequency_rope"]
 
 
 def foldable_kind(pe: Optional[PositionEncoding]) -> Optional[str]:
@@ -105,10 +105,10 @@ def rope_forms(pes: Sequence[PositionEncoding]) -> List[RoPEForm]:
     Cayley-STRING encodings of one configuration (size, band, parameter heads, dtype, device) get their bases from
     one batched solve over all of them instead of one solve per encoding -- on a GPU, where each small operation
     is a launch, that removes the per-layer preparation's launches but one. ComRoPE (and one-axis LieRE)
-    encodings of one configuration get their block eigenbases from one batched eigendecomposition: on a GPU each
-    eigendecomposition also makes the host wait for the device (its error check), so one per model forward
-    instead of one per layer. Every other encoding is written by :func:`rope_form`. Values and gradients are
-    :func:`rope_form`'s (each matrix is factorised as it would be alone).
+    encodings of one configuration get their block eigenbases from one batched real Schur form (its Jacobi
+    rounds run once per model forward, not once per layer). Every other encoding is written by
+    :func:`rope_form`. Values and gradients are :func:`rope_form`'s (each matrix is factorised as it would be
+    alone).
 
     Raises:
         ValueError: as :func:`rope_form`, for an encoding that has no RoPE form.
@@ -211,6 +211,56 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
     return w, b
 
 
+def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]], bases: Sequence[Tensor],
+                     num_heads: int) -> List[Tuple[Tensor, Optional[Tensor]]]:
+    """:func:`fold_qkv_weight` for several layers at once (e.g. every layer of a ViT): one batched product for all
+    of them instead of a merge per layer -- on a GPU a handful of launches per step instead of a handful per layer.
+
+    Args:
+        weights: ``L`` fused projections ``(3 D, D_in)`` of one shape and dtype.
+        biases: ``L`` biases ``(3 D,)``, all present or all ``None``.
+        bases: ``L`` bases ``(Hp, d, d)`` (``Hp`` 1 or ``H``, dense: the block form is merged layer by layer).
+        num_heads: ``H``.
+
+    Returns:
+        ``L`` pairs ``(weight', bias')`` as :func:`fold_qkv_weight` returns them (the same products, batched),
+        differentiable in every input; the gradients of the ``L`` weights (biases, bases) come back from one
+        stacked tensor.
+
+    Raises:
+        ValueError: mismatched lengths, shapes or dtypes, or biases that are present for some layers only.
+    """
+    n = len(weights)
+    if not (n == len(biases) == len(bases)) or n == 0:
+        raise ValueError(f"fold_qkv_weights needs as many weights, biases and bases (at least one), got "
+                         f"{len(weights)}, {len(biases)}, {len(bases)}")
+    if len({(tuple(w.shape), w.dtype, w.device) for w in weights}) != 1:
+        raise ValueError("fold_qkv_weights needs weights of one shape, dtype and device")
+    has_bias = {b is not None for b in biases}
+    if len(has_bias) != 1:
+        raise ValueError("fold_qkv_weights needs a bias for every layer or for none")
+    three_d, d_in = weights[0].shape
+    dim = three_d // 3
+    h = num_heads
+    d = dim // h
+    for p in bases:
+        if p.dim() != 3 or p.shape[-2:] != (d, d) or p.shape[0] not in (1, h):
+            raise ValueError(f"every basis must have shape (1 or {h}, {d}, {d}), got {tuple(p.shape)}")
+    dtype = weights[0].dtype
+    with torch.autocast(device_type=weights[0].device.type, enabled=False):
+        p = torch.stack([b.to(dtype).expand(h, d, d) for b in bases]).unsqueeze(1)  # (L, 1, H, d, d)
+        w_qk, w_v = torch.stack(list(weights)).split([2 * dim, dim], dim=1)  # (L, 2D, D_in), (L, D, D_in)
+        qk = precise_matmul(p, w_qk.reshape(n, 2, h, d, d_in))  # (L, 2, H, d, D_in)
+        w = torch.cat([qk.reshape(n, 2 * dim, d_in), w_v], dim=1).unbind(0)  # L x (3D, D_in)
+        if biases[0] is not None:
+            b_qk, b_v = torch.stack(list(biases)).split([2 * dim, dim], dim=1)  # (L, 2D), (L, D)
+            bqk = precise_matmul(p, b_qk.to(dtype).reshape(n, 2, h, d, 1))  # (L, 2, H, d, 1)
+            b = torch.cat([bqk.reshape(n, 2 * dim).to(b_v.dtype), b_v], dim=1).unbind(0)
+        else:
+            b = (None,) * n
+    return list(zip(w, b))
+
+
 def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0,
                    backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """The per-token part of a folded encoding: RoPE by the angles ``coords . freqs`` on q and k (whose projection
@@ -230,7 +280,7 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
     if form.eigen is not None:  # the value as below, the gradients through the block exponentials
         e = form.eigen
         return rotate_in_block_eigenbasis(q, k, coords, e.axis_weights, e.generators, e.schur, e.mu,
-                                          num_prefix_tokens, backend)
+                                          num_prefix_tokens, backend, e.scales, e.collector)
     if form.prefix is not None and num_prefix_tokens > 0:
         p0 = num_prefix_tokens
         q = torch.cat([basis_change(q[:, :, :p0], form.prefix.to(q.dtype)), q[:, :, p0:]], dim=2)  # (B, H, N, d)

@@ -39,12 +39,17 @@ class BlockEigenForm(NamedTuple):
         axis_weights: ``(Hp, c, nb)``, differentiable (one-hot for comrope-ap, ones for one-axis LieRE).
         schur: ``Q`` ``(Hp, nb, b, b)`` float64, constant.
         mu: ``(Hp, nb, b/2)`` float64, constant.
+        scales, collector: set by ``blocks.share_block_gradients`` for one set of coordinates: the scalars
+            ``s_j(r)`` ``(Bs, Hp, M, nb)`` of every token and the node that gathers the gradients of every layer
+            using this form, to map their sum to ``K`` and ``s`` once (``None``: each rotation maps its own).
     """
 
     generators: Tensor
     axis_weights: Tensor
     schur: Tensor
     mu: Tensor
+    scales: Optional[Tensor] = None
+    collector: Optional[Tensor] = None
 
 
 class RoPEForm(NamedTuple):

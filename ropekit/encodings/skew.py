@@ -53,19 +53,13 @@ _FLAT_INDICES: dict = {}
 
 def _flat_skew_indices(n: int, band: int | None, device: torch.device) -> tuple[Tensor, Tensor]:
     """Flat positions ``i n + j`` and ``j n + i`` of the free entries: constants, built once per (size, band,
-    device) and kept, so a forward pass does not rebuild them (with a band the selection would also read a mask
-    back to the host)."""
-    key = (n, band, str(device))
-    if torch.compiler.is_compiling() and key not in _FLAT_INDICES:
-        # built in the graph, not stored: a dictionary filled while Dynamo traces fails its guard on the next call
-        # and compiles the model a second time
+    device) and kept (``_cached``), so a forward pass does not rebuild them (with a band the selection would also
+    read a mask back to the host)."""
+    def build() -> tuple[Tensor, Tensor]:
         iu = upper_indices(n, band, device)
         return iu[0] * n + iu[1], iu[1] * n + iu[0]
-    if key not in _FLAT_INDICES:
-        with torch.inference_mode(False):  # normal tensors even if first built in inference mode: autograd saves them
-            iu = upper_indices(n, band, device)
-            _FLAT_INDICES[key] = (iu[0] * n + iu[1], iu[1] * n + iu[0])
-    return _FLAT_INDICES[key]
+
+    return _cached(_FLAT_INDICES, (n, band, str(device)), build)
 
 
 def skew_to_free(s: Tensor, band: int | None = None) -> Tensor:
@@ -98,17 +92,61 @@ def cayley_transform(s: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- real Schur form
-def skew_real_schur(k: Tensor, rtol: float = 1e-8) -> tuple[Tensor, Tensor]:
+def skew_real_schur(k: Tensor) -> tuple[Tensor, Tensor]:
     """Real block-diagonal form of skew matrices: ``K = Q blockdiag_n(mu_n J) Q^T``, ``J = [[0, -1], [1, 0]]``.
 
     Args:
         k: ``(..., b, b)`` skew-symmetric, ``b`` even.
-        rtol: eigenvalues ``mu <= rtol * max(mu)`` count as small (see below).
 
     Returns:
         ``(Q, mu)``: ``Q`` ``(..., b, b)`` orthogonal, its columns ``(2n, 2n + 1)`` spanning rotation plane ``n``,
-        and ``mu`` ``(..., b / 2)`` >= 0 (ascending: the planes that do not turn first), in ``k``'s dtype;
+        and ``mu`` ``(..., b / 2)`` >= 0 ascending (the planes that do not turn first), in ``k``'s dtype;
         computed in float64, not differentiable.
+
+    Written in closed form and fixed batched products only -- no eigensolver, no value read back to the host, no
+    shape that depends on the data -- so that it can run inside a CUDA graph and never makes the host wait for
+    the device. ``b = 2``: ``Q = I`` (a column flipped where the block turns backwards). ``b = 4``: one closed
+    form (``_schur4``: the self-dual and anti-self-dual parts of ``K`` are commuting complex structures times
+    ``alpha`` and ``gamma``, the frequencies are ``alpha + gamma`` and ``|alpha - gamma|``, the planes the
+    eigenspaces of the product of the two structures). ``b = 6, 8``: block Jacobi sweeps, each pair of 2x2
+    diagonal blocks brought to block-diagonal form by that closed form, the pairs of a round disjoint and done
+    together (``_jacobi_sweeps``: a fixed number, converged to round-off with a margin, ties and zero
+    frequencies included). Blocks larger than ``8 x 8`` (one-axis LieRE's whole head, ComRoPE with ``b > 8``)
+    take Hermitian eigendecompositions instead (``_skew_real_schur_eigh``), which do make the host wait. Every
+    rotation is orthogonal to round-off, and the frequencies are read off the converged blocks: a plane ``1e-8``
+    (or ``1e-16``) times slower than the fastest keeps its frequency to the round-off of ``K``'s largest entries
+    (an angle error ~1e-12 rad at coordinates of 1e4), a still plane (``K = 0`` included) gets a valid plane and
+    ``mu = 0``.
+    """
+    b = k.shape[-1]
+    if b % 2:
+        raise ValueError(f"skew_real_schur needs an even size, got {b}")
+    if b > _JACOBI_MAX:
+        return _skew_real_schur_eigh(k)
+    a = k.detach().to(torch.float64)
+    eye = torch.eye(b, dtype=a.dtype, device=a.device)
+    q = None
+    if b >= 4:
+        rounds = _jacobi_rounds(b, a.device)
+        for _ in range(_jacobi_sweeps(b) if b > 4 else 1):  # 4 x 4: the closed form once
+            for rows, cols, put_rows, put_cols in rounds:  # each round: disjoint pairs of 2x2 blocks
+                g = eye.expand(a.shape).clone()
+                g[..., put_rows, put_cols] = _schur4(a[..., rows, cols])  # block diagonal after a permutation
+                a = g.transpose(-1, -2) @ a @ g
+                q = g if q is None else q @ g
+    m = (a[..., 1::2, 0::2].diagonal(dim1=-2, dim2=-1) - a[..., 0::2, 1::2].diagonal(dim1=-2, dim2=-1)) * 0.5
+    mu, order = m.abs().sort(dim=-1)  # (..., b/2) ascending
+    sign = torch.where(m < 0, -1.0, 1.0).to(a.dtype)  # a plane turning backwards: flip its second column
+    flip = torch.stack((torch.ones_like(sign), sign), dim=-1).flatten(-2)  # (..., b)
+    q = (eye if q is None else q) * flip.unsqueeze(-2)
+    cols = torch.stack((2 * order, 2 * order + 1), dim=-1).flatten(-2)  # (..., b): the planes in mu's order
+    q = torch.gather(q, -1, cols.unsqueeze(-2).expand(a.shape))
+    return q.to(k.dtype), mu.to(k.dtype)
+
+
+def _skew_real_schur_eigh(k: Tensor, rtol: float = 1e-8) -> tuple[Tensor, Tensor]:
+    """``skew_real_schur`` for blocks larger than ``8 x 8``, from Hermitian eigendecompositions (``rtol``: eigenvalues
+    ``mu <= rtol * max(mu)`` count as small and are resolved again on their own scale).
 
     From a Hermitian eigendecomposition of ``-iK`` (backward stable whatever the eigenvalue gaps): an
     eigenvector ``u`` of ``mu > 0`` gives the real orthonormal pair ``sqrt(2) (Im u, Re u)`` -- also when several
@@ -169,6 +207,122 @@ def _schur_pairs(kd: Tensor, rtol: float) -> tuple[Tensor, Tensor, Tensor]:
     pairs = torch.stack((u.imag, u.real), dim=-1).flatten(-2) * math.sqrt(2.0)  # (..., b, b)
     good = mu > rtol * mu.abs().amax(dim=-1, keepdim=True)  # (..., h); the small ones come first
     return pairs, mu, good
+
+
+#: The largest block the Jacobi sweeps take. Larger blocks use the eigensolver path (``_skew_real_schur_eigh``),
+#: which synchronises: the closed-form pair rotations are not chosen nearest to the identity, so with more than
+#: four planes per block, clustered spectra converge only linearly (``10 x 10``: 10 sweeps to round-off,
+#: ``12 x 12``: 14, against 4 and 5 for ``6 x 6`` and ``8 x 8``).
+_JACOBI_MAX = 8
+
+
+def _jacobi_sweeps(b: int) -> int:
+    """Block Jacobi sweeps for ``b x b`` blocks (``b <= 8``): random, clustered, tied and graded (1e-12) spectra
+    reach round-off in 4 sweeps for ``6 x 6`` and 5 for ``8 x 8`` (400 matrices each); one sweep of margin."""
+    return 6
+
+
+#: (size, device) -> the Jacobi rounds' indices, constants built once (see ``_cached``)
+_JACOBI_ROUNDS: dict = {}
+
+
+def _jacobi_rounds(b: int, device: torch.device) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """The rounds of one block Jacobi sweep over the ``h = b / 2`` diagonal 2x2 blocks, by the round-robin
+    ("circle") schedule: every pair of blocks once per sweep, each round a set of disjoint pairs.
+
+    Per round, with ``idx`` ``(pairs, 4)`` the indices ``(2i, 2i + 1, 2j, 2j + 1)`` of each pair ``(i, j)``:
+    ``rows`` / ``cols`` (``(pairs, 4, 1)`` / ``(pairs, 1, 4)``) select the ``4 x 4`` submatrices, and
+    ``put_rows`` / ``put_cols`` (``(pairs, 1, 4, 1)`` / ``(pairs, 2, 1, 2)``) place a ``(pairs, 2, 4, 2)`` table
+    ``X[p, s, r, t]`` (column ``2 s + t``, row ``r`` of pair ``p``'s ``4 x 4`` rotation) into the ``b x b`` one.
+    """
+    def build() -> list:
+        h = b // 2
+        players = list(range(h + h % 2))  # a bye for odd h: its partner rests that round
+        n, rounds = len(players), []
+        for _ in range(n - 1):
+            pairs = [sorted((players[i], players[n - 1 - i])) for i in range(n // 2)]
+            idx = torch.tensor([[2 * i, 2 * i + 1, 2 * j, 2 * j + 1] for i, j in pairs if j < h], device=device)
+            rounds.append((idx[:, :, None], idx[:, None, :], idx[:, None, :, None], idx.view(-1, 2, 1, 2)))
+            players = [players[0], players[-1]] + players[1:-1]
+        return rounds
+
+    return _cached(_JACOBI_ROUNDS, (b, str(device)), build)
+
+
+_SCHUR4_TABLES: dict = {}
+
+
+def _schur4_tables(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """Constants of ``_schur4`` on ``device`` (built once, ``_cached``: no host-to-device copy per call, which a
+    CUDA graph could not hold):
+
+    * ``parts`` ``(16, 6)``: a flattened ``4 x 4`` skew ``A`` times it gives its self-dual part
+      ``((a01 + a23), (a02 - a13), (a03 + a12)) / 2`` and its anti-self-dual part (the signs of ``a23``,
+      ``a13``, ``a12`` flipped);
+    * ``structures`` ``(2, 3, 16)``: a unit 3-vector times ``structures[0]`` (``[1]``) is the flattened unit
+      self-dual (anti-self-dual) complex structure, the 't Hooft symbols;
+    * ``first`` ``(3,)``: ``1e-150`` times the first unit vector, added so that a vanishing part still gets a
+      structure (and its square does not underflow);
+    * ``half_eye`` ``(4, 4)`` and ``half_signs`` ``(2, 1, 1)``: ``(I -+ M) / 2 = half_eye + half_signs * M``.
+    """
+    def build() -> tuple[Tensor, ...]:
+        parts = torch.zeros(16, 6, dtype=torch.float64)
+        for col, (x, y, sign) in enumerate([(1, 11, 1), (2, 7, -1), (3, 6, 1), (1, 11, -1), (2, 7, 1), (3, 6, -1)]):
+            parts[x, col], parts[y, col] = 0.5, 0.5 * sign
+        which = [[0, 1, 2, 3], [1, 0, 3, 2], [2, 3, 0, 1], [3, 2, 1, 0]]  # which of (0, u1, u2, u3) sits at (r, c)
+        signs = [[[0, 1, 1, 1], [-1, 0, 1, -1], [-1, -1, 0, 1], [-1, 1, -1, 0]],
+                 [[0, 1, 1, 1], [-1, 0, -1, 1], [-1, 1, 0, -1], [-1, -1, 1, 0]]]
+        structures = torch.zeros(2, 3, 16, dtype=torch.float64)
+        for kind in range(2):
+            for r in range(4):
+                for c in range(4):
+                    if which[r][c]:
+                        structures[kind, which[r][c] - 1, 4 * r + c] = signs[kind][r][c]
+        first = torch.tensor([1e-150, 0.0, 0.0], dtype=torch.float64)
+        half_signs = torch.tensor([-0.5, 0.5], dtype=torch.float64).view(2, 1, 1)
+        return tuple(t.to(device=device, dtype=dtype)
+                     for t in (parts, structures, first, 0.5 * torch.eye(4, dtype=torch.float64), half_signs))
+
+    return _cached(_SCHUR4_TABLES, (str(device), dtype), build)
+
+
+def _schur4(a: Tensor) -> Tensor:
+    """The plane table ``X`` ``(..., 2, 4, 2)`` of ``Q`` ``(..., 4, 4)`` orthogonal with ``Q^T A Q =
+    blockdiag(mu_1 J, mu_2 J)`` for skew ``A`` ``(..., 4, 4)`` (float64), in closed form: ``X[..., s, :, t]`` is
+    column ``2 s + t`` of ``Q``.
+
+    ``A = alpha J_+ + gamma J_-`` with ``J_+`` / ``J_-`` the unit complex structures of its self-dual and
+    anti-self-dual parts (they commute; a part that vanishes gets a fixed structure). ``M = J_+ J_-`` is a
+    symmetric involution: on its ``-1`` eigenspace ``J_- = J_+`` and ``A = (alpha + gamma) J_+``, on its ``+1``
+    eigenspace ``J_- = -J_+`` and ``A = (alpha - gamma) J_+``. Each plane: the largest column of the projector
+    ``(I -+ M) / 2`` (its largest diagonal entry), normalised, ``v``, and ``J v`` with ``J`` the structure of the
+    larger part (``J_+`` where ``alpha >= gamma``: then both planes turn forwards). A structure enters ``A``
+    times its part's norm, so the rounding it carries from a small part does not reach the form: exact to
+    ``A``'s round-off, nearly tied frequencies included.
+    """
+    parts_of, structures, first, half_eye, half_signs = _schur4_tables(a.device, a.dtype)
+    u = (a.flatten(-2) @ parts_of).unflatten(-1, (2, 3)) + first  # (..., 2, 3): self-dual, anti-self-dual
+    norm = u.norm(dim=-1, keepdim=True)  # (..., 2, 1): alpha, gamma
+    j = ((u / norm).unsqueeze(-2) @ structures).unflatten(-1, (4, 4)).squeeze(-3)  # (..., 2, 4, 4): J_+, J_-
+    proj = torch.addcmul(half_eye, half_signs, (j[..., 0, :, :] @ j[..., 1, :, :]).unsqueeze(-3))  # (..., 2, 4, 4)
+    best = proj.diagonal(dim1=-2, dim2=-1).argmax(-1)  # (..., 2): a column's squared norm is its diagonal entry
+    v = torch.gather(proj, -1, best[..., None, None].expand(*proj.shape[:-1], 1))  # (..., 2, 4, 1)
+    v = v / v.norm(dim=-2, keepdim=True)
+    larger = norm.argmax(-2, keepdim=True).unsqueeze(-1).expand(*j.shape[:-3], 1, 4, 4)
+    return torch.cat((v, torch.gather(j, -3, larger) @ v), dim=-1)  # (..., 2, 4, 2)
+
+
+def _cached(store: dict, key: tuple, build):
+    """A constant built once per key and kept (index tables, fixed bases), so that a forward pass does not rebuild
+    it. Inside ``torch.compile`` a missing entry is built in the graph and not stored: a dictionary filled while
+    Dynamo traces fails its guard at the next call and compiles the model a second time. Built outside inference
+    mode so that autograd may save it."""
+    if key in store:
+        return store[key]
+    if torch.compiler.is_compiling():
+        return build()
+    with torch.inference_mode(False):
+        return store.setdefault(key, build())
 
 
 class _RealSchur(torch.autograd.Function):

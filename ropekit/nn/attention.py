@@ -16,7 +16,7 @@ Logits and gradients are those of the unfolded layer up to float rounding. Encod
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..encodings import PositionEncoding
-from ..encodings.products import basis_change
+from ..encodings.blocks import share_block_gradients
 from ..encodings.fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rope_form
+from ..encodings.products import basis_change
 
 __all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
 
@@ -91,11 +92,15 @@ class PreparedPE(NamedTuple):
             encoding's own ``prepare`` state, a ``ropekit.encodings.PEState``).
         pe: the encoding the state belongs to (a state is only used by layers holding this very module).
         value: see ``kind``.
+        qkv: for a ``"fold"`` state of one layer, that layer's projection ``(weight, bias)`` with the basis already
+            merged (a model merges all its layers in one batched product, ``fold.fold_qkv_weights``); ``None``:
+            the layer merges it itself.
     """
 
     kind: str
     pe: PositionEncoding
     value: Any
+    qkv: Optional[Tuple[Tensor, Optional[Tensor]]] = None
 
 
 class Attention(nn.Module):
@@ -158,8 +163,8 @@ class Attention(nn.Module):
         pe = self.pe
         if pe is None:
             return None
-        if self.folds:
-            return PreparedPE("fold", pe, rope_form(pe))
+        if self.folds:  # block forms: the angles and one gradient map shared by every layer using this state
+            return PreparedPE("fold", pe, share_block_gradients(rope_form(pe), coords))
         wide = dtype == torch.float64 or coords.dtype == torch.float64 or pe._param_dtype() == torch.float64
         return PreparedPE("prepared", pe, pe.prepare(coords, num_prefix_tokens,
                                                      dtype=torch.float64 if wide else torch.float32))
@@ -189,7 +194,9 @@ class Attention(nn.Module):
         if pe is not None:
             state = pe_state if pe_state is not None and pe_state.pe is pe else \
                 self.prepare(coords, num_prefix_tokens, x.dtype)
-        if state is not None and state.kind == "fold" and state.value.basis is not None:
+        if state is not None and state.qkv is not None:  # merged by the model, with the other layers'
+            qkv = F.linear(x, *state.qkv)  # (B, N, 3D)
+        elif state is not None and state.kind == "fold" and state.value.basis is not None:
             weight, bias = fold_qkv_weight(self.qkv.weight, self.qkv.bias, state.value.basis, self.num_heads,
                                            blocks=state.value.blocks)
             qkv = F.linear(x, weight, bias)  # (B, N, 3D), q and k already in the encoding's basis

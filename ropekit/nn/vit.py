@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from .._config_keys import known_keys
 from ..encodings import PositionEncoding, create_pe, list_pes
 from ..encodings.registry import RegistryView
-from ..encodings.fold import rope_forms
+from ..encodings.fold import fold_qkv_weights, rope_forms
 from ..encodings.validation import check_finite
 from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
@@ -527,7 +527,8 @@ class VisionTransformer(nn.Module):
         states = self.prepare_encodings(coords, num_prefix, tokens.dtype)
         for blk in self.blocks:
             pe = blk.attn.pe
-            tokens = blk(tokens, coords, num_prefix, states.get(id(pe)) if pe is not None else None)
+            state = states.get(id(blk.attn), states.get(id(pe))) if pe is not None else None
+            tokens = blk(tokens, coords, num_prefix, state)
         return self.norm(tokens)
 
     def prepare_encodings(self, coords: Optional[Tensor], num_prefix_tokens: int = 0,
@@ -535,7 +536,10 @@ class VisionTransformer(nn.Module):
         """The state of every encoding held by more than one layer, computed once for this forward pass (the
         folded basis and frequencies, or the encoding's prepared angles), keyed by ``id(encoding)``. The folded
         forms of single-layer encodings are computed here together (``fold.rope_forms``: the per-layer Cayley
-        bases in one batched solve); other single-layer encodings are prepared by their layer."""
+        bases in one batched solve); other single-layer encodings are prepared by their layer. Where several
+        layers fold a dense basis (Cayley, Circulant, general STRING), their bases are merged into their q/k
+        projections in one batched product too (``fold.fold_qkv_weights``): those layers' states, with the merged
+        ``(weight, bias)`` in ``PreparedPE.qkv``, are keyed by ``id(layer)``."""
         if coords is None:
             return {}
         owners: Dict[int, List[Attention]] = {}
@@ -548,6 +552,16 @@ class VisionTransformer(nn.Module):
         if len(folding) > 1:
             for attn, form in zip(folding, rope_forms([a.pe for a in folding])):
                 states[id(attn.pe)] = PreparedPE("fold", attn.pe, form)
+        # the bases merged into every folding layer's projection in one batched product, keyed by id(layer)
+        merging = [(blk.attn, states[id(blk.attn.pe)]) for blk in self.blocks if id(blk.attn.pe) in states]
+        merging = [(a, st) for a, st in merging if st.kind == "fold" and st.value.basis is not None
+                   and st.value.blocks is None]
+        if len(merging) > 1 and len({(tuple(a.qkv.weight.shape), a.qkv.weight.dtype, a.qkv.bias is None)
+                                     for a, _ in merging}) == 1:
+            merged = fold_qkv_weights([a.qkv.weight for a, _ in merging], [a.qkv.bias for a, _ in merging],
+                                      [st.value.basis for _, st in merging], merging[0][0].num_heads)
+            for (attn, st), qkv in zip(merging, merged):
+                states[id(attn)] = st._replace(qkv=qkv)
         return states
 
     def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
