@@ -69,8 +69,8 @@ def test_geometry_is_a_pinhole_projection(scenes):
 
 
 def test_solid_objects_are_blocks_whose_front_face_is_the_card():
-    """``solid``: same images and 2-D boxes; the 3-D box is as deep as the object's true size, its front face at the object's
-    depth (what the depth map shows) projects exactly onto the 2-D box, the whole box projects over it."""
+    """``solid``: same images and 2-D boxes; the 3-D box is as deep as the object's true size, its front face at
+    the object's depth (what the depth map shows) projects exactly onto the 2-D box, the whole box projects over it."""
     from ropekit.detection.boxes import box12_to_corners
 
     images, labels = load_mnist5k()

@@ -56,7 +56,8 @@ from .train import batch_indices
 
 __all__ = ["OwlTrainConfig", "OwlDataConfig", "OwlTaskConfig", "OwlTask", "OwlTargets", "owl_targets", "class_split",
            "vocabulary_names", "VOCABULARIES", "load_scenes", "build_owl_task", "train_owl", "evaluate_owl",
-           "plot_owl_examples", "summarise_3d", "owl_config_from_train", "run_owl_command", "DEFAULT_UNSEEN", "TASK_DEFAULTS",
+           "plot_owl_examples", "summarise_3d", "owl_config_from_train", "run_owl_command", "DEFAULT_UNSEEN",
+           "TASK_DEFAULTS",
            "TASK_OPTIONS"]
 
 #: Classes held out of detection training by default: two digits and a shape.
@@ -297,8 +298,8 @@ TASK_OPTIONS = ("init_from", "boxes", "head_hidden", "vocabulary", "unseen", "mi
 def owl_config_from_train(cfg: Any, options: Dict[str, Any]) -> OwlTaskConfig:
     """The :class:`OwlTaskConfig` of a ``ropekit train --task owl`` command line: ``cfg`` (a ``TrainConfig``) gives
     the scenes (``--image-size``; ``--data-opt`` ``num_train``, ``num_test``, ``min_objects``, ``max_objects``,
-    ``shape_fraction``, ``seed``, ``solid``), the seed and the optimiser (``--batch-size``, ``--lr``, ``--weight-decay``,
-    ``--min-lr``, ``--grad-clip``); ``options`` (``--task-opt``) the rest, :data:`TASK_OPTIONS`.
+    ``shape_fraction``, ``seed``, ``solid``), the seed and the optimiser (``--batch-size``, ``--lr``,
+    ``--weight-decay``, ``--min-lr``, ``--grad-clip``); ``options`` (``--task-opt``) the rest, :data:`TASK_OPTIONS`.
 
     Raises:
         ValueError: another dataset than ``captioned-scenes``, an unknown option (one line, naming the known ones).

@@ -316,7 +316,8 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in x.items()})
 
     m2 = ("AP", "AP50", "AP75", "AP_seen", "AP_unseen", "AP_small", "AP_medium", "pretrain_recall")
-    m3 = ("mean_iou", "iou25", "depth_err", "depth_err_rel", "mean_iou_seen", "mean_iou_unseen", "pretrain_recall")
+    m3 = ("mean_iou", "iou25", "depth_err", "depth_err_rel", "mean_iou_seen", "mean_iou_unseen",
+          "pretrain_recall")
     summary: List[Dict[str, Any]] = []
     lines = [f"# owl: open-vocabulary detection from contrastive towers ({preset} preset)\n",
              f"{len(r['seeds'])} seeds; {r['data']['num_train']} training / {r['data']['num_test']} test scenes of "
