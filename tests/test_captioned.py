@@ -68,6 +68,50 @@ def test_geometry_is_a_pinhole_projection(scenes):
     assert (b[:, 0] < 0).any() or (b[:, 2] > 32).any()  # some objects cross the border (and are clipped)
 
 
+def test_solid_objects_are_blocks_whose_front_face_is_the_card():
+    """``solid``: same images and 2-D boxes; the 3-D box is as deep as the object's true size, its front face at
+    the object's depth (what the depth map shows) projects exactly onto the 2-D box, the whole box projects over it."""
+    from ropekit.detection.boxes import box12_to_corners
+
+    images, labels = load_mnist5k()
+    card = make_captioned_scenes(images, labels, 40, SceneConfig(), seed=5)
+    block = make_captioned_scenes(images, labels, 40, SceneConfig(solid=True), seed=5)
+    assert torch.equal(card.images, block.images) and card.captions == block.captions
+    assert torch.equal(card.box2d, block.box2d) and torch.equal(card.depth, block.depth)
+    v = block.valid
+    b3 = block.box3d.double()[v]  # (n, 12)
+    size = b3[:, 9:]
+    assert torch.allclose(size[:, 2], block.true_size.double()[v], atol=1e-6) and (size[:, 2] >= 0.4).all()
+    assert torch.allclose(block.box3d[..., :2], card.box3d[..., :2]) and torch.equal(block.box3d[..., 3:11],
+                                                                                     card.box3d[..., 3:11])
+    assert torch.allclose(b3[:, 2] - size[:, 2] / 2, block.depth.double()[v], atol=1e-5)  # front face = depth
+    assert torch.allclose(card.box3d[..., 11][v], torch.full((int(v.sum()),), 0.02))  # cards stay 2 cm
+    corners = box12_to_corners(b3)  # (n, 8, 3)
+    K = block.K.double()
+    uvw = corners @ K.T
+    uv = uvw[..., :2] / uvw[..., 2:]
+    b2 = block.box2d.double()[v]
+    front = (corners[..., 2] - corners[..., 2].min(1, keepdim=True).values).abs() < 1e-6  # (n, 8): 4 per box
+    assert (front.sum(1) == 4).all()
+    fu = uv[front].view(-1, 4, 2)
+    assert torch.allclose(torch.cat([fu.min(1).values, fu.max(1).values], 1), b2, atol=1e-3)
+    assert (uv.min(1).values <= b2[:, :2] + 1e-3).all() and (uv.max(1).values >= b2[:, 2:] - 1e-3).all()
+    # the depth map at a fully visible object's centre holds the front face (box centre z - half thickness)
+    hits = 0
+    for i in range(40):
+        for j in torch.nonzero(v[i]).flatten().tolist():
+            if block.visible[i, j] < 0.99:
+                continue
+            x0, y0, x1, y1 = block.box2d[i, j].tolist()
+            cy, cx = int((y0 + y1) / 2), int((x0 + x1) / 2)
+            patch = block.images[i, 3, max(cy - 1, 0):cy + 2, max(cx - 1, 0):cx + 2].flatten()
+            patch = patch[patch > 0]
+            front_z = float(block.box3d[i, j, 2] - block.box3d[i, j, 11] / 2)
+            hits += int(len(patch) > 0 and float((patch - front_z).abs().min()) < 0.05 * front_z)
+            assert len(patch) == 0 or float((patch - block.box3d[i, j, 2]).abs().min()) > 0.05  # not the centre
+    assert hits > 10
+
+
 def test_depth_map_matches_objects(scenes):
     """Where an object is fully visible and the depth is valid, the depth map holds the object's depth (+- noise)."""
     hits = 0

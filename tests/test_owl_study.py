@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("pycocotools")
 
-from ropekit.experiments.owl import compare_owl, owl_recipe, planned, reading  # noqa: E402
+from ropekit.experiments.owl import compare_owl, owl_recipe, planned, reading, run_owl, run_settings  # noqa: E402
 
 
 def test_the_plan_pretrains_every_tower_once_per_seed():
@@ -24,6 +24,24 @@ def test_the_plan_pretrains_every_tower_once_per_seed():
             assert plan.index(("pretrain", enc, inp, seed)) < plan.index((kind, enc, inp, seed))
     with pytest.raises(ValueError, match="unknown preset"):
         owl_recipe("tpu")
+
+
+def test_solid_3d_boxes_leave_the_contrastive_and_2d_runs_as_they_were():
+    """Only the 3-D detectors' settings name the solid boxes: the contrastive and 2-D runs stay reusable."""
+    for preset in ("default", "gpu", "quick"):
+        r = owl_recipe(preset)
+        assert r["three_d_solid"] is True
+        for kind, enc, inp, seed in planned(r):
+            s = run_settings(r, kind, enc, inp, seed)
+            assert ("three_d_solid" in s) == (kind == "owl3d")
+            assert "solid" not in s["data"]
+
+
+def test_boxes_option_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="boxes must be 2d and/or 3d"):
+        run_owl(owl_recipe("quick"), tmp_path, preset="quick", argv=[], boxes=("4d",))
+    with pytest.raises(ValueError, match="boxes must be 2d and/or 3d"):
+        run_owl(owl_recipe("quick"), tmp_path, preset="quick", argv=[], boxes=())
 
 
 def test_readings():
@@ -50,8 +68,8 @@ def test_quick_study_end_to_end(tmp_path):
     assert kinds == [("owl2d", "absolute", "rgb"), ("owl2d", "cayley", "rgb"), ("owl3d", "cayley", "rgb"),
                      ("owl3d", "cayley", "rgbd")]
     for x in doc["rows"]:
-        key = "AP_unseen" if x["kind"] == "owl2d" else "mean_iou"
-        assert key in x
+        keys = ("AP_unseen",) if x["kind"] == "owl2d" else ("mean_iou", "iou25", "depth_err", "depth_err_rel")
+        assert all(k in x for k in keys)
     table = res.table
     assert "AP_seen" in table and "ViTD (RGB-D)" in table and "ComRoPE, Table 2" in table
     assert compare_owl(json.loads((out / "config.json").read_text())) == []

@@ -13,7 +13,8 @@ pytest.importorskip("pycocotools")
 captioned = pytest.importorskip("ropekit.data.captioned")
 
 from ropekit.detection.owl_task import (OwlDataConfig, OwlTaskConfig, OwlTrainConfig, class_split,  # noqa: E402
-                                        evaluate_owl, load_scenes, owl_targets, plot_owl_examples, train_owl)
+                                        evaluate_owl, load_scenes, owl_targets, plot_owl_examples, summarise_3d,
+                                        train_owl)
 from ropekit.detection.owl_towers import load_towers, towers_from_config  # noqa: E402
 from ropekit.train.checkpoint import atomic_save  # noqa: E402
 
@@ -41,6 +42,32 @@ def test_targets_clip_boxes_and_drop_hidden_or_degenerate_objects():
     # (-4, 2, 6, 10) clipped to (0, 2, 6, 10): centre (3, 6), size (6, 8) over 16
     assert torch.allclose(tg.boxes2d[0, 0], torch.tensor([3, 6, 6, 8]) / 16)
     assert torch.allclose(tg.boxes2d[1, 0], torch.tensor([13, 13, 6, 6]) / 16)
+
+
+def test_3d_metrics_against_hand_computation():
+    import numpy as np
+
+    m = summarise_3d(np.array([0.5, 0.1, 0.0, 0.3]), np.array([False, True, False, False]),
+                     np.array([3.0, 2.0, 4.4]), np.array([3.2, 2.0, 4.0]))  # object 3 unmatched (IoU 0)
+    assert m["mean_iou"] == pytest.approx(0.9 / 4) and m["mean_iou_unseen"] == pytest.approx(0.1)
+    assert m["mean_iou_seen"] == pytest.approx(0.8 / 3) and m["iou25"] == pytest.approx(0.5)  # 0.5 and 0.3
+    assert m["depth_err"] == pytest.approx(0.2)  # median of 0.2, 0.0, 0.4
+    assert m["depth_err_rel"] == pytest.approx(0.0625)  # median of 0.0625, 0, 0.1
+    assert m["num_targets"] == 4
+    empty = summarise_3d(np.zeros(0), np.zeros(0, bool), np.zeros(0), np.zeros(0))
+    assert all(math.isnan(empty[k]) for k in ("mean_iou", "iou25", "depth_err", "depth_err_rel"))
+    with pytest.raises(ValueError, match="shapes differ"):
+        summarise_3d(np.zeros(3), np.zeros(2, bool), np.zeros(1), np.zeros(1))
+
+
+def test_solid_scenes_change_only_the_3d_boxes():
+    card = load_scenes(OwlDataConfig(num_train=6, num_test=2, image_size=16))
+    block = load_scenes(OwlDataConfig(num_train=6, num_test=2, image_size=16, solid=True))
+    for c, b in zip(card, block):
+        assert torch.equal(c.images, b.images) and torch.equal(c.box2d, b.box2d)
+        v = b.valid
+        assert torch.allclose(b.box3d[..., 11][v], b.true_size[v]) and torch.allclose(
+            b.box3d[..., 2][v], b.depth[v] + b.true_size[v] / 2)
 
 
 def test_held_out_classes():

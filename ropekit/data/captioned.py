@@ -24,7 +24,14 @@ Conventions
 * **3-D boxes**: the 12-number boxes of :mod:`ropekit.detection.boxes` (``[t, r1, r2, s]``: centre, first two
   rotation columns, full side lengths) in the camera frame. A card faces the camera (rotation = identity, yaw 0);
   its size is the glyph's tight box back-projected to the card's depth, with a thickness of
-  ``SceneConfig.thickness``; the centre is the back-projected centre of ``box2d``.
+  ``SceneConfig.thickness``; the centre is the back-projected centre of ``box2d``. With ``SceneConfig.solid``
+  an object is instead a **block** whose front face is the card (the glyph, at the object's depth, which is what
+  the depth map shows) and whose depth extent equals its true size (the side of its glyph square, so a thin
+  ``1`` is as deep as a wide ``0`` of the same size word): the 3-D box is the block's volume, with ``x, y`` and
+  the front face's size as for the card, thickness ``t = true_size`` and the centre at ``z = depth + t / 2``. Only
+  the boxes change (images, captions and every other field are the same as without ``solid``); the renderer
+  draws the front face only, so the block's side faces, which a real camera would see for a block away from the
+  optical axis, are not in the image. The front face of the 3-D box projects exactly onto ``box2d``.
 * **Depth**: the last image channel, metric z-depth (metres along the optical axis), float32, with multiplicative
   noise; **0 marks an invalid pixel** (random dropouts, and pixels on object edges as a real sensor drops them).
 
@@ -110,7 +117,9 @@ class SceneConfig:
         focal: focal length as a multiple of the image width (``f = focal * W`` pixels).
         wall_depth: ``(low, high)`` metres of the back wall (must lie beyond ``depth_range``).
         camera_height: ``(low, high)`` metres of the camera above the floor.
-        thickness: metres, the depth extent of a card's 3-D box.
+        thickness: metres, the depth extent of a card's 3-D box (unless ``solid``).
+        solid: objects are blocks as deep as their true size, the card their front face (see the module
+            docstring): only the 3-D boxes change.
         depth_noise: relative (multiplicative) standard deviation of the depth noise.
         invalid_fraction: fraction of depth pixels dropped at random (set to 0).
         edge_invalid: probability that a depth pixel on an object's edge is dropped.
@@ -131,6 +140,7 @@ class SceneConfig:
     wall_depth: Tuple[float, float] = (5.0, 7.0)
     camera_height: Tuple[float, float] = (0.8, 1.3)
     thickness: float = 0.02
+    solid: bool = False
     depth_noise: float = 0.01
     invalid_fraction: float = 0.03
     edge_invalid: float = 0.5
@@ -178,7 +188,7 @@ class CaptionedScenes:
         colours: int64 ``(N, M)`` index into :data:`COLOUR_NAMES` (-1: padding).
         sizes: int64 ``(N, M)`` index into :data:`SIZE_WORDS` (-1: padding).
         valid: bool ``(N, M)``.
-        depth: float32 ``(N, M)`` metres (the card's z).
+        depth: float32 ``(N, M)`` metres (the card's z: a block's front face).
         true_size: float32 ``(N, M)`` metres, the side of the object's glyph square.
         box2d: float32 ``(N, M, 4)`` full projected ``(x0, y0, x1, y1)`` pixels (may leave the image).
         box2d_clipped: float32 ``(N, M, 4)`` the same, clipped to the image.
@@ -421,11 +431,14 @@ def make_captioned_scenes(digits: Tensor, digit_labels: Tensor, num_scenes: int,
     dmap = torch.where(drop, torch.zeros_like(dmap), dmap)
     images = torch.cat([rgb, dmap[:, None]], 1).float()  # (N, 4, H, W)
 
-    # ---- 3-D boxes: the tight 2-D box back-projected to the card's depth
+    # ---- 3-D boxes: the tight 2-D box back-projected to the card's depth (a block: extruded back by its size)
     z = np.where(valid, depth, 0.0)
     cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
-    center = np.stack([(cx - w / 2) * z / f, (cy - h / 2) * z / f, z], -1)  # (N, M, 3)
-    extent = np.stack([(x1 - x0) * z / f, (y1 - y0) * z / f, np.full_like(z, cfg.thickness)], -1)
+    width_m = (x1 - x0) * z / f
+    thick = np.where(valid, true_size, 0.0) if cfg.solid else np.full_like(z, cfg.thickness)
+    z_centre = z + thick / 2 if cfg.solid else z
+    center = np.stack([(cx - w / 2) * z / f, (cy - h / 2) * z / f, z_centre], -1)  # (N, M, 3)
+    extent = np.stack([width_m, (y1 - y0) * z / f, thick], -1)
     r6 = np.broadcast_to(np.array([1.0, 0, 0, 0, 1.0, 0]), (n, m_max, 6))
     box3d = np.concatenate([center, r6, extent], -1) * valid[..., None]  # (N, M, 12)
 

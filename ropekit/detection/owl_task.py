@@ -23,7 +23,10 @@ Metrics.  2-D: COCO ``AP``, ``AP50``, ``AP75``, ``AP_small`` / ``_medium`` / ``_
 ``AP_unseen`` (means of the per-class APs), from each image's top ``max_dets`` (token, query) pairs.  3-D:
 ``mean_iou``, the mean 3-D IoU (:func:`~ropekit.detection.box_iou_3d`, Monte Carlo) of the Hungarian-matched
 pairs, every object counted (an unmatched one as 0), with every class queried; ``mean_iou_seen`` /
-``mean_iou_unseen`` over the objects of each group.
+``mean_iou_unseen`` over the objects of each group; ``iou25``, the fraction of objects whose matched box has a 3-D
+IoU above 0.25 (unmatched: not); ``depth_err`` and ``depth_err_rel``, the median over matched pairs of the error
+of the box centre's depth, ``|z_pred - z_true|`` in metres and divided by ``z_true`` (whether depth was learnt:
+with 2 cm cards the IoU is near 0 unless depth is right to about a centimetre, :func:`summarise_3d`).
 
 Towers.  ``init_from`` names a run folder or checkpoint of the ``retrieval`` task (:func:`load_towers`); a
 checkpoint of another task is refused with a one-line error.  With ``init_from=None`` both towers start from
@@ -53,7 +56,8 @@ from .train import batch_indices
 
 __all__ = ["OwlTrainConfig", "OwlDataConfig", "OwlTaskConfig", "OwlTask", "OwlTargets", "owl_targets", "class_split",
            "vocabulary_names", "VOCABULARIES", "load_scenes", "build_owl_task", "train_owl", "evaluate_owl",
-           "plot_owl_examples", "owl_config_from_train", "run_owl_command", "DEFAULT_UNSEEN", "TASK_DEFAULTS",
+           "plot_owl_examples", "summarise_3d", "owl_config_from_train", "run_owl_command", "DEFAULT_UNSEEN",
+           "TASK_DEFAULTS",
            "TASK_OPTIONS"]
 
 #: Classes held out of detection training by default: two digits and a shape.
@@ -94,8 +98,9 @@ class OwlDataConfig:
     """The captioned scenes of a run: counts, image side, objects per scene, the generation seed (training scenes
     use ``[seed, 0]``, test scenes ``[seed, 1]``, and they are drawn from disjoint MNIST digits), what a query
     names (``vocabulary``: ``"class"``, the object's class name, or ``"colour"``, its colour name), the categories
-    held out of detection training (``unseen``, words of that vocabulary) and the least visible fraction of an
-    object that makes it a target."""
+    held out of detection training (``unseen``, words of that vocabulary), the least visible fraction of an
+    object that makes it a target, and whether objects are blocks as deep as their true size (``solid``: only
+    the 3-D boxes change, see :class:`~ropekit.data.captioned.SceneConfig`) or 2 cm cards."""
 
     num_train: int = 2000
     num_test: int = 500
@@ -107,6 +112,7 @@ class OwlDataConfig:
     unseen: Tuple[str, ...] = DEFAULT_UNSEEN
     min_visible: float = 0.25
     vocabulary: str = "class"
+    solid: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -198,7 +204,7 @@ def load_scenes(data: OwlDataConfig) -> Tuple[Any, Any]:
     from ..data.captioned import SceneConfig, make_captioned_scenes
 
     cfg = SceneConfig(image_size=data.image_size, min_objects=data.min_objects, max_objects=data.max_objects,
-                      shape_fraction=data.shape_fraction)
+                      shape_fraction=data.shape_fraction, solid=bool(data.solid))
     images, labels = load_mnist5k(None)
     out = []
     for part, (idx, count) in enumerate(zip(stratified_split(labels, 0.2, data.seed), (data.num_train,
@@ -292,8 +298,8 @@ TASK_OPTIONS = ("init_from", "boxes", "head_hidden", "vocabulary", "unseen", "mi
 def owl_config_from_train(cfg: Any, options: Dict[str, Any]) -> OwlTaskConfig:
     """The :class:`OwlTaskConfig` of a ``ropekit train --task owl`` command line: ``cfg`` (a ``TrainConfig``) gives
     the scenes (``--image-size``; ``--data-opt`` ``num_train``, ``num_test``, ``min_objects``, ``max_objects``,
-    ``shape_fraction``, ``seed``), the seed and the optimiser (``--batch-size``, ``--lr``, ``--weight-decay``,
-    ``--min-lr``, ``--grad-clip``); ``options`` (``--task-opt``) the rest, :data:`TASK_OPTIONS`.
+    ``shape_fraction``, ``seed``, ``solid``), the seed and the optimiser (``--batch-size``, ``--lr``,
+    ``--weight-decay``, ``--min-lr``, ``--grad-clip``); ``options`` (``--task-opt``) the rest, :data:`TASK_OPTIONS`.
 
     Raises:
         ValueError: another dataset than ``captioned-scenes``, an unknown option (one line, naming the known ones).
@@ -303,13 +309,16 @@ def owl_config_from_train(cfg: Any, options: Dict[str, Any]) -> OwlTaskConfig:
     bad = sorted(set(options) - set(TASK_OPTIONS))
     if bad:
         raise ValueError(f"unknown --task-opt {', '.join(bad)} for the owl task; known: {', '.join(TASK_OPTIONS)}")
-    data_keys = ("num_train", "num_test", "min_objects", "max_objects", "shape_fraction", "seed")
+    data_keys = ("num_train", "num_test", "min_objects", "max_objects", "shape_fraction", "seed", "solid")
     bad = sorted(set(cfg.data_options) - set(data_keys))
     if bad:
         raise ValueError(f"unknown --data-opt {', '.join(bad)} for the owl task; known: {', '.join(data_keys)}")
     size = cfg.image_size if cfg.image_size is not None else 32
+    if str(cfg.data_options.get("solid", False)).lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"--data-opt solid must be true or false, got {cfg.data_options['solid']!r}")
     data = OwlDataConfig(image_size=int(size if isinstance(size, int) else size[0]),
-                         **{k: cfg.data_options[k] for k in data_keys if k in cfg.data_options},
+                         **{k: cfg.data_options[k] for k in data_keys[:-1] if k in cfg.data_options},
+                         solid=str(cfg.data_options.get("solid", False)).lower() in ("true", "1"),
                          **{k: options[k] for k in ("vocabulary", "min_visible") if k in options})
     if "unseen" in options:
         data.unseen = tuple(w.strip() for w in str(options["unseen"]).split(",") if w.strip())
@@ -342,7 +351,7 @@ def run_owl_command(cfg: Any, options: Dict[str, Any], *, resume: bool = False, 
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     plot_owl_examples(model, test_set, towers.tokenize, out / "examples.png", data=ocfg.data)
     keys = ("AP", "AP50", "AP_seen", "AP_unseen") if ocfg.boxes == "2d" else ("mean_iou", "mean_iou_seen",
-                                                                            "mean_iou_unseen")
+                                                                            "mean_iou_unseen", "iou25", "depth_err")
     print("  ".join(f"{k} {metrics[k]:.4f}" for k in keys) + f"; run folder {out}")
     return 0
 
@@ -406,7 +415,7 @@ def evaluate_owl(model: OwlDetector, scenes: Any, tokenize: Callable[[List[str]]
     q = tokenize(list(names)).to(device)
     tg = owl_targets(scenes, data.min_visible, data.vocabulary)
     H, W = scenes.images.shape[-2:]
-    gts, dets, ious, groups_of = [], [], [], []
+    gts, dets, ious, groups_of, z_pairs = [], [], [], [], []
     gen = torch.Generator().manual_seed(0)
     unseen_set = set(unseen)
     for lo in range(0, len(scenes), cfg.eval_batch_size):
@@ -426,6 +435,7 @@ def evaluate_owl(model: OwlDetector, scenes: Any, tokenize: Callable[[List[str]]
             for b, (src, obj) in enumerate(owl_match(logits, boxes, labels, target, mask, cfg.loss_config())):
                 iou = box_iou_3d(boxes[b, src], target[b, obj], cfg.iou_samples, gen) if len(src) else torch.zeros(0)
                 got = dict(zip(obj.tolist(), iou.tolist()))
+                z_pairs += list(zip(boxes[b, src, 2].tolist(), target[b, obj, 2].tolist()))
                 for t in torch.nonzero(mask[b]).flatten().tolist():
                     ious.append(got.get(t, 0.0))
                     groups_of.append(int(labels[b, t]) in unseen_set)
@@ -435,11 +445,36 @@ def evaluate_owl(model: OwlDetector, scenes: Any, tokenize: Callable[[List[str]]
                     groups={"seen": seen, "unseen": unseen}, max_dets=cfg.max_dets)
         return {k: v for k, v in m.items() if not k.startswith("AP/")} | {
             f"AP/{names[c]}": m[f"AP/{c}"] for c in range(len(names))}
-    a, g = np.asarray(ious, float), np.asarray(groups_of, bool)
+    z = np.asarray(z_pairs, float).reshape(-1, 2)
+    return summarise_3d(np.asarray(ious, float), np.asarray(groups_of, bool), z[:, 0], z[:, 1])
+
+
+def summarise_3d(ious: np.ndarray, unseen: np.ndarray, z_pred: np.ndarray, z_true: np.ndarray) -> Dict[str, float]:
+    """The 3-D metrics of the module docstring.
+
+    Args:
+        ious: float ``(T,)`` the 3-D IoU of every target object with its matched box (0 when unmatched).
+        unseen: bool ``(T,)`` whether the object's category was held out.
+        z_pred, z_true: float ``(P,)`` the box centres' depths (metres) of the ``P`` matched pairs.
+
+    Returns:
+        ``mean_iou``, ``mean_iou_seen``, ``mean_iou_unseen``, ``iou25`` (fraction of objects with IoU > 0.25),
+        ``depth_err`` (median ``|z_pred - z_true|``, metres), ``depth_err_rel`` (median of that over ``z_true``),
+        ``num_targets``; NaN where a group is empty.
+    """
+    a, g = np.asarray(ious, float), np.asarray(unseen, bool)
+    zp, zt = np.asarray(z_pred, float), np.asarray(z_true, float)
+    if a.shape != g.shape or zp.shape != zt.shape:
+        raise ValueError(f"summarise_3d: shapes differ: ious {a.shape}, unseen {g.shape}, z_pred {zp.shape}, "
+                         f"z_true {zt.shape}")
     nan = float("nan")
+    err = np.abs(zp - zt)
     return {"mean_iou": float(a.mean()) if len(a) else nan,
             "mean_iou_seen": float(a[~g].mean()) if (~g).any() else nan,
-            "mean_iou_unseen": float(a[g].mean()) if g.any() else nan, "num_targets": float(len(a))}
+            "mean_iou_unseen": float(a[g].mean()) if g.any() else nan,
+            "iou25": float((a > 0.25).mean()) if len(a) else nan,
+            "depth_err": float(np.median(err)) if len(err) else nan,
+            "depth_err_rel": float(np.median(err / zt)) if len(err) else nan, "num_targets": float(len(a))}
 
 
 def _xyxy(b: Tensor) -> Tensor:

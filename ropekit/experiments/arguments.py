@@ -113,6 +113,8 @@ _STUDY_OPTIONS = (
     ("--inputs", _list, "inputs", "detect3d: rgb (ViT), rgbd (ViTD: depth as input, and as coordinate for rotary "
                                   "encodings), rgbd-channel (depth as input only), rgbd-coord (as coordinate only); "
                                   "default rgb,rgbd,rgbd-channel"),
+    ("--boxes", _list, "boxes", "owl: the detectors to train, 2d and/or 3d (default both; the other kind's "
+                                "finished runs are read back into the report)"),
 )
 
 

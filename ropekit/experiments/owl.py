@@ -12,7 +12,14 @@ For every encoding × seed the study
    queries: they are known only from the captions) and scores COCO AP on held-out scenes with every class's name
    as a query: ``AP``, ``AP50``, ``AP75``, ``AP_seen``, ``AP_unseen``;
 3. for the 3-D arms (ViT on RGB against ViTD on RGB-D, depth as the third coordinate of the rotary encoding),
-   trains the 3-D box head with the text-query class head and scores the mean 3-D IoU of the matched boxes.
+   trains the 3-D box head with the text-query class head and scores the mean 3-D IoU of the matched boxes, the
+   fraction of objects matched with IoU > 0.25 and the median error of the box centres' depth. With
+   ``three_d_solid`` (every pinned recipe) the 3-D boxes are the volumes of blocks as deep as their true size, the
+   card their front face (:class:`ropekit.data.captioned.SceneConfig` ``solid``): the images and captions are
+   the same as the contrastive and 2-D runs', only the 3-D targets differ.
+
+``boxes`` (``--boxes 2d`` or ``3d``) trains only the detectors of that kind (and the contrastive runs they need);
+the other kind's finished runs are read back from their ``metrics.json`` into the report.
 
 Differences are paired by seed: each encoding − APE (2-D AP, AP on the unseen classes) and, in 3-D, ViTD − ViT
 for the same encoding and each rotary encoding − APE on RGB.  Every setting comes from a pinned recipe
@@ -50,11 +57,11 @@ _OWL_TRAIN = {"lr": 2e-3, "min_lr": 1e-5, "weight_decay": 0.05, "grad_clip": 1.0
 #: The pinned recipes. ``towers``: the vision tower (patch size, width, depth, heads, MLP ratio) and the text
 #: tower and joint width of the contrastive model; ``pretrain``: its schedule (epochs over the training scenes);
 #: ``owl``: the detector's schedule and loss weights (2-D and 3-D alike); ``three_d``: the ``[encoding, input]``
-#: arms of the 3-D boxes.
+#: arms of the 3-D boxes; ``three_d_solid``: the 3-D boxes are blocks as deep as their true size (not 2 cm cards).
 RECIPES: Dict[str, Dict[str, Any]] = {
     "default": {
         "encodings": _ENCODINGS, "seeds": [0, 1, 2],
-        "three_d": [["absolute", "rgb"], ["cayley", "rgb"], ["cayley", "rgbd"]],
+        "three_d": [["absolute", "rgb"], ["cayley", "rgb"], ["cayley", "rgbd"]], "three_d_solid": True,
         "data": {"num_train": 1500, "num_test": 300, "image_size": 32, "min_objects": 1, "max_objects": 3,
                  "shape_fraction": 0.4, "seed": 0, "vocabulary": "colour", "unseen": ["purple", "cyan"],
                  "min_visible": 0.25},
@@ -68,6 +75,7 @@ RECIPES: Dict[str, Dict[str, Any]] = {
         "encodings": _ENCODINGS, "seeds": [0, 1, 2],
         "three_d": [["absolute", "rgb"], ["absolute", "rgbd"], ["cayley", "rgb"], ["cayley", "rgbd"],
                     ["circulant", "rgb"], ["circulant", "rgbd"], ["axial", "rgb"], ["axial", "rgbd"]],
+        "three_d_solid": True,
         "data": {"num_train": 20000, "num_test": 2000, "image_size": 48, "min_objects": 1, "max_objects": 4,
                  "shape_fraction": 0.4, "seed": 0, "vocabulary": "class", "unseen": ["7", "9", "triangle"],
                  "min_visible": 0.25},
@@ -80,7 +88,7 @@ RECIPES: Dict[str, Dict[str, Any]] = {
     },
     "quick": {
         "encodings": ["absolute", "cayley"], "seeds": [0],
-        "three_d": [["cayley", "rgb"], ["cayley", "rgbd"]],
+        "three_d": [["cayley", "rgb"], ["cayley", "rgbd"]], "three_d_solid": True,
         "data": {"num_train": 16, "num_test": 8, "image_size": 16, "min_objects": 1, "max_objects": 2,
                  "shape_fraction": 0.4, "seed": 0, "vocabulary": "colour", "unseen": ["purple", "cyan"],
                  "min_visible": 0.25},
@@ -99,8 +107,8 @@ these runs should reach):
 
 * STRING, Table 3 (OWL-ViT on COCO / LVIS, AP): baseline 32.44 / 21.98; RoPE 33.66 (COCO); Cayley-STRING 33.47
   (COCO) and the best LVIS AP, 23.01.
-* STRING, Table 4 (open-vocabulary 3-D boxes, 3-D IoU): ViTD with STRING above the ViT baseline (numbers not
-  quoted here).
+* STRING, Table 4 (open-vocabulary 3-D boxes queried by text, towers from the contrastive model, 3-D IoU, best of
+  3 seeds): its RGB ViT models reach 50–59 % IoU, ViTD with STRING above the ViT baseline.
 * ComRoPE, Table 2 (COCO detection, AP): APE 44.0, LieRE 44.5, ComRoPE-LD 44.7.
 """
 
@@ -134,6 +142,8 @@ def run_settings(r: Dict[str, Any], kind: str, enc: str, inp: str, seed: int) ->
          "pretrain": r["pretrain"]}
     if kind != "pretrain":
         s["owl"] = r["owl"]
+    if kind == "owl3d" and r.get("three_d_solid"):
+        s["three_d_solid"] = True
     return json.loads(json.dumps(s))
 
 
@@ -159,12 +169,12 @@ def _done(path: Path, settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return None
 
 
-def _data_config(r: Dict[str, Any]):
+def _data_config(r: Dict[str, Any], kind: str = "owl2d"):
     from ..detection.owl_task import OwlDataConfig
 
     d = dict(r["data"])
     d["unseen"] = tuple(d["unseen"])
-    return OwlDataConfig(**d)
+    return OwlDataConfig(**d, solid=kind == "owl3d" and bool(r.get("three_d_solid")))
 
 
 def _pretrain(r: Dict[str, Any], enc: str, inp: str, seed: int, out: Path, device: str, threads: int) -> Path:
@@ -197,7 +207,7 @@ def _train_owl(r: Dict[str, Any], kind: str, enc: str, inp: str, seed: int, out:
         return doc
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    data = _data_config(r)
+    data = _data_config(r, kind)
     cfg = OwlTaskConfig(init_from=str(out / "pretrain" / run_name("pretrain", enc, inp, seed)),
                         boxes="2d" if kind == "owl2d" else "3d", data=data,
                         train=OwlTrainConfig(seed=int(seed), **r["owl"]))
@@ -214,25 +224,40 @@ def _train_owl(r: Dict[str, Any], kind: str, enc: str, inp: str, seed: int, out:
 
 
 def run_owl(r: Dict[str, Any], out: Path, *, preset: str, argv: Sequence[str], device: str = "cpu",
-            threads: int = 1) -> Dict[str, Any]:
-    """Run (or resume) every run of recipe ``r`` into ``out`` and write the report; returns the summary."""
+            threads: int = 1, boxes: Sequence[str] = ("2d", "3d")) -> Dict[str, Any]:
+    """Run (or resume) every run of recipe ``r`` into ``out`` and write the report; returns the summary.
+    ``boxes``: the detector kinds to train (``"2d"``, ``"3d"``); the other kind's runs are read back from their
+    ``metrics.json`` when their settings match (and left out of the report otherwise)."""
     import torch
 
     from ..detection.owl_task import load_scenes
 
+    bad = sorted(set(boxes) - {"2d", "3d"})
+    if bad or not boxes:
+        raise ValueError(f"boxes must be 2d and/or 3d, got {', '.join(boxes) or 'nothing'}")
     if threads > 0:
         torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    sets = load_scenes(_data_config(r))
-    rows: List[Dict[str, Any]] = []
+    kinds = {f"owl{b}" for b in boxes}
     plan = planned(r)
+    needed = {(e, i, s) for kind, e, i, s in plan if kind in kinds}
+    sets = {kind: load_scenes(_data_config(r, kind)) for kind in sorted(kinds)}
+    rows: List[Dict[str, Any]] = []
     for k, (kind, enc, inp, seed) in enumerate(plan, 1):
-        _log(f"[{k}/{len(plan)}] {kind} {enc} {inp} seed {seed} ({time.perf_counter() - t0:.0f}s)")
-        if kind == "pretrain":
-            _pretrain(r, enc, inp, seed, out, device, threads)
-            continue
-        doc = _train_owl(r, kind, enc, inp, seed, out, sets, device)
+        if (kind == "pretrain" and (enc, inp, seed) not in needed) or kind not in kinds | {"pretrain"}:
+            doc = _done(out / "runs" / run_name(kind, enc, inp, seed) / "metrics.json",
+                        run_settings(r, kind, enc, inp, seed)) if kind != "pretrain" else None
+            if doc is None:
+                if kind != "pretrain":
+                    _log(f"[{k}/{len(plan)}] {kind} {enc} {inp} seed {seed}: not run and not found, left out")
+                continue
+        else:
+            _log(f"[{k}/{len(plan)}] {kind} {enc} {inp} seed {seed} ({time.perf_counter() - t0:.0f}s)")
+            if kind == "pretrain":
+                _pretrain(r, enc, inp, seed, out, device, threads)
+                continue
+            doc = _train_owl(r, kind, enc, inp, seed, out, sets[kind], device)
         pre = out / "pretrain" / run_name("pretrain", enc, inp, seed) / "settings.json"
         recall = json.loads(pre.read_text())["metrics"].get("mean_recall", float("nan")) if pre.is_file() \
             else float("nan")
@@ -291,7 +316,8 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in x.items()})
 
     m2 = ("AP", "AP50", "AP75", "AP_seen", "AP_unseen", "AP_small", "AP_medium", "pretrain_recall")
-    m3 = ("mean_iou", "mean_iou_seen", "mean_iou_unseen", "pretrain_recall")
+    m3 = ("mean_iou", "iou25", "depth_err", "depth_err_rel", "mean_iou_seen", "mean_iou_unseen",
+          "pretrain_recall")
     summary: List[Dict[str, Any]] = []
     lines = [f"# owl: open-vocabulary detection from contrastive towers ({preset} preset)\n",
              f"{len(r['seeds'])} seeds; {r['data']['num_train']} training / {r['data']['num_test']} test scenes of "
@@ -327,7 +353,12 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
             diffs.append({"kind": "owl2d", "a": enc, "b": "absolute", "AP": d1, "AP_unseen": d2,
                           "AP_reading": reading(d1), "AP_unseen_reading": reading(d2)})
             lines.append(f"| {pe_label(enc)} − APE | {_ms(d1)} | {reading(d1)} | {_ms(d2)} | {reading(d2)} |")
-    lines += ["", "## 3-D boxes by text query (mean 3-D IoU of the matched boxes, every object)\n",
+    obj = ("blocks as deep as their true size (the 3-D box is the volume; its centre lies half that depth behind the "
+           "front face the depth map shows)" if r.get("three_d_solid") else "cards 2 cm deep")
+    lines += ["", "## 3-D boxes by text query\n",
+              f"Objects are {obj}. `mean_iou`: mean 3-D IoU of the matched boxes, every object counted (unmatched: 0); "
+              "`iou25`: fraction of objects matched with IoU > 0.25; `depth_err` / `depth_err_rel`: median "
+              "|z_pred − z_true| of the matched box centres, metres / relative to z_true.\n",
               "| encoding | input | " + " | ".join(m3) + " | seconds |", "|---" * (len(m3) + 3) + "|"]
     for enc, inp in (tuple(a) for a in r["three_d"]):
         sel = [x for x in rows if x["kind"] == "owl3d" and x["encoding"] == enc and x["input"] == inp]
@@ -346,12 +377,19 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
     pairs += [((e, "rgb"), ("absolute", "rgb"), "− APE (RGB)") for e, i in arms
               if i == "rgb" and e != "absolute" and ("absolute", "rgb") in arms]
     if pairs:
-        lines += ["", "Paired by seed (claimed: positive):\n", "| difference | mean IoU | reading |", "|---|---|---|"]
+        lines += ["", "Paired by seed (claimed: IoU and iou25 up, depth error down):\n",
+                  "| difference | mean IoU | reading | iou25 | reading | depth_err (m) | reading |",
+                  "|---|---|---|---|---|---|---|"]
     for a, b, what in pairs:
         d = _paired(rows, "owl3d", a, b, "mean_iou")
         if d:
-            diffs.append({"kind": "owl3d", "a": list(a), "b": list(b), "mean_iou": d, "reading": reading(d)})
-            lines.append(f"| {pe_label(a[0])} {what} | {_ms(d)} | {reading(d)} |")
+            d25 = _paired(rows, "owl3d", a, b, "iou25")
+            dz = _paired(rows, "owl3d", a, b, "depth_err")
+            diffs.append({"kind": "owl3d", "a": list(a), "b": list(b), "mean_iou": d, "reading": reading(d),
+                          "iou25": d25, "iou25_reading": reading(d25), "depth_err": dz,
+                          "depth_err_reading": reading(dz, claimed=-1)})
+            lines.append(f"| {pe_label(a[0])} {what} | {_ms(d)} | {reading(d)} | {_ms(d25)} | {reading(d25)} | "
+                         f"{_ms(dz)} | {reading(dz, claimed=-1)} |")
     lines += ["", PAPER_NUMBERS]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     _bars(rows, r, out / "owl.png")
@@ -428,12 +466,14 @@ def compare_owl(doc: Dict[str, Any]) -> List[str]:
 
 
 @register_study("owl", "open-vocabulary 2-D and 3-D detection (OWL-ViT) from contrastive towers, per encoding",
-                compare=compare_owl)
+                options=("boxes",), compare=compare_owl)
 def run_study(exp_cfg: Any, out: Any, **options: Any) -> StudyResult:
     """The ``owl`` entry of ``ropekit experiment``: the preset's pinned recipe (:data:`RECIPES`), with ``pes`` (a
-    subset of the encodings), ``seeds``, ``threads`` and ``device`` from the shared settings."""
+    subset of the encodings), ``seeds``, ``threads`` and ``device`` from the shared settings; the study option
+    ``boxes`` (``--boxes 3d``) trains only that kind of detector (:func:`run_owl`)."""
     from .settings import ExperimentConfig
 
+    boxes = [str(b).lower() for b in (options.pop("boxes", None) or ["2d", "3d"])]
     if options:
         raise ValueError(f"experiment owl takes no option {', '.join(sorted(options))}")
     preset = exp_cfg.preset if exp_cfg.preset in PRESETS else ("quick" if exp_cfg.quick else "default")
@@ -448,6 +488,9 @@ def run_study(exp_cfg: Any, out: Any, **options: Any) -> StudyResult:
     out = Path(out)
     argv += ["--out", str(out)]
     device = getattr(exp_cfg, "device", "auto") or "auto"
-    result = run_owl(r, out, preset=preset, argv=argv, device=device, threads=int(exp_cfg.threads or 0))
+    if sorted(boxes) != ["2d", "3d"]:
+        argv += ["--boxes", ",".join(boxes)]
+    result = run_owl(r, out, preset=preset, argv=argv, device=device, threads=int(exp_cfg.threads or 0),
+                     boxes=boxes)
     files = sorted(p for p in out.iterdir() if p.is_file())
     return StudyResult("owl", out, files, (out / "table.md").read_text(), {"summary": result["summary"]})
