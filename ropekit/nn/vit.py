@@ -83,6 +83,10 @@ class ViTConfig:
     Backbone:
         patch_size, tubelet_size (video frames per token), embed_dim, depth, num_heads, mlp_ratio, qkv_bias,
         drop_rate, attn_drop_rate, drop_path_rate.
+        num_kv_heads: key/value heads of every attention layer (a divisor of ``num_heads``; ``None``: as many as
+            query heads; ``1``: multi-query attention). The encoding stays per query head: each query head rotates
+            its group's shared key with its own encoding (``ropekit.nn.attention``'s module docstring says what
+            that computes, and why a per-head basis is then not absorbed by the key projection).
     Position:
         pe: a ``create_pe`` name (``none, axial, mixed, cayley, circulant, tensor, string, liere, liere-commute,
             comrope-ap, comrope-ld, relaxed``), or ``"absolute"`` (learned APE, no rotary encoding) or
@@ -130,6 +134,7 @@ class ViTConfig:
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
+    num_kv_heads: Optional[int] = None
     pe: str = "cayley"
     pe_options: Dict[str, Any] = field(default_factory=dict)
     pe_sharing: str = "auto"
@@ -200,6 +205,9 @@ class ViTConfig:
             raise ValueError(f"unknown position encoding {self.pe!r}; known: {', '.join(known)}")
         if self.embed_dim <= 0 or self.num_heads <= 0 or self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim={self.embed_dim} must be a positive multiple of num_heads={self.num_heads}")
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must be a positive divisor of "
+                             f"num_heads={self.num_heads}")
         if self.depth < 1 or self.patch_size < 1 or self.tubelet_size < 1:
             raise ValueError("depth, patch_size and tubelet_size must be >= 1")
         if self.jitter < 0:
@@ -289,10 +297,11 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, pe: Optional[PositionEncoding], mlp_ratio: float = 4.0,
                  qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
-                 fold: bool = True) -> None:
+                 fold: bool = True, num_kv_heads: Optional[int] = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads, pe, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop, fold=fold)
+        self.attn = Attention(dim, num_heads, pe, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop, fold=fold,
+                              num_kv_heads=num_kv_heads)
         self.drop_path = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
@@ -366,7 +375,7 @@ class VisionTransformer(nn.Module):
         dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]  # no tensor: meta-safe
         self.blocks = nn.ModuleList([
             Block(dim, cfg.num_heads, encodings[i], cfg.mlp_ratio, cfg.qkv_bias, cfg.drop_rate, cfg.attn_drop_rate,
-                  dpr[i], fold=fold) for i in range(cfg.depth)
+                  dpr[i], fold=fold, num_kv_heads=cfg.num_kv_heads) for i in range(cfg.depth)
         ])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
@@ -419,8 +428,8 @@ class VisionTransformer(nn.Module):
         self.norm.reset_parameters()
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                if name.endswith("attn.qkv"):
-                    bound = math.sqrt(6.0 / (m.weight.shape[0] // 3 + m.weight.shape[1]))
+                if name.endswith("attn.qkv"):  # Xavier of each D x D part (q, k, v), also with fewer k/v heads
+                    bound = math.sqrt(6.0 / (m.weight.shape[1] + m.weight.shape[1]))
                     nn.init.uniform_(m.weight, -bound, bound)
                 elif m is self.head:
                     nn.init.trunc_normal_(m.weight, std=0.02)
