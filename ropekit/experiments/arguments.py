@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     "encoding and seed, then write CSV/JSON, a markdown table and one PNG into --out.\n\nstudies:\n" + \
                     "\n".join(f"  {name:<17} {s.help}" for name, s in STUDIES.items()) + \
                     "\n  all               every study above, one after the other (--out is then a parent folder)" \
-                    "\n  verify FOLDER     re-run a sample (--sample 2x2, or --pe / --seeds) of a committed study folder " \
-                    "and say,\n                    reading by reading, whether the re-run keeps it (exit 1 if not)"
+                    "\n  verify FOLDER     re-run a sample (--sample 2x2, or --pe / --seeds) of a committed study " \
+                    "folder and\n                    say, reading by reading, whether the re-run keeps it (exit 1 " \
+                    "if not)"
     p.epilog = ("Examples: `ropekit experiment offset --quick`; `ropekit experiment classify --pe mixed,cayley "
                 "--seeds 0,1,2 --out results/classify`. Trained runs are cached in --cache-dir by a hash of their "
                 "configuration, so studies that need the same models train them once.")

@@ -38,7 +38,8 @@ from .registry import STUDIES
 from .settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
 __all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "with_later_fields", "RUNTIME_FIELDS", "PER_RUN_FIELDS",
-           "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields", "experiment_config", "compare_with_committed", "recipe_names"]
+           "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields", "experiment_config",
+           "compare_with_committed", "recipe_names"]
 
 PRESETS = ("default", "gpu", "quick")
 
@@ -122,8 +123,10 @@ def check_recipe(r: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
 # the recipes
 # ---------------------------------------------------------------------------------------------------------
 
-#: Every rotary encoding with each one's parameter sharing as its paper trained it: RoPE-Mixed per layer and
-#: head, the STRING family per layer (heads share), LieRE and ComRoPE one set for the whole model.
+#: Every rotary encoding with the parameter sharing the committed studies trained it with: as its paper trained
+#: it -- RoPE-Mixed per layer and head, the STRING family per layer (heads share), LieRE one set for the whole
+#: model -- except ComRoPE, one set for the model where its paper (Table 7) has one per layer and head
+#: (``ropekit.nn.PAPER_SHARING`` now says ``"head"``; the sharing ablation trains that arm).
 PAPER_SHARING: Dict[str, Dict[str, Any]] = {
     "axial": {"pe_sharing": "model"}, "mixed": {"pe_sharing": "head"}, "cayley": {"pe_sharing": "layer"},
     "circulant": {"pe_sharing": "layer"}, "liere": {"pe_sharing": "model"},

@@ -12,8 +12,10 @@ bilinearly by the model). Two ways to change the size, both reported:
 Each encoding is trained with up to three coordinate conventions (``coord_modes``): ``grid`` (integer patch
 indices, so a larger image has larger coordinates), ``normalized`` (patch centres in ``[0, 1]``, so a larger image
 has a finer grid over the same range) and ``normalized+scale`` (normalised coordinates *and* scale augmentation:
-every training step resizes its batch to one of ``scale_sizes``, so the model has seen several grids -- the
-ComRoPE protocol). Encodings without coordinates (``none``, ``absolute``) are trained without and, when
+every training step resizes its batch to one of ``scale_sizes``, so the model has seen several grids -- this
+study's own protocol, not ComRoPE's: ComRoPE's Table 1 trains at one size with normalised coordinates perturbed
+by noise of scale sigma and evaluates from half to twice the training size, which the ablation study's jitter
+arms come closer to). Encodings without coordinates (``none``, ``absolute``) are trained without and, when
 ``normalized+scale`` is asked for, with scale augmentation (a learned table is resized to each grid).
 """
 

@@ -17,8 +17,9 @@ nothing trained before is read back), and compares:
 
 Command line::
 
-    ropekit experiment verify docs/results/classify --pe mixed,cayley --seeds 0,1 --report docs/results/classify/verify.md
     ropekit experiment verify docs/results/classify --sample 2x2        # the first two arms and seeds
+    ropekit experiment verify docs/results/classify --pe mixed,cayley --seeds 0,1 --metric test_acc,test_loss \
+        --report docs/results/classify/verify.md
 """
 
 from __future__ import annotations
