@@ -102,6 +102,8 @@ _STUDY_OPTIONS = (
     ("--sizes", _ints, "sizes", "resolution: evaluation image sizes (default: training size -2..+3 patches)"),
     ("--fractions", _floats, "fractions", "data-efficiency: fractions of the training set (default 0.1,0.25,0.5,1)"),
     ("--deltas", _floats, "deltas", "exact-vs-relaxed: coordinate-only shifts in patches for the logit sensitivity"),
+    ("--partial-planes", _ints, "partial_planes", "exact-vs-relaxed: also train relaxed STRING with only this many "
+                                                  "active planes (each below head_dim / 2; default none)"),
     ("--shifts", _ints, "shifts", "exact-vs-relaxed: whole-patch shifts of the content on the canvas (default 0,1,2)"),
     ("--coord-modes", _list, "coord_modes", "resolution: coordinate conventions trained (grid, normalized, "
                                            "normalized+scale)"),
