@@ -242,6 +242,8 @@ def _video(preset: str) -> Dict[str, Any]:
 #: shared key projection cannot absorb (``ropekit.nn.attention``). The multi-head counterparts are the 6-block
 #: classification's RoPE-Mixed and the 6-block sharing ablation's per-head Cayley (same recipe otherwise).
 _MQA_SHARING = {"mixed": {"pe_sharing": "head"}, "cayley": {"pe_sharing": "head"}}
+_COMROPE_PROTOCOL_SHARING = {"comrope-ap": {"pe_sharing": "head"}, "comrope-ld": {"pe_sharing": "head"},
+                             "circulant": {"pe_sharing": "layer"}}
 
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "classify": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
@@ -291,6 +293,18 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
                block_pe=["liere", "comrope-ap", "comrope-ld", "circulant"], jitter_pe=["mixed", "cayley"]),
         _study(["mixed", "liere", "circulant"], [0], 200, groups=["sharing", "block", "jitter"],
                sharing_pe=["mixed"], block_pe=["liere", "circulant"], jitter_pe=["mixed"])),
+    # ComRoPE's Table 1 protocol: one training size, normalised coordinates perturbed by sigma in {0, 1},
+    # evaluation from about 0.5x to 2x; ComRoPE per layer and head (its Table 7), Circulant per layer.
+    "resolution-comrope": _presets(
+        _study(["comrope-ap", "comrope-ld", "circulant"], SEEDS, pe_overrides=_COMROPE_PROTOCOL_SHARING,
+               coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
+               sizes=[16, 20, 24, 28, 36, 44, 56]),
+        _study(["comrope-ap", "comrope-ld", "circulant"], GPU_SEEDS, pe_overrides=_COMROPE_PROTOCOL_SHARING,
+               coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
+               sizes=[16, 20, 24, 28, 36, 44, 56]),
+        _study(["comrope-ld"], [0], 200, pe_overrides=_COMROPE_PROTOCOL_SHARING,
+               coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
+               sizes=[16, 28, 56])),
     "mqa": {"default": {"train": _mnist(model_options=_arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
                                                             num_kv_heads=1)),
                         "study": _study(["mixed", "cayley"], SEEDS, pe_overrides=_MQA_SHARING)},
