@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ropekit.cli import main
-from ropekit.experiments.verify import compare_readings, parse_sample, reading
+from ropekit.experiments.verify import compare_readings, parse_sample, reading, verify_study
 
 
 @pytest.mark.parametrize("diffs,expected", [
@@ -52,6 +52,7 @@ def test_an_identical_rerun_keeps_every_reading():
     doc = compare_readings(_rows(COMMITTED), rerun, ["a", "b"])
     assert doc["conditions"] == ["fraction"]  # the run hash and the wall time differ per seed: not conditions
     assert (doc["holds"], doc["total"]) == (6, 6)  # 4 levels + 2 differences
+    assert (doc["runs_compared"], doc["runs_identical"], doc["largest_run_difference"]) == (8, 8, 0)
     pair = next(p for p in doc["pairs"] if p["condition"] == {"fraction": "0.5"})
     assert pair["committed_reading"] == ["holds", 1] and pair["spliced_reading"] == ["holds", 1]
     assert pair["committed_mean"] == pytest.approx((0.05 + 0.06 + 0.06) / 3)
@@ -68,6 +69,7 @@ def test_a_moved_mean_and_a_turned_difference_are_reported():
     # the untouched condition keeps its readings
     assert all(p["holds"] for p in doc["pairs"] if p["condition"] == {"fraction": "1.0"})
     assert (doc["holds"], doc["total"]) == (4, 6)
+    assert doc["runs_identical"] == 6 and doc["largest_run_difference"] == pytest.approx(0.08)
 
 
 def test_rows_without_a_committed_counterpart_or_metric_are_errors():
@@ -87,7 +89,7 @@ def test_verify_needs_a_folder(capsys):
 @pytest.mark.slow
 def test_verify_end_to_end_on_a_tiny_study(tmp_path, capsys, monkeypatch):
     """A tiny committed study re-run on the same machine keeps every reading (exit 0, report written); the same
-    study with one arm's accuracies moved beyond their spread fails (exit 1)."""
+    study with one arm's accuracies moved beyond their spread fails against the kept re-run (exit 1)."""
     monkeypatch.setattr("sys.argv", ["ropekit", "experiment", "classify", "--quick", "--pe", "absolute,mixed",
                                      "--seeds", "0,1,2", "--out", str(tmp_path / "study")])
     assert main(["experiment", "classify", "--quick", "--pe", "absolute,mixed", "--seeds", "0,1,2", "--no-progress",
@@ -95,7 +97,8 @@ def test_verify_end_to_end_on_a_tiny_study(tmp_path, capsys, monkeypatch):
     doc = json.loads((tmp_path / "study" / "config.json").read_text())
     assert doc["command"].startswith("ropekit experiment classify --quick")
     report = tmp_path / "verify.md"
-    assert main(["experiment", "verify", str(tmp_path / "study"), "--sample", "2x2", "--report", str(report)]) == 0
+    assert main(["experiment", "verify", str(tmp_path / "study"), "--sample", "2x2", "--report", str(report),
+                 "--out", str(tmp_path / "rerun")]) == 0
     text = report.read_text()
     assert "**3 of 3 readings hold**" in text and "mixed − absolute" in text and "## test_acc" in text
     capsys.readouterr()
@@ -110,5 +113,12 @@ def test_verify_end_to_end_on_a_tiny_study(tmp_path, capsys, monkeypatch):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    assert main(["experiment", "verify", str(tmp_path / "study"), "--pe", "absolute,mixed", "--seeds", "0,1"]) == 1
-    assert "**no**" in capsys.readouterr().out
+    # the kept re-run compared again without training: the moved arm's level and the difference fail
+    assert main(["experiment", "verify", str(tmp_path / "study"), "--rerun", str(tmp_path / "rerun")]) == 1
+    out = capsys.readouterr().out
+    assert "**no**" in out and "compared without training" in out
+    other = json.loads((tmp_path / "rerun" / "config.json").read_text())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**other, "study": "mqa"}))
+    with pytest.raises(ValueError, match="is a 'mqa' study"):
+        verify_study(tmp_path / "study", rerun=tmp_path / "other")

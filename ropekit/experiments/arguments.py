@@ -90,6 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--metric", default="test_acc", metavar="LIST",
                    help="verify: the CSV columns compared, comma-separated (default test_acc)")
     v.add_argument("--report", metavar="FILE", default=None, help="verify: also write the markdown report here")
+    v.add_argument("--rerun", metavar="FOLDER", default=None,
+                   help="verify: compare this study folder, re-run before (e.g. a kept --out), instead of training")
     s.add_argument("--canvas-pad", type=int, metavar="PATCHES", default=S,
                    help="exact-vs-relaxed: background border of the evaluation canvas, in patches per side (default 2)")
 

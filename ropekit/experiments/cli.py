@@ -49,7 +49,8 @@ def _verify(args: argparse.Namespace) -> int:
         raise ValueError("experiment verify needs the committed study folder, e.g. docs/results/classify")
     doc = verify_study(args.folder, arms=getattr(args, "pe", None), seeds=getattr(args, "seeds", None),
                        sample=args.sample, metrics=[m for m in args.metric.split(",") if m], out=args.out,
-                       cache_dir=getattr(args, "cache_dir", None), threads=getattr(args, "threads", None))
+                       cache_dir=getattr(args, "cache_dir", None), threads=getattr(args, "threads", None),
+                       rerun=args.rerun)
     text = render_verification(doc)
     print(text)
     if args.report:

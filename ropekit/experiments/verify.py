@@ -8,8 +8,10 @@ folder recorded (``config.json``'s ``command``) for a sample of its arms and see
 nothing trained before is read back), and compares:
 
 * **level** -- for every condition of the study (a row of its CSV without the seed: encoding, and e.g. fraction,
-  image size, arm) and every sampled arm: the re-run mean over the sampled seeds against the committed mean ± one
-  sample standard deviation over all committed seeds. Holds when ``|re-run mean − committed mean| ≤ spread``.
+  image size, arm) and every sampled arm: the re-run mean over the sampled seeds against the committed mean over
+  the same seeds. Holds when they differ by at most the committed spread (one sample standard deviation over all
+  committed seeds): the re-run moved less than a change of seed moves the result. (The mean of two seeds can lie
+  outside the all-seed mean ± spread by itself, so it is compared with the same seeds' committed values.)
 * **paired difference** -- for every condition and every pair of sampled arms (``second − first``, as ``--pe``
   orders them): the committed differences seed by seed, and the same list with the sampled seeds' differences
   replaced by the re-run's ("spliced": what the whole study would read had it been re-run at HEAD). Holds when
@@ -81,9 +83,12 @@ def _num(x: Any) -> Optional[float]:
 
 def _condition_columns(rows: Sequence[Dict[str, str]], metric: str, arm: str) -> List[str]:
     """The columns that name a row's condition besides its arm and seed: those whose values are the same
-    multiset for every seed (encoding, fraction, image size, ...); measurements differ from seed to seed."""
+    multiset for every seed (encoding, fraction, image size, ...); measurements differ from seed to seed. Yes/no
+    outcomes (``True`` / ``False``, e.g. whether a target was reached) are measurements even when every seed
+    agrees."""
     seeds = sorted({r["seed"] for r in rows})
-    cols = [c for c in rows[0] if c not in BOOKKEEPING and c not in (metric, arm) and not c.startswith("diff_vs_")]
+    cols = [c for c in rows[0] if c not in BOOKKEEPING and c not in (metric, arm) and not c.startswith("diff_vs_")
+            and not {r[c] for r in rows} <= {"True", "False"}]
     keep = []
     for c in cols:
         per_seed = [sorted(r[c] for r in rows if r["seed"] == s) for s in seeds]
@@ -132,10 +137,13 @@ def compare_readings(committed: Sequence[Dict[str, str]], rerun: Sequence[Dict[s
         o, n = old[key], new[key]
         om, os_ = _stats(list(o.values()))
         nm = statistics.fmean(n.values())
+        missing_seeds = sorted(set(n) - set(o))
+        if missing_seeds:
+            raise ValueError(f"the committed study has no seed {missing_seeds} of {key}")
+        same = statistics.fmean(o[s] for s in n)
         levels.append({"arm": key[0], "condition": dict(zip(conds, key[1:])), "committed_mean": om,
-                       "committed_std": os_, "committed_n": len(o), "seeds": sorted(n),
-                       "committed_same_seeds": statistics.fmean(o[s] for s in n if s in o) if set(n) & set(o) else None,
-                       "rerun_mean": nm, "delta": nm - om, "holds": abs(nm - om) <= os_ + 1e-12})
+                       "committed_std": os_, "committed_n": len(o), "seeds": sorted(n), "committed_same_seeds": same,
+                       "rerun_mean": nm, "delta": nm - same, "holds": abs(nm - same) <= os_ + 1e-12})
     for i, a in enumerate(arms):
         for b in arms[i + 1:]:
             for key in sorted({k[1:] for k in new if k[0] == a} & {k[1:] for k in new if k[0] == b}):
@@ -155,8 +163,11 @@ def compare_readings(committed: Sequence[Dict[str, str]], rerun: Sequence[Dict[s
                               "rerun_mean": statistics.fmean(rdiff.values()), "spliced_mean": sm, "spliced_std": ss,
                               "spliced_reading": list(spv), "holds": cv == spv})
     checks = levels + pairs
+    runs = [abs(new[k][sd] - old[k][sd]) for k in new for sd in new[k] if sd in old[k]]
     return {"metric": metric, "arm_column": arm_column, "arms": list(arms), "seeds": seeds, "conditions": conds,
-            "levels": levels, "pairs": pairs, "holds": sum(c["holds"] for c in checks), "total": len(checks)}
+            "levels": levels, "pairs": pairs, "holds": sum(c["holds"] for c in checks), "total": len(checks),
+            "runs_compared": len(runs), "runs_identical": sum(d == 0 for d in runs),
+            "largest_run_difference": max(runs) if runs else None}
 
 
 def _cond(c: Dict[str, str]) -> str:
@@ -174,8 +185,9 @@ def render_verification(doc: Dict[str, Any]) -> str:
     if "study_dir" in doc:
         lines += [f"# Verification of `{doc['study_dir']}`", "",
                   f"Committed command: `{doc['command']}`", "",
-                  f"Re-run: `{doc['rerun_command']}` ({doc['minutes']:.1f} min of wall time on "
-                  f"{doc.get('machine', '?')})", "",
+                  f"Re-run: `{doc['rerun_command']}` ("
+                  + (f"{doc['minutes']:.1f} min of wall time on " if doc.get("minutes") is not None else "trained on ")
+                  + f"{doc.get('machine', '?')})", "",
                   f"**{doc['holds']} of {doc['total']} readings hold** (arms {', '.join(doc['arms'])}; seeds "
                   f"{', '.join(map(str, doc['seeds']))}).", ""]
     for part in doc.get("by_metric", [doc]):
@@ -184,13 +196,17 @@ def render_verification(doc: Dict[str, Any]) -> str:
 
 
 def _render_metric(doc: Dict[str, Any]) -> List[str]:
-    lines = [f"## {doc['metric']}: {doc['holds']} of {doc['total']} readings hold", "",
-             "Levels: the re-run's mean over the sampled seeds against the committed mean ± one standard deviation "
-             "over all committed seeds (holds when inside it).", "",
-             "| arm | condition | committed (all seeds) | committed, sampled seeds | re-run | re-run − committed "
-             "| holds |", "|---|---|---:|---:|---:|---:|---|"]
+    lines = [f"## {doc['metric']}: {doc['holds']} of {doc['total']} readings hold", ""]
+    if doc.get("runs_compared"):
+        lines += [f"Run by run (the same seed and condition, as the CSVs round them): {doc['runs_identical']} of "
+                  f"{doc['runs_compared']} identical, largest |re-run − committed| "
+                  f"{doc['largest_run_difference']:.6g}.", ""]
+    lines += ["Levels: the re-run's mean over the sampled seeds against the committed mean of the same seeds (holds "
+              "when they differ by at most the committed spread, one standard deviation over all committed seeds).",
+              "", "| arm | condition | committed (all seeds) | committed, sampled seeds | re-run | re-run − committed "
+              "(same seeds) | holds |", "|---|---|---:|---:|---:|---:|---|"]
     for r in doc["levels"]:
-        same = "—" if r["committed_same_seeds"] is None else f"{r['committed_same_seeds']:.4f}"
+        same = f"{r['committed_same_seeds']:.4f}"
         lines.append(f"| {r['arm']} | {_cond(r['condition'])} | {r['committed_mean']:.4f} ± {r['committed_std']:.4f} "
                      f"(n={r['committed_n']}) | {same} | {r['rerun_mean']:.4f} | {r['delta']:+.4f} | "
                      f"{'yes' if r['holds'] else '**no**'} |")
@@ -231,14 +247,16 @@ def _study_rows(folder: Path, study: str) -> List[Dict[str, str]]:
 
 def verify_study(study_dir: Any, *, arms: Optional[Sequence[str]] = None, seeds: Optional[Sequence[int]] = None,
                  sample: str = "2x2", metrics: Sequence[str] = ("test_acc",), out: Any = None, cache_dir: Any = None,
-                 threads: Optional[int] = None) -> Dict[str, Any]:
+                 threads: Optional[int] = None, rerun: Any = None) -> Dict[str, Any]:
     """Re-run the command ``study_dir/config.json`` recorded for ``arms`` × ``seeds`` (default: the first arms and
     seeds of the committed study, as many as ``sample`` says) and compare readings (:func:`compare_readings`, once
     per column of ``metrics``).
 
     The re-run writes its study folder into ``out`` (default a temporary folder) and trains in ``cache_dir``
-    (default a fresh temporary folder: no run trained before is read back). Studies whose arms ``--pe`` selects
-    (classify, shuffle, offset, resolution, data efficiency, video, ablations, scale) are supported.
+    (default a fresh temporary folder: no run trained before is read back). ``rerun``: a study folder re-run
+    before (e.g. a kept ``out``, or one trained on another machine) to compare instead of training; its arms and
+    seeds are the sample. Studies whose arms ``--pe`` selects (classify, shuffle, offset, resolution, data
+    efficiency, video, ablations, scale, mqa) are supported.
 
     Raises:
         ValueError: no recorded ``ropekit experiment`` command, an arm or seed the committed study lacks, or a
@@ -259,6 +277,8 @@ def verify_study(study_dir: Any, *, arms: Optional[Sequence[str]] = None, seeds:
         raise ValueError(f"{study_dir}: its CSV has no pe column; verify compares studies whose arms --pe selects")
     have_arms = list(dict.fromkeys(r["pe"] for r in committed))
     have_seeds = sorted({int(r["seed"]) for r in committed})
+    if rerun is not None:
+        return _compare_folder(study_dir, doc, committed, Path(rerun), metrics)
     n_arms, n_seeds = parse_sample(sample)
     arms = list(arms) if arms else have_arms[:n_arms]
     seeds = list(seeds) if seeds is not None else have_seeds[:n_seeds]
@@ -297,6 +317,23 @@ def verify_study(study_dir: Any, *, arms: Optional[Sequence[str]] = None, seeds:
                    "machine": f"{fp['cpu']} ({fp['cpu_capability']}), torch {fp['torch']}, "
                               f"{fp['threads']} thread(s)"})
     return result
+
+
+def _compare_folder(study_dir: Path, doc: Dict[str, Any], committed: List[Dict[str, str]], rerun: Path,
+                    metrics: Sequence[str]) -> Dict[str, Any]:
+    """:func:`verify_study` of a study folder re-run before (``rerun``), without training."""
+    redoc = json.loads((rerun / "config.json").read_text())
+    if redoc.get("study") != doc["study"]:
+        raise ValueError(f"{rerun} is a {redoc.get('study')!r} study, {study_dir} a {doc['study']!r} one")
+    rows = _study_rows(rerun, doc["study"])
+    arms = list(dict.fromkeys(r["pe"] for r in rows))
+    parts = [compare_readings(committed, rows, arms, m) for m in metrics]
+    machine = (redoc.get("runs") or [{}])[0].get("machine") or {}
+    return {"arms": arms, "seeds": parts[0]["seeds"], "by_metric": parts,
+            "holds": sum(p["holds"] for p in parts), "total": sum(p["total"] for p in parts),
+            "study_dir": str(study_dir), "command": doc["command"], "minutes": None,
+            "rerun_command": f"{redoc.get('command')} (the folder {rerun}, compared without training)",
+            "machine": ", ".join(f"{k} {v}" for k, v in machine.items()) or "?"}
 
 
 #: Options of the recorded command that the sample replaces: with a value, and without.
