@@ -186,7 +186,8 @@ def render_verification(doc: Dict[str, Any]) -> str:
         lines += [f"# Verification of `{doc['study_dir']}`", "",
                   f"Committed command: `{doc['command']}`", "",
                   f"Re-run: `{doc['rerun_command']}` ("
-                  + (f"{doc['minutes']:.1f} min of wall time on " if doc.get("minutes") is not None else "trained on ")
+                  + (f"{doc['minutes']:.1f} min of wall time" if doc.get("minutes") is not None else "trained")
+                  + " on "
                   + f"{doc.get('machine', '?')})", "",
                   f"**{doc['holds']} of {doc['total']} readings hold** (arms {', '.join(doc['arms'])}; seeds "
                   f"{', '.join(map(str, doc['seeds']))}).", ""]
@@ -297,26 +298,27 @@ def verify_study(study_dir: Any, *, arms: Optional[Sequence[str]] = None, seeds:
     add_arguments(parser)
     args = parser.parse_args(argv)
     options = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS}
+    shown = _drop_replaced(words[2:]) + sample_argv + ([] if tmp is not None and out.is_relative_to(tmp.name)
+                                                             else ["--out", str(out)])
+    command = "ropekit experiment " + " ".join(shlex.quote(w) for w in shown)
     t0 = time.monotonic()
     try:
         run_experiment(args.name, out=out, quick=args.quick, preset=args.preset, overrides=overrides(args), **options)
+        minutes = (time.monotonic() - t0) / 60
         rerun = _study_rows(out, doc["study"])
+        redoc = json.loads((out / "config.json").read_text())  # what was re-run, for a later --rerun
+        redoc.update(command=command, verify_minutes=minutes)
+        (out / "config.json").write_text(json.dumps(redoc, indent=1) + "\n")
     finally:
         if tmp is not None:
             tmp.cleanup()
-    minutes = (time.monotonic() - t0) / 60
     parts = [compare_readings(committed, rerun, arms, m) for m in metrics]
-    result = {"arms": list(arms), "seeds": parts[0]["seeds"], "by_metric": parts,
-              "holds": sum(p["holds"] for p in parts), "total": sum(p["total"] for p in parts)}
-    shown = _drop_replaced(words[2:]) + sample_argv + ([] if tmp is not None and out.is_relative_to(tmp.name)
-                                                             else ["--out", str(out)])
     fp = numerics_fingerprint()
-    result.update({"study_dir": str(study_dir), "command": doc["command"], "minutes": minutes,
-                   "rerun_command": "ropekit experiment " + " ".join(shlex.quote(w) for w in shown)
-                   + (" (in a fresh run cache)" if fresh else f" --cache-dir {cache_dir}"),
-                   "machine": f"{fp['cpu']} ({fp['cpu_capability']}), torch {fp['torch']}, "
-                              f"{fp['threads']} thread(s)"})
-    return result
+    return {"arms": list(arms), "seeds": parts[0]["seeds"], "by_metric": parts,
+            "holds": sum(p["holds"] for p in parts), "total": sum(p["total"] for p in parts),
+            "study_dir": str(study_dir), "command": doc["command"], "minutes": minutes,
+            "rerun_command": command + (" (in a fresh run cache)" if fresh else f" --cache-dir {cache_dir}"),
+            "machine": f"{fp['cpu']} ({fp['cpu_capability']}), torch {fp['torch']}, {fp['threads']} thread(s)"}
 
 
 def _compare_folder(study_dir: Path, doc: Dict[str, Any], committed: List[Dict[str, str]], rerun: Path,
@@ -331,7 +333,7 @@ def _compare_folder(study_dir: Path, doc: Dict[str, Any], committed: List[Dict[s
     machine = (redoc.get("runs") or [{}])[0].get("machine") or {}
     return {"arms": arms, "seeds": parts[0]["seeds"], "by_metric": parts,
             "holds": sum(p["holds"] for p in parts), "total": sum(p["total"] for p in parts),
-            "study_dir": str(study_dir), "command": doc["command"], "minutes": None,
+            "study_dir": str(study_dir), "command": doc["command"], "minutes": redoc.get("verify_minutes"),
             "rerun_command": f"{redoc.get('command')} (the folder {rerun}, compared without training)",
             "machine": ", ".join(f"{k} {v}" for k, v in machine.items()) or "?"}
 
