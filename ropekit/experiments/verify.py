@@ -305,14 +305,14 @@ def verify_study(study_dir: Any, *, arms: Optional[Sequence[str]] = None, seeds:
     try:
         run_experiment(args.name, out=out, quick=args.quick, preset=args.preset, overrides=overrides(args), **options)
         minutes = (time.monotonic() - t0) / 60
-        rerun = _study_rows(out, doc["study"])
+        rerun_rows = _study_rows(out, doc["study"])
         redoc = json.loads((out / "config.json").read_text())  # what was re-run, for a later --rerun
         redoc.update(command=command, verify_minutes=minutes)
         (out / "config.json").write_text(json.dumps(redoc, indent=1) + "\n")
     finally:
         if tmp is not None:
             tmp.cleanup()
-    parts = [compare_readings(committed, rerun, arms, m) for m in metrics]
+    parts = [compare_readings(committed, rerun_rows, arms, m) for m in metrics]
     fp = numerics_fingerprint()
     return {"arms": list(arms), "seeds": parts[0]["seeds"], "by_metric": parts,
             "holds": sum(p["holds"] for p in parts), "total": sum(p["total"] for p in parts),
