@@ -23,7 +23,7 @@ patches (``ViTConfig.jitter``).
 ``resolution-comrope`` is ComRoPE's protocol as arms of this study (its own recipe): one training size,
 normalised coordinates with perturbation sigma 0 and 1 (``normalized`` and ``normalized+jitter``), ComRoPE-AP,
 ComRoPE-LD (per layer and head, as ComRoPE's Table 7 counts them) and Circulant-STRING, evaluated from about half
-to twice the training size. It has not been run at the time of writing.
+to twice the training size (``docs/results/resolution-comrope/``).
 """
 
 from __future__ import annotations
