@@ -23,6 +23,9 @@ def test_paper_sharing_defaults():
     for name in ("cayley", "circulant"):
         m = VisionTransformer(_cfg(pe=name))
         assert m.cfg.pe_sharing == "layer" and len(m.encodings) == 3 and not m.encodings[0].per_head, name
+    for name in ("comrope-ap", "comrope-ld"):  # ComRoPE Table 7: parameters per layer and head
+        m = VisionTransformer(_cfg(pe=name, pe_options={"block_size": 4}))
+        assert m.cfg.pe_sharing == "head" and len(m.encodings) == 3 and m.encodings[0].per_head, name
     assert set(PAPER_SHARING) >= {"mixed", "liere", "cayley", "circulant", "axial", "comrope-ap", "comrope-ld"}
 
 

@@ -120,3 +120,15 @@ def test_frame_causal_mask():
     expected = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0],
                              [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     assert torch.equal(mask, expected)
+
+
+def test_stream_with_one_shared_key_head():
+    """Multi-query attention (one key/value head, the encoding per query head) streams like the whole clip, and
+    the reference without a mask is the model's own forward."""
+    model = video_vit("cayley", num_kv_heads=1, pe_sharing="head")
+    x = clip()
+    with torch.no_grad():
+        torch.testing.assert_close(video_features(model, x, causal=False), model.forward_features(x))
+        whole = video_features(model, x)
+    streamed, _ = stream_all(model, x)
+    torch.testing.assert_close(streamed, whole, rtol=1e-5, atol=1e-5)

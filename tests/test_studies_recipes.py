@@ -141,7 +141,9 @@ def test_gpu_preset_is_larger_and_resolves_from_the_cli():
         cpu, gpu = study_config(name, preset="default"), study_config(name, preset="gpu")
         c, g = cpu.train_config(cpu.pes[0], 0), gpu.train_config(gpu.pes[0], 0)
         assert g.model_options["embed_dim"] > c.model_options["embed_dim"], name
-        assert g.model_options["depth"] > c.model_options["depth"], name
+        # deeper, unless the CPU preset has the GPU preset's 6 blocks already (mqa)
+        assert g.model_options["depth"] > c.model_options["depth"] or c.model_options["depth"] == 6, name
+
         def steps(t):  # optimisation steps (MNIST: 4,000 training images; video: num_train clips)
             return t.epochs * t.data_options.get("num_train", 4000) * t.train_fraction / t.batch_size
 

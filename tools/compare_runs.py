@@ -11,6 +11,10 @@ same configuration on the same kind of machine gives the same numbers to the las
 vector instruction set the sums round in another order and training ends elsewhere. The report says how far: the
 matched runs one by one, how many are identical, the mean and largest absolute difference, and -- to judge the
 size -- the spread over seeds of the same encoding and arm in the first folder.
+
+Runs are matched by their configuration hash, which includes the library version, so both folders must come from
+the same version. To check whether a committed study's readings hold at this version (the rule for the committed
+results), use ``ropekit experiment verify docs/results/STUDY`` instead: it re-runs a sample and compares readings.
 """
 
 from __future__ import annotations

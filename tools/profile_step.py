@@ -118,6 +118,7 @@ def cmd_ab(args: argparse.Namespace) -> None:
         "batched-bases": {"bases together": lambda: setattr(vit, "rope_forms", rope_forms),
                           "bases per layer": lambda: setattr(vit, "rope_forms", _per_layer_forms)},
     }[args.what]
+    before = rotation._LOOP_MIN_BYTES, vit.rope_forms
     step = _vit_step(args.size, args.pe, BenchConfig())
     for _ in range(2):
         step()
@@ -129,7 +130,7 @@ def cmd_ab(args: argparse.Namespace) -> None:
             step()
             step()
             times[name].append((time.process_time() - t) / 2 * 1e3)
-    rotation._LOOP_MIN_BYTES, vit.rope_forms = 0, rope_forms
+    rotation._LOOP_MIN_BYTES, vit.rope_forms = before
     print(f"{args.pe} ({args.size}), one thread, process CPU ms per step, median of {args.rounds} alternating "
           "rounds: " + ", ".join(f"{n} {statistics.median(v):.1f}" for n, v in times.items()))
 

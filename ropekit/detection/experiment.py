@@ -684,8 +684,12 @@ def compare_with_committed(doc: Dict[str, Any], where: str = "detect3d") -> List
     against the settings the recipe gives that run (:func:`run_settings`). One line
     per difference; empty when the committed runs are what the documented command trains now."""
     preset = doc.get("preset")
+    from ..experiments.recipes import with_later_fields
+
     now = json.loads(json.dumps(recipe(preset)))
-    committed = doc.get("recipe") or {}
+    committed = dict(doc.get("recipe") or {})
+    if isinstance(committed.get("backbone"), dict):  # a recipe that predates a later backbone field
+        committed["backbone"] = with_later_fields(committed["backbone"])
     diffs = [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
              for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
     cfg = config_from_recipe(recipe(preset), preset=preset)
@@ -694,7 +698,9 @@ def compare_with_committed(doc: Dict[str, Any], where: str = "detect3d") -> List
     diffs += [f"{where}: run {name} is missing" for name in sorted(planned - recorded)]
     diffs += [f"{where}: run {name} is not part of the study" for name in sorted(recorded - planned, key=str)]
     for run in doc.get("runs", []):
-        s = run.get("settings") or {}
+        s = dict(run.get("settings") or {})
+        if isinstance(s.get("backbone"), dict):
+            s["backbone"] = with_later_fields(s["backbone"])
         try:
             want = json.loads(json.dumps(run_settings(cfg, s["encoding"], s["input"], int(s["seed"]))))
         except (KeyError, TypeError, ValueError) as e:

@@ -121,7 +121,7 @@ class _ComRoPE(PositionEncoding):
         return _block_diag(blocks).expand(self.num_heads, -1, -1, -1)
 
 
-@register_pe("comrope-ap", label="ComRoPE-AP", bench_vit_options={"block_size": 8},
+@register_pe("comrope-ap", label="ComRoPE-AP", paper_sharing="head", bench_vit_options={"block_size": 8},
              paper_preset={"init": "normal", "init_std": 1.0, "per_head": True},  # Yu et al.: random bases per head
              bench_rows=(BenchRow("comrope-ap (b=8)", (("block_size", 8),)),
                          BenchRow("comrope-ap (b=8) in training (folded)", (("block_size", 8),), kind="train",
@@ -150,7 +150,8 @@ class ComRoPEAP(_ComRoPE):
         return s.unsqueeze(-3)  # (1, M, nb) or (B, 1, M, nb): shared by all parameter heads
 
 
-@register_pe("comrope-ld", label="ComRoPE-LD", bench_vit_options={"block_size": 8}, bench_vit_gpu=True,
+@register_pe("comrope-ld", label="ComRoPE-LD", paper_sharing="head", bench_vit_options={"block_size": 8},
+             bench_vit_gpu=True,
              paper_preset={"init": "normal", "init_std": 1.0, "per_head": True},
              bench_rows=(BenchRow("comrope-ld (b=8)", (("block_size", 8),)),
                          BenchRow("folded comrope-ld (b=8)", (("block_size", 8),), kind="folded",

@@ -35,11 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = "Run an experiment study: train (or reuse cached runs of) the same backbone for each " \
                     "encoding and seed, then write CSV/JSON, a markdown table and one PNG into --out.\n\nstudies:\n" + \
                     "\n".join(f"  {name:<17} {s.help}" for name, s in STUDIES.items()) + \
-                    "\n  all               every study above, one after the other (--out is then a parent folder)"
+                    "\n  all               every study above, one after the other (--out is then a parent folder)" \
+                    "\n  verify FOLDER     re-run a sample (--sample 2x2, or --pe / --seeds) of a committed study " \
+                    "folder and\n                    say, reading by reading, whether the re-run keeps it (exit 1 " \
+                    "if not)"
     p.epilog = ("Examples: `ropekit experiment offset --quick`; `ropekit experiment classify --pe mixed,cayley "
                 "--seeds 0,1,2 --out results/classify`. Trained runs are cached in --cache-dir by a hash of their "
                 "configuration, so studies that need the same models train them once.")
-    p.add_argument("name", choices=list(STUDIES) + ["all"], metavar="NAME", help="the study (see above)")
+    p.add_argument("name", choices=list(STUDIES) + ["all", "verify"], metavar="NAME", help="the study (see above)")
+    p.add_argument("folder", nargs="?", default=None, metavar="FOLDER",
+                   help="verify: the committed study folder (with its config.json and CSV)")
     p.add_argument("--quick", action="store_true", help="tiny model, 10%% of the data, 1 epoch, 1 seed, 2-3 encodings "
                                                         "(the same as --preset quick)")
     p.add_argument("--preset", choices=("default", "gpu", "quick"), default=None,
@@ -78,6 +83,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("study options")
     for flag, parse, dest, text in _STUDY_OPTIONS:
         s.add_argument(flag, dest=dest, type=parse, metavar="LIST", default=S, help=text)
+    v = p.add_argument_group("verify")
+    v.add_argument("--sample", default="2x2", metavar="AxS",
+                   help="verify: the first A arms (encodings) and S seeds of the committed study, unless --pe / "
+                        "--seeds name them (default 2x2)")
+    v.add_argument("--metric", default="test_acc", metavar="LIST",
+                   help="verify: the CSV columns compared, comma-separated (default test_acc)")
+    v.add_argument("--report", metavar="FILE", default=None, help="verify: also write the markdown report here")
+    v.add_argument("--rerun", metavar="FOLDER", default=None,
+                   help="verify: compare this study folder, re-run before (e.g. a kept --out), instead of training")
     s.add_argument("--canvas-pad", type=int, metavar="PATCHES", default=S,
                    help="exact-vs-relaxed: background border of the evaluation canvas, in patches per side (default 2)")
 
@@ -90,6 +104,8 @@ _STUDY_OPTIONS = (
     ("--sizes", _ints, "sizes", "resolution: evaluation image sizes (default: training size -2..+3 patches)"),
     ("--fractions", _floats, "fractions", "data-efficiency: fractions of the training set (default 0.1,0.25,0.5,1)"),
     ("--deltas", _floats, "deltas", "exact-vs-relaxed: coordinate-only shifts in patches for the logit sensitivity"),
+    ("--partial-planes", _ints, "partial_planes", "exact-vs-relaxed: also train relaxed STRING with only this many "
+                                                  "active planes (each below head_dim / 2; default none)"),
     ("--shifts", _ints, "shifts", "exact-vs-relaxed: whole-patch shifts of the content on the canvas (default 0,1,2)"),
     ("--coord-modes", _list, "coord_modes", "resolution: coordinate conventions trained (grid, normalized, "
                                            "normalized+scale)"),

@@ -10,14 +10,30 @@ from .report import (add_paired_difference, aggregate, fmt_pm, markdown_table, m
                      where_trained)
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
-__all__ = ["run_classify"]
+__all__ = ["run_classify", "run_mqa"]
 
 
 @register_study("classify", "accuracy of every encoding, paired by seed", varies=("pe_sharing",))
 def run_classify(cfg: ExperimentConfig, out: Any) -> StudyResult:
     """Train every encoding of ``cfg`` over ``cfg.seeds``; report final test accuracy and loss."""
+    return _classify("classify", cfg, out)
+
+
+@register_study("mqa", "multi-query attention: a per-head basis the shared key cannot absorb (Cayley vs RoPE-Mixed)",
+                varies=("pe_sharing",))
+def run_mqa(cfg: ExperimentConfig, out: Any) -> StudyResult:
+    """The classification with one key/value head shared by every query head (the recipe's ``num_kv_heads=1``),
+    each encoding with parameters per head; differences paired by seed against the first encoding (RoPE-Mixed).
+
+    With multi-head attention a learnt orthogonal basis ``P_h`` is absorbed by the free q/k projections, so
+    Cayley-STRING has RoPE's function class; with one shared key projection ``P_h W_k`` differs per query head and
+    is not absorbed (``ropekit.nn.attention``). This study measures whether that shows in accuracy."""
+    return _classify("mqa", cfg, out)
+
+
+def _classify(name: str, cfg: ExperimentConfig, out: Any) -> StudyResult:
     pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
-    ctx = StudyContext("classify", cfg, out, total=len(pes) * len(cfg.seeds))
+    ctx = StudyContext(name, cfg, out, total=len(pes) * len(cfg.seeds))
     rows: List[Dict[str, Any]] = []
     curves: List[Dict[str, Any]] = []
     for pe in pes:

@@ -21,6 +21,10 @@ def run(args: argparse.Namespace) -> Optional[int]:
     from .registry import STUDIES
     from .runner import run_experiment
 
+    if args.name == "verify":
+        return _verify(args)
+    if args.folder is not None:
+        raise ValueError(f"experiment {args.name} takes no folder argument ({args.folder!r}); only verify does")
     names = list(STUDIES) if args.name == "all" else [args.name]
     given = overrides(args)
     options = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS}
@@ -34,3 +38,21 @@ def run(args: argparse.Namespace) -> Optional[int]:
         print(f"wrote {len(result.files)} files to {result.out_dir}: "
               f"{', '.join(p.name for p in result.files)}", file=sys.stderr)
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .verify import render_verification, verify_study
+
+    if args.folder is None:
+        raise ValueError("experiment verify needs the committed study folder, e.g. docs/results/classify")
+    doc = verify_study(args.folder, arms=getattr(args, "pe", None), seeds=getattr(args, "seeds", None),
+                       sample=args.sample, metrics=[m for m in args.metric.split(",") if m], out=args.out,
+                       cache_dir=getattr(args, "cache_dir", None), threads=getattr(args, "threads", None),
+                       rerun=args.rerun)
+    text = render_verification(doc)
+    print(text)
+    if args.report:
+        Path(args.report).write_text(text)
+    return 0 if doc["holds"] == doc["total"] else 1

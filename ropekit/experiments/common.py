@@ -103,8 +103,13 @@ def headline(cfg: ExperimentConfig, data_label: Optional[str] = None) -> str:
     width = mo.get("embed_dim", "?")
     depth = mo.get("depth", "?")
     heads = mo.get("num_heads", "?")
+    if mo.get("num_kv_heads") is not None:  # grouped-query / multi-query attention
+        kv = mo["num_kv_heads"]
+        heads = f"{heads} query heads sharing {kv} key/value head{'s' if kv != 1 else ''}"
+    else:
+        heads = f"{heads} heads"
     n = len(cfg.seeds)
     data = data_label or cfg.data
     frac = f", {cfg.train_fraction:g} of train" if cfg.train_fraction < 1 else ""
-    return (f"{data}{frac}; ViT width {width}, depth {depth}, {heads} heads, patch {cfg.patch_size}; "
+    return (f"{data}{frac}; ViT width {width}, depth {depth}, {heads}, patch {cfg.patch_size}; "
             f"{cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''}; {n} seed{'s' if n != 1 else ''}")

@@ -4,7 +4,9 @@ Two models that differ only in ``create_pe("relaxed", exact=...)``: the *exact* 
 generators on the active planes, ``P_sp = I_active (+) Q_null``) and the *relaxed* one (dense, non-commuting
 generators and a post-rotation free to mix active and null coordinates). The recipe makes every dimension
 active in both (``active_planes = head_dim / 2``), so they rotate the same number of dimensions and differ only
-in the commuting constraint and the free post-rotation. Reported:
+in the commuting constraint and the free post-rotation. The option ``partial_planes`` (e.g. ``8`` of ``d / 2 =
+16``) adds relaxed models with only that many active planes (the rest of the head dimension passes unrotated, as
+STRING's relaxed variant allows), named ``relaxed-K``; the recipe trains none. Reported:
 
 * the exactness diagnostics of the trained encodings -- commutator error (absolute and relative), mixing norm,
   relative-operator error (pairs ``r, s`` uniform over the patch grid of the training images) and invariant
@@ -85,12 +87,14 @@ def encoding_diagnostics(model, sample_shape, *, num_pairs: int = 256, seed: int
 
 
 @register_study("exact-vs-relaxed", "relaxed STRING exact=True vs exact=False, whole-patch shifts on a "
-                "padded canvas", options=("shifts", "canvas_pad", "deltas"), varies=("pe_options",))
+                "padded canvas", options=("shifts", "canvas_pad", "deltas", "partial_planes"), varies=("pe_options",))
 def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Sequence[float]] = None,
-                         shifts: Optional[Sequence[int]] = None, canvas_pad: int = 2) -> StudyResult:
-    """Train relaxed STRING exact and relaxed over ``cfg.seeds``; diagnostics, logit sensitivity to coordinate
-    shifts ``deltas`` and the loss gap under whole-patch content shifts ``shifts`` on a canvas padded by
-    ``canvas_pad`` patches (see the module docstring)."""
+                         shifts: Optional[Sequence[int]] = None, canvas_pad: int = 2,
+                         partial_planes: Optional[Sequence[int]] = None) -> StudyResult:
+    """Train relaxed STRING exact and relaxed over ``cfg.seeds`` (and relaxed with each of ``partial_planes``
+    active planes); diagnostics, logit sensitivity to coordinate shifts ``deltas`` and the loss gap under
+    whole-patch content shifts ``shifts`` on a canvas padded by ``canvas_pad`` patches (see the module
+    docstring)."""
     if cfg.pes and set(cfg.pes) != {"relaxed"}:
         raise ValueError("exact-vs-relaxed compares relaxed STRING with itself (exact=True vs exact=False); "
                          "--pe does not apply")
@@ -99,14 +103,20 @@ def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Seque
     pad = int(canvas_pad)
     if pad < max(abs(k) for k in shifts):
         raise ValueError(f"canvas_pad={pad} patches is smaller than the largest shift {max(shifts)}")
-    ctx = StudyContext("exact-vs-relaxed", cfg, out, total=len(VARIANTS) * len(cfg.seeds))
+    base_opts = dict(cfg.train_options.get("pe_options", {}))
+    full = base_opts.get("active_planes")
+    bad = [k for k in (partial_planes or []) if int(k) < 1 or (full is not None and int(k) >= int(full))]
+    if bad:
+        raise ValueError(f"partial_planes {bad}: each must be at least 1 and below the recipe's {full} active planes")
+    variants = [(n, {"exact": e}) for n, e in VARIANTS] + [
+        (f"relaxed-{int(k)}", {"exact": False, "active_planes": int(k)}) for k in (partial_planes or [])]
+    ctx = StudyContext("exact-vs-relaxed", cfg, out, total=len(variants) * len(cfg.seeds))
     diag_rows: List[Dict[str, Any]] = []
     rows: List[Dict[str, Any]] = []
     sens_rows: List[Dict[str, Any]] = []
-    base_opts = dict(cfg.train_options.get("pe_options", {}))
-    for name, exact in VARIANTS:
+    for name, opts in variants:
         for seed in cfg.seeds:
-            tcfg = cfg.train_config("relaxed", seed, pe_options={**base_opts, "exact": exact})
+            tcfg = cfg.train_config("relaxed", seed, pe_options={**base_opts, **opts})
             rec = ctx.run(tcfg, f"relaxed STRING ({name}) s{seed}")
             model = rec.model()
             x, y, info = ctx.test_data(tcfg)
@@ -135,7 +145,7 @@ def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Seque
             rec.release()
             ctx.advance(f"{name} s{seed}")
 
-    names = [n for n, _ in VARIANTS]
+    names = [n for n, _ in variants]
     metrics = [("test_acc", "test accuracy", 4, False),
                ("commutator_abs", "commutator error ‖[L_a, L_b]‖_F", 2, True),
                ("commutator_rel", "relative commutator error", 2, True), ("mixing_norm", "mixing norm", 2, True),
@@ -161,9 +171,11 @@ def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Seque
         + [f"accuracy, {n}" for n in names],
         [[f"{k:d}"] + [fmt_pm(gap[(n, k)], 4) for n in names] + [fmt_pm(pdiff[k], 4)]
          + [fmt_pm(cacc[(n, k)], 3) for n in names] for k in shifts])
+    partial = "".join(f"; relaxed-{k}: relaxed with {2 * int(k)} of {diag_rows[0]['head_dim']} dimensions active"
+                      for k in (partial_planes or []))
     table = (f"**Exact vs relaxed STRING** — {headline(cfg)}; relaxed STRING with exact=True / exact=False, both "
-             f"with all {diag_rows[0]['active_dims']} of {diag_rows[0]['head_dim']} dimensions active; mean ± std "
-             f"across seeds.\n\nDiagnostics of the trained encodings:\n\n{diag_table}\n"
+             f"with all {diag_rows[0]['active_dims']} of {diag_rows[0]['head_dim']} dimensions active{partial}; "
+             f"mean ± std across seeds.\n\nDiagnostics of the trained encodings:\n\n{diag_table}\n"
              f"Logit sensitivity to a coordinate shift δ along both axes (pixels unchanged):\n\n{sens_table}\n"
              f"Loss gap under whole-patch content shifts: images on a background canvas padded by {pad} patches per "
              f"side, content moved by k patches along both axes (exact, no resampling); coordinates are canvas "
@@ -172,7 +184,8 @@ def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Seque
 
     plt = setup_matplotlib()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.3))
-    styles = {"exact": dict(color="tab:blue", marker="o"), "relaxed": dict(color="tab:red", marker="s")}
+    styles = {"exact": dict(color="tab:blue", marker="o"), "relaxed": dict(color="tab:red", marker="s"),
+              **{n: dict(marker="^") for n in names[2:]}}
     pos = [dl for dl in deltas if dl > 0]
     for n in names:
         st = [sens[(n, dl)] for dl in pos]
@@ -204,6 +217,6 @@ def run_exact_vs_relaxed(cfg: ExperimentConfig, out: Any, deltas: Optional[Seque
                "loss_gap_relaxed_minus_exact": {f"{k:d}": pdiff[k] for k in shifts}}
     return ctx.finish(rows=rows, summary=summary, table=table, figure=fig,
                       options={"deltas": deltas, "shifts": shifts, "canvas_pad": pad,
-                               "variants": {n: {"pe": "relaxed", "exact": e} for n, e in VARIANTS}},
+                               "variants": {n: {"pe": "relaxed", **o} for n, o in variants}},
                       extra_csv={"diagnostics.csv": diag_rows, "sensitivity.csv": sens_rows})
 

@@ -37,8 +37,9 @@ from .arguments import _OPTION_FIELDS, _STUDY_OPTIONS, add_arguments
 from .registry import STUDIES
 from .settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
-__all__ = ["PRESETS", "RECIPES", "RUNTIME_FIELDS", "PER_RUN_FIELDS", "DATA_FIELDS", "recipe", "check_recipe",
-           "architecture_fields", "recipe_fields", "experiment_config", "compare_with_committed", "recipe_names"]
+__all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "with_later_fields", "RUNTIME_FIELDS", "PER_RUN_FIELDS",
+           "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields", "experiment_config",
+           "compare_with_committed", "recipe_names"]
 
 PRESETS = ("default", "gpu", "quick")
 
@@ -55,6 +56,19 @@ _SLOTS = ("data", "data_root", "data_options", "image_size", "split_seed", "trai
           "model_options", "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay",
           "warmup_epochs", "augment_shift")
 _STUDY_KEYS = {"pes", "seeds", "eval_limit", "pe_overrides", "options"}
+
+
+#: Architecture fields added to ``ViTConfig`` after committed studies were trained, each with the value that
+#: builds the model those studies trained (``num_kv_heads=None``: multi-head attention). Every recipe states it
+#: (:data:`_ARCH`); :func:`compare_with_committed` reads a committed recipe or run that predates the field as
+#: holding this value.
+LATER_ARCH_FIELDS: Dict[str, Any] = {"num_kv_heads": None}
+
+
+def with_later_fields(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` (architecture fields of a committed recipe or run) with every :data:`LATER_ARCH_FIELDS` it
+    predates set to the value it trained with."""
+    return {**LATER_ARCH_FIELDS, **options}
 
 
 def architecture_fields() -> Set[str]:
@@ -110,8 +124,10 @@ def check_recipe(r: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
 # the recipes
 # ---------------------------------------------------------------------------------------------------------
 
-#: Every rotary encoding with each one's parameter sharing as its paper trained it: RoPE-Mixed per layer and
-#: head, the STRING family per layer (heads share), LieRE and ComRoPE one set for the whole model.
+#: Every rotary encoding with the parameter sharing the committed studies trained it with: as its paper trained
+#: it -- RoPE-Mixed per layer and head, the STRING family per layer (heads share), LieRE one set for the whole
+#: model -- except ComRoPE, one set for the model where its paper (Table 7) has one per layer and head
+#: (``ropekit.nn.PAPER_SHARING`` now says ``"head"``; the sharing ablation trains that arm).
 PAPER_SHARING: Dict[str, Dict[str, Any]] = {
     "axial": {"pe_sharing": "model"}, "mixed": {"pe_sharing": "head"}, "cayley": {"pe_sharing": "layer"},
     "circulant": {"pe_sharing": "layer"}, "liere": {"pe_sharing": "model"},
@@ -126,14 +142,18 @@ VIDEO_PES = ["none", "absolute", "axial", "mixed", "cayley", "circulant", "liere
 
 #: The architecture fields every recipe shares (each preset adds its width, depth, heads, MLP ratio and drop-path
 #: rate). A field added to ``ViTConfig`` is stated here once.
-_ARCH = dict(qkv_bias=True, drop_rate=0.0, attn_drop_rate=0.0, pe_fold_train=True)
+_ARCH = dict(qkv_bias=True, drop_rate=0.0, attn_drop_rate=0.0, pe_fold_train=True, **LATER_ARCH_FIELDS)
 
 
 def _arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_path_rate: float = 0.0,
-          tubelet_size: int = 2) -> Dict[str, Any]:
-    """A complete ``model_options``: the size given here, :data:`_ARCH` for the rest."""
+          tubelet_size: int = 2, **changes: Any) -> Dict[str, Any]:
+    """A complete ``model_options``: the size given here, :data:`_ARCH` for the rest, with ``changes`` to it
+    (e.g. ``num_kv_heads=1``)."""
+    unknown = sorted(set(changes) - set(_ARCH))
+    if unknown:
+        raise ValueError(f"_arch: {', '.join(unknown)} are not fields of _ARCH")
     return dict(embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
-                drop_path_rate=drop_path_rate, tubelet_size=tubelet_size, **_ARCH)
+                drop_path_rate=drop_path_rate, tubelet_size=tubelet_size, **{**_ARCH, **changes})
 
 
 #: The streamed-data fields (augmentation, evaluation crop, loader processes) at their defaults: the studies train
@@ -167,14 +187,14 @@ def _mnist(**changes: Any) -> Dict[str, Any]:
 
 def _mnist_gpu(**changes: Any) -> Dict[str, Any]:
     """The GPU preset: a ViT of width 192, depth 6, 3 heads of 64 (7x7 tokens), 40 epochs at batch 128."""
-    return _mnist(model_options=_arch(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0, drop_path_rate=0.1),
-                  epochs=40, batch_size=128, lr=1e-3, warmup_epochs=3.0, **changes)
+    return _mnist(**{"model_options": _arch(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0, drop_path_rate=0.1),
+                     "epochs": 40, "batch_size": 128, "lr": 1e-3, "warmup_epochs": 3.0, **changes})
 
 
 def _mnist_quick(**changes: Any) -> Dict[str, Any]:
     """The quick preset: width 32, depth 1, 10 % of the training images, one epoch."""
-    return _mnist(model_options=_arch(embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0),
-                  train_fraction=0.1, epochs=1, batch_size=32, warmup_epochs=0.2, **changes)
+    return _mnist(**{"model_options": _arch(embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0),
+                     "train_fraction": 0.1, "epochs": 1, "batch_size": 32, "warmup_epochs": 0.2, **changes})
 
 
 def _study(pes: Sequence[str], seeds: Sequence[int], eval_limit: Optional[int] = None,
@@ -231,6 +251,14 @@ def _video(preset: str) -> Dict[str, Any]:
                 epochs={"default": 30, "gpu": 60, "quick": 1}[preset])
 
 
+#: Multi-query attention (one key/value head shared by every query head) at 6 blocks, each encoding with its own
+#: parameters per head: RoPE-Mixed (its paper's sharing) against Cayley-STRING per head, whose per-head basis the
+#: shared key projection cannot absorb (``ropekit.nn.attention``). The multi-head counterparts are the 6-block
+#: classification's RoPE-Mixed and the 6-block sharing ablation's per-head Cayley (same recipe otherwise).
+_MQA_SHARING = {"mixed": {"pe_sharing": "head"}, "cayley": {"pe_sharing": "head"}}
+_COMROPE_PROTOCOL_SHARING = {"comrope-ap": {"pe_sharing": "head"}, "comrope-ld": {"pe_sharing": "head"},
+                             "circulant": {"pe_sharing": "layer"}}
+
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "classify": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
                          _study(QUICK_PES, [0], 200)),
@@ -279,6 +307,27 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
                block_pe=["liere", "comrope-ap", "comrope-ld", "circulant"], jitter_pe=["mixed", "cayley"]),
         _study(["mixed", "liere", "circulant"], [0], 200, groups=["sharing", "block", "jitter"],
                sharing_pe=["mixed"], block_pe=["liere", "circulant"], jitter_pe=["mixed"])),
+    # ComRoPE's Table 1 protocol: one training size, normalised coordinates perturbed by sigma in {0, 1},
+    # evaluation from about 0.5x to 2x; ComRoPE per layer and head (its Table 7), Circulant per layer.
+    "resolution-comrope": _presets(
+        _study(["comrope-ap", "comrope-ld", "circulant"], SEEDS, pe_overrides=_COMROPE_PROTOCOL_SHARING,
+               coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
+               sizes=[16, 20, 24, 28, 36, 44, 56]),
+        _study(["comrope-ap", "comrope-ld", "circulant"], GPU_SEEDS, pe_overrides=_COMROPE_PROTOCOL_SHARING,
+               coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
+               sizes=[16, 20, 24, 28, 36, 44, 56]),
+        _study(["comrope-ld"], [0], 200, pe_overrides=_COMROPE_PROTOCOL_SHARING,
+               coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
+               sizes=[16, 28, 56])),
+    "mqa": {"default": {"train": _mnist(model_options=_arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
+                                                            num_kv_heads=1)),
+                        "study": _study(["mixed", "cayley"], SEEDS, pe_overrides=_MQA_SHARING)},
+            "gpu": {"train": _mnist_gpu(model_options=_arch(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0,
+                                                            drop_path_rate=0.1, num_kv_heads=1)),
+                    "study": _study(["mixed", "cayley"], GPU_SEEDS, pe_overrides=_MQA_SHARING)},
+            "quick": {"train": _mnist_quick(model_options=_arch(embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0,
+                                                                num_kv_heads=1)),
+                      "study": _study(["mixed", "cayley"], [0], 200, pe_overrides=_MQA_SHARING)}},
 }
 
 
@@ -352,6 +401,7 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     an error unless a subset of the recipe's list, or where the recipe states no such list), and its
     ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are
     compared by their study's own ``compare`` (:class:`~ropekit.experiments.registry.Study`).
+    A committed recipe or run without a field of :data:`LATER_ARCH_FIELDS` is read as holding its value.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
     path = Path(study_dir) / "config.json"
@@ -391,7 +441,9 @@ def compare_with_committed(study_dir: Any) -> List[str]:
         if narrows(flags.get(key, key), values, options.get(key)):
             options[key] = values
     now, options = json.loads(json.dumps(now)), json.loads(json.dumps(options))
-    committed = doc.get("recipe") or {}
+    committed = copy.deepcopy(doc.get("recipe") or {})
+    if "model_options" in committed.get("train", {}):
+        committed["train"]["model_options"] = with_later_fields(committed["train"]["model_options"])
     ran = doc.get("options") or {}
     for k, v in options.items():  # ... which include every option the recipe states
         if ran.get(k, "<missing>") != v:
@@ -409,6 +461,8 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     base = now["train"]
     for run in doc.get("runs", []):
         tc = {**added, **run.get("train_config", {})}
+        if "model_options" in tc:  # a run that predates a later architecture field trained with its value
+            tc["model_options"] = with_later_fields(tc["model_options"])
         expected = {**base, **now["study"]["pe_overrides"].get(tc.get("pe"), {})}
         for k, v in expected.items():
             if k in varies and (STUDIES[name].varies_overrides

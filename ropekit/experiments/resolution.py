@@ -9,12 +9,21 @@ bilinearly by the model). Two ways to change the size, both reported:
   centrally), offsets rounded to whole patches: more tokens, the same object on the same patch boundaries.
   This separates token-count extrapolation from scale change.
 
-Each encoding is trained with up to three coordinate conventions (``coord_modes``): ``grid`` (integer patch
+Each encoding is trained with up to four coordinate conventions (``coord_modes``): ``grid`` (integer patch
 indices, so a larger image has larger coordinates), ``normalized`` (patch centres in ``[0, 1]``, so a larger image
 has a finer grid over the same range) and ``normalized+scale`` (normalised coordinates *and* scale augmentation:
-every training step resizes its batch to one of ``scale_sizes``, so the model has seen several grids -- the
-ComRoPE protocol). Encodings without coordinates (``none``, ``absolute``) are trained without and, when
-``normalized+scale`` is asked for, with scale augmentation (a learned table is resized to each grid).
+every training step resizes its batch to one of ``scale_sizes``, so the model has seen several grids -- this
+study's own protocol, not ComRoPE's: ComRoPE's Table 1 trains at one size with normalised coordinates perturbed
+by noise of scale sigma and evaluates from half to twice the training size, which the ablation study's jitter
+arms come closer to). Encodings without coordinates (``none``, ``absolute``) are trained without and, when
+``normalized+scale`` is asked for, with scale augmentation (a learned table is resized to each grid). The fourth,
+``normalized+jitter``, is normalised coordinates perturbed in training by Gaussian noise of ``jitter_sigma``
+patches (``ViTConfig.jitter``).
+
+``resolution-comrope`` is ComRoPE's protocol as arms of this study (its own recipe): one training size,
+normalised coordinates with perturbation sigma 0 and 1 (``normalized`` and ``normalized+jitter``), ComRoPE-AP,
+ComRoPE-LD (per layer and head, as ComRoPE's Table 7 counts them) and Circulant-STRING, evaluated from about half
+to twice the training size (``docs/results/resolution-comrope/``).
 """
 
 from __future__ import annotations
@@ -28,10 +37,10 @@ from .registry import register_study
 from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotlib
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
-__all__ = ["run_resolution", "default_sizes", "MODES", "COORD_MODES"]
+__all__ = ["run_resolution", "run_resolution_comrope", "default_sizes", "MODES", "COORD_MODES"]
 
 MODES = ("resize", "pad")
-COORD_MODES = ("grid", "normalized", "normalized+scale")
+COORD_MODES = ("grid", "normalized", "normalized+scale", "normalized+jitter")
 _NO_COORDS = ("none", "absolute", "sincos")
 
 
@@ -42,14 +51,32 @@ def default_sizes(train_size: int, patch: int, quick: bool = False) -> List[int]
 
 
 @register_study("resolution", "train at one size, evaluate at other sizes, grid and normalised coordinates, "
-                "scale augmentation", options=("sizes", "coord_modes", "scale_sizes"),
-                varies=("pe_sharing", "coords", "augment_sizes"))
+                "scale augmentation", options=("sizes", "coord_modes", "scale_sizes", "jitter_sigma"),
+                varies=("pe_sharing", "coords", "augment_sizes", "jitter"))
 def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int]] = None,
-                   coord_modes: Optional[Sequence[str]] = None,
-                   scale_sizes: Optional[Sequence[int]] = None) -> StudyResult:
+                   coord_modes: Optional[Sequence[str]] = None, scale_sizes: Optional[Sequence[int]] = None,
+                   jitter_sigma: float = 1.0) -> StudyResult:
     """Train every encoding of ``cfg`` with each of ``coord_modes`` and evaluate it at ``sizes`` (default
     the training size -2..+3 patches), resizing and padding. ``scale_sizes``: the training image sizes of the
-    ``normalized+scale`` convention (default: the training size -1..+1 patches)."""
+    ``normalized+scale`` convention (default: the training size -1..+1 patches); ``jitter_sigma``: the
+    perturbation (patches) of ``normalized+jitter``."""
+    return _resolution("resolution", cfg, out, sizes, coord_modes, scale_sizes, jitter_sigma)
+
+
+@register_study("resolution-comrope", "ComRoPE's resolution protocol: one training size, normalised coordinates "
+                "perturbed by sigma 0 or 1, evaluation at 0.5-2x", options=("sizes", "coord_modes", "scale_sizes",
+                                                                            "jitter_sigma"),
+                varies=("pe_sharing", "coords", "augment_sizes", "jitter"))
+def run_resolution_comrope(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int]] = None,
+                           coord_modes: Optional[Sequence[str]] = None, scale_sizes: Optional[Sequence[int]] = None,
+                           jitter_sigma: float = 1.0) -> StudyResult:
+    """The resolution study with ComRoPE's protocol as its recipe (module docstring)."""
+    return _resolution("resolution-comrope", cfg, out, sizes, coord_modes, scale_sizes, jitter_sigma)
+
+
+def _resolution(name: str, cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int]],
+                coord_modes: Optional[Sequence[str]], scale_sizes: Optional[Sequence[int]],
+                jitter_sigma: float) -> StudyResult:
     base_pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
     coord_modes = list(coord_modes or ("grid",))
     bad = sorted(set(coord_modes) - set(COORD_MODES))
@@ -57,13 +84,14 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
         raise ValueError(f"unknown coordinate convention(s) {', '.join(bad)}; known: {', '.join(COORD_MODES)}")
     # (name in the outputs, encoding, coordinate convention)
     def no_coord_modes() -> List[str]:  # without coordinates only the augmentation can differ
-        return [coord_modes[0]] + (["normalized+scale"] if "normalized+scale" in coord_modes[1:] else [])
+        first = "grid" if coord_modes[0] == "normalized+jitter" else coord_modes[0]
+        return [first] + (["normalized+scale"] if "normalized+scale" in coord_modes[1:] else [])
 
     variants = [(pe if len(coord_modes) == 1 or (pe in _NO_COORDS and cm != "normalized+scale") else f"{pe}/{cm}",
                  pe, cm)
                 for pe in base_pes for cm in (no_coord_modes() if pe in _NO_COORDS else coord_modes)]
     pes = [v[0] for v in variants]
-    ctx = StudyContext("resolution", cfg, out, total=len(variants) * len(cfg.seeds))
+    ctx = StudyContext(name, cfg, out, total=len(variants) * len(cfg.seeds))
     probe = cfg.train_config(base_pes[0], cfg.seeds[0])
     _, _, info = ctx.test_data(probe)
     train_size = int(info.image_size[0])
@@ -76,6 +104,8 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
             if cm == "normalized+scale":
                 tcfg = cfg.train_config(enc, seed, coords="grid" if enc in _NO_COORDS else "normalized",
                                         augment_sizes=aug)
+            elif cm == "normalized+jitter":
+                tcfg = cfg.train_config(enc, seed, coords="normalized", jitter=float(jitter_sigma))
             else:
                 tcfg = cfg.train_config(enc, seed, coords=cm)
             rec = ctx.run(tcfg, f"{pe_label(enc)} ({cm}) s{seed}")
@@ -112,7 +142,9 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
              f"(patch {patch}, token grid in brackets), mean ± std across seeds. {headline(cfg)}. Coordinates: "
              f"grid = integer patch indices, normalized = patch centres in [0, 1], normalized+scale = normalised "
              f"coordinates trained with scale augmentation (each step at one of "
-             f"{_scale_sizes_text(rows)} px).\n"]
+             f"{_scale_sizes_text(rows)} px)"
+             + (f", normalized+jitter = normalised coordinates perturbed in training by N(0, {jitter_sigma:g}²) "
+                f"patches" if "normalized+jitter" in coord_modes else "") + ".\n"]
     for mode in MODES:
         table_rows = [[_label(pe)] + [fmt_pm(stats[(mode, pe, s)], 3) for s in eval_sizes] for pe in pes]
         parts.append(f"*{mode}*: {what[mode]}.\n\n" + markdown_table(headers, table_rows))
@@ -126,7 +158,8 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
             ax.errorbar([s + (i - len(pes) / 2) * 0.12 for s in eval_sizes], [v["mean"] for v in st],
                         yerr=[0 if v["n"] < 2 else v["std"] for v in st], marker="o", ms=3, capsize=2,
                         label=_label(pe), ls="--" if pe in _NO_COORDS else (
-                            ":" if pe.endswith("/normalized") else "-." if pe.endswith("+scale") else "-"))
+                            ":" if pe.endswith("/normalized") else "-." if pe.endswith(("+scale", "+jitter"))
+                            else "-"))
         ax.axvline(train_size, color="grey", ls=":", lw=1)
         ax.set_xticks(eval_sizes, [f"{s}\n({grids[s]})" for s in eval_sizes])
         ax.set_xlabel("evaluation image size in pixels (token grid); dotted: training size")
@@ -139,7 +172,8 @@ def run_resolution(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int
     summary = {f"{mode}/{pe}@{s}": stats[(mode, pe, s)] for mode in MODES for pe in pes for s in eval_sizes}
     return ctx.finish(rows=rows, summary=summary, table=table, figure=fig,
                       options={"pes": pes, "sizes": eval_sizes, "train_size": train_size, "modes": list(MODES),
-                               "coord_modes": coord_modes, "scale_sizes": scale_sizes})
+                               "coord_modes": coord_modes, "scale_sizes": scale_sizes,
+                               **({"jitter_sigma": jitter_sigma} if "normalized+jitter" in coord_modes else {})})
 
 
 def _scale_sizes_text(rows: Sequence[Dict[str, Any]]) -> str:

@@ -70,7 +70,9 @@ def _attend(blk: nn.Module, x: Tensor, coords: Optional[Tensor], past: Optional[
     attn = blk.attn
     b, m, dim = x.shape
     h = blk.norm1(x)
-    qkv = attn.qkv(h).reshape(b, m, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, Hh, m, d)
+    # grouped-query layers: each group's key and value rows once per query head (as Attention.forward computes)
+    qkv = attn.qkv(h) if attn.num_kv_heads == attn.num_heads else F.linear(h, *attn.expanded_qkv())  # (B, m, 3D)
+    qkv = qkv.reshape(b, m, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, Hh, m, d)
     q, k, v = qkv.unbind(0)  # (B, Hh, m, d) each
     if attn.pe is not None:
         q = attn.pe.rotate(q, coords)  # (B, Hh, m, d')

@@ -12,6 +12,22 @@ weight and bias once per forward pass -- one ``d x d`` by ``d x D`` product per 
 and in the weight -- and then only rotates each token by its frequency angles, which is what plain RoPE costs.
 Logits and gradients are those of the unfolded layer up to float rounding. Encodings that do not commute
 (LieRE with ``c >= 2``, relaxed STRING, the tensor-product encoding) always take the unfolded path.
+
+Grouped-query and multi-query attention (``num_kv_heads = Hk < H``). The ``H`` query heads form ``Hk`` groups
+of ``H / Hk`` consecutive heads (query head ``h`` in group ``h // (H / Hk)``, as PyTorch's ``enable_gqa`` and
+``repeat_interleave`` group them); each group shares one key projection ``W_k,g`` and one value projection
+``W_v,g`` (``Hk = 1``: multi-query attention). The position encoding stays per *query* head: query head ``h``
+sees the logit ``(R_h(r_i) W_q,h x_i)^T (R_h(r_j) W_k,g x_j)`` -- the group's shared key, rotated by head ``h``'s
+own encoding ``R_h``, so every head's logit is relative (``R_h(r_i)^T R_h(r_j) = R_h(r_j - r_i)`` for a commuting
+encoding). With a per-head basis ``P_h`` (``R_h(r) = RoPE_h(r) P_h``) the logit is
+``x_i^T W_q,h^T P_h^T RoPE_h(r_j - r_i) P_h W_k,g x_j``: ``P_h`` on the query side is absorbed by the free
+``W_q,h``, but ``P_h W_k,g`` differs from head to head of a group while ``W_k,g`` is one matrix, so the basis is
+*not* absorbed by the key projection (with full multi-head attention, ``H = Hk``, it is: each ``W_k,h`` is free,
+see docs/encodings.md). An encoding whose parameters the heads share (``Hp = 1``) is absorbed as before. The layer
+computes this by expanding the shared key and value rows to one copy per query head (``(Hk d, D) -> (H d, D)``)
+before the projection; the rest of the forward pass -- folding included, which merges ``P_h`` into each
+expanded copy -- is that of multi-head attention. The compute is that of ``H`` key heads; the saving is in
+parameters (``2 (H - Hk) d D`` fewer).
 """
 
 from __future__ import annotations
@@ -116,6 +132,9 @@ class Attention(nn.Module):
         num_heads: ``H`` (must divide ``D``).
         pe: the encoding (``head_dim = D / H``, ``num_heads = H``), or ``None`` for no rotary encoding.
             A module shared by several layers is simply passed to each of them.
+        num_kv_heads: ``Hk``, key/value heads (must divide ``H``; ``None``: ``H``, multi-head attention; ``1``:
+            multi-query attention). The projection ``qkv`` then has ``D + 2 Hk d`` output rows (q, then k, then
+            v, head by head); the encoding is applied per query head (module docstring).
         qkv_bias: bias of the fused q/k/v projection.
         attn_drop, proj_drop: dropout on the attention weights and on the output.
         fold: merge a commuting encoding's basis into the q/k projection (see the module docstring); ``False``
@@ -127,17 +146,22 @@ class Attention(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, pe: Optional[PositionEncoding] = None, *, qkv_bias: bool = True,
-                 attn_drop: float = 0.0, proj_drop: float = 0.0, fold: bool = True) -> None:
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, fold: bool = True,
+                 num_kv_heads: Optional[int] = None) -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"width {dim} is not divisible by num_heads={num_heads}")
+        kv = num_heads if num_kv_heads is None else int(num_kv_heads)
+        if kv < 1 or num_heads % kv:
+            raise ValueError(f"num_kv_heads={num_kv_heads} must be a positive divisor of num_heads={num_heads}")
         self.num_heads = num_heads
+        self.num_kv_heads = kv
         self.head_dim = dim // num_heads
         self.scale = self.head_dim ** -0.5
         if pe is not None and (pe.head_dim != self.head_dim or pe.num_heads != num_heads):
             raise ValueError(f"the position encoding was built for head_dim={pe.head_dim}, num_heads={pe.num_heads}; "
                              f"this attention has head_dim={self.head_dim}, num_heads={num_heads}")
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, dim + 2 * kv * self.head_dim, bias=qkv_bias)  # (3D, D) for multi-head
         self.pe = pe
         self.fold = bool(fold)
         self.attn_drop = attn_drop
@@ -194,12 +218,16 @@ class Attention(nn.Module):
         if pe is not None:
             state = pe_state if pe_state is not None and pe_state.pe is pe else \
                 self.prepare(coords, num_prefix_tokens, x.dtype)
+        grouped = self.num_kv_heads != self.num_heads
         if state is not None and state.qkv is not None:  # merged by the model, with the other layers'
             qkv = F.linear(x, *state.qkv)  # (B, N, 3D)
         elif state is not None and state.kind == "fold" and state.value.basis is not None:
-            weight, bias = fold_qkv_weight(self.qkv.weight, self.qkv.bias, state.value.basis, self.num_heads,
+            weight, bias = self.expanded_qkv() if grouped else (self.qkv.weight, self.qkv.bias)  # (3D, D), (3D,)
+            weight, bias = fold_qkv_weight(weight, bias, state.value.basis, self.num_heads,
                                            blocks=state.value.blocks)
             qkv = F.linear(x, weight, bias)  # (B, N, 3D), q and k already in the encoding's basis
+        elif grouped:
+            qkv = F.linear(x, *self.expanded_qkv())  # (B, N, 3D), each group's key and value once per query head
         else:
             qkv = self.qkv(x)  # (B, N, 3D)
         if state is not None and state.kind == "fold" and state.value.prefix is not None and num_prefix_tokens:
@@ -220,6 +248,26 @@ class Attention(nn.Module):
                                            scale=self.scale)  # (B, H, N, d)
         out = out.transpose(1, 2).reshape(b, n, dim)  # (B, N, D)
         return self.proj_drop(self.proj(out))
+
+    def expanded_qkv(self) -> Tuple[Tensor, Optional[Tensor]]:
+        """The projection as multi-head attention's ``(3 D, D_in)`` weight and ``(3 D,)`` bias: the q rows as they
+        are, each group's k and v rows repeated once per query head of the group (differentiable; the same
+        tensors for ``num_kv_heads = num_heads``)."""
+        w, b = self.qkv.weight, self.qkv.bias
+        h, g, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if g == h:
+            return w, b
+        dim, r = h * d, h // g
+
+        def rep(t: Tensor) -> Tensor:  # (g d, ...) -> (h d, ...), group by group
+            return t.unflatten(0, (g, 1, d)).expand(g, r, d, *t.shape[1:]).flatten(0, 2)
+
+        wq, wk, wv = w.split([dim, g * d, g * d])
+        weight = torch.cat([wq, rep(wk), rep(wv)])
+        if b is None:
+            return weight, None
+        bq, bk, bv = b.split([dim, g * d, g * d])
+        return weight, torch.cat([bq, rep(bk), rep(bv)])
 
     def _transform_prefix_rows(self, qkv: Tensor, prefix: Tensor, num_prefix_tokens: int) -> None:
         """Apply the folded encoding's prefix transform ``T`` (``(Hp, d, d)``) to the q and k of the prefix tokens,
@@ -243,4 +291,5 @@ class Attention(nn.Module):
         return {f"pe.{name}" for name in self.pe.no_weight_decay()}
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, fold={self.fold}"
+        kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return f"num_heads={self.num_heads}{kv}, head_dim={self.head_dim}, fold={self.fold}"

@@ -31,19 +31,36 @@ def _is_plain_rope(pe: PositionEncoding) -> bool:
     return bool(torch.equal(p, torch.eye(pe.head_dim, dtype=p.dtype, device=p.device).expand_as(p)))
 
 
-def _fold_into_qkv(qkv: nn.Linear, p: Tensor, num_heads: int, head_dim: int) -> None:
-    """Replace the q and k rows of a fused ``(3 D, D_in)`` projection by ``P_h W_h`` (and the biases by ``P_h b_h``)."""
-    dim = num_heads * head_dim
-    p64 = p.to(torch.float64)  # (H, d, d)
+def _kv_basis(p: Tensor, num_heads: int, num_kv_heads: int) -> Tensor:
+    """The basis of each key head of grouped-query attention: ``(Hk or 1, d, d)`` from the query heads' ``(H or 1,
+    d, d)``, which must agree within each group (ValueError otherwise: a per-head basis is not absorbed by a key
+    projection that the heads of a group share)."""
+    if p.shape[0] == 1 or num_kv_heads == num_heads:
+        return p
+    groups = p.unflatten(0, (num_kv_heads, num_heads // num_kv_heads))  # (Hk, H / Hk, d, d)
+    if not bool((groups == groups[:, :1]).all()):
+        raise ValueError(f"cannot fold a per-head basis into grouped-query attention (num_heads={num_heads}, "
+                         f"num_kv_heads={num_kv_heads}): each query head would need its own key projection P_h W_k; "
+                         f"keep the model unfolded or share the encoding across heads")
+    return groups[:, 0]
+
+
+def _fold_into_qkv(qkv: nn.Linear, p: Tensor, num_heads: int, head_dim: int, num_kv_heads: int) -> None:
+    """Replace the q and k rows of a fused ``(D + 2 Hk d, D_in)`` projection by ``P_h W_h`` (and the biases by
+    ``P_h b_h``): ``H`` query heads with ``p`` (``(H or 1, d, d)``), then ``Hk`` key heads with
+    :func:`_kv_basis`."""
+    bases = (p.to(torch.float64), _kv_basis(p, num_heads, num_kv_heads).to(torch.float64))
     with torch.no_grad():
         w = qkv.weight
-        for part in (0, 1):  # q rows [0, D), k rows [D, 2D)
-            rows = slice(part * dim, (part + 1) * dim)
-            wh = w[rows].to(torch.float64).view(num_heads, head_dim, -1)  # (H, d, D_in)
-            w[rows] = (p64 @ wh).reshape(dim, -1).to(w.dtype)
+        start = 0
+        for heads, p64 in zip((num_heads, num_kv_heads), bases):  # q rows, then k rows
+            rows = slice(start, start + heads * head_dim)
+            start += heads * head_dim
+            wh = w[rows].to(torch.float64).view(heads, head_dim, -1)  # (heads, d, D_in)
+            w[rows] = (p64 @ wh).reshape(heads * head_dim, -1).to(w.dtype)
             if qkv.bias is not None:
-                bh = qkv.bias[rows].to(torch.float64).view(num_heads, head_dim, 1)
-                qkv.bias[rows] = (p64 @ bh).reshape(dim).to(qkv.bias.dtype)
+                bh = qkv.bias[rows].to(torch.float64).view(heads, head_dim, 1)
+                qkv.bias[rows] = (p64 @ bh).reshape(heads * head_dim).to(qkv.bias.dtype)
 
 
 def fold(obj: Union[nn.Module, PositionEncoding], *, inplace: bool = False,
@@ -63,7 +80,9 @@ def fold(obj: Union[nn.Module, PositionEncoding], *, inplace: bool = False,
         For an encoding: ``(FoldedRoPE, P)`` as :func:`fold_pe`.
 
     Raises:
-        ValueError: see ``strict``.
+        ValueError: see ``strict``; and always for a grouped-query layer (``num_kv_heads < num_heads``) whose
+            encoding has a basis per head: it is not absorbed by the shared key projection
+            (:mod:`ropekit.nn.attention`), so no folded model computes the same function.
     """
     if isinstance(obj, PositionEncoding):
         return fold_pe(obj)
@@ -71,6 +90,7 @@ def fold(obj: Union[nn.Module, PositionEncoding], *, inplace: bool = False,
         raise ValueError(f"fold needs an nn.Module or a PositionEncoding, got {type(obj).__name__}")
     model = obj if inplace else copy.deepcopy(obj)
     done: dict = {}
+    todo = []
     layers = [m for m in model.modules() if isinstance(getattr(m, "pe", None), PositionEncoding)]
     for m in layers:
         pe = m.pe
@@ -88,6 +108,9 @@ def fold(obj: Union[nn.Module, PositionEncoding], *, inplace: bool = False,
                 continue
             done[id(pe)] = fold_pe(pe)
         folded, p = done[id(pe)]
-        _fold_into_qkv(m.qkv, p.to(m.qkv.weight.device), m.num_heads, m.head_dim)
+        _kv_basis(p, m.num_heads, m.num_kv_heads)  # every layer checked before any is changed
+        todo.append((m, folded, p))
+    for m, folded, p in todo:
+        _fold_into_qkv(m.qkv, p.to(m.qkv.weight.device), m.num_heads, m.head_dim, m.num_kv_heads)
         m.pe = folded
     return model

@@ -83,6 +83,10 @@ class ViTConfig:
     Backbone:
         patch_size, tubelet_size (video frames per token), embed_dim, depth, num_heads, mlp_ratio, qkv_bias,
         drop_rate, attn_drop_rate, drop_path_rate.
+        num_kv_heads: key/value heads of every attention layer (a divisor of ``num_heads``; ``None``: as many as
+            query heads; ``1``: multi-query attention). The encoding stays per query head: each query head rotates
+            its group's shared key with its own encoding (``ropekit.nn.attention``'s module docstring says what
+            that computes, and why a per-head basis is then not absorbed by the key projection).
     Position:
         pe: a ``create_pe`` name (``none, axial, mixed, cayley, circulant, tensor, string, liere, liere-commute,
             comrope-ap, comrope-ld, relaxed``), or ``"absolute"`` (learned APE, no rotary encoding) or
@@ -130,6 +134,7 @@ class ViTConfig:
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
+    num_kv_heads: Optional[int] = None
     pe: str = "cayley"
     pe_options: Dict[str, Any] = field(default_factory=dict)
     pe_sharing: str = "auto"
@@ -200,6 +205,9 @@ class ViTConfig:
             raise ValueError(f"unknown position encoding {self.pe!r}; known: {', '.join(known)}")
         if self.embed_dim <= 0 or self.num_heads <= 0 or self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim={self.embed_dim} must be a positive multiple of num_heads={self.num_heads}")
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must be a positive divisor of "
+                             f"num_heads={self.num_heads}")
         if self.depth < 1 or self.patch_size < 1 or self.tubelet_size < 1:
             raise ValueError("depth, patch_size and tubelet_size must be >= 1")
         if self.jitter < 0:
@@ -289,10 +297,11 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, pe: Optional[PositionEncoding], mlp_ratio: float = 4.0,
                  qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0,
-                 fold: bool = True) -> None:
+                 fold: bool = True, num_kv_heads: Optional[int] = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads, pe, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop, fold=fold)
+        self.attn = Attention(dim, num_heads, pe, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop, fold=fold,
+                              num_kv_heads=num_kv_heads)
         self.drop_path = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
@@ -319,7 +328,7 @@ def init_linear_layers(model: nn.Module, head: Optional[nn.Module] = None) -> No
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
             if name.endswith("attn.qkv"):
-                bound = math.sqrt(6.0 / (m.weight.shape[0] // 3 + m.weight.shape[1]))
+                bound = math.sqrt(6.0 / (m.weight.shape[1] + m.weight.shape[1]))  # also with fewer k/v heads
                 nn.init.uniform_(m.weight, -bound, bound)
             elif head is not None and m is head:
                 nn.init.trunc_normal_(m.weight, std=0.02)
@@ -382,7 +391,7 @@ class VisionTransformer(nn.Module):
         dpr = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]  # no tensor: meta-safe
         self.blocks = nn.ModuleList([
             Block(dim, cfg.num_heads, encodings[i], cfg.mlp_ratio, cfg.qkv_bias, cfg.drop_rate, cfg.attn_drop_rate,
-                  dpr[i], fold=fold) for i in range(cfg.depth)
+                  dpr[i], fold=fold, num_kv_heads=cfg.num_kv_heads) for i in range(cfg.depth)
         ])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
@@ -556,9 +565,9 @@ class VisionTransformer(nn.Module):
         merging = [(blk.attn, states[id(blk.attn.pe)]) for blk in self.blocks if id(blk.attn.pe) in states]
         merging = [(a, st) for a, st in merging if st.kind == "fold" and st.value.basis is not None
                    and st.value.blocks is None]
-        if len(merging) > 1 and len({(tuple(a.qkv.weight.shape), a.qkv.weight.dtype, a.qkv.bias is None)
-                                     for a, _ in merging}) == 1:
-            merged = fold_qkv_weights([a.qkv.weight for a, _ in merging], [a.qkv.bias for a, _ in merging],
+        expanded = [a.expanded_qkv() for a, _ in merging]  # (3D, D_in), (3D,): k/v rows per query head
+        if len(merging) > 1 and len({(tuple(w.shape), w.dtype, b is None) for w, b in expanded}) == 1:
+            merged = fold_qkv_weights([w for w, _ in expanded], [b for _, b in expanded],
                                       [st.value.basis for _, st in merging], merging[0][0].num_heads)
             for (attn, st), qkv in zip(merging, merged):
                 states[id(attn)] = st._replace(qkv=qkv)

@@ -655,13 +655,13 @@ def compare_with_committed(doc: Dict[str, Any], where: str = "robot") -> List[st
     against :func:`arm_settings`. One line per difference; empty when the committed
     runs are what the documented command trains now."""
     from ..experiments.recipes import PRESETS
-    from .recipes import recipe
+    from .recipes import recipe, with_later_backbone
 
     preset = doc.get("preset")
     if preset not in PRESETS:
         return [f"{where}: no known preset recorded (got {preset!r})"]
     now = json.loads(json.dumps(recipe(preset)))
-    committed = doc.get("recipe") or {}
+    committed = with_later_backbone(doc.get("recipe") or {})
     diffs = [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
              for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
     runs = doc.get("runs") or []
@@ -672,7 +672,7 @@ def compare_with_committed(doc: Dict[str, Any], where: str = "robot") -> List[st
     diffs += [f"{where}: run {name} is missing" for name in sorted(set(planned) - set(recorded))]
     diffs += [f"{where}: run {name} is not part of the study" for name in sorted(set(recorded) - set(planned), key=str)]
     for name in sorted(set(planned) & set(recorded)):
-        got = recorded[name].get("settings") or {}
+        got = with_later_backbone(recorded[name].get("settings") or {})
         size = (got.get("policy") or {}).get("image_size", 0)
         want = json.loads(json.dumps(arm_settings(now, *planned[name], image_size=size)))
         diffs += [f"{where}: run {name} {k}: committed {got.get(k)!r}, now {want[k]!r}"

@@ -26,11 +26,12 @@ import dataclasses
 import inspect
 from typing import Any, Dict, Set
 
-from ..experiments.recipes import DATA_FIELDS, PRESETS, _check_fields, preset_copy
+from ..experiments.recipes import (DATA_FIELDS, LATER_ARCH_FIELDS, PRESETS, _check_fields, preset_copy,
+                                   with_later_fields)
 from ..nn.vit import ViTConfig
 
 __all__ = ["ARMS", "TOP_FIELDS", "recipe", "check_recipe", "policy_fields",
-           "backbone_fields", "train_fields", "expert_fields"]
+           "backbone_fields", "train_fields", "expert_fields", "with_later_backbone"]
 
 #: The policies a study can train. ``2d``: RGB, 2-D encoding, from scratch. ``3d``: RGB-D with the 3-D encoding,
 #: started from ``2d`` (the STRING paper's protocol) and fine-tuned. ``2d_ft``: ``2d`` fine-tuned on RGB on the
@@ -74,9 +75,18 @@ def _backbone(**changes: Any) -> Dict[str, Any]:
     (the policy pools with its own queries), grid coordinates, one encoding set for the whole model."""
     b = dict(patch_size=8, tubelet_size=2, embed_dim=96, depth=4, num_heads=2, mlp_ratio=2.0, qkv_bias=True,
              drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0, pe_sharing="model", per_head=False,
-             pe_fold_train=True, ape="none", cls="none", coords="grid", jitter=0.0)
+             pe_fold_train=True, ape="none", cls="none", coords="grid", jitter=0.0, **LATER_ARCH_FIELDS)
     b.update(changes)
     return b
+
+
+def with_later_backbone(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """A committed recipe or configuration (robot or ALOHA) with its ``policy.vit_overrides`` completed by the
+    backbone fields added since it was trained (:func:`ropekit.experiments.recipes.with_later_fields`)."""
+    policy = doc.get("policy")
+    if not isinstance(policy, dict) or not isinstance(policy.get("vit_overrides"), dict):
+        return doc
+    return {**doc, "policy": {**policy, "vit_overrides": with_later_fields(policy["vit_overrides"])}}
 
 
 def _policy(**changes: Any) -> Dict[str, Any]:

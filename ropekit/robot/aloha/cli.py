@@ -235,6 +235,8 @@ def compare_with_committed(folder: Union[str, Path], extra_args: Sequence[str] =
     study ran and that its ``commands.sh`` now states (e.g. ``--aux-weight 0`` for the study made before the
     object loss). One line per difference; empty when every part is what its command trains now.
     """
+    from ..recipes import with_later_backbone
+
     doc = json.loads((Path(folder) / "config.json").read_text())
     machine = {"threads", "progress", "cache_dir"}
     diffs: List[str] = []
@@ -249,7 +251,7 @@ def compare_with_committed(folder: Union[str, Path], extra_args: Sequence[str] =
             diffs.append(f"{where}: recorded command is 'aloha {args.aloha_command}', not 'aloha experiment'")
             continue
         now = json.loads(json.dumps(experiment_config(args).to_dict()))
-        got = part.get("config") or {}
+        got = with_later_backbone(part.get("config") or {})
         for key in sorted((set(now) | set(got)) - machine):
             a, b = got.get(key, "<missing>"), now.get(key, "<missing>")
             if isinstance(a, dict) and isinstance(b, dict):

@@ -40,6 +40,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from ...experiments.recipes import LATER_ARCH_FIELDS
+
 __all__ = ["AlohaExperimentConfig", "run_experiment", "run_study", "missing_fields", "PRESETS"]
 
 PathLike = Union[str, Path]
@@ -150,7 +152,7 @@ def _backbone(**changes: Any) -> Dict[str, Any]:
     no class token (the head pools with its own queries), grid coordinates, no jitter."""
     b = dict(patch_size=8, tubelet_size=2, embed_dim=96, depth=3, num_heads=3, mlp_ratio=2.0, qkv_bias=True,
              drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0, pe_sharing="auto", per_head=False,
-             pe_fold_train=True, ape="none", cls="none", coords="grid", jitter=0.0)
+             pe_fold_train=True, ape="none", cls="none", coords="grid", jitter=0.0, **LATER_ARCH_FIELDS)
     b.update(changes)
     return b
 
