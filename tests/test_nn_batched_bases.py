@@ -148,7 +148,7 @@ def test_shared_comrope_maps_its_gradient_once(init, per_example, monkeypatch):
 
     torch.manual_seed(0)
     m = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=3, image_size=(16, 16), patch_size=4,
-                                     pe="comrope-ld", depth=3, pe_options={"block_size": 8, "init": init})).double()
+                                     pe="comrope-ld", depth=3, pe_sharing="model", pe_options={"block_size": 8, "init": init})).double()
     assert len({id(b.attn.pe) for b in m.blocks}) == 1
     with torch.no_grad():
         for n, p in m.named_parameters():
