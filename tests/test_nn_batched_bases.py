@@ -1,6 +1,8 @@
 """Per-layer Cayley-STRING bases are solved together once per forward (``fold.rope_forms``), and per-layer ComRoPE
 block eigenbases come from one batched Schur form: the model's outputs and every gradient are bit for bit those of
-factorising each layer's basis alone, and only one solve (one set of Jacobi rounds) runs."""
+factorising each layer's basis alone, and only one solve (one set of Jacobi rounds) runs. Per-layer ComRoPE's
+gradients are mapped in one batched Frechet map too (``blocks.batch_block_gradients``), equal to the per-layer maps
+in float64 to round-off."""
 
 from __future__ import annotations
 
@@ -137,6 +139,21 @@ def test_fold_qkv_weights_rejects_mismatched_layers():
     assert torch.equal(out[0][0], w) and out[1][1] is None  # the identity basis leaves the weight as it is
 
 
+def _comrope_float64(sharing: str, init: str, per_example: bool):
+    """A float64 three-layer ComRoPE-LD ViT (``init="zero"``: its blocks left at ``K = 0``, every frequency tied), an
+    input and, ``per_example``, per-example coordinate offsets."""
+    torch.manual_seed(0)
+    m = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=3, image_size=(16, 16), patch_size=4,
+                                     pe="comrope-ld", depth=3, pe_sharing=sharing,
+                                     pe_options={"block_size": 8, "init": init})).double()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "pe." not in n or init == "normal":
+                p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return m, x, (torch.randn(2, 2, dtype=torch.float64) if per_example else None)
+
+
 @pytest.mark.parametrize("init", ["normal", "zero"], ids=["random", "all-tied"])
 @pytest.mark.parametrize("per_example", [False, True])
 def test_shared_comrope_maps_its_gradient_once(init, per_example, monkeypatch):
@@ -146,16 +163,8 @@ def test_shared_comrope_maps_its_gradient_once(init, per_example, monkeypatch):
     import ropekit.encodings.blocks as blocks_mod
     import ropekit.nn.attention as att_mod
 
-    torch.manual_seed(0)
-    m = VisionTransformer(vit_config("tiny", num_classes=10, in_chans=3, image_size=(16, 16), patch_size=4,
-                                     pe="comrope-ld", depth=3, pe_sharing="model", pe_options={"block_size": 8, "init": init})).double()
+    m, x, offset = _comrope_float64("model", init, per_example)
     assert len({id(b.attn.pe) for b in m.blocks}) == 1
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "pe." not in n or init == "normal":
-                p.add_(0.1 * torch.randn_like(p))
-    x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    offset = torch.randn(2, 2, dtype=torch.float64) if per_example else None
     calls = []
     real = blocks_mod._frechet_block_grads
     monkeypatch.setattr(blocks_mod, "_frechet_block_grads", lambda *a: calls.append(1) or real(*a))
@@ -200,3 +209,70 @@ def test_gathered_and_per_rotation_gradients_keep_float64_angles():
     for shared in (False, True):
         for g, r in zip(grads(torch.float32, shared), ref):
             assert float((g - r).abs().max() / r.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("init", ["normal", "zero"], ids=["random", "all-tied"])
+@pytest.mark.parametrize("per_example", [False, True])
+def test_per_layer_comrope_runs_one_schur_form_and_one_gradient_map(init, per_example, monkeypatch):
+    """ComRoPE owned layer by layer and head by head (its paper's sharing): the layers' block Schur forms come from
+    one batched ``skew_real_schur`` call (``fold.rope_forms``) and their gradients from one batched Frechet map
+    (``blocks.batch_block_gradients``), each layer keeping its own generators -- logits and every gradient equal to
+    factorising and mapping layer by layer, in float64 to round-off, also at ``K = 0`` where every frequency ties."""
+    import ropekit.encodings.blocks as blocks_mod
+    import ropekit.encodings.fold as enc_fold
+    import ropekit.encodings.forms as forms_mod
+
+    m, x, offset = _comrope_float64("head", init, per_example)
+    assert len({id(b.attn.pe) for b in m.blocks}) == 3 and m.blocks[0].attn.pe.param_heads > 1
+    maps, schurs = [], []
+    real_map, real_fold_schur, real_form_schur = (blocks_mod._frechet_block_grads, enc_fold.skew_real_schur,
+                                                  forms_mod.skew_real_schur)
+    monkeypatch.setattr(blocks_mod, "_frechet_block_grads", lambda *a: maps.append(1) or real_map(*a))
+    monkeypatch.setattr(enc_fold, "skew_real_schur", lambda k: schurs.append(k.shape) or real_fold_schur(k))
+    monkeypatch.setattr(forms_mod, "skew_real_schur", lambda k: schurs.append(k.shape) or real_form_schur(k))
+
+    def run():
+        maps.clear(), schurs.clear()
+        out = m(x, coord_offset=offset)
+        return out, torch.autograd.grad(out.square().sum(), list(m.parameters()))
+
+    out, grads = run()
+    assert len(schurs) == 1 and schurs[0][0] == 3  # the three layers' blocks stacked along the batch dimension
+    assert len(maps) == 1  # one map for the three layers
+    monkeypatch.setattr(vit_mod, "rope_forms", lambda pes: [rope_form(pe) for pe in pes])
+    monkeypatch.setattr(vit_mod, "batch_block_gradients", lambda forms, coords: forms)
+    ref_out, ref_grads = run()
+    assert len(schurs) == 3 and len(maps) == 3  # one of each per layer
+    assert torch.allclose(out, ref_out, rtol=1e-12, atol=1e-14)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, rtol=1e-11, atol=1e-14)
+    gen_grads = [g for (n, _), g in zip(m.named_parameters(), grads) if n.endswith("pe.block_params")]
+    assert len(gen_grads) == 3 and all(g.abs().max() > 0 for g in gen_grads)  # every layer's generators reached
+
+
+def test_batch_block_gradients_groups_by_configuration():
+    """Forms of one configuration share one gradient node, another configuration gets its own, forms without
+    block generators pass as they are, and without a gradient no node is built; the forms come back in order."""
+    from ropekit import create_pe
+    from ropekit.encodings.blocks import batch_block_gradients, share_block_gradients
+
+    torch.manual_seed(0)
+    opts = dict(head_dim=8, coord_dim=2, num_heads=2, init="normal", per_head=True)
+    pes = [create_pe("comrope-ld", block_size=4, **opts), create_pe("axial", head_dim=8, coord_dim=2, num_heads=2),
+           create_pe("comrope-ld", block_size=2, **opts), create_pe("comrope-ld", block_size=4, **opts)]
+    coords = torch.rand(5, 2)
+    forms = batch_block_gradients([rope_form(pe) for pe in pes], coords)
+    assert forms[1].eigen is None
+    c0, c2, c3 = forms[0].eigen.collector, forms[2].eigen.collector, forms[3].eigen.collector
+    assert c0.grad_fn.next_functions[0][0] is c3.grad_fn.next_functions[0][0]  # one node for the first and last
+    assert c2.grad_fn.next_functions[0][0] is not c0.grad_fn.next_functions[0][0]
+    for form, pe in zip(forms, pes):
+        if form.eigen is not None:
+            alone = share_block_gradients(rope_form(pe), coords).eigen  # this layer's scalars, formed alone
+            assert form.eigen.scales.shape == (1, 2, 5, 8 // pe.block_size)
+            assert torch.allclose(form.eigen.scales, alone.scales, rtol=1e-14, atol=0)
+            assert torch.equal(form.eigen.generators, alone.generators)
+    with torch.no_grad():
+        plain = batch_block_gradients([rope_form(pe) for pe in pes], coords)
+    assert all(f.eigen is None or f.eigen.collector is None for f in plain)
+    assert batch_block_gradients([], coords) == []

@@ -20,7 +20,7 @@ from .rotation import _slice_loops, apply_frequency_rope
 from .skew import skew_real_schur
 
 __all__ = ["block_apply", "scaled_block_exp_matrices", "scaled_block_exp_apply", "scaled_block_exp_reference",
-           "rotate_in_block_eigenbasis", "share_block_gradients"]
+           "rotate_in_block_eigenbasis", "share_block_gradients", "batch_block_gradients"]
 
 
 def block_apply(e: Tensor, x: Tensor) -> Tensor:
@@ -419,6 +419,54 @@ def share_block_gradients(form, coords: Tensor):
     collector = _BlockGradientCollector.apply(s, e.generators, e.schur.detach(), e.mu.detach(),
                                               _wide_dtype(s.device))
     return form._replace(eigen=e._replace(scales=s, collector=collector))
+
+
+def batch_block_gradients(forms: Sequence, coords: Tensor) -> list:
+    """Several block encodings' :class:`~ropekit.encodings.forms.RoPEForm` (the per-layer encodings of one model)
+    prepared for their rotations on the same coordinates: every form keeps its own generators and axis weights,
+    but the scalars ``s_j(r)`` of all forms of one configuration are formed in one product, and one node gathers
+    all their rotations' gradients and maps them to each form's ``K`` and ``s`` in one batched Frechet map (the
+    forms stacked along the parameter-head dimension), instead of one map per layer. The map acts on each
+    ``(layer, head, block)`` separately, so values and gradients are those of mapping each form alone. First
+    derivatives only: under ``create_graph`` each rotation differentiates its dense reference as before.
+
+    Args:
+        forms: forms of any encodings; those with ``eigen`` set whose generators and axis weights have one shape,
+            dtype and device are batched together (a configuration met once gets :func:`share_block_gradients`),
+            every other form is returned as it is.
+        coords: ``(M, c)`` or ``(B, M, c)``, the coordinates every rotation using the results will get.
+
+    Returns:
+        The forms, in the order given.
+    """
+    out = list(forms)
+    groups: dict = {}
+    for i, form in enumerate(forms):
+        e = form.eigen
+        if e is not None:
+            key = (tuple(e.generators.shape), e.generators.dtype, e.generators.device, tuple(e.axis_weights.shape),
+                   e.axis_weights.dtype, e.mu.dtype)
+            groups.setdefault(key, []).append(i)
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = share_block_gradients(forms[idx[0]], coords)
+            continue
+        es = [forms[i].eigen for i in idx]
+        n, hp = len(es), es[0].generators.shape[0]
+        s = wide_angles(coords, torch.cat([e.axis_weights for e in es]))  # (L Hp, M, nb) or (B, L Hp, M, nb)
+        s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, L Hp, M, nb): layer l's heads at l Hp .. (l + 1) Hp - 1
+        scales = s.unflatten(1, (n, hp)).unbind(1)  # L x (Bs, Hp, M, nb)
+        gens = [e.generators for e in es]
+        if not (torch.is_grad_enabled() and (s.requires_grad or any(g.requires_grad for g in gens))):
+            collectors = [None] * n
+        else:
+            collector = _BlockGradientCollector.apply(
+                s, torch.cat(gens), torch.cat([e.schur.detach() for e in es]),
+                torch.cat([e.mu.detach() for e in es]), _wide_dtype(s.device))  # (L Hp, nb, T, b, b)
+            collectors = collector.unflatten(0, (n, hp)).unbind(0)  # L x (Hp, nb, T, b, b)
+        for i, e, sc, col in zip(idx, es, scales, collectors):
+            out[i] = forms[i]._replace(eigen=e._replace(scales=sc, collector=col))
+    return out
 
 
 def _block_eigen_reference(x: Tensor, s: Tensor, gens: Tensor, basis: Tensor, num_prefix_tokens: int) -> Tensor:

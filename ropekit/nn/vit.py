@@ -28,8 +28,9 @@ from torch import Tensor, nn
 
 from .._config_keys import known_keys
 from ..encodings import PositionEncoding, create_pe, list_pes
-from ..encodings.registry import RegistryView
+from ..encodings.blocks import batch_block_gradients
 from ..encodings.fold import fold_qkv_weights, rope_forms
+from ..encodings.registry import RegistryView
 from ..encodings.validation import check_finite
 from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
@@ -545,7 +546,9 @@ class VisionTransformer(nn.Module):
         """The state of every encoding held by more than one layer, computed once for this forward pass (the
         folded basis and frequencies, or the encoding's prepared angles), keyed by ``id(encoding)``. The folded
         forms of single-layer encodings are computed here together (``fold.rope_forms``: the per-layer Cayley
-        bases in one batched solve); other single-layer encodings are prepared by their layer. Where several
+        bases in one batched solve, the per-layer ComRoPE block Schur forms in one batched set of Jacobi rounds;
+        ``blocks.batch_block_gradients``: the ComRoPE layers' gradients mapped in one batched Frechet map per
+        step); other single-layer encodings are prepared by their layer. Where several
         layers fold a dense basis (Cayley, Circulant, general STRING), their bases are merged into their q/k
         projections in one batched product too (``fold.fold_qkv_weights``): those layers' states, with the merged
         ``(weight, bias)`` in ``PreparedPE.qkv``, are keyed by ``id(layer)``."""
@@ -559,7 +562,9 @@ class VisionTransformer(nn.Module):
                   for key, layers in owners.items() if len(layers) > 1}
         folding = [layers[0] for layers in owners.values() if len(layers) == 1 and layers[0].folds]
         if len(folding) > 1:
-            for attn, form in zip(folding, rope_forms([a.pe for a in folding])):
+            # block forms (ComRoPE): one node maps every layer's gradient in one batched Frechet map per step
+            forms = batch_block_gradients(rope_forms([a.pe for a in folding]), coords)
+            for attn, form in zip(folding, forms):
                 states[id(attn.pe)] = PreparedPE("fold", attn.pe, form)
         # the bases merged into every folding layer's projection in one batched product, keyed by id(layer)
         merging = [(blk.attn, states[id(blk.attn.pe)]) for blk in self.blocks if id(blk.attn.pe) in states]
