@@ -72,7 +72,7 @@ def run_compute_efficiency(cfg: ExperimentConfig, out: Any,
         [[pe_label(pe)] + [fmt_pm(acc[(pe, e)], 3) for e in budgets] + [reach_text(pe)] for pe in pes])
     diff_table = markdown_table(
         ["encoding"] + [f"{e} epochs" for e in budgets],
-        [[pe_label(pe)] + [f"{fmt_pm(paired[(pe, e)], 3)} ({sum(by[(pe, e, s)] > by[(REFERENCE, e, s)] for s in cfg.seeds)}"
+        [[pe_label(pe)] + [f"{'+' if paired[(pe, e)]['mean'] > 0 else ''}{fmt_pm(paired[(pe, e)], 3)} ({sum(by[(pe, e, s)] > by[(REFERENCE, e, s)] for s in cfg.seeds)}"
                            f"/{n_seeds})" for e in budgets] for pe in pes if pe != REFERENCE])
     table = (f"**Compute efficiency** — {headline(cfg)}; every budget a separate run on the full training set with "
              f"its own warm-up ({cfg.warmup_epochs / cfg.epochs:.0%} of the run) and cosine schedule.\n\n"
