@@ -67,13 +67,16 @@ def run_compute_efficiency(cfg: ExperimentConfig, out: Any,
         e = reach[pe]
         return "not reached" if e is None else f"{e} ({cfg.epochs / e:.2g}x fewer)" if e < cfg.epochs else f"{e}"
 
+    def diff_text(pe: str, e: int) -> str:
+        above = sum(by[(pe, e, s)] > by[(REFERENCE, e, s)] for s in cfg.seeds)
+        return f"{'+' if paired[(pe, e)]['mean'] > 0 else ''}{fmt_pm(paired[(pe, e)], 3)} ({above}/{n_seeds})"
+
     acc_table = markdown_table(
         ["encoding"] + [f"{e} epochs" for e in budgets] + [f"epochs to reach {target:.3f}"],
         [[pe_label(pe)] + [fmt_pm(acc[(pe, e)], 3) for e in budgets] + [reach_text(pe)] for pe in pes])
     diff_table = markdown_table(
         ["encoding"] + [f"{e} epochs" for e in budgets],
-        [[pe_label(pe)] + [f"{'+' if paired[(pe, e)]['mean'] > 0 else ''}{fmt_pm(paired[(pe, e)], 3)} ({sum(by[(pe, e, s)] > by[(REFERENCE, e, s)] for s in cfg.seeds)}"
-                           f"/{n_seeds})" for e in budgets] for pe in pes if pe != REFERENCE])
+        [[pe_label(pe)] + [diff_text(pe, e) for e in budgets] for pe in pes if pe != REFERENCE])
     table = (f"**Compute efficiency** — {headline(cfg)}; every budget a separate run on the full training set with "
              f"its own warm-up ({cfg.warmup_epochs / cfg.epochs:.0%} of the run) and cosine schedule.\n\n"
              f"Test accuracy after the last epoch (mean ± std across seeds); the last column is the smallest budget "
