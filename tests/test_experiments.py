@@ -25,7 +25,7 @@ from ropekit.experiments.scale import parse_arm
 
 #: The studies of this file (classification and its controlled variants); detect3d and robot have their own tests.
 NAMES = ["classify", "resolution", "offset", "shuffle", "data-efficiency", "exact-vs-relaxed", "video", "ablations",
-         "scale"]
+         "scale", "compute-efficiency"]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig, default_config, 
 
 # Every study module, each registering its study (in this order: ``ropekit experiment all`` runs them so).
 from . import classify, resolution, offset, shuffle, data_efficiency, exact_vs_relaxed, video, ablations  # noqa: E402,I001
-from . import scale, task_studies, retrieval, owl  # noqa: E402,I001
+from . import scale, task_studies, retrieval, owl, compute_efficiency  # noqa: E402,I001
 
 __all__ = ["run_experiment", "study_config", "STUDIES", "register_study", "StudyResult", "ExperimentConfig", "default_config",
            "quick_config", "DEFAULT_PES", "QUICK_PES", "PRESETS", "RECIPES", "recipe", "compare_with_committed"]

@@ -110,6 +110,8 @@ _STUDY_OPTIONS = (
     ("--coord-modes", _list, "coord_modes", "resolution: coordinate conventions trained (grid, normalized, "
                                            "normalized+scale)"),
     ("--scale-sizes", _ints, "scale_sizes", "resolution: training image sizes of the normalized+scale convention"),
+    ("--epoch-budgets", _ints, "epoch_budgets", "compute-efficiency: training lengths in epochs, each a separate "
+                                                "run with its own schedule (default 2,4,6,10)"),
     ("--budgets", _list, "budgets", "data-efficiency: equal 'epochs' (always) and equal 'steps' at every fraction "
                                     "(default both)"),
     ("--groups", _list, "groups", "ablations: sharing, block, jitter (default all three)"),

@@ -273,11 +273,16 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "shuffle": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
                         _study(QUICK_PES, [0], 200)),
     "data-efficiency": _presets(
-        _study(["absolute", "mixed", "cayley"], CLASSIFY_SEEDS, fractions=[0.1, 0.25, 0.5, 1.0],
-               budgets=["epochs", "steps"]),
+        _study(["absolute", "mixed", "cayley", "liere", "liere-commute"], CLASSIFY_SEEDS,
+               fractions=[0.1, 0.25, 0.5, 1.0], budgets=["epochs", "steps"]),
         _study(["absolute", "mixed", "cayley", "liere"], GPU_SEEDS, fractions=[0.1, 0.25, 0.5, 1.0],
                budgets=["epochs", "steps"]),
         _study(QUICK_PES, [0], 200, fractions=[0.5, 1.0], budgets=["epochs", "steps"])),
+    # separate runs of 2..10 epochs, each with its own schedule (LieRE's compute-efficiency claim)
+    "compute-efficiency": _presets(
+        _study(["absolute", "mixed", "cayley", "liere", "liere-commute"], SEEDS, epoch_budgets=[2, 4, 6, 10]),
+        _study(["absolute", "mixed", "cayley", "liere", "liere-commute"], GPU_SEEDS, epoch_budgets=[5, 10, 20, 40]),
+        _study(["absolute", "mixed"], [0], 200, epoch_budgets=[1])),
     "exact-vs-relaxed": {
         # shift augmentation of one patch; unnormalised inputs, so the zero fill of the augmentation and the
         # canvas background are both black (normalised, zero is the mean grey)
