@@ -262,6 +262,11 @@ _COMROPE_PROTOCOL_SHARING = {"comrope-ap": {"pe_sharing": "head"}, "comrope-ld":
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "classify": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
                          _study(QUICK_PES, [0], 200)),
+    # LieRE and ComRoPE-LD on grid and on normalised coordinates (their papers' convention), the classification's
+    # recipe otherwise: the grid arms are the classification's runs.
+    "classify-coords": _presets(_study(["liere", "comrope-ld"], [0, 1, 2], coord_modes=["grid", "normalized"]),
+                                _study(["liere", "comrope-ld"], GPU_SEEDS, coord_modes=["grid", "normalized"]),
+                                _study(["liere"], [0], 200, coord_modes=["grid", "normalized"])),
     "resolution": _presets(
         _study(["none", "absolute", "axial", "mixed", "cayley", "liere"], CLASSIFY_SEEDS, coord_modes=_RES_MODES,
                scale_sizes=[20, 24, 28, 32, 36]),
