@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..nn.coords import COORD_MODES
 from .common import StudyContext, StudyResult, headline
 from .registry import register_study
 from .report import (add_paired_difference, aggregate, fmt_pm, markdown_table, mean_std, pe_label, setup_matplotlib,
@@ -11,10 +12,6 @@ from .report import (add_paired_difference, aggregate, fmt_pm, markdown_table, m
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
 __all__ = ["run_classify", "run_mqa", "run_classify_coords"]
-
-#: The coordinate conventions ``classify-coords`` trains (``TrainConfig.coords``): integer patch indices, or
-#: patch centres scaled to [0, 1] along each axis, as the LieRE and ComRoPE papers feed them.
-CLASSIFY_COORD_MODES = ("grid", "normalized")
 
 
 @register_study("classify", "accuracy of every encoding, paired by seed", varies=("pe_sharing",))
@@ -39,12 +36,13 @@ def run_mqa(cfg: ExperimentConfig, out: Any) -> StudyResult:
                 options=("coord_modes",), varies=("pe_sharing", "coords"))
 def run_classify_coords(cfg: ExperimentConfig, out: Any, coord_modes: Optional[Sequence[str]] = None) -> StudyResult:
     """The classification of ``cfg``'s encodings with each coordinate convention of ``coord_modes`` (default
-    grid and normalized): arms ``<pe>/<convention>``; besides the table's difference to the first arm, each
+    grid and normalized, :data:`ropekit.nn.coords.COORD_MODES`: integer patch indices or patch centres in
+    ``[0, 1]``): arms ``<pe>/<convention>``; besides the table's difference to the first arm, each
     non-grid arm's difference to its encoding's grid arm, paired by seed (``summary["paired_diff_vs_grid"]``)."""
-    modes = list(coord_modes or CLASSIFY_COORD_MODES)
-    bad = sorted(set(modes) - set(CLASSIFY_COORD_MODES))
+    modes = list(coord_modes or COORD_MODES)
+    bad = sorted(set(modes) - set(COORD_MODES))
     if bad:
-        raise ValueError(f"unknown coordinate convention(s) {', '.join(bad)}; known: {', '.join(CLASSIFY_COORD_MODES)}")
+        raise ValueError(f"unknown coordinate convention(s) {', '.join(bad)}; known: {', '.join(COORD_MODES)}")
     return _classify("classify-coords", cfg, out, modes)
 
 
