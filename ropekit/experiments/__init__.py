@@ -5,7 +5,8 @@
 >>> print(result.table)                                                               # doctest: +SKIP
 
 Studies: ``classify`` (and ``classify-coords``, grid against normalised coordinates), ``resolution`` (and
-``resolution-comrope``, ComRoPE's protocol), ``offset``, ``shuffle``, ``data-efficiency``, ``exact-vs-relaxed``, ``video``, ``ablations``, ``scale``, ``mqa`` (multi-query attention), and
+``resolution-comrope``, ComRoPE's protocol), ``offset``, ``shuffle``, ``data-efficiency``, ``exact-vs-relaxed``,
+``video``, ``ablations``, ``scale``, ``mqa`` (multi-query attention), and
 the tasks' studies: ``detect3d``, ``robot``, ``aloha``, ``retrieval``, ``owl``. Each trains (or takes from the run
 cache) the same backbone for every
 encoding and seed, from its pinned recipe (:mod:`ropekit.experiments.recipes`; presets ``default``, ``gpu``,

@@ -65,8 +65,9 @@ def _classify(name: str, cfg: ExperimentConfig, out: Any, coord_modes: Optional[
             rec = ctx.run(cfg.train_config(enc, seed) if cm is None else cfg.train_config(enc, seed, coords=cm))
             f = rec.final
             extra = {} if cm is None else {"encoding": enc, "coords": cm}
-            rows.append({"pe": pe, **extra, "seed": seed, "test_acc": f.get("test_acc"), "test_loss": f.get("test_loss"),
-                         "train_acc": f.get("train_acc"), "train_loss": f.get("train_loss"),
+            rows.append({"pe": pe, **extra, "seed": seed, "test_acc": f.get("test_acc"),
+                         "test_loss": f.get("test_loss"), "train_acc": f.get("train_acc"),
+                         "train_loss": f.get("train_loss"),
                          "num_params": rec.summary.get("num_params"), "wall_time": rec.summary.get("wall_time"),
                          "device": rec.summary.get("device"),
                          "run": rec.run_dir.name})
@@ -130,7 +131,9 @@ def _classify(name: str, cfg: ExperimentConfig, out: Any, coord_modes: Optional[
     fig.tight_layout()
 
     summary = {"test_acc": stats["test_acc"], "test_loss": stats["test_loss"], "train_acc": stats["train_acc"],
-               f"paired_diff_vs_{ref}": stats[f"diff_vs_{ref}"], **({"paired_diff_vs_grid": vs_grid} if vs_grid else {})}
+               f"paired_diff_vs_{ref}": stats[f"diff_vs_{ref}"]}
+    if vs_grid:
+        summary["paired_diff_vs_grid"] = vs_grid
     options: Dict[str, Any] = {"pes": pes} if coord_modes is None else {"pes": encodings, "coord_modes": coord_modes}
     return ctx.finish(rows=rows, summary=summary, table=table, figure=fig, options=options,
                       extra_csv={"curves.csv": curves})
