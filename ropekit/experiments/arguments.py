@@ -128,6 +128,8 @@ _STUDY_OPTIONS = (
                               "recipe's, three times the depth, four times the epochs, both); retrieval: vision "
                               "towers (default rgb-ape,rgbd-ape,rgbd-rope,rgbd-mixed,rgbd-circulant,rgbd-cayley,"
                               "rgb-cayley)"),
+    ("--widths", _ints, "widths", "scale: embedding widths crossed with every arm, heads scaled so the head "
+                                  "dimension stays the recipe's (default the recipe's width only)"),
     ("--inputs", _list, "inputs", "detect3d: rgb (ViT), rgbd (ViTD: depth as input, and as coordinate for rotary "
                                   "encodings), rgbd-channel (depth as input only), rgbd-coord (as coordinate only); "
                                   "default rgb,rgbd,rgbd-channel"),

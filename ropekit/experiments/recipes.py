@@ -302,6 +302,10 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "scale": _presets(_study(SCALE_PES, SEEDS, arms=[[2, 10], [6, 10], [2, 40], [6, 40]]),
                       _study(SCALE_PES, SEEDS, arms=[[6, 40], [2, 40], [6, 10], [2, 10]]),
                       _study(["absolute", "mixed"], [0], 200, arms=[[1, 1], [2, 1]])),
+    # width with the head dimension fixed (the recipe's 32; the GPU preset's 64), the recipe's depth and epochs
+    "scale-width": _presets(_study(["absolute", "mixed", "liere"], SEEDS, arms=[[2, 10]], widths=[32, 64, 128]),
+                            _study(["absolute", "mixed", "liere"], SEEDS, arms=[[6, 40]], widths=[64, 192, 384]),
+                            _study(["absolute", "mixed", "liere"], [0], 200, arms=[[1, 1]], widths=[16, 32])),
     "video": {preset: {"train": {**_mnist(), **_video(preset)}, "study": _study(pes, seeds, limit)}
               for preset, pes, seeds, limit in (("default", VIDEO_PES, CLASSIFY_SEEDS, None),
                                                 ("gpu", DEFAULT_PES, GPU_SEEDS, None),

@@ -9,8 +9,13 @@ preset also changes, are not varied here):
 * ``arms`` -- ``[depth, epochs]`` pairs; the first is the reference (the recipe's own depth and epochs, whose
   runs are the classification study's and come from the cache). The warm-up stays as long in epochs as the
   recipe's; the learning rate, batch and everything else are as the recipe states.
+* ``widths`` -- optional embedding widths, crossed with every arm. The number of heads scales with the width so
+  the head dimension stays the recipe's (width 64 with 2 heads: head dimension 32, so widths 32, 64, 128 get 1, 2,
+  4 heads); a width must be a multiple of that head dimension. Unset: the recipe's width only, and arms are
+  labelled by depth and epochs alone.
 
-Per arm: test and train accuracy of every encoding and each rotary encoding's difference to APE paired by seed.
+Per arm: test and train accuracy of every encoding and each rotary encoding's difference to APE paired by seed;
+where RoPE-Mixed and another rotary encoding are trained, also that encoding's difference to RoPE-Mixed.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from .report import (add_paired_difference, aggregate, fmt_pm, markdown_table, p
                      where_trained)
 from .settings import SCALE_PES, ExperimentConfig
 
-__all__ = ["run_scale", "parse_arm", "REFERENCE"]
+__all__ = ["run_scale", "run_scale_width", "parse_arm", "heads_for_width", "REFERENCE"]
 
 REFERENCE = "absolute"
+#: A second reference, paired against when it and another rotary encoding are trained (LieRE's own comparison).
+ROTARY_REFERENCE = "mixed"
 
 
 def parse_arm(arm: Any) -> Tuple[int, int]:
@@ -40,50 +47,86 @@ def parse_arm(arm: Any) -> Tuple[int, int]:
     return depth, epochs
 
 
-def _label(depth: int, epochs: int) -> str:
-    return f"depth {depth}, {epochs} epoch{'s' if epochs != 1 else ''}"
+def heads_for_width(width: int, embed_dim: int, num_heads: int) -> int:
+    """Heads that keep the head dimension ``embed_dim // num_heads`` at ``width``; one-line ``ValueError`` when
+    ``width`` is not a positive multiple of it."""
+    head_dim = int(embed_dim) // int(num_heads)
+    if int(width) < 1 or int(width) % head_dim:
+        raise ValueError(f"a width must be a positive multiple of the head dimension {head_dim}; got {width!r}")
+    return int(width) // head_dim
 
 
-@register_study("scale", "depth and training length one at a time: which turns rotary vs APE", options=("arms",),
-                varies=("pe_sharing", "model_options", "epochs"))
-def run_scale(cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[Any]] = None) -> StudyResult:
+def _label(depth: int, epochs: int, width: Optional[int] = None) -> str:
+    w = "" if width is None else f"width {width}, "
+    return f"{w}depth {depth}, {epochs} epoch{'s' if epochs != 1 else ''}"
+
+
+@register_study("scale", "depth and training length one at a time: which turns rotary vs APE",
+                options=("arms", "widths"), varies=("pe_sharing", "model_options", "epochs"))
+def run_scale(cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[Any]] = None,
+              widths: Optional[Sequence[int]] = None) -> StudyResult:
     """Train every encoding of ``cfg`` (APE added first when missing) at every arm over ``cfg.seeds``.
 
     Args:
         arms: ``[depth, epochs]`` pairs (or ``"DxE"`` strings); default the recipe's own depth and epochs, then
             three times the depth, four times the epochs, and both.
+        widths: embedding widths crossed with every arm, heads scaled to keep the recipe's head dimension;
+            default the recipe's width alone (then not named in the arm labels).
 
     Raises:
-        ValueError: a malformed or repeated arm.
+        ValueError: a malformed or repeated arm or width, or a width that is not a multiple of the head dimension.
     """
+    return _scale("scale", cfg, out, arms, widths)
+
+
+@register_study("scale-width", "model width with the head dimension fixed: does LieRE's lead hold as it grows",
+                options=("arms", "widths"), varies=("pe_sharing", "model_options", "epochs"))
+def run_scale_width(cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[Any]] = None,
+                    widths: Optional[Sequence[int]] = None) -> StudyResult:
+    """The scale study with a width axis as its recipe: APE, RoPE-Mixed and LieRE at widths 32, 64 and 128 (1, 2
+    and 4 heads of dimension 32) with the classification's depth and epochs; arguments as :func:`run_scale`."""
+    return _scale("scale-width", cfg, out, arms, widths)
+
+
+def _scale(name: str, cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[Any]],
+           widths: Optional[Sequence[int]]) -> StudyResult:
     base = (int(cfg.model_options["depth"]), int(cfg.epochs))
     arm_list = [parse_arm(a) for a in (arms or [base, (3 * base[0], base[1]), (base[0], 4 * base[1]),
                                                  (3 * base[0], 4 * base[1])])]
     if len(set(arm_list)) != len(arm_list):
         raise ValueError(f"repeated arm in {['%dx%d' % a for a in arm_list]}")
+    embed_dim, num_heads = int(cfg.model_options["embed_dim"]), int(cfg.model_options["num_heads"])
+    width_list: List[Optional[int]] = [None] if not widths else [int(w) for w in widths]
+    if len(set(width_list)) != len(width_list):
+        raise ValueError(f"repeated width in {width_list}")
+    heads = {w: num_heads if w is None else heads_for_width(w, embed_dim, num_heads) for w in width_list}
+    grid = [(w, d, e) for w in width_list for d, e in arm_list]
     pes = cfg.pe_list(SCALE_PES)
     if REFERENCE not in pes:
         pes = [REFERENCE] + pes
-    ctx = StudyContext("scale", cfg, out, total=len(arm_list) * len(pes) * len(cfg.seeds))
+    ctx = StudyContext(name, cfg, out, total=len(grid) * len(pes) * len(cfg.seeds))
     rows: List[Dict[str, Any]] = []
-    for depth, epochs in arm_list:
-        arm = _label(depth, epochs)
+    for width, depth, epochs in grid:
+        arm = _label(depth, epochs, width)
+        wtag = "" if width is None else f"w{width} "
+        size = {} if width is None else {"embed_dim": width, "num_heads": heads[width]}
         for pe in pes:
             for seed in cfg.seeds:
                 tcfg = cfg.train_config(pe, seed)
-                tcfg = tcfg.replace(model_options={**tcfg.model_options, "depth": depth}, epochs=epochs)
-                rec = ctx.run(tcfg, f"{pe_label(pe)} {depth}x{epochs} s{seed}")
+                tcfg = tcfg.replace(model_options={**tcfg.model_options, **size, "depth": depth}, epochs=epochs)
+                rec = ctx.run(tcfg, f"{pe_label(pe)} {wtag}{depth}x{epochs} s{seed}")
                 f = rec.final
-                rows.append({"arm": arm, "depth": depth, "epochs": epochs, "pe": pe, "seed": seed,
+                rows.append({"arm": arm, "width": width or embed_dim, "depth": depth, "epochs": epochs, "pe": pe,
+                             "seed": seed,
                              "test_acc": f.get("test_acc"), "train_acc": f.get("train_acc"),
                              "num_params": rec.summary.get("num_params"), "wall_time": rec.summary.get("wall_time"),
                              "device": rec.summary.get("device"), "run": rec.run_dir.name})
-                ctx.advance(f"{pe} {depth}x{epochs} s{seed}")
+                ctx.advance(f"{pe} {wtag}{depth}x{epochs} s{seed}")
 
     add_paired_difference(rows, REFERENCE, within=("arm",))
     stats = {k: {(s["arm"], s["pe"]): s for s in aggregate(rows, ["arm", "pe"], k)}
              for k in ("test_acc", "train_acc", f"diff_vs_{REFERENCE}", "wall_time")}
-    arms_l = [_label(*a) for a in arm_list]
+    arms_l = [_label(d, e, w) for w, d, e in grid]
     trs = []
     for arm in arms_l:
         for pe in pes:
@@ -93,11 +136,21 @@ def run_scale(cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[Any]] = N
                 f"{r[f'diff_vs_{REFERENCE}']:+.3f}" for r in rows if r["arm"] == arm and r["pe"] == pe)
             trs.append([arm, pe_label(pe), fmt_pm(stats["test_acc"][k], 4), fmt_pm(stats["train_acc"][k], 4), diff,
                         signs, f"{stats['wall_time'][k]['mean']:.0f}"])
-    table = (f"**Scale** — {headline(cfg)} as the reference arm; each other arm changes the depth or the number "
-             f"of epochs alone, or both. Test accuracy after the last epoch, mean ± std across seeds; the difference "
+    changes = ("the width, with as many heads as keep the head dimension" if widths else
+               "the depth or the number of epochs alone, or both")
+    table = (f"**Scale** — {headline(cfg)} as the reference arm; each other arm changes {changes}. Test accuracy after the last epoch, mean ± std across seeds; the difference "
              f"to {pe_label(REFERENCE)} is paired by seed (same data order), and listed seed by seed.\n\n"
              + markdown_table(["arm", "encoding", "test accuracy", "train accuracy", f"− {pe_label(REFERENCE)} "
                                "(paired)", "per seed", f"train time / run (s, {where_trained(rows)})"], trs, "llrrrlr"))
+    others = [pe for pe in pes if pe not in (REFERENCE, ROTARY_REFERENCE)]
+    if ROTARY_REFERENCE in pes and others:
+        col = add_paired_difference(rows, ROTARY_REFERENCE, within=("arm",))
+        dst = {(s["arm"], s["pe"]): s for s in aggregate(rows, ["arm", "pe"], col)}
+        table += (f"\n\nThe same runs against {pe_label(ROTARY_REFERENCE)}, paired by seed:\n\n"
+                  + markdown_table(["arm", "encoding", f"− {pe_label(ROTARY_REFERENCE)} (paired)", "per seed"],
+                                   [[a, pe_label(pe), fmt_pm(dst[(a, pe)], 4),
+                                     "/".join(f"{r[col]:+.3f}" for r in rows if r["arm"] == a and r["pe"] == pe)]
+                                    for a in arms_l for pe in others], "llrl"))
 
     plt = setup_matplotlib()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
@@ -127,10 +180,12 @@ def run_scale(cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[Any]] = N
     ax2.set_ylabel(f"test accuracy − {pe_label(REFERENCE)} (paired by seed)")
     ax2.set_title("rotary − APE: mean ± std, dots: seeds")
     ax2.legend(fontsize=8)
-    fig.suptitle(f"Scale: depth and training length; reference arm: {headline(cfg)}")
+    what = "width (head dimension fixed)" if widths else "depth and training length"
+    fig.suptitle(f"Scale: {what}; reference arm: {headline(cfg)}")
     fig.tight_layout()
     summary = {f"{a}/{pe}": {"test_acc": stats["test_acc"][(a, pe)],
                              f"diff_vs_{REFERENCE}": stats[f"diff_vs_{REFERENCE}"][(a, pe)]}
                for a in arms_l for pe in pes}
     return ctx.finish(rows=rows, summary=summary, table=table, figure=fig,
-                      options={"arms": [list(a) for a in arm_list]})
+                      options={"arms": [list(a) for a in arm_list],
+                               **({"widths": [int(w) for w in widths]} if widths else {})})
