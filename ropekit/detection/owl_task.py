@@ -52,6 +52,7 @@ from .boxes import box_iou_3d
 from .coco import coco_ap
 from .owl import OwlDetector, OwlLossConfig, owl_loss, owl_match, top_detections
 from .owl_towers import Towers, build_detector, load_towers, scratch_towers
+from .plot import save_figure
 from .train import batch_indices
 
 __all__ = ["OwlTrainConfig", "OwlDataConfig", "OwlTaskConfig", "OwlTask", "OwlTargets", "owl_targets", "class_split",
@@ -546,9 +547,4 @@ def plot_owl_examples(model: OwlDetector, scenes: Any, tokenize: Callable[[List[
         ax.axis("off")
     fig.suptitle(f"{model.boxes.upper()} boxes by text query: the best box for each query (cyan: word seen in "
                  f"detection training, orange: held out; dashed: truth)", fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

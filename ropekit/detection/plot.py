@@ -17,7 +17,7 @@ import torch
 from .boxes import box12_to_corners
 from .scenes import project_points
 
-__all__ = ["BOX_EDGES", "TRUE_COLOR", "PRED_COLOR", "draw_boxes", "example_grid", "plot_metric_bars",
+__all__ = ["BOX_EDGES", "TRUE_COLOR", "PRED_COLOR", "draw_boxes", "example_grid", "plot_metric_bars", "save_figure",
            "plot_training_curves"]
 
 #: The 12 edges as corner index pairs (corner order of :data:`ropekit.detection.CORNER_SIGNS`): bottom face,
@@ -136,6 +136,13 @@ def plot_metric_bars(runs: Sequence[Dict], metrics: Sequence[str], path: PathLik
         _bars(ax, runs, m, encodings, inputs, input_labels)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title or "mean ± std over seeds (dots: seeds, ring: best seed)", fontsize=9)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Union[str, Path]) -> Path:
+    """Lay ``fig`` out tightly, write it as a 110-dpi image to ``path`` (its folder created), close it: ``path``."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

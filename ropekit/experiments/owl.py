@@ -416,6 +416,7 @@ def _bars(rows: List[Dict[str, Any]], r: Dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..detection.plot import save_figure
     from .report import pe_label
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [2.2, 1]})
@@ -441,9 +442,7 @@ def _bars(rows: List[Dict[str, Any]], r: Dict[str, Any], path: Path) -> None:
                        fontsize=8)
     axes[1].set_ylabel("mean 3-D IoU (matched)")
     axes[1].set_title("3-D boxes by text query", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def compare_owl(doc: Dict[str, Any]) -> List[str]:
