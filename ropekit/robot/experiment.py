@@ -662,6 +662,12 @@ def compare_with_committed(doc: Dict[str, Any], where: str = "robot") -> List[st
         return [f"{where}: no known preset recorded (got {preset!r})"]
     now = json.loads(json.dumps(recipe(preset)))
     committed = with_later_backbone(doc.get("recipe") or {})
+    # --seeds narrows the recipe's seeds; evaluation conditions are evaluation only, so a folder that evaluated a
+    # subset of today's conditions (written before a condition joined the default evaluation) trained the same runs
+    for key in ("seeds", "conditions"):
+        got = committed.get(key)
+        if isinstance(got, list) and got and set(got) <= set(now.get(key) or []):
+            now[key] = got
     diffs = [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
              for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
     runs = doc.get("runs") or []

@@ -125,6 +125,7 @@ def _demos(episodes: int) -> Dict[str, Any]:
 
 
 _CONDITIONS = ["in_distribution", "ood_table_height"]
+_ALL_CONDITIONS = _CONDITIONS + ["ood_large_distractors", "ood_light"]
 
 
 def _recipe(preset: str) -> Dict[str, Any]:
@@ -137,7 +138,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
         return dict(demos=_demos(episodes=2000), env={},
                     policy=_policy(), train=_train(steps=6000), finetune=dict(steps=800, warmup_steps=50),
                     pe_2d="circulant", pe_3d="circulant", pe_options={"block_size": 16}, arms=list(ARMS),
-                    seeds=[0, 1, 2], depth_scale=8.0, conditions=list(_CONDITIONS), eval_episodes=100,
+                    seeds=[0, 1, 2], depth_scale=8.0, conditions=list(_ALL_CONDITIONS), eval_episodes=100,
                     eval_seed=1000)
     if preset == "gpu":
         # 128x128 camera, 16x16 tokens (a patch spans half as much, so 16 units per metre), width 192 with 6 blocks
@@ -148,7 +149,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
                     train=_train(steps=6000, batch_size=128, warmup_steps=300),
                     finetune=dict(steps=2400, warmup_steps=100), pe_2d="circulant", pe_3d="circulant",
                     pe_options={"block_size": 16}, arms=list(ARMS), seeds=[0, 1, 2], depth_scale=16.0,
-                    conditions=list(_CONDITIONS) + ["ood_large_distractors", "ood_light"], eval_episodes=100,
+                    conditions=list(_ALL_CONDITIONS), eval_episodes=100,
                     eval_seed=1000)
     # quick: 32x32 camera, a 1-block encoder, a few demos, steps and episodes -- the study's machinery in seconds
     return dict(demos=_demos(episodes=3), env={"max_steps": 6, "image_size": 32},
