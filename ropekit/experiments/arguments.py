@@ -107,8 +107,8 @@ _STUDY_OPTIONS = (
     ("--partial-planes", _ints, "partial_planes", "exact-vs-relaxed: also train relaxed STRING with only this many "
                                                   "active planes (each below head_dim / 2; default none)"),
     ("--shifts", _ints, "shifts", "exact-vs-relaxed: whole-patch shifts of the content on the canvas (default 0,1,2)"),
-    ("--coord-modes", _list, "coord_modes", "resolution, classify-coords: coordinate conventions trained "
-                                           "(grid, normalized; resolution also normalized+scale)"),
+    ("--coord-modes", _list, "coord_modes", "resolution, classify-coords, video-coords: coordinate conventions "
+                                           "trained (grid, normalized; resolution also normalized+scale)"),
     ("--scale-sizes", _ints, "scale_sizes", "resolution: training image sizes of the normalized+scale convention"),
     ("--epoch-budgets", _ints, "epoch_budgets", "compute-efficiency: training lengths in epochs, each a separate "
                                                 "run with its own schedule (default 2,4,6,10)"),

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..nn.coords import COORD_MODES
-from .common import StudyContext, StudyResult, headline
+from .common import StudyContext, StudyResult, coord_arms, headline
 from .registry import register_study
-from .report import (add_paired_difference, aggregate, fmt_pm, markdown_table, mean_std, pe_label, setup_matplotlib,
-                     where_trained)
+from .report import (add_paired_difference, add_paired_vs_grid, aggregate, arm_label, fmt_pm, markdown_table, mean_std,
+                     setup_matplotlib, where_trained)
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 
 __all__ = ["run_classify", "run_mqa", "run_classify_coords"]
@@ -39,23 +39,12 @@ def run_classify_coords(cfg: ExperimentConfig, out: Any, coord_modes: Optional[S
     grid and normalized, :data:`ropekit.nn.coords.COORD_MODES`: integer patch indices or patch centres in
     ``[0, 1]``): arms ``<pe>/<convention>``; besides the table's difference to the first arm, each
     non-grid arm's difference to its encoding's grid arm, paired by seed (``summary["paired_diff_vs_grid"]``)."""
-    modes = list(coord_modes or COORD_MODES)
-    bad = sorted(set(modes) - set(COORD_MODES))
-    if bad:
-        raise ValueError(f"unknown coordinate convention(s) {', '.join(bad)}; known: {', '.join(COORD_MODES)}")
-    return _classify("classify-coords", cfg, out, modes)
-
-
-def _arm_label(arm: str) -> str:
-    pe, _, cm = arm.partition("/")
-    return pe_label(pe) + (f" ({cm})" if cm else "")
+    return _classify("classify-coords", cfg, out, list(coord_modes or COORD_MODES))
 
 
 def _classify(name: str, cfg: ExperimentConfig, out: Any, coord_modes: Optional[List[str]] = None) -> StudyResult:
     encodings = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
-    # (arm name in the outputs, encoding, coordinate convention or None for the recipe's)
-    variants = ([(f"{pe}/{cm}", pe, cm) for pe in encodings for cm in coord_modes] if coord_modes
-                else [(pe, pe, None) for pe in encodings])
+    variants = coord_arms(encodings, coord_modes)
     pes = [v[0] for v in variants]
     ctx = StudyContext(name, cfg, out, total=len(variants) * len(cfg.seeds))
     rows: List[Dict[str, Any]] = []
@@ -82,25 +71,22 @@ def _classify(name: str, cfg: ExperimentConfig, out: Any, coord_modes: Optional[
              ("test_acc", "test_loss", "train_acc", "num_params", "wall_time", f"diff_vs_{ref}")}
     vs_grid: Dict[str, Dict[str, Any]] = {}
     if coord_modes and "grid" in coord_modes:  # each convention against its encoding's grid arm, seed by seed
-        grid = {(r["encoding"], r["seed"]): r["test_acc"] for r in rows if r["coords"] == "grid"}
-        for r in rows:
-            r["diff_vs_grid"] = r["test_acc"] - grid[(r["encoding"], r["seed"])]
-        vs_grid = {r["pe"]: r for r in aggregate([r for r in rows if r["coords"] != "grid"], ["pe"], "diff_vs_grid")}
+        vs_grid = add_paired_vs_grid(rows)
     table_rows = []
     for pe in pes:
         diff = "(reference)" if pe == ref else fmt_pm(stats[f"diff_vs_{ref}"][pe], 4)
-        table_rows.append([_arm_label(pe), fmt_pm(stats["test_acc"][pe], 4), diff, fmt_pm(stats["test_loss"][pe], 3),
+        table_rows.append([arm_label(pe), fmt_pm(stats["test_acc"][pe], 4), diff, fmt_pm(stats["test_loss"][pe], 3),
                            fmt_pm(stats["train_acc"][pe], 4), f"{int(stats['num_params'][pe]['mean']):,}",
                            f"{stats['wall_time'][pe]['mean']:.0f}"])
     table = (f"**Classification** — {headline(cfg)}. Test accuracy and loss after the last epoch, "
-             f"mean ± std across seeds; the difference to {_arm_label(ref)} is paired by seed (same data order).\n\n"
-             + markdown_table(["encoding", "test accuracy", f"− {_arm_label(ref)} (paired)", "test loss",
+             f"mean ± std across seeds; the difference to {arm_label(ref)} is paired by seed (same data order).\n\n"
+             + markdown_table(["encoding", "test accuracy", f"− {arm_label(ref)} (paired)", "test loss",
                                "train accuracy", "parameters", f"train time / run (s, {where_trained(rows)})"],
                               table_rows))
     if vs_grid:
         table = table.rstrip("\n") + "\n\n" + markdown_table(
             ["encoding and coordinates", "test accuracy − grid coordinates (paired)", "seeds"],
-            [[_arm_label(pe), fmt_pm(vs_grid[pe], 4), str(vs_grid[pe]["n"])] for pe in vs_grid])
+            [[arm_label(pe), fmt_pm(vs_grid[pe], 4), str(vs_grid[pe]["n"])] for pe in vs_grid])
 
     plt = setup_matplotlib()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.45 * len(pes) + 2.2),
@@ -112,7 +98,7 @@ def _classify(name: str, cfg: ExperimentConfig, out: Any, coord_modes: Optional[
     for y, pe in zip(ys, pes):
         vals = [r["test_acc"] for r in rows if r["pe"] == pe]
         ax1.plot(vals, [y] * len(vals), "k.", ms=4, label="one seed" if y == ys[0] else None)
-    ax1.set_yticks(ys, [_arm_label(pe) for pe in pes])
+    ax1.set_yticks(ys, [arm_label(pe) for pe in pes])
     lo = min(min(r["test_acc"] for r in rows) - 0.05, max(0.0, min(means) - 0.1))
     ax1.set_xlim(max(0.0, lo), min(1.0, max(r["test_acc"] for r in rows) + 0.03))
     ax1.set_xlabel("test accuracy (last epoch)")
@@ -122,7 +108,7 @@ def _classify(name: str, cfg: ExperimentConfig, out: Any, coord_modes: Optional[
         epochs = sorted({c["epoch"] for c in curves if c["pe"] == pe})
         st = [mean_std(c["test_acc"] for c in curves if c["pe"] == pe and c["epoch"] == e) for e in epochs]
         ax2.errorbar(epochs, [s["mean"] for s in st], yerr=[0 if s["n"] < 2 else s["std"] for s in st],
-                     marker="o", ms=3, capsize=2, label=_arm_label(pe))
+                     marker="o", ms=3, capsize=2, label=arm_label(pe))
     ax2.set_xlabel("epoch")
     ax2.set_ylabel("test accuracy")
     ax2.set_title("learning curves (mean ± std)")

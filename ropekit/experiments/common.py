@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from ..nn.coords import COORD_MODES
 from ..train import TrainConfig
 from .report import StudyWriter, pe_label
 from .runs import Progress, RunCache, RunRecord, memo_data
 from .settings import ExperimentConfig
 
-__all__ = ["StudyContext", "StudyResult", "run_label"]
+__all__ = ["StudyContext", "StudyResult", "run_label", "coord_arms"]
 
 
 @dataclass
@@ -31,6 +32,23 @@ class StudyResult:
 def run_label(tcfg: TrainConfig, extra: str = "") -> str:
     name = pe_label(tcfg.pe)
     return f"{name}{' ' + extra if extra else ''} s{tcfg.seed}"
+
+
+def coord_arms(encodings: Sequence[str], coord_modes: Optional[Sequence[str]]
+               ) -> List[Tuple[str, str, Optional[str]]]:
+    """The arms of a study: ``(name in the outputs, encoding, coordinate convention)``. Without ``coord_modes``
+    one arm per encoding with the recipe's convention (``None``); with them ``<pe>/<convention>`` for each
+    encoding and each convention of :data:`ropekit.nn.coords.COORD_MODES` listed.
+
+    Raises:
+        ValueError: an unknown convention (before anything trains).
+    """
+    if not coord_modes:
+        return [(pe, pe, None) for pe in encodings]
+    bad = sorted(set(coord_modes) - set(COORD_MODES))
+    if bad:
+        raise ValueError(f"unknown coordinate convention(s) {', '.join(bad)}; known: {', '.join(COORD_MODES)}")
+    return [(f"{pe}/{cm}", pe, cm) for pe in encodings for cm in coord_modes]
 
 
 class StudyContext:

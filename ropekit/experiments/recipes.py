@@ -236,6 +236,10 @@ _VIDEO_DATA = dict(num_frames=4, labels="direction", digit_size=None, speed=[4, 
                    num_train=2000, num_test=500, seed=None)
 
 
+#: The encodings of the video study's coordinate-convention arms: the two whose papers normalise coordinates.
+_VIDEO_COORD_PES = ["liere", "comrope-ap", "comrope-ld"]
+
+
 def _video(preset: str) -> Dict[str, Any]:
     mo = {"default": dict(embed_dim=48, depth=2, num_heads=2, mlp_ratio=2.0),
           "gpu": dict(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0),
@@ -310,6 +314,13 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
               for preset, pes, seeds, limit in (("default", VIDEO_PES, CLASSIFY_SEEDS, None),
                                                 ("gpu", DEFAULT_PES, GPU_SEEDS, None),
                                                 ("quick", QUICK_PES, [0], None))},
+    # LieRE and ComRoPE on grid and on normalised (t, y, x) coordinates (their papers' convention), the video's
+    # recipe otherwise: the grid arms are the video study's runs of the same seeds.
+    "video-coords": {preset: {"train": {**_mnist(), **_video(preset)},
+                              "study": _study(pes, seeds, coord_modes=["grid", "normalized"])}
+                     for preset, pes, seeds in (("default", _VIDEO_COORD_PES, SEEDS),
+                                                ("gpu", _VIDEO_COORD_PES, GPU_SEEDS),
+                                                ("quick", ["liere"], [0]))},
     "ablations": _presets(
         _study(["mixed", "cayley", "circulant", "liere", "liere-commute", "comrope-ap", "comrope-ld"], SEEDS,
                groups=["sharing", "block", "jitter"],

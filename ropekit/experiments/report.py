@@ -25,7 +25,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from ..encodings.registry import RegistryView
 
-__all__ = ["mean_std", "fmt_pm", "where_trained", "add_paired_difference", "aggregate", "markdown_table",
+__all__ = ["mean_std", "fmt_pm", "where_trained", "add_paired_difference", "add_paired_vs_grid", "arm_label",
+           "aggregate", "markdown_table",
            "replace_marked_lines", "StudyWriter", "setup_matplotlib", "PE_LABELS", "pe_label"]
 
 #: Display names of the encodings in tables and plots: each registered encoding's ``label``.
@@ -80,6 +81,26 @@ def add_paired_difference(rows: Sequence[Dict[str, Any]], ref: str, value: str =
     for r in rows:
         r[column] = r[value] - base[tuple(r[k] for k in keys)]
     return column
+
+
+def add_paired_vs_grid(rows: Sequence[Dict[str, Any]], value: str = "test_acc") -> Dict[str, Dict[str, Any]]:
+    """Set ``row["diff_vs_grid"]`` on every row of a study with coordinate arms (rows with ``encoding`` and
+    ``coords``): its ``value`` minus that of the same encoding's ``coords == "grid"`` row of the same seed (0 on
+    the grid rows). Returns the difference's summary per non-grid arm (``aggregate``, keyed by the row's ``pe``).
+
+    Raises:
+        KeyError: an encoding and seed without a grid row.
+    """
+    grid = {(r["encoding"], r["seed"]): r[value] for r in rows if r["coords"] == "grid"}
+    for r in rows:
+        r["diff_vs_grid"] = r[value] - grid[(r["encoding"], r["seed"])]
+    return {s["pe"]: s for s in aggregate([r for r in rows if r["coords"] != "grid"], ["pe"], "diff_vs_grid")}
+
+
+def arm_label(arm: str) -> str:
+    """Display name of a study arm ``<pe>`` or ``<pe>/<coordinate convention>``: ``"LieRE (normalized)"``."""
+    pe, _, cm = arm.partition("/")
+    return pe_label(pe) + (f" ({cm})" if cm else "")
 
 
 def fmt_pm(stats: Dict[str, float], digits: int = 3, scale: float = 1.0, sci: bool = False) -> str:
