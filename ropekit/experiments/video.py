@@ -129,7 +129,8 @@ def _video(name: str, cfg: ExperimentConfig, out: Any, coord_modes: Optional[Lis
     if vs_grid:
         table = table.rstrip("\n") + "\n\n" + markdown_table(
             ["encoding and coordinates", "accuracy − grid coordinates (paired)", "per seed", "reading"],
-            [[arm_label(pe), fmt_pm(s, 3), ", ".join(f"{d:+.3f}" for d in s["per_seed"]),
+            [[arm_label(pe), ("+" if s["mean"] > 0 else "") + fmt_pm(s, 3),
+              ", ".join(f"{d:+.3f}" for d in s["per_seed"]),
               s["reading"] + (" (worse)" if s["sign"] < 0 and s["reading"] != "null" else "")]
              for pe, s in vs_grid.items()], align="lrrl")
 
