@@ -122,3 +122,29 @@ def test_verify_end_to_end_on_a_tiny_study(tmp_path, capsys, monkeypatch):
     (tmp_path / "other" / "config.json").write_text(json.dumps({**other, "study": "mqa"}))
     with pytest.raises(ValueError, match="is a 'mqa' study"):
         verify_study(tmp_path / "study", rerun=tmp_path / "other")
+
+
+def test_coordinate_study_arms_select_encodings_and_conventions():
+    """Arms ``ENCODING/CONVENTION`` (classify-coords, video-coords) re-run as ``--pe`` and ``--coord-modes``."""
+    from ropekit.experiments.verify import _arm_argv
+
+    assert _arm_argv(["mixed", "cayley"]) == ["--pe", "mixed,cayley"]
+    assert _arm_argv(["liere/grid", "liere/normalized"]) == ["--pe", "liere", "--coord-modes", "grid,normalized"]
+    assert _arm_argv(["liere/grid", "comrope-ld/grid"]) == ["--pe", "liere,comrope-ld", "--coord-modes", "grid"]
+    with pytest.raises(ValueError, match="mix plain encodings"):
+        _arm_argv(["liere", "liere/grid"])
+
+
+@pytest.mark.slow
+def test_verify_re_runs_a_coordinate_study(tmp_path, capsys, monkeypatch):
+    """The default sample of a coordinate study (one encoding on both conventions, two seeds) re-runs and keeps
+    its readings, the normalised − grid difference among them."""
+    argv = ["experiment", "classify-coords", "--quick", "--seeds", "0,1", "--no-progress",
+            "--out", str(tmp_path / "study")]
+    monkeypatch.setattr("sys.argv", ["ropekit"] + argv)
+    assert main(argv + ["--cache-dir", str(tmp_path / "cache")]) == 0
+    report = tmp_path / "verify.md"
+    assert main(["experiment", "verify", str(tmp_path / "study"), "--report", str(report)]) == 0
+    text = report.read_text()
+    assert "liere/normalized − liere/grid" in text and "**3 of 3 readings hold**" in text
+    capsys.readouterr()

@@ -83,16 +83,21 @@ def _num(x: Any) -> Optional[float]:
 
 def _condition_columns(rows: Sequence[Dict[str, str]], metric: str, arm: str) -> List[str]:
     """The columns that name a row's condition besides its arm and seed: those whose values are the same
-    multiset for every seed (encoding, fraction, image size, ...); measurements differ from seed to seed. Yes/no
+    multiset for every seed (fraction, image size, ...); measurements differ from seed to seed. Yes/no
     outcomes (``True`` / ``False``, e.g. whether a target was reached) are measurements even when every seed
-    agrees."""
+    agrees. A column that only describes the arm (one value per arm, not the same for all: the encoding and the
+    coordinate convention of an ``ENCODING/CONVENTION`` arm) is not a condition, so that arms still pair."""
     seeds = sorted({r["seed"] for r in rows})
     cols = [c for c in rows[0] if c not in BOOKKEEPING and c not in (metric, arm) and not c.startswith("diff_vs_")
             and not {r[c] for r in rows} <= {"True", "False"}]
     keep = []
     for c in cols:
         per_seed = [sorted(r[c] for r in rows if r["seed"] == s) for s in seeds]
-        if all(v == per_seed[0] for v in per_seed):
+        per_arm = {}
+        for r in rows:
+            per_arm.setdefault(r[arm], set()).add(r[c])
+        describes_arm = all(len(v) == 1 for v in per_arm.values()) and len(set.union(*per_arm.values())) > 1
+        if all(v == per_seed[0] for v in per_seed) and not describes_arm:
             keep.append(c)
     return keep
 
@@ -257,7 +262,8 @@ def verify_study(study_dir: Any, *, arms: Optional[Sequence[str]] = None, seeds:
     (default a fresh temporary folder: no run trained before is read back). ``rerun``: a study folder re-run
     before (e.g. a kept ``out``, or one trained on another machine) to compare instead of training; its arms and
     seeds are the sample. Studies whose arms ``--pe`` selects (classify, shuffle, offset, resolution, data
-    efficiency, video, ablations, scale, mqa) are supported.
+    efficiency, video, ablations, scale, mqa, and the coordinate studies, whose arms are ``ENCODING/CONVENTION``)
+    are supported.
 
     Raises:
         ValueError: no recorded ``ropekit experiment`` command, an arm or seed the committed study lacks, or a
@@ -290,7 +296,7 @@ def verify_study(study_dir: Any, *, arms: Optional[Sequence[str]] = None, seeds:
     out = Path(out) if out is not None else Path(tmp.name) / "study"
     fresh = cache_dir is None
     cache_dir = Path(cache_dir) if cache_dir is not None else Path(tmp.name) / "cache"
-    sample_argv = ["--pe", ",".join(arms), "--seeds", ",".join(map(str, seeds)), "--no-progress"]
+    sample_argv = _arm_argv(arms) + ["--seeds", ",".join(map(str, seeds)), "--no-progress"]
     if threads is not None:
         sample_argv += ["--threads", str(threads)]
     argv = _drop_replaced(words[2:]) + sample_argv + ["--out", str(out), "--cache-dir", str(cache_dir)]
@@ -338,8 +344,21 @@ def _compare_folder(study_dir: Path, doc: Dict[str, Any], committed: List[Dict[s
             "machine": ", ".join(f"{k} {v}" for k, v in machine.items()) or "?"}
 
 
+def _arm_argv(arms: Sequence[str]) -> List[str]:
+    """The options that select ``arms``: ``--pe A,B``; arms of the coordinate studies (``classify-coords``,
+    ``video-coords``), named ``ENCODING/CONVENTION``, as ``--pe`` and ``--coord-modes`` (which train every pairing
+    of the two lists, a superset of ``arms`` when they mix encodings and conventions)."""
+    split = [a.split("/", 1) for a in arms]
+    if all(len(p) == 1 for p in split):
+        return ["--pe", ",".join(arms)]
+    if not all(len(p) == 2 for p in split):
+        raise ValueError(f"arms {list(arms)} mix plain encodings with ENCODING/CONVENTION arms")
+    return ["--pe", ",".join(dict.fromkeys(p[0] for p in split)),
+            "--coord-modes", ",".join(dict.fromkeys(p[1] for p in split))]
+
+
 #: Options of the recorded command that the sample replaces: with a value, and without.
-_REPLACED = ("--out", "--cache-dir", "--pe", "--seeds", "--threads")
+_REPLACED = ("--out", "--cache-dir", "--pe", "--seeds", "--threads", "--coord-modes")
 _REPLACED_SWITCHES = ("--no-progress",)
 
 
