@@ -91,4 +91,4 @@ class CayleySTRING(MixedRoPE):
     def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
         """``R(r) = RoPE(r) P`` exactly: ``P`` is the Cayley rotation (one solve, shared by the basis and the prefix
         transform ``P^T``) and the frequencies are the mixed ones."""
-        return post_form(self, self.post_rotation_matrix()[:self.param_heads])
+        return post_form(self, cayley_transform(self.skew_matrix()))  # (Hp, d, d)

@@ -54,11 +54,11 @@ from .cayley import CayleySTRING
 from .forms import BlockEigenForm, RoPEForm, block_form, post_form
 from .products import basis_change, precise_matmul
 from .rope import FrequencyRoPE
-from .rotation import apply_frequency_rope
+from .rotation import apply_frequency_rope, rotate_qk
 from .skew import cayley_transform, free_to_skew, skew_real_schur
 
 __all__ = ["to_rope", "rope_form", "rope_forms", "RoPEForm", "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe",
-           "is_foldable", "fold_qkv_weight", "fold_qkv_weights", "frequency_rope"]
+           "is_foldable", "fold_qkv_weight", "fold_qkv_weights", "frequency_rope", "frequency_rope_qk"]
 
 
 def foldable_kind(pe: Optional[PositionEncoding]) -> Optional[str]:
@@ -288,6 +288,28 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
     f = form.freqs[0] if form.freqs.shape[0] == 1 else form.freqs  # (c, d/2) shared or (H, c, d/2)
     return apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs,
                                 backend=backend)
+
+
+def frequency_rope_qk(qk: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0,
+                      backend: str = "auto", table: Optional[tuple] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`frequency_rope` for q and k held in one ``(2, B, H, N, d)`` tensor (q, then k: the leading slices of
+    an attention layer's fused projection), rotated together (``rotation.rotate_qk``).
+
+    Args:
+        qk: ``(2, B, H, N, d)``.
+        coords, form, num_prefix_tokens, backend: as :func:`frequency_rope`.
+        table: the angle table of ``coords`` and ``form.freqs`` already formed (``rotation.angle_tables``: a
+            model forms those of all its layers together), or ``None``.
+
+    Returns:
+        ``(q, k)``, each ``(B, H, N, d)``, equal to :func:`frequency_rope`'s.
+    """
+    if form.eigen is not None or (form.prefix is not None and num_prefix_tokens > 0):
+        q, k = qk.unbind(0)
+        return frequency_rope(q, k, coords, form, num_prefix_tokens, backend)
+    f = form.freqs[0] if form.freqs.shape[0] == 1 else form.freqs  # (c, d/2) shared or (H, c, d/2)
+    return rotate_qk(qk, coords, f, table=table, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs,
+                     backend=backend)
 
 
 class FoldedRoPE(FrequencyRoPE):

@@ -23,7 +23,7 @@ from .products import precise_matmul
 from .skew import real_schur, skew_real_schur
 
 __all__ = ["RoPEForm", "BlockEigenForm", "pair_frequencies", "basis_form", "post_form", "half_pairs_basis",
-           "block_form", "no_rope_form"]
+           "block_form", "no_rope_form", "param_heads"]
 
 
 class BlockEigenForm(NamedTuple):
@@ -85,6 +85,12 @@ class RoPEForm(NamedTuple):
     eigen: Optional[BlockEigenForm] = None
 
 
+def param_heads(t: Tensor, hp: int) -> Tensor:
+    """The first ``hp`` heads of ``t`` ``(H, ...)``: ``t`` itself when it has ``hp`` already (a slice would be one
+    more operation forward and a zero-filled buffer backward, at every step)."""
+    return t if t.shape[0] == hp else t[:hp]
+
+
 def no_rope_form(pe) -> ValueError:
     """The error of ``rope_form`` / ``to_rope`` for an encoding ``pe`` without a RoPE form."""
     if not pe.is_rotation:
@@ -121,7 +127,7 @@ def half_pairs_basis(pe, basis: Tensor) -> Tensor:
 def post_form(pe, basis: Tensor) -> RoPEForm:
     """The RoPE form of an encoding ``R(r) = RoPE(r) P`` with frequencies ``pe.freqs``, from its ``P``
     ``(Hp, d, d)``: ``R(0) = P``, so the prefix transform is ``T = P P^T P^T = P^T`` (no product needed)."""
-    return RoPEForm(half_pairs_basis(pe, basis), pe.freqs[:pe.param_heads], basis.transpose(-1, -2))
+    return RoPEForm(half_pairs_basis(pe, basis), param_heads(pe.freqs, pe.param_heads), basis.transpose(-1, -2))
 
 
 def basis_form(pe, basis: Tensor, post: Optional[Tensor] = None, blocks: Optional[Tensor] = None) -> RoPEForm:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .angles import angle_table, rope_cos_sin, wide_angles
 from .base import PEState, PositionEncoding
-from .forms import RoPEForm
+from .forms import RoPEForm, param_heads
 from .frequencies import axial_frequencies, mixed_frequencies, pair_generators
 from .registry import BenchRow, register_pe
 from .rotation import _fused_kernel, _is_compiling, apply_frequency_rope, rotate_angles
@@ -158,7 +158,7 @@ class FrequencyRoPE(PositionEncoding):
 
     def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
         """Already RoPE: ``P = I`` and the frequencies ``(Hp, c, d/2)`` themselves (a view of the parameter)."""
-        return RoPEForm(None, self.freqs[:self.param_heads], None, self.pairs)
+        return RoPEForm(None, param_heads(self.freqs, self.param_heads), None, self.pairs)
 
 
 @register_pe("axial", label="Axial RoPE", bench_vit_gpu=True,  # VisionLlama / EVA: base 10000 (the defaults)

@@ -29,8 +29,9 @@ from torch import Tensor, nn
 from .._config_keys import known_keys
 from ..encodings import PositionEncoding, create_pe, list_pes
 from ..encodings.blocks import batch_block_gradients
-from ..encodings.fold import fold_qkv_weights, rope_forms
+from ..encodings.fold import RoPEForm, fold_qkv_weights, rope_forms
 from ..encodings.registry import RegistryView
+from ..encodings.rotation import _fused_kernel, angle_tables
 from ..encodings.validation import check_finite
 from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
@@ -551,7 +552,9 @@ class VisionTransformer(nn.Module):
         step); other single-layer encodings are prepared by their layer. Where several
         layers fold a dense basis (Cayley, Circulant, general STRING), their bases are merged into their q/k
         projections in one batched product too (``fold.fold_qkv_weights``): those layers' states, with the merged
-        ``(weight, bias)`` in ``PreparedPE.qkv``, are keyed by ``id(layer)``."""
+        ``(weight, bias)`` in ``PreparedPE.qkv``, are keyed by ``id(layer)``. Every folded frequency rotation gets
+        its angle table from one batched product for all layers (``rotation.angle_tables``, in
+        ``PreparedPE.table``; one node maps all their frequency gradients), where the PyTorch rotation runs."""
         if coords is None:
             return {}
         owners: Dict[int, List[Attention]] = {}
@@ -576,7 +579,35 @@ class VisionTransformer(nn.Module):
                                       [st.value.basis for _, st in merging], merging[0][0].num_heads)
             for (attn, st), qkv in zip(merging, merged):
                 states[id(attn)] = st._replace(qkv=qkv)
+        self._add_angle_tables(states, coords, dtype)
         return states
+
+    @staticmethod
+    def _add_angle_tables(states: Dict[int, PreparedPE], coords: Tensor, dtype: Optional[torch.dtype]) -> None:
+        """Give every folded frequency rotation of this forward pass its angle table, formed together for all of
+        them (``rotation.angle_tables``: one product, one cos and sin, one node mapping every layer's angle
+        gradient to its frequencies), where the PyTorch rotation runs; the fused kernel forms its angles itself.
+        A state shared by several layers (or several layers' states of one encoding) gets one table."""
+        groups: Dict[tuple, List[int]] = {}
+        forms: Dict[int, RoPEForm] = {}  # id(form) -> form: one table per encoding, whatever holds it
+        for key, st in states.items():
+            form = st.value
+            if st.kind != "fold" or form.eigen is not None or _fused_kernel(coords.device, True, st.pe.backend):
+                continue
+            forms[id(form)] = form
+            f = form.freqs
+            groups.setdefault((tuple(f.shape), f.dtype), [])
+            if id(form) not in groups[(tuple(f.shape), f.dtype)]:
+                groups[(tuple(f.shape), f.dtype)].append(id(form))
+        wide = dtype == torch.float64 or coords.dtype == torch.float64
+        tables: Dict[int, tuple] = {}
+        for ids in groups.values():
+            for i, table in zip(ids, angle_tables(coords, [forms[i].freqs for i in ids],
+                                                  torch.float64 if wide else torch.float32)):
+                tables[i] = table
+        for key, st in list(states.items()):
+            if st.kind == "fold" and id(st.value) in tables:
+                states[key] = st._replace(table=tables[id(st.value)])
 
     def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool ``(B, N, D)`` features (CLS token, or the mean of the patch tokens) and classify: ``(B, K)``."""
