@@ -246,8 +246,27 @@ class CirculantSTRING(PositionEncoding):
         and ``freqs`` the mode frequencies ``lambda`` (zero for the rows that never turn), linear in
         ``circ_params``; no generator is built. The frequencies stay in the sine table's float64: rounded to
         float32 they would turn by ``r * ulp(lambda)``."""
-        hp = self.param_heads
         basis = block_dft_basis(self.head_dim, self.block_size, self.circ_params.device, self.circ_params.dtype)
-        lam = self.mode_frequencies(self.mode_table.dtype).flatten(-2)[:hp]  # (Hp, c, nb * u): block by block
-        freqs = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], self.head_dim // 2 - lam.shape[-1])), dim=-1)
-        return RoPEForm(half_pairs_basis(self, basis), freqs, None)
+        return RoPEForm(half_pairs_basis(self, basis), self._form_frequencies(self.circ_params), None)
+
+    def _form_frequencies(self, params: Tensor) -> Tensor:
+        """The RoPE form's frequencies ``(..., Hp, c, d/2)`` of parameters ``(..., Hp, c, nb, b)``: the mode
+        frequencies block by block (float64, the sine table's), then zeros for the rows that never turn."""
+        table = self.mode_table  # (b, u)
+        lam = (params.to(table.dtype).unsqueeze(-1) * table).sum(-2).flatten(-2)  # (..., Hp, c, nb * u)
+        return torch.cat((lam, lam.new_zeros(*lam.shape[:-1], self.head_dim // 2 - lam.shape[-1])), dim=-1)
+
+    def rope_batch_key(self) -> tuple | None:
+        """Circulant-STRING encodings of one size, block size, head sharing, pair convention, dtype and device."""
+        p = self.circ_params
+        return ("circulant", type(self), self.head_dim, self.block_size, tuple(p.shape), p.dtype, p.device,
+                self.pairs)
+
+    @classmethod
+    def stacked_rope_form(cls, pes) -> RoPEForm:
+        """The one fixed basis ``(1, 1, d, d)`` and the frequencies of all from one product ``(L, Hp, c, d/2)``."""
+        first = pes[0]
+        p = first.circ_params
+        basis = block_dft_basis(first.head_dim, first.block_size, p.device, p.dtype)  # (1, d, d)
+        freqs = first._form_frequencies(torch.stack([pe.circ_params for pe in pes]))  # (L, Hp, c, d/2)
+        return RoPEForm(half_pairs_basis(first, basis).unsqueeze(0), freqs, None)

@@ -160,6 +160,20 @@ class FrequencyRoPE(PositionEncoding):
         """Already RoPE: ``P = I`` and the frequencies ``(Hp, c, d/2)`` themselves (a view of the parameter)."""
         return RoPEForm(None, param_heads(self.freqs, self.param_heads), None, self.pairs)
 
+    def rope_batch_key(self) -> tuple | None:
+        """Encodings of the RoPE family (this class's ``rope_form``) with frequencies of one shape, dtype and
+        device and one pair convention stack their frequencies."""
+        if type(self).rope_form is not FrequencyRoPE.rope_form:
+            return None
+        f = self.freqs
+        return ("rope", tuple(f.shape), f.dtype, f.device, self.param_heads, self.pairs)
+
+    @classmethod
+    def stacked_rope_form(cls, pes) -> RoPEForm:
+        """``P = I`` and the frequencies of all, stacked: ``(L, Hp, c, d/2)``."""
+        freqs = torch.stack([param_heads(pe.freqs, pe.param_heads) for pe in pes])
+        return RoPEForm(None, freqs, None, pes[0].pairs)
+
 
 @register_pe("axial", label="Axial RoPE", bench_vit_gpu=True,  # VisionLlama / EVA: base 10000 (the defaults)
              bench_rows=(BenchRow("axial"), BenchRow("axial in training", kind="train", base="axial")))

@@ -265,7 +265,7 @@ class _AngleGradientCollector(torch.autograd.Function):
         return g_coords, g_freqs, None
 
 
-def angle_tables(coords: Tensor, freqs: Sequence[Tensor], dtype: torch.dtype, validate: bool = True
+def angle_tables(coords: Tensor, freqs: Sequence[Tensor] | Tensor, dtype: torch.dtype, validate: bool = True
                  ) -> list[tuple[Tensor, Tensor, Tensor, Tensor | None]]:
     """The angle tables of several frequency matrices on the same coordinates (e.g. the per-layer encodings of a
     model), formed together: one product for all angles, one cos and one sin, and -- when a gradient is needed --
@@ -273,7 +273,8 @@ def angle_tables(coords: Tensor, freqs: Sequence[Tensor], dtype: torch.dtype, va
 
     Args:
         coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example.
-        freqs: ``L`` frequency matrices ``(Hp, c, P)`` of one shape (any real dtypes, differentiable).
+        freqs: ``L`` frequency matrices ``(Hp, c, P)`` of one shape (any real dtypes, differentiable), or one
+            tensor ``(L, Hp, c, P)`` holding them (a stacked form's frequencies, ``fold.rope_forms_stacked``).
         dtype: the rotation's compute dtype (float32, or float64 for float64 tokens).
         validate: check ``coords`` for NaN and infinity (as :func:`apply_frequency_rope`), once for all tables.
 
@@ -284,17 +285,18 @@ def angle_tables(coords: Tensor, freqs: Sequence[Tensor], dtype: torch.dtype, va
         which a first-order backward reaches the frequencies and coordinates. Values and gradients equal
         ``angles.angle_table`` of each matrix alone (up to the order of summation).
     """
-    n = len(freqs)
+    stacked = isinstance(freqs, Tensor)
+    n = freqs.shape[0] if stacked and freqs.dim() == 4 else len(freqs)
     if n == 0:
         return []
     if validate:
         check_finite(coords)
-    shapes = {tuple(f.shape) for f in freqs}
+    shapes = {tuple(freqs.shape[1:])} if stacked else {tuple(f.shape) for f in freqs}
     if len(shapes) != 1 or len(next(iter(shapes))) != 3:
         raise ValueError(f"angle_tables needs frequency matrices (Hp, c, P) of one shape, got {sorted(shapes)}")
     wide = _wide_dtype(coords.device)
     with torch.autocast(device_type=coords.device.type, enabled=False):
-        f = freqs[0].unsqueeze(0) if n == 1 else torch.stack(list(freqs))  # (L, Hp, c, P)
+        f = freqs if stacked else freqs[0].unsqueeze(0) if n == 1 else torch.stack(list(freqs))  # (L, Hp, c, P)
         f = f if f.dtype == wide else f.to(wide)
         hp = f.shape[1]
         r = coords if coords.dtype == wide else coords.to(wide)
@@ -457,8 +459,9 @@ def rotate_qk(qk: Tensor, coords: Tensor, freqs: Tensor, *, table: tuple | None 
 
     Args:
         qk: ``(2, B, H, N, d)``: q, then k (any strides).
-        coords, freqs, num_prefix_tokens, pairs, backend, validate: as :func:`apply_frequency_rope` (keys share
-            the queries' coordinates and length).
+        coords, num_prefix_tokens, pairs, backend, validate: as :func:`apply_frequency_rope` (keys share the
+            queries' coordinates and length).
+        freqs: ``(c, d/2)``, or ``(Hp, c, d/2)`` with ``Hp`` 1 (shared by heads) or ``H``.
         table: the angle table of ``coords`` and ``freqs`` already formed (:func:`angle_tables`, which checked the
             coordinates), or ``None``. Where the fused kernel runs it is not used (the kernel forms the angles
             itself).
@@ -472,6 +475,8 @@ def rotate_qk(qk: Tensor, coords: Tensor, freqs: Tensor, *, table: tuple | None 
     if qk.dim() != 5 or qk.shape[0] != 2:
         raise ValueError(f"qk must be (2, B, H, N, d), got {tuple(qk.shape)}")
     kernel = _fused_kernel(qk.device, traceable=True, backend=check_backend(backend))
+    if kernel is not None or table is None:
+        freqs = freqs[0] if freqs.dim() == 3 and freqs.shape[0] == 1 else freqs  # (c, d/2) shared or (H, c, d/2)
     if kernel is not None:
         q, k = qk.unbind(0)
         return apply_frequency_rope(q, k, coords, freqs, num_prefix_tokens=num_prefix_tokens, pairs=pairs,
@@ -487,8 +492,6 @@ def rotate_qk(qk: Tensor, coords: Tensor, freqs: Tensor, *, table: tuple | None 
             raise ValueError(f"the table {tuple(table[0].shape)}, freqs {tuple(freqs.shape)} and coords "
                              f"{tuple(coords.shape)} do not fit qk {tuple(qk.shape)} with {num_prefix_tokens} "
                              f"prefix tokens")
-        if validate:
-            check_finite(coords)
     q, k = _rotate_tokens(qk, table, num_prefix_tokens, pairs).unbind(0)
     return q, k
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from .._config_keys import known_keys
 from ..encodings import PositionEncoding, create_pe, list_pes
 from ..encodings.blocks import batch_block_gradients
-from ..encodings.fold import RoPEForm, fold_qkv_weights, rope_forms
+from ..encodings.fold import RoPEForm, fold_qkv_weights, rope_forms_stacked
 from ..encodings.registry import RegistryView
 from ..encodings.rotation import _fused_kernel, angle_tables
 from ..encodings.validation import check_finite
@@ -564,13 +564,28 @@ class VisionTransformer(nn.Module):
         states = {key: layers[0].prepare(coords, num_prefix_tokens, dtype)
                   for key, layers in owners.items() if len(layers) > 1}
         folding = [layers[0] for layers in owners.values() if len(layers) == 1 and layers[0].folds]
+        stacks: list = []
         if len(folding) > 1:
+            forms, stacks = rope_forms_stacked([a.pe for a in folding])
             # block forms (ComRoPE): one node maps every layer's gradient in one batched Frechet map per step
-            forms = batch_block_gradients(rope_forms([a.pe for a in folding]), coords)
+            forms = batch_block_gradients(forms, coords)
             for attn, form in zip(folding, forms):
                 states[id(attn.pe)] = PreparedPE("fold", attn.pe, form)
-        # the bases merged into every folding layer's projection in one batched product, keyed by id(layer)
-        merging = [(blk.attn, states[id(blk.attn.pe)]) for blk in self.blocks if id(blk.attn.pe) in states]
+        table_dtype = torch.float64 if torch.float64 in (dtype, coords.dtype) else torch.float32
+        for idx, stacked in stacks:  # the stacked tensors as they are: one table, one merge for the group
+            layers = [folding[i] for i in idx]
+            if _fused_kernel(coords.device, True, layers[0].pe.backend) is None:  # (the kernel forms its angles)
+                for attn, table in zip(layers, angle_tables(coords, stacked.freqs, table_dtype)):
+                    states[id(attn.pe)] = states[id(attn.pe)]._replace(table=table)
+            expanded = [a.expanded_qkv() for a in layers]  # (3D, D_in), (3D,): k/v rows per query head
+            if stacked.basis is not None and len({(tuple(w.shape), w.dtype, b is None) for w, b in expanded}) == 1:
+                merged = fold_qkv_weights([w for w, _ in expanded], [b for _, b in expanded], stacked.basis,
+                                          layers[0].num_heads)
+                for attn, qkv in zip(layers, merged):
+                    states[id(attn)] = states[id(attn.pe)]._replace(qkv=qkv)
+        # the other bases merged into every folding layer's projection in one batched product, keyed by id(layer)
+        merging = [(blk.attn, states[id(blk.attn.pe)]) for blk in self.blocks
+                   if id(blk.attn.pe) in states and id(blk.attn) not in states]
         merging = [(a, st) for a, st in merging if st.kind == "fold" and st.value.basis is not None
                    and st.value.blocks is None]
         expanded = [a.expanded_qkv() for a, _ in merging]  # (3D, D_in), (3D,): k/v rows per query head
@@ -579,34 +594,30 @@ class VisionTransformer(nn.Module):
                                       [st.value.basis for _, st in merging], merging[0][0].num_heads)
             for (attn, st), qkv in zip(merging, merged):
                 states[id(attn)] = st._replace(qkv=qkv)
-        self._add_angle_tables(states, coords, dtype)
+        self._add_angle_tables(states, coords, table_dtype)
         return states
 
     @staticmethod
-    def _add_angle_tables(states: Dict[int, PreparedPE], coords: Tensor, dtype: Optional[torch.dtype]) -> None:
-        """Give every folded frequency rotation of this forward pass its angle table, formed together for all of
-        them (``rotation.angle_tables``: one product, one cos and sin, one node mapping every layer's angle
-        gradient to its frequencies), where the PyTorch rotation runs; the fused kernel forms its angles itself.
-        A state shared by several layers (or several layers' states of one encoding) gets one table."""
-        groups: Dict[tuple, List[int]] = {}
-        forms: Dict[int, RoPEForm] = {}  # id(form) -> form: one table per encoding, whatever holds it
-        for key, st in states.items():
+    def _add_angle_tables(states: Dict[int, PreparedPE], coords: Tensor, dtype: torch.dtype) -> None:
+        """Give every folded frequency rotation of this forward pass that has no angle table yet its table, formed
+        together for all of them (``rotation.angle_tables``: one product, one cos and sin, one node mapping every
+        layer's angle gradient to its frequencies), where the PyTorch rotation runs; the fused kernel forms its
+        angles itself. A state shared by several layers gets one table."""
+        groups: Dict[tuple, List[RoPEForm]] = {}
+        for st in states.values():
             form = st.value
-            if st.kind != "fold" or form.eigen is not None or _fused_kernel(coords.device, True, st.pe.backend):
+            if (st.kind != "fold" or st.table is not None or form.eigen is not None
+                    or _fused_kernel(coords.device, True, st.pe.backend) is not None):
                 continue
-            forms[id(form)] = form
-            f = form.freqs
-            groups.setdefault((tuple(f.shape), f.dtype), [])
-            if id(form) not in groups[(tuple(f.shape), f.dtype)]:
-                groups[(tuple(f.shape), f.dtype)].append(id(form))
-        wide = dtype == torch.float64 or coords.dtype == torch.float64
+            group = groups.setdefault((tuple(form.freqs.shape), form.freqs.dtype), [])
+            if all(f is not form for f in group):
+                group.append(form)
         tables: Dict[int, tuple] = {}
-        for ids in groups.values():
-            for i, table in zip(ids, angle_tables(coords, [forms[i].freqs for i in ids],
-                                                  torch.float64 if wide else torch.float32)):
-                tables[i] = table
+        for group in groups.values():
+            for form, table in zip(group, angle_tables(coords, [f.freqs for f in group], dtype)):
+                tables[id(form)] = table
         for key, st in list(states.items()):
-            if st.kind == "fold" and id(st.value) in tables:
+            if st.kind == "fold" and st.table is None and id(st.value) in tables:
                 states[key] = st._replace(table=tables[id(st.value)])
 
     def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
