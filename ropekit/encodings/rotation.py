@@ -224,21 +224,41 @@ class _RotateAngles(torch.autograd.Function):
             return gx, gtheta, None, None, None
         need_theta = ctx.needs_input_grad[1] or ctx.collect
         gc = _complex_pairs(g.contiguous() if need_theta and not g.is_contiguous() else g)  # (..., P)
+        if ctx.collect:  # sum g conj(y), complex, for the collector's node, which takes Im() once for all rotations
+            acc = _collect_times_conj(gc, _complex_pairs(y), theta.shape)
+            gx = torch.view_as_real(gc * torch.complex(cos, -sin)).flatten(-2) if ctx.needs_input_grad[0] else None
+            return gx, None, None, None, acc
         if need_theta:
             gtheta = _sum_times_conj(gc, _complex_pairs(y), theta.shape).imag
         if ctx.needs_input_grad[0]:
             gx = torch.view_as_real(gc * torch.complex(cos, -sin)).flatten(-2)
-        if ctx.collect:  # the collector's node maps it to the frequencies, with every other rotation's
-            return gx, None, None, None, gtheta
         if gtheta is not None and gtheta.dtype != theta.dtype:
             gtheta = gtheta.to(theta.dtype)
         return gx, gtheta, None, None, None
 
 
+def _collector_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape in which a rotation hands a table ``(Bs, Hp, M, P)`` its angle gradient through the collector:
+    without the leading dimensions of size 1 (shared coordinates, heads sharing frequencies), which a reduction
+    that does not keep them drops for free."""
+    return tuple(n for i, n in enumerate(shape) if i >= 2 or n != 1)
+
+
+def _collect_times_conj(a: Tensor, b: Tensor, shape: Sequence[int]) -> Tensor:
+    """``sum a * conj(b)`` over the dimensions that ``shape`` ``(Bs, Hp, M, P)`` broadcasts, complex, in
+    :func:`_collector_shape` (the batched form: one product, one reduction; the CPU's loop for large slices)."""
+    lead = a.dim() - len(shape)
+    dims = list(range(lead)) + [lead + i for i in (0, 1) if shape[i] == 1]
+    if _slice_loops(a, lead + 1) or any(n == 1 and a.shape[lead + i] != 1 for i, n in enumerate(shape) if i >= 2):
+        return _sum_times_conj(a, b, shape).reshape(_collector_shape(shape))
+    return (a * b.conj_physical()).sum(dim=dims)
+
+
 class _AngleGradientCollector(torch.autograd.Function):
-    """Zeros ``(L, 1 | B, Hp, M, P)`` that the rotations using a batch of :func:`angle_tables` take as an input:
-    each gets the angle gradient of its own table (autograd stacks them, one operation for all), and the backward
-    here maps them to the frequencies ``(L, Hp, c, P)`` and the coordinates in one product -- the angles
+    """Zeros ``(L, *S)`` (complex; ``S`` the :func:`_collector_shape` of a table ``(1 | B, Hp, M, P)``) that the
+    rotations using a batch of :func:`angle_tables` take as an input: each hands it ``sum g conj(y)`` of its own
+    table (autograd stacks them, one operation for all), whose imaginary part is its angle gradient, and the
+    backward here maps them to the frequencies ``(L, Hp, c, P)`` and the coordinates in one product -- the angles
     ``theta_l = r . freqs_l`` are linear in both, so this equals differentiating each table on its own."""
 
     @staticmethod
@@ -246,19 +266,20 @@ class _AngleGradientCollector(torch.autograd.Function):
         # coords (M, c) | (B, M, c) wide; freqs (L, Hp, c, P) wide
         ctx.save_for_backward(coords, freqs)
         n, hp, _, p = freqs.shape
-        bs = 1 if coords.dim() == 2 else coords.shape[0]
-        return torch.zeros(n, bs, hp, coords.shape[-2], p, dtype=dtype, device=coords.device)
+        ctx.table_shape = (n, 1 if coords.dim() == 2 else coords.shape[0], hp, coords.shape[-2], p)
+        cdtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        return torch.zeros(n, *_collector_shape(ctx.table_shape[1:]), dtype=cdtype, device=coords.device)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         coords, freqs = ctx.saved_tensors
-        g = g.to(freqs.dtype)  # (L, Bs, Hp, M, P), summed over the batch and heads by each rotation
+        g = g.imag.reshape(ctx.table_shape).to(freqs.dtype)  # (L, Bs, Hp, M, P): the angle gradients
         g_coords = g_freqs = None
-        if ctx.needs_input_grad[1]:  # sum over the batch and the tokens: (L, Hp, c, P)
+        if ctx.needs_input_grad[1]:  # sum over the batch and the tokens: (L, Hp, c, P), the parameters' layout
             if coords.dim() == 2:
-                g_freqs = torch.einsum("lbhmp,mc->lhcp", g, coords)
+                g_freqs = torch.einsum("lbhmp,mc->lhcp", g, coords).contiguous()
             else:
-                g_freqs = torch.einsum("lbhmp,bmc->lhcp", g, coords)
+                g_freqs = torch.einsum("lbhmp,bmc->lhcp", g, coords).contiguous()
         if ctx.needs_input_grad[0]:  # sum over the tables, heads and pairs: (M, c) | (B, M, c)
             g_coords = torch.einsum("lbhmp,lhcp->bmc", g, freqs)
             g_coords = g_coords[0] if coords.dim() == 2 else g_coords
