@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .angles import _wide_dtype, wide_angles
 from .products import precise_matmul
-from .rotation import _slice_loops, apply_frequency_rope
+from .rotation import _fused_kernel, _rotate_tokens, _slice_loops, apply_frequency_rope
 from .skew import skew_real_schur
 
 __all__ = ["block_apply", "scaled_block_exp_matrices", "scaled_block_exp_apply", "scaled_block_exp_reference",
@@ -300,61 +300,69 @@ def scaled_block_exp_apply(x: Tensor, s: Tensor, k: Tensor) -> Tensor:
 
 
 class _BlockEigenRotation(torch.autograd.Function):
-    """q and k rotated by ``Q_j^T expm(s_j K_j) Q_j`` block by block after their prefix tokens, computed as RoPE in
-    the basis ``Q`` (see ``rotate_in_block_eigenbasis``)."""
+    """q and k, stacked ``(2, B, H, N, d)``, rotated by ``Q_j^T expm(s_j K_j) Q_j`` block by block after their
+    prefix tokens, computed as RoPE in the basis ``Q`` (see ``rotate_in_block_eigenbasis``); outputs ``(q, k)``."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor, coords: Tensor,
-                freqs: Tensor, num_prefix_tokens: int, backend: str, collector: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
-        # q, k: (B, H, N, d); s: (Bs, Hp, M, nb) wide; gens, basis: (Hp, nb, b, b); mu: (Hp, nb, h) wide;
-        # coords: (M, c) | (B, M, c); freqs: (Hp, c, d/2) wide, = axis weights x mu; collector: see
-        # share_block_gradients (its gradient is this rotation's Q^T gE Q, mapped to s and K there, once)
-        f = freqs[0] if freqs.shape[0] == 1 else freqs
-        qo, ko = apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, backend=backend)
-        ctx.save_for_backward(q, k, s, gens, basis, mu, coords, f)
-        ctx.num_prefix_tokens, ctx.backend = num_prefix_tokens, backend
+    def forward(ctx, qk: Tensor, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor, coords: Tensor,
+                freqs: Tensor, num_prefix_tokens: int, backend: str, collector: Tensor | None = None,
+                table: tuple | None = None) -> tuple[Tensor, Tensor]:
+        # qk: (2, B, H, N, d); s: (Bs, Hp, M, nb) wide; gens, basis: (Hp, nb, b, b); mu: (Hp, nb, h) wide;
+        # coords: (M, c) | (B, M, c); freqs: (Hp, c, d/2) wide, = axis weights x mu, or None with a table; see
+        # share_block_gradients (its gradient is this rotation's Q^T gE Q, mapped to s and K there, once);
+        # table: (theta, cos, sin) of coords and freqs already formed (rotation.angle_tables), or None
+        f = None if freqs is None else freqs[0] if freqs.shape[0] == 1 else freqs
+        if f is None:  # (then the PyTorch rotation runs: see rotate_in_block_eigenbasis)
+            qo, ko = _rotate_tokens(qk, table, num_prefix_tokens, "interleaved").unbind(0)
+        else:
+            qo, ko = apply_frequency_rope(qk[0], qk[1], coords, f, num_prefix_tokens=num_prefix_tokens,
+                                          backend=backend)
+        ctx.save_for_backward(qk, s, gens, basis, mu, coords, f)
+        ctx.num_prefix_tokens, ctx.backend, ctx.table = num_prefix_tokens, backend, table
         ctx.collector = None if collector is None else collector.dtype
         return qo, ko
 
     @staticmethod
     def backward(ctx, gq: Tensor, gk: Tensor):
-        q, k, s, gens, basis, mu, coords, f = ctx.saved_tensors
+        qk, s, gens, basis, mu, coords, f = ctx.saved_tensors
         p0 = ctx.num_prefix_tokens
-        need_q, need_k, need_s, need_g = ctx.needs_input_grad[:4]
+        need_x, need_s, need_g = ctx.needs_input_grad[:3]
+        g = torch.stack((gq, gk))  # (2, B, H, N, d)
         if torch.is_grad_enabled():  # a gradient graph is requested: differentiate the dense exponential instead
             with torch.enable_grad():
-                inputs = [t for t, n in zip((q, k, s, gens), (need_q, need_k, need_s, need_g)) if n]
-                outs = [_block_eigen_reference(x, s, gens, basis, p0) for x in (q, k)]
+                inputs = [t for t, n in zip((qk, s, gens), (need_x, need_s, need_g)) if n]
+                outs = [_block_eigen_reference(x, s, gens, basis, p0) for x in qk.unbind(0)]
                 grads = iter(torch.autograd.grad(outs, inputs, [gq, gk], create_graph=True, allow_unused=True))
-            return tuple(next(grads) if n else None for n in (need_q, need_k, need_s, need_g)) + (None,) * 7
-        gx_q = gx_k = g_s = g_gens = g_collector = None
-        collect = ctx.collector is not None and ctx.needs_input_grad[10]
+            return tuple(next(grads) if n else None for n in (need_x, need_s, need_g)) + (None,) * 8
+        g_x = g_s = g_gens = g_collector = None
+        collect = ctx.collector is not None and ctx.needs_input_grad[9]
         if collect:  # the shared node maps the sum of every rotation's outer products to s and K, once
             need_s = need_g = False
-        if need_q or need_k:  # the transposed rotation: the same angles negated
-            gx_q, gx_k = apply_frequency_rope(gq, gk, coords, -f, num_prefix_tokens=p0, backend=ctx.backend,
-                                              validate=False)
+        if need_x:  # the transposed rotation: the same angles negated
+            table = ctx.table
+            if f is None:
+                g_x = _rotate_tokens(g, (table[0], table[1], -table[2]), p0, "interleaved")
+            else:
+                g_x = torch.stack(apply_frequency_rope(gq, gk, coords, -f, num_prefix_tokens=p0,
+                                                       backend=ctx.backend, validate=False))
         if need_s or need_g or collect:
             bs, hp, m, nb = s.shape
             b = basis.shape[-1]
-            heads = q.shape[1]
-            with torch.autocast(device_type=q.device.type, enabled=False):
-                dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-                # (Hp, nb, M | (B, M), ., .) batches of outer products summed over the batch and heads sharing the
-                # parameters (shared coordinates) or over the heads only (per example): one bmm each for q and k
-                order, batch = ((1, 4, 3, 0, 2, 5), hp * nb * m) if bs == 1 else ((1, 4, 0, 3, 2, 5), hp * nb * bs * m)
-                gh = None
-                for x, g in ((q, gq), (k, gk)):  # sum over the tokens at each coordinate of g x^T in the basis
-                    xv, gv = (t[:, :, p0:].to(dt).unflatten(1, (hp, heads // hp)).unflatten(-1, (nb, b))
-                              .permute(order).reshape(batch, -1, b) for t in (x, g))  # (batch, B r | r, b)
-                    gh = torch.bmm(gv.transpose(1, 2), xv) if gh is None else gh.baddbmm_(gv.transpose(1, 2), xv)
-                gh = gh.view(hp, nb, bs * m, b, b)
+            heads = qk.shape[2]
+            with torch.autocast(device_type=qk.device.type, enabled=False):
+                dt = torch.float64 if qk.dtype == torch.float64 else torch.float32
+                # (Hp, nb, M | (B, M), ., .) batches of outer products summed over q and k, the batch and the heads
+                # sharing the parameters (shared coordinates) or over q, k and the heads only (per example): one bmm
+                order, batch = (((2, 5, 4, 0, 1, 3, 6), hp * nb * m) if bs == 1 else
+                                ((2, 5, 1, 4, 0, 3, 6), hp * nb * bs * m))
+                xv, gv = (t[..., p0:, :].to(dt).unflatten(2, (hp, heads // hp)).unflatten(-1, (nb, b))
+                          .permute(order).reshape(batch, -1, b) for t in (qk, g))  # (batch, 2 B r | 2 r, b)
+                gh = torch.bmm(gv.transpose(1, 2), xv).view(hp, nb, bs * m, b, b)
                 if collect:
                     g_collector = gh.to(ctx.collector)
                 else:
                     g_s, g_gens = _block_grads(gh, s, gens, basis, mu, need_s, need_g)
-        return gx_q, gx_k, g_s, g_gens, None, None, None, None, None, None, g_collector
+        return g_x, g_s, g_gens, None, None, None, None, None, None, g_collector, None
 
 
 def _block_grads(gh: Tensor, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor, need_s: bool, need_g: bool
@@ -483,10 +491,10 @@ def _block_eigen_reference(x: Tensor, s: Tensor, gens: Tensor, basis: Tensor, nu
     return torch.cat((x[:, :, :num_prefix_tokens], y), dim=2) if num_prefix_tokens else y
 
 
-def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weights: Tensor, gens: Tensor,
+def rotate_in_block_eigenbasis(q: Tensor, k: Tensor | None, coords: Tensor, axis_weights: Tensor, gens: Tensor,
                                basis: Tensor, mu: Tensor, num_prefix_tokens: int = 0, backend: str = "auto",
-                               scales: Tensor | None = None, collector: Tensor | None = None
-                               ) -> tuple[Tensor, Tensor]:
+                               scales: Tensor | None = None, collector: Tensor | None = None,
+                               table: tuple | None = None) -> tuple[Tensor, Tensor]:
     """Rotate q and k, already written in the eigenbasis of a block-diagonal generator, by ``expm(s_j K_j)`` in
     block ``j``: ``y = Q_j^T expm(s_j(r) K_j) Q_j x``, ``s_j(r) = sum_k r_k axis_weights[k, j]`` -- the per-token
     work of a folded ComRoPE (and one-axis LieRE).
@@ -500,7 +508,8 @@ def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weight
 
     Args:
         q, k: ``(B, H, N, d)`` in the basis (``Q_j x`` per block), any float dtype; the first
-            ``num_prefix_tokens`` pass unrotated.
+            ``num_prefix_tokens`` pass unrotated. ``k=None``: ``q`` is q and k stacked, ``(2, B, H, N, d)`` (the
+            leading slices of an attention layer's fused projection: rotated and differentiated as one tensor).
         coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example, ``M = N - num_prefix_tokens``.
         axis_weights: ``(Hp, c, nb)``, differentiable.
         gens: ``(Hp, nb, b, b)`` the skew blocks ``K``, differentiable; ``Hp`` is 1 or ``H``.
@@ -509,6 +518,9 @@ def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weight
         backend: the path of the rotation, as ``apply_frequency_rope``.
         scales, collector: from ``share_block_gradients`` for these ``coords`` (``BlockEigenForm``): the scalars
             ``s_j(r)`` already formed, and the node that maps the gradients of every rotation sharing them at once.
+        table: the angle table ``(theta, cos, sin)`` of ``coords`` and the frequencies ``axis_weights x mu``
+            already formed (``rotation.angle_tables``: a model forms those of all its layers together), used for the
+            value and for the transposed rotation of the backward pass where the PyTorch rotation runs.
 
     Returns:
         ``(q, k)`` of the same shapes and dtypes (float32 math, float64 for float64 tokens).
@@ -517,9 +529,13 @@ def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weight
     s = wide_angles(coords, axis_weights) if scales is None else scales  # (Hp, M, nb) or (B, Hp, M, nb)
     s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, Hp, M, nb)
     mu = mu.detach()
-    freqs = (axis_weights.detach().to(wide).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
-    return _BlockEigenRotation.apply(q, k, s, gens, basis.detach(), mu, coords.detach(), freqs, num_prefix_tokens,
-                                     backend, collector)
+    freqs = None  # the table's, where it is used
+    if table is None or _fused_kernel(q.device, backend=backend) is not None:
+        freqs = (axis_weights.detach().to(wide).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
+        table = None
+    qk = q if k is None else torch.stack((q, k))  # (2, B, H, N, d)
+    return _BlockEigenRotation.apply(qk, s, gens, basis.detach(), mu, coords.detach(), freqs, num_prefix_tokens,
+                                     backend, collector, table)
 
 
 def _dense_block_exp(s: Tensor, k: Tensor) -> Tensor:

@@ -285,8 +285,8 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
     return list(zip(w, b))
 
 
-def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0,
-                   backend: str = "auto") -> Tuple[Tensor, Tensor]:
+def frequency_rope(q: Tensor, k: Optional[Tensor], coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0,
+                   backend: str = "auto", table: Optional[tuple] = None) -> Tuple[Tensor, Tensor]:
     """The per-token part of a folded encoding: RoPE by the angles ``coords . freqs`` on q and k (whose projection
     already holds the basis), with the prefix tokens transformed by ``form.prefix``.
 
@@ -296,6 +296,8 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
         form: the encoding's :class:`RoPEForm`.
         num_prefix_tokens: ``P0`` leading tokens without a coordinate.
         backend: the execution path, ``"auto"``, ``"torch"`` or ``"triton"`` (see ``apply_frequency_rope``).
+        table: for a block form (``form.eigen``), the angle table of ``coords`` and its frequencies already formed
+            (``rotation.angle_tables``), or ``None``; ``k=None`` there: ``q`` holds q and k, ``(2, B, H, N, d)``.
 
     Returns:
         ``(q, k)`` of the same shapes and dtypes, from ``encodings.rotation.apply_frequency_rope`` (float32 math,
@@ -304,7 +306,7 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
     if form.eigen is not None:  # the value as below, the gradients through the block exponentials
         e = form.eigen
         return rotate_in_block_eigenbasis(q, k, coords, e.axis_weights, e.generators, e.schur, e.mu,
-                                          num_prefix_tokens, backend, e.scales, e.collector)
+                                          num_prefix_tokens, backend, e.scales, e.collector, table)
     if form.prefix is not None and num_prefix_tokens > 0:
         p0 = num_prefix_tokens
         q = torch.cat([basis_change(q[:, :, :p0], form.prefix.to(q.dtype)), q[:, :, p0:]], dim=2)  # (B, H, N, d)
@@ -328,7 +330,9 @@ def frequency_rope_qk(qk: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_t
     Returns:
         ``(q, k)``, each ``(B, H, N, d)``, equal to :func:`frequency_rope`'s.
     """
-    if form.eigen is not None or (form.prefix is not None and num_prefix_tokens > 0):
+    if form.eigen is not None:
+        return frequency_rope(qk, None, coords, form, num_prefix_tokens, backend, table)
+    if form.prefix is not None and num_prefix_tokens > 0:
         q, k = qk.unbind(0)
         return frequency_rope(q, k, coords, form, num_prefix_tokens, backend)
     return rotate_qk(qk, coords, form.freqs, table=table, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs,

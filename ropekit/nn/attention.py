@@ -41,8 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..encodings import PositionEncoding
 from ..encodings.blocks import share_block_gradients
-from ..encodings.fold import (RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, frequency_rope_qk,
-                              rope_form)
+from ..encodings.fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope_qk, rope_form
 from ..encodings.products import basis_change
 
 __all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
@@ -240,15 +239,13 @@ class Attention(nn.Module):
             state = state._replace(value=state.value._replace(prefix=None))  # done: the rotation passes them
         qkv = qkv.reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, d)
         form: Optional[RoPEForm] = state.value if state is not None and state.kind == "fold" else None
-        if form is not None and form.eigen is None:  # q and k rotated together: one product, one backward
+        if form is not None:  # q and k rotated together: one product, one backward
             qk, v = qkv.split([2, 1])  # (2, B, H, N, d), (1, B, H, N, d); backward: one concatenation
             v = v.squeeze(0)
             q, k = frequency_rope_qk(qk, coords, form, num_prefix_tokens, pe.backend, state.table)  # (B, H, N, d)
         else:
             q, k, v = qkv.unbind(0)  # (B, H, N, d) each
-        if form is not None and form.eigen is not None:  # the value by RoPE, the gradient through the blocks
-            q, k = frequency_rope(q, k, coords, form, num_prefix_tokens, pe.backend)  # (B, H, N, d)
-        elif state is not None and form is None:
+        if state is not None and form is None:
             if getattr(pe, "layout", "bhnd") == "bnhd":  # the encoding takes (B, N, H, d) views
                 q, k = pe.apply(q.transpose(1, 2), k.transpose(1, 2), state.value)
                 q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, N, d') each

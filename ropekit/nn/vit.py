@@ -599,22 +599,32 @@ class VisionTransformer(nn.Module):
 
     @staticmethod
     def _add_angle_tables(states: Dict[int, PreparedPE], coords: Tensor, dtype: torch.dtype) -> None:
-        """Give every folded frequency rotation of this forward pass that has no angle table yet its table, formed
-        together for all of them (``rotation.angle_tables``: one product, one cos and sin, one node mapping every
-        layer's angle gradient to its frequencies), where the PyTorch rotation runs; the fused kernel forms its
-        angles itself. A state shared by several layers gets one table."""
+        """Give every folded rotation of this forward pass that has no angle table yet its table, formed together
+        for all of them (``rotation.angle_tables``: one product, one cos and sin, one node mapping every layer's
+        angle gradient to its frequencies), where the PyTorch rotation runs; the fused kernel forms its angles
+        itself. A state shared by several layers gets one table. Block forms (ComRoPE) get the table of their
+        constant frequencies ``axis weights x mu``, used for the value and the backward's transposed rotation."""
         groups: Dict[tuple, List[RoPEForm]] = {}
         for st in states.values():
             form = st.value
-            if (st.kind != "fold" or st.table is not None or form.eigen is not None
+            if (st.kind != "fold" or st.table is not None
                     or _fused_kernel(coords.device, True, st.pe.backend) is not None):
                 continue
-            group = groups.setdefault((tuple(form.freqs.shape), form.freqs.dtype), [])
+            e = form.eigen
+            key = ((tuple(form.freqs.shape), form.freqs.dtype) if e is None else
+                   ("blocks", tuple(e.axis_weights.shape), tuple(e.mu.shape), e.mu.dtype))
+            group = groups.setdefault(key, [])
             if all(f is not form for f in group):
                 group.append(form)
         tables: Dict[int, tuple] = {}
-        for group in groups.values():
-            for form, table in zip(group, angle_tables(coords, [f.freqs for f in group], dtype)):
+        for key, group in groups.items():
+            if key[0] == "blocks":  # (L, Hp, c, nb, 1) x (L, Hp, 1, nb, b/2) -> (L, Hp, c, d/2), constants
+                w = torch.stack([f.eigen.axis_weights.detach() for f in group]).to(key[3])
+                mu = torch.stack([f.eigen.mu for f in group])
+                freqs: Any = (w.unsqueeze(-1) * mu.unsqueeze(2)).flatten(-2)
+            else:
+                freqs = [f.freqs for f in group]
+            for form, table in zip(group, angle_tables(coords, freqs, dtype)):
                 tables[id(form)] = table
         for key, st in list(states.items()):
             if st.kind == "fold" and st.table is None and id(st.value) in tables:
