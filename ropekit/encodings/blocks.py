@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .angles import _wide_dtype, wide_angles
 from .products import precise_matmul
-from .rotation import _fused_kernel, _rotate_tokens, _slice_loops, apply_frequency_rope
+from .rotation import _complex_pairs, _fused_kernel, _slice_loops, apply_frequency_rope
 from .skew import skew_real_schur
 
 __all__ = ["block_apply", "scaled_block_exp_matrices", "scaled_block_exp_apply", "scaled_block_exp_reference",
@@ -299,6 +299,19 @@ def scaled_block_exp_apply(x: Tensor, s: Tensor, k: Tensor) -> Tensor:
     return block_apply(scaled_block_exp_matrices(s, k), x)
 
 
+def _rotate_by_table(x: Tensor, cos: Tensor, sin: Tensor, num_prefix_tokens: int, inverse: bool = False) -> Tensor:
+    """``x`` ``(..., N, d)`` turned pair by pair by the angles of a table (``cos``, ``sin`` ``(..., M, d/2)``; by
+    their negatives with ``inverse``) after its prefix tokens, math in the table's dtype, output in ``x``'s: the
+    plain product, for use inside an autograd Function (no graph, no nested Function)."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        xr = x[..., num_prefix_tokens:, :] if num_prefix_tokens else x
+        xr = xr if xr.dtype == cos.dtype else xr.to(cos.dtype)
+        w = torch.complex(cos, -sin if inverse else sin)  # (..., M, d/2)
+        y = torch.view_as_real(_complex_pairs(xr) * w).flatten(-2)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return torch.cat((x[..., :num_prefix_tokens, :], y), dim=-2) if num_prefix_tokens else y
+
+
 class _BlockEigenRotation(torch.autograd.Function):
     """q and k, stacked ``(2, B, H, N, d)``, rotated by ``Q_j^T expm(s_j K_j) Q_j`` block by block after their
     prefix tokens, computed as RoPE in the basis ``Q`` (see ``rotate_in_block_eigenbasis``); outputs ``(q, k)``."""
@@ -313,7 +326,7 @@ class _BlockEigenRotation(torch.autograd.Function):
         # table: (theta, cos, sin) of coords and freqs already formed (rotation.angle_tables), or None
         f = None if freqs is None else freqs[0] if freqs.shape[0] == 1 else freqs
         if f is None:  # (then the PyTorch rotation runs: see rotate_in_block_eigenbasis)
-            qo, ko = _rotate_tokens(qk, table, num_prefix_tokens, "interleaved").unbind(0)
+            qo, ko = _rotate_by_table(qk, table[1], table[2], num_prefix_tokens).unbind(0)
         else:
             qo, ko = apply_frequency_rope(qk[0], qk[1], coords, f, num_prefix_tokens=num_prefix_tokens,
                                           backend=backend)
@@ -341,7 +354,7 @@ class _BlockEigenRotation(torch.autograd.Function):
         if need_x:  # the transposed rotation: the same angles negated
             table = ctx.table
             if f is None:
-                g_x = _rotate_tokens(g, (table[0], table[1], -table[2]), p0, "interleaved")
+                g_x = _rotate_by_table(g, table[1], table[2], p0, inverse=True)
             else:
                 g_x = torch.stack(apply_frequency_rope(gq, gk, coords, -f, num_prefix_tokens=p0,
                                                        backend=ctx.backend, validate=False))
@@ -355,11 +368,12 @@ class _BlockEigenRotation(torch.autograd.Function):
                 # sharing the parameters (shared coordinates) or over q, k and the heads only (per example): one bmm
                 order, batch = (((2, 5, 4, 0, 1, 3, 6), hp * nb * m) if bs == 1 else
                                 ((2, 5, 1, 4, 0, 3, 6), hp * nb * bs * m))
-                xv, gv = (t[..., p0:, :].to(dt).unflatten(2, (hp, heads // hp)).unflatten(-1, (nb, b))
-                          .permute(order).reshape(batch, -1, b) for t in (qk, g))  # (batch, 2 B r | 2 r, b)
+                xv, gv = ((t[..., p0:, :] if p0 else t) for t in (qk, g))  # (2, B, H, M, d)
+                xv, gv = ((t if t.dtype == dt else t.to(dt)).unflatten(2, (hp, heads // hp)).unflatten(-1, (nb, b))
+                          .permute(order).reshape(batch, -1, b) for t in (xv, gv))  # (batch, 2 B r | 2 r, b)
                 gh = torch.bmm(gv.transpose(1, 2), xv).view(hp, nb, bs * m, b, b)
                 if collect:
-                    g_collector = gh.to(ctx.collector)
+                    g_collector = gh if gh.dtype == ctx.collector else gh.to(ctx.collector)
                 else:
                     g_s, g_gens = _block_grads(gh, s, gens, basis, mu, need_s, need_g)
         return g_x, g_s, g_gens, None, None, None, None, None, None, g_collector, None
@@ -400,6 +414,7 @@ class _BlockGradientCollector(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gh: Tensor):
         s, gens, basis, mu = ctx.saved_tensors
+        gh = gh if gh.dtype == s.dtype else gh.to(s.dtype)  # one cast for every layer's outer products
         g_s, g_gens = _block_grads(gh, s, gens, basis, mu, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return g_s, g_gens, None, None, None
 
@@ -470,7 +485,8 @@ def batch_block_gradients(forms: Sequence, coords: Tensor) -> list:
         else:
             collector = _BlockGradientCollector.apply(
                 s, torch.cat(gens), torch.cat([e.schur.detach() for e in es]),
-                torch.cat([e.mu.detach() for e in es]), _wide_dtype(s.device))  # (L Hp, nb, T, b, b)
+                torch.cat([e.mu.detach() for e in es]),  # (L Hp, nb, T, b, b); each layer its own slice, nothing
+                torch.promote_types(gens[0].dtype, torch.float32))  # summed in it: the rotations' dtype, cast once
             collectors = collector.unflatten(0, (n, hp)).unbind(0)  # L x (Hp, nb, T, b, b)
         for i, e, sc, col in zip(idx, es, scales, collectors):
             out[i] = forms[i]._replace(eigen=e._replace(scales=sc, collector=col))

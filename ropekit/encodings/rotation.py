@@ -356,7 +356,8 @@ def rotate_angles(x: Tensor, theta: Tensor, cos: Tensor | None = None, sin: Tens
         if cos is None or sin is None:
             with torch.no_grad():
                 cos, sin = torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype)
-        return _RotateAngles.apply(x, theta, cos.detach(), sin.detach(), collector)
+        cos, sin = (t.detach() if t.requires_grad else t for t in (cos, sin))  # (constants; no op when they are)
+        return _RotateAngles.apply(x, theta, cos, sin, collector)
     return rotate_pairs(x, torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype), pairs)
 
 
