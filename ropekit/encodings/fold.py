@@ -278,8 +278,9 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
         w = torch.cat([qk.reshape(n, 2 * dim, d_in), w_v], dim=1).unbind(0)  # L x (3D, D_in)
         if biases[0] is not None:
             b_qk, b_v = torch.stack(list(biases)).split([2 * dim, dim], dim=1)  # (L, 2D), (L, D)
-            bqk = precise_matmul(p, b_qk.to(dtype).reshape(n, 2, h, d, 1))  # (L, 2, H, d, 1)
-            b = torch.cat([bqk.reshape(n, 2 * dim).to(b_v.dtype), b_v], dim=1).unbind(0)
+            bqk = precise_matmul(p, (b_qk if b_qk.dtype == dtype else b_qk.to(dtype)).reshape(n, 2, h, d, 1))
+            bqk = bqk.reshape(n, 2 * dim)  # (L, 2D)
+            b = torch.cat([bqk if bqk.dtype == b_v.dtype else bqk.to(b_v.dtype), b_v], dim=1).unbind(0)
         else:
             b = (None,) * n
     return list(zip(w, b))
