@@ -16,6 +16,6 @@ from .encodings.fold import (BlockEigenForm, FoldedRoPE, RoPEForm, fold_pe, fold
                              rope_forms_stacked, to_rope, unstack_rope_form)
 from .nn.fold import fold
 
-__all__ = ["to_rope", "rope_form", "rope_forms", "rope_forms_stacked", "unstack_rope_form", "RoPEForm", "BlockEigenForm",
-           "foldable_kind", "FoldedRoPE", "fold_pe", "fold", "is_foldable", "fold_qkv_weight", "fold_qkv_weights",
-           "frequency_rope", "frequency_rope_qk"]
+__all__ = ["to_rope", "rope_form", "rope_forms", "rope_forms_stacked", "unstack_rope_form", "RoPEForm",
+           "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe", "fold", "is_foldable", "fold_qkv_weight",
+           "fold_qkv_weights", "frequency_rope", "frequency_rope_qk"]

@@ -56,8 +56,9 @@ from .rope import FrequencyRoPE
 from .rotation import apply_frequency_rope, rotate_qk
 from .skew import skew_real_schur
 
-__all__ = ["to_rope", "rope_form", "rope_forms", "rope_forms_stacked", "unstack_rope_form", "RoPEForm", "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe",
-           "is_foldable", "fold_qkv_weight", "fold_qkv_weights", "frequency_rope", "frequency_rope_qk"]
+__all__ = ["to_rope", "rope_form", "rope_forms", "rope_forms_stacked", "unstack_rope_form", "RoPEForm",
+           "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe", "is_foldable", "fold_qkv_weight",
+           "fold_qkv_weights", "frequency_rope", "frequency_rope_qk"]
 
 
 def foldable_kind(pe: Optional[PositionEncoding]) -> Optional[str]:
