@@ -92,11 +92,12 @@ def test_rope_forms_mixes_kinds():
     assert fold_mod.rope_forms([]) == []
 
 
-@pytest.mark.parametrize("pe", ["cayley", "circulant"])
-@pytest.mark.parametrize("sharing", ["layer", "model"])
+@pytest.mark.parametrize("pe,sharing", [("cayley", "layer"), ("cayley", "model"), ("circulant", "layer"),
+                                        ("circulant", "model"), ("comrope-ld", "layer")])
 def test_batched_merge_equals_the_per_layer_merge(pe, sharing, monkeypatch):
-    """The bases merged into every layer's q/k projection in one batched product (``fold.fold_qkv_weights``) give
-    the logits and every gradient of merging layer by layer (``fold.fold_qkv_weight``), in float64 to round-off."""
+    """The bases merged into every layer's q/k projection in one batched product (``fold.fold_qkv_weights``; block by
+    block for ComRoPE's stacked blocks) give the logits and every gradient of merging layer by layer
+    (``fold.fold_qkv_weight``), in float64 to round-off."""
     from ropekit.fold import fold_qkv_weight
 
     torch.manual_seed(0)
@@ -108,7 +109,7 @@ def test_batched_merge_equals_the_per_layer_merge(pe, sharing, monkeypatch):
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     calls = []
     real = vit_mod.fold_qkv_weights
-    monkeypatch.setattr(vit_mod, "fold_qkv_weights", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(vit_mod, "fold_qkv_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def run():
         out = m(x)
@@ -116,8 +117,13 @@ def test_batched_merge_equals_the_per_layer_merge(pe, sharing, monkeypatch):
 
     out, grads = run()
     assert calls == [1]  # one batched merge for the three layers
-    monkeypatch.setattr(vit_mod, "fold_qkv_weights",
-                        lambda ws, bs, ps, h: [fold_qkv_weight(w, b, p, h) for w, b, p in zip(ws, bs, ps)])
+    def per_layer(ws, bs, ps, h, blocks=None):  # a stacked basis (and blocks) sliced layer by layer
+        n = len(ws)
+        ps = list(ps.expand(n, *ps.shape[1:])) if isinstance(ps, torch.Tensor) else ps
+        ks = [None] * n if blocks is None else list(blocks.expand(n, *blocks.shape[1:]))
+        return [fold_qkv_weight(w, b, p, h, blocks=k) for w, b, p, k in zip(ws, bs, ps, ks)]
+
+    monkeypatch.setattr(vit_mod, "fold_qkv_weights", per_layer)
     ref_out, ref_grads = run()
     assert torch.allclose(out, ref_out, rtol=1e-12, atol=1e-13)
     for g, r in zip(grads, ref_grads):
@@ -279,7 +285,7 @@ def test_batch_block_gradients_groups_by_configuration():
     assert batch_block_gradients([], coords) == []
 
 
-@pytest.mark.parametrize("pe", ["cayley", "circulant", "mixed"])
+@pytest.mark.parametrize("pe", ["cayley", "circulant", "mixed", "comrope-ld"])
 def test_stacked_forms_slice_to_each_encodings_own_form(pe):
     """``rope_forms_stacked``: slice ``l`` of the stacked form is layer ``l``'s ``rope_form()``; the stacked basis
     merged into the projections in one product equals merging the list of bases."""
@@ -294,7 +300,8 @@ def test_stacked_forms_slice_to_each_encodings_own_form(pe):
         ref = p.rope_form()
         torch.testing.assert_close(form.freqs, ref.freqs, rtol=0, atol=0)
         torch.testing.assert_close(stacked.freqs[i], ref.freqs, rtol=0, atol=0)
-        for got, want in ((form.basis, ref.basis), (form.prefix, ref.prefix)):
+        assert (form.eigen is None) == (ref.eigen is None)
+        for got, want in ((form.basis, ref.basis), (form.prefix, ref.prefix), (form.blocks, ref.blocks)):
             assert (got is None) == (want is None)
             if got is not None:
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -14,9 +14,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .angles import _wide_dtype, wide_angles
+from .angles import _rotate_pairs_real, _wide_dtype, wide_angles
 from .products import precise_matmul
-from .rotation import _complex_pairs, _fused_kernel, _slice_loops, apply_frequency_rope
+from .rotation import _complex_pairs, _fused_kernel, _is_compiling, _slice_loops, apply_frequency_rope
 from .skew import skew_real_schur
 
 __all__ = ["block_apply", "scaled_block_exp_matrices", "scaled_block_exp_apply", "scaled_block_exp_reference",
@@ -306,8 +306,11 @@ def _rotate_by_table(x: Tensor, cos: Tensor, sin: Tensor, num_prefix_tokens: int
     with torch.autocast(device_type=x.device.type, enabled=False):
         xr = x[..., num_prefix_tokens:, :] if num_prefix_tokens else x
         xr = xr if xr.dtype == cos.dtype else xr.to(cos.dtype)
-        w = torch.complex(cos, -sin if inverse else sin)  # (..., M, d/2)
-        y = torch.view_as_real(_complex_pairs(xr) * w).flatten(-2)
+        sin = -sin if inverse else sin
+        if _is_compiling():  # no complex tensor reaches the compiler (rotation.rotate_pairs)
+            y = _rotate_pairs_real(xr, cos, sin)
+        else:
+            y = torch.view_as_real(_complex_pairs(xr) * torch.complex(cos, sin)).flatten(-2)  # (..., M, d)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return torch.cat((x[..., :num_prefix_tokens, :], y), dim=-2) if num_prefix_tokens else y
 

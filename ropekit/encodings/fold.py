@@ -50,7 +50,7 @@ from torch import Tensor
 from .angles import _wide_dtype
 from .base import PositionEncoding
 from .blocks import rotate_in_block_eigenbasis
-from .forms import BlockEigenForm, RoPEForm, block_form
+from .forms import BlockEigenForm, RoPEForm, block_form, stacked_block_form
 from .products import basis_change, precise_matmul
 from .rope import FrequencyRoPE
 from .rotation import apply_frequency_rope, rotate_qk
@@ -124,7 +124,8 @@ def unstack_rope_form(form: RoPEForm, n: int) -> List[RoPEForm]:
             return [None] * n
         return [t[0]] * n if t.shape[0] == 1 else t.unbind(0)
 
-    return [RoPEForm(b, f, p, form.pairs) for b, f, p in zip(parts(form.basis), parts(form.freqs), parts(form.prefix))]
+    return [RoPEForm(b, f, p, form.pairs, blocks=k)
+            for b, f, p, k in zip(parts(form.basis), parts(form.freqs), parts(form.prefix), parts(form.blocks))]
 
 
 def rope_forms_stacked(pes: Sequence[PositionEncoding]) -> Tuple[List[RoPEForm], List[Tuple[List[int], RoPEForm]]]:
@@ -147,10 +148,17 @@ def rope_forms_stacked(pes: Sequence[PositionEncoding]) -> Tuple[List[RoPEForm],
             continue
         if key[0] == "blocks":
             blocks = [pes[i].rope_blocks() for i in idx]  # (K, axis weights) of each
-            ks = [k for k, _ in blocks]
-            qs, mus = skew_real_schur(torch.stack(ks).detach().to(_wide_dtype(ks[0].device)))  # (L, Hp, nb, b, b)
-            for i, (k, w), q, mu in zip(idx, blocks, qs.unbind(0), mus.unbind(0)):
-                forms[i] = block_form(pes[i], k, w, schur=(q, mu))
+            ks = torch.stack([k for k, _ in blocks])  # (L, Hp, nb, b, b)
+            qs, mus = skew_real_schur(ks.detach().to(_wide_dtype(ks.device)))  # (L, Hp, nb, b, b), (L, Hp, nb, b/2)
+            schurs = list(zip(qs.unbind(0), mus.unbind(0)))
+            if pes[idx[0]].pairs == "half":  # a permuted dense basis per layer
+                for i, (k, w), schur in zip(idx, blocks, schurs):
+                    forms[i] = block_form(pes[i], k, w, schur=schur)
+                continue
+            stacked = stacked_block_form(pes[idx[0]], ks, torch.stack([w for _, w in blocks]), qs, mus)
+            stacks.append((idx, stacked))
+            for i, (k, w), (q, mu), form in zip(idx, blocks, schurs, unstack_rope_form(stacked, len(idx))):
+                forms[i] = form._replace(eigen=BlockEigenForm(k, w, q, mu))
             continue
         stacked = type(pes[idx[0]]).stacked_rope_form([pes[i] for i in idx])
         stacks.append((idx, stacked))
@@ -229,7 +237,8 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
 
 
 def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
-                     bases: Union[Sequence[Tensor], Tensor], num_heads: int) -> List[Tuple[Tensor, Optional[Tensor]]]:
+                     bases: Union[Sequence[Tensor], Tensor], num_heads: int,
+                     blocks: Optional[Tensor] = None) -> List[Tuple[Tensor, Optional[Tensor]]]:
     """:func:`fold_qkv_weight` for several layers at once (e.g. every layer of a ViT): one batched product for all
     of them instead of a merge per layer -- on a GPU a handful of launches per step instead of a handful per layer.
 
@@ -240,6 +249,8 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
             one tensor ``(L | 1, Hp, d, d)`` holding them (a stacked form's basis, ``rope_forms_stacked``; ``1``:
             the same basis for every layer), used as it is.
         num_heads: ``H``.
+        blocks: optional ``(L | 1, Hp, nb, b, b)`` with ``bases[l] = blockdiag(blocks[l])`` (a stacked block
+            form's, ``rope_forms_stacked``): the merge multiplies block by block, as :func:`fold_qkv_weight` does.
 
     Returns:
         ``L`` pairs ``(weight', bias')`` as :func:`fold_qkv_weight` returns them (the same products, batched),
@@ -270,16 +281,23 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
             raise ValueError(f"every basis must have shape (1 or {h}, {d}, {d}), got {tuple(p.shape)}")
     dtype = weights[0].dtype
     with torch.autocast(device_type=weights[0].device.type, enabled=False):
-        if stacked:  # (L | 1, 1, H, d, d): a view, broadcast over the layers by the product, not copied
+        rows: Tuple[int, ...] = (d,)  # the rows one product takes: the head, or its nb blocks of b
+        if blocks is not None:  # (L | 1, 1, Hp, nb, b, b), broadcast over the heads as fold_qkv_weight does
+            if blocks.dim() != 5 or blocks.shape[0] not in (1, n) or blocks.shape[2] * blocks.shape[3] != d:
+                raise ValueError(f"stacked blocks must be (1 or {n}, Hp, nb, b, b) with nb * b = {d}, "
+                                 f"got {tuple(blocks.shape)}")
+            p = (blocks if blocks.dtype == dtype else blocks.to(dtype)).unsqueeze(1)
+            rows = tuple(blocks.shape[2:4])
+        elif stacked:  # (L | 1, 1, H, d, d): a view, broadcast over the layers by the product, not copied
             p = (bases if bases.dtype == dtype else bases.to(dtype)).expand(-1, h, d, d).unsqueeze(1)
         else:
             p = torch.stack([b.to(dtype).expand(h, d, d) for b in bases]).unsqueeze(1)  # (L, 1, H, d, d)
         w_qk, w_v = torch.stack(list(weights)).split([2 * dim, dim], dim=1)  # (L, 2D, D_in), (L, D, D_in)
-        qk = precise_matmul(p, w_qk.reshape(n, 2, h, d, d_in))  # (L, 2, H, d, D_in)
+        qk = precise_matmul(p, w_qk.reshape(n, 2, h, *rows, d_in))  # (L, 2, H, d | nb b, D_in)
         w = torch.cat([qk.reshape(n, 2 * dim, d_in), w_v], dim=1).unbind(0)  # L x (3D, D_in)
         if biases[0] is not None:
             b_qk, b_v = torch.stack(list(biases)).split([2 * dim, dim], dim=1)  # (L, 2D), (L, D)
-            bqk = precise_matmul(p, (b_qk if b_qk.dtype == dtype else b_qk.to(dtype)).reshape(n, 2, h, d, 1))
+            bqk = precise_matmul(p, (b_qk if b_qk.dtype == dtype else b_qk.to(dtype)).reshape(n, 2, h, *rows, 1))
             bqk = bqk.reshape(n, 2 * dim)  # (L, 2D)
             b = torch.cat([bqk if bqk.dtype == b_v.dtype else bqk.to(b_v.dtype), b_v], dim=1).unbind(0)
         else:

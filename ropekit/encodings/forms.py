@@ -23,7 +23,7 @@ from .products import precise_matmul
 from .skew import real_schur, skew_real_schur
 
 __all__ = ["RoPEForm", "BlockEigenForm", "pair_frequencies", "basis_form", "post_form", "half_pairs_basis",
-           "block_form", "no_rope_form", "param_heads"]
+           "block_form", "stacked_block_form", "no_rope_form", "param_heads"]
 
 
 class BlockEigenForm(NamedTuple):
@@ -176,3 +176,22 @@ def block_form(pe, k: Tensor, axis_weights: Tensor, basis_gradient: bool = False
     freqs = (axis_weights.detach().to(mu.dtype).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
     return RoPEForm(half_pairs_basis(pe, _block_diag(blocks)), freqs, None, blocks=None if half else blocks,
                     eigen=BlockEigenForm(k, axis_weights, q, mu))
+
+
+def stacked_block_form(pe, k: Tensor, axis_weights: Tensor, q: Tensor, mu: Tensor) -> RoPEForm:
+    """:func:`block_form`'s training form of ``L`` block encodings at once, from their Schur forms computed together
+    (``skew_real_schur`` of the stacked blocks), stacked as ``PositionEncoding.stacked_rope_form`` describes: the
+    basis ``(L, Hp, d, d)``, its blocks ``(L, Hp, nb, b, b)`` and the frequencies ``(L, Hp, c, d/2)``, constants;
+    ``eigen`` is left to each layer's own form (interleaved pairs only: with half pairs the basis is permuted).
+
+    Args:
+        pe: the first encoding (its pair convention).
+        k: the skew blocks ``(L, Hp, nb, b, b)``.
+        axis_weights: ``(L, Hp, c, nb)``.
+        q, mu: ``(L, Hp, nb, b, b)`` and ``(L, Hp, nb, b/2)`` from ``skew_real_schur(k)``.
+    """
+    if pe.pairs == "half":
+        raise ValueError("stacked_block_form is for interleaved pairs (half pairs permute the basis)")
+    blocks = q.transpose(-1, -2).to(k.dtype)  # (L, Hp, nb, b, b)
+    freqs = (axis_weights.detach().to(mu.dtype).unsqueeze(-1) * mu.unsqueeze(-3)).flatten(-2)  # (L, Hp, c, d/2)
+    return RoPEForm(_block_diag(blocks), freqs, None, blocks=blocks)

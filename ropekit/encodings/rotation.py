@@ -326,7 +326,8 @@ def angle_tables(coords: Tensor, freqs: Sequence[Tensor] | Tensor, dtype: torch.
         with torch.no_grad():  # (L, 1 | B, Hp, M, P)
             cos, sin = torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
         collectors: Sequence[Tensor | None] = [None] * n
-        if torch.is_grad_enabled() and (f.requires_grad or r.requires_grad):
+        # (compiled, the rotation takes theta's own gradient in real arithmetic: no complex collector there)
+        if torch.is_grad_enabled() and (f.requires_grad or r.requires_grad) and not _is_compiling():
             collectors = _AngleGradientCollector.apply(r, f, dtype).unbind(0)
     return list(zip(theta.unbind(0), cos.unbind(0), sin.unbind(0), collectors))
 

@@ -580,7 +580,7 @@ class VisionTransformer(nn.Module):
             expanded = [a.expanded_qkv() for a in layers]  # (3D, D_in), (3D,): k/v rows per query head
             if stacked.basis is not None and len({(tuple(w.shape), w.dtype, b is None) for w, b in expanded}) == 1:
                 merged = fold_qkv_weights([w for w, _ in expanded], [b for _, b in expanded], stacked.basis,
-                                          layers[0].num_heads)
+                                          layers[0].num_heads, blocks=stacked.blocks)
                 for attn, qkv in zip(layers, merged):
                     states[id(attn)] = states[id(attn.pe)]._replace(qkv=qkv)
         # the other bases merged into every folding layer's projection in one batched product, keyed by id(layer)
