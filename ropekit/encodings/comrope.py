@@ -109,6 +109,13 @@ class _ComRoPE(PositionEncoding):
         """The skew blocks ``K_j`` ``(Hp, nb, b, b)`` and the axis weights ``lambda`` ``(Hp, c, nb)``."""
         return self.block_generators(), self._axis_weights()
 
+    @classmethod
+    def stacked_rope_blocks(cls, pes) -> tuple[Tensor, Tensor]:
+        """:meth:`rope_blocks` of ``L`` encodings of one configuration, stacked: the skew blocks of all from one
+        scatter of their stacked free entries, ``(L, Hp, nb, b, b)``, and the axis weights ``(L, Hp, c, nb)``."""
+        k = free_to_skew(torch.stack([pe.block_params for pe in pes]), pes[0].block_size)
+        return k, torch.stack([pe._axis_weights() for pe in pes])
+
     def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
         """``R(r) = P^T RoPE_freqs(r) P`` with ``P = blockdiag_j(Q_j^T)``, ``K_j = Q_j blockdiag_n(mu_{j,n} J) Q_j^T``
         (zero and repeated eigenvalues included): pair ``n`` of block ``j`` turns with frequency

@@ -147,15 +147,19 @@ def rope_forms_stacked(pes: Sequence[PositionEncoding]) -> Tuple[List[RoPEForm],
         if len(idx) < 2:
             continue
         if key[0] == "blocks":
-            blocks = [pes[i].rope_blocks() for i in idx]  # (K, axis weights) of each
-            ks = torch.stack([k for k, _ in blocks])  # (L, Hp, nb, b, b)
+            group = [pes[i] for i in idx]
+            if hasattr(type(group[0]), "stacked_rope_blocks"):  # the blocks of all from one computation
+                ks, ws = type(group[0]).stacked_rope_blocks(group)  # (L, Hp, nb, b, b), (L, Hp, c, nb)
+            else:
+                ks, ws = (torch.stack(t) for t in zip(*(pe.rope_blocks() for pe in group)))
+            blocks = list(zip(ks.unbind(0), ws.unbind(0)))  # (K, axis weights) of each
             qs, mus = skew_real_schur(ks.detach().to(_wide_dtype(ks.device)))  # (L, Hp, nb, b, b), (L, Hp, nb, b/2)
             schurs = list(zip(qs.unbind(0), mus.unbind(0)))
             if pes[idx[0]].pairs == "half":  # a permuted dense basis per layer
                 for i, (k, w), schur in zip(idx, blocks, schurs):
                     forms[i] = block_form(pes[i], k, w, schur=schur)
                 continue
-            stacked = stacked_block_form(pes[idx[0]], ks, torch.stack([w for _, w in blocks]), qs, mus)
+            stacked = stacked_block_form(pes[idx[0]], ks, ws, qs, mus)
             stacks.append((idx, stacked))
             for i, (k, w), (q, mu), form in zip(idx, blocks, schurs, unstack_rope_form(stacked, len(idx))):
                 forms[i] = form._replace(eigen=BlockEigenForm(k, w, q, mu))
