@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .forms import RoPEForm, half_pairs_basis, param_heads, post_form
+from .forms import RoPEForm, half_pairs_basis, param_heads, post_form, stack_layers
 from .products import basis_change
 from .registry import BenchRow, register_pe
 from .rope import MixedRoPE, _KernelState
@@ -104,7 +104,7 @@ class CayleySTRING(MixedRoPE):
         """All the Cayley rotations from one batched solve ``(L, Hp, d, d)``, the frequencies stacked, the prefix
         transforms ``P^T``."""
         first = pes[0]
-        params = torch.stack([pe.cayley_params for pe in pes])  # (L, Hp, F)
+        params = stack_layers(pe.cayley_params for pe in pes)  # (L, Hp, F)
         bases = cayley_transform(free_to_skew(params, first.head_dim, first.band))  # (L, Hp, d, d), one solve
-        freqs = torch.stack([param_heads(pe.freqs, pe.param_heads) for pe in pes])  # (L, Hp, c, d/2)
+        freqs = stack_layers(param_heads(pe.freqs, pe.param_heads) for pe in pes)  # (L, Hp, c, d/2)
         return RoPEForm(half_pairs_basis(first, bases), freqs, bases.transpose(-1, -2))

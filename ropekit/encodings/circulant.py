@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .angles import _wide_dtype, angle_table
 from .base import PositionEncoding
 from .blocks import _block_diag
-from .forms import RoPEForm, half_pairs_basis
+from .forms import RoPEForm, half_pairs_basis, stack_layers
 from .frequencies import mixed_frequencies
 from .products import precise_matmul
 from .registry import BenchRow, register_pe
@@ -275,5 +275,5 @@ class CirculantSTRING(PositionEncoding):
         first = pes[0]
         p = first.circ_params
         basis = block_dft_basis(first.head_dim, first.block_size, p.device, p.dtype)  # (1, d, d)
-        freqs = first._form_frequencies(torch.stack([pe.circ_params for pe in pes]))  # (L, Hp, c, d/2)
+        freqs = first._form_frequencies(stack_layers(pe.circ_params for pe in pes))  # (L, Hp, c, d/2)
         return RoPEForm(half_pairs_basis(first, basis).unsqueeze(0), freqs, None)

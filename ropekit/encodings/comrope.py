@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .angles import wide_angles
 from .base import PositionEncoding
 from .blocks import _block_diag, block_apply, scaled_block_exp_matrices
-from .forms import RoPEForm, block_form
+from .forms import RoPEForm, block_form, stack_layers
 from .registry import BenchRow, register_pe
 from .skew import free_to_skew, full_to_free, num_free
 
@@ -113,7 +113,7 @@ class _ComRoPE(PositionEncoding):
     def stacked_rope_blocks(cls, pes) -> tuple[Tensor, Tensor]:
         """:meth:`rope_blocks` of ``L`` encodings of one configuration, stacked: the skew blocks of all from one
         scatter of their stacked free entries, ``(L, Hp, nb, b, b)``, and the axis weights ``(L, Hp, c, nb)``."""
-        k = free_to_skew(torch.stack([pe.block_params for pe in pes]), pes[0].block_size)
+        k = free_to_skew(stack_layers(pe.block_params for pe in pes), pes[0].block_size)
         return k, torch.stack([pe._axis_weights() for pe in pes])
 
     def rope_form(self, basis_gradient: bool = False) -> RoPEForm:

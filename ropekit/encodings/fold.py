@@ -50,7 +50,7 @@ from torch import Tensor
 from .angles import _wide_dtype
 from .base import PositionEncoding
 from .blocks import rotate_in_block_eigenbasis
-from .forms import BlockEigenForm, RoPEForm, block_form, stacked_block_form
+from .forms import BlockEigenForm, RoPEForm, block_form, stack_layers, stacked_block_form
 from .products import basis_change, precise_matmul
 from .rope import FrequencyRoPE
 from .rotation import apply_frequency_rope, rotate_qk
@@ -292,15 +292,17 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
                                  f"got {tuple(blocks.shape)}")
             p = (blocks if blocks.dtype == dtype else blocks.to(dtype)).unsqueeze(1)
             rows = tuple(blocks.shape[2:4])
-        elif stacked:  # (L | 1, 1, H, d, d): a view, broadcast over the layers by the product, not copied
-            p = (bases if bases.dtype == dtype else bases.to(dtype)).expand(-1, h, d, d).unsqueeze(1)
+        elif stacked:  # (L | 1, 1, H | 1, d, d): a view, broadcast over the layers by the product, not copied
+            p = bases if bases.dtype == dtype else bases.to(dtype)
+            # expanded over the heads where P gets a gradient: its sum over the heads then runs as the list form's
+            p = (p.expand(-1, h, d, d) if p.requires_grad else p).unsqueeze(1)
         else:
             p = torch.stack([b.to(dtype).expand(h, d, d) for b in bases]).unsqueeze(1)  # (L, 1, H, d, d)
-        w_qk, w_v = torch.stack(list(weights)).split([2 * dim, dim], dim=1)  # (L, 2D, D_in), (L, D, D_in)
+        w_qk, w_v = stack_layers(weights).split([2 * dim, dim], dim=1)  # (L, 2D, D_in), (L, D, D_in)
         qk = precise_matmul(p, w_qk.reshape(n, 2, h, *rows, d_in))  # (L, 2, H, d | nb b, D_in)
         w = torch.cat([qk.reshape(n, 2 * dim, d_in), w_v], dim=1).unbind(0)  # L x (3D, D_in)
         if biases[0] is not None:
-            b_qk, b_v = torch.stack(list(biases)).split([2 * dim, dim], dim=1)  # (L, 2D), (L, D)
+            b_qk, b_v = stack_layers(biases).split([2 * dim, dim], dim=1)  # (L, 2D), (L, D)
             bqk = precise_matmul(p, (b_qk if b_qk.dtype == dtype else b_qk.to(dtype)).reshape(n, 2, h, *rows, 1))
             bqk = bqk.reshape(n, 2 * dim)  # (L, 2D)
             b = torch.cat([bqk if bqk.dtype == b_v.dtype else bqk.to(b_v.dtype), b_v], dim=1).unbind(0)

@@ -23,7 +23,7 @@ from .products import precise_matmul
 from .skew import real_schur, skew_real_schur
 
 __all__ = ["RoPEForm", "BlockEigenForm", "pair_frequencies", "basis_form", "post_form", "half_pairs_basis",
-           "block_form", "stacked_block_form", "no_rope_form", "param_heads"]
+           "block_form", "stacked_block_form", "no_rope_form", "param_heads", "stack_layers"]
 
 
 class BlockEigenForm(NamedTuple):
@@ -83,6 +83,29 @@ class RoPEForm(NamedTuple):
     pairs: str = "interleaved"
     blocks: Optional[Tensor] = None
     eigen: Optional[BlockEigenForm] = None
+
+
+class _StackLayers(torch.autograd.Function):
+    """``torch.stack(tensors)`` whose backward hands the gradient back as one ``unbind`` (``torch.stack``'s takes one
+    ``select`` per tensor: ``L`` operations, each a dispatch on the host, for the ``L`` layers' parameters)."""
+
+    @staticmethod
+    def forward(ctx, *tensors: Tensor) -> Tensor:
+        return torch.stack(tensors)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g.unbind(0)
+
+
+def stack_layers(tensors) -> Tensor:
+    """``torch.stack(tensors)`` (``L`` tensors of one shape, e.g. the same parameter of every layer), differentiable,
+    with a one-operation backward (``_StackLayers``) where a gradient is recorded; values and gradients are
+    ``torch.stack``'s."""
+    tensors = list(tensors)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and not torch.compiler.is_compiling():
+        return _StackLayers.apply(*tensors)
+    return torch.stack(tensors)
 
 
 def param_heads(t: Tensor, hp: int) -> Tensor:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .angles import angle_table, rope_cos_sin, wide_angles
 from .base import PEState, PositionEncoding
-from .forms import RoPEForm, param_heads
+from .forms import RoPEForm, param_heads, stack_layers
 from .frequencies import axial_frequencies, mixed_frequencies, pair_generators
 from .registry import BenchRow, register_pe
 from .rotation import _fused_kernel, _is_compiling, apply_frequency_rope, rotate_angles
@@ -171,7 +171,7 @@ class FrequencyRoPE(PositionEncoding):
     @classmethod
     def stacked_rope_form(cls, pes) -> RoPEForm:
         """``P = I`` and the frequencies of all, stacked: ``(L, Hp, c, d/2)``."""
-        freqs = torch.stack([param_heads(pe.freqs, pe.param_heads) for pe in pes])
+        freqs = stack_layers(param_heads(pe.freqs, pe.param_heads) for pe in pes)
         return RoPEForm(None, freqs, None, pes[0].pairs)
 
 

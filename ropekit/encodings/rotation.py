@@ -205,15 +205,18 @@ class _RotateAngles(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, theta: Tensor, cos: Tensor, sin: Tensor, collector: Tensor | None = None) -> Tensor:
-        y = torch.view_as_real(_complex_pairs(x) * torch.complex(cos, sin)).flatten(-2)  # (..., d)
+        yc = _complex_pairs(x) * torch.complex(cos, sin)  # (..., P) complex
+        y = torch.view_as_real(yc).flatten(-2)  # (..., d), a view of yc
         need_theta = ctx.needs_input_grad[1] or (collector is not None and ctx.needs_input_grad[4])
-        ctx.save_for_backward(theta, cos, sin, y if need_theta else None)
+        # the output (for a double backward, which differentiates through it) and its complex form (the same
+        # memory: the first-order backward reads it without re-viewing the output)
+        ctx.save_for_backward(theta, cos, sin, y if need_theta else None, yc if need_theta else None)
         ctx.collect = collector is not None and ctx.needs_input_grad[4]
         return y
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        theta, cos, sin, y = ctx.saved_tensors
+        theta, cos, sin, y, yc = ctx.saved_tensors
         gx = gtheta = None
         if torch.is_grad_enabled():  # double backward: rebuild the rotation from theta, out-of-place
             c, s = torch.cos(theta).to(g.dtype), torch.sin(theta).to(g.dtype)
@@ -225,11 +228,11 @@ class _RotateAngles(torch.autograd.Function):
         need_theta = ctx.needs_input_grad[1] or ctx.collect
         gc = _complex_pairs(g.contiguous() if need_theta and not g.is_contiguous() else g)  # (..., P)
         if ctx.collect:  # sum g conj(y), complex, for the collector's node, which takes Im() once for all rotations
-            acc = _collect_times_conj(gc, _complex_pairs(y), theta.shape)
+            acc = _collect_times_conj(gc, yc, theta.shape)
             gx = torch.view_as_real(gc * torch.complex(cos, -sin)).flatten(-2) if ctx.needs_input_grad[0] else None
             return gx, None, None, None, acc
         if need_theta:
-            gtheta = _sum_times_conj(gc, _complex_pairs(y), theta.shape).imag
+            gtheta = _sum_times_conj(gc, yc, theta.shape).imag
         if ctx.needs_input_grad[0]:
             gx = torch.view_as_real(gc * torch.complex(cos, -sin)).flatten(-2)
         if gtheta is not None and gtheta.dtype != theta.dtype:
