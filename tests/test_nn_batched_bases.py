@@ -247,7 +247,7 @@ def test_per_layer_comrope_runs_one_schur_form_and_one_gradient_map(init, per_ex
     assert len(schurs) == 1 and schurs[0][0] == 3  # the three layers' blocks stacked along the batch dimension
     assert len(maps) == 1  # one map for the three layers
     monkeypatch.setattr(vit_mod, "rope_forms_stacked", lambda pes: ([rope_form(pe) for pe in pes], []))
-    monkeypatch.setattr(vit_mod, "batch_block_gradients", lambda forms, coords: forms)
+    monkeypatch.setattr(vit_mod, "batch_block_gradients", lambda forms, coords, stacked=(): forms)
     ref_out, ref_grads = run()
     assert len(schurs) == 3 and len(maps) == 3  # one of each per layer
     assert torch.allclose(out, ref_out, rtol=1e-12, atol=1e-14)

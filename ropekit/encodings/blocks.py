@@ -447,7 +447,7 @@ def share_block_gradients(form, coords: Tensor):
     return form._replace(eigen=e._replace(scales=s, collector=collector))
 
 
-def batch_block_gradients(forms: Sequence, coords: Tensor) -> list:
+def batch_block_gradients(forms: Sequence, coords: Tensor, stacked: Sequence = ()) -> list:
     """Several block encodings' :class:`~ropekit.encodings.forms.RoPEForm` (the per-layer encodings of one model)
     prepared for their rotations on the same coordinates: every form keeps its own generators and axis weights,
     but the scalars ``s_j(r)`` of all forms of one configuration are formed in one product, and one node gathers
@@ -461,15 +461,22 @@ def batch_block_gradients(forms: Sequence, coords: Tensor) -> list:
             dtype and device are batched together (a configuration met once gets :func:`share_block_gradients`),
             every other form is returned as it is.
         coords: ``(M, c)`` or ``(B, M, c)``, the coordinates every rotation using the results will get.
+        stacked: ``(indices, eigen)`` pairs whose ``eigen`` holds the forms' ``BlockEigenForm`` tensors stacked,
+            ``(L, ...)`` (a stacked form's, ``fold.rope_forms_stacked``): those forms are batched with the stacked
+            tensors as they are, not concatenated again from their slices.
 
     Returns:
         The forms, in the order given.
     """
     out = list(forms)
+    done = set()
+    for idx, e in stacked:
+        _batch_eigen_group(out, forms, list(idx), e, coords)
+        done.update(idx)
     groups: dict = {}
     for i, form in enumerate(forms):
         e = form.eigen
-        if e is not None:
+        if e is not None and i not in done:
             key = (tuple(e.generators.shape), e.generators.dtype, e.generators.device, tuple(e.axis_weights.shape),
                    e.axis_weights.dtype, e.mu.dtype)
             groups.setdefault(key, []).append(i)
@@ -478,22 +485,26 @@ def batch_block_gradients(forms: Sequence, coords: Tensor) -> list:
             out[idx[0]] = share_block_gradients(forms[idx[0]], coords)
             continue
         es = [forms[i].eigen for i in idx]
-        n, hp = len(es), es[0].generators.shape[0]
-        s = wide_angles(coords, torch.cat([e.axis_weights for e in es]))  # (L Hp, M, nb) or (B, L Hp, M, nb)
-        s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, L Hp, M, nb): layer l's heads at l Hp .. (l + 1) Hp - 1
-        scales = s.unflatten(1, (n, hp)).unbind(1)  # L x (Bs, Hp, M, nb)
-        gens = [e.generators for e in es]
-        if not (torch.is_grad_enabled() and (s.requires_grad or any(g.requires_grad for g in gens))):
-            collectors = [None] * n
-        else:
-            collector = _BlockGradientCollector.apply(
-                s, torch.cat(gens), torch.cat([e.schur.detach() for e in es]),
-                torch.cat([e.mu.detach() for e in es]),  # (L Hp, nb, T, b, b); each layer its own slice, nothing
-                torch.promote_types(gens[0].dtype, torch.float32))  # summed in it: the rotations' dtype, cast once
-            collectors = collector.unflatten(0, (n, hp)).unbind(0)  # L x (Hp, nb, T, b, b)
-        for i, e, sc, col in zip(idx, es, scales, collectors):
-            out[i] = forms[i]._replace(eigen=e._replace(scales=sc, collector=col))
+        e = es[0]._replace(**{f: torch.stack([getattr(x, f) for x in es])
+                              for f in ("generators", "axis_weights", "schur", "mu")})
+        _batch_eigen_group(out, forms, idx, e, coords)
     return out
+
+
+def _batch_eigen_group(out: list, forms: Sequence, idx: list, e, coords: Tensor) -> None:
+    """:func:`batch_block_gradients` for the forms ``idx``, their eigen tensors stacked in ``e`` ``(L, Hp, ...)``."""
+    n, hp = e.generators.shape[:2]
+    s = wide_angles(coords, e.axis_weights.flatten(0, 1))  # (L Hp, M, nb) or (B, L Hp, M, nb)
+    s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, L Hp, M, nb): layer l's heads at l Hp .. (l + 1) Hp - 1
+    scales = s.unflatten(1, (n, hp)).unbind(1)  # L x (Bs, Hp, M, nb)
+    collectors: Sequence = [None] * n
+    if torch.is_grad_enabled() and (s.requires_grad or e.generators.requires_grad):
+        collector = _BlockGradientCollector.apply(
+            s, e.generators.flatten(0, 1), e.schur.detach().flatten(0, 1), e.mu.detach().flatten(0, 1),
+            torch.promote_types(e.generators.dtype, torch.float32))  # (L Hp, nb, T, b, b): each layer its own
+        collectors = collector.unflatten(0, (n, hp)).unbind(0)  # slice, nothing summed: the rotations' dtype
+    for i, sc, col in zip(idx, scales, collectors):
+        out[i] = forms[i]._replace(eigen=forms[i].eigen._replace(scales=sc, collector=col))
 
 
 def _block_eigen_reference(x: Tensor, s: Tensor, gens: Tensor, basis: Tensor, num_prefix_tokens: int) -> Tensor:

@@ -159,7 +159,7 @@ def rope_forms_stacked(pes: Sequence[PositionEncoding]) -> Tuple[List[RoPEForm],
                 for i, (k, w), schur in zip(idx, blocks, schurs):
                     forms[i] = block_form(pes[i], k, w, schur=schur)
                 continue
-            stacked = stacked_block_form(pes[idx[0]], ks, ws, qs, mus)
+            stacked = stacked_block_form(pes[idx[0]], ks, ws, qs, mus)._replace(eigen=BlockEigenForm(ks, ws, qs, mus))
             stacks.append((idx, stacked))
             for i, (k, w), (q, mu), form in zip(idx, blocks, schurs, unstack_rope_form(stacked, len(idx))):
                 forms[i] = form._replace(eigen=BlockEigenForm(k, w, q, mu))

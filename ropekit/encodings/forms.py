@@ -205,7 +205,8 @@ def stacked_block_form(pe, k: Tensor, axis_weights: Tensor, q: Tensor, mu: Tenso
     """:func:`block_form`'s training form of ``L`` block encodings at once, from their Schur forms computed together
     (``skew_real_schur`` of the stacked blocks), stacked as ``PositionEncoding.stacked_rope_form`` describes: the
     basis ``(L, Hp, d, d)``, its blocks ``(L, Hp, nb, b, b)`` and the frequencies ``(L, Hp, c, d/2)``, constants;
-    ``eigen`` is left to each layer's own form (interleaved pairs only: with half pairs the basis is permuted).
+    ``eigen`` is left to each layer's own form (``fold.rope_forms_stacked`` sets the stacked form's to the stacked
+    ``BlockEigenForm``; interleaved pairs only: with half pairs the basis is permuted).
 
     Args:
         pe: the first encoding (its pair convention).

@@ -546,7 +546,7 @@ class VisionTransformer(nn.Module):
                           dtype: Optional[torch.dtype] = None) -> Dict[int, PreparedPE]:
         """The state of every encoding held by more than one layer, computed once for this forward pass (the
         folded basis and frequencies, or the encoding's prepared angles), keyed by ``id(encoding)``. The folded
-        forms of single-layer encodings are computed here together (``fold.rope_forms``: the per-layer Cayley
+        forms of single-layer encodings are computed here together (``fold.rope_forms_stacked``: the per-layer Cayley
         bases in one batched solve, the per-layer ComRoPE block Schur forms in one batched set of Jacobi rounds;
         ``blocks.batch_block_gradients``: the ComRoPE layers' gradients mapped in one batched Frechet map per
         step); other single-layer encodings are prepared by their layer. Where several
@@ -568,7 +568,8 @@ class VisionTransformer(nn.Module):
         if len(folding) > 1:
             forms, stacks = rope_forms_stacked([a.pe for a in folding])
             # block forms (ComRoPE): one node maps every layer's gradient in one batched Frechet map per step
-            forms = batch_block_gradients(forms, coords)
+            stacked_eigen = [(idx, st.eigen) for idx, st in stacks if st.eigen is not None]
+            forms = batch_block_gradients(forms, coords, stacked_eigen)
             for attn, form in zip(folding, forms):
                 states[id(attn.pe)] = PreparedPE("fold", attn.pe, form)
         table_dtype = torch.float64 if torch.float64 in (dtype, coords.dtype) else torch.float32
