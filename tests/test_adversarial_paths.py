@@ -352,3 +352,22 @@ def test_second_derivatives_of_the_kernel_path_equal_the_float64_torch_path(inte
     want = second(ref, torch.float64)
     for a, b in zip(got, want):
         assert _rel(a, b) < 2e-5
+
+
+@pytest.mark.parametrize("name,opts", [("mixed", {}), ("cayley", {}), ("comrope-ld", {"block_size": 4})])
+def test_vit_on_the_kernel_path_equals_the_torch_path(interpreter, name, opts):
+    """A ViT whose folded rotations run the fused kernel (which forms its own angles: the model forms no angle
+    tables there, and ComRoPE's block rotation takes its frequencies instead of a table) gives the logits and every
+    gradient of the same ViT on the PyTorch path, with its batched tables and gradient collectors."""
+    results = []
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        m = VisionTransformer(vit_config("tiny", num_classes=3, in_chans=1, image_size=(8, 8), patch_size=4, pe=name,
+                                         depth=2, pe_options={**opts, "backend": backend}))
+        x = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+        out = m(x)
+        results.append((out, torch.autograd.grad(out.square().sum(), list(m.parameters()))))
+    (out, grads), (ref, ref_grads) = results[1], results[0]
+    assert _rel(out, ref) < 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert _rel(g, r) < 2e-5

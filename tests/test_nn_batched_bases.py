@@ -1,4 +1,5 @@
-"""Per-layer Cayley-STRING bases are solved together once per forward (``fold.rope_forms``), and per-layer ComRoPE
+"""Per-layer Cayley-STRING bases are solved together once per forward (``fold.rope_forms_stacked``; circulant's
+frequencies from one product, the RoPE family's stacked), and per-layer ComRoPE
 block eigenbases come from one batched Schur form: the model's outputs and every gradient are bit for bit those of
 factorising each layer's basis alone, and only one solve (one set of Jacobi rounds) runs. Per-layer ComRoPE's
 gradients are mapped in one batched Frechet map too (``blocks.batch_block_gradients``), equal to the per-layer maps
@@ -40,7 +41,7 @@ def test_batched_bases_equal_per_layer_bases_bit_for_bit(pe, monkeypatch):
     m = _model(pe)
     assert all(blk.attn.folds for blk in m.blocks) and len({id(b.attn.pe) for b in m.blocks}) == 3
     out, grads = _run(m)
-    monkeypatch.setattr(vit_mod, "rope_forms", lambda pes: [rope_form(pe) for pe in pes])  # one solve per layer
+    monkeypatch.setattr(vit_mod, "rope_forms_stacked", lambda pes: ([rope_form(pe) for pe in pes], []))  # per layer
     ref_out, ref_grads = _run(m)
     assert torch.equal(out, ref_out)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
@@ -91,11 +92,12 @@ def test_rope_forms_mixes_kinds():
     assert fold_mod.rope_forms([]) == []
 
 
-@pytest.mark.parametrize("pe", ["cayley", "circulant"])
-@pytest.mark.parametrize("sharing", ["layer", "model"])
+@pytest.mark.parametrize("pe,sharing", [("cayley", "layer"), ("cayley", "model"), ("circulant", "layer"),
+                                        ("circulant", "model"), ("comrope-ld", "layer")])
 def test_batched_merge_equals_the_per_layer_merge(pe, sharing, monkeypatch):
-    """The bases merged into every layer's q/k projection in one batched product (``fold.fold_qkv_weights``) give
-    the logits and every gradient of merging layer by layer (``fold.fold_qkv_weight``), in float64 to round-off."""
+    """The bases merged into every layer's q/k projection in one batched product (``fold.fold_qkv_weights``; block by
+    block for ComRoPE's stacked blocks) give the logits and every gradient of merging layer by layer
+    (``fold.fold_qkv_weight``), in float64 to round-off."""
     from ropekit.fold import fold_qkv_weight
 
     torch.manual_seed(0)
@@ -107,7 +109,7 @@ def test_batched_merge_equals_the_per_layer_merge(pe, sharing, monkeypatch):
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     calls = []
     real = vit_mod.fold_qkv_weights
-    monkeypatch.setattr(vit_mod, "fold_qkv_weights", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(vit_mod, "fold_qkv_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def run():
         out = m(x)
@@ -115,8 +117,13 @@ def test_batched_merge_equals_the_per_layer_merge(pe, sharing, monkeypatch):
 
     out, grads = run()
     assert calls == [1]  # one batched merge for the three layers
-    monkeypatch.setattr(vit_mod, "fold_qkv_weights",
-                        lambda ws, bs, ps, h: [fold_qkv_weight(w, b, p, h) for w, b, p in zip(ws, bs, ps)])
+    def per_layer(ws, bs, ps, h, blocks=None):  # a stacked basis (and blocks) sliced layer by layer
+        n = len(ws)
+        ps = list(ps.expand(n, *ps.shape[1:])) if isinstance(ps, torch.Tensor) else ps
+        ks = [None] * n if blocks is None else list(blocks.expand(n, *blocks.shape[1:]))
+        return [fold_qkv_weight(w, b, p, h, blocks=k) for w, b, p, k in zip(ws, bs, ps, ks)]
+
+    monkeypatch.setattr(vit_mod, "fold_qkv_weights", per_layer)
     ref_out, ref_grads = run()
     assert torch.allclose(out, ref_out, rtol=1e-12, atol=1e-13)
     for g, r in zip(grads, ref_grads):
@@ -215,7 +222,7 @@ def test_gathered_and_per_rotation_gradients_keep_float64_angles():
 @pytest.mark.parametrize("per_example", [False, True])
 def test_per_layer_comrope_runs_one_schur_form_and_one_gradient_map(init, per_example, monkeypatch):
     """ComRoPE owned layer by layer and head by head (its paper's sharing): the layers' block Schur forms come from
-    one batched ``skew_real_schur`` call (``fold.rope_forms``) and their gradients from one batched Frechet map
+    one batched ``skew_real_schur`` call (``fold.rope_forms_stacked``) and their gradients from one batched Frechet map
     (``blocks.batch_block_gradients``), each layer keeping its own generators -- logits and every gradient equal to
     factorising and mapping layer by layer, in float64 to round-off, also at ``K = 0`` where every frequency ties."""
     import ropekit.encodings.blocks as blocks_mod
@@ -239,8 +246,8 @@ def test_per_layer_comrope_runs_one_schur_form_and_one_gradient_map(init, per_ex
     out, grads = run()
     assert len(schurs) == 1 and schurs[0][0] == 3  # the three layers' blocks stacked along the batch dimension
     assert len(maps) == 1  # one map for the three layers
-    monkeypatch.setattr(vit_mod, "rope_forms", lambda pes: [rope_form(pe) for pe in pes])
-    monkeypatch.setattr(vit_mod, "batch_block_gradients", lambda forms, coords: forms)
+    monkeypatch.setattr(vit_mod, "rope_forms_stacked", lambda pes: ([rope_form(pe) for pe in pes], []))
+    monkeypatch.setattr(vit_mod, "batch_block_gradients", lambda forms, coords, stacked=(): forms)
     ref_out, ref_grads = run()
     assert len(schurs) == 3 and len(maps) == 3  # one of each per layer
     assert torch.allclose(out, ref_out, rtol=1e-12, atol=1e-14)
@@ -276,3 +283,51 @@ def test_batch_block_gradients_groups_by_configuration():
         plain = batch_block_gradients([rope_form(pe) for pe in pes], coords)
     assert all(f.eigen is None or f.eigen.collector is None for f in plain)
     assert batch_block_gradients([], coords) == []
+
+
+@pytest.mark.parametrize("pe", ["cayley", "circulant", "mixed", "comrope-ld"])
+def test_stacked_forms_slice_to_each_encodings_own_form(pe):
+    """``rope_forms_stacked``: slice ``l`` of the stacked form is layer ``l``'s ``rope_form()``; the stacked basis
+    merged into the projections in one product equals merging the list of bases."""
+    from ropekit.fold import fold_qkv_weights, rope_forms_stacked
+
+    m = _model(pe)
+    pes = [blk.attn.pe for blk in m.blocks]
+    forms, stacks = rope_forms_stacked(pes)
+    assert len(stacks) == 1 and stacks[0][0] == [0, 1, 2]
+    stacked = stacks[0][1]
+    for i, (form, p) in enumerate(zip(forms, pes)):
+        ref = p.rope_form()
+        torch.testing.assert_close(form.freqs, ref.freqs, rtol=0, atol=0)
+        torch.testing.assert_close(stacked.freqs[i], ref.freqs, rtol=0, atol=0)
+        assert (form.eigen is None) == (ref.eigen is None)
+        for got, want in ((form.basis, ref.basis), (form.prefix, ref.prefix), (form.blocks, ref.blocks)):
+            assert (got is None) == (want is None)
+            if got is not None:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if stacked.basis is not None:
+        w = [blk.attn.qkv.weight for blk in m.blocks]
+        b = [blk.attn.qkv.bias for blk in m.blocks]
+        heads = m.blocks[0].attn.num_heads
+        for (wa, ba), (wb, bb) in zip(fold_qkv_weights(w, b, stacked.basis, heads),
+                                      fold_qkv_weights(w, b, [f.basis for f in forms], heads)):
+            assert torch.equal(wa, wb) and torch.equal(ba, bb)
+    with pytest.raises(ValueError, match="stacked bases"):
+        fold_qkv_weights([m.blocks[0].attn.qkv.weight], [None], torch.zeros(2, 1, 4, 4), 3)
+
+
+def test_stack_layers_is_torch_stack_with_a_one_operation_backward():
+    from ropekit.bench.ops import count_step_ops
+    from ropekit.encodings.forms import stack_layers
+
+    ts = [torch.randn(3, 4, requires_grad=True) for _ in range(5)]
+    w = torch.randn(5, 3, 4)
+    out = stack_layers(ts)
+    assert torch.equal(out, torch.stack(ts))
+    got = torch.autograd.grad((out * w).sum(), ts)
+    assert all(torch.equal(g, w[i]) for i, g in enumerate(got))
+    g = torch.ones(5, 3, 4)
+    ours = count_step_ops(lambda: torch.autograd.grad(stack_layers(ts), ts, g))
+    theirs = count_step_ops(lambda: torch.autograd.grad(torch.stack(ts), ts, g))
+    assert ours["all"] < theirs["all"]  # one unbind, not a select per tensor
+    assert not stack_layers([t.detach() for t in ts]).requires_grad

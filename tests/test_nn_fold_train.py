@@ -144,14 +144,16 @@ def test_folded_vit_logits_and_gradients(pe, opts, cls, modality):
 
 def test_shared_encoding_is_prepared_once_per_forward(monkeypatch):
     """With one encoding for all layers, its folded form is computed once per model forward, not per layer;
-    per-layer encodings get their forms together, once per forward (one ``rope_forms`` call for both layers)."""
+    per-layer encodings get their forms together, once per forward (one ``rope_forms_stacked`` call for both
+    layers)."""
     import ropekit.nn.attention as attention
     import ropekit.nn.vit as vit
 
     calls, batched = [], []
-    real, real_batched = attention.rope_form, vit.rope_forms
+    real, real_batched = attention.rope_form, vit.rope_forms_stacked
     monkeypatch.setattr(attention, "rope_form", lambda pe: calls.append(id(pe)) or real(pe))
-    monkeypatch.setattr(vit, "rope_forms", lambda pes: batched.append([id(p) for p in pes]) or real_batched(pes))
+    monkeypatch.setattr(vit, "rope_forms_stacked",
+                        lambda pes: batched.append([id(p) for p in pes]) or real_batched(pes))
     shared, _ = _vit_pair("cayley", "none", pe_sharing="model")
     shared(torch.rand(2, 1, 12, 12, dtype=torch.float64))
     assert len(calls) == 1 and batched == []

@@ -37,10 +37,10 @@ import ropekit.encodings.rotation as rotation
 import ropekit.nn.vit as vit
 from ropekit.bench.core import BenchConfig, _vit_step
 from ropekit.bench.ops import count_step_ops
-from ropekit.fold import rope_form, rope_forms
+from ropekit.fold import rope_form, rope_forms_stacked
 
 def _per_layer_forms(pes):
-    return [rope_form(pe) for pe in pes]
+    return [rope_form(pe) for pe in pes], []  # as rope_forms_stacked, without stacked forms
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
@@ -102,12 +102,12 @@ def cmd_syncs(args: argparse.Namespace) -> None:
 def cmd_ops(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     step = _vit_step(args.size, args.pe, BenchConfig())
-    for name, forms in (("bases together", rope_forms), ("bases per layer", _per_layer_forms)):
-        vit.rope_forms = forms
+    for name, forms in (("bases together", rope_forms_stacked), ("bases per layer", _per_layer_forms)):
+        vit.rope_forms_stacked = forms
         counts = count_step_ops(step)
         print(f"{args.pe} ({args.size}), {name}: top-level ATen ops per step {counts['all']}, "
               f"non-view {counts['non_view']}")
-    vit.rope_forms = rope_forms
+    vit.rope_forms_stacked = rope_forms_stacked
 
 
 def cmd_ab(args: argparse.Namespace) -> None:
@@ -115,10 +115,10 @@ def cmd_ab(args: argparse.Namespace) -> None:
     settings: Dict[str, Callable[[], None]] = {
         "loop-threshold": {"loop (0 B)": lambda: setattr(rotation, "_LOOP_MIN_BYTES", 0),
                            "threshold (256 KiB)": lambda: setattr(rotation, "_LOOP_MIN_BYTES", 256 * 1024)},
-        "batched-bases": {"bases together": lambda: setattr(vit, "rope_forms", rope_forms),
-                          "bases per layer": lambda: setattr(vit, "rope_forms", _per_layer_forms)},
+        "batched-bases": {"bases together": lambda: setattr(vit, "rope_forms_stacked", rope_forms_stacked),
+                          "bases per layer": lambda: setattr(vit, "rope_forms_stacked", _per_layer_forms)},
     }[args.what]
-    before = rotation._LOOP_MIN_BYTES, vit.rope_forms
+    before = rotation._LOOP_MIN_BYTES, vit.rope_forms_stacked
     step = _vit_step(args.size, args.pe, BenchConfig())
     for _ in range(2):
         step()
@@ -130,7 +130,7 @@ def cmd_ab(args: argparse.Namespace) -> None:
             step()
             step()
             times[name].append((time.process_time() - t) / 2 * 1e3)
-    rotation._LOOP_MIN_BYTES, vit.rope_forms = before
+    rotation._LOOP_MIN_BYTES, vit.rope_forms_stacked = before
     print(f"{args.pe} ({args.size}), one thread, process CPU ms per step, median of {args.rounds} alternating "
           "rounds: " + ", ".join(f"{n} {statistics.median(v):.1f}" for n, v in times.items()))
 

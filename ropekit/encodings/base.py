@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -435,6 +435,20 @@ class PositionEncoding(nn.Module):
             ValueError: for an encoding that does not commute or is not a rotation.
         """
         raise no_rope_form(self)
+
+    def rope_batch_key(self) -> tuple | None:
+        """Encodings whose keys are equal (and not ``None``) can have their RoPE forms computed together, stacked,
+        by their class's :meth:`stacked_rope_form` (``fold.rope_forms``: the per-layer encodings of a model).
+        ``None`` (the default): this encoding's form is computed on its own."""
+        return None
+
+    @classmethod
+    def stacked_rope_form(cls, pes: Sequence["PositionEncoding"]) -> RoPEForm:
+        """The RoPE forms of ``L`` encodings with one :meth:`rope_batch_key` (of this class), computed together:
+        every tensor of the :class:`RoPEForm` carries a leading dimension, ``L``, or 1 where it is the same for all
+        (``basis`` and ``prefix`` ``(L | 1, Hp, d, d)`` or ``None``, ``freqs`` ``(L, Hp, c, d/2)``); slice ``l`` is
+        ``pes[l].rope_form()``. Implemented by the classes whose :meth:`rope_batch_key` is not ``None``."""
+        raise NotImplementedError(f"{cls.__name__} has no stacked RoPE form")
 
     def to_rope(self) -> tuple[Tensor, Tensor]:
         """``(P, freqs)`` with ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P`` for a commuting encoding.

@@ -14,9 +14,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .angles import _wide_dtype, wide_angles
+from .angles import _rotate_pairs_real, _wide_dtype, wide_angles
 from .products import precise_matmul
-from .rotation import _slice_loops, apply_frequency_rope
+from .rotation import _complex_pairs, _fused_kernel, _is_compiling, _slice_loops, apply_frequency_rope
 from .skew import skew_real_schur
 
 __all__ = ["block_apply", "scaled_block_exp_matrices", "scaled_block_exp_apply", "scaled_block_exp_reference",
@@ -299,62 +299,87 @@ def scaled_block_exp_apply(x: Tensor, s: Tensor, k: Tensor) -> Tensor:
     return block_apply(scaled_block_exp_matrices(s, k), x)
 
 
+def _rotate_by_table(x: Tensor, cos: Tensor, sin: Tensor, num_prefix_tokens: int, inverse: bool = False) -> Tensor:
+    """``x`` ``(..., N, d)`` turned pair by pair by the angles of a table (``cos``, ``sin`` ``(..., M, d/2)``; by
+    their negatives with ``inverse``) after its prefix tokens, math in the table's dtype, output in ``x``'s: the
+    plain product, for use inside an autograd Function (no graph, no nested Function)."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        xr = x[..., num_prefix_tokens:, :] if num_prefix_tokens else x
+        xr = xr if xr.dtype == cos.dtype else xr.to(cos.dtype)
+        sin = -sin if inverse else sin
+        if _is_compiling():  # no complex tensor reaches the compiler (rotation.rotate_pairs)
+            y = _rotate_pairs_real(xr, cos, sin)
+        else:
+            y = torch.view_as_real(_complex_pairs(xr) * torch.complex(cos, sin)).flatten(-2)  # (..., M, d)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return torch.cat((x[..., :num_prefix_tokens, :], y), dim=-2) if num_prefix_tokens else y
+
+
 class _BlockEigenRotation(torch.autograd.Function):
-    """q and k rotated by ``Q_j^T expm(s_j K_j) Q_j`` block by block after their prefix tokens, computed as RoPE in
-    the basis ``Q`` (see ``rotate_in_block_eigenbasis``)."""
+    """q and k, stacked ``(2, B, H, N, d)``, rotated by ``Q_j^T expm(s_j K_j) Q_j`` block by block after their
+    prefix tokens, computed as RoPE in the basis ``Q`` (see ``rotate_in_block_eigenbasis``); outputs ``(q, k)``."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor, coords: Tensor,
-                freqs: Tensor, num_prefix_tokens: int, backend: str, collector: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
-        # q, k: (B, H, N, d); s: (Bs, Hp, M, nb) wide; gens, basis: (Hp, nb, b, b); mu: (Hp, nb, h) wide;
-        # coords: (M, c) | (B, M, c); freqs: (Hp, c, d/2) wide, = axis weights x mu; collector: see
-        # share_block_gradients (its gradient is this rotation's Q^T gE Q, mapped to s and K there, once)
-        f = freqs[0] if freqs.shape[0] == 1 else freqs
-        qo, ko = apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, backend=backend)
-        ctx.save_for_backward(q, k, s, gens, basis, mu, coords, f)
-        ctx.num_prefix_tokens, ctx.backend = num_prefix_tokens, backend
+    def forward(ctx, qk: Tensor, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor, coords: Tensor,
+                freqs: Tensor, num_prefix_tokens: int, backend: str, collector: Tensor | None = None,
+                table: tuple | None = None) -> tuple[Tensor, Tensor]:
+        # qk: (2, B, H, N, d); s: (Bs, Hp, M, nb) wide; gens, basis: (Hp, nb, b, b); mu: (Hp, nb, h) wide;
+        # coords: (M, c) | (B, M, c); freqs: (Hp, c, d/2) wide, = axis weights x mu, or None with a table; see
+        # share_block_gradients (its gradient is this rotation's Q^T gE Q, mapped to s and K there, once);
+        # table: (theta, cos, sin) of coords and freqs already formed (rotation.angle_tables), or None
+        f = None if freqs is None else freqs[0] if freqs.shape[0] == 1 else freqs
+        if f is None:  # (then the PyTorch rotation runs: see rotate_in_block_eigenbasis)
+            qo, ko = _rotate_by_table(qk, table[1], table[2], num_prefix_tokens).unbind(0)
+        else:
+            qo, ko = apply_frequency_rope(qk[0], qk[1], coords, f, num_prefix_tokens=num_prefix_tokens,
+                                          backend=backend)
+        ctx.save_for_backward(qk, s, gens, basis, mu, coords, f)
+        ctx.num_prefix_tokens, ctx.backend, ctx.table = num_prefix_tokens, backend, table
         ctx.collector = None if collector is None else collector.dtype
         return qo, ko
 
     @staticmethod
     def backward(ctx, gq: Tensor, gk: Tensor):
-        q, k, s, gens, basis, mu, coords, f = ctx.saved_tensors
+        qk, s, gens, basis, mu, coords, f = ctx.saved_tensors
         p0 = ctx.num_prefix_tokens
-        need_q, need_k, need_s, need_g = ctx.needs_input_grad[:4]
+        need_x, need_s, need_g = ctx.needs_input_grad[:3]
+        g = torch.stack((gq, gk))  # (2, B, H, N, d)
         if torch.is_grad_enabled():  # a gradient graph is requested: differentiate the dense exponential instead
             with torch.enable_grad():
-                inputs = [t for t, n in zip((q, k, s, gens), (need_q, need_k, need_s, need_g)) if n]
-                outs = [_block_eigen_reference(x, s, gens, basis, p0) for x in (q, k)]
+                inputs = [t for t, n in zip((qk, s, gens), (need_x, need_s, need_g)) if n]
+                outs = [_block_eigen_reference(x, s, gens, basis, p0) for x in qk.unbind(0)]
                 grads = iter(torch.autograd.grad(outs, inputs, [gq, gk], create_graph=True, allow_unused=True))
-            return tuple(next(grads) if n else None for n in (need_q, need_k, need_s, need_g)) + (None,) * 7
-        gx_q = gx_k = g_s = g_gens = g_collector = None
-        collect = ctx.collector is not None and ctx.needs_input_grad[10]
+            return tuple(next(grads) if n else None for n in (need_x, need_s, need_g)) + (None,) * 8
+        g_x = g_s = g_gens = g_collector = None
+        collect = ctx.collector is not None and ctx.needs_input_grad[9]
         if collect:  # the shared node maps the sum of every rotation's outer products to s and K, once
             need_s = need_g = False
-        if need_q or need_k:  # the transposed rotation: the same angles negated
-            gx_q, gx_k = apply_frequency_rope(gq, gk, coords, -f, num_prefix_tokens=p0, backend=ctx.backend,
-                                              validate=False)
+        if need_x:  # the transposed rotation: the same angles negated
+            table = ctx.table
+            if f is None:
+                g_x = _rotate_by_table(g, table[1], table[2], p0, inverse=True)
+            else:
+                g_x = torch.stack(apply_frequency_rope(gq, gk, coords, -f, num_prefix_tokens=p0,
+                                                       backend=ctx.backend, validate=False))
         if need_s or need_g or collect:
             bs, hp, m, nb = s.shape
             b = basis.shape[-1]
-            heads = q.shape[1]
-            with torch.autocast(device_type=q.device.type, enabled=False):
-                dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-                # (Hp, nb, M | (B, M), ., .) batches of outer products summed over the batch and heads sharing the
-                # parameters (shared coordinates) or over the heads only (per example): one bmm each for q and k
-                order, batch = ((1, 4, 3, 0, 2, 5), hp * nb * m) if bs == 1 else ((1, 4, 0, 3, 2, 5), hp * nb * bs * m)
-                gh = None
-                for x, g in ((q, gq), (k, gk)):  # sum over the tokens at each coordinate of g x^T in the basis
-                    xv, gv = (t[:, :, p0:].to(dt).unflatten(1, (hp, heads // hp)).unflatten(-1, (nb, b))
-                              .permute(order).reshape(batch, -1, b) for t in (x, g))  # (batch, B r | r, b)
-                    gh = torch.bmm(gv.transpose(1, 2), xv) if gh is None else gh.baddbmm_(gv.transpose(1, 2), xv)
-                gh = gh.view(hp, nb, bs * m, b, b)
+            heads = qk.shape[2]
+            with torch.autocast(device_type=qk.device.type, enabled=False):
+                dt = torch.float64 if qk.dtype == torch.float64 else torch.float32
+                # (Hp, nb, M | (B, M), ., .) batches of outer products summed over q and k, the batch and the heads
+                # sharing the parameters (shared coordinates) or over q, k and the heads only (per example): one bmm
+                order, batch = (((2, 5, 4, 0, 1, 3, 6), hp * nb * m) if bs == 1 else
+                                ((2, 5, 1, 4, 0, 3, 6), hp * nb * bs * m))
+                xv, gv = ((t[..., p0:, :] if p0 else t) for t in (qk, g))  # (2, B, H, M, d)
+                xv, gv = ((t if t.dtype == dt else t.to(dt)).unflatten(2, (hp, heads // hp)).unflatten(-1, (nb, b))
+                          .permute(order).reshape(batch, -1, b) for t in (xv, gv))  # (batch, 2 B r | 2 r, b)
+                gh = torch.bmm(gv.transpose(1, 2), xv).view(hp, nb, bs * m, b, b)
                 if collect:
-                    g_collector = gh.to(ctx.collector)
+                    g_collector = gh if gh.dtype == ctx.collector else gh.to(ctx.collector)
                 else:
                     g_s, g_gens = _block_grads(gh, s, gens, basis, mu, need_s, need_g)
-        return gx_q, gx_k, g_s, g_gens, None, None, None, None, None, None, g_collector
+        return g_x, g_s, g_gens, None, None, None, None, None, None, g_collector, None
 
 
 def _block_grads(gh: Tensor, s: Tensor, gens: Tensor, basis: Tensor, mu: Tensor, need_s: bool, need_g: bool
@@ -392,6 +417,7 @@ class _BlockGradientCollector(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gh: Tensor):
         s, gens, basis, mu = ctx.saved_tensors
+        gh = gh if gh.dtype == s.dtype else gh.to(s.dtype)  # one cast for every layer's outer products
         g_s, g_gens = _block_grads(gh, s, gens, basis, mu, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return g_s, g_gens, None, None, None
 
@@ -421,7 +447,7 @@ def share_block_gradients(form, coords: Tensor):
     return form._replace(eigen=e._replace(scales=s, collector=collector))
 
 
-def batch_block_gradients(forms: Sequence, coords: Tensor) -> list:
+def batch_block_gradients(forms: Sequence, coords: Tensor, stacked: Sequence = ()) -> list:
     """Several block encodings' :class:`~ropekit.encodings.forms.RoPEForm` (the per-layer encodings of one model)
     prepared for their rotations on the same coordinates: every form keeps its own generators and axis weights,
     but the scalars ``s_j(r)`` of all forms of one configuration are formed in one product, and one node gathers
@@ -435,15 +461,22 @@ def batch_block_gradients(forms: Sequence, coords: Tensor) -> list:
             dtype and device are batched together (a configuration met once gets :func:`share_block_gradients`),
             every other form is returned as it is.
         coords: ``(M, c)`` or ``(B, M, c)``, the coordinates every rotation using the results will get.
+        stacked: ``(indices, eigen)`` pairs whose ``eigen`` holds the forms' ``BlockEigenForm`` tensors stacked,
+            ``(L, ...)`` (a stacked form's, ``fold.rope_forms_stacked``): those forms are batched with the stacked
+            tensors as they are, not concatenated again from their slices.
 
     Returns:
         The forms, in the order given.
     """
     out = list(forms)
+    done = set()
+    for idx, e in stacked:
+        _batch_eigen_group(out, forms, list(idx), e, coords)
+        done.update(idx)
     groups: dict = {}
     for i, form in enumerate(forms):
         e = form.eigen
-        if e is not None:
+        if e is not None and i not in done:
             key = (tuple(e.generators.shape), e.generators.dtype, e.generators.device, tuple(e.axis_weights.shape),
                    e.axis_weights.dtype, e.mu.dtype)
             groups.setdefault(key, []).append(i)
@@ -452,21 +485,26 @@ def batch_block_gradients(forms: Sequence, coords: Tensor) -> list:
             out[idx[0]] = share_block_gradients(forms[idx[0]], coords)
             continue
         es = [forms[i].eigen for i in idx]
-        n, hp = len(es), es[0].generators.shape[0]
-        s = wide_angles(coords, torch.cat([e.axis_weights for e in es]))  # (L Hp, M, nb) or (B, L Hp, M, nb)
-        s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, L Hp, M, nb): layer l's heads at l Hp .. (l + 1) Hp - 1
-        scales = s.unflatten(1, (n, hp)).unbind(1)  # L x (Bs, Hp, M, nb)
-        gens = [e.generators for e in es]
-        if not (torch.is_grad_enabled() and (s.requires_grad or any(g.requires_grad for g in gens))):
-            collectors = [None] * n
-        else:
-            collector = _BlockGradientCollector.apply(
-                s, torch.cat(gens), torch.cat([e.schur.detach() for e in es]),
-                torch.cat([e.mu.detach() for e in es]), _wide_dtype(s.device))  # (L Hp, nb, T, b, b)
-            collectors = collector.unflatten(0, (n, hp)).unbind(0)  # L x (Hp, nb, T, b, b)
-        for i, e, sc, col in zip(idx, es, scales, collectors):
-            out[i] = forms[i]._replace(eigen=e._replace(scales=sc, collector=col))
+        e = es[0]._replace(**{f: torch.stack([getattr(x, f) for x in es])
+                              for f in ("generators", "axis_weights", "schur", "mu")})
+        _batch_eigen_group(out, forms, idx, e, coords)
     return out
+
+
+def _batch_eigen_group(out: list, forms: Sequence, idx: list, e, coords: Tensor) -> None:
+    """:func:`batch_block_gradients` for the forms ``idx``, their eigen tensors stacked in ``e`` ``(L, Hp, ...)``."""
+    n, hp = e.generators.shape[:2]
+    s = wide_angles(coords, e.axis_weights.flatten(0, 1))  # (L Hp, M, nb) or (B, L Hp, M, nb)
+    s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, L Hp, M, nb): layer l's heads at l Hp .. (l + 1) Hp - 1
+    scales = s.unflatten(1, (n, hp)).unbind(1)  # L x (Bs, Hp, M, nb)
+    collectors: Sequence = [None] * n
+    if torch.is_grad_enabled() and (s.requires_grad or e.generators.requires_grad):
+        collector = _BlockGradientCollector.apply(
+            s, e.generators.flatten(0, 1), e.schur.detach().flatten(0, 1), e.mu.detach().flatten(0, 1),
+            torch.promote_types(e.generators.dtype, torch.float32))  # (L Hp, nb, T, b, b): each layer its own
+        collectors = collector.unflatten(0, (n, hp)).unbind(0)  # slice, nothing summed: the rotations' dtype
+    for i, sc, col in zip(idx, scales, collectors):
+        out[i] = forms[i]._replace(eigen=forms[i].eigen._replace(scales=sc, collector=col))
 
 
 def _block_eigen_reference(x: Tensor, s: Tensor, gens: Tensor, basis: Tensor, num_prefix_tokens: int) -> Tensor:
@@ -483,10 +521,10 @@ def _block_eigen_reference(x: Tensor, s: Tensor, gens: Tensor, basis: Tensor, nu
     return torch.cat((x[:, :, :num_prefix_tokens], y), dim=2) if num_prefix_tokens else y
 
 
-def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weights: Tensor, gens: Tensor,
+def rotate_in_block_eigenbasis(q: Tensor, k: Tensor | None, coords: Tensor, axis_weights: Tensor, gens: Tensor,
                                basis: Tensor, mu: Tensor, num_prefix_tokens: int = 0, backend: str = "auto",
-                               scales: Tensor | None = None, collector: Tensor | None = None
-                               ) -> tuple[Tensor, Tensor]:
+                               scales: Tensor | None = None, collector: Tensor | None = None,
+                               table: tuple | None = None) -> tuple[Tensor, Tensor]:
     """Rotate q and k, already written in the eigenbasis of a block-diagonal generator, by ``expm(s_j K_j)`` in
     block ``j``: ``y = Q_j^T expm(s_j(r) K_j) Q_j x``, ``s_j(r) = sum_k r_k axis_weights[k, j]`` -- the per-token
     work of a folded ComRoPE (and one-axis LieRE).
@@ -500,7 +538,8 @@ def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weight
 
     Args:
         q, k: ``(B, H, N, d)`` in the basis (``Q_j x`` per block), any float dtype; the first
-            ``num_prefix_tokens`` pass unrotated.
+            ``num_prefix_tokens`` pass unrotated. ``k=None``: ``q`` is q and k stacked, ``(2, B, H, N, d)`` (the
+            leading slices of an attention layer's fused projection: rotated and differentiated as one tensor).
         coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example, ``M = N - num_prefix_tokens``.
         axis_weights: ``(Hp, c, nb)``, differentiable.
         gens: ``(Hp, nb, b, b)`` the skew blocks ``K``, differentiable; ``Hp`` is 1 or ``H``.
@@ -509,6 +548,9 @@ def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weight
         backend: the path of the rotation, as ``apply_frequency_rope``.
         scales, collector: from ``share_block_gradients`` for these ``coords`` (``BlockEigenForm``): the scalars
             ``s_j(r)`` already formed, and the node that maps the gradients of every rotation sharing them at once.
+        table: the angle table ``(theta, cos, sin)`` of ``coords`` and the frequencies ``axis_weights x mu``
+            already formed (``rotation.angle_tables``: a model forms those of all its layers together), used for the
+            value and for the transposed rotation of the backward pass where the PyTorch rotation runs.
 
     Returns:
         ``(q, k)`` of the same shapes and dtypes (float32 math, float64 for float64 tokens).
@@ -517,9 +559,13 @@ def rotate_in_block_eigenbasis(q: Tensor, k: Tensor, coords: Tensor, axis_weight
     s = wide_angles(coords, axis_weights) if scales is None else scales  # (Hp, M, nb) or (B, Hp, M, nb)
     s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, Hp, M, nb)
     mu = mu.detach()
-    freqs = (axis_weights.detach().to(wide).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
-    return _BlockEigenRotation.apply(q, k, s, gens, basis.detach(), mu, coords.detach(), freqs, num_prefix_tokens,
-                                     backend, collector)
+    freqs = None  # the table's, where it is used
+    if table is None or _fused_kernel(q.device, backend=backend) is not None:
+        freqs = (axis_weights.detach().to(wide).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
+        table = None
+    qk = q if k is None else torch.stack((q, k))  # (2, B, H, N, d)
+    return _BlockEigenRotation.apply(qk, s, gens, basis.detach(), mu, coords.detach(), freqs, num_prefix_tokens,
+                                     backend, collector, table)
 
 
 def _dense_block_exp(s: Tensor, k: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .forms import RoPEForm, post_form
+from .forms import RoPEForm, half_pairs_basis, param_heads, post_form, stack_layers
 from .products import basis_change
 from .registry import BenchRow, register_pe
 from .rope import MixedRoPE, _KernelState
@@ -91,4 +91,20 @@ class CayleySTRING(MixedRoPE):
     def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
         """``R(r) = RoPE(r) P`` exactly: ``P`` is the Cayley rotation (one solve, shared by the basis and the prefix
         transform ``P^T``) and the frequencies are the mixed ones."""
-        return post_form(self, self.post_rotation_matrix()[:self.param_heads])
+        return post_form(self, cayley_transform(self.skew_matrix()))  # (Hp, d, d)
+
+    def rope_batch_key(self) -> tuple | None:
+        """Cayley-STRING encodings of one size, band, head sharing, pair convention, dtype and device."""
+        p = self.cayley_params
+        return ("cayley", type(self), self.head_dim, self.band, tuple(p.shape), tuple(self.freqs.shape), p.dtype,
+                p.device, self.pairs)
+
+    @classmethod
+    def stacked_rope_form(cls, pes) -> RoPEForm:
+        """All the Cayley rotations from one batched solve ``(L, Hp, d, d)``, the frequencies stacked, the prefix
+        transforms ``P^T``."""
+        first = pes[0]
+        params = stack_layers(pe.cayley_params for pe in pes)  # (L, Hp, F)
+        bases = cayley_transform(free_to_skew(params, first.head_dim, first.band))  # (L, Hp, d, d), one solve
+        freqs = stack_layers(param_heads(pe.freqs, pe.param_heads) for pe in pes)  # (L, Hp, c, d/2)
+        return RoPEForm(half_pairs_basis(first, bases), freqs, bases.transpose(-1, -2))

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .angles import _wide_dtype, angle_table
 from .base import PositionEncoding
 from .blocks import _block_diag
-from .forms import RoPEForm, half_pairs_basis
+from .forms import RoPEForm, half_pairs_basis, stack_layers
 from .frequencies import mixed_frequencies
 from .products import precise_matmul
 from .registry import BenchRow, register_pe
@@ -134,6 +134,7 @@ class CirculantSTRING(PositionEncoding):
         self.register_buffer("dft_basis", torch.empty(b, b), persistent=False)
         self.register_buffer("mode_table", torch.empty(b, usable), persistent=False)
         self.register_buffer("dft_blockdiag", torch.empty(1, head_dim, head_dim), persistent=False)  # fused kernel's
+        self.register_buffer("form_table", torch.empty(head_dim, head_dim // 2), persistent=False)  # RoPE form's
         self._build_buffers()
         self.base = base
         self.circ_params = nn.Parameter(torch.empty(self.param_heads, coord_dim, nb, b))
@@ -158,8 +159,9 @@ class CirculantSTRING(PositionEncoding):
 
     def _build_buffers(self) -> None:
         """(Re)compute the fixed basis and sine table exactly (float64, then the basis in the buffers' dtype; the
-        table stays float64), and the block-diagonal ``(1, d, d)`` basis of every block that the fused kernel
-        takes."""
+        table stays float64), the block-diagonal ``(1, d, d)`` basis of every block that the fused kernel takes,
+        and the RoPE form's ``(d, d/2)`` table: the sine table of every block on its own rows and mode columns,
+        zero elsewhere (float64)."""
         ref = self.dft_basis
         q, table = real_dft_basis(self.block_size, dtype=_wide_dtype(ref.device), device=ref.device)
         if ref.device.type != "meta":
@@ -167,6 +169,11 @@ class CirculantSTRING(PositionEncoding):
                 self.dft_basis.copy_(q)
                 self.mode_table = table
                 self.dft_blockdiag.copy_(_block_diag(q.expand(self.head_dim // self.block_size, -1, -1)))
+                nb, b, u = self.head_dim // self.block_size, self.block_size, self.num_modes
+                form = table.new_zeros(nb * b, self.head_dim // 2)  # rows j b .. (j + 1) b, columns j u .. (j + 1) u
+                for j in range(nb):
+                    form[j * b:(j + 1) * b, j * u:(j + 1) * u] = table
+                self.form_table = form
 
     def _apply(self, fn, recurse=True):  # device / dtype moves, to_empty: rebuild the fixed tables exactly
         out = super()._apply(fn, recurse)
@@ -246,8 +253,27 @@ class CirculantSTRING(PositionEncoding):
         and ``freqs`` the mode frequencies ``lambda`` (zero for the rows that never turn), linear in
         ``circ_params``; no generator is built. The frequencies stay in the sine table's float64: rounded to
         float32 they would turn by ``r * ulp(lambda)``."""
-        hp = self.param_heads
         basis = block_dft_basis(self.head_dim, self.block_size, self.circ_params.device, self.circ_params.dtype)
-        lam = self.mode_frequencies(self.mode_table.dtype).flatten(-2)[:hp]  # (Hp, c, nb * u): block by block
-        freqs = torch.cat((lam, lam.new_zeros(*lam.shape[:-1], self.head_dim // 2 - lam.shape[-1])), dim=-1)
-        return RoPEForm(half_pairs_basis(self, basis), freqs, None)
+        return RoPEForm(half_pairs_basis(self, basis), self._form_frequencies(self.circ_params), None)
+
+    def _form_frequencies(self, params: Tensor) -> Tensor:
+        """The RoPE form's frequencies ``(..., Hp, c, d/2)`` of parameters ``(..., Hp, c, nb, b)``: the mode
+        frequencies block by block (float64, the sine table's), then zeros for the rows that never turn -- one
+        product with ``form_table`` and one sum (the other blocks' rows and the last columns are zeros)."""
+        table = self.form_table  # (d, d/2)
+        return (params.to(table.dtype).flatten(-2).unsqueeze(-1) * table).sum(-2)  # (..., Hp, c, d/2)
+
+    def rope_batch_key(self) -> tuple | None:
+        """Circulant-STRING encodings of one size, block size, head sharing, pair convention, dtype and device."""
+        p = self.circ_params
+        return ("circulant", type(self), self.head_dim, self.block_size, tuple(p.shape), p.dtype, p.device,
+                self.pairs)
+
+    @classmethod
+    def stacked_rope_form(cls, pes) -> RoPEForm:
+        """The one fixed basis ``(1, 1, d, d)`` and the frequencies of all from one product ``(L, Hp, c, d/2)``."""
+        first = pes[0]
+        p = first.circ_params
+        basis = block_dft_basis(first.head_dim, first.block_size, p.device, p.dtype)  # (1, d, d)
+        freqs = first._form_frequencies(stack_layers(pe.circ_params for pe in pes))  # (L, Hp, c, d/2)
+        return RoPEForm(half_pairs_basis(first, basis).unsqueeze(0), freqs, None)

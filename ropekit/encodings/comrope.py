@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .angles import wide_angles
 from .base import PositionEncoding
 from .blocks import _block_diag, block_apply, scaled_block_exp_matrices
-from .forms import RoPEForm, block_form
+from .forms import RoPEForm, block_form, stack_layers
 from .registry import BenchRow, register_pe
 from .skew import free_to_skew, full_to_free, num_free
 
@@ -108,6 +108,13 @@ class _ComRoPE(PositionEncoding):
     def rope_blocks(self) -> tuple[Tensor, Tensor]:
         """The skew blocks ``K_j`` ``(Hp, nb, b, b)`` and the axis weights ``lambda`` ``(Hp, c, nb)``."""
         return self.block_generators(), self._axis_weights()
+
+    @classmethod
+    def stacked_rope_blocks(cls, pes) -> tuple[Tensor, Tensor]:
+        """:meth:`rope_blocks` of ``L`` encodings of one configuration, stacked: the skew blocks of all from one
+        scatter of their stacked free entries, ``(L, Hp, nb, b, b)``, and the axis weights ``(L, Hp, c, nb)``."""
+        k = free_to_skew(stack_layers(pe.block_params for pe in pes), pes[0].block_size)
+        return k, torch.stack([pe._axis_weights() for pe in pes])
 
     def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
         """``R(r) = P^T RoPE_freqs(r) P`` with ``P = blockdiag_j(Q_j^T)``, ``K_j = Q_j blockdiag_n(mu_{j,n} J) Q_j^T``

@@ -42,7 +42,7 @@ inference: their frequencies and basis are fixed (persistent buffers, saved with
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -50,15 +50,15 @@ from torch import Tensor
 from .angles import _wide_dtype
 from .base import PositionEncoding
 from .blocks import rotate_in_block_eigenbasis
-from .cayley import CayleySTRING
-from .forms import BlockEigenForm, RoPEForm, block_form, post_form
+from .forms import BlockEigenForm, RoPEForm, block_form, stack_layers, stacked_block_form
 from .products import basis_change, precise_matmul
 from .rope import FrequencyRoPE
-from .rotation import apply_frequency_rope
-from .skew import cayley_transform, free_to_skew, skew_real_schur
+from .rotation import apply_frequency_rope, rotate_qk
+from .skew import skew_real_schur
 
-__all__ = ["to_rope", "rope_form", "rope_forms", "RoPEForm", "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe",
-           "is_foldable", "fold_qkv_weight", "fold_qkv_weights", "frequency_rope"]
+__all__ = ["to_rope", "rope_form", "rope_forms", "rope_forms_stacked", "unstack_rope_form", "RoPEForm",
+           "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe", "is_foldable", "fold_qkv_weight",
+           "fold_qkv_weights", "frequency_rope", "frequency_rope_qk"]
 
 
 def foldable_kind(pe: Optional[PositionEncoding]) -> Optional[str]:
@@ -102,44 +102,73 @@ def rope_form(pe: PositionEncoding) -> RoPEForm:
 def rope_forms(pes: Sequence[PositionEncoding]) -> List[RoPEForm]:
     """:func:`rope_form` of several encodings at once, e.g. the per-layer encodings of one model.
 
-    Cayley-STRING encodings of one configuration (size, band, parameter heads, dtype, device) get their bases from
-    one batched solve over all of them instead of one solve per encoding -- on a GPU, where each small operation
-    is a launch, that removes the per-layer preparation's launches but one. ComRoPE (and one-axis LieRE)
-    encodings of one configuration get their block eigenbases from one batched real Schur form (its Jacobi
-    rounds run once per model forward, not once per layer). Every other encoding is written by
-    :func:`rope_form`. Values and gradients are :func:`rope_form`'s (each matrix is factorised as it would be
-    alone).
+    Encodings of one configuration (equal ``rope_batch_key``: Cayley-STRING, Circulant-STRING, the learned RoPE
+    family) get their forms from one computation for all of them (``stacked_rope_form``): the Cayley bases from
+    one batched solve, circulant's frequencies from one product, the frequencies stacked -- on a GPU, where each
+    small operation is a launch, that removes the per-layer preparation's launches but one. ComRoPE (and one-axis
+    LieRE) encodings of one configuration get their block eigenbases from one batched real Schur form (its Jacobi
+    rounds run once per model forward, not once per layer). Every other encoding is written by :func:`rope_form`.
+    Values and gradients are :func:`rope_form`'s (each matrix is factorised as it would be alone).
 
     Raises:
         ValueError: as :func:`rope_form`, for an encoding that has no RoPE form.
     """
+    return rope_forms_stacked(pes)[0]
+
+
+def unstack_rope_form(form: RoPEForm, n: int) -> List[RoPEForm]:
+    """The ``n`` forms of a stacked form (``PositionEncoding.stacked_rope_form``): slice ``l`` of every tensor (a
+    tensor with a leading dimension of 1 is shared by all)."""
+    def parts(t: Optional[Tensor]) -> Sequence[Optional[Tensor]]:
+        if t is None:
+            return [None] * n
+        return [t[0]] * n if t.shape[0] == 1 else t.unbind(0)
+
+    return [RoPEForm(b, f, p, form.pairs, blocks=k)
+            for b, f, p, k in zip(parts(form.basis), parts(form.freqs), parts(form.prefix), parts(form.blocks))]
+
+
+def rope_forms_stacked(pes: Sequence[PositionEncoding]) -> Tuple[List[RoPEForm], List[Tuple[List[int], RoPEForm]]]:
+    """:func:`rope_forms`, and the stacked forms they were sliced from: ``(forms, [(indices, stacked form), ...])``
+    (``PositionEncoding.stacked_rope_form``), for callers that use the stacked tensors as they are (a model merging
+    all bases into its projections in one product, forming all angle tables in one product)."""
     forms: List[Optional[RoPEForm]] = [None] * len(pes)
     groups: Dict[tuple, List[int]] = {}
     for i, pe in enumerate(pes):
         kind = foldable_kind(pe)
-        if isinstance(pe, CayleySTRING) and kind == "post":
-            p = pe.cayley_params
-            groups.setdefault(("post", pe.head_dim, pe.band, tuple(p.shape), p.dtype, p.device), []).append(i)
-        elif kind == "blocks":
+        if kind == "blocks":
             p = next(pe.parameters())
             groups.setdefault(("blocks", type(pe), pe.head_dim, pe.block_size, pe.param_heads, p.dtype, p.device),
                               []).append(i)
+        elif kind is not None and pe.rope_batch_key() is not None:
+            groups.setdefault(("stack", pe.rope_batch_key()), []).append(i)
+    stacks: List[Tuple[List[int], RoPEForm]] = []
     for key, idx in groups.items():
         if len(idx) < 2:
             continue
         if key[0] == "blocks":
-            blocks = [pes[i].rope_blocks() for i in idx]  # (K, axis weights) of each
-            ks = [k for k, _ in blocks]
-            qs, mus = skew_real_schur(torch.stack(ks).detach().to(_wide_dtype(ks[0].device)))  # (L, Hp, nb, b, b)
-            for i, (k, w), q, mu in zip(idx, blocks, qs.unbind(0), mus.unbind(0)):
-                forms[i] = block_form(pes[i], k, w, schur=(q, mu))
+            group = [pes[i] for i in idx]
+            if hasattr(type(group[0]), "stacked_rope_blocks"):  # the blocks of all from one computation
+                ks, ws = type(group[0]).stacked_rope_blocks(group)  # (L, Hp, nb, b, b), (L, Hp, c, nb)
+            else:
+                ks, ws = (torch.stack(t) for t in zip(*(pe.rope_blocks() for pe in group)))
+            blocks = list(zip(ks.unbind(0), ws.unbind(0)))  # (K, axis weights) of each
+            qs, mus = skew_real_schur(ks.detach().to(_wide_dtype(ks.device)))  # (L, Hp, nb, b, b), (L, Hp, nb, b/2)
+            schurs = list(zip(qs.unbind(0), mus.unbind(0)))
+            if pes[idx[0]].pairs == "half":  # a permuted dense basis per layer
+                for i, (k, w), schur in zip(idx, blocks, schurs):
+                    forms[i] = block_form(pes[i], k, w, schur=schur)
+                continue
+            stacked = stacked_block_form(pes[idx[0]], ks, ws, qs, mus)._replace(eigen=BlockEigenForm(ks, ws, qs, mus))
+            stacks.append((idx, stacked))
+            for i, (k, w), (q, mu), form in zip(idx, blocks, schurs, unstack_rope_form(stacked, len(idx))):
+                forms[i] = form._replace(eigen=BlockEigenForm(k, w, q, mu))
             continue
-        first = pes[idx[0]]
-        params = torch.stack([pes[i].cayley_params for i in idx])  # (L, Hp, F)
-        bases = cayley_transform(free_to_skew(params, first.head_dim, first.band))  # (L, Hp, d, d), one solve
-        for i, basis in zip(idx, bases.unbind(0)):
-            forms[i] = post_form(pes[i], basis)
-    return [form if form is not None else rope_form(pe) for form, pe in zip(forms, pes)]
+        stacked = type(pes[idx[0]]).stacked_rope_form([pes[i] for i in idx])
+        stacks.append((idx, stacked))
+        for i, form in zip(idx, unstack_rope_form(stacked, len(idx))):
+            forms[i] = form
+    return [form if form is not None else rope_form(pe) for form, pe in zip(forms, pes)], stacks
 
 
 def to_rope(pe: PositionEncoding) -> Tuple[Tensor, Tensor]:
@@ -211,16 +240,21 @@ def fold_qkv_weight(weight: Tensor, bias: Optional[Tensor], basis: Tensor, num_h
     return w, b
 
 
-def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]], bases: Sequence[Tensor],
-                     num_heads: int) -> List[Tuple[Tensor, Optional[Tensor]]]:
+def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                     bases: Union[Sequence[Tensor], Tensor], num_heads: int,
+                     blocks: Optional[Tensor] = None) -> List[Tuple[Tensor, Optional[Tensor]]]:
     """:func:`fold_qkv_weight` for several layers at once (e.g. every layer of a ViT): one batched product for all
     of them instead of a merge per layer -- on a GPU a handful of launches per step instead of a handful per layer.
 
     Args:
         weights: ``L`` fused projections ``(3 D, D_in)`` of one shape and dtype.
         biases: ``L`` biases ``(3 D,)``, all present or all ``None``.
-        bases: ``L`` bases ``(Hp, d, d)`` (``Hp`` 1 or ``H``, dense: the block form is merged layer by layer).
+        bases: ``L`` bases ``(Hp, d, d)`` (``Hp`` 1 or ``H``, dense: the block form is merged layer by layer), or
+            one tensor ``(L | 1, Hp, d, d)`` holding them (a stacked form's basis, ``rope_forms_stacked``; ``1``:
+            the same basis for every layer), used as it is.
         num_heads: ``H``.
+        blocks: optional ``(L | 1, Hp, nb, b, b)`` with ``bases[l] = blockdiag(blocks[l])`` (a stacked block
+            form's, ``rope_forms_stacked``): the merge multiplies block by block, as :func:`fold_qkv_weight` does.
 
     Returns:
         ``L`` pairs ``(weight', bias')`` as :func:`fold_qkv_weight` returns them (the same products, batched),
@@ -231,7 +265,10 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
         ValueError: mismatched lengths, shapes or dtypes, or biases that are present for some layers only.
     """
     n = len(weights)
-    if not (n == len(biases) == len(bases)) or n == 0:
+    stacked = isinstance(bases, Tensor)
+    if stacked and (bases.dim() != 4 or bases.shape[0] not in (1, n)):
+        raise ValueError(f"stacked bases must be (1 or {n}, Hp, d, d), got {tuple(bases.shape)}")
+    if not (n == len(biases) == (n if stacked and bases.shape[0] == 1 else len(bases))) or n == 0:
         raise ValueError(f"fold_qkv_weights needs as many weights, biases and bases (at least one), got "
                          f"{len(weights)}, {len(biases)}, {len(bases)}")
     if len({(tuple(w.shape), w.dtype, w.device) for w in weights}) != 1:
@@ -243,26 +280,39 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
     dim = three_d // 3
     h = num_heads
     d = dim // h
-    for p in bases:
+    for p in (bases[0],) if stacked else bases:
         if p.dim() != 3 or p.shape[-2:] != (d, d) or p.shape[0] not in (1, h):
             raise ValueError(f"every basis must have shape (1 or {h}, {d}, {d}), got {tuple(p.shape)}")
     dtype = weights[0].dtype
     with torch.autocast(device_type=weights[0].device.type, enabled=False):
-        p = torch.stack([b.to(dtype).expand(h, d, d) for b in bases]).unsqueeze(1)  # (L, 1, H, d, d)
-        w_qk, w_v = torch.stack(list(weights)).split([2 * dim, dim], dim=1)  # (L, 2D, D_in), (L, D, D_in)
-        qk = precise_matmul(p, w_qk.reshape(n, 2, h, d, d_in))  # (L, 2, H, d, D_in)
+        rows: Tuple[int, ...] = (d,)  # the rows one product takes: the head, or its nb blocks of b
+        if blocks is not None:  # (L | 1, 1, Hp, nb, b, b), broadcast over the heads as fold_qkv_weight does
+            if blocks.dim() != 5 or blocks.shape[0] not in (1, n) or blocks.shape[2] * blocks.shape[3] != d:
+                raise ValueError(f"stacked blocks must be (1 or {n}, Hp, nb, b, b) with nb * b = {d}, "
+                                 f"got {tuple(blocks.shape)}")
+            p = (blocks if blocks.dtype == dtype else blocks.to(dtype)).unsqueeze(1)
+            rows = tuple(blocks.shape[2:4])
+        elif stacked:  # (L | 1, 1, H | 1, d, d): a view, broadcast over the layers by the product, not copied
+            p = bases if bases.dtype == dtype else bases.to(dtype)
+            # expanded over the heads where P gets a gradient: its sum over the heads then runs as the list form's
+            p = (p.expand(-1, h, d, d) if p.requires_grad else p).unsqueeze(1)
+        else:
+            p = torch.stack([b.to(dtype).expand(h, d, d) for b in bases]).unsqueeze(1)  # (L, 1, H, d, d)
+        w_qk, w_v = stack_layers(weights).split([2 * dim, dim], dim=1)  # (L, 2D, D_in), (L, D, D_in)
+        qk = precise_matmul(p, w_qk.reshape(n, 2, h, *rows, d_in))  # (L, 2, H, d | nb b, D_in)
         w = torch.cat([qk.reshape(n, 2 * dim, d_in), w_v], dim=1).unbind(0)  # L x (3D, D_in)
         if biases[0] is not None:
-            b_qk, b_v = torch.stack(list(biases)).split([2 * dim, dim], dim=1)  # (L, 2D), (L, D)
-            bqk = precise_matmul(p, b_qk.to(dtype).reshape(n, 2, h, d, 1))  # (L, 2, H, d, 1)
-            b = torch.cat([bqk.reshape(n, 2 * dim).to(b_v.dtype), b_v], dim=1).unbind(0)
+            b_qk, b_v = stack_layers(biases).split([2 * dim, dim], dim=1)  # (L, 2D), (L, D)
+            bqk = precise_matmul(p, (b_qk if b_qk.dtype == dtype else b_qk.to(dtype)).reshape(n, 2, h, *rows, 1))
+            bqk = bqk.reshape(n, 2 * dim)  # (L, 2D)
+            b = torch.cat([bqk if bqk.dtype == b_v.dtype else bqk.to(b_v.dtype), b_v], dim=1).unbind(0)
         else:
             b = (None,) * n
     return list(zip(w, b))
 
 
-def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0,
-                   backend: str = "auto") -> Tuple[Tensor, Tensor]:
+def frequency_rope(q: Tensor, k: Optional[Tensor], coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0,
+                   backend: str = "auto", table: Optional[tuple] = None) -> Tuple[Tensor, Tensor]:
     """The per-token part of a folded encoding: RoPE by the angles ``coords . freqs`` on q and k (whose projection
     already holds the basis), with the prefix tokens transformed by ``form.prefix``.
 
@@ -272,6 +322,8 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
         form: the encoding's :class:`RoPEForm`.
         num_prefix_tokens: ``P0`` leading tokens without a coordinate.
         backend: the execution path, ``"auto"``, ``"torch"`` or ``"triton"`` (see ``apply_frequency_rope``).
+        table: for a block form (``form.eigen``), the angle table of ``coords`` and its frequencies already formed
+            (``rotation.angle_tables``), or ``None``; ``k=None`` there: ``q`` holds q and k, ``(2, B, H, N, d)``.
 
     Returns:
         ``(q, k)`` of the same shapes and dtypes, from ``encodings.rotation.apply_frequency_rope`` (float32 math,
@@ -280,7 +332,7 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
     if form.eigen is not None:  # the value as below, the gradients through the block exponentials
         e = form.eigen
         return rotate_in_block_eigenbasis(q, k, coords, e.axis_weights, e.generators, e.schur, e.mu,
-                                          num_prefix_tokens, backend, e.scales, e.collector)
+                                          num_prefix_tokens, backend, e.scales, e.collector, table)
     if form.prefix is not None and num_prefix_tokens > 0:
         p0 = num_prefix_tokens
         q = torch.cat([basis_change(q[:, :, :p0], form.prefix.to(q.dtype)), q[:, :, p0:]], dim=2)  # (B, H, N, d)
@@ -288,6 +340,29 @@ def frequency_rope(q: Tensor, k: Tensor, coords: Tensor, form: "RoPEForm", num_p
     f = form.freqs[0] if form.freqs.shape[0] == 1 else form.freqs  # (c, d/2) shared or (H, c, d/2)
     return apply_frequency_rope(q, k, coords, f, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs,
                                 backend=backend)
+
+
+def frequency_rope_qk(qk: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0,
+                      backend: str = "auto", table: Optional[tuple] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`frequency_rope` for q and k held in one ``(2, B, H, N, d)`` tensor (q, then k: the leading slices of
+    an attention layer's fused projection), rotated together (``rotation.rotate_qk``).
+
+    Args:
+        qk: ``(2, B, H, N, d)``.
+        coords, form, num_prefix_tokens, backend: as :func:`frequency_rope`.
+        table: the angle table of ``coords`` and ``form.freqs`` already formed (``rotation.angle_tables``: a
+            model forms those of all its layers together), or ``None``.
+
+    Returns:
+        ``(q, k)``, each ``(B, H, N, d)``, equal to :func:`frequency_rope`'s.
+    """
+    if form.eigen is not None:
+        return frequency_rope(qk, None, coords, form, num_prefix_tokens, backend, table)
+    if form.prefix is not None and num_prefix_tokens > 0:
+        q, k = qk.unbind(0)
+        return frequency_rope(q, k, coords, form, num_prefix_tokens, backend)
+    return rotate_qk(qk, coords, form.freqs, table=table, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs,
+                     backend=backend)
 
 
 class FoldedRoPE(FrequencyRoPE):

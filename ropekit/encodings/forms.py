@@ -23,7 +23,7 @@ from .products import precise_matmul
 from .skew import real_schur, skew_real_schur
 
 __all__ = ["RoPEForm", "BlockEigenForm", "pair_frequencies", "basis_form", "post_form", "half_pairs_basis",
-           "block_form", "no_rope_form"]
+           "block_form", "stacked_block_form", "no_rope_form", "param_heads", "stack_layers"]
 
 
 class BlockEigenForm(NamedTuple):
@@ -85,6 +85,35 @@ class RoPEForm(NamedTuple):
     eigen: Optional[BlockEigenForm] = None
 
 
+class _StackLayers(torch.autograd.Function):
+    """``torch.stack(tensors)`` whose backward hands the gradient back as one ``unbind`` (``torch.stack``'s takes one
+    ``select`` per tensor: ``L`` operations, each a dispatch on the host, for the ``L`` layers' parameters)."""
+
+    @staticmethod
+    def forward(ctx, *tensors: Tensor) -> Tensor:
+        return torch.stack(tensors)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g.unbind(0)
+
+
+def stack_layers(tensors) -> Tensor:
+    """``torch.stack(tensors)`` (``L`` tensors of one shape, e.g. the same parameter of every layer), differentiable,
+    with a one-operation backward (``_StackLayers``) where a gradient is recorded; values and gradients are
+    ``torch.stack``'s."""
+    tensors = list(tensors)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and not torch.compiler.is_compiling():
+        return _StackLayers.apply(*tensors)
+    return torch.stack(tensors)
+
+
+def param_heads(t: Tensor, hp: int) -> Tensor:
+    """The first ``hp`` heads of ``t`` ``(H, ...)``: ``t`` itself when it has ``hp`` already (a slice would be one
+    more operation forward and a zero-filled buffer backward, at every step)."""
+    return t if t.shape[0] == hp else t[:hp]
+
+
 def no_rope_form(pe) -> ValueError:
     """The error of ``rope_form`` / ``to_rope`` for an encoding ``pe`` without a RoPE form."""
     if not pe.is_rotation:
@@ -121,7 +150,7 @@ def half_pairs_basis(pe, basis: Tensor) -> Tensor:
 def post_form(pe, basis: Tensor) -> RoPEForm:
     """The RoPE form of an encoding ``R(r) = RoPE(r) P`` with frequencies ``pe.freqs``, from its ``P``
     ``(Hp, d, d)``: ``R(0) = P``, so the prefix transform is ``T = P P^T P^T = P^T`` (no product needed)."""
-    return RoPEForm(half_pairs_basis(pe, basis), pe.freqs[:pe.param_heads], basis.transpose(-1, -2))
+    return RoPEForm(half_pairs_basis(pe, basis), param_heads(pe.freqs, pe.param_heads), basis.transpose(-1, -2))
 
 
 def basis_form(pe, basis: Tensor, post: Optional[Tensor] = None, blocks: Optional[Tensor] = None) -> RoPEForm:
@@ -170,3 +199,23 @@ def block_form(pe, k: Tensor, axis_weights: Tensor, basis_gradient: bool = False
     freqs = (axis_weights.detach().to(mu.dtype).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
     return RoPEForm(half_pairs_basis(pe, _block_diag(blocks)), freqs, None, blocks=None if half else blocks,
                     eigen=BlockEigenForm(k, axis_weights, q, mu))
+
+
+def stacked_block_form(pe, k: Tensor, axis_weights: Tensor, q: Tensor, mu: Tensor) -> RoPEForm:
+    """:func:`block_form`'s training form of ``L`` block encodings at once, from their Schur forms computed together
+    (``skew_real_schur`` of the stacked blocks), stacked as ``PositionEncoding.stacked_rope_form`` describes: the
+    basis ``(L, Hp, d, d)``, its blocks ``(L, Hp, nb, b, b)`` and the frequencies ``(L, Hp, c, d/2)``, constants;
+    ``eigen`` is left to each layer's own form (``fold.rope_forms_stacked`` sets the stacked form's to the stacked
+    ``BlockEigenForm``; interleaved pairs only: with half pairs the basis is permuted).
+
+    Args:
+        pe: the first encoding (its pair convention).
+        k: the skew blocks ``(L, Hp, nb, b, b)``.
+        axis_weights: ``(L, Hp, c, nb)``.
+        q, mu: ``(L, Hp, nb, b, b)`` and ``(L, Hp, nb, b/2)`` from ``skew_real_schur(k)``.
+    """
+    if pe.pairs == "half":
+        raise ValueError("stacked_block_form is for interleaved pairs (half pairs permute the basis)")
+    blocks = q.transpose(-1, -2).to(k.dtype)  # (L, Hp, nb, b, b)
+    freqs = (axis_weights.detach().to(mu.dtype).unsqueeze(-1) * mu.unsqueeze(-3)).flatten(-2)  # (L, Hp, c, d/2)
+    return RoPEForm(_block_diag(blocks), freqs, None, blocks=blocks)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .angles import angle_table, rope_cos_sin, wide_angles
 from .base import PEState, PositionEncoding
-from .forms import RoPEForm
+from .forms import RoPEForm, param_heads, stack_layers
 from .frequencies import axial_frequencies, mixed_frequencies, pair_generators
 from .registry import BenchRow, register_pe
 from .rotation import _fused_kernel, _is_compiling, apply_frequency_rope, rotate_angles
@@ -158,7 +158,21 @@ class FrequencyRoPE(PositionEncoding):
 
     def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
         """Already RoPE: ``P = I`` and the frequencies ``(Hp, c, d/2)`` themselves (a view of the parameter)."""
-        return RoPEForm(None, self.freqs[:self.param_heads], None, self.pairs)
+        return RoPEForm(None, param_heads(self.freqs, self.param_heads), None, self.pairs)
+
+    def rope_batch_key(self) -> tuple | None:
+        """Encodings of the RoPE family (this class's ``rope_form``) with frequencies of one shape, dtype and
+        device and one pair convention stack their frequencies."""
+        if type(self).rope_form is not FrequencyRoPE.rope_form:
+            return None
+        f = self.freqs
+        return ("rope", tuple(f.shape), f.dtype, f.device, self.param_heads, self.pairs)
+
+    @classmethod
+    def stacked_rope_form(cls, pes) -> RoPEForm:
+        """``P = I`` and the frequencies of all, stacked: ``(L, Hp, c, d/2)``."""
+        freqs = stack_layers(param_heads(pe.freqs, pe.param_heads) for pe in pes)
+        return RoPEForm(None, freqs, None, pes[0].pairs)
 
 
 @register_pe("axial", label="Axial RoPE", bench_vit_gpu=True,  # VisionLlama / EVA: base 10000 (the defaults)

@@ -22,6 +22,7 @@ matrix product, whose TF32 rounding on a GPU would cost ~1e-3 relative; the tabl
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Sequence
@@ -29,11 +30,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .angles import _rotate_pairs_real, angle_table
+from .angles import _rotate_pairs_real, _wide_dtype, angle_table, frequency_angles
 from .products import _reduce_to
 from .validation import check_finite
 
-__all__ = ["BACKENDS", "check_backend", "rotate_pairs", "rotate_angles", "apply_frequency_rope"]
+__all__ = ["BACKENDS", "check_backend", "rotate_pairs", "rotate_angles", "angle_tables", "apply_frequency_rope",
+           "rotate_qk"]
 
 
 def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, pairs: str = "interleaved") -> Tensor:
@@ -103,12 +105,14 @@ def _complex_pairs(x: Tensor) -> Tensor:
 _LOOP_MIN_BYTES = 256 * 1024
 
 
-def _slice_loops(t: Tensor) -> bool:
+def _slice_loops(t: Tensor, lead: int = 1) -> bool:
     """Whether backward reductions may loop over the batch: on the CPU, where a fresh temporary of the whole
-    tensor's size costs more in page faults than the arithmetic, when each slice has at least
-    ``_LOOP_MIN_BYTES``. On an accelerator each iteration costs kernel launches, so they always run as one
-    batched operation."""
-    return t.device.type == "cpu" and t.dim() > 0 and t[0].numel() * t.element_size() >= _LOOP_MIN_BYTES
+    tensor's size costs more in page faults than the arithmetic, when each slice (over the first ``lead``
+    dimensions) has at least ``_LOOP_MIN_BYTES``. On an accelerator each iteration costs kernel launches, so they
+    always run as one batched operation."""
+    if t.device.type != "cpu" or t.dim() < lead or math.prod(t.shape[:lead]) == 0:
+        return False
+    return t.numel() // math.prod(t.shape[:lead]) * t.element_size() >= _LOOP_MIN_BYTES  # no t[0]: a view op
 
 
 def _sum_times_conj(a: Tensor, b: Tensor, shape: Sequence[int]) -> Tensor:
@@ -119,6 +123,11 @@ def _sum_times_conj(a: Tensor, b: Tensor, shape: Sequence[int]) -> Tensor:
     an accelerator, where every launch costs several microseconds and a loop over the batch would cost ``4 n``
     launches, it is one product and one reduction. No autograd.
     """
+    if a.dim() == len(shape) + 1 and _slice_loops(a, lead=2):  # q and k stacked: each as below, summed
+        acc = _sum_times_conj(a[0], b[0], shape)
+        for i in range(1, a.shape[0]):
+            acc = acc + _sum_times_conj(a[i], b[i], shape)
+        return acc
     if not _slice_loops(a) or a.dim() != len(shape) or a.dim() < 2:
         return _reduce_to(a * b.conj_physical(), shape)
     scratch = torch.empty(a.shape[1:], dtype=a.dtype, device=a.device)
@@ -187,17 +196,27 @@ class _RotateAngles(torch.autograd.Function):
     over the broadcast dimensions (``dy/dtheta = i y``), from the saved output -- no gradient through cos/sin
     tables, no small-tensor chain. Under double backward every step is recomputed from ``theta`` with
     differentiable operations.
+
+    ``collector`` (optional, from :func:`angle_tables`): a zero tensor of ``theta``'s shape in ``x``'s dtype. When
+    given, a first-order backward returns the angle gradient as the collector's (in ``x``'s dtype, as it was
+    reduced) and none for ``theta``: the node that made the collector maps the gradients of every rotation using
+    one batch of tables to their frequencies at once. A double backward ignores it and differentiates ``theta``.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, theta: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        y = torch.view_as_real(_complex_pairs(x) * torch.complex(cos, sin)).flatten(-2)  # (..., d)
-        ctx.save_for_backward(theta, cos, sin, y if ctx.needs_input_grad[1] else None)
+    def forward(ctx, x: Tensor, theta: Tensor, cos: Tensor, sin: Tensor, collector: Tensor | None = None) -> Tensor:
+        yc = _complex_pairs(x) * torch.complex(cos, sin)  # (..., P) complex
+        y = torch.view_as_real(yc).flatten(-2)  # (..., d), a view of yc
+        need_theta = ctx.needs_input_grad[1] or (collector is not None and ctx.needs_input_grad[4])
+        # the output (for a double backward, which differentiates through it) and its complex form (the same
+        # memory: the first-order backward reads it without re-viewing the output)
+        ctx.save_for_backward(theta, cos, sin, y if need_theta else None, yc if need_theta else None)
+        ctx.collect = collector is not None and ctx.needs_input_grad[4]
         return y
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        theta, cos, sin, y = ctx.saved_tensors
+        theta, cos, sin, y, yc = ctx.saved_tensors
         gx = gtheta = None
         if torch.is_grad_enabled():  # double backward: rebuild the rotation from theta, out-of-place
             c, s = torch.cos(theta).to(g.dtype), torch.sin(theta).to(g.dtype)
@@ -205,18 +224,119 @@ class _RotateAngles(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 gy = _complex_pairs(g) * _complex_pairs(y).conj_physical()
                 gtheta = _reduce_to(gy.imag, theta.shape).to(theta.dtype)
-            return gx, gtheta, None, None
-        gc = _complex_pairs(g.contiguous() if ctx.needs_input_grad[1] else g)  # (..., P)
-        if ctx.needs_input_grad[1]:
-            gtheta = _sum_times_conj(gc, _complex_pairs(y), theta.shape).imag
-            gtheta = gtheta if gtheta.dtype == theta.dtype else gtheta.to(theta.dtype)
+            return gx, gtheta, None, None, None
+        need_theta = ctx.needs_input_grad[1] or ctx.collect
+        gc = _complex_pairs(g.contiguous() if need_theta and not g.is_contiguous() else g)  # (..., P)
+        if ctx.collect:  # sum g conj(y), complex, for the collector's node, which takes Im() once for all rotations
+            acc = _collect_times_conj(gc, yc, theta.shape)
+            gx = torch.view_as_real(gc * torch.complex(cos, -sin)).flatten(-2) if ctx.needs_input_grad[0] else None
+            return gx, None, None, None, acc
+        if need_theta:
+            gtheta = _sum_times_conj(gc, yc, theta.shape).imag
         if ctx.needs_input_grad[0]:
             gx = torch.view_as_real(gc * torch.complex(cos, -sin)).flatten(-2)
-        return gx, gtheta, None, None
+        if gtheta is not None and gtheta.dtype != theta.dtype:
+            gtheta = gtheta.to(theta.dtype)
+        return gx, gtheta, None, None, None
+
+
+def _collector_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape in which a rotation hands a table ``(Bs, Hp, M, P)`` its angle gradient through the collector:
+    without the leading dimensions of size 1 (shared coordinates, heads sharing frequencies), which a reduction
+    that does not keep them drops for free."""
+    return tuple(n for i, n in enumerate(shape) if i >= 2 or n != 1)
+
+
+def _collect_times_conj(a: Tensor, b: Tensor, shape: Sequence[int]) -> Tensor:
+    """``sum a * conj(b)`` over the dimensions that ``shape`` ``(Bs, Hp, M, P)`` broadcasts, complex, in
+    :func:`_collector_shape` (the batched form: one product, one reduction; the CPU's loop for large slices)."""
+    lead = a.dim() - len(shape)
+    dims = list(range(lead)) + [lead + i for i in (0, 1) if shape[i] == 1]
+    if _slice_loops(a, lead + 1) or any(n == 1 and a.shape[lead + i] != 1 for i, n in enumerate(shape) if i >= 2):
+        return _sum_times_conj(a, b, shape).reshape(_collector_shape(shape))
+    return (a * b.conj_physical()).sum(dim=dims)
+
+
+class _AngleGradientCollector(torch.autograd.Function):
+    """Zeros ``(L, *S)`` (complex; ``S`` the :func:`_collector_shape` of a table ``(1 | B, Hp, M, P)``) that the
+    rotations using a batch of :func:`angle_tables` take as an input: each hands it ``sum g conj(y)`` of its own
+    table (autograd stacks them, one operation for all), whose imaginary part is its angle gradient, and the
+    backward here maps them to the frequencies ``(L, Hp, c, P)`` and the coordinates in one product -- the angles
+    ``theta_l = r . freqs_l`` are linear in both, so this equals differentiating each table on its own."""
+
+    @staticmethod
+    def forward(ctx, coords: Tensor, freqs: Tensor, dtype: torch.dtype) -> Tensor:
+        # coords (M, c) | (B, M, c) wide; freqs (L, Hp, c, P) wide
+        ctx.save_for_backward(coords, freqs)
+        n, hp, _, p = freqs.shape
+        ctx.table_shape = (n, 1 if coords.dim() == 2 else coords.shape[0], hp, coords.shape[-2], p)
+        cdtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        return torch.zeros(n, *_collector_shape(ctx.table_shape[1:]), dtype=cdtype, device=coords.device)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        coords, freqs = ctx.saved_tensors
+        g = g.imag.reshape(ctx.table_shape).to(freqs.dtype)  # (L, Bs, Hp, M, P): the angle gradients
+        g_coords = g_freqs = None
+        if ctx.needs_input_grad[1]:  # sum over the batch and the tokens: (L, Hp, c, P), the parameters' layout
+            if coords.dim() == 2:
+                g_freqs = torch.einsum("lbhmp,mc->lhcp", g, coords).contiguous()
+            else:
+                g_freqs = torch.einsum("lbhmp,bmc->lhcp", g, coords).contiguous()
+        if ctx.needs_input_grad[0]:  # sum over the tables, heads and pairs: (M, c) | (B, M, c)
+            g_coords = torch.einsum("lbhmp,lhcp->bmc", g, freqs)
+            g_coords = g_coords[0] if coords.dim() == 2 else g_coords
+        return g_coords, g_freqs, None
+
+
+def angle_tables(coords: Tensor, freqs: Sequence[Tensor] | Tensor, dtype: torch.dtype, validate: bool = True
+                 ) -> list[tuple[Tensor, Tensor, Tensor, Tensor | None]]:
+    """The angle tables of several frequency matrices on the same coordinates (e.g. the per-layer encodings of a
+    model), formed together: one product for all angles, one cos and one sin, and -- when a gradient is needed --
+    one node that maps every rotation's angle gradient back to all the frequencies at once.
+
+    Args:
+        coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example.
+        freqs: ``L`` frequency matrices ``(Hp, c, P)`` of one shape (any real dtypes, differentiable), or one
+            tensor ``(L, Hp, c, P)`` holding them (a stacked form's frequencies, ``fold.rope_forms_stacked``).
+        dtype: the rotation's compute dtype (float32, or float64 for float64 tokens).
+        validate: check ``coords`` for NaN and infinity (as :func:`apply_frequency_rope`), once for all tables.
+
+    Returns:
+        ``L`` tables ``(theta, cos, sin, collector)`` for ``rotate_angles`` / ``apply_frequency_rope(table=...)``:
+        ``theta`` ``(1 | B, Hp, M, P)`` in the wide dtype (``angles.angle_table``'s values, differentiable for
+        double backward), cos/sin in ``dtype``, and ``collector`` (``None`` when no gradient is needed) through
+        which a first-order backward reaches the frequencies and coordinates. Values and gradients equal
+        ``angles.angle_table`` of each matrix alone (up to the order of summation).
+    """
+    stacked = isinstance(freqs, Tensor)
+    n = freqs.shape[0] if stacked and freqs.dim() == 4 else len(freqs)
+    if n == 0:
+        return []
+    if validate:
+        check_finite(coords)
+    shapes = {tuple(freqs.shape[1:])} if stacked else {tuple(f.shape) for f in freqs}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 3:
+        raise ValueError(f"angle_tables needs frequency matrices (Hp, c, P) of one shape, got {sorted(shapes)}")
+    wide = _wide_dtype(coords.device)
+    with torch.autocast(device_type=coords.device.type, enabled=False):
+        f = freqs if stacked else freqs[0].unsqueeze(0) if n == 1 else torch.stack(list(freqs))  # (L, Hp, c, P)
+        f = f if f.dtype == wide else f.to(wide)
+        hp = f.shape[1]
+        r = coords if coords.dtype == wide else coords.to(wide)
+        theta = frequency_angles(r, f.flatten(0, 1))  # (L Hp, M, P) | (B, L Hp, M, P)
+        theta = theta.unflatten(0, (n, 1, hp)) if theta.dim() == 3 else theta.unflatten(1, (n, hp)).transpose(0, 1)
+        with torch.no_grad():  # (L, 1 | B, Hp, M, P)
+            cos, sin = torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
+        collectors: Sequence[Tensor | None] = [None] * n
+        # (compiled, the rotation takes theta's own gradient in real arithmetic: no complex collector there)
+        if torch.is_grad_enabled() and (f.requires_grad or r.requires_grad) and not _is_compiling():
+            collectors = _AngleGradientCollector.apply(r, f, dtype).unbind(0)
+    return list(zip(theta.unbind(0), cos.unbind(0), sin.unbind(0), collectors))
 
 
 def rotate_angles(x: Tensor, theta: Tensor, cos: Tensor | None = None, sin: Tensor | None = None,
-                  pairs: str = "interleaved") -> Tensor:
+                  pairs: str = "interleaved", collector: Tensor | None = None) -> Tensor:
     """Rotate each pair of ``x`` by ``theta``; differentiable in ``x`` and ``theta``.
 
     Args:
@@ -226,6 +346,7 @@ def rotate_angles(x: Tensor, theta: Tensor, cos: Tensor | None = None, sin: Tens
         cos, sin: optional ``cos(theta)`` / ``sin(theta)`` in ``x``'s dtype, already computed (treated as
             constants: the gradient reaches ``theta`` directly).
         pairs: ``"interleaved"`` or ``"half"`` (see ``rotate_pairs``).
+        collector: from :func:`angle_tables` (with ``cos`` and ``sin``): the angle gradient goes to it instead.
 
     Returns:
         ``(..., d)`` in ``x``'s dtype.
@@ -239,19 +360,22 @@ def rotate_angles(x: Tensor, theta: Tensor, cos: Tensor | None = None, sin: Tens
         if cos is None or sin is None:
             with torch.no_grad():
                 cos, sin = torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype)
-        return _RotateAngles.apply(x, theta, cos.detach(), sin.detach())
+        cos, sin = (t.detach() if t.requires_grad else t for t in (cos, sin))  # (constants; no op when they are)
+        return _RotateAngles.apply(x, theta, cos, sin, collector)
     return rotate_pairs(x, torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype), pairs)
 
 
-def _rotate_tokens(x: Tensor, table: tuple[Tensor, Tensor, Tensor], num_prefix_tokens: int, pairs: str) -> Tensor:
-    """Rotate ``x`` ``(B, H, N, d)`` after its prefix tokens, math in the table's dtype, output in ``x``'s."""
-    theta, cos, sin = table
+def _rotate_tokens(x: Tensor, table: tuple, num_prefix_tokens: int, pairs: str) -> Tensor:
+    """Rotate ``x`` ``(..., B, H, N, d)`` after its prefix tokens, math in the table's dtype, output in ``x``'s;
+    ``table`` is ``(theta, cos, sin)`` or :func:`angle_tables`' ``(theta, cos, sin, collector)``."""
+    theta, cos, sin = table[:3]
+    collector = table[3] if len(table) > 3 else None
     with torch.autocast(device_type=x.device.type, enabled=False):
-        xr = x[:, :, num_prefix_tokens:] if num_prefix_tokens else x
+        xr = x[..., num_prefix_tokens:, :] if num_prefix_tokens else x
         xr = xr if xr.dtype == cos.dtype else xr.to(cos.dtype)
-        y = rotate_angles(xr, theta, cos, sin, pairs)
+        y = rotate_angles(xr, theta, cos, sin, pairs, collector)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
-        return torch.cat((x[:, :, :num_prefix_tokens], y), dim=2) if num_prefix_tokens else y
+        return torch.cat((x[..., :num_prefix_tokens, :], y), dim=-2) if num_prefix_tokens else y
 
 
 def _check_rope_args(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, k_coords: Tensor | None,
@@ -350,6 +474,52 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
     if k_coords is not None:
         table = angle_table(k_coords, f, dtype)
     return q_out, _rotate_tokens(k, table, num_prefix_tokens, pairs)
+
+
+def rotate_qk(qk: Tensor, coords: Tensor, freqs: Tensor, *, table: tuple | None = None, num_prefix_tokens: int = 0,
+              pairs: str = "interleaved", backend: str = "auto", validate: bool = True) -> tuple[Tensor, Tensor]:
+    """:func:`apply_frequency_rope` for q and k held in one tensor -- the two leading slices of an attention layer's
+    fused projection output, ``(3, B, H, N, d)`` split as ``(2, B, H, N, d)`` and ``(1, B, H, N, d)`` -- rotated
+    together: one product, and in the backward pass one rotation and one angle-gradient reduction, instead of one
+    each for q and for k.
+
+    Args:
+        qk: ``(2, B, H, N, d)``: q, then k (any strides).
+        coords, num_prefix_tokens, pairs, backend, validate: as :func:`apply_frequency_rope` (keys share the
+            queries' coordinates and length).
+        freqs: ``(c, d/2)``, or ``(Hp, c, d/2)`` with ``Hp`` 1 (shared by heads) or ``H``.
+        table: the angle table of ``coords`` and ``freqs`` already formed (:func:`angle_tables`, which checked the
+            coordinates), or ``None``. Where the fused kernel runs it is not used (the kernel forms the angles
+            itself).
+
+    Returns:
+        ``(q, k)``, each ``(B, H, N, d)`` in ``qk``'s dtype, equal to :func:`apply_frequency_rope`'s.
+
+    Raises:
+        ValueError: as :func:`apply_frequency_rope`.
+    """
+    if qk.dim() != 5 or qk.shape[0] != 2:
+        raise ValueError(f"qk must be (2, B, H, N, d), got {tuple(qk.shape)}")
+    kernel = _fused_kernel(qk.device, traceable=True, backend=check_backend(backend))
+    if kernel is not None or table is None:
+        freqs = freqs[0] if freqs.dim() == 3 and freqs.shape[0] == 1 else freqs  # (c, d/2) shared or (H, c, d/2)
+    if kernel is not None:
+        q, k = qk.unbind(0)
+        return apply_frequency_rope(q, k, coords, freqs, num_prefix_tokens=num_prefix_tokens, pairs=pairs,
+                                    backend=backend, validate=validate)
+    if table is None:
+        f = _check_rope_args(qk[0], qk[1], coords, freqs, None, num_prefix_tokens, pairs)
+        table = angle_table(coords, f, torch.float64 if qk.dtype == torch.float64 else torch.float32)
+        if validate:
+            check_finite(coords)
+    else:  # the coordinates were checked where the table was formed (angle_tables)
+        m, d = qk.shape[-2] - num_prefix_tokens, qk.shape[-1]
+        if coords.shape[-2] != m or freqs.shape[-1] * 2 != d or table[0].shape[-2:] != (m, d // 2):
+            raise ValueError(f"the table {tuple(table[0].shape)}, freqs {tuple(freqs.shape)} and coords "
+                             f"{tuple(coords.shape)} do not fit qk {tuple(qk.shape)} with {num_prefix_tokens} "
+                             f"prefix tokens")
+    q, k = _rotate_tokens(qk, table, num_prefix_tokens, pairs).unbind(0)
+    return q, k
 
 
 #: Execution paths of the per-token rotation: ``"auto"`` (the fused Triton kernel where it runs, else PyTorch),

@@ -41,7 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..encodings import PositionEncoding
 from ..encodings.blocks import share_block_gradients
-from ..encodings.fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope, rope_form
+from ..encodings.fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope_qk, rope_form
 from ..encodings.products import basis_change
 
 __all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
@@ -111,12 +111,16 @@ class PreparedPE(NamedTuple):
         qkv: for a ``"fold"`` state of one layer, that layer's projection ``(weight, bias)`` with the basis already
             merged (a model merges all its layers in one batched product, ``fold.fold_qkv_weights``); ``None``:
             the layer merges it itself.
+        table: for a ``"fold"`` state, the angle table of its frequencies on the coordinates of this forward pass
+            (``rotation.angle_tables``: a model forms those of all its layers together, with one node for their
+            frequency gradients); ``None``: the layer forms it.
     """
 
     kind: str
     pe: PositionEncoding
     value: Any
     qkv: Optional[Tuple[Tensor, Optional[Tensor]]] = None
+    table: Optional[tuple] = None
 
 
 class Attention(nn.Module):
@@ -232,14 +236,17 @@ class Attention(nn.Module):
             qkv = self.qkv(x)  # (B, N, 3D)
         if state is not None and state.kind == "fold" and state.value.prefix is not None and num_prefix_tokens:
             self._transform_prefix_rows(qkv, state.value.prefix, num_prefix_tokens)
-            state = PreparedPE("fold", pe, state.value._replace(prefix=None))  # done: the rotation passes them
+            state = state._replace(value=state.value._replace(prefix=None))  # done: the rotation passes them
         qkv = qkv.reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, d)
-        q, k, v = qkv.unbind(0)  # (B, H, N, d) each
-        if state is not None:
-            if state.kind == "fold":
-                form: RoPEForm = state.value
-                q, k = frequency_rope(q, k, coords, form, num_prefix_tokens, pe.backend)  # (B, H, N, d)
-            elif getattr(pe, "layout", "bhnd") == "bnhd":  # the encoding takes (B, N, H, d) views
+        form: Optional[RoPEForm] = state.value if state is not None and state.kind == "fold" else None
+        if form is not None:  # q and k rotated together: one product, one backward
+            qk, v = qkv.split([2, 1])  # (2, B, H, N, d), (1, B, H, N, d); backward: one concatenation
+            v = v.squeeze(0)
+            q, k = frequency_rope_qk(qk, coords, form, num_prefix_tokens, pe.backend, state.table)  # (B, H, N, d)
+        else:
+            q, k, v = qkv.unbind(0)  # (B, H, N, d) each
+        if state is not None and form is None:
+            if getattr(pe, "layout", "bhnd") == "bnhd":  # the encoding takes (B, N, H, d) views
                 q, k = pe.apply(q.transpose(1, 2), k.transpose(1, 2), state.value)
                 q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, N, d') each
             else:
