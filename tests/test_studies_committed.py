@@ -22,7 +22,8 @@ COMMITTED = ["classify", "shuffle", "offset", "resolution", "data-efficiency", "
              "ablations", "scale", "data-efficiency-depth6", "data-efficiency-liere", "compute-efficiency", "video-depth6", "resolution-depth6", "shuffle-depth6",
              "exact-vs-relaxed-depth6", "ablations-depth6", "classify-depth6", "offset-depth6", "detect3d", "robot",
              "gpu/classify", "retrieval", "owl", "mqa", "resolution-comrope", "classify-normalized", "scale-width", "compute-efficiency-depth6",
-             "video-normalized", "robot-ood"]
+             "video-normalized", "robot-ood",
+             "data-efficiency-depth6-liere"]
 
 
 @pytest.mark.parametrize("study", COMMITTED)
