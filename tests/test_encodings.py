@@ -412,6 +412,31 @@ def test_gradcheck_cayley_solve():
     assert torch.autograd.gradcheck(lambda t: cayley_transform(t - t.transpose(-1, -2)), (a,))
 
 
+@pytest.mark.parametrize("n,band", [(6, None), (7, 2), (2, None), (8, 1)])
+def test_cayley_from_free_is_the_solve_with_its_own_backward(n, band):
+    """``cayley_from_free`` (one gather, one solve; a backward without a second solve) against the Cayley transform
+    of the skew matrix through autograd: values, gradients, second order; P orthogonal with det 1; bad sizes."""
+    from ropekit.encodings.skew import cayley_from_free, cayley_transform, free_to_skew, num_free
+
+    torch.manual_seed(0)
+    v = (2 * torch.randn(3, 2, num_free(n, band), dtype=torch.float64)).requires_grad_()
+    p = cayley_from_free(v, n, band)
+    ref = cayley_transform(free_to_skew(v, n, band))
+    torch.testing.assert_close(p, ref, rtol=0, atol=1e-14)
+    eye = torch.eye(n, dtype=torch.float64)
+    torch.testing.assert_close(p @ p.mT, eye.expand_as(p), rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.linalg.det(p), torch.ones(3, 2, dtype=torch.float64))
+    g = torch.randn_like(p)
+    (got,), (want,) = torch.autograd.grad(p, v, g), torch.autograd.grad(ref, v, g)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: cayley_from_free(t, n, band), (v,))
+    assert torch.autograd.gradgradcheck(lambda t: cayley_from_free(t, n, band), (v,))
+    zero = cayley_from_free(torch.zeros(num_free(n, band)), n, band)  # S = 0: P = I
+    assert torch.equal(zero, torch.eye(n))
+    with pytest.raises(ValueError, match="free entries"):
+        cayley_from_free(torch.zeros(num_free(n, band) + 1), n, band)
+
+
 def test_gradcheck_circulant_fft_path():
     pe = create_pe("circulant", head_dim=8, coord_dim=2, block_size=4).double()
     x = torch.randn(1, 1, 3, 8, dtype=torch.float64, requires_grad=True)

@@ -41,10 +41,16 @@ def test_batched_bases_equal_per_layer_bases_bit_for_bit(pe, monkeypatch):
     m = _model(pe)
     assert all(blk.attn.folds for blk in m.blocks) and len({id(b.attn.pe) for b in m.blocks}) == 3
     out, grads = _run(m)
-    monkeypatch.setattr(vit_mod, "rope_forms_stacked", lambda pes: ([rope_form(pe) for pe in pes], []))  # per layer
+    monkeypatch.setattr(vit_mod, "rope_forms_stacked", lambda pes, **kw: ([rope_form(pe) for pe in pes], []))  # per layer
     ref_out, ref_grads = _run(m)
     assert torch.equal(out, ref_out)
-    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    for (name, _), a, b in zip(m.named_parameters(), grads, ref_grads):
+        if pe.startswith("comrope") and name.endswith("qkv.bias"):
+            # the batched block merge multiplies the biases as a last column of the weights' product, the per-layer
+            # merge on their own: the same sums of products, rounded in another order (float32 round-off)
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_one_solve_per_forward():
@@ -246,7 +252,7 @@ def test_per_layer_comrope_runs_one_schur_form_and_one_gradient_map(init, per_ex
     out, grads = run()
     assert len(schurs) == 1 and schurs[0][0] == 3  # the three layers' blocks stacked along the batch dimension
     assert len(maps) == 1  # one map for the three layers
-    monkeypatch.setattr(vit_mod, "rope_forms_stacked", lambda pes: ([rope_form(pe) for pe in pes], []))
+    monkeypatch.setattr(vit_mod, "rope_forms_stacked", lambda pes, **kw: ([rope_form(pe) for pe in pes], []))
     monkeypatch.setattr(vit_mod, "batch_block_gradients", lambda forms, coords, stacked=(): forms)
     ref_out, ref_grads = run()
     assert len(schurs) == 3 and len(maps) == 3  # one of each per layer
@@ -312,6 +318,11 @@ def test_stacked_forms_slice_to_each_encodings_own_form(pe):
         for (wa, ba), (wb, bb) in zip(fold_qkv_weights(w, b, stacked.basis, heads),
                                       fold_qkv_weights(w, b, [f.basis for f in forms], heads)):
             assert torch.equal(wa, wb) and torch.equal(ba, bb)
+    bare, bare_stacks = rope_forms_stacked(pes, prefix=False)  # no prefix token: no prefix transform formed
+    assert all(f.prefix is None for f in bare) and bare_stacks[0][1].prefix is None
+    for f, ref in zip(bare, forms):
+        assert (f.basis is None) == (ref.basis is None) and torch.equal(f.freqs, ref.freqs)
+        assert f.basis is None or torch.equal(f.basis, ref.basis)
     with pytest.raises(ValueError, match="stacked bases"):
         fold_qkv_weights([m.blocks[0].attn.qkv.weight], [None], torch.zeros(2, 1, 4, 4), 3)
 

@@ -153,7 +153,7 @@ def test_shared_encoding_is_prepared_once_per_forward(monkeypatch):
     real, real_batched = attention.rope_form, vit.rope_forms_stacked
     monkeypatch.setattr(attention, "rope_form", lambda pe: calls.append(id(pe)) or real(pe))
     monkeypatch.setattr(vit, "rope_forms_stacked",
-                        lambda pes: batched.append([id(p) for p in pes]) or real_batched(pes))
+                        lambda pes, **kw: batched.append([id(p) for p in pes]) or real_batched(pes, **kw))
     shared, _ = _vit_pair("cayley", "none", pe_sharing="model")
     shared(torch.rand(2, 1, 12, 12, dtype=torch.float64))
     assert len(calls) == 1 and batched == []

@@ -443,11 +443,12 @@ class PositionEncoding(nn.Module):
         return None
 
     @classmethod
-    def stacked_rope_form(cls, pes: Sequence["PositionEncoding"]) -> RoPEForm:
+    def stacked_rope_form(cls, pes: Sequence["PositionEncoding"], prefix: bool = True) -> RoPEForm:
         """The RoPE forms of ``L`` encodings with one :meth:`rope_batch_key` (of this class), computed together:
         every tensor of the :class:`RoPEForm` carries a leading dimension, ``L``, or 1 where it is the same for all
         (``basis`` and ``prefix`` ``(L | 1, Hp, d, d)`` or ``None``, ``freqs`` ``(L, Hp, c, d/2)``); slice ``l`` is
-        ``pes[l].rope_form()``. Implemented by the classes whose :meth:`rope_batch_key` is not ``None``."""
+        ``pes[l].rope_form()``. ``prefix=False``: no prefix token will be transformed, the prefix transform is
+        left out (``None``). Implemented by the classes whose :meth:`rope_batch_key` is not ``None``."""
         raise NotImplementedError(f"{cls.__name__} has no stacked RoPE form")
 
     def to_rope(self) -> tuple[Tensor, Tensor]:

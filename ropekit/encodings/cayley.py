@@ -2,8 +2,9 @@
 
 ``S`` is skew-symmetric, stored by its free entries (the strict upper triangle, ``d (d - 1) / 2`` numbers per
 parameter head; with ``band`` only the entries with ``0 < j - i <= band``); they start at zero, so the
-encoding starts as RoPE-Mixed. ``P`` comes from one factorised solve per forward (``solve_ex``), shared by q,
-k and every token, and is applied as a matrix product. The commuting generators it implies are
+encoding starts as RoPE-Mixed. ``P`` comes from one factorised solve per forward (``solve_ex``, with a
+hand-written backward that needs no second solve: ``skew.cayley_from_free``), shared by q, k and every token, and
+is applied as a matrix product. The commuting generators it implies are
 ``L_k = P^T J_k P`` (``J_k`` the RoPE-Mixed generators): ``R(r) = P expm(sum_k r_k L_k)`` (``P`` on the left).
 """
 
@@ -17,7 +18,7 @@ from .products import basis_change
 from .registry import BenchRow, register_pe
 from .rope import MixedRoPE, _KernelState
 from .rotation import _fused_basis_kernel, _fused_kernel, rotate_pairs
-from .skew import cayley_transform, free_to_skew, num_free
+from .skew import cayley_from_free, free_to_skew, num_free
 
 __all__ = ["CayleySTRING"]
 
@@ -48,11 +49,17 @@ class CayleySTRING(MixedRoPE):
         """``S`` of shape ``(Hp, d, d)``, from the free entries."""
         return free_to_skew(self.cayley_params, self.head_dim, self.band)
 
+    def _rotation(self, dtype: torch.dtype | None = None) -> Tensor:
+        """``P = (I - S)(I + S)^-1`` ``(Hp, d, d)`` (``skew.cayley_from_free``: one gather, one solve), in ``dtype``
+        (default the parameters')."""
+        v = self.cayley_params if dtype is None else self.cayley_params.to(dtype)
+        return cayley_from_free(v, self.head_dim, self.band)
+
     def post_rotation_matrix(self) -> Tensor:
-        return cayley_transform(self.skew_matrix()).expand(self.num_heads, -1, -1)
+        return self._rotation().expand(self.num_heads, -1, -1)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
-        p = cayley_transform(self.skew_matrix().to(dtype))  # (Hp, d, d)
+        p = self._rotation(dtype)  # (Hp, d, d)
         if _fused_kernel(coords.device, backend=self.backend) is not None:
             return _KernelState(coords, self.freqs), p  # the fused kernel rotates P x, angles formed in-kernel
         cos, sin = super()._prepare(coords, dtype)
@@ -91,7 +98,7 @@ class CayleySTRING(MixedRoPE):
     def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
         """``R(r) = RoPE(r) P`` exactly: ``P`` is the Cayley rotation (one solve, shared by the basis and the prefix
         transform ``P^T``) and the frequencies are the mixed ones."""
-        return post_form(self, cayley_transform(self.skew_matrix()))  # (Hp, d, d)
+        return post_form(self, self._rotation())  # (Hp, d, d)
 
     def rope_batch_key(self) -> tuple | None:
         """Cayley-STRING encodings of one size, band, head sharing, pair convention, dtype and device."""
@@ -100,11 +107,11 @@ class CayleySTRING(MixedRoPE):
                 p.device, self.pairs)
 
     @classmethod
-    def stacked_rope_form(cls, pes) -> RoPEForm:
+    def stacked_rope_form(cls, pes, prefix: bool = True) -> RoPEForm:
         """All the Cayley rotations from one batched solve ``(L, Hp, d, d)``, the frequencies stacked, the prefix
-        transforms ``P^T``."""
+        transforms ``P^T`` (``None`` with ``prefix=False``: a model without prefix tokens does not form them)."""
         first = pes[0]
         params = stack_layers(pe.cayley_params for pe in pes)  # (L, Hp, F)
-        bases = cayley_transform(free_to_skew(params, first.head_dim, first.band))  # (L, Hp, d, d), one solve
+        bases = cayley_from_free(params, first.head_dim, first.band)  # (L, Hp, d, d), one solve
         freqs = stack_layers(param_heads(pe.freqs, pe.param_heads) for pe in pes)  # (L, Hp, c, d/2)
-        return RoPEForm(half_pairs_basis(first, bases), freqs, bases.transpose(-1, -2))
+        return RoPEForm(half_pairs_basis(first, bases), freqs, bases.transpose(-1, -2) if prefix else None)

@@ -270,7 +270,7 @@ class CirculantSTRING(PositionEncoding):
                 self.pairs)
 
     @classmethod
-    def stacked_rope_form(cls, pes) -> RoPEForm:
+    def stacked_rope_form(cls, pes, prefix: bool = True) -> RoPEForm:
         """The one fixed basis ``(1, 1, d, d)`` and the frequencies of all from one product ``(L, Hp, c, d/2)``."""
         first = pes[0]
         p = first.circ_params

@@ -128,10 +128,12 @@ def unstack_rope_form(form: RoPEForm, n: int) -> List[RoPEForm]:
             for b, f, p, k in zip(parts(form.basis), parts(form.freqs), parts(form.prefix), parts(form.blocks))]
 
 
-def rope_forms_stacked(pes: Sequence[PositionEncoding]) -> Tuple[List[RoPEForm], List[Tuple[List[int], RoPEForm]]]:
+def rope_forms_stacked(pes: Sequence[PositionEncoding], prefix: bool = True
+                       ) -> Tuple[List[RoPEForm], List[Tuple[List[int], RoPEForm]]]:
     """:func:`rope_forms`, and the stacked forms they were sliced from: ``(forms, [(indices, stacked form), ...])``
     (``PositionEncoding.stacked_rope_form``), for callers that use the stacked tensors as they are (a model merging
-    all bases into its projections in one product, forming all angle tables in one product)."""
+    all bases into its projections in one product, forming all angle tables in one product). ``prefix=False``:
+    the caller has no prefix tokens, and the stacked forms leave their prefix transforms out (``None``)."""
     forms: List[Optional[RoPEForm]] = [None] * len(pes)
     groups: Dict[tuple, List[int]] = {}
     for i, pe in enumerate(pes):
@@ -164,7 +166,7 @@ def rope_forms_stacked(pes: Sequence[PositionEncoding]) -> Tuple[List[RoPEForm],
             for i, (k, w), (q, mu), form in zip(idx, blocks, schurs, unstack_rope_form(stacked, len(idx))):
                 forms[i] = form._replace(eigen=BlockEigenForm(k, w, q, mu))
             continue
-        stacked = type(pes[idx[0]]).stacked_rope_form([pes[i] for i in idx])
+        stacked = type(pes[idx[0]]).stacked_rope_form([pes[i] for i in idx], prefix=prefix)
         stacks.append((idx, stacked))
         for i, form in zip(idx, unstack_rope_form(stacked, len(idx))):
             forms[i] = form
@@ -257,7 +259,8 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
             form's, ``rope_forms_stacked``): the merge multiplies block by block, as :func:`fold_qkv_weight` does.
 
     Returns:
-        ``L`` pairs ``(weight', bias')`` as :func:`fold_qkv_weight` returns them (the same products, batched),
+        ``L`` pairs ``(weight', bias')`` as :func:`fold_qkv_weight` returns them (the same products, batched; the
+        biases multiplied as a last column of the weights, so one product and one backward serve both),
         differentiable in every input; the gradients of the ``L`` weights (biases, bases) come back from one
         stacked tensor.
 
@@ -280,9 +283,9 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
     dim = three_d // 3
     h = num_heads
     d = dim // h
-    for p in (bases[0],) if stacked else bases:
-        if p.dim() != 3 or p.shape[-2:] != (d, d) or p.shape[0] not in (1, h):
-            raise ValueError(f"every basis must have shape (1 or {h}, {d}, {d}), got {tuple(p.shape)}")
+    for shape in (bases.shape[1:],) if stacked else (p.shape for p in bases):  # shapes: no slice of the stack
+        if len(shape) != 3 or shape[-2:] != (d, d) or shape[0] not in (1, h):
+            raise ValueError(f"every basis must have shape (1 or {h}, {d}, {d}), got {tuple(shape)}")
     dtype = weights[0].dtype
     with torch.autocast(device_type=weights[0].device.type, enabled=False):
         rows: Tuple[int, ...] = (d,)  # the rows one product takes: the head, or its nb blocks of b
@@ -292,23 +295,29 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
                                  f"got {tuple(blocks.shape)}")
             p = (blocks if blocks.dtype == dtype else blocks.to(dtype)).unsqueeze(1)
             rows = tuple(blocks.shape[2:4])
-        elif stacked:  # (L | 1, 1, H | 1, d, d): a view, broadcast over the layers by the product, not copied
+        elif stacked:  # (L | 1, 1, H | 1, d, d): a view, broadcast over the layers and heads by the product
             p = bases if bases.dtype == dtype else bases.to(dtype)
-            # expanded over the heads where P gets a gradient: its sum over the heads then runs as the list form's
-            p = (p.expand(-1, h, d, d) if p.requires_grad else p).unsqueeze(1)
+            p = p.unsqueeze(1)  # P's gradient: one sum over q/k and the heads (its broadcast dimensions)
         else:
-            p = torch.stack([b.to(dtype).expand(h, d, d) for b in bases]).unsqueeze(1)  # (L, 1, H, d, d)
-        w_qk, w_v = stack_layers(weights).split([2 * dim, dim], dim=1)  # (L, 2D, D_in), (L, D, D_in)
-        qk = precise_matmul(p, w_qk.reshape(n, 2, h, *rows, d_in))  # (L, 2, H, d | nb b, D_in)
-        w = torch.cat([qk.reshape(n, 2 * dim, d_in), w_v], dim=1).unbind(0)  # L x (3D, D_in)
-        if biases[0] is not None:
-            b_qk, b_v = stack_layers(biases).split([2 * dim, dim], dim=1)  # (L, 2D), (L, D)
-            bqk = precise_matmul(p, (b_qk if b_qk.dtype == dtype else b_qk.to(dtype)).reshape(n, 2, h, *rows, 1))
-            bqk = bqk.reshape(n, 2 * dim)  # (L, 2D)
-            b = torch.cat([bqk if bqk.dtype == b_v.dtype else bqk.to(b_v.dtype), b_v], dim=1).unbind(0)
-        else:
-            b = (None,) * n
-    return list(zip(w, b))
+            if len({b.shape[0] for b in bases}) > 1:  # some shared by the heads, some not: (L, 1, H, d, d)
+                bases = [b.expand(h, d, d) for b in bases]
+            p = torch.stack([b.to(dtype) for b in bases]).unsqueeze(1)  # (L, 1, H | 1, d, d)
+        wb = stack_layers(weights)  # (L, 3D, D_in)
+        if biases[0] is not None:  # the biases as a last column: one product (and one backward) for both
+            bs = stack_layers(biases)  # (L, 3D)
+            wb = torch.cat([wb, (bs if bs.dtype == dtype else bs.to(dtype)).unsqueeze(-1)], dim=-1)
+        cols = wb.shape[-1]  # D_in (+ 1)
+        w_qk, w_v = wb.split([2 * dim, dim], dim=1)  # (L, 2D, cols), (L, D, cols)
+        qk = precise_matmul(p, w_qk.reshape(n, 2, h, *rows, cols))  # (L, 2, H, d | nb b, cols)
+        wb = torch.cat([qk.reshape(n, 2 * dim, cols), w_v], dim=1)  # (L, 3D, cols)
+        if biases[0] is None:
+            return [(w, None) for w in wb.unbind(0)]  # L x (3D, D_in)
+        # contiguous again: a strided weight and bias make every layer's projection and its backward slower
+        # (~10 % of the merged projections' CPU time, ViT-tiny) than the two copies here
+        w, b = wb.split([d_in, 1], dim=-1)  # (L, 3D, D_in), (L, 3D, 1)
+        w, b = w.contiguous(), b.squeeze(-1).contiguous()
+        b = b if b.dtype == biases[0].dtype else b.to(biases[0].dtype)
+    return list(zip(w.unbind(0), b.unbind(0)))
 
 
 def frequency_rope(q: Tensor, k: Optional[Tensor], coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0,

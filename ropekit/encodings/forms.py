@@ -87,7 +87,9 @@ class RoPEForm(NamedTuple):
 
 class _StackLayers(torch.autograd.Function):
     """``torch.stack(tensors)`` whose backward hands the gradient back as one ``unbind`` (``torch.stack``'s takes one
-    ``select`` per tensor: ``L`` operations, each a dispatch on the host, for the ``L`` layers' parameters)."""
+    ``select`` per tensor: ``L`` operations, each a dispatch on the host, for the ``L`` layers' parameters). A
+    gradient that is not contiguous (a slice of a larger one) is made so once: each layer's slice then has its
+    parameter's layout, which spares gradient accumulation a copy per layer."""
 
     @staticmethod
     def forward(ctx, *tensors: Tensor) -> Tensor:
@@ -95,7 +97,7 @@ class _StackLayers(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return g.unbind(0)
+        return (g if g.is_contiguous() else g.contiguous()).unbind(0)
 
 
 def stack_layers(tensors) -> Tensor:

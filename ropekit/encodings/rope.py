@@ -169,7 +169,7 @@ class FrequencyRoPE(PositionEncoding):
         return ("rope", tuple(f.shape), f.dtype, f.device, self.param_heads, self.pairs)
 
     @classmethod
-    def stacked_rope_form(cls, pes) -> RoPEForm:
+    def stacked_rope_form(cls, pes, prefix: bool = True) -> RoPEForm:
         """``P = I`` and the frequencies of all, stacked: ``(L, Hp, c, d/2)``."""
         freqs = stack_layers(param_heads(pe.freqs, pe.param_heads) for pe in pes)
         return RoPEForm(None, freqs, None, pes[0].pairs)

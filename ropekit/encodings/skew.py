@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["upper_indices", "num_free", "free_to_skew", "skew_to_free", "full_to_free", "skew", "cayley_transform",
-           "skew_real_schur", "real_schur"]
+           "cayley_from_free", "skew_real_schur", "real_schur"]
 
 
 def upper_indices(n: int, band: int | None = None, device: torch.device | str | None = None) -> Tensor:
@@ -89,6 +89,68 @@ def cayley_transform(s: Tensor) -> Tensor:
     eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
     p, _ = torch.linalg.solve_ex(eye + s, eye - s)
     return p
+
+
+def cayley_from_free(v: Tensor, n: int, band: int | None = None) -> Tensor:
+    """``cayley_transform(free_to_skew(v, n, band))`` -- ``(..., F)`` free entries to ``(..., n, n)`` rotations --
+    in four operations forward and seven backward, whatever the batch.
+
+    Forward: ``A = I + S`` from one gather of ``v`` into an ``n x n`` table times a constant sign table (``+1`` above
+    the diagonal, ``-1`` below, ``0`` on it and outside the band) added to ``I``, then ``P = solve(A, A^T)``
+    (``I - S = A^T``; one factorised solve, as :func:`cayley_transform`). Backward, without a second solve: with
+    ``P = 2 A^-1 - I``, ``A^-1 = (I + P) / 2`` and ``dL/dS = -2 A^-T G A^-T = -(1/2) (I + P^T) G (I + P^T)``
+    (``G = dL/dP``), projected onto the free entries (``dL/dS[i, j] - dL/dS[j, i]``). Differentiable again (the
+    backward is made of differentiable operations on ``P``, which keeps its graph).
+    """
+    table = _cayley_tables(n, band, v.device, v.dtype)
+    if v.shape[-1] != table[3].shape[0]:
+        raise ValueError(f"expected {table[3].shape[0]} free entries for n={n}, band={band}, got {v.shape[-1]}")
+    return _CayleyFree.apply(v, table)
+
+
+class _CayleyFree(torch.autograd.Function):
+    """``P = (I - S)(I + S)^-1`` from the free entries of ``S`` (:func:`cayley_from_free`); ``table`` from
+    ``_cayley_tables``."""
+
+    @staticmethod
+    def forward(ctx, v: Tensor, table: tuple) -> Tensor:
+        eye, gather, sign, rows, cols, half_eye = table
+        a = torch.addcmul(eye, v[..., gather], sign)  # I + S, (..., n, n)
+        p, _ = torch.linalg.solve_ex(a, a.mT)  # (I + S)^-1 (I - S)
+        ctx.save_for_backward(p)
+        ctx.table = table
+        return p
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (p,) = ctx.saved_tensors
+        _, _, _, rows, cols, half_eye = ctx.table
+        x = torch.add(half_eye, p.mT, alpha=_SQRT_HALF)  # (I + P^T) / sqrt(2)
+        y = x @ g @ x  # -dL/dS
+        return (y.mT - y)[..., rows, cols], None  # dL/dS[i, j] - dL/dS[j, i] at the free entries
+
+
+_SQRT_HALF = math.sqrt(0.5)
+_CAYLEY_TABLES: dict = {}
+
+
+def _cayley_tables(n: int, band: int | None, device: torch.device, dtype: torch.dtype) -> tuple:
+    """Constants of :func:`cayley_from_free` (``_cached``): ``I``; the ``(n, n)`` gather index (free entry ``k`` at
+    ``(i, j)`` and ``(j, i)``, ``0`` elsewhere) and its signs (``+1``, ``-1``, ``0``); the free entries' rows and
+    columns ``(F,)``; ``I / sqrt(2)``."""
+    def build() -> tuple:
+        iu = upper_indices(n, band, device)
+        k = torch.arange(iu.shape[1], device=device)
+        gather = torch.zeros(n, n, dtype=torch.long, device=device)
+        sign = torch.zeros(n, n, dtype=dtype, device=device)
+        gather[iu[0], iu[1]] = k
+        gather[iu[1], iu[0]] = k
+        sign[iu[0], iu[1]] = 1.0
+        sign[iu[1], iu[0]] = -1.0
+        eye = torch.eye(n, dtype=dtype, device=device)
+        return eye, gather, sign, iu[0], iu[1], eye * _SQRT_HALF
+
+    return _cached(_CAYLEY_TABLES, (n, band, str(device), dtype), build)
 
 
 # ----------------------------------------------------------------------------- real Schur form

@@ -566,7 +566,7 @@ class VisionTransformer(nn.Module):
         folding = [layers[0] for layers in owners.values() if len(layers) == 1 and layers[0].folds]
         stacks: list = []
         if len(folding) > 1:
-            forms, stacks = rope_forms_stacked([a.pe for a in folding])
+            forms, stacks = rope_forms_stacked([a.pe for a in folding], prefix=num_prefix_tokens > 0)
             # block forms (ComRoPE): one node maps every layer's gradient in one batched Frechet map per step
             stacked_eigen = [(idx, st.eigen) for idx, st in stacks if st.eigen is not None]
             forms = batch_block_gradients(forms, coords, stacked_eigen)
