@@ -227,6 +227,14 @@ def test_quick_experiment_config_is_the_pinned_recipe(quick_run):
     runs[0]["settings"] = {**runs[0]["settings"], "train": {**runs[0]["settings"]["train"], "lr": 1.0}}
     assert any("s0/2d train" in line for line in compare_with_committed(dict(doc, runs=runs)))
     assert any("missing" in line for line in compare_with_committed(dict(doc, runs=doc["runs"][1:])))
+    # evaluation conditions do not change training: a folder that evaluated fewer of them still matches; one that
+    # evaluated a condition the recipe does not list, or seeds outside it, does not
+    fewer = dict(doc, recipe={**doc["recipe"], "conditions": doc["recipe"]["conditions"][:1]})
+    assert compare_with_committed(fewer) == []
+    more = dict(doc, recipe={**doc["recipe"], "conditions": doc["recipe"]["conditions"] + ["ood_light"]})
+    assert any("conditions" in line for line in compare_with_committed(more))
+    other_seed = dict(doc, recipe={**doc["recipe"], "seeds": [7]})
+    assert any("seeds" in line for line in compare_with_committed(other_seed))
 
 
 @pytest.mark.sim

@@ -49,3 +49,12 @@ def test_expert_defaults_match_the_recipe():
     params = inspect.signature(ScriptedExpert.__init__).parameters
     for k, v in recipe("default")["demos"]["expert"].items():
         assert params[k].default == v, k
+
+
+def test_the_cpu_and_gpu_recipes_evaluate_every_condition():
+    """In distribution, table height, large distractors and lighting: the STRING paper's out-of-distribution
+    conditions, all in the default evaluation."""
+    from ropekit.robot.experiment import CONDITIONS
+
+    for preset in ("default", "gpu"):
+        assert recipe(preset)["conditions"] == list(CONDITIONS)

@@ -143,6 +143,22 @@ def init_distributed(device: str = "auto") -> DistContext:
     return ctx
 
 
+#: How long a rank waits at exit for the others before it tears the process group down anyway.
+EXIT_BARRIER_TIMEOUT_S = 60.0
+
+
 def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """At interpreter exit: wait for every rank (gloo: at most :data:`EXIT_BARRIER_TIMEOUT_S`, so a crashed peer
+    does not hang the exit), then destroy the group. Without the barrier a rank that finishes first tears its
+    gloo threads down while a peer's last collective may still be in flight, which aborts the process at exit
+    ("terminate called without an active exception") although the run itself succeeded."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            from datetime import timedelta
+
+            dist.monitored_barrier(timeout=timedelta(seconds=EXIT_BARRIER_TIMEOUT_S))
+    except Exception:  # a peer is gone or failed: nothing left to wait for
+        pass
+    dist.destroy_process_group()
