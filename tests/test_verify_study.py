@@ -135,6 +135,17 @@ def test_coordinate_study_arms_select_encodings_and_conventions():
         _arm_argv(["liere", "liere/grid"])
 
 
+def test_a_recorded_coord_modes_is_kept_unless_the_arms_select_conventions():
+    """Plain arms re-run a study (e.g. resolution) with the conventions its command recorded; arms
+    ``ENCODING/CONVENTION`` replace them."""
+    from ropekit.experiments.verify import _arm_argv, _drop_replaced
+
+    recorded = ["resolution", "--coord-modes", "grid", "--pe", "axial", "--seeds=0,1", "--no-progress"]
+    assert _drop_replaced(recorded, also=_arm_argv(["axial", "cayley"])[::2]) == ["resolution", "--coord-modes",
+                                                                                  "grid"]
+    assert _drop_replaced(recorded, also=_arm_argv(["liere/grid"])[::2]) == ["resolution"]
+
+
 @pytest.mark.slow
 def test_verify_re_runs_a_coordinate_study(tmp_path, capsys, monkeypatch):
     """The default sample of a coordinate study (one encoding on both conventions, two seeds) re-runs and keeps

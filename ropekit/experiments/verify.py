@@ -296,15 +296,17 @@ def verify_study(study_dir: Any, *, arms: Optional[Sequence[str]] = None, seeds:
     out = Path(out) if out is not None else Path(tmp.name) / "study"
     fresh = cache_dir is None
     cache_dir = Path(cache_dir) if cache_dir is not None else Path(tmp.name) / "cache"
-    sample_argv = _arm_argv(arms) + ["--seeds", ",".join(map(str, seeds)), "--no-progress"]
+    arm_argv = _arm_argv(arms)
+    recorded = _drop_replaced(words[2:], also=arm_argv[::2])  # the flags of the arm options
+    sample_argv = arm_argv + ["--seeds", ",".join(map(str, seeds)), "--no-progress"]
     if threads is not None:
         sample_argv += ["--threads", str(threads)]
-    argv = _drop_replaced(words[2:]) + sample_argv + ["--out", str(out), "--cache-dir", str(cache_dir)]
+    argv = recorded + sample_argv + ["--out", str(out), "--cache-dir", str(cache_dir)]
     parser = argparse.ArgumentParser(prog="ropekit experiment")
     add_arguments(parser)
     args = parser.parse_args(argv)
     options = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS}
-    shown = _drop_replaced(words[2:]) + sample_argv + ([] if tmp is not None and out.is_relative_to(tmp.name)
+    shown = recorded + sample_argv + ([] if tmp is not None and out.is_relative_to(tmp.name)
                                                              else ["--out", str(out)])
     command = "ropekit experiment " + " ".join(shlex.quote(w) for w in shown)
     t0 = time.monotonic()
@@ -357,20 +359,23 @@ def _arm_argv(arms: Sequence[str]) -> List[str]:
             "--coord-modes", ",".join(dict.fromkeys(p[1] for p in split))]
 
 
-#: Options of the recorded command that the sample replaces: with a value, and without.
-_REPLACED = ("--out", "--cache-dir", "--pe", "--seeds", "--threads", "--coord-modes")
+#: Options of the recorded command that every re-run of a sample replaces: with a value, and without.
+_REPLACED = ("--out", "--cache-dir", "--pe", "--seeds", "--threads")
 _REPLACED_SWITCHES = ("--no-progress",)
 
 
-def _drop_replaced(argv: List[str]) -> List[str]:
-    """``argv`` without the options the re-run of a sample sets itself (:data:`_REPLACED`)."""
+def _drop_replaced(argv: List[str], also: Sequence[str] = ()) -> List[str]:
+    """``argv`` without the options the re-run of a sample sets itself (:data:`_REPLACED`, and ``also``: those the
+    sample's arms select, e.g. ``--coord-modes`` for ``ENCODING/CONVENTION`` arms; otherwise a recorded
+    ``--coord-modes`` stays part of the study)."""
+    replaced = _REPLACED + tuple(also)
     out, skip = [], False
     for w in argv:
         if skip:
             skip = False
-        elif w in _REPLACED:
+        elif w in replaced:
             skip = True
-        elif w in _REPLACED_SWITCHES or any(w.startswith(f + "=") for f in _REPLACED):
+        elif w in _REPLACED_SWITCHES or any(w.startswith(f + "=") for f in replaced):
             continue
         else:
             out.append(w)
