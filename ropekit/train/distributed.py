@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Dict, List
 
 import torch
@@ -156,8 +157,6 @@ def _destroy_process_group() -> None:
         return
     try:
         if dist.get_backend() == "gloo":
-            from datetime import timedelta
-
             dist.monitored_barrier(timeout=timedelta(seconds=EXIT_BARRIER_TIMEOUT_S))
     except Exception:  # a peer is gone or failed: nothing left to wait for
         pass
