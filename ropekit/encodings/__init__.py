@@ -1,6 +1,6 @@
 """Rotary position encodings for N-dimensional coordinates, behind one interface (``create_pe``)."""
 
-from .base import PEState, PositionEncoding, check_coords
+from .base import PEState, PositionEncoding, check_coords, keep_encodings_fp32
 from .rotation import apply_frequency_rope
 from .registry import PAPER_PRESETS, PE_REGISTRY, BenchRow, create_pe, list_pes, pe_options, register_pe
 # the encodings, imported in the order list_pes() gives them (each registers itself)
@@ -17,6 +17,7 @@ from .validation import check_deferred_coords, set_coord_validation
 
 __all__ = [
     "PositionEncoding", "PEState", "check_coords", "check_deferred_coords", "set_coord_validation",
+    "keep_encodings_fp32",
     "apply_frequency_rope", "create_pe", "list_pes", "pe_options", "register_pe", "BenchRow",
     "PE_REGISTRY", "PAPER_PRESETS", "count_parameters",
     "NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "LieRECommute", "CayleySTRING", "CirculantSTRING",

@@ -34,13 +34,16 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from .angles import _wide_dtype
 from .forms import RoPEForm, no_rope_form
 from .rotation import check_backend
-from .validation import check_finite
+from .validation import check_finite, check_real
 
-__all__ = ["PositionEncoding", "PEState", "check_coords", "normalize_coords", "LAYOUTS", "PAIRS"]
+__all__ = ["PositionEncoding", "PEState", "check_coords", "coord_precision", "keep_encodings_fp32", "normalize_coords",
+           "LAYOUTS", "PAIRS"]
 
 LAYOUTS = ("bhnd", "bnhd")
+_LOW_FLOATS = (torch.float16, torch.bfloat16)
 PAIRS = ("interleaved", "half")
 
 
@@ -54,13 +57,34 @@ def _cast(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def coord_precision(coords: Tensor, dtype: torch.dtype) -> Tensor:
+    """Coordinates as an encoding's ``_prepare`` receives them: never rounded to a narrower dtype.
+
+    Every encoding forms its angles (and generator sums) in float64 from these, so a coordinate keeps its own
+    precision up to the angle: float64 and float32 coordinates pass as they are, bf16 / float16 ones are widened to
+    ``dtype`` (exactly), integer ones become float64 (float32 on devices without float64), exact up to ``2^53``
+    (``2^24``) -- rounded to a float32 compute dtype an int64 coordinate at ``2^24 + 1`` would turn by the wrong
+    angle, and a float64 one near ``1e5`` would lose ~1e-3 of it. Costs what the cast to ``dtype`` cost before.
+
+    Args:
+        coords: ``(M, c)`` or ``(B, M, c)``, real dtype.
+        dtype: the compute dtype (float32 or float64).
+    """
+    if coords.dtype in (torch.float32, torch.float64):
+        return coords
+    if coords.is_floating_point():
+        return coords.to(dtype)
+    return coords.to(_wide_dtype(coords.device))
+
+
 def _expected(num_tokens: Any, coord_dim: int, batch: Any) -> str:
     """Human-readable expected coordinate shape (built only when an error is raised: formatting a symbolic
     token count into a string would make ``torch.compile`` specialise on it)."""
     return f"({num_tokens}, {coord_dim}) or ({batch if batch is not None else 'B'}, {num_tokens}, {coord_dim})"
 
 
-def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: int | None = None) -> None:
+def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: int | None = None,
+                 name: str = "coords") -> None:
     """Validate a coordinate tensor; raise ``ValueError`` naming the expected shape.
 
     Args:
@@ -68,6 +92,7 @@ def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: 
         coord_dim: expected ``c``.
         num_tokens: expected ``M`` (``None`` skips that check).
         batch: expected ``B`` for per-example coordinates (``None`` skips that check).
+        name: what the errors call the tensor (``"coords"``, ``"k_coords"``).
 
     Raises:
         ValueError: wrong type, dtype, rank, coordinate dimension, token count or batch; or NaN / infinite
@@ -80,27 +105,26 @@ def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: 
     every ``log_every`` steps and before each checkpoint). ``set_coord_validation("eager" | "deferred" | "off")`` overrides that choice.
     """
     if not isinstance(coords, Tensor):
-        raise ValueError(f"coords must be a torch.Tensor of shape {_expected(num_tokens, coord_dim, batch)}, "
+        raise ValueError(f"{name} must be a torch.Tensor of shape {_expected(num_tokens, coord_dim, batch)}, "
                          f"got {type(coords).__name__}")
-    if coords.is_complex() or coords.dtype == torch.bool:
-        raise ValueError(f"coords must be real numbers, got dtype {coords.dtype}")
+    check_real(coords, name)
     if coords.dim() not in (2, 3):
-        raise ValueError(f"coords must have shape {_expected(num_tokens, coord_dim, batch)}, got {tuple(coords.shape)}")
+        raise ValueError(f"{name} must have shape {_expected(num_tokens, coord_dim, batch)}, got {tuple(coords.shape)}")
     if coords.shape[-1] != coord_dim:
         raise ValueError(
-            f"coords have {coords.shape[-1]} coordinate dimensions but the encoding was built for "
+            f"{name} have {coords.shape[-1]} coordinate dimensions but the encoding was built for "
             f"coord_dim={coord_dim}: expected shape {_expected(num_tokens, coord_dim, batch)}, "
             f"got {tuple(coords.shape)}"
         )
     if num_tokens is not None and coords.shape[-2] != num_tokens:
         raise ValueError(
-            f"coords hold {coords.shape[-2]} tokens but the input has {num_tokens} tokens after the prefix: "
+            f"{name} hold {coords.shape[-2]} tokens but the input has {num_tokens} tokens after the prefix: "
             f"expected shape {_expected(num_tokens, coord_dim, batch)}, got {tuple(coords.shape)}"
         )
     if coords.dim() == 3 and batch is not None and coords.shape[0] != batch:
-        raise ValueError(f"per-example coords have batch {coords.shape[0]}, input has {batch}: "
+        raise ValueError(f"per-example {name} have batch {coords.shape[0]}, input has {batch}: "
                          f"expected {_expected(num_tokens, coord_dim, batch)}")
-    check_finite(coords)
+    check_finite(coords, name)
 
 
 def normalize_coords(coords: Tensor, coord_dim: int, num_tokens: int | None = None,
@@ -122,6 +146,19 @@ def normalize_coords(coords: Tensor, coord_dim: int, num_tokens: int | None = No
                 batch is None or coords.shape[0] == batch):
             return coords.unsqueeze(-1)  # (B, 1) position ids of one token per example
     return coords
+
+
+def keep_encodings_fp32(module: nn.Module, enabled: bool = True) -> nn.Module:
+    """:meth:`PositionEncoding.keep_fp32` on every position encoding inside ``module`` (a whole model): a later
+    ``module.to(torch.bfloat16)`` or ``module.half()`` casts everything else and leaves the encodings in float32.
+
+    Returns:
+        ``module``.
+    """
+    for sub in module.modules():
+        if isinstance(sub, PositionEncoding):
+            sub.keep_fp32(enabled)
+    return module
 
 
 @dataclass
@@ -156,7 +193,9 @@ class PositionEncoding(nn.Module):
 
     * ``_prepare(coords, dtype) -> data``: everything that depends on the coordinates and parameters only
       (angles, cos/sin tables, basis changes), computed once per coordinate set and shared by q and k; coords
-      arrive as ``(M, c)`` or ``(B, M, c)`` in the compute dtype, autocast disabled;
+      arrive as ``(M, c)`` or ``(B, M, c)``, autocast disabled, in their own precision (``coord_precision``:
+      float32 or float64 as given, integers as float64; never rounded to the compute dtype ``dtype``, so form
+      angles and generator sums in float64 -- ``angles.wide_angles`` -- not in ``coords.dtype``);
     * ``_transform(x, data) -> x``: the action on ``x`` of shape ``(B, H, M, d)`` in the compute dtype, with
       interleaved pairs. ``H`` may be smaller than ``num_heads`` (grouped keys) when parameters are shared by
       heads; the data broadcast over it.
@@ -195,6 +234,8 @@ class PositionEncoding(nn.Module):
     rope_kind: str | None = None
     #: the encoding handles ``pairs="half"`` itself (no permutation of q/k needed)
     _native_half_pairs: bool = False
+    #: the parameter dtype policy (``keep_fp32``): ``False``, a model cast moves the encoding's parameters too
+    _keep_fp32: bool = False
 
     def __init__(self, head_dim: int, coord_dim: int, num_heads: int = 1, per_head: bool = False, *,
                  layout: str = "bhnd", pairs: str = "interleaved") -> None:
@@ -241,6 +282,53 @@ class PositionEncoding(nn.Module):
             self.pairs = pairs
         return self
 
+    def keep_fp32(self, enabled: bool = True) -> "PositionEncoding":
+        """Keep the encoding's parameters and buffers in float32 (or wider) when the model is cast to bf16 / float16.
+
+        With it, ``model.to(torch.bfloat16)``, ``model.half()`` and ``model.to(dtype=torch.float16)`` leave this
+        encoding's floating-point tensors in float32 (float64 ones become float32: the cast asked for less),
+        as norm layers often are kept; device moves and ``.double()`` act as usual. Without it (the default) the
+        cast rounds learnable frequencies and bases to the low precision like every other parameter, and the
+        rotation turns by those rounded values: at coordinate ``r`` an angle is off by up to ``r * |omega| * 2^-8``
+        in bf16 (see docs/execution-paths.md for the figures per encoding). Fixed tables are exact either way.
+
+        Autocast never touches the encoding (its angles and rotation run with autocast disabled), and FSDP's mixed
+        precision casts parameters without a module cast: there, keep encodings in float32 by wrapping them in a
+        unit of their own with a float32 policy (FSDP2 ``fully_shard(pe, mp_policy=...)``) or by listing the
+        encoding class in FSDP1's ``MixedPrecision(_module_classes_to_ignore=...)``.
+
+        Args:
+            enabled: ``True`` to keep float32; ``False`` returns to the default. Enabling it also widens any bf16 /
+                float16 tensor the encoding holds now to float32 (values as they are: a rounding already done
+                is not undone).
+
+        Returns:
+            ``self``.
+        """
+        self._keep_fp32 = bool(enabled)
+        if enabled:  # (through _apply: encodings with derived tables rebuild them there)
+            self._apply(lambda t: t.float() if t.dtype in _LOW_FLOATS else t)
+        return self
+
+    @property
+    def keeps_fp32(self) -> bool:
+        """Whether :meth:`keep_fp32` is on."""
+        return self._keep_fp32
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` under the :meth:`keep_fp32` policy: a cast to bf16 / float16 leaves floating-point
+        tensors in float32 (at cast time only; nothing per step)."""
+        if self._keep_fp32:
+            inner = fn
+
+            def fn(t: Tensor) -> Tensor:  # noqa: F811 (the policy wraps the cast)
+                out = inner(t)
+                if out.dtype in _LOW_FLOATS and t.is_floating_point():
+                    return out.float() if t.dtype in _LOW_FLOATS else t.to(device=out.device, dtype=torch.float32)
+                return out
+
+        return super()._apply(fn, recurse)
+
     # ------------------------------------------------------------------ hooks for subclasses
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Any:
         raise NotImplementedError
@@ -282,7 +370,7 @@ class PositionEncoding(nn.Module):
         check_coords(coords, self.coord_dim, None)
         if k_coords is not None:
             k_coords = normalize_coords(k_coords, self.coord_dim)
-            check_coords(k_coords, self.coord_dim, None)
+            check_coords(k_coords, self.coord_dim, None, name="k_coords")
         return self._prepare_checked(coords, num_prefix_tokens, k_coords, dtype)
 
     def _prepare_checked(self, coords: Tensor, num_prefix_tokens: int, k_coords: Tensor | None,
@@ -294,8 +382,8 @@ class PositionEncoding(nn.Module):
         elif dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         with _autocast_off(coords.device.type):
-            q_data = self._prepare(_cast(coords, dtype), dtype)
-            k_data = q_data if k_coords is None else self._prepare(_cast(k_coords, dtype), dtype)
+            q_data = self._prepare(coord_precision(coords, dtype), dtype)
+            k_data = q_data if k_coords is None else self._prepare(coord_precision(k_coords, dtype), dtype)
         kc = coords if k_coords is None else k_coords
         return PEState(q=q_data, k=k_data, num_prefix_tokens=num_prefix_tokens, q_tokens=coords.shape[-2],
                        k_tokens=kc.shape[-2], q_batch=coords.shape[0] if coords.dim() == 3 else None,
@@ -384,7 +472,7 @@ class PositionEncoding(nn.Module):
         check_coords(coords, self.coord_dim, qb.shape[-2] - num_prefix_tokens, qb.shape[0])
         if k_coords is not None:
             k_coords = normalize_coords(k_coords, self.coord_dim, kb.shape[-2] - num_prefix_tokens, kb.shape[0])
-            check_coords(k_coords, self.coord_dim, kb.shape[-2] - num_prefix_tokens, kb.shape[0])
+            check_coords(k_coords, self.coord_dim, kb.shape[-2] - num_prefix_tokens, kb.shape[0], "k_coords")
         state = self._prepare_checked(coords, num_prefix_tokens, k_coords, self._compute_dtype(q))
         return self.apply(q, k, state)
 

@@ -369,11 +369,12 @@ class _BlockEigenRotation(torch.autograd.Function):
                 dt = torch.float64 if qk.dtype == torch.float64 else torch.float32
                 # (Hp, nb, M | (B, M), ., .) batches of outer products summed over q and k, the batch and the heads
                 # sharing the parameters (shared coordinates) or over q, k and the heads only (per example): one bmm
-                order, batch = (((2, 5, 4, 0, 1, 3, 6), hp * nb * m) if bs == 1 else
-                                ((2, 5, 1, 4, 0, 3, 6), hp * nb * bs * m))
+                # (the sizes spelled out, no -1: with no rotated token, M = 0, the shape is still determined)
+                order, batch, rows = (((2, 5, 4, 0, 1, 3, 6), hp * nb * m, 2 * qk.shape[1] * (heads // hp))
+                                      if bs == 1 else ((2, 5, 1, 4, 0, 3, 6), hp * nb * bs * m, 2 * (heads // hp)))
                 xv, gv = ((t[..., p0:, :] if p0 else t) for t in (qk, g))  # (2, B, H, M, d)
                 xv, gv = ((t if t.dtype == dt else t.to(dt)).unflatten(2, (hp, heads // hp)).unflatten(-1, (nb, b))
-                          .permute(order).reshape(batch, -1, b) for t in (xv, gv))  # (batch, 2 B r | 2 r, b)
+                          .permute(order).reshape(batch, rows, b) for t in (xv, gv))  # (batch, 2 B r | 2 r, b)
                 gh = torch.bmm(gv.transpose(1, 2), xv).view(hp, nb, bs * m, b, b)
                 if collect:
                     g_collector = gh if gh.dtype == ctx.collector else gh.to(ctx.collector)

@@ -51,8 +51,10 @@ class CayleySTRING(MixedRoPE):
 
     def _rotation(self, dtype: torch.dtype | None = None) -> Tensor:
         """``P = (I - S)(I + S)^-1`` ``(Hp, d, d)`` (``skew.cayley_from_free``: one gather, one solve), in ``dtype``
-        (default the parameters')."""
-        v = self.cayley_params if dtype is None else self.cayley_params.to(dtype)
+        (default the parameters', float32 for bf16 / float16 parameters: no solve runs in those, and a rotation
+        rounded to them is orthogonal only to 2^-8 / 2^-11)."""
+        p = self.cayley_params
+        v = p.to(torch.promote_types(p.dtype, torch.float32) if dtype is None else dtype)
         return cayley_from_free(v, self.head_dim, self.band)
 
     def post_rotation_matrix(self) -> Tensor:
@@ -112,6 +114,7 @@ class CayleySTRING(MixedRoPE):
         transforms ``P^T`` (``None`` with ``prefix=False``: a model without prefix tokens does not form them)."""
         first = pes[0]
         params = stack_layers(pe.cayley_params for pe in pes)  # (L, Hp, F)
+        params = params.to(torch.promote_types(params.dtype, torch.float32))  # (bf16 / float16: the solve in float32)
         bases = cayley_from_free(params, first.head_dim, first.band)  # (L, Hp, d, d), one solve
         freqs = stack_layers(param_heads(pe.freqs, pe.param_heads) for pe in pes)  # (L, Hp, c, d/2)
         return RoPEForm(half_pairs_basis(first, bases), freqs, bases.transpose(-1, -2) if prefix else None)

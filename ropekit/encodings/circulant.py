@@ -158,17 +158,23 @@ class CirculantSTRING(PositionEncoding):
                 self.circ_params.copy_(col)
 
     def _build_buffers(self) -> None:
-        """(Re)compute the fixed basis and sine table exactly (float64, then the basis in the buffers' dtype; the
-        table stays float64), the block-diagonal ``(1, d, d)`` basis of every block that the fused kernel takes,
+        """(Re)compute the fixed basis and sine table exactly (float64, then the basis in the compute dtype: float64
+        for a float64 module, else float32 -- a module cast to bf16 or float16 keeps float32 bases; the table stays
+        float64), the block-diagonal ``(1, d, d)`` basis of every block that the fused kernel takes,
         and the RoPE form's ``(d, d/2)`` table: the sine table of every block on its own rows and mode columns,
         zero elsewhere (float64)."""
         ref = self.dft_basis
         q, table = real_dft_basis(self.block_size, dtype=_wide_dtype(ref.device), device=ref.device)
+        # the bases the rotation multiplies by: in the compute dtype (float64 for a float64 module, else float32),
+        # rounded once from float64 -- never in bf16 / float16, whatever the module was cast to
+        params = getattr(self, "circ_params", None)
+        basis_dtype = torch.float64 if params is not None and params.dtype == torch.float64 else torch.float32
         if ref.device.type != "meta":
             with torch.no_grad():
-                self.dft_basis.copy_(q)
+                self.dft_basis = q.to(basis_dtype)
                 self.mode_table = table
-                self.dft_blockdiag.copy_(_block_diag(q.expand(self.head_dim // self.block_size, -1, -1)))
+                blocks = _block_diag(q.expand(self.head_dim // self.block_size, -1, -1))  # (d, d)
+                self.dft_blockdiag = blocks.to(basis_dtype).unsqueeze(0)  # (1, d, d)
                 nb, b, u = self.head_dim // self.block_size, self.block_size, self.num_modes
                 form = table.new_zeros(nb * b, self.head_dim // 2)  # rows j b .. (j + 1) b, columns j u .. (j + 1) u
                 for j in range(nb):
@@ -253,8 +259,9 @@ class CirculantSTRING(PositionEncoding):
         and ``freqs`` the mode frequencies ``lambda`` (zero for the rows that never turn), linear in
         ``circ_params``; no generator is built. The frequencies stay in the sine table's float64: rounded to
         float32 they would turn by ``r * ulp(lambda)``."""
-        basis = block_dft_basis(self.head_dim, self.block_size, self.circ_params.device, self.circ_params.dtype)
-        return RoPEForm(half_pairs_basis(self, basis), self._form_frequencies(self.circ_params), None)
+        p = self.circ_params  # (the fixed basis never below float32, whatever the parameters were cast to)
+        basis = block_dft_basis(self.head_dim, self.block_size, p.device, torch.promote_types(p.dtype, torch.float32))
+        return RoPEForm(half_pairs_basis(self, basis), self._form_frequencies(p), None)
 
     def _form_frequencies(self, params: Tensor) -> Tensor:
         """The RoPE form's frequencies ``(..., Hp, c, d/2)`` of parameters ``(..., Hp, c, nb, b)``: the mode
@@ -274,6 +281,7 @@ class CirculantSTRING(PositionEncoding):
         """The one fixed basis ``(1, 1, d, d)`` and the frequencies of all from one product ``(L, Hp, c, d/2)``."""
         first = pes[0]
         p = first.circ_params
-        basis = block_dft_basis(first.head_dim, first.block_size, p.device, p.dtype)  # (1, d, d)
+        basis = block_dft_basis(first.head_dim, first.block_size, p.device,
+                                torch.promote_types(p.dtype, torch.float32))  # (1, d, d)
         freqs = first._form_frequencies(stack_layers(pe.circ_params for pe in pes))  # (L, Hp, c, d/2)
         return RoPEForm(half_pairs_basis(first, basis).unsqueeze(0), freqs, None)

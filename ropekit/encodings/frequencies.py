@@ -33,15 +33,21 @@ def pair_generators(freqs: Tensor) -> Tensor:
     return gen.reshape(hp, c, 2 * p, 2 * p)
 
 
-def axial_frequencies(head_dim: int, coord_dim: int, base: float = 10000.0) -> Tensor:
+def axial_frequencies(head_dim: int, coord_dim: int, base: float = 10000.0,
+                      dtype: torch.dtype = torch.float32) -> Tensor:
     """Axial RoPE frequencies: pairs split evenly and contiguously across the axes.
 
     Axis ``k`` owns pairs ``[k * p, (k + 1) * p)`` with ``p = (d / 2) // c``; pair ``n`` of an axis turns
     by ``r_k * base ** (-2 n / d_k)`` with ``d_k = 2 p``. Leftover pairs (when ``d / 2`` is not divisible
     by ``c``) get frequency 0: they are not rotated.
 
+    Args:
+        dtype: of the result; the values are computed in float64 and rounded once (axial RoPE's fixed table keeps
+            them in float64: rounded to float32, pair ``n`` turns ``r * ulp(omega_n)`` off at coordinate ``r``).
+
     Returns:
-        ``(c, d / 2)`` float32 frequency matrix, on the CPU (also under a ``torch.device("meta")`` context).
+        ``(c, d / 2)`` frequency matrix in ``dtype`` (default float32), on the CPU (also under a
+        ``torch.device("meta")`` context).
     """
     pairs = head_dim // 2
     per_axis = pairs // coord_dim
@@ -54,7 +60,7 @@ def axial_frequencies(head_dim: int, coord_dim: int, base: float = 10000.0) -> T
     freqs = torch.zeros(coord_dim, pairs, dtype=torch.float64, device="cpu")
     for k in range(coord_dim):
         freqs[k, k * per_axis:(k + 1) * per_axis] = omega
-    return freqs.float()
+    return freqs.to(dtype)
 
 
 def mixed_frequencies(

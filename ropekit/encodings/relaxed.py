@@ -92,11 +92,15 @@ class RelaxedSTRING(PositionEncoding):
         return full.expand(self.num_heads, -1, -1, -1)
 
     def _post_rotation(self) -> Tensor:
-        """``P_sp``: ``(Hp, d, d)``."""
-        if not self.exact:  # exponentials in float64: orthogonal to round-off
-            return torch.linalg.matrix_exp(skew(self.mix_params.double())).to(self.mix_params.dtype)
+        """``P_sp``: ``(Hp, d, d)`` in the parameters' dtype (float32 for bf16 / float16 parameters)."""
+        # exponentials in float64: orthogonal to round-off; returned in the parameters' dtype, never below float32
+        # (rounded to bf16 / float16 P would be orthogonal only to 2^-8 / 2^-11)
+        if not self.exact:
+            mix = self.mix_params
+            return torch.linalg.matrix_exp(skew(mix.double())).to(torch.promote_types(mix.dtype, torch.float32))
         a = self.active_dim
-        p = torch.eye(self.head_dim, dtype=self.null_params.dtype, device=self.null_params.device)
+        p = torch.eye(self.head_dim, dtype=torch.promote_types(self.null_params.dtype, torch.float32),
+                      device=self.null_params.device)
         p = p.unsqueeze(0).repeat(self.param_heads, 1, 1)
         p[:, a:, a:] = torch.linalg.matrix_exp(skew(self.null_params.double())).to(p.dtype)
         return p

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .angles import angle_table, rope_cos_sin, wide_angles
+from .angles import _wide_dtype, angle_table, rope_cos_sin, wide_angles
 from .base import PEState, PositionEncoding
 from .forms import RoPEForm, param_heads, stack_layers
 from .frequencies import axial_frequencies, mixed_frequencies, pair_generators
@@ -200,20 +200,40 @@ class AxialRoPE(FrequencyRoPE):
         shape = (self.param_heads, coord_dim, head_dim // 2)
         if learnable_freqs:
             self.freq_param = nn.Parameter(torch.empty(shape))
-        else:
-            self.register_buffer("freq_table", torch.empty(shape), persistent=False)
+        else:  # the module's device and dtype (first buffer: what _param_dtype reads), then the float64 table
+            self.register_buffer("placement", torch.empty(0), persistent=False)
+            self.register_buffer("freq_table", torch.empty(shape, dtype=_wide_dtype("cpu")), persistent=False)
         self._reset_axial()
 
     @property
     def freqs(self) -> Tensor:
-        return self.freq_param if hasattr(self, "freq_param") else self.freq_table
+        """``(Hp, c, d/2)``: the learnable frequencies, or the fixed table in float64 (float32 on devices without
+        float64) whatever the module's dtype -- ``.to(torch.bfloat16)`` or ``.half()`` rebuilds it in float64
+        (``_apply``); a table cast behind the module's back (FSDP's buffer casts) is recomputed here, unstored."""
+        if hasattr(self, "freq_param"):
+            return self.freq_param
+        table = self.freq_table
+        wide = _wide_dtype(table.device)
+        if table.dtype != wide:
+            table = axial_frequencies(self.head_dim, self.coord_dim, self.base, torch.float64).to(table.device, wide)
+            table = table.unsqueeze(0).expand(self.freq_table.shape)
+        return table
 
     def _reset_axial(self) -> None:
-        target = self.freqs
-        if target.device.type != "meta":
-            init = axial_frequencies(self.head_dim, self.coord_dim, self.base)  # (c, P), CPU
-            with torch.no_grad():
-                target.copy_(init.unsqueeze(0).expand_as(target))
+        if hasattr(self, "freq_param"):
+            target = self.freq_param
+            if target.device.type != "meta":
+                init = axial_frequencies(self.head_dim, self.coord_dim, self.base, torch.float64)  # (c, P), CPU
+                with torch.no_grad():
+                    target.copy_(init.unsqueeze(0).expand_as(target))
+            return
+        table = self.freq_table  # exact in float64 (rounded once to float32 on devices without float64)
+        wide = _wide_dtype(table.device)
+        if table.device.type == "meta":
+            self.freq_table = torch.empty(table.shape, dtype=wide, device=table.device)
+            return
+        init = axial_frequencies(self.head_dim, self.coord_dim, self.base, torch.float64)  # (c, P), CPU
+        self.freq_table = init.to(table.device, wide).unsqueeze(0).expand(table.shape).contiguous()
 
     def _init_weights(self) -> None:
         """Back to the axial frequencies (learnable or not)."""

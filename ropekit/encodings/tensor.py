@@ -46,18 +46,21 @@ class TensorSTRING(PositionEncoding):
     def out_dim(self) -> int:
         return 2 * self.num_features * self.head_dim
 
-    def features(self, coords: Tensor) -> Tensor:
-        """``phi(r)``: ``(Hp, M, 2m)`` for shared coords, ``(B, Hp, M, 2m)`` per example, in ``coords``' dtype.
+    def features(self, coords: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``phi(r)``: ``(Hp, M, 2m)`` for shared coords, ``(B, Hp, M, 2m)`` per example, in ``dtype`` (default:
+        ``coords``' floating dtype; float32 for integer coordinates).
 
         The angles ``w_i^T r`` are every encoding's (``angles.wide_angles``: elementwise products in float64, never a
         TF32-rounded einsum) and are rounded after cos/sin.
         """
         ang = wide_angles(coords, self.feature_freqs.transpose(1, 2))  # (.., Hp, M, m)
-        phi = torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1).to(coords.dtype)
+        if dtype is None:
+            dtype = coords.dtype if coords.is_floating_point() else torch.float32
+        phi = torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1).to(dtype)
         return phi / math.sqrt(self.num_features)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
-        phi = self.features(coords)
+        phi = self.features(coords, dtype)  # (coords in their own precision, phi in the compute dtype)
         return phi.unsqueeze(0) if phi.dim() == 3 else phi  # (B|1, Hp, M, 2m)
 
     def _transform(self, x: Tensor, phi: Tensor) -> Tensor:

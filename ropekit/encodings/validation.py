@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MODES", "set_coord_validation", "check_finite", "check_deferred_coords"]
+__all__ = ["MODES", "set_coord_validation", "check_finite", "check_real", "check_deferred_coords"]
 
 MODES = ("auto", "eager", "deferred", "off")
 
@@ -80,16 +80,20 @@ def _counter(device: torch.device) -> Tensor:
 
 
 def check_finite(values: Tensor, name: str = "coords") -> None:
-    """Check that ``values`` (coordinates of any shape, real dtype) hold no NaN or infinity.
+    """Check that ``values`` (coordinates of any shape, real dtype) are real numbers without NaN or infinity.
 
     Args:
-        values: the tensor to check; integer tensors and tensors without data (the meta device) always pass.
+        values: the tensor to check; integer tensors and tensors without data (the meta device) always pass the
+            finiteness check.
         name: what the error calls it (``"coords"``, ``"k_coords"``, ``"coord_offset"``).
 
     Raises:
-        ValueError: ``"<n> non-finite values (NaN or infinite) in <name> ..."``, at once in the eager mode;
-            in the deferred mode by :func:`check_deferred_coords` later.
+        ValueError: ``"<name> must be real numbers, got dtype torch.bool"`` for boolean or complex values (a
+            check of the dtype only: no value is read, on any device); ``"<n> non-finite values (NaN or
+            infinite) in <name> ..."``, at once in the eager mode; in the deferred mode by
+            :func:`check_deferred_coords` later.
     """
+    check_real(values, name)
     if not values.is_floating_point() or values.device.type == "meta" or torch.compiler.is_exporting():
         return  # an exported graph (torch.export, ONNX) can neither raise nor keep a counter
     compiling = torch.compiler.is_compiling()
@@ -100,6 +104,14 @@ def check_finite(values: Tensor, name: str = "coords") -> None:
     elif mode == "deferred" and (values.device in _PENDING or not compiling):
         # (no counter is created while Dynamo traces: that would fail the graph's guard at the next call)
         _counter(values.device).add_(torch.isfinite(values).logical_not().sum())
+
+
+def check_real(values: Tensor, name: str = "coords") -> None:
+    """Refuse boolean and complex coordinates in one line (``ValueError``): a boolean mask passed where
+    coordinates belong would otherwise rotate by 0 and 1, and a complex tensor lose its imaginary part. Reads the
+    dtype only (no host synchronisation)."""
+    if values.dtype == torch.bool or values.is_complex():
+        raise ValueError(f"{name} must be real numbers, got dtype {values.dtype}")
 
 
 def check_deferred_coords(device: Any = None) -> None:

@@ -195,6 +195,7 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
     c = w.shape[1]
     block_n, block_p = _blocks(d)
     gq = _geometry(x_q, r_q, w, block_n)
+    separate_k = x_k is not None
     if x_k is None:
         x_k, y_k, o_k, r_k, gk = x_q, y_q, o_q, r_q, gq[:-1] + (0,)
     else:
@@ -211,6 +212,11 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
     cq, ck = cpart(x_q, gq, True), cpart(x_k, gk, k_programs > 0)
     srq = r_q.stride(0) if r_q.shape[0] > 1 else 0  # batch stride 0: coordinates shared by the batch
     srk = r_k.stride(0) if r_k.shape[0] > 1 else 0
+    if q_programs + k_programs == 0:  # no token (N = 0): nothing to launch; the gradients are zeros
+        g_w = torch.zeros((gq[1], c, p), device=dev, dtype=acc) if need_freq else None
+        g_rq = torch.zeros((gq[0], 0, c), device=dev, dtype=acc) if need_coord else None
+        g_rk = torch.zeros((gk[0], 0, c), device=dev, dtype=acc) if need_coord and separate_k else None
+        return g_w, g_rq, g_rk
     mod.rotary_kernel[(q_programs + k_programs,)](
         x_q, *x_q.stride(), y_q, *y_q.stride(), o_q, *o_q.stride(), r_q, srq, x_q.shape[2], *gq[1:6],
         x_k, *x_k.stride(), y_k, *y_k.stride(), o_k, *o_k.stride(), r_k, srk, x_k.shape[2], *gk[1:6],
@@ -221,13 +227,17 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
         num_warps=4)
     g_w = g_rq = g_rk = None
     if need_freq:  # program order (key_b, key_h, tile, chunk): sum all but key_h
-        g_w = fpart[:q_programs].view(gq[0], gq[1], -1, c, p).sum((0, 2))
+        g_w = (fpart[:q_programs].view(gq[0], gq[1], -1, c, p).sum((0, 2)) if q_programs else
+               torch.zeros((gq[1], c, p), device=dev, dtype=acc))  # (q without a token)
         if k_programs:
             g_w = g_w + fpart[q_programs:].view(gk[0], gk[1], -1, c, p).sum((0, 2))
     if need_coord:  # (key_b, key_h x chunks, N, c): sum over heads and chunks
-        g_rq = cq.view(gq[0], -1, x_q.shape[2], c).sum(1)
+        g_rq = (cq.view(gq[0], -1, x_q.shape[2], c).sum(1) if q_programs else
+                torch.zeros((gq[0], 0, c), device=dev, dtype=acc))
         if k_programs:
             g_rk = ck.view(gk[0], -1, x_k.shape[2], c).sum(1)
+        elif separate_k:  # k without a token
+            g_rk = torch.zeros((gk[0], 0, c), device=dev, dtype=acc)
     return g_w, g_rq, g_rk
 
 

@@ -88,8 +88,9 @@ class TextTransformer(nn.Module):
                            **cfg.pe_options)
         self.blocks = nn.ModuleList([Block(dim, cfg.num_heads, pe, cfg.mlp_ratio) for _ in range(cfg.depth)])
         self.norm = nn.LayerNorm(dim)
-        self.register_buffer("coords", torch.arange(cfg.context_length, dtype=torch.float32)[:, None],
-                             persistent=False)  # (L, 1)
+        # (L, 1) positions as int64: a model cast (.to(torch.bfloat16)) leaves them exact (bf16 holds integers only
+        # up to 256); the encodings form their angles from them in float64
+        self.register_buffer("coords", torch.arange(cfg.context_length, dtype=torch.int64)[:, None], persistent=False)
         self.reset_parameters()
 
     @property
