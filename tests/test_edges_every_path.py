@@ -196,6 +196,21 @@ def test_boolean_and_complex_coordinates_refused_in_one_line_everywhere(name, ba
                 assert msg.startswith("k_coords"), msg
 
 
+@pytest.mark.parametrize("bad", list(_BAD))
+def test_kernels_refuse_boolean_and_complex_coordinates_in_one_line(interpreter, bad):
+    """The fused kernels called directly, with the NaN check off (``validate=False``): the dtype is still checked."""
+    from ropekit.kernels import fused_basis_rotary, fused_rotary
+
+    q = torch.randn(1, H, 3, 32)
+    coords = _BAD[bad](3)
+    calls = [lambda: fused_rotary(q, q, coords, torch.randn(C, 16), validate=False),
+             lambda: fused_rotary(q, q, torch.zeros(3, C), torch.randn(C, 16), k_coords=coords, validate=False),
+             lambda: fused_basis_rotary(q, torch.eye(32)[None], coords, torch.randn(C, 16), validate=False)]
+    for call, name in zip(calls, ("coords", "k_coords", "coords")):
+        with pytest.raises(ValueError, match=rf"^{name} must be real numbers, got dtype torch\.(bool|complex64)$"):
+            call()
+
+
 @pytest.mark.parametrize("name", ["mixed", "cayley", "comrope-ld", "liere", "tensor"])
 def test_nan_in_k_coords_is_named_k_coords(name):
     pe = _pe(name)

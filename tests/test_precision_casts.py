@@ -191,8 +191,6 @@ def test_coordinates_keep_their_precision_on_every_entry_point(name, opts, entry
     """Integer coordinates (exact in float64 up to 2^53) and float64 ones reach the float64 angle unrounded: the
     float32 result equals the float64 module's on the same coordinates to float32 round-off (at main: 0.17-1.5 at
     2^24 + 1, 6e-4 to 2.4e-2 near 1e5)."""
-    if name == "liere" and case == "int64-2^40":
-        pytest.skip("dense non-commuting generators at |r| ~ 1e12: the float64 reference itself is not exact there")
     pe = _pe(name, opts)
     coords = _COORD_CASES[case]()
     q, k = _qk()

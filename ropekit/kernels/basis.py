@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..encodings.angles import _rotate_pairs_real, rope_cos_sin
 from ..encodings.products import basis_change
-from ..encodings.validation import check_finite
+from ..encodings.validation import check_finite, check_real
 from .rotary import _as_heads, _as_rows, available
 from .rotary import _kernels as _rotary_kernels
 
@@ -173,6 +173,7 @@ def fused_basis_rotary(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, 
         raise ValueError(f"basis must be (1 or {h}, {d}, {d}), got shape {tuple(basis.shape)}")
     if freqs.dim() not in (2, 3) or freqs.shape[-1] != d // 2 or (freqs.dim() == 3 and freqs.shape[0] not in (1, h)):
         raise ValueError(f"freqs must be (c, {d // 2}) or ({h}, c, {d // 2}), got shape {tuple(freqs.shape)}")
+    check_real(coords)  # (the dtype only: also with validate=False)
     if coords.dim() not in (2, 3) or coords.shape[-2] != m or coords.shape[-1] != freqs.shape[-2] or (
             coords.dim() == 3 and coords.shape[0] != bsz):
         raise ValueError(f"coords must be ({m}, {freqs.shape[-2]}) or ({bsz}, {m}, {freqs.shape[-2]}), "

@@ -23,7 +23,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..encodings.validation import check_finite
+from ..encodings.validation import check_finite, check_real
 
 __all__ = ["available", "compile_supported", "fused_rotary", "unavailable_reason"]
 
@@ -83,6 +83,7 @@ def _kernels(name: str = _MODULE):
 
 
 def _check_coords(coords: Tensor, name: str, batch: int, tokens: int, prefix: int) -> None:
+    check_real(coords, name)  # (the dtype only: also with validate=False)
     if coords.dim() not in (2, 3):
         raise ValueError(f"{name} must be (M, c) or (B, M, c), got shape {tuple(coords.shape)}")
     if coords.dim() == 3 and coords.shape[0] != batch:
