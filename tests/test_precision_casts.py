@@ -303,6 +303,29 @@ def test_attention_runs_after_a_bf16_model_cast(name, opts, fold, keep):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in attn.parameters())
 
 
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("name", list_pes())
+def test_vision_transformer_in_bf16_with_or_without_fp32_encodings(name, keep):
+    """A whole ViT cast to bf16 (its layers' encoding states prepared once per forward, folded by default) trains:
+    finite bf16 output, finite gradients, and with ``keep_encodings_fp32`` float32 encoding parameters (at main the
+    folded Cayley layers failed in bf16: no bf16 LU solve on the CPU)."""
+    from ropekit.nn import VisionTransformer, vit_config
+
+    torch.manual_seed(0)
+    model = VisionTransformer(vit_config(pe=name, image_size=(16, 16), patch_size=4, in_chans=1, embed_dim=32,
+                                         depth=2, num_heads=2, num_classes=3))
+    encodings = [m for m in model.modules() if hasattr(m, "keeps_fp32")]
+    if keep:
+        keep_encodings_fp32(model)
+    model.to(torch.bfloat16)
+    y = model(torch.randn(2, 1, 16, 16, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    y.float().square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    want = torch.float32 if keep else torch.bfloat16
+    assert all(p.dtype == want for pe in encodings for p in pe.parameters())
+
+
 # ----------------------------------------------------------------------------- the dtype matrix
 MODES = ["to-bf16", "half", "to-bf16-keep-fp32", "half-keep-fp32", "autocast-bf16", "bf16-tokens"]
 
