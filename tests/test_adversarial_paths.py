@@ -26,6 +26,8 @@ from ropekit.kernels import basis as basis_mod  # noqa: E402
 from ropekit.kernels import fused_rotary  # noqa: E402
 from ropekit.kernels import rotary as rotary_mod  # noqa: E402
 
+pytestmark = pytest.mark.numerics  # .ci/run repeats these under other summation orders
+
 
 @pytest.fixture
 def interpreter(monkeypatch):

@@ -20,7 +20,7 @@ import torch
 
 from ropekit import create_pe, list_pes
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.numerics,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (TF32 only exists there)")]
 
 B, H, D, G = 2, 2, 24, 14

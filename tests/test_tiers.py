@@ -88,11 +88,13 @@ def test_every_use_of_a_simulator_is_marked_sim(path):
 
 def test_markers_are_declared_and_ci_reports_the_slowest_tests():
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
-    assert [m.split(":")[0] for m in ini["markers"]] == ["slow", "sim", "gpu", "repro"]
+    assert [m.split(":")[0] for m in ini["markers"]] == ["slow", "sim", "gpu", "repro", "numerics"]
     assert "--strict-markers" in ini["addopts"].split() and "--durations=20" in ini["addopts"].split()
     assert ini["timeout"] > 0 and "-m" not in ini["addopts"].split()  # every tier runs by default
     readme = (ROOT / "README.md").read_text()
     command = re.search(r"## Run the tests.*?```bash\n(.+?)\n```", readme, re.S).group(1).strip()
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
-    assert ci[-1] == command, "the last command of .ci/run is not the README's test command"
+    # the README's command, then the numerical tests again under other BLAS and kernel summation orders
+    assert ci[-2] == command, "the README's test command is not the next-to-last command of .ci/run"
+    assert ci[-1] == "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default python -m pytest -m numerics -p no:cacheprovider -q"
     assert command.startswith("python -m pytest") and " -m " not in command[len("python -m pytest"):]

@@ -2,8 +2,8 @@
 
 ``S`` is skew-symmetric, stored by its free entries (the strict upper triangle, ``d (d - 1) / 2`` numbers per
 parameter head; with ``band`` only the entries with ``0 < j - i <= band``); they start at zero, so the
-encoding starts as RoPE-Mixed. ``P`` comes from one factorised solve per forward (``solve_ex``, with a
-hand-written backward that needs no second solve: ``skew.cayley_from_free``), shared by q, k and every token, and
+encoding starts as RoPE-Mixed. ``P`` comes from one LU factorisation per forward (``lu_factor_ex``, with a
+hand-written backward that reuses its factors: ``skew.cayley_from_free``), shared by q, k and every token, and
 is applied as a matrix product. The commuting generators it implies are
 ``L_k = P^T J_k P`` (``J_k`` the RoPE-Mixed generators): ``R(r) = P expm(sum_k r_k L_k)`` (``P`` on the left).
 """
