@@ -528,3 +528,35 @@ def test_data_info_is_readable(trained, capsys):
 def test_bench_refuses_an_unknown_row(capsys):
     code, _, err = run_cli(capsys, "bench", "--quick", "--rows", "cayley", "caylee")
     one_line_error(code, err, "--rows: unknown row 'caylee' (did you mean 'cayley'?)", "ropekit bench")
+
+
+def test_robot_help_has_no_pybullet_banner(tmp_path):
+    pytest.importorskip("pybullet")
+    proc = subprocess_cli(["robot", "--help"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "pybullet build time" not in proc.stdout + proc.stderr
+    assert proc.stdout.startswith("usage: ropekit robot")
+
+
+def test_bench_refuses_a_row_whose_forward_outlasts_forward_and_backward():
+    from ropekit.bench.core import impossible_timing
+
+    assert impossible_timing([1.0, 1.1, 0.9], [3.0, 3.2, 2.9]) is None  # fwd about a third of fwd+bwd
+    # the issue's row: cayley fwd 58.96 ms, fwd+bwd 17.56 ms -- noise, not a measurement
+    msg = impossible_timing([58.96, 60.0, 15.0, 57.0], [17.56, 18.0, 40.0, 17.0])
+    assert msg.startswith("refused: forward alone took 3.") and "median of 4 interleaved rounds" in msg
+    assert impossible_timing([2.0], [2.0]).startswith("refused: forward alone took 1.00x")  # a tie is impossible too
+    assert impossible_timing([], []) is None
+
+
+def test_native_output_of_the_profiler_goes_to_stderr(tmp_path):
+    """What C code writes to fd 1 inside the block (as the profiler's start-up lines are) reaches stderr; stdout keeps
+    only the report. Run in a subprocess: pytest's capture replaces the descriptors of this one."""
+    code = ("import ctypes, sys\nfrom ropekit.bench.core import native_output_to_stderr, peak_memory_mb\n"
+            "import torch\nprint('before')\nwith native_output_to_stderr():\n"
+            "    ctypes.CDLL(None).printf(b'native line\\n')\n"
+            "print('after')\nprint(peak_memory_mb(lambda: torch.ones(1000)) >= 0)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["before", "after", "True"] and "native line" in proc.stderr
