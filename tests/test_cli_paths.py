@@ -190,8 +190,8 @@ def test_precedence_and_the_one_value_of_each_setting(tmp_path):
 
     cfg = resolve("--config", str(cfg_file), "--lr", "0.002", "--set", "lr=0.002")  # the same value twice: fine
     assert (cfg.lr, cfg.weight_decay) == (0.002, 0.2)  # command line over the file, the file over the defaults
-    cfg = resolve("--pe-sharing", "head")
-    assert (cfg.pe_sharing, cfg.per_head) == ("layer", True)  # what the model builds for "head"
+    cfg = resolve("--pe-sharing", "head", "--per-head")  # the short form and the flag agree: accepted
+    assert (cfg.pe_sharing, cfg.per_head) == ("head", True)
     cfg = resolve("--data", "folder-stream", "--data-dir", str(tmp_path), "--img-size", "48", "--output", "o")
     assert (cfg.data, cfg.data_root, cfg.image_size, cfg.out) == ("imagefolder", str(tmp_path.resolve()), 48, "o")
 

@@ -994,7 +994,8 @@ def open_stream(
     if num_classes is None:
         raise ValueError(f"shards {root_p}: the manifest names no classes")
     if num_classes < 2:
-        raise ValueError(f"{key} {root_p} has {num_classes} class; classification needs at least 2")
+        raise ValueError(f"{canonical_name(name)} {root_p} has {num_classes} class; classification needs at least 2 "
+                         f"classes, one sub-folder of images each")
     stats = own or given
     info = DatasetInfo(key, num_classes, 3, hw, "image", class_names=tuple(classes), mean=m if stats else None,
                        std=s if stats else None)

@@ -129,13 +129,11 @@ class TrainConfig:
     checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
-        """One spelling per setting: the image-folder names (``folder-stream``, ``imagefolder-stream``) become
-        ``imagefolder``, and ``pe_sharing="head"`` becomes ``"layer"`` with ``per_head=True`` (what the model builds
-        for it)."""
+        """One name per data set: the image-folder aliases (``folder-stream``, ``imagefolder-stream``) become
+        ``imagefolder``. (``pe_sharing="head"`` is kept as written: it is the model's own short form of ``"layer"``
+        with ``per_head=True``, recorded so by studies' recipes.)"""
         if isinstance(self.data, str) and is_folder(self.data):
             self.data = FOLDER_NAMES[0]
-        if isinstance(self.pe_sharing, str) and self.pe_sharing.lower() == "head":
-            self.pe_sharing, self.per_head = "layer", True
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod

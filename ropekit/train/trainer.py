@@ -14,12 +14,14 @@ checkpoint's batch without decoding the ones before.
 
 Run folder layout::
 
-    config.json      resolved TrainConfig ("train"), ViTConfig ("model"), dataset info ("data"), "versions"
-                     (ropekit, torch, python, git), "engine" (precision, compile, device) and "resumes"
-                     (where each resume started and which options it changed)
-    .lock            held while a run writes the folder
+    config.json      resolved TrainConfig ("train", data_root absolute), ViTConfig ("model"), dataset info
+                     ("data": counts, class names, the data's fingerprint), "versions" (ropekit, torch, python,
+                     git), "engine" (precision, compile, device) and "resumes" (where each resume started, which
+                     options it changed, and a data change accepted with --allow-data-change)
+    .lock            held while a run writes the folder (removed when it ends)
     checkpoint.pt    latest checkpoint (written atomically after every epoch and on Ctrl-C)
-    metrics.csv      epoch,train_loss,train_acc,test_loss,test_acc,lr,epoch_time,elapsed_time
+    metrics.csv      epoch,train_loss,train_acc,test_loss,test_acc,lr,epoch_time,elapsed_time (and
+                     train_skipped,test_skipped with skip_corrupt)
     curves.png       learning curves
     summary.json     final metrics, wall time, parameter count
     tb/              TensorBoard event files (when tensorboard is installed)
