@@ -530,6 +530,7 @@ def test_bench_refuses_an_unknown_row(capsys):
     one_line_error(code, err, "--rows: unknown row 'caylee' (did you mean 'cayley'?)", "ropekit bench")
 
 
+@pytest.mark.sim
 def test_robot_help_has_no_pybullet_banner(tmp_path):
     pytest.importorskip("pybullet")
     proc = subprocess_cli(["robot", "--help"], cwd=tmp_path)
