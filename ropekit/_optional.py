@@ -26,7 +26,8 @@ from typing import Dict, Tuple
 
 __all__ = ["EXTRAS", "MissingDependency", "require", "require_extra"]
 
-_TRAIN = ("numpy", "tqdm", "yaml", "matplotlib", "PIL", "sklearn", "mlxtend", "torchvision", "webdataset")
+_TRAIN = ("numpy", "tqdm", "yaml", "matplotlib", "PIL", "sklearn", "mlxtend", "torchvision", "webdataset",
+          "filelock")
 
 #: extra -> the modules it installs, by import name (``pyproject.toml``'s ``[project.optional-dependencies]``,
 #: an extra that includes another listing that one's modules too); ``all`` and ``test`` are left out.

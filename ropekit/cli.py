@@ -24,7 +24,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, NoReturn, Optional, Union
 
 from ._errors import CommandError
 from ._optional import MissingDependency
@@ -115,11 +115,59 @@ def _one_line(e: BaseException) -> str:
     return msg
 
 
+def _is_distributed_error(e: BaseException) -> bool:
+    """Whether ``e`` is torch.distributed's report of a lost or silent peer (``DistError`` and its subclasses;
+    gloo's "Connection closed by peer" / timeouts raised as plain ``RuntimeError`` inside an initialised group)."""
+    if any(c.__name__ in ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+           for c in type(e).__mro__):
+        return True
+    dist = sys.modules.get("torch.distributed")
+    if isinstance(e, RuntimeError) and dist is not None and dist.is_available() and dist.is_initialized():
+        text = str(e)
+        return any(k in text for k in ("Connection closed by peer", "Connection reset by peer", "Timed out",
+                                       "timed out", "[gloo", "NCCL"))
+    return False
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, ``<prog>: error: <message>`` (no usage block), with a "did
+    you mean" for a mistyped option or choice (difflib; ``argparse``'s own ``suggest_on_error`` needs Python 3.14).
+
+    ``suggest_from``: the parser whose option strings are suggested for an unrecognised option (the subcommand's,
+    since the top-level parser is the one that reports unrecognised arguments)."""
+
+    suggest_from: Optional[argparse.ArgumentParser] = None
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        prog = self.suggest_from.prog if self.suggest_from is not None and "unrecognized" in message else self.prog
+        self.exit(2, f"{prog}: error: {message}{self._suggestion(message)} (see {prog} --help)\n")
+
+    def _suggestion(self, message: str) -> str:
+        import difflib
+        import re
+
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(2))
+            close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+            return f"; did you mean {close[0]!r}?" if close else ""
+        if "unrecognized arguments" not in message:
+            return ""
+        source = self.suggest_from or self
+        known = [o[2:] for a in source._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for word in re.findall(r"(?<!\S)--([\w-]+)", message.partition(":")[2]):
+            close = difflib.get_close_matches(word, known, n=1, cutoff=0.7)
+            if close:
+                hints.append(f"--{close[0]} for --{word}")
+        return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
 def build_parser(command: Optional[str]) -> argparse.ArgumentParser:
     """The top-level parser; only ``command``'s arguments are added (and its module imported)."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="ropekit", description="Learnable N-dimensional rotary position encodings for Vision Transformers.")
     parser.add_argument("--version", action="version", version=f"ropekit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
@@ -130,6 +178,7 @@ def build_parser(command: Optional[str]) -> argparse.ArgumentParser:
                        help="show the full traceback of errors")
         if name == command:
             _resolve(spec.add_arguments)(p)
+            parser.suggest_from = p
     return parser
 
 
@@ -155,6 +204,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if debug:
             raise
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - only a distributed run's lost peer is answered here; others re-raise
+        if debug or not _is_distributed_error(e):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        print(f"{prog}: error: a peer process of the distributed run stopped or did not answer in time "
+              f"(ROPEKIT_DIST_TIMEOUT seconds): {first}", file=sys.stderr)
         return 2
 
 

@@ -70,3 +70,14 @@ def triton_mode():
         del os.environ["TRITON_INTERPRET"]
     else:
         os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture
+def no_data(monkeypatch):
+    """Loading data in ``ropekit train`` fails loudly: the option checks must come first."""
+    from ropekit.train import trainer
+
+    def refuse(*a, **k):
+        raise AssertionError("data loaded before the options were checked")
+
+    monkeypatch.setattr(trainer, "load_data", refuse)

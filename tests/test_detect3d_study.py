@@ -215,13 +215,15 @@ def test_cli_maps_subsets_onto_the_recipe(tmp_path, monkeypatch, capsys):
     assert cfg.train.steps == DR.recipe("default")["train"]["steps"]
     assert seen["argv"] == ["ropekit", "experiment", "detect3d", "--pe", "none,mixed", "--seeds", "3,4", "--inputs",
                             "rgb,rgbd", "--out", str(tmp_path)]
-    assert cli_main(["experiment", "detect3d", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert cli_main(["experiment", "detect3d", "--out", str(tmp_path), "--no-progress", "--overwrite"]) == 0
     assert seen["cfg"].recipe() == json.loads(json.dumps(DR.recipe("default")))
     assert seen["argv"] == ["ropekit", "experiment", "detect3d", "--out", str(tmp_path)]
-    assert cli_main(["experiment", "detect3d", "--preset", "gpu", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert cli_main(["experiment", "detect3d", "--preset", "gpu", "--out", str(tmp_path), "--no-progress",
+                     "--overwrite"]) == 0
     assert seen["cfg"].recipe() == json.loads(json.dumps(DR.recipe("gpu"))) and seen["cfg"].preset == "gpu"
     assert seen["argv"][3:5] == ["--preset", "gpu"]
-    assert cli_main(["experiment", "detect3d", "--inputs", "depth", "--out", str(tmp_path), "--no-progress"]) != 0
+    assert cli_main(["experiment", "detect3d", "--inputs", "depth", "--out", str(tmp_path), "--no-progress",
+                     "--overwrite"]) != 0
     assert "unknown input 'depth'" in capsys.readouterr().err
 
 

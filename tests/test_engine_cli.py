@@ -39,15 +39,6 @@ def finished(tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def no_data(monkeypatch):
-    """Loading data fails loudly: the checks must come first."""
-    def refuse(*a, **k):
-        raise AssertionError("data loaded before the options were checked")
-
-    monkeypatch.setattr(trainer, "load_data", refuse)
-
-
 @pytest.mark.parametrize("args, message", [
     (["--pe", "circulant", "--pe-opt", "block_size=abc"], "--pe-opt: block_size must be an integer or null, got 'abc'"),
     (["--model-opt", "embed_dim=abc"], "--model-opt: embed_dim must be an integer, got 'abc'"),
@@ -57,7 +48,7 @@ def no_data(monkeypatch):
     (["--warmup-epochs", "-3"], "warmup_epochs must be a finite number >= 0, got -3.0"),
     (["--grad-clip", "nan"], "grad_clip must be a finite number >= 0, got nan"),
     (["--image-size", "10", "--patch-size", "4"], "image size 10 is not a multiple of the patch size 4"),
-    (["--set", "epochs=two"], "epochs must be an integer, got 'two'"),
+    (["--set", "seed=two"], "seed must be an integer, got 'two'"),
     (["--precision", "bf16", "--compile", "maybe"], "unknown torch.compile backend 'maybe'; known:"),
     (["--set", "compile=3"], "compile must be true or false or a string, got 3"),
 ])

@@ -158,10 +158,17 @@ def test_folder_stream_run_stopped_mid_epoch_resumes_bit_exactly(tmp_path):
 
 
 def test_streamed_data_errors_are_one_line(tmp_path):
-    with pytest.raises(ValueError, match="--data folder-stream reads real images: give their folder with --data-root"):
+    with pytest.raises(ValueError, match="--data imagefolder reads real images: give their folder with --data-root"):
         train(_stream_cfg(tmp_path, tmp_path / "r").replace(data_root=None), quiet=True)
-    with pytest.raises(ValueError, match="train_fraction applies to the in-memory data sets"):
-        train(_stream_cfg(_folder(tmp_path / "d", per_class=4), tmp_path / "r2", train_fraction=0.5), quiet=True)
+    from ropekit.train.trainer import load_data
+
+    # train_fraction applies to folders now: the first round(f * n_c) training images of each class
+    cfg = _stream_cfg(_folder(tmp_path / "d", per_class=5), tmp_path / "r2", train_fraction=0.5)
+    assert [len(ds) for ds in load_data(cfg)[:2]] == [6, 3]  # 3 classes x (4 train -> 2, 1 test)
+    write_shards(tmp_path / "d", tmp_path / "s", shard_size=100)
+    with pytest.raises(ValueError, match="train_fraction applies to image folders and the in-memory data sets, not "
+                                         "to shards"):
+        train(cfg.replace(data="shards", data_root=str(tmp_path / "s"), out=str(tmp_path / "r3")), quiet=True)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -125,7 +125,21 @@ def run_data(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def check_rows(rows: Any) -> None:
+    """One-line ``ValueError`` for a ``--rows`` entry that is neither a row label nor an encoding name (with the
+    closest known one); a run that would measure nothing is an error, not an empty table."""
+    import difflib
+
+    known = sorted({r.label for r in all_rows()} | {r.pe for r in all_rows()})
+    for row in rows or ():
+        if row not in known:
+            close = difflib.get_close_matches(row, known, n=1, cutoff=0.6)
+            raise ValueError(f"--rows: unknown row {row!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                             f"rows are labels or encoding names: {', '.join(known)}")
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    check_rows(args.rows)
     kw = dict(heads=args.heads, head_dim=args.head_dim, grid=args.grid, cases=tuple(args.cases),
               rows=tuple(args.rows) if args.rows else None, threads=args.threads, clock=args.clock,
               memory=not args.no_memory, check=not args.no_check, device=args.device, timm=not args.no_timm)

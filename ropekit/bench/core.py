@@ -74,9 +74,10 @@ import contextlib
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -346,11 +347,52 @@ def _median(v: Sequence[float]) -> float:
     return float(statistics.median(v))
 
 
+def impossible_timing(fwd: Sequence[float], fwdbwd: Sequence[float]) -> Optional[str]:
+    """Why a row's timings cannot be reported, or ``None``: a forward pass is part of forward + backward, so in the
+    interleaved rounds (one ``fwd`` and one ``fwdbwd`` call each, back to back) the ratio ``fwd / fwdbwd`` is below 1
+    on a quiet machine. When its median over the rounds is 1 or more, the machine's noise exceeded the difference
+    being measured and every ratio of the row would mislead; the message gives the median ratio and its spread (the
+    interquartile range over the rounds, relative to the median)."""
+    ratios = [f / b for f, b in zip(fwd, fwdbwd) if b > 0]
+    if not ratios:
+        return None
+    med = float(statistics.median(ratios))
+    if med < 1.0:
+        return None
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (med, med, med)
+    return (f"refused: forward alone took {med:.2f}x forward+backward (median of {len(ratios)} interleaved rounds, "
+            f"spread {100 * (q3 - q1) / med:.0f}%): timing noise larger than the work; rerun on a quieter machine")
+
+
+@contextlib.contextmanager
+def native_output_to_stderr() -> Iterator[None]:
+    """Send what native code writes to standard output (the profiler's and the drivers' start-up lines: ``USDT ...
+    profiler_start``, ``gpuGetDeviceCount failed ...``) to standard error while the block runs, so that the
+    benchmark's stdout holds its report only. C's buffers are flushed before the descriptor is given back."""
+    import ctypes
+
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).fflush(None)
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def peak_memory_mb(fn: Callable[[], Any]) -> float:
     """Peak extra CPU memory (MiB) allocated by torch while ``fn`` runs, from the profiler's allocation events."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with native_output_to_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events: List[Tuple[int, int]] = []
     try:
@@ -653,6 +695,11 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
         key = name if name in ("fwd", "fwdbwd") else f"{name}_fwdbwd" if name in ("floor", "sdpa", "none") else name
         rec[f"{key}_ms"] = _median(v)
         rec[f"{key}_ms_min"] = min(v)
+    contradiction = impossible_timing(times["fwd"], times["fwdbwd"])
+    if contradiction is not None:  # (the numbers stay in the record; the tables leave the row out, saying why)
+        rec["skipped"] = contradiction
+        log(f"  {case.name:7s} {row.label:30s} {contradiction}")
+        return rec
     rec["x_none"] = rec["fwdbwd_ms"] / rec["none_fwdbwd_ms"]
     rec["x_floor"] = rec["fwdbwd_ms"] / rec["floor_fwdbwd_ms"]
     rec["frac_sdpa"] = rec["fwdbwd_ms"] / rec["sdpa_fwdbwd_ms"]

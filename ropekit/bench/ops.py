@@ -42,8 +42,10 @@ VIEWS = frozenset({
 def count_step_ops(step: Callable[[], None]) -> Dict[str, int]:
     """Top-level ATen operations of one call of ``step`` (after one unprofiled call that builds the optimiser
     state and cached tables): ``{"all": n, "non_view": m}``."""
+    from .core import native_output_to_stderr
+
     step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with native_output_to_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     top = [e.name for e in prof.events() if e.name.startswith("aten::")
            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]

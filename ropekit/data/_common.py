@@ -240,6 +240,10 @@ class DataFileError(ValueError):
         return type(self), (self.path, self.reason)
 
 
+#: What an error about an unreadable image adds, on every data path (in memory, streamed, shards).
+SKIP_HINT = "to skip unreadable images pass skip_corrupt=True (command line: --data-opt skip_corrupt=true)"
+
+
 @dataclass(frozen=True)
 class DataRequest:
     """What :func:`ropekit.data.load_dataset` asks of every dataset builder: where the user's data is, the

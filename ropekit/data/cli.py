@@ -73,9 +73,20 @@ def _print(record: Dict[str, Any], as_json: bool) -> None:
         if isinstance(value, dict):
             print(f"{key:>12}:")
             for k, v in value.items():
-                print(f"{'':>14}{k}: {v}")
+                print(f"{'':>14}{k}: {_readable(v)}")
         else:
-            print(f"{key:>12}: {value}")
+            print(f"{key:>12}: {_readable(value)}")
+
+
+def _readable(value: Any, inner: bool = False) -> str:
+    """A value of a record as text for people: ``{"samples": 16, "per_class": [8, 8]}`` -> ``samples 16, per class
+    [8 8]``; long lists cut after 20 items with their length."""
+    if isinstance(value, dict):
+        return ", ".join(f"{str(k).replace('_', ' ')} {_readable(v, True)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        items = [_readable(v, True) for v in value[:20]] + ([f"... ({len(value)} in all)"] if len(value) > 20 else [])
+        return f"[{' '.join(items)}]" if inner else ", ".join(items)
+    return str(value)
 
 
 def _with_bar(total: int, desc: str, off: bool, work: Callable[[Callable[[int], None]], Any]) -> Any:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ._common import DataFileError, DataRequest, DatasetInfo, DatasetSplits, PathLike, SizeLike, TensorImageDataset
-from ._common import as_size, register_dataset, require_path
+from ._common import SKIP_HINT, as_size, register_dataset, require_path
 
 __all__ = ["IMAGE_EXTENSIONS", "read_image_folder", "read_image", "read_cifar_batch", "read_idx"]
 
@@ -149,8 +149,7 @@ def read_image_folder(
             arr = read_image(path, mode=mode, size=size_hw)
         except DataFileError as e:
             if not skip_corrupt:
-                raise DataFileError(e.path, f"{e.reason}; to skip unreadable images pass skip_corrupt=True "
-                                            "(command line: --data-opt skip_corrupt=true)") from e
+                raise DataFileError(e.path, f"{e.reason}; {SKIP_HINT}") from e
             skipped.append(e)
             continue
         size_hw = size_hw or arr.shape[:2]

@@ -20,7 +20,8 @@ import numpy as np
 
 from .._optional import require
 from ._common import DataFileError, PathLike, stratified_split
-from .streaming import IMAGE_KEYS, MANIFEST_NAME, ShardStream, decode_image, read_manifest, scan_image_folder
+from .streaming import IMAGE_KEYS, MANIFEST_NAME, ShardStream, decode_image, read_manifest, scan_image_folder, \
+    shard_label
 
 __all__ = ["write_shards", "check_data", "describe_data"]
 
@@ -131,10 +132,13 @@ def describe_data(path: PathLike) -> Dict[str, Any]:
         for split in m["splits"]:
             stream = ShardStream(path, split=split)
             per = Counter()
+            n_classes = len(m.get("classes") or []) or None
             for s in range(len(stream.shards)):
                 for _, _, raw in stream._samples(s):
-                    if "cls" in raw:
-                        per[int(bytes(raw["cls"]).decode().strip())] += 1
+                    try:
+                        per[shard_label(raw, f"{stream.shards[s]}[{raw.get('__key__')}]", n_classes)] += 1
+                    except DataFileError:
+                        pass  # (counted by class only when valid; `check` names it)
             rec["splits"][split] = {"samples": len(stream), "shards": len(stream.shards),
                                     "per_class": [per.get(k, 0) for k in range(len(m.get("classes") or []))]}
         return rec
@@ -165,6 +169,7 @@ def check_data(path: PathLike, *, progress: Progress = None) -> Dict[str, Any]:
     if rec["format"] == "shards":
         for split in rec["splits"]:
             stream = ShardStream(path, split=split)
+            n_classes = len(rec.get("classes") or []) or None
             for s in range(len(stream.shards)):
                 try:
                     for _, _, raw in stream._samples(s):
@@ -174,6 +179,7 @@ def check_data(path: PathLike, *, progress: Progress = None) -> Dict[str, Any]:
                             if key is None or "cls" not in raw:
                                 raise DataFileError(where, "sample lacks its " + ("image" if key is None else
                                                                                   "label (.cls)") + " entry")
+                            shard_label(raw, where, n_classes)
                             decode_image(raw[key], name=where)
                         except DataFileError as e:
                             bad.append(str(e))

@@ -47,6 +47,7 @@ import functools
 import io
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 from torch.utils.data import default_collate
 
-from ._common import DataFileError, DatasetInfo, PathLike, SizeLike, as_size, canonical_name, stratified_split
+from ._common import SKIP_HINT, DataFileError, DatasetInfo, PathLike, SizeLike, as_size, canonical_name, \
+    stratified_split
 from .readers import IMAGE_EXTENSIONS
 
 __all__ = [
@@ -119,7 +121,16 @@ def decode_rgb(source: Union[PathLike, bytes], name: Optional[str] = None) -> An
     except MemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError, ... on bad files
-        raise DataFileError(label, f"not a readable image ({type(e).__name__}: {e})") from e
+        raise DataFileError(label, f"not a readable image ({type(e).__name__}: {_without_reprs(e)})") from e
+
+
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def _without_reprs(e: BaseException) -> str:
+    """``e``'s message without object reprs (Pillow names the in-memory buffer it read: ``<_io.BytesIO object at
+    0x7f...>``; the file is named by the error itself)."""
+    return _OBJECT_REPR.sub("", str(e)).strip() or type(e).__name__
 
 
 def _to_tensor(img: Any) -> Tensor:
@@ -290,6 +301,31 @@ def scan_image_folder(
     return files, np.asarray(labels, dtype=np.int64), names, ignored
 
 
+def first_image_size(root: PathLike, tries: int = 8) -> Optional[Tuple[int, int]]:
+    """``(H, W)`` of the first image of an image folder (sorted class folder, sorted file; under ``train/`` in the
+    train/val layout) that Pillow can open, read from its header only; ``None`` when none of the first ``tries``
+    files opens."""
+    from PIL import Image
+
+    base = Path(root).expanduser()
+    if (base / "train").is_dir() and (base / "val").is_dir():
+        base = base / "train"
+    if not base.is_dir():
+        return None
+    seen = 0
+    for folder in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for path in sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS):
+            try:
+                with Image.open(path) as img:
+                    w, h = img.size
+                return int(h), int(w)
+            except Exception:  # noqa: BLE001 - a bad file is named when it is read; try the next one here
+                seen += 1
+                if seen >= tries:
+                    return None
+    return None
+
+
 class ImageFolderStream(Dataset):
     """Map-style dataset over ``root/<class>/**/<image>``, decoding each image when it is indexed.
 
@@ -353,9 +389,10 @@ class ImageFolderStream(Dataset):
         except DataFileError as e:
             if self.skip_corrupt:
                 return None
+            e = DataFileError(e.path, f"{e.reason}; {SKIP_HINT}")
             if self._defer_errors:
                 return _failed(e)  # type: ignore[return-value]
-            raise
+            raise e from None
         with _sample_rng(seed):
             image = self.transform(img) if self.transform is not None else img
         return image, torch.tensor(self.labels[index], dtype=torch.int64)
@@ -561,17 +598,12 @@ class ShardStream(IterableDataset):
             if key is None:
                 raise DataFileError(where, f"sample has no image entry ({'/'.join(IMAGE_KEYS[:4])}/...); it has "
                                            f"{', '.join(sorted(k for k in raw if not k.startswith('__')))}")
-            if "cls" not in raw:
-                raise DataFileError(where, "sample has no label entry (.cls)")
-            try:
-                label = int(bytes(raw["cls"]).decode().strip())
-            except ValueError:
-                raise DataFileError(where, f"label entry .cls is not an integer: {bytes(raw['cls'])[:20]!r}") from None
+            label = shard_label(raw, where, len(self.classes) if self.classes else None)
             img = decode_image(raw[key], name=where)
         except DataFileError as e:
             if self.skip_corrupt:
                 return None
-            return _failed(e)  # type: ignore[return-value]
+            return _failed(DataFileError(e.path, f"{e.reason}; {SKIP_HINT}"))  # type: ignore[return-value]
         with _sample_rng(seed):
             image = self.transform(img) if self.transform is not None else img
         return image, torch.tensor(label, dtype=torch.int64)  # type: ignore[return-value]
@@ -617,6 +649,27 @@ class ShardStream(IterableDataset):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shards={len(self.shards)}, n={len(self)})"
+
+
+def shard_label(raw: Dict[str, Any], where: str, num_classes: Optional[int] = None) -> int:
+    """The label of a shard sample (its ``.cls`` entry, decimal text), checked: an integer in ``[0, num_classes)``
+    (``num_classes``: the manifest's class count; ``None``: only ``>= 0``).
+
+    Raises:
+        DataFileError: no ``.cls`` entry, not an integer, or out of range; one line naming ``where``
+            (``<shard>[<key>]``).
+    """
+    if "cls" not in raw:
+        raise DataFileError(where, "sample has no label entry (.cls)")
+    text = bytes(raw["cls"])
+    try:
+        label = int(text.decode().strip())
+    except (ValueError, UnicodeDecodeError):
+        raise DataFileError(where, f"label entry .cls is not an integer: {text[:20]!r}") from None
+    if label < 0 or (num_classes is not None and label >= num_classes):
+        bound = f"0..{num_classes - 1} (the manifest names {num_classes} classes)" if num_classes else ">= 0"
+        raise DataFileError(where, f"label {label} (.cls) is outside {bound}")
+    return label
 
 
 def _buffer_shuffle(stream: Iterator[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:
@@ -693,7 +746,11 @@ class StreamLoader:
     Attributes:
         skipped: samples left out as unreadable (``skip_corrupt=True``) in the current epoch so far.
         epoch, start_batch: where the next iteration starts.
+        warn: warn with the count at the end of an epoch that skipped samples (a caller that reports the count
+            itself sets it ``False``).
     """
+
+    warn = True
 
     def __init__(self, dataset: Any, kw: Dict[str, Any], loader_kw: Dict[str, Any]) -> None:
         self.dataset = dataset
@@ -765,7 +822,7 @@ class StreamLoader:
             self.skipped += skipped
             if images is not None:
                 yield images, labels
-        if self.skipped:
+        if self.skipped and self.warn:
             warnings.warn(f"skipped {self.skipped} unreadable sample(s) in epoch {self.epoch} "
                           f"(skip_corrupt=True)", stacklevel=2)
 
@@ -828,9 +885,10 @@ def make_loader(
         dataset._defer_errors = True
     loader = StreamLoader(dataset, kw, loader_kw)
     if drop_last and len(loader) == 0:
-        raise ValueError(f"{dataset!r} gives no full batch of {batch_size} per rank (world_size {world_size}"
+        what = f"{len(dataset)} images of {dataset.root}" if isinstance(dataset, ImageFolderStream) else repr(dataset)
+        raise ValueError(f"{what} give no full batch of {batch_size} per rank (world_size {world_size}"
                          + (f", {num_workers} workers reading whole shards" if isinstance(dataset, ShardStream)
-                            else "") + ")")
+                            else "") + "): lower the batch size")
     return loader
 
 
@@ -936,7 +994,8 @@ def open_stream(
     if num_classes is None:
         raise ValueError(f"shards {root_p}: the manifest names no classes")
     if num_classes < 2:
-        raise ValueError(f"{key} {root_p} has {num_classes} class; classification needs at least 2")
+        raise ValueError(f"{canonical_name(name)} {root_p} has {num_classes} class; classification needs at least 2 "
+                         f"classes, one sub-folder of images each")
     stats = own or given
     info = DatasetInfo(key, num_classes, 3, hw, "image", class_names=tuple(classes), mean=m if stats else None,
                        std=s if stats else None)

@@ -50,8 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=("default", "gpu", "quick"), default=None,
                    help="the study's pinned recipe: default (2-core CPU, under 30 min per study), gpu (larger model, "
                         "more steps and seeds, under 30 min on one GPU) or quick")
-    p.add_argument("--out", metavar="DIR", default=None, help="output folder (default runs/experiments/NAME)")
-    p.add_argument("--cache-dir", metavar="DIR", default=S, help="trained runs (default .cache/ropekit-experiments)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="output folder (default runs/experiments/NAME); one that holds files is refused unless "
+                        "--overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results in an --out folder that holds some (trained runs still come from the "
+                        "cache)")
+    p.add_argument("--cache-dir", metavar="DIR", default=S,
+                   help="trained runs, reused by every study that needs them (default .cache/ropekit-experiments "
+                        "under the current directory; the path is printed at the end)")
     p.add_argument("--pe", type=_list, metavar="LIST", default=S,
                    help="encodings, comma-separated (default: the study's list; none, absolute, axial, mixed, "
                         "cayley, circulant, liere, liere-commute, comrope-ap, comrope-ld)")

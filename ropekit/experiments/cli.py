@@ -28,16 +28,38 @@ def run(args: argparse.Namespace) -> Optional[int]:
     names = list(STUDIES) if args.name == "all" else [args.name]
     given = overrides(args)
     options = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS}
+    outs = {name: (Path("runs") / "experiments" / name if args.out is None else
+                   Path(args.out) / name if args.name == "all" else Path(args.out)) for name in names}
+    if not getattr(args, "overwrite", False):
+        for out in outs.values():  # (all checked before anything trains)
+            refuse_results_folder(out)
     for name in names:
-        if args.out is None:
-            out = Path("runs") / "experiments" / name
-        else:
-            out = Path(args.out) / name if args.name == "all" else Path(args.out)
-        result = run_experiment(name, out=out, quick=args.quick, preset=args.preset, overrides=given, **options)
+        result = run_experiment(name, out=outs[name], quick=args.quick, preset=args.preset, overrides=given,
+                                **options)
         print(result.table)
         print(f"wrote {len(result.files)} files to {result.out_dir}: "
               f"{', '.join(p.name for p in result.files)}", file=sys.stderr)
+    cache = Path(given.get("cache_dir") or _default_cache_dir()).expanduser().resolve()
+    print(f"trained runs are cached in {cache} (--cache-dir)", file=sys.stderr)
     return 0
+
+
+def refuse_results_folder(out: "Path") -> None:
+    """One-line ``ValueError`` when ``out`` already holds files (a study's results are never overwritten
+    without ``--overwrite``)."""
+    if out.is_dir() and any(out.iterdir()):
+        held = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ValueError(f"{out} already holds results ({shown}); pass --overwrite to replace them (trained runs "
+                         f"come from the cache) or choose another --out")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file, not a folder")
+
+
+def _default_cache_dir() -> str:
+    from .settings import ExperimentConfig
+
+    return ExperimentConfig.__dataclass_fields__["cache_dir"].default  # type: ignore[return-value]
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -61,8 +61,31 @@ import numpy as np
 
 from .._optional import require
 
+def _import_quietly(name: str) -> Any:
+    """Import ``name`` with the process's standard error sent to ``/dev/null`` meanwhile: pybullet's C code writes a
+    "pybullet build time: ..." banner there when it loads, which would open every ``ropekit robot`` output
+    (``--help`` included). Python-level errors of the import still propagate as exceptions."""
+    import importlib
+    import os
+
+    try:
+        saved = os.dup(2)
+    except OSError:  # (no file descriptor 2)
+        return importlib.import_module(name)
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 2)
+        finally:
+            os.close(null)
+        return importlib.import_module(name)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 try:  # pybullet is an optional dependency (extra "sim")
-    import pybullet as p
+    p = _import_quietly("pybullet")
     import pybullet_data
 except ImportError:  # pragma: no cover - exercised only without pybullet
     p = None

@@ -1,8 +1,10 @@
 """``ropekit train`` and ``ropekit eval``: argument parsing on top of :mod:`ropekit.train.trainer`.
 
 Every option defaults to "not given" (``argparse.SUPPRESS``), so the precedence is simply
-``TrainConfig`` defaults < ``--config FILE`` < options given on the command line. With ``--resume`` the run
-folder's ``config.json`` replaces the defaults and the file.
+``TrainConfig`` defaults < the task's defaults < ``--preset`` < ``--config FILE`` < the command line. With
+``--resume`` the run folder's ``config.json`` replaces the defaults, the preset and the file. On the command line
+every setting has one value: a dedicated option (``--lr 0.002``), ``--set KEY=VALUE`` and the ``--*-opt`` options
+are one level, and two of them giving one setting different values is refused, naming both.
 """
 
 from __future__ import annotations
@@ -42,16 +44,23 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="an option of the task besides the TrainConfig ones, e.g. text_depth=3 for retrieval "
                         "(repeatable)")
     g.add_argument("--config", metavar="FILE", default=S,
-                   help="YAML or JSON file of options (TrainConfig fields); command-line options override it")
+                   help="YAML or JSON file of options (TrainConfig fields); command-line options override it "
+                        "(precedence: defaults < --preset < --config < command line)")
     g.add_argument("--set", metavar="KEY=VALUE", action="append", default=S,
-                   help="set any TrainConfig field, e.g. --set weight_decay=0.1 (repeatable)")
+                   help="set any TrainConfig field, e.g. --set weight_decay=0.1 (repeatable; the same level as the "
+                        "dedicated options: --set lr=0.01 --lr 0.002 is refused)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=S, help="dataset held in memory: mnist (default), digits, moving-digits, "
-                                             "rgbd-digits, imagefolder, cifar10, cifar100, mnist-idx; or streamed "
-                                             "from disk: folder-stream (DATA_ROOT/<class>/<image>, or its train/ and "
-                                             "val/), shards (WebDataset shards of `ropekit data convert`)")
-    d.add_argument("--data-root", metavar="PATH", default=S, help="path of user data (imagefolder, cifar*, mnist-idx)")
-    d.add_argument("--image-size", type=int, metavar="N", default=S, help="resize (or generate) images at N x N")
+                                             "rgbd-digits, cifar10, cifar100, mnist-idx; or streamed from disk: "
+                                             "imagefolder (DATA_ROOT/<class>/<image>, or its train/ and val/; "
+                                             "alias folder-stream), shards (WebDataset shards of `ropekit data "
+                                             "convert`)")
+    d.add_argument("--data-root", "--data-dir", dest="data_root", metavar="PATH", default=S,
+                   help="folder of user data (imagefolder, shards, cifar10, cifar100, mnist-idx); recorded as an "
+                        "absolute path")
+    d.add_argument("--image-size", "--img-size", dest="image_size", type=int, metavar="N", default=S,
+                   help="resize (or generate) images at N x N (default: the data set's own size; imagefolder: the "
+                        "first image's shorter side, at most 224; shards: 224)")
     d.add_argument("--data-opt", metavar="KEY=VALUE", action="append", default=S, help="dataset option (repeatable)")
     d.add_argument("--train-fraction", type=float, metavar="F", default=S,
                    help="train on this stratified fraction of the training set")
@@ -59,7 +68,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="standardise the colour channels with the training set's statistics (default on)")
     d.add_argument("--workers", type=int, metavar="N", default=S,
                    help="data-loader processes decoding streamed data (default 0: in the training process)")
-    a = p.add_argument_group("augmentation of streamed data (the in-memory sets use --augment-shift)")
+    d.add_argument("--allow-data-change", action="store_true", default=S,
+                   help="with --resume: continue although the data's fingerprint (file list and sizes, split) "
+                        "differs from the run's (recorded in config.json)")
+    a = p.add_argument_group("augmentation of streamed data: imagefolder, shards (the in-memory sets use "
+                             "--augment-shift)")
     a.add_argument("--crop-scale", type=float, nargs=2, metavar=("LO", "HI"), default=S,
                    help="random resized crop: area fraction range (default 0.08 1)")
     a.add_argument("--crop-ratio", type=float, nargs=2, metavar=("LO", "HI"), default=S,
@@ -77,16 +90,20 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="CutMix Beta(ALPHA, ALPHA) (default 0: off; with --mixup, one of the two per batch)")
     m = p.add_argument_group("model")
     m.add_argument("--model", default=S, help="ViT size: tiny (default), small, base")
-    m.add_argument("--patch-size", type=int, metavar="P", default=S, help="patch size (default: ~7 patches per side)")
+    m.add_argument("--patch-size", type=int, metavar="P", default=S,
+                   help="patch size (default: a power of two, 16 from 112 px on the shorter side, 8 from 56, 4 from 16 "
+                        "(32 px -> 4, 64 -> 8, 224 -> 16): 4 to 14 patches per side up to 224 px)")
     m.add_argument("--pe", default=S,
                    help="position encoding: none, axial, mixed, cayley (default), circulant, tensor, string, liere, "
                         "liere-commute, comrope-ap, comrope-ld, relaxed; or absolute / sincos (absolute embedding)")
     m.add_argument("--pe-opt", metavar="KEY=VALUE", action="append", default=S,
                    help="encoding option, e.g. block_size=8 (repeatable; see ropekit.pe_options(name))")
-    m.add_argument("--per-head", action="store_true", default=S, help="encoding parameters per head")
+    m.add_argument("--per-head", action="store_true", default=S,
+                   help="encoding parameters per head (the one way to ask for them; --pe-opt per_head is refused)")
     m.add_argument("--pe-sharing", default=S,
                    help="auto (as each encoding's paper: mixed per layer and head, liere one set for the model, STRING "
-                        "per layer; see docs/presets.md), model (one encoding for all layers), layer, or head")
+                        "per layer; see docs/presets.md), model (one encoding for all layers), layer, or head (short "
+                        "for layer with --per-head)")
     m.add_argument("--ape", default=S, help="absolute embedding added besides the rotary one: none, learned, sincos")
     m.add_argument("--cls", default=S, help="none (mean pooling), unrotated or centroid CLS token")
     m.add_argument("--coords", default=S, help="patch coordinates: grid (indices) or normalized ([0, 1])")
@@ -111,10 +128,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--grad-clip", type=float, default=S, help="gradient-norm clipping (default 0: off)")
     r = p.add_argument_group("run")
     r.add_argument("--seed", type=int, default=S, help="seed of initialisation, data order and augmentation")
-    r.add_argument("--out", metavar="DIR", default=S,
+    r.add_argument("--out", "--output", dest="out", metavar="DIR", default=S,
                    help="run folder (default runs/<data>-<pe>-<model>-s<seed>-<time>)")
     r.add_argument("--resume", nargs="?", const=True, metavar="RUN_DIR", default=S,
-                   help="continue the run in RUN_DIR (or --out) exactly where its checkpoint stopped")
+                   help="continue the run in RUN_DIR (or --out; its checkpoint.pt also names it) exactly where its "
+                        "checkpoint stopped")
     r.add_argument("--allow-change", metavar="KEY[,KEY]", action="append", default=S,
                    help="with --resume: let these options differ from the run's (epochs, precision, "
                         "eval_batch_size); more epochs stretch the cosine schedule to the new total, and what ran is "
@@ -140,9 +158,15 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
     """``(cfg, resume, allow_change)``: the resolved ``TrainConfig`` of a ``ropekit train`` command line, whether to
     resume, and the options ``--allow-change`` lets differ from the run's. Everything is checked (names, types,
     ranges, the device) before any data loads; a bad value raises a one-line ``ValueError``. ``defaults``: values
-    that replace ``TrainConfig``'s defaults (a task's own, :attr:`~ropekit.train.tasks.TaskSpec.defaults`)."""
+    that replace ``TrainConfig``'s defaults (a task's own, :attr:`~ropekit.train.tasks.TaskSpec.defaults`).
+
+    Precedence: defaults < ``defaults`` < ``--preset`` < ``--config FILE`` < the command line; with ``--resume`` the
+    run's ``config.json`` takes the place of the first four. On the command line a dedicated option, ``--set`` and
+    the ``--*-opt`` options are one level: one setting given two different values there is refused, naming both.
+    ``data_root`` is made absolute (resolved against the current directory) so that the run folder travels.
+    """
     from ..encodings import list_pes
-    from .config import TrainConfig, load_config_file, parse_key_values
+    from .config import DATA_CHANGE, TrainConfig, load_config_file, parse_key_values
 
     given: Dict[str, Any] = {k: v for k, v in vars(args).items()
                              if k not in ("command", "debug", "task", "task_opt")}
@@ -152,41 +176,56 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
     sets = given.pop("set", None)
     allow = [k.strip().replace("-", "_") for item in given.pop("allow_change", None) or [] for k in item.split(",")
              if k.strip()]
+    if given.pop("allow_data_change", False):
+        allow.append(DATA_CHANGE)
     if allow and not resume:
-        raise CommandError("--allow-change only applies with --resume")
+        raise CommandError(f"{'--allow-change' if allow != [DATA_CHANGE] else '--allow-data-change'} only applies "
+                           f"with --resume")
 
     if preset and resume:
         raise CommandError("--preset starts a run; a resumed run keeps its own options")
     base: Dict[str, Any] = dict(defaults or {})
     if resume:
-        run_dir = Path(resume if isinstance(resume, str) else given.get("out") or "")
-        if not str(run_dir) or str(run_dir) == ".":
-            raise CommandError("--resume needs a run folder: --resume RUN_DIR or --out RUN_DIR --resume")
-        if not run_dir.is_dir():
-            raise FileNotFoundError(f"run folder not found: {run_dir}")
+        run_dir = resume_folder(resume if isinstance(resume, str) else given.get("out") or "")
         from .run_folder import load_run
 
         config, _ = load_run(run_dir)
         base = TrainConfig.from_dict(config.get("train", {}), source=f"{run_dir}/config.json", strict=False).to_dict()
         base["out"] = str(run_dir)
+        resume = str(run_dir)
     if preset:
         from .recipes import load_recipe
 
         base.update(load_recipe(preset))
     if config_file:
         base.update(load_config_file(config_file))
+    # the command line: each setting once (a dedicated option, --set, or a --*-opt entry)
+    spelled: Dict[str, str] = {k: f"--{k.replace('_', '-')} {_show(v)}" for k, v in given.items()}
+    for key, value in parse_key_values(sets, "--set").items():
+        if key in given and given[key] != value:
+            raise CommandError(f"--set {key}={_show(value)} conflicts with {spelled[key]}; give {key} once")
+        given[key], spelled[key] = value, f"--set {key}={_show(value)}"
     for opt, fld in _KV_OPTIONS.items():
         if opt in given:
-            given[fld] = {**base.get(fld, {}), **parse_key_values(given.pop(opt), f"--{opt.replace('_', '-')}")}
+            flag = f"--{opt.replace('_', '-')}"
+            entries = parse_key_values(given.pop(opt), flag)
+            _check_kv_spelling(flag, entries, given, spelled)
+            if isinstance(given.get(fld), dict):
+                clash = {k: v for k, v in entries.items() if k in given[fld] and given[fld][k] != v}
+                if clash:
+                    k = next(iter(clash))
+                    raise CommandError(f"{flag} {k}={_show(clash[k])} conflicts with {spelled[fld]}; give {k} once")
+            given[fld] = {**base.get(fld, {}), **given.get(fld, {}), **entries}
+    _check_per_head(given, spelled)
     if "image_size" in given and given["image_size"] is not None and given["image_size"] < 1:
         raise CommandError(f"--image-size must be positive, got {given['image_size']}")
     merged = {**base, **given}
-    for key, value in parse_key_values(sets, "--set").items():
-        merged[key] = value
-    if resume and given.get("out") and isinstance(resume, str) and Path(given["out"]) != Path(resume):
-        raise CommandError("--resume RUN_DIR and --out disagree; give one of them")
-    if resume and isinstance(resume, str):
+    if resume and given.get("out") and Path(given["out"]).resolve() != Path(resume).resolve():
+        raise CommandError(f"--resume {resume} and --out {given['out']} disagree; give one of them")
+    if resume:
         merged["out"] = resume
+    if merged.get("data_root") is not None and (not resume or "data_root" in given):
+        merged["data_root"] = str(Path(merged["data_root"]).expanduser().resolve())
     cfg = TrainConfig.from_dict(merged, source="options")
 
     # cheap name checks before any data is loaded
@@ -195,12 +234,14 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
 
     known_pe = list_pes() + list(ABSOLUTE_PES)
     if cfg.pe.lower().replace("_", "-") not in known_pe:
-        raise CommandError(f"unknown position encoding {cfg.pe!r}; known: {', '.join(known_pe)}")
+        raise CommandError(f"unknown position encoding {cfg.pe!r}{_did_you_mean(cfg.pe, known_pe)}; known: "
+                           f"{', '.join(known_pe)}")
     from ..data.streaming import is_stream, list_streams
 
     data = cfg.data.strip().lower().replace("_", "-")
     if data not in list_datasets() and not is_stream(data):
-        raise CommandError(f"unknown dataset {cfg.data!r}; known: {', '.join(list_datasets() + list_streams())}")
+        known = list_datasets() + list_streams()
+        raise CommandError(f"unknown dataset {cfg.data!r}{_did_you_mean(data, known)}; known: {', '.join(known)}")
     if cfg.data_root is not None and not Path(cfg.data_root).expanduser().exists():
         raise FileNotFoundError(f"data root not found: {cfg.data_root}")
     import os
@@ -210,6 +251,62 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
     resolve_device(cfg.device, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     return cfg, bool(resume), allow
+
+
+def resume_folder(target: Any) -> Path:
+    """The run folder ``--resume`` names: the folder itself, or a checkpoint file in it (``RUN/checkpoint.pt``).
+
+    Raises:
+        CommandError, FileNotFoundError: no folder given, or no such run (one line).
+    """
+    from .checkpoint import CHECKPOINT_NAME
+
+    text = str(target)
+    if not text or text == ".":
+        raise CommandError("--resume needs a run folder: --resume RUN_DIR or --out RUN_DIR --resume")
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.name != CHECKPOINT_NAME or not (path.parent / "config.json").is_file():
+            raise CommandError(f"--resume {text}: a run continues from its folder's latest {CHECKPOINT_NAME}; give "
+                               f"the run folder (or its {CHECKPOINT_NAME})")
+        path = path.parent
+    if not path.is_dir():
+        raise FileNotFoundError(f"run folder not found: {text}")
+    return path
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (bool, type(None), dict, list)) else str(value)
+
+
+def _check_kv_spelling(flag: str, entries: Dict[str, Any], given: Dict[str, Any], spelled: Dict[str, str]) -> None:
+    """A ``--pe-opt`` / ``--model-opt`` entry that is a ``TrainConfig`` setting of its own is refused, pointing to
+    the option that sets it (one spelling per setting)."""
+    from .config import TrainConfig, model_fields
+
+    if flag == "--pe-opt" and "per_head" in entries:
+        raise CommandError("--pe-opt per_head: per-head encoding parameters are asked with --per-head (one spelling "
+                           "per setting)")
+    if flag == "--model-opt":
+        own = sorted(set(entries) & (set(model_fields()) | {"patch_size", "image_size", "tubelet_size"}))
+        own = [k for k in own if k in TrainConfig.field_names()]
+        if own:
+            k = own[0]
+            raise CommandError(f"--model-opt {k}: {k} is set with --{k.replace('_', '-')} (one spelling per setting)")
+
+
+def _check_per_head(given: Dict[str, Any], spelled: Dict[str, str]) -> None:
+    """``--pe-sharing head`` is short for ``--pe-sharing layer --per-head``; with per_head false it is refused."""
+    if str(given.get("pe_sharing", "")).lower() == "head" and given.get("per_head") is False:
+        raise CommandError(f"{spelled['pe_sharing']} means per-head parameters, but {spelled['per_head']} says "
+                           f"not; give one")
+
+
+def _did_you_mean(word: str, choices: Any) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -226,6 +323,9 @@ def run_train(args: argparse.Namespace) -> int:
     cfg, resume, allow = config_from_args(args, defaults=dict(task.defaults))
     if task.train is not None:
         return task.train(cfg, task_options, resume=resume, allow_change=allow)
+    if resume and _finished(cfg, allow):
+        return 0
+    from .config import plural
     from .trainer import train
 
     result = train(cfg, resume=resume, allow_change=allow)
@@ -233,14 +333,40 @@ def run_train(args: argparse.Namespace) -> int:
         return 130 if result.interrupted else 0
     if result.interrupted:
         last = result.history[-1]["epoch"] if result.history else 0
-        print(f"interrupted after {last} complete epoch(s); checkpoint saved in {result.run_dir}. Continue with: "
+        print(f"interrupted after {plural(last, 'complete epoch')}; checkpoint saved in {result.run_dir}. Continue with: "
               f"ropekit train --resume {result.run_dir}", file=sys.stderr)
         return 130
     f = result.final
     if f:
-        print(f"test accuracy {f['test_acc']:.4f} (test loss {f['test_loss']:.4f}) after {int(f['epoch'])} epochs, "
+        print(f"test accuracy {f['test_acc']:.4f} (test loss {f['test_loss']:.4f}) after "
+              f"{plural(int(f['epoch']), 'epoch')}, "
               f"{result.wall_time:.1f} s; run folder {result.run_dir}")
     return 0
+
+
+def _finished(cfg: Any, allow: Any = ()) -> bool:
+    """Whether the run ``--resume`` names has already done its ``cfg.epochs`` epochs; if so says so on stderr
+    (with its final accuracy and how to train longer). Options that differ from the run's are refused first, as
+    for any resume."""
+    from .checkpoint import CHECKPOINT_NAME
+    from .config import DATA_CHANGE, plural
+    from .run_folder import load_run
+    from .trainer import resume_changes
+
+    run = Path(cfg.out)
+    if not (run / CHECKPOINT_NAME).is_file():
+        return False
+    config, ckpt = load_run(run)
+    done = int(ckpt.get("epoch", 0))
+    if done != cfg.epochs or int(ckpt.get("step_in_epoch", 0)):
+        return False
+    resume_changes(config.get("train") or ckpt.get("train_config", {}), cfg, [a for a in allow if a != DATA_CHANGE])
+    history = ckpt.get("history") or [{}]
+    acc = history[-1].get("test_acc")
+    print(f"ropekit train: run {run} already finished ({plural(done, 'epoch')} of {cfg.epochs}"
+          f"{f', test accuracy {acc:.4f}' if isinstance(acc, float) else ''}); nothing to do. To train longer: "
+          f"ropekit train --resume {run} --epochs {done + 1} --allow-change epochs", file=sys.stderr)
+    return True
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -250,6 +376,12 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offset-std", type=float, metavar="S", default=0.0,
                    help="add one random global coordinate offset per image, drawn from N(0, S^2 I) (coordinate units)")
     p.add_argument("--seed", type=int, default=0, help="seed of the offsets")
+    p.add_argument("--data", default=None,
+                   help="evaluate on this data set instead of the run's (its test split; classes and channels must "
+                        "match the model's)")
+    p.add_argument("--data-root", "--data-dir", dest="data_root", metavar="PATH", default=None,
+                   help="evaluate on this folder instead of the run's: every image of an image folder (its val/ in "
+                        "the train/val layout), at the run's image size; classes and channels must match")
     p.add_argument("--batch-size", type=int, default=None, help="evaluation batch size")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -260,16 +392,21 @@ def run_eval(args: argparse.Namespace) -> int:
         raise CommandError(f"--image-size must be positive, got {args.image_size}")
     if args.offset_std < 0:
         raise CommandError(f"--offset-std must be >= 0, got {args.offset_std}")
-    if not Path(args.run_dir).expanduser().exists():
+    target = Path(args.run_dir).expanduser()
+    if not target.exists():
         raise FileNotFoundError(f"run folder not found: {args.run_dir}")
+    if target.is_file() and target.suffix.lower() in (".json", ".yaml", ".yml", ".csv", ".png"):
+        raise CommandError(f"{args.run_dir} is a file of the run, not a checkpoint: give the run folder "
+                           f"({target.parent}) or its checkpoint.pt")
     from .trainer import evaluate_run
 
     res = evaluate_run(args.run_dir, image_size=args.image_size, offset_std=args.offset_std, seed=args.seed,
-                       batch_size=args.batch_size, device=args.device)
+                       batch_size=args.batch_size, device=args.device, data=args.data, data_root=args.data_root)
     if args.json:
         print(json.dumps(res))
     else:
         h, w = res["image_size"]
-        print(f"test_acc {res['test_acc']:.4f}  test_loss {res['test_loss']:.4f}  ({res['num_examples']} examples, "
+        on = f"{res['data_root'] or res['data']}: " if args.data or args.data_root else ""
+        print(f"{on}test_acc {res['test_acc']:.4f}  test_loss {res['test_loss']:.4f}  ({res['num_examples']} examples, "
               f"{h}x{w} pixels, offset std {res['offset_std']:g}, pe {res['pe']}, epoch {res['epoch']})")
     return 0

@@ -39,7 +39,7 @@ class TrainConfig:
         train_fraction: use this (stratified) fraction of the training set (in-memory data);
         workers: data-loader processes of streamed data (0: decode in the training process).
     Model (see :class:`ropekit.nn.ViTConfig`):
-        model: ``tiny``, ``small`` or ``base``; patch_size (``None``: ``auto_patch_size``, 4-14 patches on the
+        model: ``tiny``, ``small`` or ``base``; patch_size (``None``: ``auto_patch_size``, a power of two by the
         short side); tubelet_size (video; ``None``: 2 frames, or 1 for clips shorter than 4); pe, pe_options,
         pe_sharing, per_head, ape, cls, coords, jitter, depth_input, depth_scale_init;
         model_options: any other ``ViTConfig`` field (``embed_dim``, ``depth``, ``num_heads``, ``drop_path_rate``...);
@@ -128,6 +128,13 @@ class TrainConfig:
     log_every: int = 50
     checkpoint_every: int = 0
 
+    def __post_init__(self) -> None:
+        """One name per data set: the image-folder aliases (``folder-stream``, ``imagefolder-stream``) become
+        ``imagefolder``. (``pe_sharing="head"`` is kept as written: it is the model's own short form of ``"layer"``
+        with ``per_head=True``, recorded so by studies' recipes.)"""
+        if isinstance(self.data, str) and is_folder(self.data):
+            self.data = FOLDER_NAMES[0]
+
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
     def field_names(cls) -> List[str]:
@@ -169,6 +176,7 @@ class TrainConfig:
         (the model configuration itself is validated when the model is built)."""
         for f in dataclasses.fields(self):
             check_type(f.name, getattr(self, f.name), _FIELD_TYPES[f.name], source)
+        self.__post_init__()
         if self.model not in VIT_SIZES:
             raise ValueError(f"unknown model size {self.model!r}; known: {', '.join(VIT_SIZES)}")
         for name in ("epochs", "batch_size", "eval_batch_size"):
@@ -208,15 +216,15 @@ class TrainConfig:
         with warnings.catch_warnings():  # (the data's transform says what it ignores, once, when it is built)
             warnings.simplefilter("ignore")
             parse_auto_augment(self.auto_augment)
-        from ..data.streaming import is_stream
-
-        if not is_stream(self.data):
+        if not is_streamed_data(self.data):
             defaults = TrainConfig.__dataclass_fields__
             given = [n for n in self.STREAM_ONLY if getattr(self, n) != _default(defaults[n])]
             if given:
                 raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to streamed data "
-                                 f"(--data folder-stream or shards); the in-memory set {self.data!r} augments with "
+                                 f"(--data imagefolder or shards); the in-memory set {self.data!r} augments with "
                                  f"augment_shift / augment_sizes")
+        else:
+            _check_stream_options(self.data_options)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not math.isfinite(self.depth_scale_init):
@@ -246,6 +254,42 @@ class TrainConfig:
             check_type(k, v, hints[k], "--model-opt")
         _check_pe_options(self.pe, self.pe_options)
         return self
+
+
+#: The ``allow_change`` entry of ``--allow-data-change``: resume although the data's fingerprint changed.
+DATA_CHANGE = "data_fingerprint"
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 epoch"``, ``"2 epochs"``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+#: The names of the one image-folder reader of ``ropekit train`` (streamed; the first is the one recorded).
+FOLDER_NAMES = ("imagefolder", "folder-stream", "imagefolder-stream")
+#: ``data_options`` a streamed data set accepts (keyword options of ``ropekit.data.streaming.open_stream``).
+STREAM_OPTIONS = ("skip_corrupt", "test_fraction", "shuffle_buffer", "interpolation", "mean", "std")
+
+
+def is_folder(name: str) -> bool:
+    """Whether ``name`` names the image-folder reader (``imagefolder`` or one of its aliases)."""
+    return str(name).strip().lower().replace("_", "-") in FOLDER_NAMES
+
+
+def is_streamed_data(name: str) -> bool:
+    """Whether ``ropekit train`` decodes ``name`` as it reads it (``imagefolder`` and its aliases, ``shards``)
+    rather than holding it in memory."""
+    from ..data.streaming import is_stream
+
+    return is_folder(name) or is_stream(name)
+
+
+def _check_stream_options(options: Dict[str, Any]) -> None:
+    bad = sorted(set(options) - set(STREAM_OPTIONS))
+    if bad:
+        hint = " (streamed folders decode RGB)" if "mode" in bad else ""
+        raise ValueError(f"data_options: unknown option(s) {', '.join(bad)} of streamed data{hint}; known: "
+                         f"{', '.join(STREAM_OPTIONS)}")
 
 
 def _default(f: "dataclasses.Field[Any]") -> Any:
@@ -397,7 +441,8 @@ def load_config_file(path: Union[str, Path]) -> Dict[str, Any]:
 
 
 def auto_patch_size(image_size) -> int:
-    """A power of two giving 4-14 patches on the shorter side: 8 -> 2, 28 -> 4, 32 -> 4, 64 -> 8, 224 -> 16."""
+    """A power of two by the shorter side: 16 from 112 px, 8 from 56, 4 from 16, 2 from 8, else 1 (4-14 patches per
+    side up to 224 px, more above): 8 -> 2, 28 -> 4, 32 -> 4, 64 -> 8, 224 -> 16."""
     side = int(min(image_size))
     for p, least in ((16, 112), (8, 56), (4, 16), (2, 8)):
         if side >= least:

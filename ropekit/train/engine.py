@@ -343,73 +343,59 @@ def versions() -> Dict[str, Optional[str]]:
     return {"ropekit": __version__, "torch": torch.__version__, "python": sys.version.split()[0], "git": git}
 
 
-_HELD: Dict[str, List[Any]] = {}  # resolved run folder -> [file descriptor, holders] of this process
+_HELD: Dict[str, Any] = {}  # lock file -> its FileLock while this process holds it (kept alive by this reference)
 
 
 class RunLock:
-    """An exclusive lock on a run folder (``<run>/.lock``, ``flock``), held while a run writes the folder.
+    """An exclusive lock on a run folder (``<run>/.lock``, a ``filelock.FileLock``), held while a run writes it.
 
-    Re-entrant within a process (the trainer takes it before loading data, the engine again). A second process
-    gets :class:`RunLockedError` at once, without waiting. The lock dies with its process, so a killed run never
-    leaves a stale lock behind.
+    Re-entrant within a process (the trainer takes it before loading data, the engine again: one lock object per
+    folder, counted). A second process gets :class:`RunLockedError` at once, without waiting, naming the holder's
+    pid. The operating system releases the lock when its process dies, so a killed run never blocks the folder;
+    the lock file is removed when the last holder releases it (a finished run leaves no ``.lock``).
     """
 
     def __init__(self, run_dir: Union[str, Path]) -> None:
         self.run_dir = Path(run_dir)
-        self._key: Optional[str] = None
+        self._lock: Any = None
 
     def acquire(self) -> "RunLock":
-        import fcntl
+        from filelock import FileLock, Timeout
 
-        if self._key is not None:
+        if self._lock is not None:
             return self
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise SaveError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}") from None
-        key = str(self.run_dir.resolve())
-        if key in _HELD:
-            _HELD[key][1] += 1
-            self._key = key
-            return self
+        path = self.run_dir.resolve() / ".lock"
+        lock = FileLock(str(path), timeout=0, is_singleton=True, thread_local=False, on_acquired=_write_pid)
         try:
-            fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise SaveError(f"cannot write the run folder {self.run_dir}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            lock.acquire()
+        except Timeout:
             try:
-                owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                owner = path.read_text(errors="replace").strip()[:32]
             except OSError:
                 owner = ""
-            os.close(fd)
             raise RunLockedError(f"run folder {self.run_dir} is being written by another run"
                                  f"{f' (pid {owner})' if owner else ''}; wait for it to end or choose another "
                                  f"--out") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        _HELD[key] = [fd, 1]
-        self._key = key
+        except OSError as e:
+            raise SaveError(f"cannot write the run folder {self.run_dir}: {e.strerror or e}") from None
+        self._lock = _HELD[str(path)] = lock
         return self
 
     def release(self) -> None:
-        import fcntl
-
-        if self._key is None:
+        lock, self._lock = self._lock, None
+        if lock is None:
             return
-        entry = _HELD.get(self._key)
-        self._key = None
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        for k, v in list(_HELD.items()):
-            if v is entry:
-                del _HELD[k]
-        fcntl.flock(entry[0], fcntl.LOCK_UN)
-        os.close(entry[0])
+        if lock.lock_counter == 1:  # the last holder: remove the file while it is still ours
+            try:
+                Path(lock.lock_file).unlink(missing_ok=True)
+            except OSError:
+                pass
+            _HELD.pop(str(lock.lock_file), None)
+        lock.release()
 
     def __enter__(self) -> "RunLock":
         return self.acquire()
@@ -418,14 +404,40 @@ class RunLock:
         self.release()
 
 
+def _write_pid(fd: int) -> None:
+    """Record this process's pid in a freshly acquired lock file (named by a refused second run)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+
+
 def _safe(what: str, path: Path, fn: Callable[[], Any]) -> Any:
-    """Run a write; an ``OSError`` becomes a one-line :class:`SaveError` (the temporary file is already gone)."""
+    """Run a write; any failure of it becomes a one-line :class:`SaveError` (the temporary file is already gone):
+    an ``OSError``, or the ``RuntimeError`` that ``torch.save`` raises when the disk fills while it writes
+    (``unexpected pos ...``)."""
     try:
         return fn()
     except OSError as e:
         reason = e.strerror or (os.strerror(e.errno) if e.errno else str(e))
         hint = " (disk full?)" if e.errno == errno.ENOSPC else ""
         raise SaveError(f"could not write the {what} {path}: {reason}{hint}; the previous {what} is intact") from None
+    except RuntimeError as e:  # (torch's writer reports a short write as "unexpected pos N vs M")
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SaveError(f"could not write the {what} {path}: {first} (disk full?); the previous {what} is "
+                        f"intact") from None
+
+
+def remove_stale_temporaries(run_dir: Path) -> List[str]:
+    """Delete the temporary files a killed write left in ``run_dir`` (``.<name>.tmp-<pid>``); call it while holding
+    the folder's :class:`RunLock`, when no other process can be writing them. Returns the names removed."""
+    removed = []
+    for tmp in run_dir.glob(".*.tmp-*"):
+        try:
+            if tmp.is_file():
+                tmp.unlink()
+                removed.append(tmp.name)
+        except OSError:
+            pass
+    return removed
 
 
 def write_json(path: Path, doc: Dict[str, Any], what: str = "file") -> None:
@@ -608,6 +620,10 @@ def fit(task: Task, options: FitOptions) -> FitResult:
     try:
         if lock is not None:
             lock.acquire()
+            removed = remove_stale_temporaries(run)  # type: ignore[arg-type]
+            if removed:
+                _log(f"removed {len(removed)} temporary file(s) a killed run left in {run}: {', '.join(removed)}",
+                     ctx, options.quiet)
         return _Fit(task, options, ctx, run).run()
     finally:
         if lock is not None:
@@ -768,7 +784,9 @@ class _Fit:
         self.partial_time = 0.0
         self.model.train()
         done = self.start_step
-        for step, batch in zip(range(self.start_step, n), _iter_from(batches, self.start_step)):
+        # (the batches first: after the last one the loader is asked once more, so that it ends -- and runs what it
+        # does at the end of an epoch, e.g. counting skipped files -- rather than being left suspended)
+        for batch, step in zip(_iter_from(batches, self.start_step), range(self.start_step, n)):
             done = step + 1
             log_step = (self.global_step + 1) % self.o.log_every == 0
             stop_seen = self._step(epoch, step, batch, check=log_step, stop=stop)
@@ -861,8 +879,10 @@ class _Fit:
         part = self.sums.read()
         if "loss" in part or "loss_sum" in part:
             n = part.get("count", 1.0) or 1.0
-            self.bar.set_postfix(loss=f"{part.get('loss_sum', part.get('loss', 0.0)) / n:.4f}",
-                                 epoch=f"{epoch + 1}/{self.o.epochs}", refresh=False)
+            shown = {"loss": f"{part.get('loss_sum', part.get('loss', 0.0)) / n:.4f}"}
+            if "correct" in part:  # (a classifier's running training accuracy)
+                shown["acc"] = f"{part['correct'] / n:.4f}"
+            self.bar.set_postfix(**shown, epoch=f"{epoch + 1}/{self.o.epochs}", refresh=False)
 
     # ------------------------------------------------------------------ evaluation, checkpoint, log
     def _evaluate(self, epoch: int) -> Dict[str, Any]:

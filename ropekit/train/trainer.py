@@ -14,12 +14,14 @@ checkpoint's batch without decoding the ones before.
 
 Run folder layout::
 
-    config.json      resolved TrainConfig ("train"), ViTConfig ("model"), dataset info ("data"), "versions"
-                     (ropekit, torch, python, git), "engine" (precision, compile, device) and "resumes"
-                     (where each resume started and which options it changed)
-    .lock            held while a run writes the folder
+    config.json      resolved TrainConfig ("train", data_root absolute), ViTConfig ("model"), dataset info
+                     ("data": counts, class names, the data's fingerprint), "versions" (ropekit, torch, python,
+                     git), "engine" (precision, compile, device) and "resumes" (where each resume started, which
+                     options it changed, and a data change accepted with --allow-data-change)
+    .lock            held while a run writes the folder (removed when it ends)
     checkpoint.pt    latest checkpoint (written atomically after every epoch and on Ctrl-C)
-    metrics.csv      epoch,train_loss,train_acc,test_loss,test_acc,lr,epoch_time,elapsed_time
+    metrics.csv      epoch,train_loss,train_acc,test_loss,test_acc,lr,epoch_time,elapsed_time (and
+                     train_skipped,test_skipped with skip_corrupt)
     curves.png       learning curves
     summary.json     final metrics, wall time, parameter count
     tb/              TensorBoard event files (when tensorboard is installed)
@@ -47,7 +49,7 @@ from . import engine
 from .augment import random_resize, random_shift
 from .engine import seed_everything
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
-from .config import TrainConfig, build_vit_config
+from .config import DATA_CHANGE, TrainConfig, build_vit_config, is_folder, is_streamed_data, plural
 from .distributed import DistContext, init_distributed, resolve_device
 from .metrics import METRIC_COLUMNS, plot_curves
 from .run_folder import load_run
@@ -78,10 +80,8 @@ class TrainResult:
 
 
 def is_streamed(cfg: TrainConfig) -> bool:
-    """Whether ``cfg.data`` is decoded as it is read (``folder-stream``, ``shards``) rather than held in memory."""
-    from ..data.streaming import is_stream
-
-    return is_stream(cfg.data)
+    """Whether ``cfg.data`` is decoded as it is read (``imagefolder``, ``shards``) rather than held in memory."""
+    return is_streamed_data(cfg.data)
 
 
 def load_data(cfg: TrainConfig, image_size: Any = None) -> Tuple[Dataset, Dataset, Any]:
@@ -89,11 +89,12 @@ def load_data(cfg: TrainConfig, image_size: Any = None) -> Tuple[Dataset, Datase
 
     Streamed data (:func:`is_streamed`) gives two streams for :func:`ropekit.data.streaming.make_loader` with the
     training transform of ``cfg`` (random resized crop, flip, auto augment, random erasing) and the evaluation one
-    (resize to ``size / crop_pct``, centre crop); ``image_size`` defaults to 224 there.
+    (resize to ``size / crop_pct``, centre crop); ``image_size`` defaults to :func:`default_image_size` there (an
+    image folder: its first image's shorter side, at most 224; shards: 224).
     """
     size = image_size if image_size is not None else cfg.image_size
     if is_streamed(cfg):
-        return _open_stream(cfg, 224 if size is None else size)
+        return _open_stream(cfg, default_image_size(cfg) if size is None else size)
     from ..data import load_dataset
 
     train_ds, test_ds, info = load_dataset(cfg.data, root=cfg.data_root, image_size=size, split_seed=cfg.split_seed,
@@ -103,18 +104,47 @@ def load_data(cfg: TrainConfig, image_size: Any = None) -> Tuple[Dataset, Datase
     return train_ds, test_ds, info
 
 
-def _open_stream(cfg: TrainConfig, size: Any) -> Tuple[Dataset, Dataset, Any]:
+#: The default image size of streamed data: an image folder's first image's shorter side, at most this.
+MAX_DEFAULT_SIZE = 224
+
+
+def default_image_size(cfg: TrainConfig) -> Tuple[int, int]:
+    """The image size of streamed data when ``cfg.image_size`` is not given, one policy for every folder: the
+    shorter side of the folder's first image (sorted class, sorted file), at most :data:`MAX_DEFAULT_SIZE`, square;
+    shards: :data:`MAX_DEFAULT_SIZE`."""
+    from ..data.streaming import first_image_size
+
+    if not is_folder(cfg.data) or cfg.data_root is None:
+        return (MAX_DEFAULT_SIZE, MAX_DEFAULT_SIZE)
+    hw = first_image_size(cfg.data_root)
+    side = min(min(hw), MAX_DEFAULT_SIZE) if hw is not None else MAX_DEFAULT_SIZE
+    return (side, side)
+
+
+def _open_stream(cfg: TrainConfig, size: Any, *, whole: bool = False) -> Tuple[Dataset, Dataset, Any]:
+    """The streams of ``cfg``; ``whole``: the test stream holds every image of the folder (its ``val/`` in the
+    train/val layout), for evaluating a run on a separate folder."""
     from ..data.streaming import open_stream
 
     if cfg.data_root is None:
         raise ValueError(f"--data {cfg.data} reads real images: give their folder with --data-root")
-    if cfg.train_fraction < 1.0:
-        raise ValueError("train_fraction applies to the in-memory data sets, not to streamed data")
+    if cfg.train_fraction < 1.0 and not is_folder(cfg.data):
+        raise ValueError("train_fraction applies to image folders and the in-memory data sets, not to shards")
     plain = {} if cfg.normalize else {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)}
-    return open_stream(cfg.data, cfg.data_root, image_size=size, split_seed=cfg.split_seed,
-                       auto_augment=cfg.auto_augment, random_erasing=cfg.random_erasing,
-                       scale=tuple(cfg.crop_scale), ratio=tuple(cfg.crop_ratio), hflip=cfg.hflip, crop_pct=cfg.crop_pct,
-                       **{**plain, **cfg.data_options})
+    options = {**plain, **cfg.data_options}
+    train_ds, test_ds, info = open_stream(cfg.data, cfg.data_root, image_size=size, split_seed=cfg.split_seed,
+                                          auto_augment=cfg.auto_augment, random_erasing=cfg.random_erasing,
+                                          scale=tuple(cfg.crop_scale), ratio=tuple(cfg.crop_ratio), hflip=cfg.hflip,
+                                          crop_pct=cfg.crop_pct, **options)
+    if whole and is_folder(cfg.data) and test_ds.root == train_ds.root:  # (a folder split in two: take all of it)
+        from ..data.streaming import ImageFolderStream
+
+        test_ds = ImageFolderStream(test_ds.root, test_ds.transform, classes=test_ds.classes,
+                                    skip_corrupt=test_ds.skip_corrupt)
+    if cfg.train_fraction < 1.0:
+        keep = _stratified_index(torch.as_tensor(train_ds.labels), cfg.train_fraction)
+        train_ds = train_ds.subset(keep.tolist())
+    return train_ds, test_ds, info
 
 
 def _labels(ds: Dataset) -> Tensor:
@@ -124,14 +154,18 @@ def _labels(ds: Dataset) -> Tensor:
     return torch.as_tensor([int(ds[i][1]) for i in range(len(ds))])  # type: ignore[arg-type]
 
 
-def _stratified_subset(ds: Dataset, fraction: float) -> Dataset:
-    """The first ``round(fraction * n_c)`` (at least 1) examples of each class, in dataset order."""
-    labels = _labels(ds)
+def _stratified_index(labels: Tensor, fraction: float) -> Tensor:
+    """The indices of the first ``round(fraction * n_c)`` (at least 1) examples of each class, sorted."""
     keep = []
     for c in torch.unique(labels).tolist():
         idx = torch.nonzero(labels == c).flatten()
         keep.append(idx[: max(1, int(round(fraction * len(idx))))])
-    index = torch.sort(torch.cat(keep)).values
+    return torch.sort(torch.cat(keep)).values
+
+
+def _stratified_subset(ds: Dataset, fraction: float) -> Dataset:
+    """The first ``round(fraction * n_c)`` (at least 1) examples of each class, in dataset order."""
+    index = _stratified_index(_labels(ds), fraction)
     if hasattr(ds, "images") and hasattr(ds, "labels"):
         return type(ds)(ds.images[index], ds.labels[index], getattr(ds, "transform", None))  # type: ignore[call-arg]
     return torch.utils.data.Subset(ds, index.tolist())
@@ -182,7 +216,8 @@ def evaluate(model: nn.Module, ds: Dataset, *, batch_size: int = 250, device: An
             data only).
 
     Returns:
-        ``{"test_loss", "test_acc", "num_examples"}``.
+        ``{"test_loss", "test_acc", "num_examples", "skipped"}`` (``skipped``: unreadable files a streamed set
+        left out with ``skip_corrupt``).
     """
     ctx = ctx or DistContext()
     was_training = model.training
@@ -190,21 +225,24 @@ def evaluate(model: nn.Module, ds: Dataset, *, batch_size: int = 250, device: An
     dev = torch.device(device)
     sums = torch.zeros(2, dtype=torch.float64, device=dev if dev.type in ("cpu", "cuda") else "cpu")
     count = 0
-    for x, y, off in _eval_batches(ds, batch_size, ctx, offsets, workers, dev.type == "cuda"):
+    skipped = [0]
+    for x, y, off in _eval_batches(ds, batch_size, ctx, offsets, workers, dev.type == "cuda", skipped):
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         logits = model(x, coord_offset=off.to(dev)) if off is not None else model(x)
         sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
                              (logits.argmax(-1) == y).sum().double()]).to(sums.device)
         count += len(y)
-    loss_sum, correct, count = ctx.all_reduce_sum(sums.tolist() + [float(count)])  # (one host read in all)
+    loss_sum, correct, count, n_skipped = ctx.all_reduce_sum(sums.tolist() + [float(count), float(skipped[0])])
     model.train(was_training)
     count = max(count, 1.0)
-    return {"test_loss": loss_sum / count, "test_acc": correct / count, "num_examples": int(count)}
+    return {"test_loss": loss_sum / count, "test_acc": correct / count, "num_examples": int(count),
+            "skipped": int(n_skipped)}
 
 
 def _eval_batches(ds: Dataset, batch_size: int, ctx: DistContext, offsets: Optional[Tensor], workers: int,
-                  pin: bool) -> Iterator[Tuple[Tensor, Tensor, Optional[Tensor]]]:
-    """This rank's ``(x, y, offsets or None)`` evaluation batches of ``ds``, every example once over the ranks."""
+                  pin: bool, skipped: Optional[List[int]] = None) -> Iterator[Tuple[Tensor, Tensor, Optional[Tensor]]]:
+    """This rank's ``(x, y, offsets or None)`` evaluation batches of ``ds``, every example once over the ranks
+    (``skipped[0]``: set to the number of unreadable files a streamed set left out, ``skip_corrupt``)."""
     if _is_stream_dataset(ds):
         if offsets is not None:
             raise ValueError("coordinate offsets are drawn per example of in-memory data; this data is streamed")
@@ -212,8 +250,11 @@ def _eval_batches(ds: Dataset, batch_size: int, ctx: DistContext, offsets: Optio
 
         loader = make_loader(ds, batch_size=batch_size, rank=ctx.rank, world_size=ctx.world_size, num_workers=workers,
                              pin_memory=pin, drop_last=False, shuffle=False)
+        loader.warn = False  # (counted in the result instead)
         for x, y in loader:
             yield x, y, None
+        if skipped is not None:
+            skipped[0] = loader.skipped
         return
     index = list(range(ctx.rank, len(ds), ctx.world_size))  # (no padding: every example counted once)
     for i in range(0, len(index), batch_size):
@@ -229,17 +270,43 @@ def _is_stream_dataset(ds: Any) -> bool:
 
 
 def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: float = 0.0, seed: int = 0,
-                 batch_size: Optional[int] = None, device: str = "auto") -> Dict[str, Any]:
+                 batch_size: Optional[int] = None, device: str = "auto", data: Optional[str] = None,
+                 data_root: Optional[str] = None) -> Dict[str, Any]:
     """Evaluate a run's checkpoint on its test set, optionally at another resolution and with one random
-    global coordinate offset per image drawn from ``N(0, offset_std^2 I)`` (seeded by ``seed``)."""
+    global coordinate offset per image drawn from ``N(0, offset_std^2 I)`` (seeded by ``seed``).
+
+    ``data`` / ``data_root``: evaluate on another data set or folder instead (an image folder: every image in it,
+    or its ``val/`` in the train/val layout; another data set: its test split), at the run's image size unless
+    ``image_size`` is given. The run's recorded ``data_root`` is absolute, so a run folder evaluates from any
+    working directory.
+
+    Raises:
+        ValueError: the other data's classes (count or names) or channels differ from the model's (one line).
+    """
     config, ckpt = load_run(run_dir)
     tcfg = TrainConfig.from_dict(config.get("train", {}), source="config.json", strict=False)
     vit_cfg = ViTConfig.from_dict(ckpt["vit_config"], source=f"checkpoint {ckpt['path']}", strict=False)
+    other = data is not None or data_root is not None
+    if other:
+        changes: Dict[str, Any] = {}
+        if data is not None:
+            changes["data"] = data
+        if data_root is not None:
+            changes["data_root"] = str(Path(data_root).expanduser().resolve())
+            if not Path(changes["data_root"]).exists():
+                raise FileNotFoundError(f"data root not found: {data_root}")
+        tcfg = tcfg.replace(**changes, train_fraction=1.0)
     model = VisionTransformer(vit_cfg)
     load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
     dev = resolve_device(device)
     model.to(dev)
-    _, test_ds, info = load_data(tcfg, image_size=image_size)
+    size = image_size if image_size is not None else list(vit_cfg.image_size)
+    if other and is_streamed(tcfg):
+        _, test_ds, info = _open_stream(tcfg, size, whole=True)
+    else:
+        _, test_ds, info = load_data(tcfg, image_size=size)
+    if other:
+        _check_same_task(info, vit_cfg, config.get("data") or {}, tcfg)
     offsets = None
     if offset_std > 0:
         g = torch.Generator().manual_seed(int(seed))
@@ -248,10 +315,24 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
                    workers=tcfg.workers)
     return {
         "run_dir": str(run_dir), "checkpoint": ckpt["path"], "epoch": int(ckpt.get("epoch", 0)), "data": tcfg.data,
-        "pe": vit_cfg.pe, "image_size": list(info.image_size), "offset_std": float(offset_std), "seed": int(seed),
-        "coord_dim": model.coord_dim, "test_acc": res["test_acc"], "test_loss": res["test_loss"],
-        "num_examples": res["num_examples"],
+        "data_root": tcfg.data_root, "pe": vit_cfg.pe, "image_size": list(info.image_size),
+        "offset_std": float(offset_std), "seed": int(seed), "coord_dim": model.coord_dim,
+        "test_acc": res["test_acc"], "test_loss": res["test_loss"], "num_examples": res["num_examples"],
     }
+
+
+def _check_same_task(info: Any, vit_cfg: ViTConfig, trained: Dict[str, Any], tcfg: TrainConfig) -> None:
+    """One-line ``ValueError`` when the data ``info`` describes cannot be scored by a model of ``vit_cfg``."""
+    where = tcfg.data_root or tcfg.data
+    if int(info.num_classes) != int(vit_cfg.num_classes):
+        raise ValueError(f"{where} has {info.num_classes} classes; the run's model was trained on "
+                         f"{vit_cfg.num_classes}")
+    if int(info.in_chans) != int(vit_cfg.in_chans):
+        raise ValueError(f"{where} has {info.in_chans}-channel images; the run's model takes {vit_cfg.in_chans}")
+    names, had = list(getattr(info, "class_names", None) or []), list(trained.get("class_names") or [])
+    if names and had and names != had:
+        diff = next(f"{a!r} where the run had {b!r}" for a, b in zip(names, had) if a != b)
+        raise ValueError(f"{where}: its classes differ from the run's ({diff}); labels would not match")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -349,6 +430,7 @@ class ClassificationTask:
                                       world_size=ctx.world_size, num_workers=cfg.workers,
                                       pin_memory=ctx.device.type == "cuda", persistent_workers=cfg.workers > 0,
                                       drop_last=True)
+            self.loader.warn = False  # (the count goes into the epoch's row and log line)
             self.steps_per_epoch = len(self.loader)
             return
         self.sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
@@ -381,20 +463,31 @@ class ClassificationTask:
         return loss, {"loss_sum": loss.detach().double() * n, "correct": (logits.argmax(-1) == top).sum(), "count": n}
 
     def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: DistContext) -> Dict[str, Any]:
-        loss_sum, correct, count = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("correct", 0.0),
-                                                       sums.get("count", 0.0)])
+        skipped = float(self.loader.skipped) if self.streamed else 0.0
+        loss_sum, correct, count, skipped = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("correct", 0.0),
+                                                                sums.get("count", 0.0), skipped])
         t0 = time.time()
         ev = evaluate(self.model, self.test_ds, batch_size=self.cfg.eval_batch_size, device=ctx.device, ctx=ctx,
                       workers=self.cfg.workers)
         t_eval = time.time() - t0  # (the epoch's time includes its evaluation)
-        return {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
-                "test_loss": ev["test_loss"], "test_acc": ev["test_acc"], "lr": info["lr"],
-                "epoch_time": info["epoch_time"] + t_eval, "elapsed_time": info["elapsed"] + t_eval}
+        row = {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
+               "test_loss": ev["test_loss"], "test_acc": ev["test_acc"], "lr": info["lr"],
+               "epoch_time": info["epoch_time"] + t_eval, "elapsed_time": info["elapsed"] + t_eval}
+        if self.skips:
+            row.update(train_skipped=int(skipped), test_skipped=int(ev["skipped"]))
+        return row
+
+    @property
+    def skips(self) -> bool:
+        """Whether unreadable files are skipped (and counted per split): ``skip_corrupt`` of streamed data."""
+        return self.streamed and bool(self.cfg.data_options.get("skip_corrupt", False))
 
     def describe(self, row: Dict[str, Any]) -> str:
+        skipped = (f"  skipped unreadable: {row['train_skipped']} train, {row['test_skipped']} test"
+                   if row.get("train_skipped") or row.get("test_skipped") else "")
         return (f"epoch {row['epoch']}/{self.cfg.epochs}  train loss {row['train_loss']:.4f} acc "
                 f"{row['train_acc']:.4f}  test loss {row['test_loss']:.4f} acc {row['test_acc']:.4f}  "
-                f"({row['epoch_time']:.1f}s)")
+                f"({row['epoch_time']:.1f}s){skipped}")
 
     def plot(self, history: List[Dict[str, Any]], path: Path) -> None:
         plot_curves(history, path, title=f"{self.cfg.data} ViT-{self.cfg.model} pe={self.label}")
@@ -403,10 +496,14 @@ class ClassificationTask:
         """The run's identity and final metrics; the engine adds epochs, wall time, parameters and machine."""
         vit_cfg = self.model.cfg  # (the VisionTransformer that build_model made)
         final = history[-1] if history else {}
-        return {"run_dir": str(self.run_dir) if self.run_dir is not None else None, "data": self.cfg.data,
-                "model": self.cfg.model, "pe": vit_cfg.pe,
-                "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None, "seed": self.cfg.seed,
-                **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
+        out = {"run_dir": str(self.run_dir) if self.run_dir is not None else None, "data": self.cfg.data,
+               "model": self.cfg.model, "pe": vit_cfg.pe,
+               "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None, "seed": self.cfg.seed,
+               **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
+        if self.skips:  # unreadable files left out, per split (the training count summed over the epochs)
+            out["skipped"] = {"train": int(sum(r.get("train_skipped", 0) for r in history)),
+                              "test": int(final.get("test_skipped", 0))}
+        return out
 
 
 def _mixing(cfg: TrainConfig, num_classes: int, modality: str) -> Optional[Callable[[Tensor, Tensor], Any]]:
@@ -483,11 +580,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, on_step: Optional[StepCallb
 
 
 def _remove_if_empty(run_dir: Path) -> None:
-    """Remove a run folder this run created when it holds nothing but the lock (a run that failed at once)."""
+    """Remove a run folder this run created when the run failed before its first checkpoint (bad data, a wrong
+    option found late, Ctrl-C while loading): it holds nothing to resume, and a half-made folder would make the next
+    try refuse or mislead. Only the files a run writes are removed; a folder holding anything else is kept."""
+    import shutil
+
+    ours = {".lock", "config.json", "metrics.csv", "summary.json", "curves.png", "tb", CHECKPOINT_NAME}
     try:
-        if {p.name for p in run_dir.iterdir()} <= {".lock"}:
-            (run_dir / ".lock").unlink(missing_ok=True)
-            run_dir.rmdir()
+        names = {p.name for p in run_dir.iterdir()}
+        if CHECKPOINT_NAME in names or not names <= ours | {n for n in names if n.startswith(".")}:
+            return
+        shutil.rmtree(run_dir)
     except OSError:
         pass
 
@@ -501,7 +604,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
     if resume:
         ckpt = load_checkpoint(ckpt_path)
         previous_config, _ = load_run(run_dir)
-        changes = resume_changes(previous_config.get("train") or ckpt.get("train_config", {}), cfg, allow_change)
+        changes = resume_changes(previous_config.get("train") or ckpt.get("train_config", {}), cfg,
+                                 [a for a in allow_change if a != DATA_CHANGE])
         if "epochs" in changes and cfg.epochs < int(ckpt["epoch"]):
             raise ValueError(f"--epochs {cfg.epochs}: the run has already done {int(ckpt['epoch'])} epochs")
     elif ckpt_path.exists():
@@ -517,10 +621,13 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
 
         _log(init_from_checkpoint(model, load_checkpoint(cfg.init_from)), ctx, quiet)
 
+    fingerprint = data_fingerprint(train_ds, test_ds)
+    data_changed = check_same_data(previous_config.get("data") or {}, fingerprint, len(train_ds), len(test_ds),
+                                   DATA_CHANGE in allow_change) if ckpt is not None else None
     schedule = schedule_of(cfg, task.steps_per_epoch)
     n_params = count_parameters(model)  # encodings by their effective count
     config_doc = {"train": cfg.to_dict(), "model": vit_cfg.to_dict(),
-                  "data": _info_dict(info, len(train_ds), len(test_ds)),
+                  "data": {**_info_dict(info, len(train_ds), len(test_ds)), "fingerprint": fingerprint},
                   "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None}
     resumes = list(previous_config.get("resumes", []))
     if ckpt is not None:
@@ -529,6 +636,11 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
                                  "global_step": step0}
         if changes:
             entry["changed"] = {k: [a, b] for k, (a, b) in changes.items()}
+        if data_changed:
+            entry["data_changed"] = {"fingerprint": data_changed, "num_train": len(train_ds),
+                                     "num_test": len(test_ds)}
+            _log(f"resuming on changed data ({len(train_ds)} train / {len(test_ds)} test; --allow-data-change, "
+                 f"recorded in config.json)", ctx, quiet)
         if "epochs" in changes:
             old_cfg = dataclasses.replace(cfg, epochs=int(changes["epochs"][0]))
             old = schedule_of(old_cfg, task.steps_per_epoch)
@@ -546,11 +658,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
              ctx, quiet)
     if resumes:
         config_doc["resumes"] = resumes
-    _log(f"ropekit train: {cfg.data} ({len(train_ds)} train / {len(test_ds)} test, {info.kind}), ViT-{cfg.model} "
-         f"{n_params / 1e6:.2f}M params, pe={task.label}, {cfg.epochs} epochs, batch {cfg.batch_size}"
-         f"{f' over {ctx.world_size} processes' if ctx.enabled else ''}"
-         f"{f', {cfg.precision}' if cfg.precision != 'fp32' else ''}{', compiled' if cfg.compile else ''}"
-         f", run folder {run_dir}", ctx, quiet)
+    _log(start_line(cfg, vit_cfg, info, len(train_ds), len(test_ds), n_params, ctx, run_dir), ctx, quiet)
 
     def fresh_start(c: DistContext) -> None:
         seed_everything(cfg.seed + 1_000_003 * (c.rank + 1))  # per-rank stream for jitter/augmentation/dropout
@@ -559,7 +667,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
         schedule, cfg.epochs, execution=cfg.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
         resume=ckpt is not None, ctx=ctx, on_step=on_step, quiet=quiet, config_doc=config_doc,
         checkpoint_extra={"vit_config": vit_cfg.to_dict(), "train_config": cfg.to_dict()},
-        metric_columns=METRIC_COLUMNS, fresh_start=fresh_start, log_every=cfg.log_every,
+        metric_columns=METRIC_COLUMNS + (("train_skipped", "test_skipped") if task.skips else ()),
+        fresh_start=fresh_start, log_every=cfg.log_every,
         checkpoint_every=cfg.checkpoint_every))
     history = res.history
     final = dict(history[-1]) if history else {}
@@ -567,9 +676,84 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
                        model=model, final=final, is_main=ctx.is_main)
 
 
+def data_fingerprint(train_ds: Dataset, test_ds: Dataset) -> Optional[str]:
+    """A SHA-256 of what a run trains and tests on, split included: for an image folder each file's path (relative
+    to the folder), size and label, per split; for shards each shard's name, size and sample count; for data held in
+    memory the bytes of its images and labels. ``None`` for data of another kind. Two runs with one fingerprint
+    saw the same files in the same split; a file added, removed, resized or moved across the split changes it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, ds in (("train", train_ds), ("test", test_ds)):
+        h.update(f"[{name}]\n".encode())
+        files, labels = getattr(ds, "_files", None), getattr(ds, "labels", None)
+        if files is not None and labels is not None and hasattr(ds, "path"):  # an ImageFolderStream
+            for i, rel in enumerate(files):
+                try:
+                    size = os.stat(ds.path(i)).st_size
+                except OSError:
+                    size = -1
+                h.update(rel + f"\t{size}\t{int(labels[i])}\n".encode())
+        elif hasattr(ds, "shards") and hasattr(ds, "counts"):  # a ShardStream
+            for shard, count in zip(ds.shards, ds.counts):
+                size = Path(shard).stat().st_size if Path(shard).exists() else -1
+                h.update(f"{Path(shard).name}\t{size}\t{count}\n".encode())
+        elif isinstance(getattr(ds, "images", None), Tensor) and isinstance(labels, Tensor):
+            h.update(ds.images.detach().cpu().contiguous().numpy().tobytes())
+            h.update(labels.detach().cpu().contiguous().numpy().tobytes())
+        else:
+            return None
+    return h.hexdigest()
+
+
+def check_same_data(previous: Dict[str, Any], fingerprint: Optional[str], n_train: int, n_test: int,
+                    allow: bool) -> Optional[List[Any]]:
+    """``[old, new]`` fingerprints when a resumed run's data changed and ``allow`` accepts it, ``None`` when
+    nothing changed (or the run recorded no fingerprint).
+
+    Raises:
+        ValueError: the data changed and ``allow`` is false (one line, with the counts before and after).
+    """
+    old = previous.get("fingerprint")
+    if old is None or fingerprint is None or old == fingerprint:
+        return None
+    if not allow:
+        counts = (f"{previous.get('num_train')} -> {n_train} training, {previous.get('num_test')} -> {n_test} test "
+                  f"images" if (previous.get("num_train"), previous.get("num_test")) != (n_train, n_test)
+                  else "the same counts, other files or sizes")
+        raise ValueError(f"--resume: the data changed since the run started ({counts}); images already trained on "
+                         f"may now be in the test set. Restore the data, start a new run, or continue anyway with "
+                         f"--allow-data-change (recorded in config.json)")
+    return [old, fingerprint]
+
+
+def start_line(cfg: TrainConfig, vit_cfg: ViTConfig, info: Any, n_train: int, n_test: int, n_params: int,
+               ctx: DistContext, run_dir: Path) -> str:
+    """The start-of-run line: data (where from, counts), image size, patch size and tokens per image, model,
+    encoding and how its parameters are shared, schedule, run folder."""
+    h, w = (int(v) for v in vit_cfg.image_size)
+    p = int(vit_cfg.patch_size)
+    tokens = (h // p) * (w // p)
+    if vit_cfg.modality == "video":
+        tokens *= max(1, int(vit_cfg.num_frames or 1) // int(vit_cfg.tubelet_size or 1))
+    where = f" {cfg.data_root}" if cfg.data_root else ""
+    size_note = "" if cfg.image_size is not None or not is_streamed(cfg) else " (default)"
+    resolved = vit_cfg.resolved() if hasattr(vit_cfg, "resolved") else vit_cfg
+    sharing = resolved.pe_sharing + (", per head" if resolved.per_head else "")
+    pe = vit_cfg.pe + (f" ({sharing})" if vit_cfg.rotary is not None else "")
+    return (f"ropekit train: {cfg.data}{where} ({n_train} train / {n_test} test, {info.kind}), {h}x{w} px"
+            f"{size_note}, patch {p}, {tokens} tokens/image, ViT-{cfg.model} {n_params / 1e6:.2f}M params, pe={pe}"
+            f"{f', depth as {vit_cfg.depth_input}' if vit_cfg.modality == 'rgbd' else ''}, "
+            f"{plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}"
+            f"{f' over {ctx.world_size} processes' if ctx.enabled else ''}"
+            f"{f', {cfg.precision}' if cfg.precision != 'fp32' else ''}{', compiled' if cfg.compile else ''}"
+            f", run folder {run_dir}")
+
+
 def _info_dict(info: Any, n_train: int, n_test: int) -> Dict[str, Any]:
     d = dataclasses.asdict(info) if dataclasses.is_dataclass(info) else dict(vars(info))
-    d.pop("class_names", None)
+    if d.get("class_names") is not None:
+        d["class_names"] = [str(c) for c in d["class_names"]]
     d["num_train"], d["num_test"] = n_train, n_test
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
