@@ -357,8 +357,8 @@ def test_rope_that_cannot_be_kept_warns(case):
 def test_other_rope_kinds_warn():
     if "rope_type" not in inspect.signature(Eva.__init__).parameters:
         pytest.skip("this timm has a single kind of Eva rotary embedding")
-    model = tiny_timm("vit_base_patch16_rope_224", rope_type="dinov3")
-    with pytest.warns(UserWarning, match="RotaryEmbeddingDinoV3"):
+    model = tiny_timm("vit_base_patch16_rope_224", rope_type="mrope", rope_grid_indexing="ij")
+    with pytest.warns(UserWarning, match="RotaryEmbeddingMRope"):
         apply_pe(model, "mixed", inplace=False, init_identity=True)
 
 

@@ -19,12 +19,14 @@ What the conversion does (timm ``VisionTransformer`` with ``Block`` / ``ResPostB
 * prefix tokens are left unrotated (``prefix="unrotated"``, timm-compatible; CLS-patch logits then depend on
   absolute patch coordinates) or given the centroid of the patch coordinates (``prefix="centroid"``: they move
   with a global offset, so a commuting encoding keeps the model offset invariant).
-* an ``Eva`` model's own rotary embedding (``model.rope``; EVA02, timm's SBB and Perception Encoder ViTs, and
-  timm's ports of rope-vit, whose attention is ``AttentionRope``) is *replaced* by the ropekit encoding. With
+* an ``Eva`` model's own rotary embedding (``model.rope``; DINOv3, EVA02, timm's SBB and Perception Encoder ViTs,
+  and timm's ports of rope-vit, whose attention is ``AttentionRope``) is *replaced* by the ropekit encoding. With
   ``init_identity=True`` the encoding starts as that rotary embedding instead of the identity: ``mixed`` and
   ``cayley`` (at ``S = 0``) rotate every pair by ``sum_k r_k w_{k,n}`` with a free frequency per pair and axis, so
-  they hold axial RoPE (each pair's frequency on one axis) and RoPE-Mixed (per block and head, with
-  ``sharing="head"``) exactly, on the same coordinates (timm's grid offset and reference-grid rescaling are kept).
+  they hold axial RoPE (each pair's frequency on one axis; DINOv3's is axial on normalised patch centres) and
+  RoPE-Mixed (per block and head, with ``sharing="head"``) exactly, on the same coordinates (built by timm's own
+  grid function: offset, reference-grid rescaling, DINOv3's normalisation; in training mode with timm's coordinate
+  augmentation, drawn as timm draws it).
   A model that rotates half-split pairs ``(x_i, x_{i+d/2})`` gets a fixed reordering of the q and k channels
   (the same for both, so the logits are unchanged) that makes them interleaved pairs. The conversion checks the
   result against timm's own rotation; where the encoding cannot hold the model's rotary embedding (another
@@ -97,6 +99,11 @@ def _check_timm_version(version: str) -> None:
 
 _check_timm_version(_timm.__version__)
 
+try:  # timm's own grid builder and coordinate augmentation (timm >= 1.0.31)
+    from timm.layers.pos_embed_sincos import _apply_coord_augs, _build_grid
+except ImportError:  # pragma: no cover - depends on the timm version
+    _apply_coord_augs = _build_grid = None
+
 try:  # the attention of timm's rope-vit / Perception Encoder models (attn_type="rope"); absent in old timm
     from timm.layers import AttentionRope as _AttentionRope
 except ImportError:  # pragma: no cover - depends on the timm version
@@ -104,7 +111,7 @@ except ImportError:  # pragma: no cover - depends on the timm version
 
 __all__ = ["apply_pe", "encodings", "encode_qk", "SHARING", "PREFIX_MODES", "MIN_TIMM", "RopeAttention",
            "RopeEvaAttention", "RopeAttentionRope", "RopeBlock", "RopeResPostBlock", "RopeVisionTransformer", "RopeEva",
-           "GridCoordinates"]
+           "GridCoordinates", "TimmGrid"]
 
 #: ``"model"``: one encoding module reused by every block; ``"layer"``: one per block; ``"head"``: one per block
 #: with parameters per head (``per_head=True``).
@@ -390,21 +397,30 @@ class GridCoordinates(nn.Module):
     reference grid ``ref_shape`` is given, else ``i + offset``: this is how timm's EVA rotary embedding places the
     patches (a fine-tuned EVA02 at another resolution keeps the coordinate range of its pre-training grid), so an
     encoding initialised from the model's own rotary embedding sees the same coordinates.
+
+    ``timm_grid`` (a :class:`TimmGrid`, set when the encoding starts as the model's own rotary embedding) instead
+    builds the coordinates with timm's own grid function -- integer indices, DINOv3's patch centres normalised to
+    ``[-1, 1]`` per axis, or pixel grids, with timm's offset and reference grid -- and, in training mode, applies
+    timm's coordinate augmentation (``rope_shift_coords``, ``rope_jitter_coords``, ``rope_rescale_coords``) with
+    timm's random draws in timm's order, so the converted model trains on the coordinates the original would.
     """
 
     def __init__(self, mode: str, feat_shape: Sequence[int], offset: float = 0.0,
-                 ref_shape: Optional[Sequence[int]] = None) -> None:
+                 ref_shape: Optional[Sequence[int]] = None, timm_grid: Optional["TimmGrid"] = None) -> None:
         super().__init__()
-        if mode != "grid" and (offset or ref_shape is not None):
-            raise ValueError("offset and ref_shape apply to mode='grid' only")
+        if mode != "grid" and (offset or ref_shape is not None or timm_grid is not None):
+            raise ValueError("offset, ref_shape and timm_grid apply to mode='grid' only")
         self.mode = mode
         self.feat_shape = list(feat_shape)
         self.offset = float(offset)
         self.ref_shape = None if ref_shape is None else [int(r) for r in ref_shape]
+        self.timm_grid = timm_grid
         self.register_buffer("_anchor", torch.empty(0), persistent=False)  # follows .to(device)
 
     def get_embed(self, shape: Optional[Sequence[int]] = None) -> Tensor:
         grid = self.feat_shape if shape is None else shape
+        if self.timm_grid is not None:
+            return self.timm_grid.coords(grid, self.training, self._anchor.device)
         coords = grid_coords(grid, self.mode, device=self._anchor.device)  # (M, 2)
         if self.offset:
             coords = coords + self.offset
@@ -421,7 +437,44 @@ class GridCoordinates(nn.Module):
         extra = f", offset={self.offset}" if self.offset else ""
         if self.ref_shape is not None:
             extra += f", ref_shape={tuple(self.ref_shape)}"
+        if self.timm_grid is not None:
+            extra += f", timm_grid={self.timm_grid}"
         return f"mode={self.mode!r}, feat_shape={tuple(self.feat_shape)}{extra}"
+
+
+@dataclass
+class TimmGrid:
+    """How a timm rotary embedding places the patches: the arguments of timm's grid builder
+    (``grid_type`` ``"index"`` / ``"centered"`` / ``"pixel"``, ``ref_feat_shape``, ``grid_offset``,
+    ``grid_indexing``, ``normalize_coords``) and its train-time augmentation (``shift``, ``jitter``, ``rescale``;
+    ``None`` when off)."""
+
+    grid_type: str = "index"
+    ref_feat_shape: Optional[Sequence[int]] = None
+    grid_offset: float = 0.0
+    grid_indexing: str = "ij"
+    normalize_coords: str = "separate"
+    shift: Optional[float] = None
+    jitter: Optional[float] = None
+    rescale: Optional[float] = None
+
+    @property
+    def augments(self) -> bool:
+        return self.shift is not None or self.jitter is not None or self.rescale is not None
+
+    def coords(self, shape: Sequence[int], training: bool, device: torch.device) -> Tensor:
+        """Patch coordinates ``(gh * gw, 2)`` float32, ``(row, col)``, as timm computes them for grid ``shape``
+        (augmented when ``training``: one draw per call, like timm's ``get_embed``)."""
+        grid = _build_grid([int(s) for s in shape], grid_type=self.grid_type,
+                           ref_feat_shape=None if self.ref_feat_shape is None else list(self.ref_feat_shape),
+                           grid_offset=self.grid_offset, grid_indexing=self.grid_indexing,
+                           normalize_coords=self.normalize_coords)  # (gh, gw, 2), timm's channel order
+        grid = grid.reshape(-1, 2)  # (M, 2)
+        if training and self.augments:
+            grid = _apply_coord_augs(grid, self.shift, self.jitter, self.rescale)
+        if self.grid_indexing == "xy":  # timm's first channel is then the column
+            grid = grid.flip(-1)
+        return grid.to(device)
 
 
 # ---------------------------------------------------------------------------------------------- timm's own RoPE
@@ -435,60 +488,65 @@ class _TimmRope:
 
     ``freqs`` ``(L, Hs, 2, d/2)``: frequencies of interleaved pair ``n`` along ``(row, col)``, per layer (``L`` 1 when
     every layer has the same) and per head (``Hs`` 1 when every head has the same); ``perm`` ``(d,)`` or ``None``:
-    the channel order that turns timm's pairs into interleaved ones; ``offset`` / ``ref_shape``: the coordinates
-    (see :class:`GridCoordinates`).
+    the channel order that turns timm's pairs into interleaved ones; ``grid``: the coordinates (see
+    :class:`TimmGrid`).
     """
 
     freqs: Tensor
     perm: Optional[Tensor]
-    offset: float
-    ref_shape: Optional[Sequence[int]]
+    grid: TimmGrid
 
 
 def _read_timm_rope(model: nn.Module, head_dim: int) -> _TimmRope:
     """Read timm's rotary embedding ``model.rope`` (``RotaryEmbeddingCat``: EVA02, timm's SBB and Perception Encoder
-    ViTs; ``RotaryEmbeddingMixed``: rope-vit's RoPE-Mixed) as ropekit frequencies.
+    ViTs; ``RotaryEmbeddingDinoV3``: DINOv3; ``RotaryEmbeddingMixed``: rope-vit's RoPE-Mixed) as ropekit
+    frequencies.
 
     Raises:
-        _CannotKeep: another kind of rotary embedding (DINOv3's, multimodal RoPE) or an unsupported option.
+        _CannotKeep: another kind of rotary embedding (timm's multimodal RoPE) or an unsupported option.
     """
     rope = model.rope
     kind = type(rope).__name__
+    if _build_grid is None:
+        raise _CannotKeep("this timm has no grid builder to reproduce its coordinates (timm >= 1.0.31 has)")
     indexing = getattr(rope, "grid_indexing", "ij")
     if indexing not in ("ij", "xy"):
         raise _CannotKeep(f"unknown grid indexing {indexing!r}")
     half = bool(getattr(model.blocks[0].attn, "rotate_half", False))
     d2 = head_dim // 2
     perm = torch.stack([torch.arange(d2), torch.arange(d2) + d2], -1).reshape(-1) if half else None
-    if kind == "RotaryEmbeddingCat":
-        grid_type = getattr(rope, "grid_type", "pixel" if getattr(rope, "in_pixels", True) else "index")
-        if grid_type != "index" or getattr(rope, "in_pixels", False):
-            raise _CannotKeep(f"its rotary embedding uses a {grid_type!r} coordinate grid (only integer patch "
-                              f"indices are reproduced)")
-        nb = head_dim // 4
-        bands = getattr(rope, "bands", None)
-        if bands is None:  # older timm keeps only the cached table when the grid is fixed: rebuild the bands
-            from timm.layers.pos_embed_sincos import freq_bands
-            bands = freq_bands(nb, temperature=float(rope.temperature), step=1)
-        bands = bands.detach().float().cpu()
+    aug = dict(shift=getattr(rope, "shift_coords", None), jitter=getattr(rope, "jitter_coords", None),
+               rescale=getattr(rope, "rescale_coords", None))
+    first, second = (0, 1) if indexing == "ij" else (1, 0)  # timm's first coordinate channel is the row for "ij"
+    nb = head_dim // 4
+    if kind in ("RotaryEmbeddingCat", "RotaryEmbeddingDinoV3"):
+        if kind == "RotaryEmbeddingCat":
+            grid_type = getattr(rope, "grid_type", None) or ("pixel" if getattr(rope, "in_pixels", True) else "index")
+            bands = getattr(rope, "bands", None)
+            if bands is None:
+                raise _CannotKeep("its rotary embedding keeps only a cached table, not its frequency bands")
+            bands = bands.detach().float().cpu()  # angle = coordinate * band
+            ref = getattr(rope, "ref_feat_shape", None)
+        else:  # DINOv3: angle = 2 pi coordinate / period, coordinates the patch centres in [-1, 1]
+            grid_type, ref = "centered", None
+            bands = (2 * torch.pi / rope.periods.detach().double().cpu()).float()
         if bands.numel() != nb or 4 * nb != head_dim:
             raise _CannotKeep(f"{bands.numel()} frequency bands for head_dim {head_dim} (expected head_dim / 4)")
         freqs = torch.zeros(2, d2)
-        first, second = (0, 1) if indexing == "ij" else (1, 0)  # timm's first coordinate channel is the row for "ij"
-        freqs[first, :nb] = bands
+        freqs[first, :nb] = bands  # timm's angles: (channel 0 bands, channel 1 bands)
         freqs[second, nb:] = bands
-        ref = getattr(rope, "ref_feat_shape", None)
-        return _TimmRope(freqs[None, None], perm, float(getattr(rope, "grid_offset", 0.0)),
-                         None if ref is None else list(ref))
+        grid = TimmGrid(grid_type, None if ref is None else [int(r) for r in ref],
+                        float(getattr(rope, "grid_offset", 0.0) or 0.0), indexing,
+                        str(getattr(rope, "normalize_coords", None) or "separate"), **aug)
+        return _TimmRope(freqs[None, None], perm, grid)
     if kind == "RotaryEmbeddingMixed":
-        f = rope.freqs.detach().float().cpu()  # (2, L, H, d/2): multiplies (t_x, t_y)
-        x_axis, y_axis = (0, 1) if indexing == "ij" else (1, 0)  # t_x is the row for "ij", the column for "xy"
+        f = rope.freqs.detach().float().cpu()  # (2, L, H, d/2): multiplies (t_x, t_y), timm's channels 0 and 1
         freqs = torch.zeros(f.shape[1], f.shape[2], 2, f.shape[3])
-        freqs[:, :, x_axis] = f[0]
-        freqs[:, :, y_axis] = f[1]
-        return _TimmRope(freqs, perm, 0.0, None)
-    raise _CannotKeep(f"its rotary embedding {kind} is not one ropekit reproduces (RotaryEmbeddingCat and "
-                      f"RotaryEmbeddingMixed are)")
+        freqs[:, :, first] = f[0]
+        freqs[:, :, second] = f[1]
+        return _TimmRope(freqs, perm, TimmGrid("index", None, 0.0, indexing, **aug))
+    raise _CannotKeep(f"its rotary embedding {kind} is not one ropekit reproduces (RotaryEmbeddingCat, "
+                      f"RotaryEmbeddingMixed and RotaryEmbeddingDinoV3 are)")
 
 
 def _keep_rope_(pe: PositionEncoding, rope: _TimmRope, layer: int) -> None:
@@ -528,7 +586,10 @@ def _check_keeps_rope(model: nn.Module, pes: List[PositionEncoding], rope: _Timm
     heads, d = pes[0].num_heads, pes[0].head_dim
     m = int(torch.tensor(grid).prod())
     x = torch.randn(1, heads, m, d, generator=gen)
+    was = coords.training
+    coords.eval()  # the coordinates without train-time augmentation
     r = coords.get_embed(grid).cpu()  # (M, 2)
+    coords.train(was)
     perm = rope.perm
     for i, pe in enumerate(pes):
         with torch.no_grad():
@@ -642,7 +703,7 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
     grid_source: Optional[GridCoordinates] = None
     if kind == "eva":
         if own_rope is not None:
-            grid_source = GridCoordinates("grid", model.patch_embed.grid_size, own_rope.offset, own_rope.ref_shape)
+            grid_source = GridCoordinates("grid", model.patch_embed.grid_size, timm_grid=own_rope.grid)
             reason = _check_keeps_rope(model, pes, own_rope, grid_source)
             if reason is not None:
                 _warn_rope_removed(model, name, reason)
@@ -673,7 +734,7 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         model.rope_coord_dim = coord_dim
         model.__class__ = RopeVisionTransformer
     else:
-        model.rope = grid_source.to(next(model.parameters()).device)
+        model.rope = grid_source.to(next(model.parameters()).device).train(model.training)
         model.rope_mixed = False
         model.__class__ = RopeEva
     return model
@@ -714,9 +775,6 @@ def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, pref
         raise _CannotKeep("its frequencies differ between heads (use sharing='head')")
     if freqs.shape[0] > 1 and sharing == "model":
         raise _CannotKeep("its frequencies differ between blocks (use sharing='head' or 'layer')")
-    if getattr(model.rope, "aug_active", False):
-        warnings.warn("apply_pe: timm's train-time augmentation of the rotary embedding's coordinates is not "
-                      "reproduced; the converted model matches the original in eval mode", UserWarning, stacklevel=3)
     rope.freqs = freqs
     return rope
 
