@@ -61,6 +61,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .._optional import require
 from ..encodings import PositionEncoding, create_pe
+from ._common import encodings
 from ..encodings.rope import MixedRoPE
 from ..nn.coords import COORD_MODES, grid_coords
 from ..nn.finetune import logits_match
@@ -777,12 +778,3 @@ def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, pref
         raise _CannotKeep("its frequencies differ between blocks (use sharing='head' or 'layer')")
     rope.freqs = freqs
     return rope
-
-
-def encodings(model: nn.Module) -> List[PositionEncoding]:
-    """The distinct encoding modules of a converted model (one with ``sharing="model"``)."""
-    seen: Dict[int, PositionEncoding] = {}
-    for m in model.modules():
-        if isinstance(m, PositionEncoding) and id(m) not in seen:
-            seen[id(m)] = m
-    return list(seen.values())
