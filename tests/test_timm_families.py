@@ -160,3 +160,34 @@ def test_coordinate_augmentation_reproduced_in_training(model_name):
     conv.eval()
     model.eval()
     assert worst(attention_outputs(conv, x), attention_outputs(model, x)) <= 1e-5  # no augmentation in eval
+
+
+@pytest.mark.parametrize("model_name", ["vit_small_patch16_dinov3", "vit_small_patch16_rope_mixed_224"])
+def test_depth_axis_starts_as_the_2d_model(model_name):
+    """coord_dim=3: (row, col, depth), depth at zero frequency -- the converted model takes RGB-D patch depths and
+    starts exactly as the 2-D model; once the depth frequencies move, depth changes the attention (the axis is
+    live, so the first check could fail)."""
+    model = sharp(model_name)
+    sharing = "head" if "mixed" in model_name else "model"
+    conv = convert(model, "cayley", sharing=sharing, coord_dim=3)
+    x = torch.randn(2, 3, 64, 48, generator=torch.Generator().manual_seed(4))
+    depth = torch.rand(2, 12, 1, generator=torch.Generator().manual_seed(5)) * 3  # (B, M, 1), a 4 x 3 grid
+    ref = attention_outputs(model, x)
+
+    def with_depth(m, d):
+        outs = []
+        hooks = [blk.attn.register_forward_hook(lambda mod, i, o: outs.append(o.detach())) for blk in m.blocks]
+        with torch.no_grad():
+            m.forward_features(x, extra_coords=d)
+        for h in hooks:
+            h.remove()
+        return outs
+
+    assert worst(with_depth(conv, depth), ref) <= 1e-5
+    assert worst(attention_outputs(conv, x), ref) <= 1e-5  # no depth given: zeros
+    for blk in conv.blocks:
+        with torch.no_grad():
+            blk.attn.pe.freq_param[..., 2, :].fill_(0.5)
+    assert worst(with_depth(conv, depth), ref) > 1e-3
+    with pytest.raises(ValueError, match="extra_coords must be"):
+        conv.forward_features(x, extra_coords=depth[:, :5])

@@ -383,7 +383,30 @@ class RopeVisionTransformer(_VisionTransformer):
 
 
 class RopeEva(_Eva):
-    """timm ``Eva`` with ropekit encodings (its forward is unchanged: ``model.rope`` yields coordinates)."""
+    """timm ``Eva`` with ropekit encodings (its forward is timm's: ``model.rope`` yields coordinates).
+
+    Converted with ``coord_dim > 2``, the patches' coordinates are ``(row, col, *extra)``: ``forward`` and
+    ``forward_features`` take ``extra_coords`` ``(M, coord_dim - 2)`` or ``(B, M, coord_dim - 2)`` (patch tokens
+    only, row-major; e.g. each patch's depth), zeros when not given.
+    """
+
+    def forward_features(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+                         extra_coords: Optional[Tensor] = None) -> Tensor:
+        if extra_coords is None:
+            return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+        rope = self.rope
+        if not isinstance(rope, GridCoordinates) or rope.extra_axes == 0:
+            raise ValueError("extra_coords needs a model converted with coord_dim > 2")
+        rope.pending_extra = extra_coords  # read once by rope.get_embed inside this forward
+        try:
+            return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+        finally:
+            rope.pending_extra = None
+
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+                extra_coords: Optional[Tensor] = None) -> Tensor:
+        return self.forward_head(self.forward_features(x, attn_mask=attn_mask, is_causal=is_causal,
+                                                       extra_coords=extra_coords))
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
@@ -407,7 +430,8 @@ class GridCoordinates(nn.Module):
     """
 
     def __init__(self, mode: str, feat_shape: Sequence[int], offset: float = 0.0,
-                 ref_shape: Optional[Sequence[int]] = None, timm_grid: Optional["TimmGrid"] = None) -> None:
+                 ref_shape: Optional[Sequence[int]] = None, timm_grid: Optional["TimmGrid"] = None,
+                 extra_axes: int = 0) -> None:
         super().__init__()
         if mode != "grid" and (offset or ref_shape is not None or timm_grid is not None):
             raise ValueError("offset, ref_shape and timm_grid apply to mode='grid' only")
@@ -416,10 +440,25 @@ class GridCoordinates(nn.Module):
         self.offset = float(offset)
         self.ref_shape = None if ref_shape is None else [int(r) for r in ref_shape]
         self.timm_grid = timm_grid
+        self.extra_axes = int(extra_axes)
+        self.pending_extra: Optional[Tensor] = None  # set by RopeEva.forward_features for one call
         self.register_buffer("_anchor", torch.empty(0), persistent=False)  # follows .to(device)
 
     def get_embed(self, shape: Optional[Sequence[int]] = None) -> Tensor:
-        grid = self.feat_shape if shape is None else shape
+        """``(M, 2 + extra_axes)``, or ``(B, M, 2 + extra_axes)`` with per-example extra coordinates."""
+        coords = self._grid(self.feat_shape if shape is None else shape)  # (M, 2)
+        if self.extra_axes == 0:
+            return coords
+        extra = self.pending_extra
+        if extra is None:
+            return torch.cat([coords, coords.new_zeros(coords.shape[0], self.extra_axes)], dim=-1)
+        extra = extra.to(device=coords.device, dtype=coords.dtype)
+        if extra.shape[-2:] != (coords.shape[0], self.extra_axes):
+            raise ValueError(f"extra_coords must be (M, {self.extra_axes}) or (B, M, {self.extra_axes}) with "
+                             f"M = {coords.shape[0]} patches, got {tuple(extra.shape)}")
+        return torch.cat([coords.expand(*extra.shape[:-1], 2), extra], dim=-1)
+
+    def _grid(self, grid: Sequence[int]) -> Tensor:
         if self.timm_grid is not None:
             return self.timm_grid.coords(grid, self.training, self._anchor.device)
         coords = grid_coords(grid, self.mode, device=self._anchor.device)  # (M, 2)
@@ -440,6 +479,8 @@ class GridCoordinates(nn.Module):
             extra += f", ref_shape={tuple(self.ref_shape)}"
         if self.timm_grid is not None:
             extra += f", timm_grid={self.timm_grid}"
+        if self.extra_axes:
+            extra += f", extra_axes={self.extra_axes}"
         return f"mode={self.mode!r}, feat_shape={tuple(self.feat_shape)}{extra}"
 
 
@@ -627,7 +668,10 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         name: a ``ropekit.create_pe`` name (``none, axial, mixed, cayley, circulant, tensor, string, liere,
             liere-commute, comrope-ap, comrope-ld, relaxed``).
         coord_dim: ``c``. With 2 the coordinates are the patch grid; any other value needs ``coords`` passed to
-            ``forward`` (``VisionTransformer`` only).
+            ``forward`` (``VisionTransformer``). An ``Eva`` model takes ``(row, col)`` from the grid and the other
+            ``c - 2`` axes (depth, time) from ``forward(..., extra_coords=...)`` (zeros when not given); with
+            ``init_identity`` and a kept rotary embedding those axes start at zero frequency, so the model starts
+            as the 2-D one whatever the extra coordinates are.
         sharing: ``"model"`` (one encoding for every block), ``"layer"`` (one per block) or ``"head"`` (one per
             block, parameters per head).
         coords: ``"grid"`` (integer patch indices) or ``"normalized"`` (patch centres in ``[0, 1]``).
@@ -663,8 +707,9 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         kind = "eva"
     else:
         raise TypeError(f"apply_pe supports timm VisionTransformer and Eva models, got {type(model).__name__}")
-    if kind == "eva" and coord_dim != 2:
-        raise ValueError("Eva models take their coordinates from the patch grid: coord_dim must be 2")
+    if kind == "eva" and (not isinstance(coord_dim, int) or coord_dim < 2):
+        raise ValueError(f"Eva models take (row, col) from the patch grid: coord_dim must be an int >= 2, got "
+                         f"{coord_dim!r}")
     allowed = {_TimmAttention: RopeAttention} if kind == "vit" else _EVA_ATTENTION
     for i, blk in enumerate(model.blocks):
         if type(blk.attn) not in allowed:
@@ -680,7 +725,7 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
     own_rope: Optional[_TimmRope] = None
     if kind == "eva" and init_identity and getattr(model, "rope", None) is not None:
         try:
-            own_rope = _plan_keep_rope(model, name, sharing, coords, prefix, pe_opts)
+            own_rope = _plan_keep_rope(model, name, sharing, coords, prefix, pe_opts, coord_dim)
         except _CannotKeep as exc:
             _warn_rope_removed(model, name, str(exc))
 
@@ -704,7 +749,8 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
     grid_source: Optional[GridCoordinates] = None
     if kind == "eva":
         if own_rope is not None:
-            grid_source = GridCoordinates("grid", model.patch_embed.grid_size, timm_grid=own_rope.grid)
+            grid_source = GridCoordinates("grid", model.patch_embed.grid_size, timm_grid=own_rope.grid,
+                                          extra_axes=coord_dim - 2)
             reason = _check_keeps_rope(model, pes, own_rope, grid_source)
             if reason is not None:
                 _warn_rope_removed(model, name, reason)
@@ -712,7 +758,7 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
                     _make_identity_(pe, name)
                 own_rope = None
         if own_rope is None:
-            grid_source = GridCoordinates(coords, model.patch_embed.grid_size)
+            grid_source = GridCoordinates(coords, model.patch_embed.grid_size, extra_axes=coord_dim - 2)
 
     for blk, pe in zip(model.blocks, pes):
         attn = blk.attn
@@ -748,7 +794,7 @@ def _warn_rope_removed(model: nn.Module, name: str, reason: str) -> None:
 
 
 def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, prefix: str,
-                    pe_opts: Dict[str, Any]) -> _TimmRope:
+                    pe_opts: Dict[str, Any], coord_dim: int = 2) -> _TimmRope:
     """The model's rotary embedding, if a ``name`` encoding with these options can hold it exactly.
 
     Raises:
@@ -756,10 +802,10 @@ def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, pref
     """
     attn = model.blocks[0].attn
     rope = _read_timm_rope(model, attn.head_dim)
-    probe = create_pe(name, head_dim=attn.head_dim, coord_dim=2, num_heads=attn.num_heads, **pe_opts)
+    probe = create_pe(name, head_dim=attn.head_dim, coord_dim=coord_dim, num_heads=attn.num_heads, **pe_opts)
     freq = getattr(probe, "freq_param", None)
     if not isinstance(probe, MixedRoPE) or not isinstance(freq, nn.Parameter) or \
-            tuple(freq.shape[-2:]) != (2, attn.head_dim // 2):
+            tuple(freq.shape[-2:]) != (coord_dim, attn.head_dim // 2):
         raise _CannotKeep("only encodings with a learnable frequency for every pair and axis that start as plain "
                           "RoPE ('mixed', 'cayley') can start from it")
     if coords != "grid":
@@ -776,5 +822,7 @@ def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, pref
         raise _CannotKeep("its frequencies differ between heads (use sharing='head')")
     if freqs.shape[0] > 1 and sharing == "model":
         raise _CannotKeep("its frequencies differ between blocks (use sharing='head' or 'layer')")
+    if coord_dim > 2:  # the extra axes (depth, time) start at zero weight: the model starts as the 2-D one
+        freqs = torch.cat([freqs, freqs.new_zeros(*freqs.shape[:2], coord_dim - 2, freqs.shape[-1])], dim=-2)
     rope.freqs = freqs
     return rope
