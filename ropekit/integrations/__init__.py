@@ -12,6 +12,9 @@ only by the module that uses it:
 * :mod:`ropekit.integrations.streaming` -- ``VideoStream(model)``: a video ViT fed one tubelet at a time with a
   KV cache of encoded keys.
 
+* :mod:`ropekit.integrations.export` -- ``export_onnx`` / ``export_program``: one folded export for every image
+  size (``pip install ropekit[export]``).
+
 Related: linear attention is :mod:`ropekit.nn.linear_attention`, canonical coordinates :mod:`ropekit.coords`,
 ONNX export of folded models ``docs/integrations/export.md``.
 """
