@@ -191,3 +191,22 @@ def test_depth_axis_starts_as_the_2d_model(model_name):
     assert worst(with_depth(conv, depth), ref) > 1e-3
     with pytest.raises(ValueError, match="extra_coords must be"):
         conv.forward_features(x, extra_coords=depth[:, :5])
+
+
+def test_older_timm_fallback(monkeypatch):
+    """Without timm's grid builder (timm < 1.0.31) integer grids are still kept, with the same coordinates (to the
+    rounding of the reference-grid rescale: x * (r / g) vs x / g * r, a few ulp of values <= 16), and DINOv3's
+    normalised grid is refused with the reason instead of being reproduced wrongly."""
+    from ropekit.integrations import timm as integ
+
+    grids = [TimmGrid("index", [16, 16], 0.0, "ij"), TimmGrid("index", [16, 12], 1.0, "xy"),
+             TimmGrid("index", None, 0.0, "xy")]
+    want = {(i, s): g.coords(s, False, torch.device("cpu")) for i, g in enumerate(grids) for s in [(4, 6), (5, 3)]}
+    monkeypatch.setattr(integ, "_build_grid", None)
+    for (i, s), ref in want.items():
+        torch.testing.assert_close(grids[i].coords(s, False, torch.device("cpu")), ref, rtol=0, atol=4e-6)
+    with pytest.warns(UserWarning, match="needs timm >= 1.0.31"):
+        apply_pe(sharp("vit_small_patch16_dinov3"), "cayley", inplace=False, init_identity=True)
+    conv = convert(sharp("vit_small_patch16_rope_224"), "cayley")  # integer grid: kept without a warning
+    x = torch.randn(1, 3, 64, 48, generator=torch.Generator().manual_seed(6))
+    assert worst(attention_outputs(conv, x), attention_outputs(sharp("vit_small_patch16_rope_224"), x)) <= 1e-5

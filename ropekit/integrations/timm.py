@@ -507,6 +507,12 @@ class TimmGrid:
     def coords(self, shape: Sequence[int], training: bool, device: torch.device) -> Tensor:
         """Patch coordinates ``(gh * gw, 2)`` float32, ``(row, col)``, as timm computes them for grid ``shape``
         (augmented when ``training``: one draw per call, like timm's ``get_embed``)."""
+        if _build_grid is None:  # older timm: integer indices (checked at conversion), as timm builds them
+            coords = grid_coords(shape, "grid", device=device) + self.grid_offset  # (M, 2) = (row, col)
+            if self.ref_feat_shape is not None:
+                scale = [r / int(g) for r, g in zip(self.ref_feat_shape, shape)]  # (H, W) order for "ij" and "xy"
+                coords = coords * torch.tensor(scale, device=device)
+            return coords
         grid = _build_grid([int(s) for s in shape], grid_type=self.grid_type,
                            ref_feat_shape=None if self.ref_feat_shape is None else list(self.ref_feat_shape),
                            grid_offset=self.grid_offset, grid_indexing=self.grid_indexing,
@@ -549,8 +555,6 @@ def _read_timm_rope(model: nn.Module, head_dim: int) -> _TimmRope:
     """
     rope = model.rope
     kind = type(rope).__name__
-    if _build_grid is None:
-        raise _CannotKeep("this timm has no grid builder to reproduce its coordinates (timm >= 1.0.31 has)")
     indexing = getattr(rope, "grid_indexing", "ij")
     if indexing not in ("ij", "xy"):
         raise _CannotKeep(f"unknown grid indexing {indexing!r}")
@@ -580,15 +584,25 @@ def _read_timm_rope(model: nn.Module, head_dim: int) -> _TimmRope:
         grid = TimmGrid(grid_type, None if ref is None else [int(r) for r in ref],
                         float(getattr(rope, "grid_offset", 0.0) or 0.0), indexing,
                         str(getattr(rope, "normalize_coords", None) or "separate"), **aug)
+        _check_grid_supported(grid)
         return _TimmRope(freqs[None, None], perm, grid)
     if kind == "RotaryEmbeddingMixed":
         f = rope.freqs.detach().float().cpu()  # (2, L, H, d/2): multiplies (t_x, t_y), timm's channels 0 and 1
         freqs = torch.zeros(f.shape[1], f.shape[2], 2, f.shape[3])
         freqs[:, :, first] = f[0]
         freqs[:, :, second] = f[1]
-        return _TimmRope(freqs, perm, TimmGrid("index", None, 0.0, indexing, **aug))
+        grid = TimmGrid("index", None, 0.0, indexing, **aug)
+        _check_grid_supported(grid)
+        return _TimmRope(freqs, perm, grid)
     raise _CannotKeep(f"its rotary embedding {kind} is not one ropekit reproduces (RotaryEmbeddingCat, "
                       f"RotaryEmbeddingMixed and RotaryEmbeddingDinoV3 are)")
+
+
+def _check_grid_supported(grid: TimmGrid) -> None:
+    """Older timm (before 1.0.31) has no grid builder to reuse: only integer grids without augmentation."""
+    if _build_grid is None and (grid.grid_type != "index" or grid.augments):
+        raise _CannotKeep(f"its {grid.grid_type!r} coordinate grid or coordinate augmentation needs timm >= 1.0.31 "
+                          f"to be reproduced")
 
 
 def _keep_rope_(pe: PositionEncoding, rope: _TimmRope, layer: int) -> None:
