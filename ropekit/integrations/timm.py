@@ -569,8 +569,11 @@ def _read_timm_rope(model: nn.Module, head_dim: int) -> _TimmRope:
         if kind == "RotaryEmbeddingCat":
             grid_type = getattr(rope, "grid_type", None) or ("pixel" if getattr(rope, "in_pixels", True) else "index")
             bands = getattr(rope, "bands", None)
-            if bands is None:
-                raise _CannotKeep("its rotary embedding keeps only a cached table, not its frequency bands")
+            if bands is None:  # older timm keeps only the cached table when the grid is fixed: rebuild the bands
+                if grid_type != "index":
+                    raise _CannotKeep("its rotary embedding keeps only a cached table, not its frequency bands")
+                from timm.layers.pos_embed_sincos import freq_bands
+                bands = freq_bands(nb, temperature=float(rope.temperature), step=1)
             bands = bands.detach().float().cpu()  # angle = coordinate * band
             ref = getattr(rope, "ref_feat_shape", None)
         else:  # DINOv3: angle = 2 pi coordinate / period, coordinates the patch centres in [-1, 1]
