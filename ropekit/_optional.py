@@ -4,7 +4,7 @@ ropekit's core (``encodings``, ``kernels``, ``fold``, ``nn``, ``coords``, ``diag
 rest needs more, grouped into the extras of ``pyproject.toml`` (listed in :data:`EXTRAS` by the names their
 modules are imported as): ``train`` for the training engine, the datasets and ``ropekit train``; ``studies`` for
 ``ropekit experiment`` and 3-D detection; ``sim`` (pybullet) for the detection scenes and the robot task; ``aloha``
-(MuJoCo) for the ALOHA tasks; ``timm`` for its integration; ``export`` for ONNX export.
+(MuJoCo) for the ALOHA tasks; ``timm`` and ``transformers`` for their integrations; ``export`` for ONNX export.
 
 :func:`require` imports one such module on first use and, when it is missing, raises :class:`MissingDependency`
 whose one-line message names the extra::
@@ -37,6 +37,7 @@ EXTRAS: Dict[str, Tuple[str, ...]] = {
     "sim": _TRAIN + ("pybullet",),
     "aloha": _TRAIN + ("gym_aloha",),
     "timm": ("timm",),
+    "transformers": ("transformers",),
     "export": ("onnx", "onnxruntime", "onnxscript"),
 }
 

@@ -19,12 +19,14 @@ What the conversion does (timm ``VisionTransformer`` with ``Block`` / ``ResPostB
 * prefix tokens are left unrotated (``prefix="unrotated"``, timm-compatible; CLS-patch logits then depend on
   absolute patch coordinates) or given the centroid of the patch coordinates (``prefix="centroid"``: they move
   with a global offset, so a commuting encoding keeps the model offset invariant).
-* an ``Eva`` model's own rotary embedding (``model.rope``; EVA02, timm's SBB and Perception Encoder ViTs, and
-  timm's ports of rope-vit, whose attention is ``AttentionRope``) is *replaced* by the ropekit encoding. With
+* an ``Eva`` model's own rotary embedding (``model.rope``; DINOv3, EVA02, timm's SBB and Perception Encoder ViTs,
+  and timm's ports of rope-vit, whose attention is ``AttentionRope``) is *replaced* by the ropekit encoding. With
   ``init_identity=True`` the encoding starts as that rotary embedding instead of the identity: ``mixed`` and
   ``cayley`` (at ``S = 0``) rotate every pair by ``sum_k r_k w_{k,n}`` with a free frequency per pair and axis, so
-  they hold axial RoPE (each pair's frequency on one axis) and RoPE-Mixed (per block and head, with
-  ``sharing="head"``) exactly, on the same coordinates (timm's grid offset and reference-grid rescaling are kept).
+  they hold axial RoPE (each pair's frequency on one axis; DINOv3's is axial on normalised patch centres) and
+  RoPE-Mixed (per block and head, with ``sharing="head"``) exactly, on the same coordinates (built by timm's own
+  grid function: offset, reference-grid rescaling, DINOv3's normalisation; in training mode with timm's coordinate
+  augmentation, drawn as timm draws it).
   A model that rotates half-split pairs ``(x_i, x_{i+d/2})`` gets a fixed reordering of the q and k channels
   (the same for both, so the logits are unchanged) that makes them interleaved pairs. The conversion checks the
   result against timm's own rotation; where the encoding cannot hold the model's rotary embedding (another
@@ -59,6 +61,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .._optional import require
 from ..encodings import PositionEncoding, create_pe
+from ._common import encodings
 from ..encodings.rope import MixedRoPE
 from ..nn.coords import COORD_MODES, grid_coords
 from ..nn.finetune import logits_match
@@ -97,6 +100,11 @@ def _check_timm_version(version: str) -> None:
 
 _check_timm_version(_timm.__version__)
 
+try:  # timm's own grid builder and coordinate augmentation (timm >= 1.0.31)
+    from timm.layers.pos_embed_sincos import _apply_coord_augs, _build_grid
+except ImportError:  # pragma: no cover - depends on the timm version
+    _apply_coord_augs = _build_grid = None
+
 try:  # the attention of timm's rope-vit / Perception Encoder models (attn_type="rope"); absent in old timm
     from timm.layers import AttentionRope as _AttentionRope
 except ImportError:  # pragma: no cover - depends on the timm version
@@ -104,7 +112,7 @@ except ImportError:  # pragma: no cover - depends on the timm version
 
 __all__ = ["apply_pe", "encodings", "encode_qk", "SHARING", "PREFIX_MODES", "MIN_TIMM", "RopeAttention",
            "RopeEvaAttention", "RopeAttentionRope", "RopeBlock", "RopeResPostBlock", "RopeVisionTransformer", "RopeEva",
-           "GridCoordinates"]
+           "GridCoordinates", "TimmGrid"]
 
 #: ``"model"``: one encoding module reused by every block; ``"layer"``: one per block; ``"head"``: one per block
 #: with parameters per head (``per_head=True``).
@@ -375,7 +383,30 @@ class RopeVisionTransformer(_VisionTransformer):
 
 
 class RopeEva(_Eva):
-    """timm ``Eva`` with ropekit encodings (its forward is unchanged: ``model.rope`` yields coordinates)."""
+    """timm ``Eva`` with ropekit encodings (its forward is timm's: ``model.rope`` yields coordinates).
+
+    Converted with ``coord_dim > 2``, the patches' coordinates are ``(row, col, *extra)``: ``forward`` and
+    ``forward_features`` take ``extra_coords`` ``(M, coord_dim - 2)`` or ``(B, M, coord_dim - 2)`` (patch tokens
+    only, row-major; e.g. each patch's depth), zeros when not given.
+    """
+
+    def forward_features(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+                         extra_coords: Optional[Tensor] = None) -> Tensor:
+        if extra_coords is None:
+            return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+        rope = self.rope
+        if not isinstance(rope, GridCoordinates) or rope.extra_axes == 0:
+            raise ValueError("extra_coords needs a model converted with coord_dim > 2")
+        rope.pending_extra = extra_coords  # read once by rope.get_embed inside this forward
+        try:
+            return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+        finally:
+            rope.pending_extra = None
+
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+                extra_coords: Optional[Tensor] = None) -> Tensor:
+        return self.forward_head(self.forward_features(x, attn_mask=attn_mask, is_causal=is_causal,
+                                                       extra_coords=extra_coords))
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
@@ -390,21 +421,46 @@ class GridCoordinates(nn.Module):
     reference grid ``ref_shape`` is given, else ``i + offset``: this is how timm's EVA rotary embedding places the
     patches (a fine-tuned EVA02 at another resolution keeps the coordinate range of its pre-training grid), so an
     encoding initialised from the model's own rotary embedding sees the same coordinates.
+
+    ``timm_grid`` (a :class:`TimmGrid`, set when the encoding starts as the model's own rotary embedding) instead
+    builds the coordinates with timm's own grid function -- integer indices, DINOv3's patch centres normalised to
+    ``[-1, 1]`` per axis, or pixel grids, with timm's offset and reference grid -- and, in training mode, applies
+    timm's coordinate augmentation (``rope_shift_coords``, ``rope_jitter_coords``, ``rope_rescale_coords``) with
+    timm's random draws in timm's order, so the converted model trains on the coordinates the original would.
     """
 
     def __init__(self, mode: str, feat_shape: Sequence[int], offset: float = 0.0,
-                 ref_shape: Optional[Sequence[int]] = None) -> None:
+                 ref_shape: Optional[Sequence[int]] = None, timm_grid: Optional["TimmGrid"] = None,
+                 extra_axes: int = 0) -> None:
         super().__init__()
-        if mode != "grid" and (offset or ref_shape is not None):
-            raise ValueError("offset and ref_shape apply to mode='grid' only")
+        if mode != "grid" and (offset or ref_shape is not None or timm_grid is not None):
+            raise ValueError("offset, ref_shape and timm_grid apply to mode='grid' only")
         self.mode = mode
         self.feat_shape = list(feat_shape)
         self.offset = float(offset)
         self.ref_shape = None if ref_shape is None else [int(r) for r in ref_shape]
+        self.timm_grid = timm_grid
+        self.extra_axes = int(extra_axes)
+        self.pending_extra: Optional[Tensor] = None  # set by RopeEva.forward_features for one call
         self.register_buffer("_anchor", torch.empty(0), persistent=False)  # follows .to(device)
 
     def get_embed(self, shape: Optional[Sequence[int]] = None) -> Tensor:
-        grid = self.feat_shape if shape is None else shape
+        """``(M, 2 + extra_axes)``, or ``(B, M, 2 + extra_axes)`` with per-example extra coordinates."""
+        coords = self._grid(self.feat_shape if shape is None else shape)  # (M, 2)
+        if self.extra_axes == 0:
+            return coords
+        extra = self.pending_extra
+        if extra is None:
+            return torch.cat([coords, coords.new_zeros(coords.shape[0], self.extra_axes)], dim=-1)
+        extra = extra.to(device=coords.device, dtype=coords.dtype)
+        if extra.shape[-2:] != (coords.shape[0], self.extra_axes):
+            raise ValueError(f"extra_coords must be (M, {self.extra_axes}) or (B, M, {self.extra_axes}) with "
+                             f"M = {coords.shape[0]} patches, got {tuple(extra.shape)}")
+        return torch.cat([coords.expand(*extra.shape[:-1], 2), extra], dim=-1)
+
+    def _grid(self, grid: Sequence[int]) -> Tensor:
+        if self.timm_grid is not None:
+            return self.timm_grid.coords(grid, self.training, self._anchor.device)
         coords = grid_coords(grid, self.mode, device=self._anchor.device)  # (M, 2)
         if self.offset:
             coords = coords + self.offset
@@ -421,7 +477,52 @@ class GridCoordinates(nn.Module):
         extra = f", offset={self.offset}" if self.offset else ""
         if self.ref_shape is not None:
             extra += f", ref_shape={tuple(self.ref_shape)}"
+        if self.timm_grid is not None:
+            extra += f", timm_grid={self.timm_grid}"
+        if self.extra_axes:
+            extra += f", extra_axes={self.extra_axes}"
         return f"mode={self.mode!r}, feat_shape={tuple(self.feat_shape)}{extra}"
+
+
+@dataclass
+class TimmGrid:
+    """How a timm rotary embedding places the patches: the arguments of timm's grid builder
+    (``grid_type`` ``"index"`` / ``"centered"`` / ``"pixel"``, ``ref_feat_shape``, ``grid_offset``,
+    ``grid_indexing``, ``normalize_coords``) and its train-time augmentation (``shift``, ``jitter``, ``rescale``;
+    ``None`` when off)."""
+
+    grid_type: str = "index"
+    ref_feat_shape: Optional[Sequence[int]] = None
+    grid_offset: float = 0.0
+    grid_indexing: str = "ij"
+    normalize_coords: str = "separate"
+    shift: Optional[float] = None
+    jitter: Optional[float] = None
+    rescale: Optional[float] = None
+
+    @property
+    def augments(self) -> bool:
+        return self.shift is not None or self.jitter is not None or self.rescale is not None
+
+    def coords(self, shape: Sequence[int], training: bool, device: torch.device) -> Tensor:
+        """Patch coordinates ``(gh * gw, 2)`` float32, ``(row, col)``, as timm computes them for grid ``shape``
+        (augmented when ``training``: one draw per call, like timm's ``get_embed``)."""
+        if _build_grid is None:  # older timm: integer indices (checked at conversion), as timm builds them
+            coords = grid_coords(shape, "grid", device=device) + self.grid_offset  # (M, 2) = (row, col)
+            if self.ref_feat_shape is not None:
+                scale = [r / int(g) for r, g in zip(self.ref_feat_shape, shape)]  # (H, W) order for "ij" and "xy"
+                coords = coords * torch.tensor(scale, device=device)
+            return coords
+        grid = _build_grid([int(s) for s in shape], grid_type=self.grid_type,
+                           ref_feat_shape=None if self.ref_feat_shape is None else list(self.ref_feat_shape),
+                           grid_offset=self.grid_offset, grid_indexing=self.grid_indexing,
+                           normalize_coords=self.normalize_coords)  # (gh, gw, 2), timm's channel order
+        grid = grid.reshape(-1, 2)  # (M, 2)
+        if training and self.augments:
+            grid = _apply_coord_augs(grid, self.shift, self.jitter, self.rescale)
+        if self.grid_indexing == "xy":  # timm's first channel is then the column
+            grid = grid.flip(-1)
+        return grid.to(device)
 
 
 # ---------------------------------------------------------------------------------------------- timm's own RoPE
@@ -435,22 +536,22 @@ class _TimmRope:
 
     ``freqs`` ``(L, Hs, 2, d/2)``: frequencies of interleaved pair ``n`` along ``(row, col)``, per layer (``L`` 1 when
     every layer has the same) and per head (``Hs`` 1 when every head has the same); ``perm`` ``(d,)`` or ``None``:
-    the channel order that turns timm's pairs into interleaved ones; ``offset`` / ``ref_shape``: the coordinates
-    (see :class:`GridCoordinates`).
+    the channel order that turns timm's pairs into interleaved ones; ``grid``: the coordinates (see
+    :class:`TimmGrid`).
     """
 
     freqs: Tensor
     perm: Optional[Tensor]
-    offset: float
-    ref_shape: Optional[Sequence[int]]
+    grid: TimmGrid
 
 
 def _read_timm_rope(model: nn.Module, head_dim: int) -> _TimmRope:
     """Read timm's rotary embedding ``model.rope`` (``RotaryEmbeddingCat``: EVA02, timm's SBB and Perception Encoder
-    ViTs; ``RotaryEmbeddingMixed``: rope-vit's RoPE-Mixed) as ropekit frequencies.
+    ViTs; ``RotaryEmbeddingDinoV3``: DINOv3; ``RotaryEmbeddingMixed``: rope-vit's RoPE-Mixed) as ropekit
+    frequencies.
 
     Raises:
-        _CannotKeep: another kind of rotary embedding (DINOv3's, multimodal RoPE) or an unsupported option.
+        _CannotKeep: another kind of rotary embedding (timm's multimodal RoPE) or an unsupported option.
     """
     rope = model.rope
     kind = type(rope).__name__
@@ -460,35 +561,51 @@ def _read_timm_rope(model: nn.Module, head_dim: int) -> _TimmRope:
     half = bool(getattr(model.blocks[0].attn, "rotate_half", False))
     d2 = head_dim // 2
     perm = torch.stack([torch.arange(d2), torch.arange(d2) + d2], -1).reshape(-1) if half else None
-    if kind == "RotaryEmbeddingCat":
-        grid_type = getattr(rope, "grid_type", "pixel" if getattr(rope, "in_pixels", True) else "index")
-        if grid_type != "index" or getattr(rope, "in_pixels", False):
-            raise _CannotKeep(f"its rotary embedding uses a {grid_type!r} coordinate grid (only integer patch "
-                              f"indices are reproduced)")
-        nb = head_dim // 4
-        bands = getattr(rope, "bands", None)
-        if bands is None:  # older timm keeps only the cached table when the grid is fixed: rebuild the bands
-            from timm.layers.pos_embed_sincos import freq_bands
-            bands = freq_bands(nb, temperature=float(rope.temperature), step=1)
-        bands = bands.detach().float().cpu()
+    aug = dict(shift=getattr(rope, "shift_coords", None), jitter=getattr(rope, "jitter_coords", None),
+               rescale=getattr(rope, "rescale_coords", None))
+    first, second = (0, 1) if indexing == "ij" else (1, 0)  # timm's first coordinate channel is the row for "ij"
+    nb = head_dim // 4
+    if kind in ("RotaryEmbeddingCat", "RotaryEmbeddingDinoV3"):
+        if kind == "RotaryEmbeddingCat":
+            grid_type = getattr(rope, "grid_type", None) or ("pixel" if getattr(rope, "in_pixels", True) else "index")
+            bands = getattr(rope, "bands", None)
+            if bands is None:  # older timm keeps only the cached table when the grid is fixed: rebuild the bands
+                if grid_type != "index":
+                    raise _CannotKeep("its rotary embedding keeps only a cached table, not its frequency bands")
+                from timm.layers.pos_embed_sincos import freq_bands
+                bands = freq_bands(nb, temperature=float(rope.temperature), step=1)
+            bands = bands.detach().float().cpu()  # angle = coordinate * band
+            ref = getattr(rope, "ref_feat_shape", None)
+        else:  # DINOv3: angle = 2 pi coordinate / period, coordinates the patch centres in [-1, 1]
+            grid_type, ref = "centered", None
+            bands = (2 * torch.pi / rope.periods.detach().double().cpu()).float()
         if bands.numel() != nb or 4 * nb != head_dim:
             raise _CannotKeep(f"{bands.numel()} frequency bands for head_dim {head_dim} (expected head_dim / 4)")
         freqs = torch.zeros(2, d2)
-        first, second = (0, 1) if indexing == "ij" else (1, 0)  # timm's first coordinate channel is the row for "ij"
-        freqs[first, :nb] = bands
+        freqs[first, :nb] = bands  # timm's angles: (channel 0 bands, channel 1 bands)
         freqs[second, nb:] = bands
-        ref = getattr(rope, "ref_feat_shape", None)
-        return _TimmRope(freqs[None, None], perm, float(getattr(rope, "grid_offset", 0.0)),
-                         None if ref is None else list(ref))
+        grid = TimmGrid(grid_type, None if ref is None else [int(r) for r in ref],
+                        float(getattr(rope, "grid_offset", 0.0) or 0.0), indexing,
+                        str(getattr(rope, "normalize_coords", None) or "separate"), **aug)
+        _check_grid_supported(grid)
+        return _TimmRope(freqs[None, None], perm, grid)
     if kind == "RotaryEmbeddingMixed":
-        f = rope.freqs.detach().float().cpu()  # (2, L, H, d/2): multiplies (t_x, t_y)
-        x_axis, y_axis = (0, 1) if indexing == "ij" else (1, 0)  # t_x is the row for "ij", the column for "xy"
+        f = rope.freqs.detach().float().cpu()  # (2, L, H, d/2): multiplies (t_x, t_y), timm's channels 0 and 1
         freqs = torch.zeros(f.shape[1], f.shape[2], 2, f.shape[3])
-        freqs[:, :, x_axis] = f[0]
-        freqs[:, :, y_axis] = f[1]
-        return _TimmRope(freqs, perm, 0.0, None)
-    raise _CannotKeep(f"its rotary embedding {kind} is not one ropekit reproduces (RotaryEmbeddingCat and "
-                      f"RotaryEmbeddingMixed are)")
+        freqs[:, :, first] = f[0]
+        freqs[:, :, second] = f[1]
+        grid = TimmGrid("index", None, 0.0, indexing, **aug)
+        _check_grid_supported(grid)
+        return _TimmRope(freqs, perm, grid)
+    raise _CannotKeep(f"its rotary embedding {kind} is not one ropekit reproduces (RotaryEmbeddingCat, "
+                      f"RotaryEmbeddingMixed and RotaryEmbeddingDinoV3 are)")
+
+
+def _check_grid_supported(grid: TimmGrid) -> None:
+    """Older timm (before 1.0.31) has no grid builder to reuse: only integer grids without augmentation."""
+    if _build_grid is None and (grid.grid_type != "index" or grid.augments):
+        raise _CannotKeep(f"its {grid.grid_type!r} coordinate grid or coordinate augmentation needs timm >= 1.0.31 "
+                          f"to be reproduced")
 
 
 def _keep_rope_(pe: PositionEncoding, rope: _TimmRope, layer: int) -> None:
@@ -528,7 +645,10 @@ def _check_keeps_rope(model: nn.Module, pes: List[PositionEncoding], rope: _Timm
     heads, d = pes[0].num_heads, pes[0].head_dim
     m = int(torch.tensor(grid).prod())
     x = torch.randn(1, heads, m, d, generator=gen)
+    was = coords.training
+    coords.eval()  # the coordinates without train-time augmentation
     r = coords.get_embed(grid).cpu()  # (M, 2)
+    coords.train(was)
     perm = rope.perm
     for i, pe in enumerate(pes):
         with torch.no_grad():
@@ -565,7 +685,10 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         name: a ``ropekit.create_pe`` name (``none, axial, mixed, cayley, circulant, tensor, string, liere,
             liere-commute, comrope-ap, comrope-ld, relaxed``).
         coord_dim: ``c``. With 2 the coordinates are the patch grid; any other value needs ``coords`` passed to
-            ``forward`` (``VisionTransformer`` only).
+            ``forward`` (``VisionTransformer``). An ``Eva`` model takes ``(row, col)`` from the grid and the other
+            ``c - 2`` axes (depth, time) from ``forward(..., extra_coords=...)`` (zeros when not given); with
+            ``init_identity`` and a kept rotary embedding those axes start at zero frequency, so the model starts
+            as the 2-D one whatever the extra coordinates are.
         sharing: ``"model"`` (one encoding for every block), ``"layer"`` (one per block) or ``"head"`` (one per
             block, parameters per head).
         coords: ``"grid"`` (integer patch indices) or ``"normalized"`` (patch centres in ``[0, 1]``).
@@ -601,8 +724,9 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         kind = "eva"
     else:
         raise TypeError(f"apply_pe supports timm VisionTransformer and Eva models, got {type(model).__name__}")
-    if kind == "eva" and coord_dim != 2:
-        raise ValueError("Eva models take their coordinates from the patch grid: coord_dim must be 2")
+    if kind == "eva" and (not isinstance(coord_dim, int) or coord_dim < 2):
+        raise ValueError(f"Eva models take (row, col) from the patch grid: coord_dim must be an int >= 2, got "
+                         f"{coord_dim!r}")
     allowed = {_TimmAttention: RopeAttention} if kind == "vit" else _EVA_ATTENTION
     for i, blk in enumerate(model.blocks):
         if type(blk.attn) not in allowed:
@@ -618,7 +742,7 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
     own_rope: Optional[_TimmRope] = None
     if kind == "eva" and init_identity and getattr(model, "rope", None) is not None:
         try:
-            own_rope = _plan_keep_rope(model, name, sharing, coords, prefix, pe_opts)
+            own_rope = _plan_keep_rope(model, name, sharing, coords, prefix, pe_opts, coord_dim)
         except _CannotKeep as exc:
             _warn_rope_removed(model, name, str(exc))
 
@@ -642,7 +766,8 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
     grid_source: Optional[GridCoordinates] = None
     if kind == "eva":
         if own_rope is not None:
-            grid_source = GridCoordinates("grid", model.patch_embed.grid_size, own_rope.offset, own_rope.ref_shape)
+            grid_source = GridCoordinates("grid", model.patch_embed.grid_size, timm_grid=own_rope.grid,
+                                          extra_axes=coord_dim - 2)
             reason = _check_keeps_rope(model, pes, own_rope, grid_source)
             if reason is not None:
                 _warn_rope_removed(model, name, reason)
@@ -650,7 +775,7 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
                     _make_identity_(pe, name)
                 own_rope = None
         if own_rope is None:
-            grid_source = GridCoordinates(coords, model.patch_embed.grid_size)
+            grid_source = GridCoordinates(coords, model.patch_embed.grid_size, extra_axes=coord_dim - 2)
 
     for blk, pe in zip(model.blocks, pes):
         attn = blk.attn
@@ -673,7 +798,7 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         model.rope_coord_dim = coord_dim
         model.__class__ = RopeVisionTransformer
     else:
-        model.rope = grid_source.to(next(model.parameters()).device)
+        model.rope = grid_source.to(next(model.parameters()).device).train(model.training)
         model.rope_mixed = False
         model.__class__ = RopeEva
     return model
@@ -686,7 +811,7 @@ def _warn_rope_removed(model: nn.Module, name: str, reason: str) -> None:
 
 
 def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, prefix: str,
-                    pe_opts: Dict[str, Any]) -> _TimmRope:
+                    pe_opts: Dict[str, Any], coord_dim: int = 2) -> _TimmRope:
     """The model's rotary embedding, if a ``name`` encoding with these options can hold it exactly.
 
     Raises:
@@ -694,10 +819,10 @@ def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, pref
     """
     attn = model.blocks[0].attn
     rope = _read_timm_rope(model, attn.head_dim)
-    probe = create_pe(name, head_dim=attn.head_dim, coord_dim=2, num_heads=attn.num_heads, **pe_opts)
+    probe = create_pe(name, head_dim=attn.head_dim, coord_dim=coord_dim, num_heads=attn.num_heads, **pe_opts)
     freq = getattr(probe, "freq_param", None)
     if not isinstance(probe, MixedRoPE) or not isinstance(freq, nn.Parameter) or \
-            tuple(freq.shape[-2:]) != (2, attn.head_dim // 2):
+            tuple(freq.shape[-2:]) != (coord_dim, attn.head_dim // 2):
         raise _CannotKeep("only encodings with a learnable frequency for every pair and axis that start as plain "
                           "RoPE ('mixed', 'cayley') can start from it")
     if coords != "grid":
@@ -714,17 +839,7 @@ def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, pref
         raise _CannotKeep("its frequencies differ between heads (use sharing='head')")
     if freqs.shape[0] > 1 and sharing == "model":
         raise _CannotKeep("its frequencies differ between blocks (use sharing='head' or 'layer')")
-    if getattr(model.rope, "aug_active", False):
-        warnings.warn("apply_pe: timm's train-time augmentation of the rotary embedding's coordinates is not "
-                      "reproduced; the converted model matches the original in eval mode", UserWarning, stacklevel=3)
+    if coord_dim > 2:  # the extra axes (depth, time) start at zero weight: the model starts as the 2-D one
+        freqs = torch.cat([freqs, freqs.new_zeros(*freqs.shape[:2], coord_dim - 2, freqs.shape[-1])], dim=-2)
     rope.freqs = freqs
     return rope
-
-
-def encodings(model: nn.Module) -> List[PositionEncoding]:
-    """The distinct encoding modules of a converted model (one with ``sharing="model"``)."""
-    seen: Dict[int, PositionEncoding] = {}
-    for m in model.modules():
-        if isinstance(m, PositionEncoding) and id(m) not in seen:
-            seen[id(m)] = m
-    return list(seen.values())

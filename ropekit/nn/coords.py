@@ -38,8 +38,9 @@ def grid_coords(grid: Sequence[int], mode: str = "grid", *, device=None, dtype=t
         raise ValueError(f"coordinate mode must be one of {COORD_MODES}, got {mode!r}")
     axes = []
     for g in grid:
-        a = torch.arange(int(g), device=device, dtype=dtype)
-        axes.append(a if mode == "grid" else (a + 0.5) / int(g))
+        g = g if isinstance(g, torch.SymInt) else int(g)  # a symbolic size stays symbolic (export at any size)
+        a = torch.arange(g, device=device, dtype=dtype)
+        axes.append(a if mode == "grid" else (a + 0.5) / g)
     mesh = torch.meshgrid(*axes, indexing="ij")  # c tensors of shape grid
     return torch.stack([m.reshape(-1) for m in mesh], dim=-1)  # (M, c)
 
