@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ropekit.encodings import list_pes
 
@@ -28,8 +29,9 @@ PES = ["absolute"] + [pe for pe in list_pes() if pe != "none"] + ["none"]
 
 def _run(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "recompiles.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "recompiles.py"), "--device", "cpu", "--json",
-                           str(out), *args], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    device = [] if "--device" in args else ["--device", "cpu"]
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "recompiles.py"), *device, "--json", str(out), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())["rows"][0]
 
@@ -69,3 +71,11 @@ def test_compiled_training_step_compiles_once_with_the_triton_interpreter(tmp_pa
     traced, not the kernel's launch."""
     pytest.importorskip("triton")
     _assert_once(_run(tmp_path, "--kernel-path", "interpret", "--pes", "axial", "--steps", "3"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pe", ["cayley", "comrope-ld"])
+def test_compiled_training_step_compiles_once_on_cuda(pe, tmp_path):
+    """The same on a GPU, its own path (fused kernel, TF32-aware products, bf16 autocast, fused AdamW)."""
+    _assert_once(_run(tmp_path, "--device", "cuda", "--pes", pe, "--steps", "6"))

@@ -175,13 +175,15 @@ def main(argv=None) -> int:
     import torch
 
     torch._dynamo.config.recompile_limit = max(8, args.steps + 1)  # count them all, up to a step each
-    rows = [measure(pe, args) for pe in args.pes]
-    table = markdown(rows, args)
-    print(table, end="", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
-    if args.markdown:
-        Path(args.markdown).write_text(table)
+    rows = []
+    for pe in args.pes:  # files rewritten after each row: a run cut off by a time limit keeps what it measured
+        rows.append(measure(pe, args))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+        if args.markdown:
+            Path(args.markdown).write_text(markdown(rows, args))
+    print(markdown(rows, args), end="", flush=True)
     return 1 if args.check and not all(ok(r) for r in rows) else 0
 
 
