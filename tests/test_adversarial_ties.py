@@ -158,7 +158,7 @@ def _hvp(m, x, coords, p0, forward):
     """Hessian-vector product of a scalar loss with respect to the encoding's and the projection's parameters."""
     params = list(m.pe.parameters()) + [m.qkv.weight]
     out = forward()
-    loss = (out.square() * torch.linspace(0.5, 1.5, out.numel(), dtype=out.dtype).view_as(out)).sum()
+    loss = (out.square() * torch.linspace(0.5, 1.5, out.numel(), dtype=out.dtype, device=out.device).view_as(out)).sum()
     grads = torch.autograd.grad(loss, params, create_graph=True)
     g = torch.Generator().manual_seed(7)
     vs = [torch.randn(p.shape, dtype=torch.float64, generator=g).to(p) for p in params]  # same draws in any dtype

@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ropekit.fold as fold_mod
-import ropekit.nn.vit as vit_mod
+import ropekit.encodings.prepared as prepared_mod  # where a model prepares its layers' states (prepare_layers)
 from ropekit.fold import rope_form, rope_forms
 from ropekit.nn import VisionTransformer, vit_config
 
@@ -41,7 +41,7 @@ def test_batched_bases_equal_per_layer_bases_bit_for_bit(pe, monkeypatch):
     m = _model(pe)
     assert all(blk.attn.folds for blk in m.blocks) and len({id(b.attn.pe) for b in m.blocks}) == 3
     out, grads = _run(m)
-    monkeypatch.setattr(vit_mod, "rope_forms_stacked", lambda pes, **kw: ([rope_form(pe) for pe in pes], []))  # per layer
+    monkeypatch.setattr(prepared_mod, "rope_forms_stacked", lambda pes, **kw: ([rope_form(pe) for pe in pes], []))  # per layer
     ref_out, ref_grads = _run(m)
     assert torch.equal(out, ref_out)
     for (name, _), a, b in zip(m.named_parameters(), grads, ref_grads):
@@ -116,8 +116,8 @@ def test_batched_merge_equals_the_per_layer_merge(pe, sharing, monkeypatch):
             p.add_(0.1 * torch.randn_like(p))
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     calls = []
-    real = vit_mod.fold_qkv_weights
-    monkeypatch.setattr(vit_mod, "fold_qkv_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = prepared_mod.fold_qkv_weights
+    monkeypatch.setattr(prepared_mod, "fold_qkv_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def run():
         out = m(x)
@@ -131,7 +131,7 @@ def test_batched_merge_equals_the_per_layer_merge(pe, sharing, monkeypatch):
         ks = [None] * n if blocks is None else list(blocks.expand(n, *blocks.shape[1:]))
         return [fold_qkv_weight(w, b, p, h, blocks=k) for w, b, p, k in zip(ws, bs, ps, ks)]
 
-    monkeypatch.setattr(vit_mod, "fold_qkv_weights", per_layer)
+    monkeypatch.setattr(prepared_mod, "fold_qkv_weights", per_layer)
     ref_out, ref_grads = run()
     assert torch.allclose(out, ref_out, rtol=1e-12, atol=1e-13)
     for g, r in zip(grads, ref_grads):
@@ -176,7 +176,6 @@ def test_shared_comrope_maps_its_gradient_once(init, per_example, monkeypatch):
     encoding's parameters by one Frechet map per step (``blocks.share_block_gradients``), equal to one map per
     layer in float64 to round-off -- also at ``K = 0``, where every frequency ties."""
     import ropekit.encodings.blocks as blocks_mod
-    import ropekit.nn.attention as att_mod
 
     m, x, offset = _comrope_float64("model", init, per_example)
     assert len({id(b.attn.pe) for b in m.blocks}) == 1
@@ -190,7 +189,7 @@ def test_shared_comrope_maps_its_gradient_once(init, per_example, monkeypatch):
 
     out, grads = run()
     assert len(calls) == 1  # one map for the three layers
-    monkeypatch.setattr(att_mod, "share_block_gradients", lambda form, coords: form)
+    monkeypatch.setattr(prepared_mod, "share_block_gradients", lambda form, coords: form)
     ref_out, ref_grads = run()
     assert len(calls) == 4  # one per layer
     assert torch.equal(out, ref_out)
@@ -254,8 +253,8 @@ def test_per_layer_comrope_runs_one_schur_form_and_one_gradient_map(init, per_ex
     out, grads = run()
     assert len(schurs) == 1 and schurs[0][0] == 3  # the three layers' blocks stacked along the batch dimension
     assert len(maps) == 1  # one map for the three layers
-    monkeypatch.setattr(vit_mod, "rope_forms_stacked", lambda pes, **kw: ([rope_form(pe) for pe in pes], []))
-    monkeypatch.setattr(vit_mod, "batch_block_gradients", lambda forms, coords, stacked=(): forms)
+    monkeypatch.setattr(prepared_mod, "rope_forms_stacked", lambda pes, **kw: ([rope_form(pe) for pe in pes], []))
+    monkeypatch.setattr(prepared_mod, "batch_block_gradients", lambda forms, coords, stacked=(): forms)
     ref_out, ref_grads = run()
     assert len(schurs) == 3 and len(maps) == 3  # one of each per layer
     assert torch.allclose(out, ref_out, rtol=1e-12, atol=1e-14)

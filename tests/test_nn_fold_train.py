@@ -146,13 +146,12 @@ def test_shared_encoding_is_prepared_once_per_forward(monkeypatch):
     """With one encoding for all layers, its folded form is computed once per model forward, not per layer;
     per-layer encodings get their forms together, once per forward (one ``rope_forms_stacked`` call for both
     layers)."""
-    import ropekit.nn.attention as attention
-    import ropekit.nn.vit as vit
+    import ropekit.encodings.prepared as prepared  # where the layers' states are prepared
 
     calls, batched = [], []
-    real, real_batched = attention.rope_form, vit.rope_forms_stacked
-    monkeypatch.setattr(attention, "rope_form", lambda pe: calls.append(id(pe)) or real(pe))
-    monkeypatch.setattr(vit, "rope_forms_stacked",
+    real, real_batched = prepared.rope_form, prepared.rope_forms_stacked
+    monkeypatch.setattr(prepared, "rope_form", lambda pe: calls.append(id(pe)) or real(pe))
+    monkeypatch.setattr(prepared, "rope_forms_stacked",
                         lambda pes, **kw: batched.append([id(p) for p in pes]) or real_batched(pes, **kw))
     shared, _ = _vit_pair("cayley", "none", pe_sharing="model")
     shared(torch.rand(2, 1, 12, 12, dtype=torch.float64))

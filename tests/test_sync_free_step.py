@@ -143,10 +143,49 @@ def _cuda_step(model: torch.nn.Module, capturable: bool = False):
     return opt, step
 
 
-def _cuda_model(pe: str) -> torch.nn.Module:
+def _graph_step(model: torch.nn.Module, device: str):
+    """PyTorch's whole-network capture recipe, step by step: ``(optimiser, step)`` where ``step`` zeroes the
+    gradients in place (``zero_grad(set_to_none=False)``: the gradient buffers exist before the capture and every
+    replay writes the same ones), runs forward and backward on static inputs, and takes a fused AdamW step
+    (``capturable=True`` on CUDA: its step counters live on the device)."""
+    dev = torch.device(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=dev.type == "cuda")
+    g = torch.Generator().manual_seed(0)
+    x = torch.empty(4, 3, 32, 32, device=dev)  # static inputs: the data is copied in, the buffers never change
+    y = torch.empty(4, dtype=torch.long, device=dev)
+    x.copy_(torch.randn(4, 3, 32, 32, generator=g))
+    y.copy_(torch.tensor([0, 1, 2, 3]))
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return opt, step
+
+
+def _twin(model: torch.nn.Module, opt: torch.optim.Optimizer, device: str):
+    """An independent copy of ``model`` and its optimiser's state, for eager steps: ``(twin, step)``.
+
+    ``opt.state_dict()`` holds the optimiser's own state tensors (``load_state_dict`` moves them with ``.to``,
+    which returns the same tensor on the same device), so loading it unchanged would let the twin and the
+    original update one set of moments and step counters -- the deep copy keeps them apart."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    twin_opt, twin_step = _graph_step(twin, device)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    return twin, twin_step
+
+
+def _cuda_model(pe: str, device: str = "cuda") -> torch.nn.Module:
+    """The tiny ViT with encoding ``pe`` (a registered encoding, or ``"absolute"``) on ``device``."""
     torch.manual_seed(0)
+    options = dict(PE_REGISTRY[pe].bench_vit_options) if pe in PE_REGISTRY else {}
     return VisionTransformer(vit_config("tiny", num_classes=4, in_chans=3, image_size=(32, 32), patch_size=8,
-                                        pe=pe, pe_options=dict(PE_REGISTRY[pe].bench_vit_options))).cuda()
+                                        pe=pe, pe_options=options)).to(device)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -167,35 +206,47 @@ def test_cuda_training_step_does_not_synchronise(pe):
     torch.cuda.synchronize()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("pe", GRAPH_PES)
-def test_cuda_training_step_captures_in_a_cuda_graph(pe):
-    """The whole step (forward, backward, fused capturable AdamW) captured in one CUDA graph and replayed twice
-    equals two eager steps of a copy taken from the same state."""
-    import copy
+CAPTURE_DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 
-    model = _cuda_model(pe)
-    opt, step = _cuda_step(model, capturable=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as the CUDA graph documentation asks
+
+@pytest.mark.parametrize("device", CAPTURE_DEVICES)
+@pytest.mark.parametrize("pe", ["absolute", "none"] + GRAPH_PES)
+def test_cuda_training_step_captures_in_a_cuda_graph(pe, device):
+    """The whole step (zeroing the gradients, forward, backward, fused capturable AdamW) captured in one CUDA graph
+    as PyTorch's whole-network capture recipe does it, and replayed three times, equals three eager steps of an
+    independent copy taken from the same state -- the absolute-embedding and no-encoding ViTs first, which show
+    that the procedure is right. On the CPU the same procedure runs eagerly (no capture): it checks the twin's
+    independence and the recipe's steps, which the CUDA run relies on."""
+    model = _cuda_model(pe, device)
+    opt, step = _graph_step(model, device)
+    if device == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream: optimiser state, gradient buffers, kernels
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+    else:
         for _ in range(3):
-            opt.zero_grad(set_to_none=True)
             step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    twin = copy.deepcopy(model)
-    twin_opt, twin_step = _cuda_step(twin, capturable=True)
-    twin_opt.load_state_dict(opt.state_dict())
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):  # recorded, not run: the parameters do not move here
-        loss = step()
-    for _ in range(2):
-        graph.replay()
-        twin_opt.zero_grad(set_to_none=True)
+    assert all(p.grad is not None for p in model.parameters())  # allocated before the capture, never None
+    twin, twin_step = _twin(model, opt, device)
+    if device == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # recorded, not run: the parameters do not move here
+            loss = step()
+        run = graph.replay
+    else:
+        loss = torch.zeros(())
+
+        def run() -> None:
+            loss.copy_(step().detach())
+    for _ in range(3):
+        run()
         twin_loss = twin_step()
-    torch.cuda.synchronize()
-    assert torch.allclose(loss, twin_loss, rtol=1e-4, atol=1e-5)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.allclose(loss, twin_loss, rtol=1e-4, atol=1e-5), (loss.item(), twin_loss.item())
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-5)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/performance.md, in stages that each fit a 10-minute command on a lent GPU.
 #
+#   bash tools/gpu_session.sh all             # FIRST on any loan (~8.5 min): the CUDA tests, the ViT-B/16 bf16
+#                                             # step eager and compiled against APE, the recompile counts per
+#                                             # encoding, the eager cost breakdown -- 6 files in $OUT
 #   bash tools/gpu_session.sh new             # first on a short loan: what this version has not measured on a GPU
 #                                             # (the folded in-training rows, ComRoPE's rows; ~3 min)
 #   bash tools/gpu_session.sh checks          # kernel, folding, precision and adversarial tests on CUDA (~4.5 min)
@@ -21,7 +24,7 @@
 # h200, ... from the device's name. Run from the repository root with the project importable (PYTHONPATH=$PWD or
 # `pip install --no-deps -e .`).
 set -u
-[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -49,6 +52,20 @@ run_stage() {  # name, time limit in seconds, command...
 
 for stage in "$@"; do
   case $stage in
+    all)  # 505 s of limits, within 8.5 minutes; 6 files in $OUT: the log, the tests' JUnit XML, the ViT table
+          # (.json, .md), the recompile counts (.md), the cost breakdown (.md); every row is in the log too
+      run_stage all-tests 130 python -m pytest -q -rfs -p no:cacheprovider -o addopts="" \
+        tests/test_sync_free_step.py tests/test_skew_schur.py tests/test_nn_batched_bases.py \
+        tests/test_adversarial_devices.py tests/test_compile_step.py -k "not compiles_once or on_cuda" \
+        --junitxml "$OUT/$gpu-all-tests.xml"
+      run_stage all-vit 230 $bench --quick --rows none --cases grid2d --vit base --vit-modes eager compiled \
+        --compile-mode reduce-overhead --vit-pes axial mixed cayley circulant comrope-ld --no-timm \
+        --json "$OUT/$gpu-all-vit.json" --markdown "$OUT/$gpu-all-vit.md"
+      run_stage all-recompiles 120 python tools/recompiles.py --device cuda --mode reduce-overhead --steps 20 \
+        --pes cayley comrope-ld absolute axial mixed circulant --markdown "$OUT/$gpu-all-recompiles.md"
+      run_stage all-costs 25 python tools/step_costs.py --device cuda --steps 6 --warmup 2 \
+        --markdown "$OUT/$gpu-all-costs.md"
+      ;;
     new)
       run_stage new-peop 300 $bench --no-vit --cases grid2d rgbd3d --rows cayley "comrope-ld (b=8)" \
         "cayley in training (folded)" "circulant in training (folded)" "comrope-ld (b=8) in training (folded)" \
@@ -85,7 +102,7 @@ for stage in "$@"; do
         --json "$OUT/$gpu-folded-vit.json" --markdown "$OUT/$gpu-folded-vit.md"
       ;;
     *)
-      echo "unknown stage '$stage': use new, checks, peop, vit-eager, vit-compiled, syncs or folded" >&2
+      echo "unknown stage '$stage': use all, new, checks, peop, vit-eager, vit-compiled, syncs or folded" >&2
       exit 2
       ;;
   esac

@@ -59,7 +59,10 @@ class _PreciseMatmul(torch.autograd.Function):
         return ga, gb
 
 
+@torch.compiler.assume_constant_result
 def _tf32_matmuls() -> bool:
+    """Whether float32 products may run in TF32 (read once per trace under ``torch.compile``: Dynamo cannot put
+    ``get_float32_matmul_precision``'s string in a graph and broke the graph there on every CUDA model)."""
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
@@ -71,7 +74,8 @@ def precise_matmul(a: Tensor, b: Tensor) -> Tensor:
     computed from three TF32-exact products (``_split_matmul``), forward and backward. Elsewhere it is
     ``torch.matmul``.
     """
-    if a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32 and _tf32_matmuls():
+    tf32 = _tf32_matmuls()  # read on every device, so that a CPU trace follows the Python a GPU's trace does
+    if tf32 and a.is_cuda and a.dtype == torch.float32 and b.dtype == torch.float32:
         return _PreciseMatmul.apply(a, b)
     return torch.matmul(a, b)
 

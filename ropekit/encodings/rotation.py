@@ -34,7 +34,7 @@ from .angles import _rotate_pairs_real, _wide_dtype, angle_table, frequency_angl
 from .products import _reduce_to
 from .validation import check_finite
 
-__all__ = ["BACKENDS", "check_backend", "rotate_pairs", "rotate_angles", "angle_tables", "apply_frequency_rope",
+__all__ = ["BACKENDS", "check_backend", "register_kernels", "rotate_pairs", "rotate_angles", "angle_tables", "apply_frequency_rope",
            "rotate_qk"]
 
 
@@ -541,13 +541,20 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def _kernel_reason(device: torch.device) -> str | None:
-    """Why the fused rotation kernel cannot run on ``device``, or None when it can (``ropekit.kernels`` imported
-    once; its check never raises here: a broken install is a reason like any other)."""
-    if not _KERNELS:
-        from .. import kernels  # noqa: PLC0415 -- ropekit.kernels imports ropekit.encodings
+def register_kernels(module) -> None:
+    """Make ``module`` (``ropekit.kernels``; ``import ropekit`` registers it) the fused kernels every execution path
+    asks. Registered at import, not on first use: a module-level cache filled while ``torch.compile`` traces fails
+    the graph's guard at the next call and compiles the model again."""
+    _KERNELS[:] = [module]
 
-        _KERNELS.append(kernels)
+
+def _kernel_reason(device: torch.device) -> str | None:
+    """Why the fused rotation kernel cannot run on ``device``, or None when it can (its check never raises here:
+    a broken install is a reason like any other)."""
+    if not _KERNELS:  # ropekit.kernels imports ropekit.encodings, so the package registers it (register_kernels)
+        from .. import kernels  # noqa: PLC0415,F401 -- importing it registers it
+
+        register_kernels(kernels)
     kernels = _KERNELS[0]
     try:
         if kernels.available(device):

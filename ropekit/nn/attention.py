@@ -32,7 +32,7 @@ parameters (``2 (H - Hk) d D`` fewer).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +40,8 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..encodings import PositionEncoding
-from ..encodings.blocks import share_block_gradients
-from ..encodings.fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope_qk, rope_form
-from ..encodings.products import basis_change
+from ..encodings.fold import foldable_kind
+from ..encodings.prepared import PreparedState, prepare_attention
 
 __all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
 
@@ -99,28 +98,9 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: flo
     return out
 
 
-class PreparedPE(NamedTuple):
-    """What an attention layer needs from its encoding for one forward pass, computed by
-    :meth:`Attention.prepare` -- once per model forward for an encoding shared by several layers.
-
-    Attributes:
-        kind: ``"fold"`` (``value`` is a :class:`ropekit.fold.RoPEForm`) or ``"prepared"`` (``value`` is the
-            encoding's own ``prepare`` state, a ``ropekit.encodings.PEState``).
-        pe: the encoding the state belongs to (a state is only used by layers holding this very module).
-        value: see ``kind``.
-        qkv: for a ``"fold"`` state of one layer, that layer's projection ``(weight, bias)`` with the basis already
-            merged (a model merges all its layers in one batched product, ``fold.fold_qkv_weights``); ``None``:
-            the layer merges it itself.
-        table: for a ``"fold"`` state, the angle table of its frequencies on the coordinates of this forward pass
-            (``rotation.angle_tables``: a model forms those of all its layers together, with one node for their
-            frequency gradients); ``None``: the layer forms it.
-    """
-
-    kind: str
-    pe: PositionEncoding
-    value: Any
-    qkv: Optional[Tuple[Tensor, Optional[Tensor]]] = None
-    table: Optional[tuple] = None
+#: an attention layer's encoding state for one forward pass (``ropekit.encodings.prepared``): a ``FoldedState``
+#: (RoPE in a basis, the basis merged into the projection) or a ``TokenState`` (the encoding applied per token)
+PreparedPE = PreparedState
 
 
 class Attention(nn.Module):
@@ -178,9 +158,10 @@ class Attention(nn.Module):
         return self.fold and self.pe is not None and foldable_kind(self.pe) is not None
 
     def prepare(self, coords: Tensor, num_prefix_tokens: int = 0,
-                dtype: Optional[torch.dtype] = None) -> Optional[PreparedPE]:
-        """The encoding's per-forward state: everything that depends on its parameters and the coordinates but
-        not on the tokens. Pass it to every layer that holds the same encoding (``forward(..., pe_state=)``).
+                dtype: Optional[torch.dtype] = None) -> Optional[PreparedState]:
+        """The encoding's per-forward state (``encodings.prepared.prepare_attention``): everything that depends on
+        its parameters and the coordinates but not on the tokens, the execution path chosen. Pass it to every layer
+        that holds the same encoding (``forward(..., pe_state=)``).
 
         Args:
             coords, num_prefix_tokens: as :meth:`forward`.
@@ -188,14 +169,9 @@ class Attention(nn.Module):
 
         Returns ``None`` without an encoding.
         """
-        pe = self.pe
-        if pe is None:
+        if self.pe is None:
             return None
-        if self.folds:  # block forms: the angles and one gradient map shared by every layer using this state
-            return PreparedPE("fold", pe, share_block_gradients(rope_form(pe), coords))
-        wide = dtype == torch.float64 or coords.dtype == torch.float64 or pe._param_dtype() == torch.float64
-        return PreparedPE("prepared", pe, pe.prepare(coords, num_prefix_tokens,
-                                                     dtype=torch.float64 if wide else torch.float32))
+        return prepare_attention(self.pe, coords, num_prefix_tokens, dtype, self.fold)
 
     def forward(self, x: Tensor, coords: Optional[Tensor] = None, num_prefix_tokens: int = 0,
                 pe_state: Optional[PreparedPE] = None) -> Tensor:
@@ -216,41 +192,17 @@ class Attention(nn.Module):
         """
         b, n, dim = x.shape
         pe = self.pe
-        if pe is not None and coords is None:
-            raise ValueError("this attention layer has a position encoding: pass coords")
-        state = None
-        if pe is not None:
+        weight, bias = self.expanded_qkv()  # (3D, D), (3D,): each group's key and value once per query head
+        if pe is None:
+            q, k, v = F.linear(x, weight, bias).reshape(b, n, 3, self.num_heads, self.head_dim).permute(
+                2, 0, 3, 1, 4).unbind(0)  # (B, H, N, d) each
+        else:
+            if coords is None:
+                raise ValueError("this attention layer has a position encoding: pass coords")
             state = pe_state if pe_state is not None and pe_state.pe is pe else \
                 self.prepare(coords, num_prefix_tokens, x.dtype)
-        grouped = self.num_kv_heads != self.num_heads
-        if state is not None and state.qkv is not None:  # merged by the model, with the other layers'
-            qkv = F.linear(x, *state.qkv)  # (B, N, 3D)
-        elif state is not None and state.kind == "fold" and state.value.basis is not None:
-            weight, bias = self.expanded_qkv() if grouped else (self.qkv.weight, self.qkv.bias)  # (3D, D), (3D,)
-            weight, bias = fold_qkv_weight(weight, bias, state.value.basis, self.num_heads,
-                                           blocks=state.value.blocks)
-            qkv = F.linear(x, weight, bias)  # (B, N, 3D), q and k already in the encoding's basis
-        elif grouped:
-            qkv = F.linear(x, *self.expanded_qkv())  # (B, N, 3D), each group's key and value once per query head
-        else:
-            qkv = self.qkv(x)  # (B, N, 3D)
-        if state is not None and state.kind == "fold" and state.value.prefix is not None and num_prefix_tokens:
-            self._transform_prefix_rows(qkv, state.value.prefix, num_prefix_tokens)
-            state = state._replace(value=state.value._replace(prefix=None))  # done: the rotation passes them
-        qkv = qkv.reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, d)
-        form: Optional[RoPEForm] = state.value if state is not None and state.kind == "fold" else None
-        if form is not None:  # q and k rotated together: one product, one backward
-            qk, v = qkv.split([2, 1])  # (2, B, H, N, d), (1, B, H, N, d); backward: one concatenation
-            v = v.squeeze(0)
-            q, k = frequency_rope_qk(qk, coords, form, num_prefix_tokens, pe.backend, state.table)  # (B, H, N, d)
-        else:
-            q, k, v = qkv.unbind(0)  # (B, H, N, d) each
-        if state is not None and form is None:
-            if getattr(pe, "layout", "bhnd") == "bnhd":  # the encoding takes (B, N, H, d) views
-                q, k = pe.apply(q.transpose(1, 2), k.transpose(1, 2), state.value)
-                q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, N, d') each
-            else:
-                q, k = pe.apply(q, k, state.value)  # (B, H, N, d') each
+            qkv = F.linear(x, *state.fold_into(weight, bias, self.num_heads))  # (B, N, 3D)
+            q, k, v = state.apply_qkv(qkv, self.num_heads)  # (B, H, N, d') each, v (B, H, N, d)
         out = scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0,
                                            scale=self.scale)  # (B, H, N, d)
         out = out.transpose(1, 2).reshape(b, n, dim)  # (B, N, D)
@@ -275,21 +227,6 @@ class Attention(nn.Module):
             return weight, None
         bq, bk, bv = b.split([dim, g * d, g * d])
         return weight, torch.cat([bq, rep(bk), rep(bv)])
-
-    def _transform_prefix_rows(self, qkv: Tensor, prefix: Tensor, num_prefix_tokens: int) -> None:
-        """Apply the folded encoding's prefix transform ``T`` (``(Hp, d, d)``) to the q and k of the prefix tokens,
-        in place in the projection's output ``qkv`` ``(B, N, 3D)`` (which no backward pass has saved).
-
-        The alternative -- slicing q and k into prefix and patch tokens and concatenating them again -- costs two
-        copies of q and k in the forward pass and, in the backward pass, a zero-filled buffer of their size per
-        slice; here only the few prefix rows are copied, and the rotation then passes them through.
-        """
-        b, p0, h, d = qkv.shape[0], num_prefix_tokens, self.num_heads, self.head_dim
-        rows = qkv[:, :p0, : 2 * h * d].unflatten(-1, (2, h, d))  # (B, P0, 2, H, d), a view of qkv
-        # (2B, H, P0, d): always a copy (the few prefix rows), never a view of qkv that the product could save
-        xb = rows.permute(0, 2, 3, 1, 4).clone(memory_format=torch.contiguous_format).view(b * 2, h, p0, d)
-        y = basis_change(xb, prefix.to(xb.dtype))  # T per head: (2B, H, P0, d)
-        rows.copy_(y.view(b, 2, h, p0, d).permute(0, 3, 1, 2, 4))
 
     def no_weight_decay(self) -> set:
         """Names (relative to this layer, as in ``named_parameters()``) of its encoding's learnable parameters."""

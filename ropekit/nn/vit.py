@@ -28,10 +28,8 @@ from torch import Tensor, nn
 
 from .._config_keys import known_keys
 from ..encodings import PositionEncoding, create_pe, list_pes
-from ..encodings.blocks import batch_block_gradients
-from ..encodings.fold import RoPEForm, fold_qkv_weights, rope_forms_stacked
 from ..encodings.registry import RegistryView
-from ..encodings.rotation import _fused_kernel, angle_tables
+from ..encodings.prepared import prepare_layers
 from ..encodings.validation import check_finite
 from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
@@ -536,100 +534,17 @@ class VisionTransformer(nn.Module):
         """All normalised tokens ``(B, N, D)`` (CLS first when there is one)."""
         tokens, coords, num_prefix = self.embed(x, coord_offset)
         states = self.prepare_encodings(coords, num_prefix, tokens.dtype)
-        for blk in self.blocks:
-            pe = blk.attn.pe
-            state = states.get(id(blk.attn), states.get(id(pe))) if pe is not None else None
+        for blk, state in zip(self.blocks, states):
             tokens = blk(tokens, coords, num_prefix, state)
         return self.norm(tokens)
 
     def prepare_encodings(self, coords: Optional[Tensor], num_prefix_tokens: int = 0,
-                          dtype: Optional[torch.dtype] = None) -> Dict[int, PreparedPE]:
-        """The state of every encoding held by more than one layer, computed once for this forward pass (the
-        folded basis and frequencies, or the encoding's prepared angles), keyed by ``id(encoding)``. The folded
-        forms of single-layer encodings are computed here together (``fold.rope_forms_stacked``: the per-layer Cayley
-        bases in one batched solve, the per-layer ComRoPE block Schur forms in one batched set of Jacobi rounds;
-        ``blocks.batch_block_gradients``: the ComRoPE layers' gradients mapped in one batched Frechet map per
-        step); other single-layer encodings are prepared by their layer. Where several
-        layers fold a dense basis (Cayley, Circulant, general STRING), their bases are merged into their q/k
-        projections in one batched product too (``fold.fold_qkv_weights``): those layers' states, with the merged
-        ``(weight, bias)`` in ``PreparedPE.qkv``, are keyed by ``id(layer)``. Every folded frequency rotation gets
-        its angle table from one batched product for all layers (``rotation.angle_tables``, in
-        ``PreparedPE.table``; one node maps all their frequency gradients), where the PyTorch rotation runs."""
-        if coords is None:
-            return {}
-        owners: Dict[int, List[Attention]] = {}
-        for blk in self.blocks:
-            if blk.attn.pe is not None:
-                owners.setdefault(id(blk.attn.pe), []).append(blk.attn)
-        states = {key: layers[0].prepare(coords, num_prefix_tokens, dtype)
-                  for key, layers in owners.items() if len(layers) > 1}
-        folding = [layers[0] for layers in owners.values() if len(layers) == 1 and layers[0].folds]
-        stacks: list = []
-        if len(folding) > 1:
-            forms, stacks = rope_forms_stacked([a.pe for a in folding], prefix=num_prefix_tokens > 0)
-            # block forms (ComRoPE): one node maps every layer's gradient in one batched Frechet map per step
-            stacked_eigen = [(idx, st.eigen) for idx, st in stacks if st.eigen is not None]
-            forms = batch_block_gradients(forms, coords, stacked_eigen)
-            for attn, form in zip(folding, forms):
-                states[id(attn.pe)] = PreparedPE("fold", attn.pe, form)
-        table_dtype = torch.float64 if torch.float64 in (dtype, coords.dtype) else torch.float32
-        for idx, stacked in stacks:  # the stacked tensors as they are: one table, one merge for the group
-            layers = [folding[i] for i in idx]
-            if _fused_kernel(coords.device, True, layers[0].pe.backend) is None:  # (the kernel forms its angles)
-                for attn, table in zip(layers, angle_tables(coords, stacked.freqs, table_dtype)):
-                    states[id(attn.pe)] = states[id(attn.pe)]._replace(table=table)
-            expanded = [a.expanded_qkv() for a in layers]  # (3D, D_in), (3D,): k/v rows per query head
-            if stacked.basis is not None and len({(tuple(w.shape), w.dtype, b is None) for w, b in expanded}) == 1:
-                merged = fold_qkv_weights([w for w, _ in expanded], [b for _, b in expanded], stacked.basis,
-                                          layers[0].num_heads, blocks=stacked.blocks)
-                for attn, qkv in zip(layers, merged):
-                    states[id(attn)] = states[id(attn.pe)]._replace(qkv=qkv)
-        # the other bases merged into every folding layer's projection in one batched product, keyed by id(layer)
-        merging = [(blk.attn, states[id(blk.attn.pe)]) for blk in self.blocks
-                   if id(blk.attn.pe) in states and id(blk.attn) not in states]
-        merging = [(a, st) for a, st in merging if st.kind == "fold" and st.value.basis is not None
-                   and st.value.blocks is None]
-        expanded = [a.expanded_qkv() for a, _ in merging]  # (3D, D_in), (3D,): k/v rows per query head
-        if len(merging) > 1 and len({(tuple(w.shape), w.dtype, b is None) for w, b in expanded}) == 1:
-            merged = fold_qkv_weights([w for w, _ in expanded], [b for _, b in expanded],
-                                      [st.value.basis for _, st in merging], merging[0][0].num_heads)
-            for (attn, st), qkv in zip(merging, merged):
-                states[id(attn)] = st._replace(qkv=qkv)
-        self._add_angle_tables(states, coords, table_dtype)
-        return states
-
-    @staticmethod
-    def _add_angle_tables(states: Dict[int, PreparedPE], coords: Tensor, dtype: torch.dtype) -> None:
-        """Give every folded rotation of this forward pass that has no angle table yet its table, formed together
-        for all of them (``rotation.angle_tables``: one product, one cos and sin, one node mapping every layer's
-        angle gradient to its frequencies), where the PyTorch rotation runs; the fused kernel forms its angles
-        itself. A state shared by several layers gets one table. Block forms (ComRoPE) get the table of their
-        constant frequencies ``axis weights x mu``, used for the value and the backward's transposed rotation."""
-        groups: Dict[tuple, List[RoPEForm]] = {}
-        for st in states.values():
-            form = st.value
-            if (st.kind != "fold" or st.table is not None
-                    or _fused_kernel(coords.device, True, st.pe.backend) is not None):
-                continue
-            e = form.eigen
-            key = ((tuple(form.freqs.shape), form.freqs.dtype) if e is None else
-                   ("blocks", tuple(e.axis_weights.shape), tuple(e.mu.shape), e.mu.dtype))
-            group = groups.setdefault(key, [])
-            if all(f is not form for f in group):
-                group.append(form)
-        tables: Dict[int, tuple] = {}
-        for key, group in groups.items():
-            if key[0] == "blocks":  # (L, Hp, c, nb, 1) x (L, Hp, 1, nb, b/2) -> (L, Hp, c, d/2), constants
-                w = torch.stack([f.eigen.axis_weights.detach() for f in group]).to(key[3])
-                mu = torch.stack([f.eigen.mu for f in group])
-                freqs: Any = (w.unsqueeze(-1) * mu.unsqueeze(2)).flatten(-2)
-            else:
-                freqs = [f.freqs for f in group]
-            for form, table in zip(group, angle_tables(coords, freqs, dtype)):
-                tables[id(form)] = table
-        for key, st in list(states.items()):
-            if st.kind == "fold" and st.table is None and id(st.value) in tables:
-                states[key] = st._replace(table=tables[id(st.value)])
+                          dtype: Optional[torch.dtype] = None) -> Tuple[Optional[PreparedPE], ...]:
+        """Every block's encoding state for this forward pass, one per block in order (``None`` for a block
+        without an encoding), computed together (``encodings.prepared.prepare_layers``): an encoding shared by
+        several layers once; the folded forms, merged projections and angle tables of per-layer encodings in
+        batched products."""
+        return prepare_layers([blk.attn for blk in self.blocks], coords, num_prefix_tokens, dtype)
 
     def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
         """Pool ``(B, N, D)`` features (CLS token, or the mean of the patch tokens) and classify: ``(B, K)``."""
