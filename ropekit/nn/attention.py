@@ -43,6 +43,7 @@ from ..encodings import PositionEncoding
 from ..encodings.blocks import share_block_gradients
 from ..encodings.fold import RoPEForm, fold_qkv_weight, foldable_kind, frequency_rope_qk, rope_form
 from ..encodings.products import basis_change
+from .masks import masked_attention
 
 __all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
 
@@ -198,12 +199,15 @@ class Attention(nn.Module):
                                                      dtype=torch.float64 if wide else torch.float32))
 
     def forward(self, x: Tensor, coords: Optional[Tensor] = None, num_prefix_tokens: int = 0,
-                pe_state: Optional[PreparedPE] = None) -> Tensor:
+                pe_state: Optional[PreparedPE] = None, attn_mask: Optional[Any] = None) -> Tensor:
         """Args:
             x: ``(B, N, D)``.
             coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example; ignored without an encoding.
             num_prefix_tokens: ``P0`` leading tokens that the encoding leaves unrotated.
             pe_state: this layer's encoding state from :meth:`prepare` (computed here when ``None``).
+            attn_mask: ``None`` (full attention), a boolean mask broadcastable to ``(B, H, N, N)`` (``True``:
+                attend; e.g. ``ropekit.nn.masks.segment_mask`` for packed sequences) or a FlexAttention
+                ``BlockMask`` (``ropekit.nn.masks.flex_segment_mask``), see ``ropekit.nn.masks.masked_attention``.
 
         Returns:
             ``(B, N, D)``.
@@ -251,8 +255,11 @@ class Attention(nn.Module):
                 q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, N, d') each
             else:
                 q, k = pe.apply(q, k, state.value)  # (B, H, N, d') each
-        out = scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0,
-                                           scale=self.scale)  # (B, H, N, d)
+        drop = self.attn_drop if self.training else 0.0
+        if attn_mask is None:
+            out = scaled_dot_product_attention(q, k, v, dropout_p=drop, scale=self.scale)  # (B, H, N, d)
+        else:
+            out = masked_attention(q, k, v, attn_mask, dropout_p=drop, scale=self.scale)  # (B, H, N, d)
         out = out.transpose(1, 2).reshape(b, n, dim)  # (B, N, D)
         return self.proj_drop(self.proj(out))
 

@@ -309,9 +309,9 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
 
     def forward(self, x: Tensor, coords: Optional[Tensor], num_prefix_tokens: int = 0,
-                pe_state: Optional[PreparedPE] = None) -> Tensor:
-        """``(B, N, D) -> (B, N, D)``; ``pe_state`` as :meth:`Attention.forward`."""
-        x = x + self.drop_path(self.attn(self.norm1(x), coords, num_prefix_tokens, pe_state))
+                pe_state: Optional[PreparedPE] = None, attn_mask: Optional[Any] = None) -> Tensor:
+        """``(B, N, D) -> (B, N, D)``; ``pe_state`` and ``attn_mask`` as :meth:`Attention.forward`."""
+        x = x + self.drop_path(self.attn(self.norm1(x), coords, num_prefix_tokens, pe_state, attn_mask))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
     def reset_parameters(self) -> None:
