@@ -41,7 +41,7 @@ from .depth import patch_mean_depth, valid_depth_mask
 from .masks import flex_segment_mask, segment_mask
 
 __all__ = ["PatchedImage", "PackedBatch", "patchify", "pack", "from_naflex", "packed_embed", "packed_forward",
-           "ATTENTION_KINDS"]
+           "packed_forward_any", "ATTENTION_KINDS"]
 
 ATTENTION_KINDS = ("sdpa", "flex")
 
@@ -147,7 +147,7 @@ def patchify(image: Tensor, patch_size: int, *, tubelet_size: int = 1, depth: bo
 
 
 def pack(images: Sequence[PatchedImage], max_tokens: int, *, max_images: Optional[int] = None,
-         pad_to: Optional[int] = None) -> PackedBatch:
+         pad_to: Optional[int] = None, rows: Optional[Sequence[Sequence[int]]] = None) -> PackedBatch:
     """Pack images into rows of at most ``max_tokens`` patch tokens, first fit in the given order (deterministic).
 
     Args:
@@ -156,6 +156,8 @@ def pack(images: Sequence[PatchedImage], max_tokens: int, *, max_images: Optiona
         max_images: at most this many images per row (``None``: no limit).
         pad_to: the row length ``N`` (``>=`` the longest row; ``None``: ``max_tokens``, the same shape every batch,
             which ``torch.compile`` likes; pass the longest row's length to pad less).
+        rows: an assignment of the images to rows made beforehand (lists of indices into ``images``, each image
+            once; e.g. a data loader's plan), used instead of first fit; rows over ``max_tokens`` are an error.
 
     Returns:
         :class:`PackedBatch` (on the CPU).
@@ -165,23 +167,31 @@ def pack(images: Sequence[PatchedImage], max_tokens: int, *, max_images: Optiona
     if max_tokens < 1 or (max_images is not None and max_images < 1):
         raise ValueError(f"max_tokens and max_images must be positive, got {max_tokens}, {max_images}")
     feat, k = images[0].patches.shape[-1], images[0].patch_coord.shape[-1]
-    rows: List[List[int]] = []
-    used: List[int] = []
     for i, im in enumerate(images):
-        m = im.patches.shape[0]
         if im.patches.shape[-1] != feat or im.patch_coord.shape[-1] != k:
             raise ValueError(f"image {i} has patches of {im.patches.shape[-1]} values and {im.patch_coord.shape[-1]} "
                              f"axes, image 0 of {feat} and {k}: pack images of one kind")
-        if m > max_tokens:
-            raise ValueError(f"image {i} has {m} tokens, more than max_tokens={max_tokens}")
-        for r, row in enumerate(rows):
-            if used[r] + m <= max_tokens and (max_images is None or len(row) < max_images):
-                row.append(i)
-                used[r] += m
-                break
-        else:
-            rows.append([i])
-            used.append(m)
+        if im.patches.shape[0] > max_tokens:
+            raise ValueError(f"image {i} has {im.patches.shape[0]} tokens, more than max_tokens={max_tokens}")
+    if rows is not None:
+        rows = [list(r) for r in rows if len(r)]
+        if sorted(i for r in rows for i in r) != list(range(len(images))):
+            raise ValueError(f"rows must hold every one of the {len(images)} images once")
+        used = [sum(images[i].patches.shape[0] for i in r) for r in rows]
+        if max(used) > max_tokens or (max_images is not None and max(len(r) for r in rows) > max_images):
+            raise ValueError(f"a planned row holds {max(used)} tokens (max_tokens={max_tokens}) or too many images")
+    else:
+        rows, used = [], []
+        for i, im in enumerate(images):  # first fit, in order
+            m = im.patches.shape[0]
+            for r, row in enumerate(rows):
+                if used[r] + m <= max_tokens and (max_images is None or len(row) < max_images):
+                    row.append(i)
+                    used[r] += m
+                    break
+            else:
+                rows.append([i])
+                used.append(m)
     n = max_tokens if pad_to is None else int(pad_to)
     if n < max(used):
         raise ValueError(f"pad_to={pad_to} is shorter than the longest row ({max(used)} tokens)")
@@ -355,3 +365,14 @@ def packed_forward(model, batch: PackedBatch, *, attention: str = "sdpa", coord_
     out = torch.empty_like(flat) if num is None else flat.new_empty(num, flat.shape[-1])
     out = out.index_copy(0, order, flat)  # image order
     return out if pre_logits else model.head(out)
+
+
+def packed_forward_any(model, batch: Union[PackedBatch, Mapping[str, Tensor]],
+                       coord_offset: Optional[Tensor] = None) -> Tensor:
+    """:func:`packed_forward` (SDPA) of a :class:`PackedBatch` or of a timm NaFlex dict (:func:`from_naflex`): what
+    ``VisionTransformer.forward`` does with an input that is not a tensor."""
+    if isinstance(batch, PackedBatch):
+        return packed_forward(model, batch, coord_offset=coord_offset)
+    if isinstance(batch, Mapping):
+        return packed_forward(model, from_naflex(batch), coord_offset=coord_offset)
+    raise ValueError(f"the ViT takes an image tensor, a PackedBatch or a NaFlex dict, got {type(batch).__name__}")

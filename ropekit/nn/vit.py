@@ -637,5 +637,12 @@ class VisionTransformer(nn.Module):
         return pooled if pre_logits else self.head(pooled)
 
     def forward(self, x: Tensor, coord_offset: Optional[Tensor] = None) -> Tensor:
-        """Logits ``(B, K)`` (pooled features ``(B, D)`` when ``num_classes == 0``)."""
+        """Logits ``(B, K)`` (pooled features ``(B, D)`` when ``num_classes == 0``).
+
+        ``x`` may also be a packed batch (``ropekit.nn.packing.PackedBatch``) or a timm NaFlex dict (``patches``,
+        ``patch_coord``, ``patch_valid``): then one row of logits per image (``ropekit.nn.packing.packed_forward``)."""
+        if not isinstance(x, Tensor):
+            from .packing import packed_forward_any
+
+            return packed_forward_any(self, x, coord_offset)
         return self.forward_head(self.forward_features(x, coord_offset))
