@@ -155,6 +155,15 @@ def test_pack_first_fit_and_errors():
     assert b.segment_ids[0].tolist() == [0] * 5 + [1] * 3
     assert b.segment_ids[2].tolist() == [0] * 6 + [-1] * 2
     assert b.labels.tolist() == [5, 3, 4, 2, 6]
+    padded = pack(ims, max_tokens=8, max_images=3, num_rows=5, pad_to=10)  # fixed B, S and N (torch.compile)
+    assert padded.segment_ids.shape == (5, 10) and padded.image_index.shape == (5, 3)
+    assert padded.image_index[3:].eq(-1).all() and padded.segment_ids[3:].eq(-1).all()
+    planned = pack(ims, max_tokens=9, rows=[[4, 1], [0, 3], [2]])
+    assert planned.image_index.tolist() == [[4, 1], [0, 3], [2, -1]]
+    with pytest.raises(ValueError, match="once"):
+        pack(ims, max_tokens=9, rows=[[4, 1], [0, 3]])
+    with pytest.raises(ValueError, match="num_rows"):
+        pack(ims, max_tokens=8, num_rows=2)
     with pytest.raises(ValueError, match="more than max_tokens"):
         pack(ims, max_tokens=5)
     with pytest.raises(ValueError, match="at least one"):

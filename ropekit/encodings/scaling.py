@@ -35,7 +35,7 @@ Shape legend: ``Hp`` heads owning parameters, ``c`` coordinate dimension, ``P = 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch

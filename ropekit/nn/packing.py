@@ -31,7 +31,7 @@ Shape legend: ``I`` images, ``B`` rows, ``S`` slots, ``N`` patch tokens per row,
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -147,17 +147,21 @@ def patchify(image: Tensor, patch_size: int, *, tubelet_size: int = 1, depth: bo
 
 
 def pack(images: Sequence[PatchedImage], max_tokens: int, *, max_images: Optional[int] = None,
-         pad_to: Optional[int] = None, rows: Optional[Sequence[Sequence[int]]] = None) -> PackedBatch:
+         pad_to: Optional[int] = None, rows: Optional[Sequence[Sequence[int]]] = None,
+         num_rows: Optional[int] = None) -> PackedBatch:
     """Pack images into rows of at most ``max_tokens`` patch tokens, first fit in the given order (deterministic).
 
     Args:
         images: from :func:`patchify` (one kind: the same ``F`` and grid axes).
         max_tokens: the token budget of a row (``ValueError`` for an image with more tokens).
-        max_images: at most this many images per row (``None``: no limit).
+        max_images: at most this many images per row (``None``: no limit); also the number of slots ``S`` (else
+            the fullest row's image count).
         pad_to: the row length ``N`` (``>=`` the longest row; ``None``: ``max_tokens``, the same shape every batch,
             which ``torch.compile`` likes; pass the longest row's length to pad less).
         rows: an assignment of the images to rows made beforehand (lists of indices into ``images``, each image
             once; e.g. a data loader's plan), used instead of first fit; rows over ``max_tokens`` are an error.
+        num_rows: pad the batch to this many rows ``B`` with empty rows (``None``: as many as the images fill).
+            Fixed ``B``, ``S`` and a few ``pad_to`` lengths keep ``torch.compile`` to one graph for all of them.
 
     Returns:
         :class:`PackedBatch` (on the CPU).
@@ -195,7 +199,11 @@ def pack(images: Sequence[PatchedImage], max_tokens: int, *, max_images: Optiona
     n = max_tokens if pad_to is None else int(pad_to)
     if n < max(used):
         raise ValueError(f"pad_to={pad_to} is shorter than the longest row ({max(used)} tokens)")
-    b, s = len(rows), max(len(r) for r in rows)
+    b, s = len(rows), max(len(r) for r in rows) if max_images is None else max_images
+    if num_rows is not None:
+        if num_rows < b:
+            raise ValueError(f"num_rows={num_rows} is fewer than the {b} rows the images fill")
+        b = num_rows
     dtype = images[0].patches.dtype
     patches = torch.zeros(b, n, feat, dtype=dtype)
     coord = torch.zeros(b, n, k, dtype=torch.int64)
@@ -340,6 +348,8 @@ def packed_forward(model, batch: PackedBatch, *, attention: str = "sdpa", coord_
         batch: :class:`PackedBatch` on the model's device.
         attention: ``"sdpa"`` (boolean block-diagonal mask) or ``"flex"`` (FlexAttention document mask).
         coord_offset: optional ``(I, c)`` shift per image (as ``model(x, coord_offset=...)``).
+
+    ``I`` is ``batch.labels.numel()``, or, without labels, the number of slots (every slot then holds an image).
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}")
@@ -358,12 +368,11 @@ def packed_forward(model, batch: PackedBatch, *, attention: str = "sdpa", coord_
     else:
         hot = _slot_onehot(batch.segment_ids, slots, feats.dtype)  # (B, S, N)
         pooled = (hot @ feats) / hot.sum(-1, keepdim=True).clamp_min(1)  # (B, S, D)
-    used = index >= 0
-    num = batch.labels.numel() if batch.labels is not None else None
-    flat = pooled[used]  # (I, D) in row-major slot order
-    order = index[used]
-    out = torch.empty_like(flat) if num is None else flat.new_empty(num, flat.shape[-1])
-    out = out.index_copy(0, order, flat)  # image order
+    # image order without a data-dependent shape (no boolean indexing: torch.compile traces it in one graph): every
+    # image's slot is added to its row of zeros, the unused slots to one extra row that is dropped
+    num = batch.labels.numel() if batch.labels is not None else index.numel()
+    rows = torch.where(index >= 0, index, torch.full_like(index, num)).flatten()  # (B S,)
+    out = pooled.new_zeros(num + 1, pooled.shape[-1]).index_add(0, rows, pooled.flatten(0, 1))[:num]  # (I, D)
     return out if pre_logits else model.head(out)
 
 
