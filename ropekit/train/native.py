@@ -30,6 +30,7 @@ from . import engine
 from .config import TrainConfig
 from .distributed import DistContext
 from .engine import seed_everything
+from .tasks import register_task
 from .trainer import ClassificationTask, build_model
 
 __all__ = ["NativeClassificationTask", "build_native_task", "native_sources", "native_options"]
@@ -147,6 +148,9 @@ class NativeClassificationTask(ClassificationTask):
                 "epoch_time": info["epoch_time"] + t_eval, "elapsed_time": info["elapsed"] + t_eval}
 
 
+@register_task("native-resolution", "classification on packed batches of images at their own aspect ratio "
+                                    "(ropekit train --native-resolution)", config=TrainConfig,
+               command="ropekit train --native-resolution")
 def build_native_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *, run_dir: Optional[Path] = None,
                       quiet: bool = False) -> NativeClassificationTask:
     """The native-resolution task of ``cfg`` (data sources opened, ViT built and seeded by ``cfg.seed``)."""
