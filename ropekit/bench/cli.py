@@ -73,10 +73,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--vit-pes (default axial mixed and the folded ones) on the CPU, as a GPU runs the step and "
                         "as the CPU does, with the ratio to axial -- the proxy of an eager GPU step's launches "
                         "(--vit sets the size, default tiny)")
-    sub = p.add_subparsers(dest="bench_command", metavar="[data]")
+    sub = p.add_subparsers(dest="bench_command", metavar="[data | packing]")
     add_data_arguments(sub.add_parser(
         "data", help="the training input pipeline: ropekit's folder and shard streams against torchvision's "
                      "ImageFolder (images/s, memory)", formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    add_packing_arguments(sub.add_parser(
+        "packing", help="packed vs padded batches of mixed resolutions (images/s), FlexAttention vs SDPA with a "
+                        "mask, torch.compile across sequence-length buckets",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+
+
+def add_packing_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``ropekit bench packing`` (see :mod:`ropekit.bench.packing`)."""
+    from .packing import PackingBenchConfig
+
+    d = PackingBenchConfig()
+    p.add_argument("--model", default=d.model, help="ViT size")
+    p.add_argument("--pe", default=d.pe, help="position encoding")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed row")
+    p.add_argument("--rows", type=int, default=d.rows, help="rows per step")
+    p.add_argument("--images", type=int, default=d.images, help="images of the packed-vs-padded table")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="timed rounds")
+    p.add_argument("--no-flex-compile", action="store_true", help="skip the compiled FlexAttention row")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--json", metavar="FILE", help="write the records to FILE")
+    p.add_argument("--markdown", metavar="FILE", help="write the markdown report to FILE")
+
+
+def run_packing(args: argparse.Namespace, command: str) -> int:
+    """``ropekit bench packing``."""
+    from .packing import PackingBenchConfig, format_packing_report, run_packing_bench
+
+    cfg = PackingBenchConfig(model=args.model, pe=args.pe, seq_len=args.seq_len, rows=args.rows, images=args.images,
+                             rounds=args.rounds, flex_compiled=not args.no_flex_compile, threads=args.threads)
+    records = run_packing_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    return _write(args, records, format_packing_report(records, command=command).rstrip("\n"))
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
         command = "ropekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if getattr(args, "bench_command", None) == "data":
         return run_data(args, command.strip())
+    if getattr(args, "bench_command", None) == "packing":
+        return run_packing(args, command.strip())
     if args.ops:
         return _run_ops(args, command)
     cfg = config_from_args(args)

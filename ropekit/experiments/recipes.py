@@ -165,7 +165,8 @@ _STREAM_DEFAULTS = {k: TrainConfig.__dataclass_fields__[k].default_factory()  # 
 
 #: ``TrainConfig`` fields added after studies were committed, with the value that trains as those studies did: a
 #: committed recipe or run that lacks one is compared as if it stated this value.
-ADDED_FIELDS: Dict[str, Any] = {**_STREAM_DEFAULTS, "lr_base_batch": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0}
+ADDED_FIELDS: Dict[str, Any] = {**_STREAM_DEFAULTS, "lr_base_batch": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
+                                 "native_resolution": False, "native_options": {}}
 
 
 def _mnist(**changes: Any) -> Dict[str, Any]:
@@ -179,7 +180,7 @@ def _mnist(**changes: Any) -> Dict[str, Any]:
         model_options=_arch(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
         epochs=10, batch_size=64, lr=2e-3, weight_decay=0.05, warmup_epochs=1.0, min_lr=1e-5, label_smoothing=0.0,
         grad_clip=1.0, augment_shift=0, augment_sizes=[], lr_base_batch=None, precision="fp32",
-        mixup_alpha=0.0, cutmix_alpha=0.0, **_STREAM_DEFAULTS,
+        mixup_alpha=0.0, cutmix_alpha=0.0, native_resolution=False, native_options={}, **_STREAM_DEFAULTS,
     )
     train.update(changes)
     return train

@@ -32,7 +32,7 @@ parameters (``2 (H - Hk) d D`` fewer).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..encodings import PositionEncoding
 from ..encodings.fold import foldable_kind
 from ..encodings.prepared import PreparedState, prepare_attention
+from .masks import masked_attention
 
 __all__ = ["Attention", "PreparedPE", "scaled_dot_product_attention"]
 
@@ -174,12 +175,15 @@ class Attention(nn.Module):
         return prepare_attention(self.pe, coords, num_prefix_tokens, dtype, self.fold)
 
     def forward(self, x: Tensor, coords: Optional[Tensor] = None, num_prefix_tokens: int = 0,
-                pe_state: Optional[PreparedPE] = None) -> Tensor:
+                pe_state: Optional[PreparedPE] = None, attn_mask: Optional[Any] = None) -> Tensor:
         """Args:
             x: ``(B, N, D)``.
             coords: ``(M, c)`` shared by the batch or ``(B, M, c)`` per example; ignored without an encoding.
             num_prefix_tokens: ``P0`` leading tokens that the encoding leaves unrotated.
             pe_state: this layer's encoding state from :meth:`prepare` (computed here when ``None``).
+            attn_mask: ``None`` (full attention), a boolean mask broadcastable to ``(B, H, N, N)`` (``True``:
+                attend; e.g. ``ropekit.nn.masks.segment_mask`` for packed sequences) or a FlexAttention
+                ``BlockMask`` (``ropekit.nn.masks.flex_segment_mask``), see ``ropekit.nn.masks.masked_attention``.
 
         Returns:
             ``(B, N, D)``.
@@ -203,8 +207,11 @@ class Attention(nn.Module):
                 self.prepare(coords, num_prefix_tokens, x.dtype)
             qkv = F.linear(x, *state.fold_into(weight, bias, self.num_heads))  # (B, N, 3D)
             q, k, v = state.apply_qkv(qkv, self.num_heads)  # (B, H, N, d') each, v (B, H, N, d)
-        out = scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0,
-                                           scale=self.scale)  # (B, H, N, d)
+        drop = self.attn_drop if self.training else 0.0
+        if attn_mask is None:
+            out = scaled_dot_product_attention(q, k, v, dropout_p=drop, scale=self.scale)  # (B, H, N, d)
+        else:  # packed sequences: block-diagonal over segments (a boolean mask or a FlexAttention block mask)
+            out = masked_attention(q, k, v, attn_mask, dropout_p=drop, scale=self.scale)  # (B, H, N, d)
         out = out.transpose(1, 2).reshape(b, n, dim)  # (B, N, D)
         return self.proj_drop(self.proj(out))
 

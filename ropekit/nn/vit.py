@@ -307,9 +307,9 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
 
     def forward(self, x: Tensor, coords: Optional[Tensor], num_prefix_tokens: int = 0,
-                pe_state: Optional[PreparedPE] = None) -> Tensor:
-        """``(B, N, D) -> (B, N, D)``; ``pe_state`` as :meth:`Attention.forward`."""
-        x = x + self.drop_path(self.attn(self.norm1(x), coords, num_prefix_tokens, pe_state))
+                pe_state: Optional[PreparedPE] = None, attn_mask: Optional[Any] = None) -> Tensor:
+        """``(B, N, D) -> (B, N, D)``; ``pe_state`` and ``attn_mask`` as :meth:`Attention.forward`."""
+        x = x + self.drop_path(self.attn(self.norm1(x), coords, num_prefix_tokens, pe_state, attn_mask))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
     def reset_parameters(self) -> None:
@@ -552,5 +552,12 @@ class VisionTransformer(nn.Module):
         return pooled if pre_logits else self.head(pooled)
 
     def forward(self, x: Tensor, coord_offset: Optional[Tensor] = None) -> Tensor:
-        """Logits ``(B, K)`` (pooled features ``(B, D)`` when ``num_classes == 0``)."""
+        """Logits ``(B, K)`` (pooled features ``(B, D)`` when ``num_classes == 0``).
+
+        ``x`` may also be a packed batch (``ropekit.nn.packing.PackedBatch``) or a timm NaFlex dict (``patches``,
+        ``patch_coord``, ``patch_valid``): then one row of logits per image (``ropekit.nn.packing.packed_forward``)."""
+        if not isinstance(x, Tensor):
+            from .packing import packed_forward_any
+
+            return packed_forward_any(self, x, coord_offset)
         return self.forward_head(self.forward_features(x, coord_offset))

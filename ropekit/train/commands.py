@@ -22,7 +22,8 @@ __all__ = ["add_train_arguments", "run_train", "add_eval_arguments", "run_eval",
 S = argparse.SUPPRESS
 
 # command-line option -> TrainConfig field (for options whose names differ or need parsing)
-_KV_OPTIONS = {"pe_opt": "pe_options", "data_opt": "data_options", "model_opt": "model_options"}
+_KV_OPTIONS = {"pe_opt": "pe_options", "data_opt": "data_options", "model_opt": "model_options",
+               "native_opt": "native_options"}
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,6 +72,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--allow-data-change", action="store_true", default=S,
                    help="with --resume: continue although the data's fingerprint (file list and sizes, split) "
                         "differs from the run's (recorded in config.json)")
+    d.add_argument("--native-resolution", action="store_true", default=S,
+                   help="train on packed batches of images at their own aspect ratio and a sampled number of tokens "
+                        "(image folders or in-memory sets, RGB-D too; see docs/native-resolution.md)")
+    d.add_argument("--native-opt", metavar="KEY=VALUE", action="append", default=S,
+                   help="native resolution option: seq_len, rows, min_tokens, max_tokens, eval_tokens, max_images, "
+                        "token_drop, hflip (repeatable)")
     a = p.add_argument_group("augmentation of streamed data: imagefolder, shards (the in-memory sets use "
                              "--augment-shift)")
     a.add_argument("--crop-scale", type=float, nargs=2, metavar=("LO", "HI"), default=S,

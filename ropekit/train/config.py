@@ -38,6 +38,10 @@ class TrainConfig:
         split_seed: seed of the train/test split; normalize: standardise colour channels;
         train_fraction: use this (stratified) fraction of the training set (in-memory data);
         workers: data-loader processes of streamed data (0: decode in the training process).
+        native_resolution: train and evaluate on packed batches of images at their own aspect ratio and a sampled
+        resolution (``ropekit.train.native``); native_options: its ``ropekit.data.native.NativeOptions`` fields
+        (``seq_len``, ``rows``, ``min_tokens``, ``max_tokens``, ``eval_tokens``, ``max_images``, ``token_drop``,
+        ``hflip``).
     Model (see :class:`ropekit.nn.ViTConfig`):
         model: ``tiny``, ``small`` or ``base``; patch_size (``None``: ``auto_patch_size``, a power of two by the
         short side); tubelet_size (video; ``None``: 2 frames, or 1 for clips shorter than 4); pe, pe_options,
@@ -78,6 +82,8 @@ class TrainConfig:
     normalize: bool = True
     train_fraction: float = 1.0
     workers: int = 0
+    native_resolution: bool = False
+    native_options: Dict[str, Any] = field(default_factory=dict)
 
     model: str = "tiny"
     patch_size: Optional[int] = None
@@ -242,7 +248,7 @@ class TrainConfig:
                 bad = [v for v in sizes if v % self.patch_size]
                 if bad:
                     raise ValueError(_not_divisible(bad[0], self.patch_size))
-        for name in ("pe_options", "data_options", "model_options"):
+        for name in ("pe_options", "data_options", "model_options", "native_options"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
         vit_fields = {f.name: f for f in dataclasses.fields(ViTConfig)}

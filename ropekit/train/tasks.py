@@ -42,6 +42,7 @@ TASKS: Dict[str, TaskSpec] = {}
 #: ropekit's own tasks: name -> the module that registers it (imported by :func:`lookup_task`).
 TASK_MODULES: Dict[str, str] = {
     "classification": "ropekit.train.trainer",
+    "native-resolution": "ropekit.train.native",
     "detection": "ropekit.detection.train",
     "robot": "ropekit.robot.train",
     "aloha": "ropekit.robot.aloha.policy",

@@ -526,6 +526,10 @@ def build_classification_task(cfg: TrainConfig, ctx: Optional[DistContext] = Non
     """The :class:`ClassificationTask` of ``cfg``: its data loaded and its ViT built (seeded by ``cfg.seed``,
     identical on every rank); ``ctx``: this process's place in the run (default: one process on the CPU)."""
     ctx = ctx or DistContext()
+    if cfg.native_resolution:  # packed batches at each image's own aspect ratio (ropekit.train.native)
+        from .tasks import lookup_task
+
+        return lookup_task("native-resolution").build(cfg, ctx, run_dir=run_dir, quiet=quiet)
     train_ds, test_ds, info = load_data(cfg)
     seed_everything(cfg.seed)  # model initialisation: identical on every rank
     model, vit_cfg = build_model(cfg, info)

@@ -1,0 +1,172 @@
+"""Native-resolution classification (``ropekit train --native-resolution``): the ViT trained and evaluated on packed
+batches of images at their own aspect ratio and a sampled resolution (:mod:`ropekit.data.native`,
+:mod:`ropekit.nn.packing`), with the engine, run folder, checkpoints and resume of ordinary classification.
+
+Data: ``--data folder-stream`` or ``--data imagefolder`` with ``--data-root`` (``root/train`` and ``root/val``
+when both exist, else a seeded 10 % of ``root`` held out), read file by file in ``--workers`` processes; or any
+in-memory data set of ``ropekit.data`` (RGB-D too: depth as the last channel, resized with nearest).
+``--native-opt KEY=VALUE`` sets :class:`~ropekit.data.native.NativeOptions` fields (``seq_len``, ``rows``,
+``min_tokens``, ``max_tokens``, ``eval_tokens``, ``max_images``, ``token_drop``, ``hflip``); ``patch_size`` is the
+model's. ``--batch-size`` is not used: a batch is ``rows`` packed rows of ``seq_len`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from ..data.native import NativeLoader, NativeOptions
+from ..nn.packing import PackedBatch
+from . import engine
+from .config import TrainConfig
+from .distributed import DistContext
+from .engine import seed_everything
+from .tasks import register_task
+from .trainer import ClassificationTask, build_model
+
+__all__ = ["NativeClassificationTask", "build_native_task", "native_sources", "native_options"]
+
+FOLDER_DATA = ("folder-stream", "imagefolder")
+_OPTION_KEYS = {f.name for f in dataclasses.fields(NativeOptions)} - {"patch_size", "depth", "mean", "std"}
+
+
+def _check_option_keys(cfg: TrainConfig) -> None:
+    bad = sorted(set(cfg.native_options) - _OPTION_KEYS)
+    if bad:
+        raise ValueError(f"native_options: unknown key(s) {', '.join(bad)}; known: {', '.join(sorted(_OPTION_KEYS))}")
+
+
+def native_options(cfg: TrainConfig, patch_size: int, depth: bool) -> NativeOptions:
+    """The loader options of ``cfg`` (``native_options``), with the model's patch size."""
+    _check_option_keys(cfg)
+    return NativeOptions(patch_size=patch_size, depth=depth, **cfg.native_options)
+
+
+def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
+    """``(train, test, info)``: image folders read file by file, or an in-memory data set (see the module
+    docstring)."""
+    from ..data import DatasetInfo
+
+    data = cfg.data.strip().lower().replace("_", "-")
+    if data in FOLDER_DATA:
+        from ..data.streaming import ImageFolderStream
+
+        if cfg.data_root is None:
+            raise ValueError(f"--native-resolution with --data {cfg.data} needs --data-root")
+        root = Path(cfg.data_root).expanduser()
+        if (root / "train").is_dir() and (root / "val").is_dir():
+            train = ImageFolderStream(root / "train")
+            test = ImageFolderStream(root / "val", classes=train.classes)
+        else:
+            full = ImageFolderStream(root)
+            order = np.random.default_rng(cfg.split_seed).permutation(len(full))
+            held = max(1, len(full) // 10)
+            test, train = full.subset(np.sort(order[:held])), full.subset(np.sort(order[held:]))
+        tokens = cfg.native_options.get("max_tokens") or cfg.native_options.get("seq_len", 256)
+        size = (cfg.patch_size or 16) * max(1, math.isqrt(int(tokens)))  # (sizes no table: any grid is accepted)
+        info = DatasetInfo(name=data, num_classes=len(train.classes), in_chans=3, image_size=(size, size),
+                           class_names=tuple(train.classes))
+        return train, test, info
+    if data in ("folder-stream", "shards"):
+        raise ValueError(f"--native-resolution reads image folders or in-memory data sets, not --data {cfg.data}")
+    from ..data import load_dataset
+
+    train, test, info = load_dataset(cfg.data, root=cfg.data_root, image_size=cfg.image_size,
+                                     split_seed=cfg.split_seed, normalize=cfg.normalize, **cfg.data_options)
+    if info.kind == "video":
+        raise ValueError("--native-resolution packs images and RGB-D images, not video")
+    return train, test, info
+
+
+class NativeClassificationTask(ClassificationTask):
+    """Classification on packed native-resolution batches: :class:`~ropekit.train.trainer.ClassificationTask`'s
+    metrics, plots and summary; batches from :class:`~ropekit.data.native.NativeLoader` (a training epoch has a
+    fixed number of batches, a pure function of ``(seed, epoch, rank)``, restarted at the checkpoint's batch on
+    resume); the model takes a :class:`~ropekit.nn.packing.PackedBatch` (``VisionTransformer.forward``)."""
+
+    name = "train"
+
+    def __init__(self, cfg: TrainConfig, model: nn.Module, train_ds: Dataset, test_ds: Dataset, ctx: DistContext,
+                 label: str, opts: NativeOptions, quiet: bool = False, run_dir: Optional[Path] = None,
+                 info: Any = None) -> None:
+        self.cfg, self.model, self.train_ds, self.test_ds = cfg, model, train_ds, test_ds
+        self.label, self.quiet, self.run_dir, self.info, self.opts = label, quiet, run_dir, info, opts
+        self.streamed, self.mix = True, None
+        pin = ctx.device.type == "cuda"
+        self.loader = NativeLoader(train_ds, opts, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
+                                   num_workers=cfg.workers, pin_memory=pin)
+        self.eval_loader = NativeLoader(test_ds, opts, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
+                                        train=False, num_workers=cfg.workers, pin_memory=pin)
+        self.steps_per_epoch = self.loader.steps()
+
+    def epoch_batches(self, epoch: int, ctx: DistContext) -> engine.StreamedEpoch:
+        return engine.StreamedEpoch(len(self.loader.plan(epoch)), lambda start: self.loader.set_epoch(epoch, start))
+
+    def loss(self, model: nn.Module, batch: PackedBatch, device: torch.device) -> Tuple[Tensor, Dict[str, Any]]:
+        batch = batch.to(device)
+        y = batch.labels
+        logits = model(batch)  # (I, K): one row per packed image
+        loss = F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.label_smoothing)
+        n = y.shape[0]
+        return loss, {"loss_sum": loss.detach().double() * n, "correct": (logits.argmax(-1) == y).sum(), "count": n}
+
+    @torch.no_grad()
+    def evaluate(self, device: torch.device, ctx: DistContext) -> Dict[str, float]:
+        """Loss and accuracy on the test images, each at ``eval_tokens`` with its aspect ratio, packed."""
+        model = self.model
+        was = model.training
+        model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=device)
+        for batch in self.eval_loader.set_epoch(0):
+            batch = batch.to(device)
+            logits = model(batch)
+            sums += torch.stack([F.cross_entropy(logits.float(), batch.labels, reduction="sum").double(),
+                                 (logits.argmax(-1) == batch.labels).sum().double(),
+                                 torch.tensor(float(batch.labels.numel()), dtype=torch.float64, device=device)])
+        loss_sum, correct, count = ctx.all_reduce_sum(sums.tolist())
+        model.train(was)
+        count = max(count, 1.0)
+        return {"test_loss": loss_sum / count, "test_acc": correct / count, "num_examples": int(count)}
+
+    def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: DistContext) -> Dict[str, Any]:
+        loss_sum, correct, count = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("correct", 0.0),
+                                                       sums.get("count", 0.0)])
+        t0 = time.time()
+        ev = self.evaluate(ctx.device, ctx)
+        t_eval = time.time() - t0
+        return {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
+                "test_loss": ev["test_loss"], "test_acc": ev["test_acc"], "lr": info["lr"],
+                "epoch_time": info["epoch_time"] + t_eval, "elapsed_time": info["elapsed"] + t_eval}
+
+
+@register_task("native-resolution", "classification on packed batches of images at their own aspect ratio "
+                                    "(ropekit train --native-resolution)", config=TrainConfig,
+               command="ropekit train --native-resolution")
+def build_native_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *, run_dir: Optional[Path] = None,
+                      quiet: bool = False) -> NativeClassificationTask:
+    """The native-resolution task of ``cfg`` (data sources opened, ViT built and seeded by ``cfg.seed``)."""
+    ctx = ctx or DistContext()
+    if cfg.ape != "none" or cfg.pe in ("absolute", "sincos"):
+        raise ValueError("--native-resolution packs images of different grids: use a rotary encoding without an "
+                         "absolute embedding")
+    if cfg.augment_sizes or cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
+        raise ValueError("--native-resolution samples resolutions itself; augment_sizes, mixup and cutmix do not "
+                         "apply to packed batches")
+    _check_option_keys(cfg)  # (before any data is read)
+    train_ds, test_ds, info = native_sources(cfg)
+    if cfg.patch_size is None and cfg.data.strip().lower().replace("_", "-") in FOLDER_DATA:
+        cfg = dataclasses.replace(cfg, patch_size=16)
+    seed_everything(cfg.seed)
+    model, vit_cfg = build_model(cfg, info)
+    opts = native_options(cfg, vit_cfg.patch_size, info.kind == "rgbd")
+    label = f"{vit_cfg.pe}, native resolution" + (f", depth as {vit_cfg.depth_input}" if info.kind == "rgbd" else "")
+    return NativeClassificationTask(cfg, model, train_ds, test_ds, ctx, label, opts, quiet, run_dir=run_dir, info=info)
