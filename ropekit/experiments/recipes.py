@@ -29,7 +29,7 @@ import copy
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..nn.vit import ViTConfig
 from ..train import TrainConfig
@@ -39,7 +39,7 @@ from .settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
 __all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "with_later_fields", "RUNTIME_FIELDS", "PER_RUN_FIELDS",
            "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields", "experiment_config",
-           "compare_with_committed", "recipe_names"]
+           "compare_with_committed", "recipe_names", "STUDY_CLAIMS"]
 
 PRESETS = ("default", "gpu", "quick")
 
@@ -210,6 +210,34 @@ def _presets(study_default: Dict[str, Any], study_gpu: Dict[str, Any], study_qui
     return {"default": {"train": _mnist(**(train or {})), "study": study_default},
             "gpu": {"train": _mnist_gpu(**(train_gpu or train or {})), "study": study_gpu},
             "quick": {"train": _mnist_quick(**(train_quick or {})), "study": study_quick}}
+
+
+#: The claims each study declares before it runs: the comparisons its papers make, ``(first, second, sign, paper)``
+#: read as ``first − second`` with the claimed ``sign`` (+1: first above), and the paper's own numbers. A study's
+#: claims are one Holm family (:mod:`ropekit.experiments.verdict`); ``docs/results/claims.md`` is generated from
+#: them and the committed CSVs (:mod:`ropekit.experiments.claims`). Kept beside, not inside, the recipes, so that
+#: declaring a claim changes no run's configuration.
+STUDY_CLAIMS: Dict[str, Tuple[Tuple[str, str, int, str], ...]] = {
+    "classify": (
+        ("axial", "absolute", 1, "rotary beats APE: STRING Table 1 (ImageNet) RoPE 80.18, ViT 80.04"),
+        ("mixed", "absolute", 1, "rotary beats APE: STRING Table 1 RoPE-Mixed 80.86, ViT 80.04"),
+        ("cayley", "absolute", 1, "rotary beats APE: STRING Table 1 Cayley 81.09, ViT 80.04"),
+        ("circulant", "absolute", 1, "rotary beats APE: STRING Table 1 Circulant 81.22, ViT 80.04"),
+        ("liere", "absolute", 1, "rotary beats APE: ComRoPE Table 1 at 224 px LieRE 64.36, APE 58.76"),
+        ("liere-commute", "absolute", 1, "rotary beats APE: LieRE Table 1 (no number quoted here)"),
+        ("comrope-ap", "absolute", 1, "rotary beats APE: ComRoPE Table 1 at 224 px AP 65.32, APE 58.76"),
+        ("comrope-ld", "absolute", 1, "rotary beats APE: ComRoPE Table 1 at 224 px LD 65.49, APE 58.76"),
+        ("liere", "liere-commute", 1, "LieRE Table 1 order (no number quoted here)"),
+        ("liere-commute", "mixed", 1, "LieRE Table 1 order (no number quoted here)"),
+        ("comrope-ld", "liere", 1, "ComRoPE Table 1 at 224 px LD 65.49, LieRE 64.36"),
+        ("comrope-ld", "comrope-ap", 1, "ComRoPE Table 1 at 224 px LD 65.49, AP 65.32"),
+        ("cayley", "mixed", 1, "STRING beats RoPE: STRING Table 1 Cayley 81.09, RoPE-Mixed 80.86"),
+        ("circulant", "mixed", 1, "STRING beats RoPE: STRING Table 1 Circulant 81.22, RoPE-Mixed 80.86"),
+        ("cayley", "axial", 1, "STRING beats RoPE: STRING Table 1 Cayley 81.09, RoPE 80.18"),
+        ("circulant", "axial", 1, "STRING beats RoPE: STRING Table 1 Circulant 81.22, RoPE 80.18"),
+        ("mixed", "axial", 1, "learnable beats fixed: STRING Table 1 RoPE-Mixed 80.86, RoPE 80.18"),
+    ),
+}
 
 
 SEEDS = [0, 1, 2]
