@@ -10,6 +10,8 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from ropekit.experiments.claims import render_claims
 from ropekit.experiments.verdict import WORDS
 
@@ -61,3 +63,21 @@ def test_owl_table_matches_its_csv(tmp_path):
     words = re.compile(r"\| (holds|reversed|trend|null|not assessable|-) ")
     assert words.findall(committed) == words.findall(fresh)
     assert committed == fresh
+
+
+@pytest.mark.parametrize("folder", ["robot", "robot-ood"])
+def test_robot_tables_match_their_csv(folder):
+    pytest.importorskip("pybullet")
+    from ropekit.robot.experiment import _paired_lines, paired_verdicts
+
+    src = RESULTS / folder
+    doc = json.loads((src / "robot.json").read_text())
+    agg = doc["summary"]["aggregate"]
+    policies = list(dict.fromkeys(a["policy"] for a in agg))
+    conditions = list(dict.fromkeys(a["condition"] for a in agg))
+    with open(src / "robot.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    fresh = "\n".join(_paired_lines({(a["policy"], a["condition"]): a for a in agg}, policies, conditions,
+                                    paired_verdicts(rows, policies, conditions)))
+    text = (src / "table.md").read_text()
+    assert fresh in text, f"regenerate the paired section of docs/results/{folder}/table.md"

@@ -144,3 +144,18 @@ def test_bootstrap_matches_t_interval_for_many_seeds():
     out = judge({"r": [float(np.mean(x)) for x in ([1.0, 0.0], [1.0, 1.0])]}, {"r": 1},
                 p_values={"r": 0.5}, intervals={"r": {0.95: (-0.1, 1.2), 0.8: (0.1, 1.0)}})
     assert out["r"].word == "trend"
+
+
+def test_bootstrap_of_unpaired_episodes():
+    # two arms, three seeds of 100 episodes each: the statistic is the mean over seeds of rate A - rate B
+    a = [[1.0] * 80 + [0.0] * 20, [1.0] * 70 + [0.0] * 30, [1.0] * 90 + [0.0] * 10]
+    b = [[1.0] * 50 + [0.0] * 50, [1.0] * 55 + [0.0] * 45, [1.0] * 45 + [0.0] * 55]
+    out = bootstrap_interval(a, per_seed_b=b, resamples=3000, seed=2)
+    assert out["per_seed"] == pytest.approx([0.30, 0.15, 0.45])
+    assert out["mean"] == pytest.approx(0.30)
+    lo, hi = out["intervals"][0.95]
+    # every resample's seeds lie in {0.15, 0.30, 0.45} ± episode noise (sd ~ 0.07 per seed): the interval is
+    # inside [0.15 - 4*0.07, 0.45 + 4*0.07] and clear of 0
+    assert 0 < lo < out["mean"] < hi < 0.45 + 0.28 and out["p"] < 0.01
+    with pytest.raises(ValueError, match="same number"):
+        bootstrap_interval(a, per_seed_b=b[:2])

@@ -198,28 +198,40 @@ def seeds_needed(sd: float, delta: float, *, alpha: float = ALPHA, power: float 
 
 
 def bootstrap_interval(per_seed: Sequence[Sequence[float]], levels: Sequence[float] = (0.95, 0.8), *,
-                       resamples: int = 10000, seed: int = 0) -> Dict[str, Any]:
+                       per_seed_b: Optional[Sequence[Sequence[float]]] = None, resamples: int = 10000,
+                       seed: int = 0) -> Dict[str, Any]:
     """The mean paired difference of episodes inside seeds, with percentile intervals from a two-level bootstrap:
     resample seeds with replacement, then episodes with replacement inside each drawn seed; the statistic is the
     mean over seeds of the per-seed episode means.
 
-    ``per_seed``: one sequence of per-episode paired differences per seed (lengths may differ). Returns
-    ``{"mean", "intervals": {level: (low, high)}, "p"}`` with ``p`` the two-sided bootstrap p-value
-    ``min(1, 2·min(P(mean* ≤ 0), P(mean* ≥ 0)))``.
+    ``per_seed``: one sequence of per-episode paired differences per seed (lengths may differ). With
+    ``per_seed_b`` the episodes are not paired: ``per_seed`` holds arm A's per-episode outcomes and
+    ``per_seed_b`` arm B's (e.g. 1 for a success, 0 for a failure), each resampled inside the drawn seed, and the
+    statistic is the mean over seeds of ``mean(A) − mean(B)``. Returns ``{"mean", "per_seed", "intervals":
+    {level: (low, high)}, "p"}`` with ``per_seed`` the observed per-seed differences and ``p`` the two-sided
+    bootstrap p-value ``min(1, 2·min(P(mean* ≤ 0), P(mean* ≥ 0)))``.
     """
-    groups = [np.asarray(list(g), dtype=np.float64) for g in per_seed]
-    if not groups or any(g.size == 0 for g in groups):
+    arms = [per_seed] if per_seed_b is None else [per_seed, per_seed_b]
+    groups = [[np.asarray(list(g), dtype=np.float64) for g in arm] for arm in arms]
+    if not groups[0] or any(len(g) != len(groups[0]) for g in groups):
+        raise ValueError("bootstrap_interval needs the same number (at least one) of seeds for both arms")
+    if any(g.size == 0 for arm in groups for g in arm):
         raise ValueError("bootstrap_interval needs at least one episode in every seed")
-    if any(not np.all(np.isfinite(g)) for g in groups):
-        raise ValueError("bootstrap_interval: an episode difference is NaN or infinite")
+    if any(not np.all(np.isfinite(g)) for arm in groups for g in arm):
+        raise ValueError("bootstrap_interval: an episode outcome is NaN or infinite")
     rng = np.random.default_rng(seed)
-    k = len(groups)
-    stat = np.empty(resamples)
+    k = len(groups[0])
+
+    def seed_value(i: int, draw: bool) -> float:
+        vals = []
+        for arm in groups:
+            g = arm[i]
+            vals.append(g[rng.integers(0, g.size, size=g.size)].mean() if draw else g.mean())
+        return vals[0] - (vals[1] if len(vals) > 1 else 0.0)
+
+    observed = [seed_value(i, False) for i in range(k)]
     picks = rng.integers(0, k, size=(resamples, k))
-    for b in range(resamples):
-        means = [groups[i][rng.integers(0, groups[i].size, size=groups[i].size)].mean() for i in picks[b]]
-        stat[b] = float(np.mean(means))
-    mean = float(np.mean([g.mean() for g in groups]))
+    stat = np.array([np.mean([seed_value(i, True) for i in row]) for row in picks])
     iv = {float(c): (float(np.quantile(stat, (1 - c) / 2)), float(np.quantile(stat, (1 + c) / 2))) for c in levels}
     p = float(min(1.0, 2 * min((stat <= 0).mean(), (stat >= 0).mean())))
-    return {"mean": mean, "intervals": iv, "p": p}
+    return {"mean": float(np.mean(observed)), "per_seed": observed, "intervals": iv, "p": p}
