@@ -290,6 +290,15 @@ def _video(preset: str) -> Dict[str, Any]:
 _MQA_SHARING = {"mixed": {"pe_sharing": "head"}, "cayley": {"pe_sharing": "head"}}
 _COMROPE_PROTOCOL_SHARING = {"comrope-ap": {"pe_sharing": "head"}, "comrope-ld": {"pe_sharing": "head"},
                              "circulant": {"pe_sharing": "layer"}}
+#: The same protocol with ComRoPE's own start for normalised coordinates: random bases with entries N(0, 1)
+#: (``init="normal"``, ``init_std=1``), where ``resolution-comrope`` starts ComRoPE as axial RoPE (``init="rope"``,
+#: frequencies made for integer positions, which cost ComRoPE-LD 0.10 on normalised coordinates in
+#: classify-coords); with APE and LieRE (one set for the model, its paper's sharing) as the other rows.
+_COMROPE_PAPER_START = {**_COMROPE_PROTOCOL_SHARING,
+                        "comrope-ap": {"pe_sharing": "head", "pe_options": {"init": "normal", "init_std": 1.0}},
+                        "comrope-ld": {"pe_sharing": "head", "pe_options": {"init": "normal", "init_std": 1.0}},
+                        "liere": {"pe_sharing": "model"}}
+_COMROPE_PAPER_PES = ["comrope-ap", "comrope-ld", "circulant", "liere", "absolute"]
 
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "classify": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
@@ -372,6 +381,15 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
         _study(["comrope-ld"], [0], 200, pe_overrides=_COMROPE_PROTOCOL_SHARING,
                coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
                sizes=[16, 28, 56])),
+    "resolution-comrope-paper": _presets(
+        _study(_COMROPE_PAPER_PES, SEEDS, pe_overrides=_COMROPE_PAPER_START,
+               coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
+               sizes=[16, 20, 24, 28, 36, 44, 56]),
+        _study(_COMROPE_PAPER_PES, GPU_SEEDS, pe_overrides=_COMROPE_PAPER_START,
+               coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
+               sizes=[16, 20, 24, 28, 36, 44, 56]),
+        _study(["comrope-ld", "absolute"], [0], 200, pe_overrides=_COMROPE_PAPER_START,
+               coord_modes=["normalized"], jitter_sigma=1.0, scale_sizes=None, sizes=[16, 28])),
     "mqa": {"default": {"train": _mnist(model_options=_arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
                                                             num_kv_heads=1)),
                         "study": _study(["mixed", "cayley"], SEEDS, pe_overrides=_MQA_SHARING)},
