@@ -6,8 +6,10 @@
 # runs.csv here as soon as it finishes, so a killed loop loses at most the run in progress.
 # Resumable: rows already in runs.csv are skipped. Run from the repository root:
 #
-#   OMP_NUM_THREADS=1 nohup bash docs/results/classify-depth6-seeds/run.sh 5 49 \
+#   OMP_NUM_THREADS=1 COMMIT=1 nohup bash docs/results/classify-depth6-seeds/run.sh 5 49 \
 #       > runs/classify-depth6-seeds.log 2>&1 &
+#
+# COMMIT=1 commits runs.csv and docs/results/claims.md after every run (nothing else).
 #
 # The first seeds (0-4) are the committed study itself; this folder only holds seeds 5 onward.
 set -euo pipefail
@@ -41,6 +43,9 @@ with open(dst, "a", newline="") as f:
         w.writerow(r)
 PY
     python -m ropekit.experiments.claims docs/results > /dev/null  # the claims page follows runs.csv
+    if [ "${COMMIT:-0}" = 1 ]; then  # each finished run committed at once (only these two files)
+      git commit -q -m "classify-depth6-seeds: $pe seed $seed" -- "$csv" docs/results/claims.md || true
+    fi
     echo "$(date -u +%FT%TZ) done $pe s$seed"
   done
 done
