@@ -46,10 +46,11 @@ def test_boxes_option_is_checked(tmp_path):
 
 def test_readings():
     assert reading([0.05, 0.04, 0.06]) == "holds"
-    assert reading([0.05, 0.04, -0.01]) == "trend"   # a seed against, mean above half a spread
+    assert reading([0.05, 0.04, 0.02]) == "trend"    # t = 4.16: inside t_{0.975,2} = 4.30, beyond t_{0.9,2} = 1.89
+    assert reading([0.05, 0.04, -0.01]) == "null"    # t = 1.44
     assert reading([0.01, -0.02, 0.015]) == "null"
     assert reading([-0.05, -0.04, -0.06]) == "reversed"
-    assert reading([0.05]) == "-"
+    assert reading([0.05]) == "not assessable" and reading([]) == "-"
     assert reading([0.05, 0.04, 0.06], claimed=-1) == "reversed"
 
 

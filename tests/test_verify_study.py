@@ -13,14 +13,16 @@ from ropekit.experiments.verify import compare_readings, parse_sample, reading, 
 
 
 @pytest.mark.parametrize("diffs,expected", [
-    ([0.03, 0.02, 0.04], ("holds", 1)),                # every seed, mean 3 spreads out
-    ([-0.05, -0.04, 0.01, -0.06], ("holds", -1)),      # one seed of four against, |mean| > spread
-    ([0.3, 0.3, 0.3, -0.001, -0.001], ("trend", 1)),   # |mean| > spread, but two seeds against
-    ([0.08, -0.001], ("trend", 1)),                    # a seed against, |mean| 0.69 spreads
-    ([-0.007, 0.008, 0.026, 0.033, 0.008], ("trend", 1)),  # |mean| 0.84 spreads
-    ([0.033, -0.02, 0.024, 0.034, 0.002], ("null", 1)),  # |mean| 0.63 spreads
+    # t = mean / (sd / sqrt(n)); holds: two-sided p < 0.05 (|t| > t_{0.975, n-1}); trend: |t| > t_{0.9, n-1}
+    ([0.03, 0.02, 0.04], ("holds", 1)),                # t = 5.20 > t_{0.975,2} = 4.30
+    ([-0.05, -0.04, 0.01, -0.06], ("trend", -1)),      # t = -2.26: inside 3.18, beyond t_{0.9,3} = 1.64
+    ([-0.05, -0.04, -0.045, -0.06], ("reversed", -1)),  # t = -10.4, against the claimed (positive) sign
+    ([0.3, 0.3, 0.3, -0.001, -0.001], ("trend", 1)),   # t = 2.44: inside 2.78, beyond t_{0.9,4} = 1.53
+    ([0.08, -0.001], ("null", 1)),                     # t = 0.98 < t_{0.9,1} = 3.08
+    ([-0.007, 0.008, 0.026, 0.033, 0.008], ("trend", 1)),  # t = 1.88
+    ([0.033, -0.02, 0.024, 0.034, 0.002], ("null", 1)),  # t = 1.41
     ([0.03, -0.02, 0.0], ("null", 1)),                 # mean 0.003 against a spread of 0.025
-    ([0.01], ("holds", 1)),                            # one seed: no spread
+    ([0.01], ("not assessable", 1)),                   # one seed: no spread, no interval
     ([0.0, 0.0], ("null", 0)),
 ])
 def test_reading_follows_the_rule(diffs, expected):

@@ -67,7 +67,7 @@ def test_video_coords_pairs_each_convention_with_its_grid_run(tmp_path):
     summary = json.loads((out / "video-coords.json").read_text())["summary"]
     assert list(summary["paired_diff_vs_grid"]) == ["liere/normalized"]
     vs = summary["paired_diff_vs_grid"]["liere/normalized"]
-    assert vs["per_seed"] == [pytest.approx(norm - grid)] and vs["reading"] in ("holds", "trend", "null")
+    assert vs["per_seed"] == [pytest.approx(norm - grid)] and vs["reading"] == "not assessable"  # one seed
     table = (out / "table.md").read_text()
     assert "LieRE (normalized)" in table and "accuracy − grid coordinates (paired)" in table
     assert R.compare_with_committed(out) == []

@@ -47,6 +47,7 @@ import numpy as np
 from .common import StudyResult
 from .recipes import PRESETS
 from .registry import register_study
+from .verdict import RULE, judge, judge_one
 
 __all__ = ["RECIPES", "owl_recipe", "planned", "run_settings", "run_owl", "compare_owl", "reading"]
 
@@ -270,22 +271,20 @@ def run_owl(r: Dict[str, Any], out: Path, *, preset: str, argv: Sequence[str], d
 
 
 def reading(diffs: Sequence[float], claimed: int = 1) -> str:
-    """The reading of paired differences against the claimed sign (``+1``: positive): ``holds`` (mean beyond one
-    sample standard deviation, in the claimed direction, on every seed or all but one), ``trend`` (in the claimed
-    direction by at least half a spread, or with more than one seed against it), ``reversed`` (beyond one spread
-    in the other direction), ``null`` (otherwise); ``-`` with fewer than two seeds."""
-    d = np.asarray([x for x in diffs if x == x], float) * claimed
-    if len(d) < 2:
-        return "-"
-    m, s = float(d.mean()), float(d.std(ddof=1))
-    against = int((d <= 0).sum())
-    if m > s and against <= (1 if len(d) >= 3 else 0):
-        return "holds"
-    if m < -s:
-        return "reversed"
-    if m >= 0.5 * s and m > 0:
-        return "trend"
-    return "null"
+    """The word of paired differences against the claimed sign (``+1``: positive) by the one rule
+    (:mod:`ropekit.experiments.verdict`) for a family of one comparison; NaN seeds are left out, ``-`` without
+    any seed. The study's table reads all its claims together (:func:`claim_verdicts`)."""
+    d = [float(x) for x in diffs if x == x]
+    return judge_one(d, claimed).word if d else "-"
+
+
+def claim_verdicts(claims: Dict[str, Tuple[Sequence[float], int]]) -> Dict[str, str]:
+    """name -> word for the study's claims read as one Holm family: ``claims`` maps a name to (per-seed paired
+    differences, claimed sign). NaN seeds are left out; a claim without any seed reads ``-``."""
+    clean = {k: [float(x) for x in d if x == x] for k, (d, _) in claims.items()}
+    have = {k: v for k, v in clean.items() if v}
+    out = {k: v.word for k, v in judge(have, {k: claims[k][1] for k in have}).items()}
+    return {k: out.get(k, "-") for k in claims}
 
 
 def _ms(values: Sequence[float]) -> str:
@@ -342,7 +341,22 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
         lines.append(f"| {pe_label(enc)} | " + " | ".join(_ms([x.get(m, float('nan')) for x in sel]) for m in m2)
                      + f" | {np.mean([x['seconds'] for x in sel]):.0f} |")
     diffs: List[Dict[str, Any]] = []
-    lines += ["", "Paired by seed, each encoding − APE (claimed: positive):\n",
+    # the study's claims (every comparison its tables read), judged as one Holm family before they are written
+    arms3 = [tuple(a) for a in r["three_d"]]
+    pairs = [((e, "rgbd"), (e, "rgb"), "ViTD − ViT") for e, i in arms3 if i == "rgb" and (e, "rgbd") in arms3]
+    pairs += [((e, "rgb"), ("absolute", "rgb"), "− APE (RGB)") for e, i in arms3
+              if i == "rgb" and e != "absolute" and ("absolute", "rgb") in arms3]
+    claims: Dict[str, Tuple[List[float], int]] = {}
+    for enc in r["encodings"]:
+        if enc != "absolute":
+            for m in ("AP", "AP_unseen"):
+                claims[f"2d {enc} {m}"] = (_paired(rows, "owl2d", (enc, "rgb"), ("absolute", "rgb"), m), 1)
+    for a, b, what in pairs:
+        for m, sign in (("mean_iou", 1), ("iou25", 1), ("depth_err", -1)):
+            claims[f"3d {a} {b} {m}"] = (_paired(rows, "owl3d", a, b, m), sign)
+    words = claim_verdicts({k: v for k, v in claims.items() if v[0]})
+    lines += ["", "Paired by seed, each encoding − APE (claimed: positive). Verdicts, every comparison of this page "
+                  f"one family: {RULE}.\n",
               "| difference | AP | reading | AP_unseen | reading |", "|---|---|---|---|---|"]
     for enc in r["encodings"]:
         if enc == "absolute":
@@ -350,9 +364,10 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
         d1 = _paired(rows, "owl2d", (enc, "rgb"), ("absolute", "rgb"), "AP")
         d2 = _paired(rows, "owl2d", (enc, "rgb"), ("absolute", "rgb"), "AP_unseen")
         if d1:
+            w1, w2 = words.get(f"2d {enc} AP", "-"), words.get(f"2d {enc} AP_unseen", "-")
             diffs.append({"kind": "owl2d", "a": enc, "b": "absolute", "AP": d1, "AP_unseen": d2,
-                          "AP_reading": reading(d1), "AP_unseen_reading": reading(d2)})
-            lines.append(f"| {pe_label(enc)} − APE | {_ms(d1)} | {reading(d1)} | {_ms(d2)} | {reading(d2)} |")
+                          "AP_reading": w1, "AP_unseen_reading": w2})
+            lines.append(f"| {pe_label(enc)} − APE | {_ms(d1)} | {w1} | {_ms(d2)} | {w2} |")
     obj = ("blocks as deep as their true size (the 3-D box is the volume; its centre lies half that depth behind the "
            "front face the depth map shows)" if r.get("three_d_solid") else "cards 2 cm deep")
     lines += ["", "## 3-D boxes by text query\n",
@@ -372,10 +387,6 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
         lines.append(f"| {pe_label(enc)} | {label} | " + " | ".join(_ms([x.get(m, float('nan')) for x in sel])
                                                                    for m in m3)
                      + f" | {np.mean([x['seconds'] for x in sel]):.0f} |")
-    arms = [tuple(a) for a in r["three_d"]]
-    pairs = [((e, "rgbd"), (e, "rgb"), "ViTD − ViT") for e, i in arms if i == "rgb" and (e, "rgbd") in arms]
-    pairs += [((e, "rgb"), ("absolute", "rgb"), "− APE (RGB)") for e, i in arms
-              if i == "rgb" and e != "absolute" and ("absolute", "rgb") in arms]
     if pairs:
         lines += ["", "Paired by seed (claimed: IoU and iou25 up, depth error down):\n",
                   "| difference | mean IoU | reading | iou25 | reading | depth_err (m) | reading |",
@@ -385,11 +396,10 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
         if d:
             d25 = _paired(rows, "owl3d", a, b, "iou25")
             dz = _paired(rows, "owl3d", a, b, "depth_err")
-            diffs.append({"kind": "owl3d", "a": list(a), "b": list(b), "mean_iou": d, "reading": reading(d),
-                          "iou25": d25, "iou25_reading": reading(d25), "depth_err": dz,
-                          "depth_err_reading": reading(dz, claimed=-1)})
-            lines.append(f"| {pe_label(a[0])} {what} | {_ms(d)} | {reading(d)} | {_ms(d25)} | {reading(d25)} | "
-                         f"{_ms(dz)} | {reading(dz, claimed=-1)} |")
+            w, w25, wz = (words.get(f"3d {a} {b} {m}", "-") for m in ("mean_iou", "iou25", "depth_err"))
+            diffs.append({"kind": "owl3d", "a": list(a), "b": list(b), "mean_iou": d, "reading": w,
+                          "iou25": d25, "iou25_reading": w25, "depth_err": dz, "depth_err_reading": wz})
+            lines.append(f"| {pe_label(a[0])} {what} | {_ms(d)} | {w} | {_ms(d25)} | {w25} | {_ms(dz)} | {wz} |")
     lines += ["", PAPER_NUMBERS]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     _bars(rows, r, out / "owl.png")

@@ -29,7 +29,7 @@ import copy
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..nn.vit import ViTConfig
 from ..train import TrainConfig
@@ -39,7 +39,7 @@ from .settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
 __all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "with_later_fields", "RUNTIME_FIELDS", "PER_RUN_FIELDS",
            "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields", "experiment_config",
-           "compare_with_committed", "recipe_names"]
+           "compare_with_committed", "recipe_names", "STUDY_CLAIMS"]
 
 PRESETS = ("default", "gpu", "quick")
 
@@ -213,6 +213,34 @@ def _presets(study_default: Dict[str, Any], study_gpu: Dict[str, Any], study_qui
             "quick": {"train": _mnist_quick(**(train_quick or {})), "study": study_quick}}
 
 
+#: The claims each study declares before it runs: the comparisons its papers make, ``(first, second, sign, paper)``
+#: read as ``first − second`` with the claimed ``sign`` (+1: first above), and the paper's own numbers. A study's
+#: claims are one Holm family (:mod:`ropekit.experiments.verdict`); ``docs/results/claims.md`` is generated from
+#: them and the committed CSVs (:mod:`ropekit.experiments.claims`). Kept beside, not inside, the recipes, so that
+#: declaring a claim changes no run's configuration.
+STUDY_CLAIMS: Dict[str, Tuple[Tuple[str, str, int, str], ...]] = {
+    "classify": (
+        ("axial", "absolute", 1, "rotary beats APE: STRING Table 1 (ImageNet) RoPE 80.18, ViT 80.04"),
+        ("mixed", "absolute", 1, "rotary beats APE: STRING Table 1 RoPE-Mixed 80.86, ViT 80.04"),
+        ("cayley", "absolute", 1, "rotary beats APE: STRING Table 1 Cayley 81.09, ViT 80.04"),
+        ("circulant", "absolute", 1, "rotary beats APE: STRING Table 1 Circulant 81.22, ViT 80.04"),
+        ("liere", "absolute", 1, "rotary beats APE: ComRoPE Table 1 at 224 px LieRE 64.36, APE 58.76"),
+        ("liere-commute", "absolute", 1, "rotary beats APE: LieRE Table 1 (no number quoted here)"),
+        ("comrope-ap", "absolute", 1, "rotary beats APE: ComRoPE Table 1 at 224 px AP 65.32, APE 58.76"),
+        ("comrope-ld", "absolute", 1, "rotary beats APE: ComRoPE Table 1 at 224 px LD 65.49, APE 58.76"),
+        ("liere", "liere-commute", 1, "LieRE Table 1 order (no number quoted here)"),
+        ("liere-commute", "mixed", 1, "LieRE Table 1 order (no number quoted here)"),
+        ("comrope-ld", "liere", 1, "ComRoPE Table 1 at 224 px LD 65.49, LieRE 64.36"),
+        ("comrope-ld", "comrope-ap", 1, "ComRoPE Table 1 at 224 px LD 65.49, AP 65.32"),
+        ("cayley", "mixed", 1, "STRING beats RoPE: STRING Table 1 Cayley 81.09, RoPE-Mixed 80.86"),
+        ("circulant", "mixed", 1, "STRING beats RoPE: STRING Table 1 Circulant 81.22, RoPE-Mixed 80.86"),
+        ("cayley", "axial", 1, "STRING beats RoPE: STRING Table 1 Cayley 81.09, RoPE 80.18"),
+        ("circulant", "axial", 1, "STRING beats RoPE: STRING Table 1 Circulant 81.22, RoPE 80.18"),
+        ("mixed", "axial", 1, "learnable beats fixed: STRING Table 1 RoPE-Mixed 80.86, RoPE 80.18"),
+    ),
+}
+
+
 SEEDS = [0, 1, 2]
 GPU_SEEDS = [0, 1, 2, 3, 4]
 #: The classification, the ranking every other study is read against, has five seeds on the CPU as well: the
@@ -263,6 +291,15 @@ def _video(preset: str) -> Dict[str, Any]:
 _MQA_SHARING = {"mixed": {"pe_sharing": "head"}, "cayley": {"pe_sharing": "head"}}
 _COMROPE_PROTOCOL_SHARING = {"comrope-ap": {"pe_sharing": "head"}, "comrope-ld": {"pe_sharing": "head"},
                              "circulant": {"pe_sharing": "layer"}}
+#: The same protocol with ComRoPE's own start for normalised coordinates: random bases with entries N(0, 1)
+#: (``init="normal"``, ``init_std=1``), where ``resolution-comrope`` starts ComRoPE as axial RoPE (``init="rope"``,
+#: frequencies made for integer positions, which cost ComRoPE-LD 0.10 on normalised coordinates in
+#: classify-coords); with APE and LieRE (one set for the model, its paper's sharing) as the other rows.
+_COMROPE_PAPER_START = {**_COMROPE_PROTOCOL_SHARING,
+                        "comrope-ap": {"pe_sharing": "head", "pe_options": {"init": "normal", "init_std": 1.0}},
+                        "comrope-ld": {"pe_sharing": "head", "pe_options": {"init": "normal", "init_std": 1.0}},
+                        "liere": {"pe_sharing": "model"}}
+_COMROPE_PAPER_PES = ["comrope-ap", "comrope-ld", "circulant", "liere", "absolute"]
 
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "classify": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
@@ -345,6 +382,15 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
         _study(["comrope-ld"], [0], 200, pe_overrides=_COMROPE_PROTOCOL_SHARING,
                coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
                sizes=[16, 28, 56])),
+    "resolution-comrope-paper": _presets(
+        _study(_COMROPE_PAPER_PES, SEEDS, pe_overrides=_COMROPE_PAPER_START,
+               coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
+               sizes=[16, 20, 24, 28, 36, 44, 56]),
+        _study(_COMROPE_PAPER_PES, GPU_SEEDS, pe_overrides=_COMROPE_PAPER_START,
+               coord_modes=["normalized", "normalized+jitter"], jitter_sigma=1.0, scale_sizes=None,
+               sizes=[16, 20, 24, 28, 36, 44, 56]),
+        _study(["comrope-ld", "absolute"], [0], 200, pe_overrides=_COMROPE_PAPER_START,
+               coord_modes=["normalized"], jitter_sigma=1.0, scale_sizes=None, sizes=[16, 28])),
     "mqa": {"default": {"train": _mnist(model_options=_arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
                                                             num_kv_heads=1)),
                         "study": _study(["mixed", "cayley"], SEEDS, pe_overrides=_MQA_SHARING)},

@@ -23,7 +23,9 @@ patches (``ViTConfig.jitter``).
 ``resolution-comrope`` is ComRoPE's protocol as arms of this study (its own recipe): one training size,
 normalised coordinates with perturbation sigma 0 and 1 (``normalized`` and ``normalized+jitter``), ComRoPE-AP,
 ComRoPE-LD (per layer and head, as ComRoPE's Table 7 counts them) and Circulant-STRING, evaluated from about half
-to twice the training size (``docs/results/resolution-comrope/``).
+to twice the training size (``docs/results/resolution-comrope/``). Its ComRoPE arms start as axial RoPE
+(``init="rope"``, the encoding's default); ``resolution-comrope-paper`` is the same protocol with ComRoPE's own
+start for normalised coordinates (random bases, ``init="normal"``, ``init_std=1``) and APE and LieRE rows.
 """
 
 from __future__ import annotations
@@ -72,6 +74,18 @@ def run_resolution_comrope(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequ
                            jitter_sigma: float = 1.0) -> StudyResult:
     """The resolution study with ComRoPE's protocol as its recipe (module docstring)."""
     return _resolution("resolution-comrope", cfg, out, sizes, coord_modes, scale_sizes, jitter_sigma)
+
+
+@register_study("resolution-comrope-paper", "ComRoPE's resolution protocol with ComRoPE's own random start (not axial "
+                "RoPE's), and APE and LieRE rows", options=("sizes", "coord_modes", "scale_sizes", "jitter_sigma"),
+                varies=("pe_sharing", "pe_options", "coords", "augment_sizes", "jitter"))
+def run_resolution_comrope_paper(cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int]] = None,
+                                 coord_modes: Optional[Sequence[str]] = None,
+                                 scale_sizes: Optional[Sequence[int]] = None,
+                                 jitter_sigma: float = 1.0) -> StudyResult:
+    """``resolution-comrope`` with ComRoPE started from random bases (``init="normal"``, ``init_std=1``, the
+    authors' start for normalised coordinates) instead of axial RoPE, plus APE and LieRE (module docstring)."""
+    return _resolution("resolution-comrope-paper", cfg, out, sizes, coord_modes, scale_sizes, jitter_sigma)
 
 
 def _resolution(name: str, cfg: ExperimentConfig, out: Any, sizes: Optional[Sequence[int]],

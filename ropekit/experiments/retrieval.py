@@ -36,8 +36,10 @@ from .common import StudyResult
 from .registry import register_study
 from .report import StudyWriter, markdown_table, mean_std, setup_matplotlib
 from .runs import Progress
+from .verdict import RULE, judge, judge_one
 
-__all__ = ["ARMS", "RECIPES", "PAPER_TABLE2", "recipe", "run_retrieval_study", "reading", "compare_retrieval"]
+__all__ = ["ARMS", "RECIPES", "PAPER_TABLE2", "recipe", "run_retrieval_study", "reading", "compare_retrieval", "CLAIMS",
+           "comparisons", "comparison_table"]
 
 #: arm -> (label, pe, depth_input).
 ARMS: Dict[str, Tuple[str, str, str]] = {
@@ -138,25 +140,63 @@ def _train_run(r: Dict[str, Any], arm: str, seed: int, run_dir: Path, threads: O
 
 
 def reading(diffs: Sequence[float]) -> str:
-    """The README's reading of paired differences in the claimed direction (positive): ``holds`` (the mean
-    exceeds one standard deviation and every seed, or all but one, agrees), ``trend`` (positive by at least half a
-    standard deviation, or with a seed against), ``reversed`` (negative by more than a standard deviation), else
-    ``null``."""
-    d = [float(x) for x in diffs]
-    if not d:
-        return "–"
-    st = mean_std(d)
-    m, s = st["mean"], (st["std"] if st["n"] > 1 else 0.0)
-    agree = sum(x > 0 for x in d)
-    if len(d) < 2:
-        return "one seed: no reading"
-    if m > 0 and m > s and agree >= len(d) - 1:
-        return "holds"
-    if m > 0 and m >= 0.5 * s:
-        return "trend"
-    if m < 0 and -m > s:
-        return "reversed"
-    return "null"
+    """The word of paired differences claimed positive, by the one rule (:mod:`ropekit.experiments.verdict`)
+    for a family of one comparison; the study's table reads its :data:`CLAIMS` together
+    (:func:`comparisons`)."""
+    return judge_one([float(x) for x in diffs], 1).word
+
+
+#: The comparisons the study claims, each positive (``a − b``): rotary RGB-D towers above the RGB ViT and depth
+#: helping (STRING Table 2), declared before the runs; their p-values are Holm-corrected together.
+#: ``(a, b, what)``; a pair whose arms were not run is left out.
+CLAIMS: Tuple[Tuple[str, str, str], ...] = tuple(
+    [(arm, BASELINE, f"{ARMS[arm][0]} − {ARMS[BASELINE][0]}") for arm in ARMS if arm != BASELINE]
+    + [("rgbd-cayley", "rgb-cayley", "Cayley: RGB-D (depth as z) − RGB (2-D)"),
+       ("rgbd-cayley", "rgbd-ape", "RGB-D: Cayley (depth as z) − APE (depth as channel)"),
+       ("rgbd-cayley-both", "rgbd-ape", "RGB-D, depth as channel: Cayley (and depth as z) − APE"),
+       ("rgbd-cayley-both", "rgbd-cayley", "Cayley RGB-D: depth as channel and z − depth as z only"),
+       ("rgbd-cayley", "rgbd-rope", "RGB-D, depth as z: Cayley-STRING − RoPE (axial)")])
+
+
+def comparisons(rows: Sequence[Dict[str, Any]], arms: Sequence[str]) -> List[Dict[str, Any]]:
+    """The paired differences of mean recall for every claim in :data:`CLAIMS` whose arms are among ``arms``,
+    each with its verdict (the claims read as one Holm family). ``rows``: the study's rows (``arm``, ``seed``,
+    ``mean_recall``; strings as a CSV gives them are accepted)."""
+    def per_seed(arm: str) -> Dict[int, float]:
+        return {int(row["seed"]): float(row["mean_recall"]) for row in rows if row["arm"] == arm}
+
+    out = []
+    for a, b, what in CLAIMS:
+        if a not in arms or b not in arms:
+            continue
+        va, vb = per_seed(a), per_seed(b)
+        d = [va[k] - vb[k] for k in sorted(set(va) & set(vb))]
+        if d:
+            out.append({"a": a, "b": b, "what": what, "diffs": d, **mean_std(d),
+                        "seeds_positive": sum(x > 0 for x in d)})
+    verdicts = judge({c["what"]: c["diffs"] for c in out}, {c["what"]: 1 for c in out})
+    for c in out:
+        v = verdicts[c["what"]]
+        c.update({"reading": v.word, "label": v.label, "low95": v.low95, "high95": v.high95, "p_holm": v.p_holm,
+                  "mde": v.mde})
+    return out
+
+
+def comparison_table(comps: Sequence[Dict[str, Any]]) -> str:
+    """The markdown of :func:`comparisons` (differences in points)."""
+    def iv(c: Dict[str, Any]) -> str:
+        return "–" if c["n"] < 2 else f"[{100 * c['low95']:+.1f}, {100 * c['high95']:+.1f}]"
+
+    rows = [[c["what"], f"{100 * c['mean']:+.2f} ± {100 * (c['std'] if c['n'] > 1 else 0):.2f}", iv(c),
+             f"{c['seeds_positive']} of {c['n']}", ", ".join(f"{100 * x:+.1f}" for x in c["diffs"]),
+             f"**{c.get('label', c['reading'])}**"
+             + (f" (MDE {100 * c['mde']:.1f})" if c["reading"] == "null" else "")]
+            for c in comps]
+    return ("Paired by seed (the same initialisation seed and data order for every arm): differences of mean "
+            f"recall in points, mean ± sd and the 95 % t interval over seeds; the {len(comps)} comparisons are "
+            f"the study's declared claims. Verdicts: {RULE}.\n\n"
+            + markdown_table(["comparison", "Δ mean recall (points)", "95 % interval", "seeds > 0", "per seed",
+                              "verdict"], rows, align="lrrrrl"))
 
 
 def _pm(st: Dict[str, float], scale: float = 100.0, digits: int = 1) -> str:
@@ -205,26 +245,7 @@ def run_retrieval_study(preset: str, out: Path, *, seeds: Optional[Sequence[int]
         return {row["seed"]: row[key] for row in rows if row["arm"] == arm}
 
     stats = {arm: {k: mean_std(v for v in per_seed(arm, k).values()) for k in METRICS} for arm in r["arms"]}
-    comparisons: List[Dict[str, Any]] = []
-
-    def compare(a: str, b: str, what: str) -> None:
-        va, vb = per_seed(a), per_seed(b)
-        d = [va[k] - vb[k] for k in sorted(set(va) & set(vb))]
-        if d:
-            comparisons.append({"a": a, "b": b, "what": what, "diffs": d, **mean_std(d), "reading": reading(d),
-                                "seeds_positive": sum(x > 0 for x in d)})
-
-    for arm in r["arms"]:
-        if arm != BASELINE and BASELINE in r["arms"]:
-            compare(arm, BASELINE, f"{ARMS[arm][0]} − {ARMS[BASELINE][0]}")
-    if "rgbd-cayley" in r["arms"] and "rgb-cayley" in r["arms"]:
-        compare("rgbd-cayley", "rgb-cayley", "Cayley: RGB-D (depth as z) − RGB (2-D)")
-    if "rgbd-ape" in r["arms"] and "rgbd-cayley" in r["arms"]:
-        compare("rgbd-cayley", "rgbd-ape", "RGB-D: Cayley (depth as z) − APE (depth as channel)")
-    if "rgbd-ape" in r["arms"] and "rgbd-cayley-both" in r["arms"]:
-        compare("rgbd-cayley-both", "rgbd-ape", "RGB-D, depth as channel: Cayley (and depth as z) − APE")
-    if "rgbd-cayley" in r["arms"] and "rgbd-cayley-both" in r["arms"]:
-        compare("rgbd-cayley-both", "rgbd-cayley", "Cayley RGB-D: depth as channel and z − depth as z only")
+    comps = comparisons(rows, r["arms"])
 
     n_test = rows[0] and r["train"]["data_options"]["num_test"]
     tcfg, mo = r["train"], r["train"]["model_options"]
@@ -248,18 +269,10 @@ def run_retrieval_study(preset: str, out: Path, *, seeds: Optional[Sequence[int]
              + markdown_table(["vision tower", "mean recall", "i→t R@1", "i→t R@5", "i→t R@10", "t→i R@1",
                                "t→i R@5", "t→i R@10", "STRING Table 2 (WebLI-3D)",
                                f"train s / run ({', '.join(devices) or 'cpu'})"], table_rows))
-    comp_rows = [[c["what"], f"{100 * c['mean']:+.2f} ± {100 * (c['std'] if c['n'] > 1 else 0):.2f}",
-                  f"{c['seeds_positive']} of {c['n']}", ", ".join(f"{100 * x:+.1f}" for x in c["diffs"]),
-                  f"**{c['reading']}**"] for c in comparisons]
-    table += ("\n\nPaired by seed (the same initialisation seed and data order for every arm): differences of mean "
-              "recall in points; reading as in docs/results/README.md (holds: larger than its spread with every "
-              "seed, or all but one, positive; trend: positive by about one spread or with a seed against; null: "
-              "inside the spread).\n\n"
-              + markdown_table(["comparison", "Δ mean recall (points)", "seeds > 0", "per seed", "reading"],
-                               comp_rows, align="lrrrl"))
+    table += "\n\n" + comparison_table(comps)
 
     fig = _figure(r, rows, curves, stats, head)
-    summary = {"stats": stats, "comparisons": comparisons, "paper_table2": PAPER_TABLE2}
+    summary = {"stats": stats, "comparisons": comps, "paper_table2": PAPER_TABLE2}
     writer.csv(rows)
     writer.csv(curves, "curves.csv")
     writer.json({"study": "retrieval", "rows": rows, "summary": summary, "recipe": r})

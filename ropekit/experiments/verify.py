@@ -15,7 +15,8 @@ nothing trained before is read back), and compares:
 * **paired difference** -- for every condition and every pair of sampled arms (``second − first``, as ``--pe``
   orders them): the committed differences seed by seed, and the same list with the sampled seeds' differences
   replaced by the re-run's ("spliced": what the whole study would read had it been re-run at HEAD). Holds when
-  the spliced verdict (:func:`reading`) and sign are the committed ones.
+  the spliced verdict (:func:`readings`: the rule of :mod:`ropekit.experiments.verdict`, the pairs read as one
+  Holm family) and sign are the committed ones.
 
 Command line::
 
@@ -37,22 +38,20 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._platform import numerics_fingerprint
+from .verdict import RULE, judge, judge_one
 
-__all__ = ["reading", "compare_readings", "verify_study", "render_verification", "parse_sample"]
+__all__ = ["reading", "readings", "compare_readings", "verify_study", "render_verification", "parse_sample"]
 
 #: Columns that describe a run's bookkeeping, not its condition: never part of a row's key.
 BOOKKEEPING = ("seed", "run", "device", "wall_time", "num_params", "parameters", "train_seconds", "eval_seconds")
 
 
-def reading(diffs: Sequence[float]) -> Tuple[str, int]:
-    """The verdict of paired differences ``diffs`` (one per seed) and its sign, as docs/results/README.md reads
-    them: ``"holds"`` when ``|mean| > std`` and every seed, or all but one of three or more, has the mean's sign;
-    ``"trend"`` when ``|mean| ≥ 2 std / 3`` otherwise; ``"null"`` below two thirds of a spread. (The thresholds
-    reproduce the hand-written verdicts of that page where they are consistent: ``+0.014 ± 0.016`` four seeds of
-    five a trend, ``+0.015 ± 0.023`` a null; where the page calls a difference with every seed on one side a
-    "trend", this rule says "holds".) ``std`` is the sample
-    standard deviation (0 for one seed). Returns ``(verdict, sign)``, sign ``+1``, ``-1`` or ``0`` (a null's
-    sign is still that of its mean, 0 when the mean is 0).
+def reading(diffs: Sequence[float], claimed: int = 1) -> Tuple[str, int]:
+    """The verdict of paired differences ``diffs`` (one per seed) and its sign, by the one rule of
+    :mod:`ropekit.experiments.verdict` for a family of one comparison (no multiple-comparison correction):
+    ``"holds"`` / ``"reversed"`` when the 95 % t interval excludes 0 with the ``claimed`` / the other sign,
+    ``"trend"`` when only the 80 % interval does, ``"null"`` otherwise, ``"not assessable"`` for one seed.
+    Returns ``(verdict, sign)``, sign ``+1``, ``-1`` or ``0`` (the sign of the mean).
 
     >>> reading([0.03, 0.02, 0.04])
     ('holds', 1)
@@ -61,16 +60,15 @@ def reading(diffs: Sequence[float]) -> Tuple[str, int]:
     """
     if not diffs:
         raise ValueError("reading of no differences")
-    m = statistics.fmean(diffs)
-    s = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
-    sign = (m > 0) - (m < 0)
-    against = sum(1 for d in diffs if (d > 0) - (d < 0) != sign)
-    allowed = 1 if len(diffs) >= 3 else 0
-    if sign and abs(m) > s and against <= allowed:
-        return "holds", sign
-    if sign and abs(m) >= 2 * s / 3:
-        return "trend", sign
-    return "null", sign
+    v = judge_one(list(diffs), claimed)
+    return v.word, v.sign
+
+
+def readings(diffs: Dict[str, Sequence[float]]) -> Dict[str, Tuple[str, int]]:
+    """:func:`reading` of several comparisons read together: their p-values Holm-corrected as one family,
+    each claimed positive (``second − first``)."""
+    out = judge({k: list(v) for k, v in diffs.items()}, {k: 1 for k in diffs})
+    return {k: (v.word, v.sign) for k, v in out.items()}
 
 
 def _num(x: Any) -> Optional[float]:
@@ -149,6 +147,7 @@ def compare_readings(committed: Sequence[Dict[str, str]], rerun: Sequence[Dict[s
         levels.append({"arm": key[0], "condition": dict(zip(conds, key[1:])), "committed_mean": om,
                        "committed_std": os_, "committed_n": len(o), "seeds": sorted(n), "committed_same_seeds": same,
                        "rerun_mean": nm, "delta": nm - same, "holds": abs(nm - same) <= os_ + 1e-12})
+    raw = []
     for i, a in enumerate(arms):
         for b in arms[i + 1:]:
             for key in sorted({k[1:] for k in new if k[0] == a} & {k[1:] for k in new if k[0] == b}):
@@ -156,17 +155,21 @@ def compare_readings(committed: Sequence[Dict[str, str]], rerun: Sequence[Dict[s
                 common = sorted(set(oa) & set(ob))
                 cdiff = {s: ob[s] - oa[s] for s in common}
                 rdiff = {s: nb[s] - na[s] for s in sorted(set(na) & set(nb))}
-                spliced = {**cdiff, **rdiff}
-                cv, spv = reading(list(cdiff.values())), reading(list(spliced.values()))
-                cm, cs = _stats(list(cdiff.values()))
-                sm, ss = _stats(list(spliced.values()))
-                pairs.append({"first": a, "second": b, "condition": dict(zip(conds, key)), "seeds": sorted(rdiff),
-                              "committed_mean": cm, "committed_std": cs, "committed_n": len(cdiff),
-                              "committed_reading": list(cv),
-                              "committed_same_seeds": statistics.fmean(cdiff[s] for s in rdiff if s in cdiff)
-                              if set(rdiff) & set(cdiff) else None,
-                              "rerun_mean": statistics.fmean(rdiff.values()), "spliced_mean": sm, "spliced_std": ss,
-                              "spliced_reading": list(spv), "holds": cv == spv})
+                raw.append((a, b, key, cdiff, rdiff, {**cdiff, **rdiff}))
+    # the pairs a verification reads are one family, committed and spliced alike
+    cread = readings({str(j): list(r[3].values()) for j, r in enumerate(raw) if r[3]})
+    sread = readings({str(j): list(r[5].values()) for j, r in enumerate(raw) if r[5]})
+    for j, (a, b, key, cdiff, rdiff, spliced) in enumerate(raw):
+        cv, spv = cread.get(str(j), ("not assessable", 0)), sread.get(str(j), ("not assessable", 0))
+        cm, cs = _stats(list(cdiff.values())) if cdiff else (float("nan"), float("nan"))
+        sm, ss = _stats(list(spliced.values()))
+        pairs.append({"first": a, "second": b, "condition": dict(zip(conds, key)), "seeds": sorted(rdiff),
+                      "committed_mean": cm, "committed_std": cs, "committed_n": len(cdiff),
+                      "committed_reading": list(cv),
+                      "committed_same_seeds": statistics.fmean(cdiff[s] for s in rdiff if s in cdiff)
+                      if set(rdiff) & set(cdiff) else None,
+                      "rerun_mean": statistics.fmean(rdiff.values()), "spliced_mean": sm, "spliced_std": ss,
+                      "spliced_reading": list(spv), "holds": cv == spv})
     checks = levels + pairs
     runs = [abs(new[k][sd] - old[k][sd]) for k in new for sd in new[k] if sd in old[k]]
     return {"metric": metric, "arm_column": arm_column, "arms": list(arms), "seeds": seeds, "conditions": conds,
@@ -219,8 +222,8 @@ def _render_metric(doc: Dict[str, Any]) -> List[str]:
     if doc["pairs"]:
         lines += ["", "Paired differences (second − first, seed by seed): the committed verdict against the verdict "
                       "with the sampled seeds' differences replaced by the re-run's (holds when the verdict and sign "
-                      "are unchanged). Verdicts: holds = |mean| > spread with at most one seed against (none below "
-                      "three seeds); trend = |mean| ≥ two thirds of a spread; null otherwise.", "",
+                      "are unchanged). Verdicts, the pairs of this table Holm-corrected together, each claimed "
+                      f"positive: {RULE}.", "",
                   "| difference | condition | committed | verdict | committed, sampled seeds | re-run, sampled seeds "
                   "| spliced | verdict | holds |", "|---|---|---:|---|---:|---:|---:|---|---|"]
         for p in doc["pairs"]:

@@ -36,7 +36,7 @@ from .registry import register_study
 from .report import add_paired_vs_grid, aggregate, arm_label, fmt_pm, markdown_table, setup_matplotlib
 from .settings import DEFAULT_PES, QUICK_PES, ExperimentConfig
 from .shuffle import shuffle_drop
-from .verify import reading
+from .verify import readings
 
 __all__ = ["run_video", "run_video_coords", "shuffle_frames", "reverse_frames"]
 
@@ -65,7 +65,8 @@ def run_video_coords(cfg: ExperimentConfig, out: Any, coord_modes: Optional[Sequ
     """The video study of ``cfg``'s encodings with each coordinate convention of ``coord_modes`` (default grid and
     normalized, :data:`ropekit.nn.coords.COORD_MODES`): arms ``<pe>/<convention>``; each non-grid arm's accuracy
     difference to its encoding's grid arm, paired by seed, with its reading (:func:`ropekit.experiments.verify.
-    reading`) in ``summary["paired_diff_vs_grid"]`` and a second table."""
+    readings`: normalised − grid claimed positive, the arms one Holm family) in ``summary["paired_diff_vs_grid"]``
+    and a second table."""
     return _video("video-coords", cfg, out, list(coord_modes or COORD_MODES))
 
 
@@ -115,9 +116,11 @@ def _video(name: str, cfg: ExperimentConfig, out: Any, coord_modes: Optional[Lis
     if coord_modes and "grid" in coord_modes:  # each convention against its encoding's grid arm, seed by seed
         vs_grid = add_paired_vs_grid(rows)
         for arm, s in vs_grid.items():
-            diffs = [r["diff_vs_grid"] for r in rows if r["pe"] == arm]
-            s["per_seed"] = diffs
-            s["reading"], s["sign"] = reading(diffs)
+            s["per_seed"] = [r["diff_vs_grid"] for r in rows if r["pe"] == arm]
+        # normalised − grid, claimed positive (the papers feed normalised coordinates), one Holm family
+        words = readings({arm: s["per_seed"] for arm, s in vs_grid.items()})
+        for arm, s in vs_grid.items():
+            s["reading"], s["sign"] = words[arm]
     labels = cfg.data_options.get("labels", "digit-direction")
     conventions = f" ({' or '.join(coord_modes)} per arm)" if coord_modes else ""
     table = (f"**Video** — {headline(cfg, cfg.data)}; label: {labels}; token grid (t, y, x) = {grid}, 3-D "
@@ -131,7 +134,7 @@ def _video(name: str, cfg: ExperimentConfig, out: Any, coord_modes: Optional[Lis
             ["encoding and coordinates", "accuracy − grid coordinates (paired)", "per seed", "reading"],
             [[arm_label(pe), ("+" if s["mean"] > 0 else "") + fmt_pm(s, 3),
               ", ".join(f"{d:+.3f}" for d in s["per_seed"]),
-              s["reading"] + (" (worse)" if s["sign"] < 0 and s["reading"] != "null" else "")]
+              s["reading"] + (" (worse)" if s["sign"] < 0 and s["reading"] == "trend" else "")]
              for pe, s in vs_grid.items()], align="lrrl")
 
     plt = setup_matplotlib()

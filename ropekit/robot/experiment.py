@@ -422,14 +422,56 @@ def _pct(r: Mapping[str, Any]) -> str:
 PAIRS = (("3d", "2d_ft"), ("3d_scratch", "2d"), ("3d", "2d"))
 
 
+def paired_verdicts(rows: Sequence[Mapping[str, Any]], policies: Sequence[str], conditions: Sequence[str], *,
+                    resamples: int = 4000) -> Dict[Tuple[str, str, str], Any]:
+    """The verdict of every comparison of :data:`PAIRS` and condition, by the one rule
+    (:mod:`ropekit.experiments.verdict`): the success difference (first − second, claimed positive) with its
+    interval from a bootstrap over training seeds and then the episodes inside each seed
+    (:func:`~ropekit.experiments.verdict.bootstrap_interval`), every comparison of the study one Holm family;
+    one seed is "not assessable". ``rows``: one per policy, seed and condition with ``successes`` and
+    ``episodes`` (as ``robot.csv`` holds them; strings accepted). Returns ``{(first, second, condition):
+    Verdict}`` (differences as fractions, not points)."""
+    from ..experiments.verdict import bootstrap_interval, judge
+
+    cells = {(r["policy"], r["condition"], int(r["seed"])): (int(r["successes"]), int(r["episodes"])) for r in rows}
+    diffs, pv, iv = {}, {}, {}
+    for a_name, b_name in PAIRS:
+        if a_name not in policies or b_name not in policies:
+            continue
+        for c in conditions:
+            seeds = sorted(s for (p, cc, s) in cells if p == a_name and cc == c and (b_name, c, s) in cells)
+            if not seeds:
+                continue
+            def episodes(name: str) -> List[List[float]]:  # one 1/0 outcome per episode, per seed
+                return [[1.0] * cells[(name, c, s)][0] + [0.0] * (cells[(name, c, s)][1] - cells[(name, c, s)][0])
+                        for s in seeds]
+
+            boot = bootstrap_interval(episodes(a_name), per_seed_b=episodes(b_name), resamples=resamples, seed=0)
+            key = (a_name, b_name, c)
+            diffs[key], pv[key], iv[key] = boot["per_seed"], boot["p"], boot["intervals"]
+    names = {f"{k[0]} - {k[1]} @ {k[2]}": k for k in diffs}
+    out = judge({n: diffs[k] for n, k in names.items()}, {n: 1 for n in names},
+                p_values={n: pv[k] for n, k in names.items()}, intervals={n: iv[k] for n, k in names.items()})
+    return {k: out[n] for n, k in names.items()}
+
+
 def _paired_lines(table: Mapping[Tuple[str, str], Mapping[str, Any]], policies: Sequence[str],
-                  conditions: Sequence[str]) -> List[str]:
+                  conditions: Sequence[str], verdicts: Optional[Mapping[Tuple[str, str, str], Any]] = None
+                  ) -> List[str]:
     """Markdown lines: per pair of policies and condition, the success differences paired by training seed
-    (percentage points; mean and sample standard deviation over the seeds) and the pooled two-proportion z."""
+    (percentage points; mean and sample standard deviation over the seeds), the pooled two-proportion z and,
+    with ``verdicts`` (:func:`paired_verdicts`), the 95 % bootstrap interval and the verdict."""
+    from ..experiments.verdict import RULE
+
     lines = ["", "Differences in success, paired by training seed (percentage points; mean ± sample standard "
              "deviation over the seeds), and the two-proportion z of the pooled episodes (which ignores the "
-             "spread between seeds):", "", "| comparison | condition | per seed | mean ± sd | pooled z |",
-             "|---|---|---|---|---|"]
+             "spread between seeds)" + (
+                 "; the 95 % interval resamples the seeds and then the episodes inside each seed, every "
+                 f"comparison claimed positive and the table one Holm family. Verdicts: {RULE}:" if verdicts
+                 else ":"), "",
+             "| comparison | condition | per seed | mean ± sd | pooled z |" + (" 95 % interval | verdict |"
+                                                                           if verdicts else ""),
+             "|---|---|---|---|---|" + ("---|---|" if verdicts else "")]
     for a_name, b_name in PAIRS:
         if a_name not in policies or b_name not in policies:
             continue
@@ -440,8 +482,13 @@ def _paired_lines(table: Mapping[Tuple[str, str], Mapping[str, Any]], policies: 
             diffs = [100 * (x - y) for x, y in zip(a["seed_rates"], b["seed_rates"])]
             sd = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else float("nan")
             z = pooled_z(a["successes"], a["episodes"], b["successes"], b["episodes"])
-            lines.append(f"| {LABELS.get(a_name, a_name)} − {LABELS.get(b_name, b_name)} | {c} | "
-                         + ", ".join(f"{d:+.0f}" for d in diffs) + f" | {np.mean(diffs):+.1f} ± {sd:.1f} | {z:+.2f} |")
+            line = (f"| {LABELS.get(a_name, a_name)} − {LABELS.get(b_name, b_name)} | {c} | "
+                    + ", ".join(f"{d:+.0f}" for d in diffs) + f" | {np.mean(diffs):+.1f} ± {sd:.1f} | {z:+.2f} |")
+            if verdicts:
+                v = verdicts[(a_name, b_name, c)]
+                ivl = "–" if v.n < 2 else f"[{100 * v.low95:+.1f}, {100 * v.high95:+.1f}]"
+                line += f" {ivl} | {v.label} |"
+            lines.append(line)
     return lines
 
 
@@ -475,7 +522,7 @@ def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[Tuple[str, in
             per_seed = ", ".join(f"{100 * x:.0f}" for x in a["seed_rates"])
             cells.append(f"{_pct(a)}<br>seeds: {per_seed} %")
         lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(cells) + " |")
-    lines += _paired_lines(table, policies, conditions)
+    lines += _paired_lines(table, policies, conditions, paired_verdicts(rows, policies, conditions))
     lines += ["", "Failures by kind, summed over the seeds. The suction link never came within the 12 mm suction "
               "range of the target: *off target* (the tip was more than 6 cm away horizontally where it came "
               "closest; the expert still succeeds at 6 cm) or *too high* (horizontally close enough); or it came "
