@@ -295,3 +295,65 @@ def test_text_tower_other_encodings(pe):
     out = tower(torch.randint(1, 12, (3, 8)))
     assert out.shape == (3, 16) and torch.isfinite(out).all()
     assert (pe == "absolute") == ("pos_table" in tower.no_weight_decay())
+
+
+def _depth_pairs(s, gap):
+    """(nearer looks bigger, nearer sits lower, boxes meet) per object pair that a depth relation can state."""
+    out = []
+    side = s.true_size / torch.where(s.valid, s.depth, torch.ones_like(s.depth))  # apparent side / f
+    cy = (s.box2d[..., 1] + s.box2d[..., 3]) / 2
+    b = s.box2d
+    for i in range(len(s)):
+        idx = s.valid[i].nonzero().flatten().tolist()
+        for a in idx:
+            for c in idx:
+                if a < c and abs(float(s.depth[i, a] - s.depth[i, c])) >= gap:
+                    near, far = (a, c) if s.depth[i, a] < s.depth[i, c] else (c, a)
+                    meet = bool(min(b[i, a, 2], b[i, c, 2]) > max(b[i, a, 0], b[i, c, 0])
+                                and min(b[i, a, 3], b[i, c, 3]) > max(b[i, a, 1], b[i, c, 1]))
+                    out.append((bool(side[i, near] > side[i, far]), bool(cy[i, near] > cy[i, far]), meet))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_depth_only_scenes_carry_no_2d_depth_cue(seed):
+    """``cues="depth-only"``: over the pairs a depth relation can state (depth gap >= min_depth_gap), the nearer
+    object looks bigger, and sits lower, in half of them (binomial: within 4 standard errors of 0.5, with margin
+    for pairs of one scene being dependent); no two objects' boxes meet; image height is uncorrelated with depth
+    (|r| < 4/sqrt(n)). The natural scenes, drawn from the same seed, show the cues the variant removes."""
+    images, labels = load_mnist5k()
+    cfg = SceneConfig(cues="depth-only")
+    s = make_captioned_scenes(images, labels, 1200, cfg, seed=[seed, 9])
+    pairs = _depth_pairs(s, cfg.min_depth_gap)
+    n = len(pairs)
+    assert n > 800
+    tol = 4 * 0.5 / np.sqrt(n)
+    assert abs(pairs[:, 0].mean() - 0.5) < tol, pairs[:, 0].mean()
+    assert abs(pairs[:, 1].mean() - 0.5) < tol, pairs[:, 1].mean()
+    assert pairs[:, 2].sum() <= 0.005 * n  # occlusion: (almost) never
+    v = s.valid
+    cy = ((s.box2d[..., 1] + s.box2d[..., 3]) / 2)[v].double()
+    r = float(torch.corrcoef(torch.stack([cy, s.depth[v].double()]))[0, 1])
+    assert abs(r) < 4 / np.sqrt(int(v.sum())), r
+    # the apparent side of a size class does not depend on depth: f * size / d_mid for every object
+    f = float(s.K[0, 0])
+    d_mid = sum(cfg.depth_range) / 2
+    px = (f * s.true_size / torch.where(v, s.depth, torch.ones_like(s.depth)))[v]
+    small, big = px[s.sizes[v] == 0], px[s.sizes[v] == 1]
+    for got, (lo, hi) in ((small, cfg.small_size), (big, cfg.big_size)):  # float32 rounding: 1e-3 px
+        assert torch.all(got >= f * lo / d_mid - 1e-3) and torch.all(got <= f * hi / d_mid + 1e-3)
+    # every card above the floor: nothing is hidden except by the image border
+    inside = (s.box2d[..., 0] >= 0) & (s.box2d[..., 1] >= 0) & (s.box2d[..., 2] <= 32) & (s.box2d[..., 3] <= 32)
+    assert torch.all(s.visible[v & inside] > 0.97)
+    # the natural scenes: the nearer object looks bigger in about 70-75 % of the pairs
+    nat = _depth_pairs(make_captioned_scenes(images, labels, 1200, SceneConfig(), seed=[seed, 9]), 0.4)
+    assert nat[:, 0].mean() > 0.65 and nat[:, 2].mean() > 0.05
+
+
+def test_depth_only_is_an_option_of_the_dataset():
+    train, test, _ = load_dataset("captioned-scenes", num_train=40, num_test=40, image_size=16, cues="depth-only")
+    s = test.scenes
+    pairs = _depth_pairs(s, 0.4)
+    assert len(pairs) and pairs[:, 2].sum() == 0  # no two objects meet
+    with pytest.raises(ValueError, match="cues must be one of natural, depth-only"):
+        SceneConfig(cues="flat").validate()

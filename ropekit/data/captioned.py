@@ -51,6 +51,26 @@ the full 2-D boxes and need a gap of ``SceneConfig.min_pixel_gap`` pixels; depth
 probability ``SceneConfig.depth_relation_prob`` (when a pair qualifies), else a 2-D one (when a pair qualifies).
 ``captions_per_scene`` captions are drawn per scene (their object order and relation differ).
 
+Depth-only scenes
+-----------------
+In the natural scenes above the nearer of two objects also tends to look bigger (in about 70 % of the pairs a
+caption can state), sits lower in the image (the floor rises towards the horizon) and covers the farther one, so a
+model can guess a depth relation from RGB alone. ``SceneConfig(cues="depth-only")`` (``--data-opt
+cues=depth-only``) removes these cues, so that only the depth map tells the depth order:
+
+* **apparent size**: the drawn true size sets the apparent size as if the object stood at the middle of
+  ``depth_range`` (``f * size / d_mid`` pixels), whatever its depth; the object's true size is then what that
+  apparent size means at its own depth (``true_size`` reports it). The size word names the drawn size class,
+  which the apparent size shows; in metres the two classes overlap (a "small" far object can be larger than a
+  "big" near one);
+* **image height**: a card's centre is drawn uniformly between the image top and the height at which its whole
+  card stays above the floor line of the farthest depth, the same bound at every depth (and no card meets the
+  floor);
+* **occlusion**: the centres are redrawn until no two objects' 2-D boxes meet, so no object covers another.
+
+The nearer object of a pair then looks bigger in about half of the pairs, and height and depth are independent;
+a test measures both. Everything else (grammar, depth map, boxes) is as in the natural scenes.
+
 Bad input
 ---------
 Every scene has at least one object (``min_objects >= 1``; a caption must name something); a request for
@@ -79,7 +99,7 @@ from ._common import (DataRequest, DatasetInfo, DatasetSplits, SizeLike, TensorI
 from .builtin import load_mnist5k
 
 __all__ = ["SHAPES", "CLASS_NAMES", "COLOURS", "COLOUR_NAMES", "SIZE_WORDS", "RELATIONS", "VOCABULARY",
-           "SceneConfig", "CaptionedScenes", "CaptionedSceneDataset", "make_captioned_scenes", "shape_glyphs",
+           "CUES", "SceneConfig", "CaptionedScenes", "CaptionedSceneDataset", "make_captioned_scenes", "shape_glyphs",
            "build_captioned_scenes"]
 
 #: Shape classes besides the ten digits.
@@ -101,6 +121,8 @@ _GRAMMAR_WORDS = ("a", "and", "the", "is", ".", "left", "right", "of", "above", 
 VOCABULARY: Tuple[str, ...] = tuple(dict.fromkeys(_GRAMMAR_WORDS + SIZE_WORDS + COLOUR_NAMES + CLASS_NAMES))
 
 _GLYPH = 28  # glyph side in pixels (MNIST's)
+#: Scene variants (:attr:`SceneConfig.cues`).
+CUES: Tuple[str, ...] = ("natural", "depth-only")
 
 
 @dataclass
@@ -127,6 +149,9 @@ class SceneConfig:
         min_pixel_gap, min_depth_gap: the gaps a 2-D / depth relation needs.
         depth_relation_prob: probability that a caption states a depth relation (when one qualifies).
         captions_per_scene: captions drawn per scene.
+        cues: ``"natural"`` (the default: a pinhole scene, where the nearer object tends to look bigger, sits
+            lower and covers the farther one) or ``"depth-only"``, where none of these 2-D cues tells the depth
+            order (see the module docstring, *Depth-only scenes*).
     """
 
     image_size: Union[int, Tuple[int, int]] = 32
@@ -149,6 +174,7 @@ class SceneConfig:
     min_depth_gap: float = 0.4
     depth_relation_prob: float = 0.5
     captions_per_scene: int = 1
+    cues: str = "natural"
 
     def validate(self) -> "SceneConfig":
         """One-line ``ValueError`` for a setting out of range."""
@@ -169,6 +195,8 @@ class SceneConfig:
         for name in ("shape_fraction", "invalid_fraction", "edge_invalid", "depth_relation_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.cues not in CUES:
+            raise ValueError(f"cues must be one of {', '.join(CUES)}, got {self.cues!r}")
         if self.focal <= 0 or self.captions_per_scene < 1:
             raise ValueError("focal must be > 0 and captions_per_scene >= 1")
         return self
@@ -332,11 +360,19 @@ def make_captioned_scenes(digits: Tensor, digit_labels: Tensor, num_scenes: int,
     hi = np.where(sizes == 1, cfg.big_size[1], cfg.small_size[1])
     true_size = np.where(valid, rng.uniform(lo, hi), 0.0)  # (N, M) metres
     depth = np.where(valid, rng.uniform(cfg.depth_range[0], cfg.depth_range[1], (n, m_max)), np.inf)
+    depth_only = cfg.cues == "depth-only"
+    if depth_only:
+        # the drawn size sets the apparent size as if the object stood at the middle depth; the true size is
+        # what that apparent size means at the object's own depth
+        d_mid = (cfg.depth_range[0] + cfg.depth_range[1]) / 2
+        true_size = np.where(valid, true_size * np.where(valid, depth, 1.0) / d_mid, 0.0)
     box_px = f * true_size / np.where(valid, depth, 1.0)  # (N, M) glyph square side in pixels
     # glyph-square centres: anywhere in the image, but above the floor (the card's centre is at least half its
     # size above the floor plane, y = camera height in the camera frame), so no object is buried in the floor
     cam_h_np = rng.uniform(*cfg.camera_height, n)  # (N,) metres
     v_floor = h / 2 + f * (cam_h_np[:, None] - true_size / 2) / np.where(valid, depth, 1.0)  # (N, M)
+    if depth_only:  # the whole card above the floor line of the farthest depth: its height says nothing of depth
+        v_floor = h / 2 + f * cam_h_np[:, None] / cfg.depth_range[1] - box_px / 2  # (N, M)
     cu = rng.uniform(0.0, w, (n, m_max))
     cv = rng.uniform(0.0, 1.0, (n, m_max)) * np.clip(v_floor, 1.0, h)
     source = np.full((n, m_max), -1, np.int64)
@@ -359,6 +395,8 @@ def make_captioned_scenes(digits: Tensor, digit_labels: Tensor, num_scenes: int,
     glyph[smask] = shapes[cls_t[smask] - 10]
     tight = _tight_box(glyph.view(-1, _GLYPH, _GLYPH)).view(n, m_max, 4).numpy()  # glyph-pixel edges
     scale = box_px / _GLYPH  # (N, M) image pixels per glyph pixel
+    if depth_only:  # no object covers another, so occlusion says nothing of depth either
+        cu, cv = _place_apart(rng, cu, cv, tight, scale, box_px, valid, w, np.clip(v_floor, 1.0, h))
     x0 = cu - box_px / 2 + tight[..., 0] * scale
     x1 = cu - box_px / 2 + tight[..., 2] * scale
     y0 = cv - box_px / 2 + tight[..., 1] * scale
@@ -455,6 +493,38 @@ def make_captioned_scenes(digits: Tensor, digit_labels: Tensor, num_scenes: int,
         box3d=t32(box3d), source=torch.from_numpy(source))
 
 
+def _boxes_overlap(cu: np.ndarray, cv: np.ndarray, tight: np.ndarray, scale: np.ndarray, box_px: np.ndarray,
+                   valid: np.ndarray) -> np.ndarray:
+    """bool ``(N,)``: whether two valid objects' tight 2-D boxes (``tight`` ``(N, M, 4)`` glyph-pixel edges)
+    intersect, with a one-pixel margin (anti-aliased edges)."""
+    x0 = cu - box_px / 2 + tight[..., 0] * scale - 0.5
+    x1 = cu - box_px / 2 + tight[..., 2] * scale + 0.5
+    y0 = cv - box_px / 2 + tight[..., 1] * scale - 0.5
+    y1 = cv - box_px / 2 + tight[..., 3] * scale + 0.5
+    inter = ((np.minimum(x1[:, :, None], x1[:, None, :]) > np.maximum(x0[:, :, None], x0[:, None, :]))
+             & (np.minimum(y1[:, :, None], y1[:, None, :]) > np.maximum(y0[:, :, None], y0[:, None, :])))
+    pair = valid[:, :, None] & valid[:, None, :] & ~np.eye(valid.shape[1], dtype=bool)[None]
+    return (inter & pair).any((1, 2))
+
+
+def _place_apart(rng: np.random.Generator, cu: np.ndarray, cv: np.ndarray, tight: np.ndarray, scale: np.ndarray,
+                 box_px: np.ndarray, valid: np.ndarray, w: int, v_max: np.ndarray,
+                 tries: int = 500) -> Tuple[np.ndarray, np.ndarray]:
+    """Redraw the centres ``(N, M)`` of every scene whose objects overlap (as the first draw: ``u`` uniform in
+    ``[0, W]``, ``v`` in ``[0, v_max]``) until none does, at most ``tries`` times; a scene still crowded then
+    keeps its last draw (rare: the test of the depth-only scenes counts them)."""
+    cu, cv = cu.copy(), cv.copy()
+    bad = _boxes_overlap(cu, cv, tight, scale, box_px, valid)
+    for _ in range(tries):
+        if not bad.any():
+            break
+        k = int(bad.sum())
+        cu[bad] = rng.uniform(0.0, w, (k, cu.shape[1]))
+        cv[bad] = rng.uniform(0.0, 1.0, (k, cu.shape[1])) * v_max[bad]
+        bad = _boxes_overlap(cu, cv, tight, scale, box_px, valid)
+    return cu, cv
+
+
 def _caption(rng: np.random.Generator, cfg: SceneConfig, classes: np.ndarray, colours: np.ndarray,
              sizes: np.ndarray, depth: np.ndarray, cx: np.ndarray, cy: np.ndarray, k: int) -> List[str]:
     """One caption of a scene with ``k`` objects in its first slots (see the module docstring's grammar)."""
@@ -504,7 +574,8 @@ def nearest_class(scenes: CaptionedScenes) -> Tensor:
 @register_dataset("captioned-scenes")
 def build_captioned_scenes(request: DataRequest, *, num_train: int = 4000, num_test: int = 1000,
                            min_objects: int = 1, max_objects: int = 3, captions_per_scene: int = 1,
-                           shape_fraction: float = 0.4, seed: Optional[int] = None) -> DatasetSplits:
+                           shape_fraction: float = 0.4, cues: str = "natural",
+                           seed: Optional[int] = None) -> DatasetSplits:
     """Captioned RGB-D scenes (see :mod:`ropekit.data.captioned`); samples float32 ``(4, H, W)`` (default 32x32):
     RGB in [0, 1], then **metric depth in metres (0 = invalid)**; label the class of the nearest object (14
     classes: :data:`CLASS_NAMES`). ``train.scenes`` / ``test.scenes`` hold the captions and objects.
@@ -514,12 +585,13 @@ def build_captioned_scenes(request: DataRequest, *, num_train: int = 4000, num_t
             ``split_seed``, ``test_fraction`` the split of the *source digits* (test scenes never show a train
             digit).
         num_train, num_test: scenes per split (the retrieval task pairs each test scene with its first caption).
-        min_objects, max_objects, captions_per_scene, shape_fraction: see :class:`SceneConfig`.
+        min_objects, max_objects, captions_per_scene, shape_fraction, cues: see :class:`SceneConfig`.
         seed: generation seed; default ``split_seed``. Train scenes use ``[seed, 0]``, test scenes ``[seed, 1]``.
     """
     hw = as_size(request.image_size if request.image_size is not None else 32)
     cfg = SceneConfig(image_size=hw, min_objects=int(min_objects), max_objects=int(max_objects),
-                      captions_per_scene=int(captions_per_scene), shape_fraction=float(shape_fraction)).validate()
+                      captions_per_scene=int(captions_per_scene), shape_fraction=float(shape_fraction),
+                      cues=str(cues)).validate()
     seed = request.split_seed if seed is None else int(seed)
     images, labels = load_mnist5k(request.root)
     sets = []
