@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,6 +155,26 @@ def test_training_a_few_steps_writes_the_run_folder(tmp_path):
     test = res.model  # (the trained model, in memory)
     ids = tok(["a big red 3", "a small blue square . the blue square is behind the red 3"])
     assert torch.allclose(model.encode_text(ids), test.encode_text(ids), atol=1e-6)
+    # the depth hard negatives, recomputed from the trained towers with the flip written as string replacement
+    from ropekit.multimodal import build_retrieval_task
+
+    task = build_retrieval_task(_tiny(tmp_path, name="again"))
+    images = task.test_scenes.images
+    wins, flips = [], {"in front of": "behind", "behind": "in front of"}
+    for i, caps in enumerate(task.test_scenes.captions):
+        for words in caps:
+            text = " ".join(words)
+            rel = [r for r in flips if f" {r} " in text]
+            if rel:
+                neg = text.replace(f" {rel[0]} ", f" {flips[rel[0]]} ")
+                with torch.no_grad():
+                    e = model.encode_image(images[i:i + 1])
+                    t, n = model.encode_text(tok([text, neg]))
+                s_t, s_n = float(e[0].double() @ t.double()), float(e[0].double() @ n.double())
+                wins.append(1.0 if s_t > s_n else 0.5 if s_t == s_n else 0.0)
+    assert summary["depth_hn_pairs"] == len(wins) and f["depth_hn_pairs"] == len(wins) > 0
+    assert summary["depth_hn_acc"] == pytest.approx(sum(wins) / len(wins), abs=1e-9)
+    assert "depth_hn_acc" in (run / "metrics.csv").read_text().splitlines()[0]
     with pytest.raises(ValueError, match="not a retrieval run"):
         load_retrieval_run_of_classification(tmp_path)
 
@@ -241,5 +262,68 @@ def test_the_quick_study_writes_its_report(tmp_path):
     assert again.table == res.table
     with pytest.raises(ValueError, match="--arms"):
         run_experiment("retrieval", out=out, preset="quick", overrides={"pes": ["cayley"]})
+    assert "Depth hard negatives" in res.table and "control: RGB cannot see depth" in res.table
+    rows = json.loads((out / "retrieval.json").read_text())["rows"]
+    assert all("depth_hn_acc" in row and "depth_hn_pairs" in row for row in rows)
     assert reading([0.02, 0.03, 0.025]) == "holds" and reading([0.02, 0.01, 0.03]) == "trend"  # t = 3.46, p = 0.074
     assert reading([0.01, -0.01, 0.0]) == "null" and reading([-0.03, -0.02, -0.025]) == "reversed"
+
+
+def test_hard_negative_verdicts_per_arm():
+    """The per-arm accuracies, their t intervals (against scipy's) and the declared claims read as one family."""
+    from scipy import stats
+
+    from ropekit.experiments.retrieval import hard_negative_table, hard_negatives
+
+    acc = {"rgb-ape": [0.49, 0.52, 0.50], "rgbd-cayley": [0.70, 0.72, 0.69], "rgbd-rope": [0.60, 0.63, 0.61],
+           "rgbd-ape": [0.55, 0.58, 0.57]}
+    rows = [{"arm": a, "seed": str(k), "depth_hn_acc": str(v), "depth_hn_pairs": "40"}
+            for a, vs in acc.items() for k, v in enumerate(vs)]
+    rows += [{"arm": "rgb-ape", "seed": 3, "depth_hn_acc": float("nan"), "depth_hn_pairs": 0},  # no depth caption
+             {"arm": "rgb-cayley", "seed": 0}]  # a run from before the measure: left out
+    hn = {h["arm"]: h for h in hard_negatives(rows, ["rgb-ape", "rgbd-rope", "rgbd-cayley", "rgbd-ape",
+                                                     "rgb-cayley"])}
+    assert set(hn) == set(acc)
+    for a, vs in acc.items():
+        lo, hi = stats.t.interval(0.95, len(vs) - 1, loc=np.mean(vs), scale=stats.sem(vs))
+        assert hn[a]["low95"] == pytest.approx(lo, abs=1e-12) and hn[a]["high95"] == pytest.approx(hi, abs=1e-12)
+        assert hn[a]["acc"] == pytest.approx(vs) and hn[a]["n"] == 3
+    assert hn["rgb-ape"]["reading"] == "null" and hn["rgb-ape"]["as_expected"]
+    assert hn["rgbd-cayley"]["reading"] == "holds" and hn["rgbd-rope"]["reading"] == "holds"
+    assert hn["rgbd-ape"]["reading"] is None and hn["rgbd-ape"]["claim"] is None  # reported, not claimed
+    # Holm over the three claims: the smallest p-value is multiplied by 3 (independent: scipy's one-sample t test)
+    p = {a: stats.ttest_1samp(np.array(acc[a]) - 0.5, 0.0).pvalue for a in ("rgb-ape", "rgbd-rope", "rgbd-cayley")}
+    first = min(p, key=p.get)
+    from ropekit.experiments.verdict import judge
+
+    v = judge({a: [x - 0.5 for x in acc[a]] for a in p}, {a: 1 for a in p})
+    assert v[first].p_holm == pytest.approx(3 * p[first], rel=1e-9)
+    table = hard_negative_table(list(hn.values()))
+    assert "not as expected" not in table and "not a claim" in table
+    # an RGB tower above chance fails the control
+    leak = [dict(r, depth_hn_acc=0.7 + 0.01 * int(r["seed"])) if r["arm"] == "rgb-ape" and r["seed"] != 3 else r
+            for r in rows]
+    bad = {h["arm"]: h for h in hard_negatives(leak, ["rgb-ape", "rgbd-cayley"])}
+    assert bad["rgb-ape"]["reading"] == "holds" and not bad["rgb-ape"]["as_expected"]
+    assert "not as expected" in hard_negative_table(list(bad.values()))
+    assert hard_negatives([{"arm": "rgb-ape", "seed": 0}], ["rgb-ape"]) == []
+
+
+def test_the_depth_only_study_trains_on_depth_only_scenes(tmp_path):
+    from ropekit.experiments import compare_with_committed, run_experiment
+
+    out = tmp_path / "depth"
+    res = run_experiment("retrieval-depth", out=out, preset="quick", overrides={"progress": False, "seeds": [0, 1]},
+                         arms=["rgb-ape", "rgbd-cayley"])
+    doc = json.loads((out / "config.json").read_text())
+    assert doc["study"] == "retrieval-depth" and doc["recipe"]["train"]["data_options"]["cues"] == "depth-only"
+    assert doc["recipe"]["seeds"] == [0, 1] and len(doc["runs"]) == 4
+    assert doc["command"] == ("ropekit experiment retrieval-depth --preset quick --seeds 0,1 --arms "
+                              f"rgb-ape,rgbd-cayley --out {out}")
+    assert (out / "retrieval-depth.csv").is_file() and "(depth-only)" in res.table
+    assert compare_with_committed(out) == []
+    from ropekit.experiments.retrieval import recipe
+
+    assert "cues" not in recipe("default")["train"]["data_options"]  # the committed study's recipe is unchanged
+    with pytest.raises(ValueError, match="unknown retrieval study"):
+        recipe("quick", "retrieval-flat")

@@ -130,7 +130,8 @@ def test_incomplete_or_unknown_recipe_fields_are_errors():
 
 
 def test_every_comparison_study_has_a_recipe():
-    assert set(R.RECIPES) == {n for n in STUDIES if n not in ("robot", "detect3d", "aloha", "owl", "retrieval")}
+    assert set(R.RECIPES) == {n for n in STUDIES if n not in ("robot", "detect3d", "aloha", "owl", "retrieval",
+                                                                 "retrieval-depth")}
 
 
 def test_gpu_preset_is_larger_and_resolves_from_the_cli():

@@ -7,7 +7,8 @@
 Studies: ``classify`` (and ``classify-coords``, grid against normalised coordinates), ``resolution`` (and
 ``resolution-comrope``, ComRoPE's protocol), ``offset``, ``shuffle``, ``data-efficiency``, ``exact-vs-relaxed``,
 ``video`` (and ``video-coords``, grid against normalised coordinates), ``ablations``, ``scale``, ``mqa``
-(multi-query attention), and the tasks' studies: ``detect3d``, ``robot``, ``aloha``, ``retrieval``, ``owl``.
+(multi-query attention), and the tasks' studies: ``detect3d``, ``robot``, ``aloha``, ``retrieval`` (and
+``retrieval-depth``), ``owl``.
 Each trains (or takes from the run cache) the same backbone for every encoding and seed, from its pinned recipe
 (:mod:`ropekit.experiments.recipes`; presets ``default``, ``gpu``, ``quick``), and writes ``<study>.csv``,
 ``<study>.json``, ``table.md``, ``<study>.png`` and ``config.json`` (with the recipe).

@@ -16,7 +16,18 @@ Arms (:data:`ARMS`), each a vision tower of the same width and depth:
 
 Every arm trains the pinned recipe (:data:`RECIPES`; presets ``default`` for the 2-core CPU, ``gpu`` for one GPU,
 ``quick`` for the tests) over the same seeds; a seed fixes the initialisation and the data order of every arm, so
-differences are paired by seed. Outputs: ``retrieval.csv`` / ``.json`` (one row per run), ``curves.csv``,
+differences are paired by seed. Besides recall, every run scores the **depth hard negatives**: each test
+caption that states a depth relation against the same caption with the relation flipped
+(:mod:`ropekit.multimodal.hard_negatives`), the share of pairs where the image scores the true caption higher
+(chance 0.5). Its claims (:data:`HARD_NEGATIVE_CLAIMS`) are that the RGB-D RoPE and Cayley towers sit above
+chance and that the RGB-only towers, which cannot see depth, sit at chance (the control: an RGB tower above
+chance would mean the depth relation can be read from 2-D cues).
+
+The study ``retrieval-depth`` trains the same recipes on the depth-only scenes (``cues="depth-only"`` of
+:class:`~ropekit.data.captioned.SceneConfig`: apparent size, image height and occlusion say nothing of depth
+order), where only the depth map tells a depth relation; ``retrieval`` keeps the natural scenes.
+
+Outputs: ``retrieval.csv`` / ``.json`` (one row per run), ``curves.csv``,
 ``table.md``, ``retrieval.png``, ``queries.png`` (text queries and their top-5 images, from the Cayley RGB-D run of
 the first seed), ``config.json`` (preset, recipe, command, runs) and ``runs/<arm>-s<seed>/`` (each run folder, not
 meant to be committed: checkpoints). A run whose folder holds a finished run of the same settings is read back, an
@@ -38,7 +49,8 @@ from .report import StudyWriter, markdown_table, mean_std, setup_matplotlib
 from .runs import Progress
 from .verdict import RULE, judge, judge_one
 
-__all__ = ["ARMS", "RECIPES", "PAPER_TABLE2", "recipe", "run_retrieval_study", "reading", "compare_retrieval", "CLAIMS",
+__all__ = ["ARMS", "RECIPES", "VARIANTS", "HARD_NEGATIVE_CLAIMS", "hard_negatives", "hard_negative_table",
+           "PAPER_TABLE2", "recipe", "run_retrieval_study", "reading", "compare_retrieval", "CLAIMS",
            "comparisons", "comparison_table"]
 
 #: arm -> (label, pe, depth_input).
@@ -93,11 +105,19 @@ RECIPES: Dict[str, Dict[str, Any]] = {
 }
 
 
-def recipe(preset: str = "default") -> Dict[str, Any]:
-    """A copy of the pinned recipe of ``preset``."""
+#: study -> the data options it sets on top of :data:`RECIPES` (``retrieval``: the natural scenes, as committed).
+VARIANTS: Dict[str, Dict[str, Any]] = {"retrieval": {}, "retrieval-depth": {"cues": "depth-only"}}
+
+
+def recipe(preset: str = "default", study: str = "retrieval") -> Dict[str, Any]:
+    """A copy of the pinned recipe of ``preset`` for ``study`` (a key of :data:`VARIANTS`)."""
     if preset not in RECIPES:
         raise ValueError(f"unknown preset {preset!r} for retrieval; presets: {', '.join(RECIPES)}")
-    return copy.deepcopy(RECIPES[preset])
+    if study not in VARIANTS:
+        raise ValueError(f"unknown retrieval study {study!r}; studies: {', '.join(VARIANTS)}")
+    r = copy.deepcopy(RECIPES[preset])
+    r["train"]["data_options"].update(VARIANTS[study])
+    return r
 
 
 def run_settings(r: Dict[str, Any], arm: str, seed: int) -> Dict[str, Any]:
@@ -199,6 +219,74 @@ def comparison_table(comps: Sequence[Dict[str, Any]]) -> str:
                               "verdict"], rows, align="lrrrrl"))
 
 
+#: The study's claims on the depth hard negatives, declared before the runs: arm -> (what, expected word). Each is
+#: read as ``accuracy − 0.5`` per seed with the claimed sign ``+1``; the RGB-only towers are the control that must
+#: read ``null`` (at chance), the RGB-D RoPE and Cayley towers are claimed to read ``holds`` (above chance). The
+#: claims whose arms were run are one Holm family; the other arms are reported with their interval only.
+HARD_NEGATIVE_CLAIMS: Dict[str, Tuple[str, str]] = {
+    "rgb-ape": ("control: RGB cannot see depth, at chance", "null"),
+    "rgb-cayley": ("control: RGB cannot see depth, at chance", "null"),
+    "rgbd-rope": ("above chance", "holds"),
+    "rgbd-cayley": ("above chance", "holds"),
+}
+
+
+def hard_negatives(rows: Sequence[Dict[str, Any]], arms: Sequence[str]) -> List[Dict[str, Any]]:
+    """Per arm of ``arms``: the depth hard-negative accuracy per seed (``depth_hn_acc`` of the rows; seeds
+    without it, runs from before it was measured or without a depth caption, are left out), its mean and 95 %
+    t interval over seeds, and for the arms of :data:`HARD_NEGATIVE_CLAIMS` the verdict of ``accuracy − 0.5``
+    (those claims one Holm family), the expected word and whether the verdict is it. ``rows``: the study's rows
+    (strings as a CSV gives them are accepted)."""
+    def value(row: Dict[str, Any]) -> Optional[float]:
+        v = row.get("depth_hn_acc")
+        if v is None or v == "":
+            return None
+        v = float(v)
+        return None if math.isnan(v) else v
+
+    out = []
+    for arm in arms:
+        acc = {int(row["seed"]): value(row) for row in rows if row["arm"] == arm}
+        acc = {k: v for k, v in sorted(acc.items()) if v is not None}
+        pairs = [int(float(row.get("depth_hn_pairs") or 0)) for row in rows if row["arm"] == arm]
+        if acc:
+            out.append({"arm": arm, "seeds": list(acc), "acc": list(acc.values()), **mean_std(acc.values()),
+                        "pairs": pairs, "claim": HARD_NEGATIVE_CLAIMS.get(arm)})
+    claimed = [h for h in out if h["claim"] is not None]
+    verdicts = judge({h["arm"]: [a - 0.5 for a in h["acc"]] for h in claimed}, {h["arm"]: 1 for h in claimed})
+    for h in out:
+        v = verdicts.get(h["arm"]) or judge_one([a - 0.5 for a in h["acc"]], 1)
+        h.update({"low95": 0.5 + v.low95, "high95": 0.5 + v.high95, "mde": v.mde,
+                  "reading": v.word if h["claim"] else None, "label": v.label if h["claim"] else None,
+                  "expected": h["claim"][1] if h["claim"] else None,
+                  "as_expected": (v.word == h["claim"][1]) if h["claim"] else None})
+    return out
+
+
+def hard_negative_table(hn: Sequence[Dict[str, Any]]) -> str:
+    """The markdown of :func:`hard_negatives` (accuracies in percent)."""
+    def iv(h: Dict[str, Any]) -> str:
+        return "–" if h["n"] < 2 else f"[{100 * h['low95']:.1f}, {100 * h['high95']:.1f}]"
+
+    rows = []
+    for h in hn:
+        word = "–"
+        if h["claim"]:
+            word = (f"**{h['label']}**" + (f" (MDE {100 * h['mde']:.1f})" if h["reading"] == "null" else "")
+                    + f"; expected {h['expected']}" + ("" if h["as_expected"] else " — **not as expected**"))
+        rows.append([ARMS[h["arm"]][0], f"{100 * h['mean']:.1f}" + (f" ± {100 * h['std']:.1f}" if h["n"] > 1 else ""),
+                     iv(h), ", ".join(f"{100 * a:.1f}" for a in h["acc"]),
+                     ", ".join(str(p) for p in h["pairs"]), h["claim"][0] if h["claim"] else "not a claim", word])
+    n_claims = sum(1 for h in hn if h["claim"])
+    return ("**Depth hard negatives**: each test caption that states a depth relation against the same caption "
+            "with the relation flipped (`in front of` ↔ `behind`); the share of pairs where the image scores the "
+            "true caption higher, in percent (chance 50), mean ± sd and the 95 % t interval over seeds. The claims "
+            f"(accuracy − 50, {n_claims} read as one Holm family) were declared before the runs: the RGB-only "
+            f"towers are the control that must sit at chance. Verdicts: {RULE}.\n\n"
+            + markdown_table(["vision tower", "accuracy (%)", "95 % interval", "per seed", "pairs per seed",
+                              "claim", "verdict"], rows, align="lrrrrll"))
+
+
 def _pm(st: Dict[str, float], scale: float = 100.0, digits: int = 1) -> str:
     if st["n"] == 0:
         return "–"
@@ -208,14 +296,17 @@ def _pm(st: Dict[str, float], scale: float = 100.0, digits: int = 1) -> str:
 
 
 METRICS = ("mean_recall", "i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
+HN_METRICS = ("depth_hn_acc", "depth_hn_pairs")
 
 
 def run_retrieval_study(preset: str, out: Path, *, seeds: Optional[Sequence[int]] = None,
                         arms: Optional[Sequence[str]] = None, threads: Optional[int] = 1, device: str = "auto",
-                        progress: bool = True, command: Optional[str] = None) -> StudyResult:
-    """Train every arm over the seeds of the ``preset`` recipe (or those given) and write the report into ``out``
-    (see the module docstring)."""
-    r = recipe(preset)
+                        progress: bool = True, command: Optional[str] = None,
+                        study: str = "retrieval") -> StudyResult:
+    """Train every arm over the seeds of the ``preset`` recipe of ``study`` (``retrieval`` or
+    ``retrieval-depth``: :data:`VARIANTS`; or the seeds given) and write the report into ``out`` (see the module
+    docstring)."""
+    r = recipe(preset, study)
     if seeds:
         r["seeds"] = [int(s) for s in seeds]
     if arms:
@@ -224,15 +315,15 @@ def run_retrieval_study(preset: str, out: Path, *, seeds: Optional[Sequence[int]
             raise ValueError(f"unknown arm(s) {', '.join(bad)}; arms: {', '.join(ARMS)}")
         r["arms"] = list(arms)
     out = Path(out)
-    writer = StudyWriter(out, "retrieval")
-    bar = Progress(len(r["arms"]) * len(r["seeds"]), "experiment retrieval", enabled=progress)
+    writer = StudyWriter(out, study)
+    bar = Progress(len(r["arms"]) * len(r["seeds"]), f"experiment {study}", enabled=progress)
     rows: List[Dict[str, Any]] = []
     curves: List[Dict[str, Any]] = []
     for seed in r["seeds"]:  # seed-major: a partial study already pairs every arm of its first seeds
         for arm in r["arms"]:
             res = _train_run(r, arm, seed, out / "runs" / f"{arm}-s{seed}", threads, device)
             s = res["summary"]
-            rows.append({"arm": arm, "seed": seed, **{k: s.get(k) for k in METRICS},
+            rows.append({"arm": arm, "seed": seed, **{k: s.get(k) for k in METRICS + HN_METRICS},
                          "train_loss": s.get("train_loss"), "logit_scale": s.get("logit_scale"),
                          "logit_bias": s.get("logit_bias"), "num_params": s.get("num_params"),
                          "wall_time": s.get("wall_time"), "device": s.get("device"), "run": f"{arm}-s{seed}"})
@@ -246,10 +337,13 @@ def run_retrieval_study(preset: str, out: Path, *, seeds: Optional[Sequence[int]
 
     stats = {arm: {k: mean_std(v for v in per_seed(arm, k).values()) for k in METRICS} for arm in r["arms"]}
     comps = comparisons(rows, r["arms"])
+    hn = hard_negatives(rows, r["arms"])
 
     n_test = rows[0] and r["train"]["data_options"]["num_test"]
     tcfg, mo = r["train"], r["train"]["model_options"]
-    head = (f"captioned-scenes {tcfg['image_size']}×{tcfg['image_size']}, {tcfg['data_options']['num_train']} train "
+    cues = tcfg["data_options"].get("cues", "natural")
+    head = (f"captioned-scenes{'' if cues == 'natural' else f' ({cues})'} {tcfg['image_size']}×{tcfg['image_size']}, "
+            f"{tcfg['data_options']['num_train']} train "
             f"scenes × {tcfg['data_options']['captions_per_scene']} captions, {n_test} test pairs; ViT width "
             f"{mo['embed_dim']}, depth {mo['depth']}, patch {tcfg['patch_size']}; text tower "
             f"{r['retrieval']['text_depth']}×{r['retrieval']['text_width']} (RoPE); SigLIP; {tcfg['epochs']} epochs, "
@@ -270,22 +364,24 @@ def run_retrieval_study(preset: str, out: Path, *, seeds: Optional[Sequence[int]
                                "t→i R@5", "t→i R@10", "STRING Table 2 (WebLI-3D)",
                                f"train s / run ({', '.join(devices) or 'cpu'})"], table_rows))
     table += "\n\n" + comparison_table(comps)
+    if hn:
+        table += "\n\n" + hard_negative_table(hn)
 
     fig = _figure(r, rows, curves, stats, head)
-    summary = {"stats": stats, "comparisons": comps, "paper_table2": PAPER_TABLE2}
+    summary = {"stats": stats, "comparisons": comps, "hard_negatives": hn, "paper_table2": PAPER_TABLE2}
     writer.csv(rows)
     writer.csv(curves, "curves.csv")
-    writer.json({"study": "retrieval", "rows": rows, "summary": summary, "recipe": r})
+    writer.json({"study": study, "rows": rows, "summary": summary, "recipe": r})
     writer.table(table)
     writer.figure(fig)
     queries = out / "runs" / f"rgbd-cayley-s{r['seeds'][0]}" / "queries.png"
     if queries.is_file():
         shutil.copyfile(queries, out / "queries.png")
         writer.files.append(out / "queries.png")
-    writer.config({"study": "retrieval", "preset": preset, "recipe": r, "command": command,
+    writer.config({"study": study, "preset": preset, "recipe": r, "command": command,
                    "runs": [{"name": row["run"], "arm": row["arm"], "seed": row["seed"],
                              "settings": run_settings(r, row["arm"], row["seed"])} for row in rows]})
-    return StudyResult("retrieval", out, list(writer.files), table, summary)
+    return StudyResult(study, out, list(writer.files), table, summary)
 
 
 def _figure(r: Dict[str, Any], rows: List[Dict[str, Any]], curves: List[Dict[str, Any]],
@@ -321,24 +417,43 @@ def _figure(r: Dict[str, Any], rows: List[Dict[str, Any]], curves: List[Dict[str
 
 def compare_retrieval(doc: Dict[str, Any]) -> List[str]:
     """Differences between a committed study's ``config.json`` (``doc``) and what its preset's recipe trains now
-    (arms and seeds the command narrowed are allowed when they are among the recipe's)."""
-    preset = doc.get("preset")
-    if preset not in RECIPES:
-        return [f"retrieval: unknown preset {preset!r}"]
-    now, got = recipe(preset), doc.get("recipe", {})
+    (arms the command narrowed are allowed when they are among the recipe's; seeds the command chose are allowed,
+    every run's settings being compared with the recipe's)."""
+    preset, study = doc.get("preset"), doc.get("study", "retrieval")
+    if preset not in RECIPES or study not in VARIANTS:
+        return [f"retrieval: unknown preset {preset!r} or study {study!r}"]
+    now, got = recipe(preset, study), doc.get("recipe", {})
     diffs = []
     for key in ("train", "retrieval"):
         if json.loads(json.dumps(now[key])) != got.get(key):
             diffs.append(f"retrieval: the {key} recipe differs: committed {got.get(key)}, now {now[key]}")
-    for key in ("seeds", "arms"):
-        outside = [v for v in got.get(key, []) if v not in now[key]]
-        if outside:
-            diffs.append(f"retrieval: committed {key} {outside} are not in the recipe's {now[key]}")
+    outside = [v for v in got.get("arms", []) if v not in now["arms"]]
+    if outside:
+        diffs.append(f"retrieval: committed arms {outside} are not in the recipe's {now['arms']}")
+    # seeds beyond the recipe's are more runs of the same settings (each run's settings are compared below)
     for run in doc.get("runs", []):
         want = json.loads(json.dumps(run_settings(now, run["arm"], run["seed"])))
         if run.get("settings") != want:
             diffs.append(f"retrieval: run {run.get('name')} trained other settings than the recipe's")
     return diffs
+
+
+def _run(study: str, cfg: Any, out: Any, arms: Optional[Sequence[str]]) -> StudyResult:
+    """The entry of ``ropekit experiment <study>`` (see :func:`run_retrieval`)."""
+    from .settings import ExperimentConfig, quick_config
+
+    if cfg.pes:
+        raise ValueError(f"experiment {study} chooses vision towers with --arms ({', '.join(ARMS)}), not --pe")
+    preset = cfg.preset if cfg.preset in RECIPES else ("quick" if cfg.quick else "default")
+    base = quick_config() if preset == "quick" else ExperimentConfig()
+    seeds = cfg.seeds if cfg.seeds and list(cfg.seeds) != list(base.seeds) else None
+    if isinstance(arms, str):
+        arms = [a.strip() for a in arms.split(",") if a.strip()]
+    command = " ".join(["ropekit", "experiment", study] + ([] if preset == "default" else ["--preset", preset])
+                       + (["--seeds", ",".join(map(str, seeds))] if seeds else [])
+                       + (["--arms", ",".join(arms)] if arms else []) + ["--out", str(out)])
+    return run_retrieval_study(preset, Path(out), seeds=seeds, arms=arms, threads=cfg.threads,
+                               device="auto", progress=bool(cfg.progress), command=command, study=study)
 
 
 @register_study("retrieval", "image-text retrieval (SigLIP) on captioned RGB-D scenes: RGB vs RGB-D vision towers "
@@ -347,18 +462,15 @@ def compare_retrieval(doc: Dict[str, Any]) -> List[str]:
 def run_retrieval(cfg: Any, out: Any, arms: Optional[Sequence[str]] = None) -> StudyResult:
     """The ``retrieval`` entry of ``ropekit experiment``: the preset's pinned recipe (:data:`RECIPES`), with these
     settings of the shared :class:`~ropekit.experiments.settings.ExperimentConfig`: ``seeds`` (when other than the
-    default), ``threads``, ``progress``; ``--arms`` a subset of :data:`ARMS`. The classification backbone, data and
+    preset's), ``threads``, ``progress``; ``--arms`` a subset of :data:`ARMS`. The classification backbone, data and
     schedule settings do not apply."""
-    from .settings import ExperimentConfig
+    return _run("retrieval", cfg, out, arms)
 
-    if cfg.pes:
-        raise ValueError(f"experiment retrieval chooses vision towers with --arms ({', '.join(ARMS)}), not --pe")
-    preset = cfg.preset if cfg.preset in RECIPES else ("quick" if cfg.quick else "default")
-    seeds = cfg.seeds if cfg.seeds and list(cfg.seeds) != ExperimentConfig().seeds and preset != "quick" else None
-    if isinstance(arms, str):
-        arms = [a.strip() for a in arms.split(",") if a.strip()]
-    command = " ".join(["ropekit", "experiment", "retrieval"] + ([] if preset == "default" else ["--preset", preset])
-                       + (["--seeds", ",".join(map(str, seeds))] if seeds else [])
-                       + (["--arms", ",".join(arms)] if arms else []) + ["--out", str(out)])
-    return run_retrieval_study(preset, Path(out), seeds=seeds, arms=arms, threads=cfg.threads,
-                               device="auto", progress=bool(cfg.progress), command=command)
+
+@register_study("retrieval-depth", "the retrieval study on depth-only captioned scenes (apparent size, image height "
+                                   "and occlusion say nothing of depth order): depth hard negatives per tower",
+                options=("arms",), compare=compare_retrieval)
+def run_retrieval_depth(cfg: Any, out: Any, arms: Optional[Sequence[str]] = None) -> StudyResult:
+    """The ``retrieval-depth`` entry of ``ropekit experiment``: as ``retrieval`` (:func:`run_retrieval`), on the
+    scenes of ``cues="depth-only"`` (:data:`VARIANTS`)."""
+    return _run("retrieval-depth", cfg, out, arms)

@@ -18,7 +18,11 @@ KEY=VALUE`` on the command line) and :func:`train_retrieval`.
   DDP each process's loss uses the negatives of its own share of the batch.
 * Evaluation (after every epoch): the first caption of each test scene paired with its image, image->text and
   text->image recall@1/5/10 and their mean (:func:`~ropekit.multimodal.retrieval.retrieval_recall`; equal
-  captions count as right answers, ties against the query).
+  captions count as right answers, ties against the query); and the depth hard negatives
+  (:func:`~ropekit.multimodal.hard_negatives.depth_hard_negative_accuracy`): every caption of the evaluated test
+  scenes that states a depth relation against the same caption with the relation flipped, ``depth_hn_acc`` the
+  share of these pairs where the image scores the true caption higher (chance 0.5; ``nan`` when no caption
+  states one) and ``depth_hn_pairs`` their number.
 * Run folder: what ``ropekit train`` writes (``config.json`` with ``train``, ``retrieval``, ``model``, ``text``
   sections; ``checkpoint.pt``; ``metrics.csv``; ``summary.json``), with ``curves.png`` showing the loss and the
   recalls, and ``queries.png``: a few test captions with their top-5 images.
@@ -48,6 +52,7 @@ from ..train.engine import seed_everything
 from ..train.run_folder import load_run
 from ..train.tasks import register_task
 from ..train.trainer import default_run_dir, load_data, resolve_threads, resume_changes, schedule_of
+from .hard_negatives import depth_hard_negative_accuracy
 from .retrieval import RECALL_KS, DualEncoder, retrieval_recall, siglip_loss
 
 __all__ = ["RetrievalOptions", "RetrievalConfig", "RetrievalTask", "RetrievalResult", "build_retrieval_task",
@@ -55,7 +60,7 @@ __all__ = ["RetrievalOptions", "RetrievalConfig", "RetrievalTask", "RetrievalRes
 
 #: ``metrics.csv`` columns of a retrieval run.
 METRIC_COLUMNS = ("epoch", "train_loss", *(f"{d}_r{k}" for d in ("i2t", "t2i") for k in RECALL_KS), "mean_recall",
-                  "logit_scale", "logit_bias", "lr", "epoch_time", "elapsed_time")
+                  "depth_hn_acc", "depth_hn_pairs", "logit_scale", "logit_bias", "lr", "epoch_time", "elapsed_time")
 #: ``TrainConfig`` values the retrieval task starts from instead of classification's (the data, no shift).
 TASK_DEFAULTS: Dict[str, Any] = {"data": "captioned-scenes", "augment_shift": 0, "epochs": 8, "batch_size": 64}
 
@@ -209,9 +214,18 @@ class RetrievalTask:
         return torch.cat(img), torch.cat(txt)
 
     def evaluate(self, device: Any) -> Dict[str, float]:
-        """Recall@1/5/10 both ways and their mean on the evaluated test pairs."""
+        """Recall@1/5/10 both ways and their mean on the evaluated test pairs, and the depth hard negatives
+        (``depth_hn_acc``, ``depth_hn_pairs``: see the module docstring)."""
         img, txt = self.embed_test(device, self.cfg.train.eval_batch_size)
-        return retrieval_recall(img, txt, self.test_keys)
+        return {**retrieval_recall(img, txt, self.test_keys), **self.depth_hard_negatives(device)}
+
+    def depth_hard_negatives(self, device: Any) -> Dict[str, float]:
+        """``{"depth_hn_acc", "depth_hn_pairs"}`` over every caption of the evaluated test scenes."""
+        idx = torch.as_tensor(self.test_index)
+        res = depth_hard_negative_accuracy(self.model, self.tokenizer, self.test_scenes.images[idx].to(device),
+                                           [self.test_scenes.captions[i] for i in self.test_index],
+                                           batch_size=self.cfg.train.eval_batch_size)
+        return {"depth_hn_acc": res["accuracy"], "depth_hn_pairs": res["n"]}
 
     def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: DistContext) -> Dict[str, Any]:
         loss_sum, count = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("count", 0.0)])
