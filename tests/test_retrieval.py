@@ -327,3 +327,29 @@ def test_the_depth_only_study_trains_on_depth_only_scenes(tmp_path):
     assert "cues" not in recipe("default")["train"]["data_options"]  # the committed study's recipe is unchanged
     with pytest.raises(ValueError, match="unknown retrieval study"):
         recipe("quick", "retrieval-flat")
+
+
+def test_the_docs_state_the_share_of_captions_with_a_depth_relation():
+    """The shares the docs give are those of the recipes' test splits, counted here from the generated captions
+    (and the counter checked on hand-made captions)."""
+    from pathlib import Path
+
+    from ropekit.experiments.retrieval import caption_depth_counts, depth_share_phrases
+    from ropekit.multimodal.hard_negatives import depth_relation_counts
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    pages = {name: " ".join((docs / name).read_text().split()) for name in ("multimodal.md", "results/README.md")}
+    for study, where in (("retrieval", ("multimodal.md", "results/README.md")),
+                         ("retrieval-depth", ("multimodal.md", "results/README.md"))):
+        counts = caption_depth_counts("default", study)
+        assert counts["captions"] == 2000 and 0 < counts["depth"] == counts["multi_object_depth"]
+        first, second = depth_share_phrases(counts)
+        for page in where:
+            assert first in pages[page], (study, page, first)
+        assert second in pages["multimodal.md"], (study, second)
+    caps = [[["a", "red", "3", ".", "the", "red", "3", "is", "in", "front", "of", "the", "blue", "2"]],
+            [["a", "red", "3"], ["a", "blue", "2", "behind"]], [["a", "red", "3", "is", "left", "of"]]]
+    n = depth_relation_counts(caps, [2, 1, 3])
+    assert n == {"captions": 4, "depth": 2, "multi_object": 2, "multi_object_depth": 1}
+    with pytest.raises(ValueError, match="object counts"):
+        depth_relation_counts(caps, [2])

@@ -50,6 +50,7 @@ from .runs import Progress
 from .verdict import RULE, judge, judge_one
 
 __all__ = ["ARMS", "RECIPES", "VARIANTS", "HARD_NEGATIVE_CLAIMS", "hard_negatives", "hard_negative_table",
+           "caption_depth_counts", "depth_share_phrases",
            "PAPER_TABLE2", "recipe", "run_retrieval_study", "reading", "compare_retrieval", "CLAIMS",
            "comparisons", "comparison_table"]
 
@@ -285,6 +286,34 @@ def hard_negative_table(hn: Sequence[Dict[str, Any]]) -> str:
             f"towers are the control that must sit at chance. Verdicts: {RULE}.\n\n"
             + markdown_table(["vision tower", "accuracy (%)", "95 % interval", "per seed", "pairs per seed",
                               "claim", "verdict"], rows, align="lrrrrll"))
+
+
+def caption_depth_counts(preset: str = "default", study: str = "retrieval") -> Dict[str, int]:
+    """How many captions of the test split of ``study``'s ``preset`` recipe state a depth relation
+    (:func:`~ropekit.multimodal.hard_negatives.depth_relation_counts` over every caption of every test scene, the
+    captions the depth hard negatives score). The test scenes do not depend on the number of training scenes
+    (their own generator seed), so one training scene is generated, not the recipe's thousands."""
+    from ..data import load_dataset
+    from ..multimodal.hard_negatives import depth_relation_counts
+
+    t = recipe(preset, study)["train"]
+    opts = {**t["data_options"], "num_train": 1}
+    _, test, _ = load_dataset(t["data"], image_size=t["image_size"], split_seed=t["split_seed"], **opts)
+    s = test.scenes
+    return depth_relation_counts(s.captions, s.valid.sum(1).tolist())
+
+
+def depth_share_phrases(counts: Dict[str, int]) -> Tuple[str, str]:
+    """The two phrases in which the docs state :func:`caption_depth_counts`: ``"28 % of the test captions (552 of
+    2,000)"`` and ``"41 % of those of multi-object scenes (552 of 1,356"`` (percentages rounded to integers; the
+    second phrase's parenthesis is left open for what the page adds)."""
+    def pct(a: int, b: int) -> str:
+        return f"{100 * a / b:.0f}" if b else "0"
+
+    return (f"{pct(counts['depth'], counts['captions'])} % of the test captions ({counts['depth']:,} of "
+            f"{counts['captions']:,})",
+            f"{pct(counts['multi_object_depth'], counts['multi_object'])} % of those of multi-object scenes "
+            f"({counts['multi_object_depth']:,} of {counts['multi_object']:,}")
 
 
 def _pm(st: Dict[str, float], scale: float = 100.0, digits: int = 1) -> str:

@@ -1,11 +1,13 @@
 """Depth relations tested directly: each test caption that states a depth relation ("in front of" / "behind")
 against the same caption with the relation flipped, the hard negative. A model that reads depth order ranks the
 true caption higher for the image; one that reads only objects, colours and sizes cannot tell the two apart, so
-its accuracy sits at chance (0.5), which the RGB-only towers must show.
+its accuracy sits at chance (0.5), which the RGB-only towers must show -- unless 2-D cues (apparent size, height,
+occlusion) give the depth order away, which the depth-only scenes of :mod:`ropekit.data.captioned` remove.
 
-:func:`flip_depth_relation` makes the negative, :func:`depth_relation_share` counts the captions that carry a
-depth relation, :func:`pairwise_accuracy` scores the comparison and :func:`depth_hard_negative_accuracy` runs it
-for a :class:`~ropekit.multimodal.retrieval.DualEncoder` (anything with ``encode_image`` / ``encode_text``).
+:func:`flip_depth_relation` makes the negative, :func:`depth_relation_share` and :func:`depth_relation_counts`
+count the captions that carry a depth relation, :func:`pairwise_accuracy` scores the comparison and
+:func:`depth_hard_negative_accuracy` runs it for a :class:`~ropekit.multimodal.retrieval.DualEncoder` (anything
+with ``encode_image`` / ``encode_text``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["flip_depth_relation", "depth_relation_share", "pairwise_accuracy", "depth_hard_negative_accuracy"]
+__all__ = ["flip_depth_relation", "depth_relation_share", "depth_relation_counts", "pairwise_accuracy",
+           "depth_hard_negative_accuracy"]
 
 _FRONT = ["in", "front", "of"]
 
@@ -39,6 +42,26 @@ def flip_depth_relation(words: Sequence[str]) -> Optional[List[str]]:
 def depth_relation_share(captions: Sequence[Sequence[str]]) -> float:
     """The fraction of ``captions`` that state a depth relation (0 for no captions)."""
     return sum(flip_depth_relation(c) is not None for c in captions) / len(captions) if captions else 0.0
+
+
+def depth_relation_counts(captions: Sequence[Sequence[Sequence[str]]], num_objects: Sequence[int]
+                          ) -> Dict[str, int]:
+    """How many captions state a depth relation: ``captions`` per scene (lists of captions, each a list of
+    words), ``num_objects`` per scene. Returns ``{"captions", "depth", "multi_object", "multi_object_depth"}``:
+    all captions, those with a depth relation, those of scenes with two or more objects (the only ones that can
+    state a relation) and those of them with a depth relation."""
+    if len(captions) != len(num_objects):
+        raise ValueError(f"{len(captions)} caption lists but {len(num_objects)} object counts")
+    out = {"captions": 0, "depth": 0, "multi_object": 0, "multi_object_depth": 0}
+    for caps, k in zip(captions, num_objects):
+        for c in caps:
+            d = int(flip_depth_relation(c) is not None)
+            out["captions"] += 1
+            out["depth"] += d
+            if int(k) >= 2:
+                out["multi_object"] += 1
+                out["multi_object_depth"] += d
+    return out
 
 
 def pairwise_accuracy(image_emb: Tensor, true_emb: Tensor, negative_emb: Tensor) -> Tensor:
