@@ -173,6 +173,7 @@ def test_training_a_few_steps_writes_the_run_folder(tmp_path):
                 s_t, s_n = float(e[0].double() @ t.double()), float(e[0].double() @ n.double())
                 wins.append(1.0 if s_t > s_n else 0.5 if s_t == s_n else 0.0)
     assert summary["depth_hn_pairs"] == len(wins) and f["depth_hn_pairs"] == len(wins) > 0
+    assert summary["depth_hn_ties"] == wins.count(0.5)
     assert summary["depth_hn_acc"] == pytest.approx(sum(wins) / len(wins), abs=1e-9)
     assert "depth_hn_acc" in (run / "metrics.csv").read_text().splitlines()[0]
     with pytest.raises(ValueError, match="not a retrieval run"):
@@ -264,48 +265,51 @@ def test_the_quick_study_writes_its_report(tmp_path):
         run_experiment("retrieval", out=out, preset="quick", overrides={"pes": ["cayley"]})
     assert "Depth hard negatives" in res.table and "control: RGB cannot see depth" in res.table
     rows = json.loads((out / "retrieval.json").read_text())["rows"]
-    assert all("depth_hn_acc" in row and "depth_hn_pairs" in row for row in rows)
+    assert all("depth_hn_acc" in row and "depth_hn_pairs" in row and "depth_hn_ties" in row for row in rows)
     assert reading([0.02, 0.03, 0.025]) == "holds" and reading([0.02, 0.01, 0.03]) == "trend"  # t = 3.46, p = 0.074
     assert reading([0.01, -0.01, 0.0]) == "null" and reading([-0.03, -0.02, -0.025]) == "reversed"
 
 
 def test_hard_negative_verdicts_per_arm():
-    """The per-arm accuracies, their t intervals (against scipy's) and the declared claims read as one family."""
-    from scipy import stats
+    """Per-arm accuracies, bootstrap intervals over seeds and captions (against the normal approximation of the
+    binomial where the seeds agree), the declared claims read as one family, and too few pairs."""
+    from ropekit.experiments.retrieval import _outcomes, hard_negative_table, hard_negatives
 
-    from ropekit.experiments.retrieval import hard_negative_table, hard_negatives
-
-    acc = {"rgb-ape": [0.49, 0.52, 0.50], "rgbd-cayley": [0.70, 0.72, 0.69], "rgbd-rope": [0.60, 0.63, 0.61],
+    assert _outcomes(0.75, 4, 0) == [1.0, 1.0, 1.0, 0.0] and _outcomes(0.625, 4, 1) == [1.0, 1.0, 0.5, 0.0]
+    n = 400
+    acc = {"rgb-ape": [0.49, 0.51, 0.50], "rgbd-cayley": [0.70, 0.70, 0.70], "rgbd-rope": [0.60, 0.62, 0.61],
            "rgbd-ape": [0.55, 0.58, 0.57]}
-    rows = [{"arm": a, "seed": str(k), "depth_hn_acc": str(v), "depth_hn_pairs": "40"}
+    rows = [{"arm": a, "seed": str(k), "depth_hn_acc": str(v), "depth_hn_pairs": str(n), "depth_hn_ties": "0"}
             for a, vs in acc.items() for k, v in enumerate(vs)]
     rows += [{"arm": "rgb-ape", "seed": 3, "depth_hn_acc": float("nan"), "depth_hn_pairs": 0},  # no depth caption
              {"arm": "rgb-cayley", "seed": 0}]  # a run from before the measure: left out
     hn = {h["arm"]: h for h in hard_negatives(rows, ["rgb-ape", "rgbd-rope", "rgbd-cayley", "rgbd-ape",
-                                                     "rgb-cayley"])}
+                                                     "rgb-cayley"], resamples=4000)}
     assert set(hn) == set(acc)
     for a, vs in acc.items():
-        lo, hi = stats.t.interval(0.95, len(vs) - 1, loc=np.mean(vs), scale=stats.sem(vs))
-        assert hn[a]["low95"] == pytest.approx(lo, abs=1e-12) and hn[a]["high95"] == pytest.approx(hi, abs=1e-12)
-        assert hn[a]["acc"] == pytest.approx(vs) and hn[a]["n"] == 3
+        assert hn[a]["acc"] == pytest.approx(vs) and hn[a]["n"] == 3 and hn[a]["pairs"] == [n] * 3
+        assert hn[a]["low95"] < np.mean(vs) < hn[a]["high95"]
+    # equal seeds: only the captions vary, the mean of 3 x 400 Bernoulli(0.7): half-width 1.96 sqrt(0.21 / 1200);
+    # 4,000 resamples put about 3 % Monte-Carlo error on a 95 % quantile
+    half = 1.96 * np.sqrt(0.7 * 0.3 / (3 * n))
+    c = hn["rgbd-cayley"]
+    assert (c["high95"] - c["low95"]) / 2 == pytest.approx(half, rel=0.1)
     assert hn["rgb-ape"]["reading"] == "null" and hn["rgb-ape"]["as_expected"]
     assert hn["rgbd-cayley"]["reading"] == "holds" and hn["rgbd-rope"]["reading"] == "holds"
     assert hn["rgbd-ape"]["reading"] is None and hn["rgbd-ape"]["claim"] is None  # reported, not claimed
-    # Holm over the three claims: the smallest p-value is multiplied by 3 (independent: scipy's one-sample t test)
-    p = {a: stats.ttest_1samp(np.array(acc[a]) - 0.5, 0.0).pvalue for a in ("rgb-ape", "rgbd-rope", "rgbd-cayley")}
-    first = min(p, key=p.get)
-    from ropekit.experiments.verdict import judge
-
-    v = judge({a: [x - 0.5 for x in acc[a]] for a in p}, {a: 1 for a in p})
-    assert v[first].p_holm == pytest.approx(3 * p[first], rel=1e-9)
     table = hard_negative_table(list(hn.values()))
     assert "not as expected" not in table and "not a claim" in table
     # an RGB tower above chance fails the control
     leak = [dict(r, depth_hn_acc=0.7 + 0.01 * int(r["seed"])) if r["arm"] == "rgb-ape" and r["seed"] != 3 else r
             for r in rows]
-    bad = {h["arm"]: h for h in hard_negatives(leak, ["rgb-ape", "rgbd-cayley"])}
+    bad = {h["arm"]: h for h in hard_negatives(leak, ["rgb-ape", "rgbd-cayley"], resamples=2000)}
     assert bad["rgb-ape"]["reading"] == "holds" and not bad["rgb-ape"]["as_expected"]
     assert "not as expected" in hard_negative_table(list(bad.values()))
+    # one pair per seed, every one right: 2 pairs cannot exclude chance (2 * 0.5^2 = 0.5)
+    tiny = [{"arm": "rgbd-cayley", "seed": k, "depth_hn_acc": 1.0, "depth_hn_pairs": 1} for k in (0, 1)]
+    (t,) = hard_negatives(tiny, ["rgbd-cayley"], resamples=500)
+    assert t["reading"] == "not assessable" and not t["as_expected"]
+    assert "not assessable** (2 pairs)" in hard_negative_table([t])
     assert hard_negatives([{"arm": "rgb-ape", "seed": 0}], ["rgb-ape"]) == []
 
 

@@ -47,7 +47,7 @@ from .common import StudyResult
 from .registry import register_study
 from .report import StudyWriter, markdown_table, mean_std, setup_matplotlib
 from .runs import Progress
-from .verdict import RULE, judge, judge_one
+from .verdict import RULE, bootstrap_interval, judge, judge_one
 
 __all__ = ["ARMS", "RECIPES", "VARIANTS", "HARD_NEGATIVE_CLAIMS", "hard_negatives", "hard_negative_table",
            "caption_depth_counts", "depth_share_phrases",
@@ -232,14 +232,29 @@ HARD_NEGATIVE_CLAIMS: Dict[str, Tuple[str, str]] = {
 }
 
 
-def hard_negatives(rows: Sequence[Dict[str, Any]], arms: Sequence[str]) -> List[Dict[str, Any]]:
-    """Per arm of ``arms``: the depth hard-negative accuracy per seed (``depth_hn_acc`` of the rows; seeds
-    without it, runs from before it was measured or without a depth caption, are left out), its mean and 95 %
-    t interval over seeds, and for the arms of :data:`HARD_NEGATIVE_CLAIMS` the verdict of ``accuracy − 0.5``
-    (those claims one Holm family), the expected word and whether the verdict is it. ``rows``: the study's rows
-    (strings as a CSV gives them are accepted)."""
-    def value(row: Dict[str, Any]) -> Optional[float]:
-        v = row.get("depth_hn_acc")
+#: Fewer pairs than this, over all seeds, cannot exclude chance even when every one is right (two-sided
+#: binomial p = 2 · 0.5^N ≥ 0.05 for N ≤ 5): such an arm is "not assessable".
+MIN_HARD_NEGATIVE_PAIRS = 6
+
+
+def _outcomes(acc: float, pairs: int, ties: int) -> List[float]:
+    """The per-caption outcomes (1 right, 0.5 tie, 0 wrong) of one run from its accuracy, pairs and ties."""
+    ones = int(round(acc * pairs - 0.5 * ties))
+    return [1.0] * ones + [0.5] * ties + [0.0] * (pairs - ones - ties)
+
+
+def hard_negatives(rows: Sequence[Dict[str, Any]], arms: Sequence[str], *, resamples: int = 10000
+                   ) -> List[Dict[str, Any]]:
+    """Per arm of ``arms``: the depth hard-negative accuracy per seed (``depth_hn_acc``, ``depth_hn_pairs``,
+    ``depth_hn_ties`` of the rows; seeds without it -- runs from before it was measured, or without a depth
+    caption -- are left out), its mean over seeds and the 95 % interval of a two-level bootstrap (seeds, then
+    captions inside each seed: :func:`~ropekit.experiments.verdict.bootstrap_interval`), so that the few pairs of a
+    small test set widen it. For the arms of :data:`HARD_NEGATIVE_CLAIMS`: the verdict of ``accuracy − 0.5`` by
+    the one rule with those intervals and bootstrap p-values (the claims one Holm family), the expected word and
+    whether the verdict is it; an arm with fewer than :data:`MIN_HARD_NEGATIVE_PAIRS` pairs in all is "not
+    assessable". ``rows``: the study's rows (strings as a CSV gives them are accepted)."""
+    def num(row: Dict[str, Any], key: str) -> Optional[float]:
+        v = row.get(key)
         if v is None or v == "":
             return None
         v = float(v)
@@ -247,43 +262,60 @@ def hard_negatives(rows: Sequence[Dict[str, Any]], arms: Sequence[str]) -> List[
 
     out = []
     for arm in arms:
-        acc = {int(row["seed"]): value(row) for row in rows if row["arm"] == arm}
-        acc = {k: v for k, v in sorted(acc.items()) if v is not None}
-        pairs = [int(float(row.get("depth_hn_pairs") or 0)) for row in rows if row["arm"] == arm]
-        if acc:
-            out.append({"arm": arm, "seeds": list(acc), "acc": list(acc.values()), **mean_std(acc.values()),
-                        "pairs": pairs, "claim": HARD_NEGATIVE_CLAIMS.get(arm)})
-    claimed = [h for h in out if h["claim"] is not None]
-    verdicts = judge({h["arm"]: [a - 0.5 for a in h["acc"]] for h in claimed}, {h["arm"]: 1 for h in claimed})
+        runs = {}
+        for row in rows:
+            acc, pairs = num(row, "depth_hn_acc"), num(row, "depth_hn_pairs")
+            if row["arm"] == arm and acc is not None and pairs:
+                runs[int(row["seed"])] = (acc, int(pairs), int(num(row, "depth_hn_ties") or 0))
+        if not runs:
+            continue
+        seeds = sorted(runs)
+        acc = [runs[k][0] for k in seeds]
+        pairs = [runs[k][1] for k in seeds]
+        boot = bootstrap_interval([[x - 0.5 for x in _outcomes(*runs[k])] for k in seeds], (0.95, 0.8),
+                                  resamples=resamples, seed=0)
+        out.append({"arm": arm, "seeds": seeds, "acc": acc, **mean_std(acc), "pairs": pairs,
+                    "low95": 0.5 + boot["intervals"][0.95][0], "high95": 0.5 + boot["intervals"][0.95][1],
+                    "boot": boot, "claim": HARD_NEGATIVE_CLAIMS.get(arm)})
+    few = {h["arm"] for h in out if sum(h["pairs"]) < MIN_HARD_NEGATIVE_PAIRS}
+    claimed = [h for h in out if h["claim"] is not None and h["arm"] not in few]
+    verdicts = judge({h["arm"]: [a - 0.5 for a in h["acc"]] for h in claimed}, {h["arm"]: 1 for h in claimed},
+                     p_values={h["arm"]: h["boot"]["p"] for h in claimed},
+                     intervals={h["arm"]: h["boot"]["intervals"] for h in claimed})
     for h in out:
-        v = verdicts.get(h["arm"]) or judge_one([a - 0.5 for a in h["acc"]], 1)
-        h.update({"low95": 0.5 + v.low95, "high95": 0.5 + v.high95, "mde": v.mde,
-                  "reading": v.word if h["claim"] else None, "label": v.label if h["claim"] else None,
+        boot = h.pop("boot")
+        v = verdicts.get(h["arm"])
+        word = v.word if v is not None else ("not assessable" if h["claim"] else None)
+        h.update({"reading": word, "label": v.label if v is not None else word,
+                  "mde": v.mde if v is not None else float("nan"), "p": boot["p"],
+                  "p_holm": v.p_holm if v is not None else float("nan"),
                   "expected": h["claim"][1] if h["claim"] else None,
-                  "as_expected": (v.word == h["claim"][1]) if h["claim"] else None})
+                  "as_expected": (word == h["claim"][1]) if h["claim"] else None})
     return out
 
 
 def hard_negative_table(hn: Sequence[Dict[str, Any]]) -> str:
     """The markdown of :func:`hard_negatives` (accuracies in percent)."""
     def iv(h: Dict[str, Any]) -> str:
-        return "–" if h["n"] < 2 else f"[{100 * h['low95']:.1f}, {100 * h['high95']:.1f}]"
+        return f"[{100 * h['low95']:.1f}, {100 * h['high95']:.1f}]"
 
     rows = []
     for h in hn:
         word = "–"
         if h["claim"]:
             word = (f"**{h['label']}**" + (f" (MDE {100 * h['mde']:.1f})" if h["reading"] == "null" else "")
+                    + (f" ({sum(h['pairs'])} pairs)" if h["reading"] == "not assessable" else "")
                     + f"; expected {h['expected']}" + ("" if h["as_expected"] else " — **not as expected**"))
         rows.append([ARMS[h["arm"]][0], f"{100 * h['mean']:.1f}" + (f" ± {100 * h['std']:.1f}" if h["n"] > 1 else ""),
                      iv(h), ", ".join(f"{100 * a:.1f}" for a in h["acc"]),
                      ", ".join(str(p) for p in h["pairs"]), h["claim"][0] if h["claim"] else "not a claim", word])
-    n_claims = sum(1 for h in hn if h["claim"])
     return ("**Depth hard negatives**: each test caption that states a depth relation against the same caption "
             "with the relation flipped (`in front of` ↔ `behind`); the share of pairs where the image scores the "
-            "true caption higher, in percent (chance 50), mean ± sd and the 95 % t interval over seeds. The claims "
-            f"(accuracy − 50, {n_claims} read as one Holm family) were declared before the runs: the RGB-only "
-            f"towers are the control that must sit at chance. Verdicts: {RULE}.\n\n"
+            "true caption higher, in percent (chance 50), mean ± sd over seeds and the 95 % interval of a bootstrap "
+            "over seeds and captions (so that few pairs widen it). The claims (accuracy − 50, read as one Holm "
+            "family with the bootstrap's p-values) were declared before the runs: the RGB-only towers are the "
+            f"control that must sit at chance; fewer than {MIN_HARD_NEGATIVE_PAIRS} pairs in all cannot exclude "
+            f"chance and are not assessable. Verdicts: {RULE}.\n\n"
             + markdown_table(["vision tower", "accuracy (%)", "95 % interval", "per seed", "pairs per seed",
                               "claim", "verdict"], rows, align="lrrrrll"))
 
@@ -325,7 +357,7 @@ def _pm(st: Dict[str, float], scale: float = 100.0, digits: int = 1) -> str:
 
 
 METRICS = ("mean_recall", "i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
-HN_METRICS = ("depth_hn_acc", "depth_hn_pairs")
+HN_METRICS = ("depth_hn_acc", "depth_hn_pairs", "depth_hn_ties")
 
 
 def run_retrieval_study(preset: str, out: Path, *, seeds: Optional[Sequence[int]] = None,

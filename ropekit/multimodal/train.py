@@ -22,7 +22,7 @@ KEY=VALUE`` on the command line) and :func:`train_retrieval`.
   (:func:`~ropekit.multimodal.hard_negatives.depth_hard_negative_accuracy`): every caption of the evaluated test
   scenes that states a depth relation against the same caption with the relation flipped, ``depth_hn_acc`` the
   share of these pairs where the image scores the true caption higher (chance 0.5; ``nan`` when no caption
-  states one) and ``depth_hn_pairs`` their number.
+  states one), ``depth_hn_pairs`` their number and ``depth_hn_ties`` the pairs scored equal (counted 0.5).
 * Run folder: what ``ropekit train`` writes (``config.json`` with ``train``, ``retrieval``, ``model``, ``text``
   sections; ``checkpoint.pt``; ``metrics.csv``; ``summary.json``), with ``curves.png`` showing the loss and the
   recalls, and ``queries.png``: a few test captions with their top-5 images.
@@ -60,7 +60,8 @@ __all__ = ["RetrievalOptions", "RetrievalConfig", "RetrievalTask", "RetrievalRes
 
 #: ``metrics.csv`` columns of a retrieval run.
 METRIC_COLUMNS = ("epoch", "train_loss", *(f"{d}_r{k}" for d in ("i2t", "t2i") for k in RECALL_KS), "mean_recall",
-                  "depth_hn_acc", "depth_hn_pairs", "logit_scale", "logit_bias", "lr", "epoch_time", "elapsed_time")
+                  "depth_hn_acc", "depth_hn_pairs", "depth_hn_ties", "logit_scale", "logit_bias", "lr", "epoch_time",
+                  "elapsed_time")
 #: ``TrainConfig`` values the retrieval task starts from instead of classification's (the data, no shift).
 TASK_DEFAULTS: Dict[str, Any] = {"data": "captioned-scenes", "augment_shift": 0, "epochs": 8, "batch_size": 64}
 
@@ -220,12 +221,14 @@ class RetrievalTask:
         return {**retrieval_recall(img, txt, self.test_keys), **self.depth_hard_negatives(device)}
 
     def depth_hard_negatives(self, device: Any) -> Dict[str, float]:
-        """``{"depth_hn_acc", "depth_hn_pairs"}`` over every caption of the evaluated test scenes."""
+        """``{"depth_hn_acc", "depth_hn_pairs", "depth_hn_ties"}`` over every caption of the evaluated test scenes
+        (``ties``: pairs scored equal, counted 0.5; with the accuracy and the pairs they give every outcome)."""
         idx = torch.as_tensor(self.test_index)
         res = depth_hard_negative_accuracy(self.model, self.tokenizer, self.test_scenes.images[idx].to(device),
                                            [self.test_scenes.captions[i] for i in self.test_index],
                                            batch_size=self.cfg.train.eval_batch_size)
-        return {"depth_hn_acc": res["accuracy"], "depth_hn_pairs": res["n"]}
+        ties = sum(1 for x in res["per_caption"] if x == 0.5)
+        return {"depth_hn_acc": res["accuracy"], "depth_hn_pairs": res["n"], "depth_hn_ties": ties}
 
     def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: DistContext) -> Dict[str, Any]:
         loss_sum, count = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("count", 0.0)])
