@@ -20,8 +20,11 @@ import pytest
 
 from ropekit.bench.ops import count_step_ops, format_op_counts, step_op_counts
 
-#: device-form ratio to axial (all operations) this version holds; the target is 1.15
-HELD = {"mixed": 1.07, "cayley": 1.15, "circulant": 1.13, "comrope-ld": 2.55}
+#: device-form ratio to axial (all operations) this version holds; the target is 1.15. Exactness on every CPU
+#: raised two: Cayley's backward reuses the forward's LU factors (``lu_factor_ex``/``lu_solve``, 759 -> 763
+#: operations), and ComRoPE-LD's Schur forms end with three Newton steps that converge by construction (1688 ->
+#: 1929); bringing those back down is open work (docs/performance.md).
+HELD = {"mixed": 1.07, "cayley": 1.16, "circulant": 1.13, "comrope-ld": 2.95}
 #: device-form operations of axial's step (all) this version holds
 HELD_AXIAL = 680
 

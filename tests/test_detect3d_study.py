@@ -181,7 +181,10 @@ def test_quick_study_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(DR.RECIPES["quick"], "seeds", [0])
     # a second call finds every run done and only rewrites the report
     mtime = (out / "runs" / "none-rgb-s0" / "metrics.json").stat().st_mtime
-    assert cli_main(_quick_argv(tmp_path)) == 0
+    capsys.readouterr()
+    assert cli_main(_quick_argv(tmp_path)) == 2  # the report is there: never overwritten unless told
+    assert "already holds results" in capsys.readouterr().err
+    assert cli_main(_quick_argv(tmp_path, "--overwrite")) == 0
     assert (out / "runs" / "none-rgb-s0" / "metrics.json").stat().st_mtime == mtime
     # a fresh clone has the run files but no checkpoints (git-ignored): the report is rewritten, the examples kept
     for ckpt in out.glob("runs/*/model.pt"):
@@ -189,7 +192,7 @@ def test_quick_study_end_to_end(tmp_path, monkeypatch, capsys):
     examples = (out / "examples.png").read_bytes()
     (out / "table.md").unlink()
     capsys.readouterr()
-    assert cli_main(_quick_argv(tmp_path)) == 0
+    assert cli_main(_quick_argv(tmp_path, "--overwrite")) == 0
     assert "examples.png not redrawn" in capsys.readouterr().out
     assert (out / "table.md").is_file() and (out / "examples.png").read_bytes() == examples
     assert (out / "runs" / "none-rgb-s0" / "metrics.json").stat().st_mtime == mtime

@@ -65,6 +65,7 @@ def test_owl_table_matches_its_csv(tmp_path):
     assert committed == fresh
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("folder", ["robot", "robot-ood"])
 def test_robot_tables_match_their_csv(folder):
     pytest.importorskip("pybullet")

@@ -16,7 +16,7 @@ from ropekit.cli import main
 from ropekit.train.distributed import DistContext
 from ropekit.train.tasks import TASK_MODULES, TASKS, lookup_task, register_task, task_names
 
-NAMES = ["classification", "detection", "robot", "aloha", "retrieval", "owl"]
+NAMES = ["classification", "native-resolution", "detection", "robot", "aloha", "retrieval", "owl"]
 SMALL_POLICY = dict(vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48, "num_heads": 1},
                     pe_options={"block_size": 8}, hidden_dim=64, cond_dim=64, num_blocks=1, num_inference_steps=2,
                     horizon=4, n_action_steps=2)
@@ -30,8 +30,8 @@ def test_listing_the_tasks_imports_none_of_their_modules():
 
 
 def test_an_unknown_task_is_one_line_naming_the_known_ones():
-    with pytest.raises(ValueError, match=r"^unknown task 'nope'; known: classification, detection, robot, aloha, "
-                                         r"retrieval, owl$"):
+    with pytest.raises(ValueError, match=r"^unknown task 'nope'; known: classification, native-resolution, "
+                                         r"detection, robot, aloha, retrieval, owl$"):
         lookup_task("nope")
 
 
@@ -54,6 +54,12 @@ def _tiny_config(name: str, tmp_path):
         from ropekit.train import TrainConfig
 
         return TrainConfig(data="digits", train_fraction=0.1, batch_size=8, threads=1, device="cpu",
+                           model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0))
+    if name == "native-resolution":
+        from ropekit.train import TrainConfig
+
+        return TrainConfig(data="digits", train_fraction=0.1, native_resolution=True, patch_size=2, threads=1,
+                           device="cpu", native_options={"seq_len": 48, "rows": 4, "min_tokens": 4, "max_tokens": 16},
                            model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0))
     if name == "retrieval":
         from ropekit.multimodal import RetrievalConfig, RetrievalOptions
@@ -120,7 +126,7 @@ def test_each_task_builds_from_a_tiny_config_and_its_model_trains_a_step(name, t
     assert isinstance(cfg, spec.config)
     task = spec.build(cfg)
     ctx = DistContext()
-    batch = task.epoch_batches(0, ctx)[0]
+    batch = next(iter(task.epoch_batches(0, ctx)))  # a list, or a streamed epoch (packed batches)
     loss, sums = task.loss(task.model, batch, torch.device("cpu"))
     loss.backward()
     assert loss.ndim == 0 and torch.isfinite(loss) and sums
@@ -138,7 +144,7 @@ def test_ropekit_train_lists_the_tasks_and_points_to_the_command_of_the_others(c
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--task TASK" in help_text and "training task: classification, detection, robot, aloha, retrieval, owl" in \
+    assert "--task TASK" in help_text and "training task: classification, native-resolution, detection, robot, aloha, retrieval, owl" in \
         help_text
     for name in ("detection", "robot", "aloha"):
         assert main(["train", "--task", name]) == 2

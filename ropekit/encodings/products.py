@@ -6,6 +6,7 @@ dimension.
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import torch
@@ -59,7 +60,17 @@ class _PreciseMatmul(torch.autograd.Function):
         return ga, gb
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing Dynamo when ropekit is imported (Dynamo's import
+    costs about a second and scans every third-party package): the public decorator only sets this attribute
+    (torch 2.11 to 2.14), and ``tests/test_compile_step.py`` fails if a later torch reads another."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _tf32_matmuls() -> bool:
     """Whether float32 products may run in TF32 (read once per trace under ``torch.compile``: Dynamo cannot put
     ``get_float32_matmul_precision``'s string in a graph and broke the graph there on every CUDA model)."""

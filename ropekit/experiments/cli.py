@@ -45,10 +45,13 @@ def run(args: argparse.Namespace) -> Optional[int]:
 
 
 def refuse_results_folder(out: "Path") -> None:
-    """One-line ``ValueError`` when ``out`` already holds files (a study's results are never overwritten
-    without ``--overwrite``)."""
-    if out.is_dir() and any(out.iterdir()):
-        held = sorted(p.name for p in out.iterdir())
+    """One-line ``ValueError`` when ``out`` already holds a study's results (files at its top level: a report,
+    tables, plots), which are never overwritten without ``--overwrite``. A folder holding only run folders
+    (``runs/``, as the studies that train into their output folder leave while running) and hidden lock files
+    is taken up where it stopped: another process may be training in it."""
+    held = sorted(p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")) if out.is_dir() \
+        else []
+    if held:
         shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
         raise ValueError(f"{out} already holds results ({shown}); pass --overwrite to replace them (trained runs "
                          f"come from the cache) or choose another --out")
