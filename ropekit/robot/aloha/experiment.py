@@ -42,7 +42,7 @@ import torch
 
 from ...experiments.recipes import LATER_ARCH_FIELDS
 
-__all__ = ["AlohaExperimentConfig", "run_experiment", "run_study", "missing_fields", "PRESETS"]
+__all__ = ["AlohaExperimentConfig", "run_experiment", "run_study", "robot_command", "missing_fields", "PRESETS"]
 
 PathLike = Union[str, Path]
 
@@ -537,24 +537,41 @@ def _plot(doc: Dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def robot_command(exp_cfg: Any, out: PathLike) -> str:
+    """The ``ropekit robot aloha experiment`` command that ``ropekit experiment aloha`` with ``exp_cfg`` stands for:
+    ``--quick``, ``--seeds``, ``--pe``, ``--threads`` and ``--no-progress`` carried over, ``--out`` the study's
+    folder. ``ropekit robot aloha experiment`` is the one command of the ALOHA study; ``ropekit experiment aloha``
+    is an alias of it (the same configuration, the same recorded command)."""
+    import shlex
+
+    words = ["ropekit", "robot", "aloha", "experiment", "--out", str(out)]
+    if exp_cfg.quick:
+        words.append("--quick")
+    if exp_cfg.seeds and not exp_cfg.quick:
+        words += ["--seeds", ",".join(str(int(s)) for s in exp_cfg.seeds)]
+    if exp_cfg.pes:
+        words += ["--pe", ",".join(str(p) for p in exp_cfg.pes)]
+    if getattr(exp_cfg, "threads", None):
+        words += ["--threads", str(int(exp_cfg.threads))]
+    if not exp_cfg.progress:
+        words.append("--no-progress")
+    return " ".join(shlex.quote(w) for w in words)
+
+
 def run_study(exp_cfg: Any, out: PathLike, **options: Any):
-    """The ``aloha`` entry of ``ropekit experiment``: the CPU preset (``--quick``: the tiny one), with
-    ``--seeds``, ``--pe`` (encoder labels or create_pe names: absolute, axial, mixed, cayley, cayley-rgbd),
-    ``--threads`` and ``--no-progress`` taken from the shared options."""
+    """The ``aloha`` entry of ``ropekit experiment``: an alias of ``ropekit robot aloha experiment`` (see
+    :func:`robot_command`): the CPU preset (``--quick``: the tiny one), with ``--seeds``, ``--pe`` (encoder labels or
+    create_pe names: absolute, axial, mixed, cayley, cayley-rgbd), ``--threads`` and ``--no-progress`` taken from the
+    shared options. The configuration is parsed from that command, and the command is what the results record, so
+    both spellings write the same results."""
     from ...experiments.common import StudyResult
+    from .cli import experiment_config, parse_command
 
     if options:
         raise ValueError(f"experiment aloha takes no option {', '.join(sorted(options))}")
-    cfg = PRESETS["quick" if exp_cfg.quick else "cpu"]()
-    changes: Dict[str, Any] = {"progress": bool(exp_cfg.progress)}
-    if exp_cfg.seeds and not exp_cfg.quick:
-        changes["seeds"] = [int(s) for s in exp_cfg.seeds]
-    if exp_cfg.pes:
-        changes["encodings"] = [encoding_label(p) for p in exp_cfg.pes]
-    if getattr(exp_cfg, "threads", None):
-        changes["threads"] = int(exp_cfg.threads)
-    cfg = dataclasses.replace(cfg, **changes)
-    doc = run_experiment(cfg, out)
+    command = robot_command(exp_cfg, out)
+    args = parse_command(command)
+    doc = run_experiment(experiment_config(args), out, command=command, device=args.device, workers=args.workers)
     out = Path(out)
     files = sorted(p for p in out.iterdir() if p.is_file())
     return StudyResult("aloha", out, files, (out / "table.md").read_text(), {"rows": summary_rows(doc)})
