@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from .core import CASES, COMPILE_MODES, DTYPES, VIT_PES, VIT_PES_GPU, BenchConfig, all_rows, run_bench
+from .core import CASES, COMPILE_MODES, DTYPES, QUICK_CLI, VIT_PES, VIT_PES_GPU, BenchConfig, all_rows, run_bench
 from .report import format_report, format_summary
 
 __all__ = ["add_arguments", "run", "main", "HelpFormatter"]
@@ -213,7 +213,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if args.quick:
             kw = {"repeats": 5, "warmup": 2, "vit": ("base",), "vit_base_repeats": 3, "quick": True, **kw}
         return BenchConfig.cuda_config(**kw)
-    return BenchConfig.quick_config(**kw) if args.quick else BenchConfig(**kw)
+    return BenchConfig.quick_config(**{**QUICK_CLI, **kw}) if args.quick else BenchConfig(**kw)
 
 
 #: The encodings of ``--ops`` by default: the reference, RoPE-Mixed (learned frequencies, not folded) and the
