@@ -178,6 +178,7 @@ def _cli(args, cwd):
                           env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_prints_a_short_summary_and_writes_the_details(tmp_path):
     """As a user runs it (a subprocess in a temporary folder, tiny sizes, memory profile on so the profiler runs):
     stdout is a short summary and where the details are, the tables are in the markdown, the spreads in the JSON."""

@@ -562,16 +562,22 @@ def run_study(exp_cfg: Any, out: PathLike, **options: Any):
     """The ``aloha`` entry of ``ropekit experiment``: an alias of ``ropekit robot aloha experiment`` (see
     :func:`robot_command`): the CPU preset (``--quick``: the tiny one), with ``--seeds``, ``--pe`` (encoder labels or
     create_pe names: absolute, axial, mixed, cayley, cayley-rgbd), ``--threads`` and ``--no-progress`` taken from the
-    shared options. The configuration is parsed from that command, and the command is what the results record, so
-    both spellings write the same results."""
+    shared options. The configuration is the one that command runs (tests/test_one_command.py holds them equal),
+    and the command is what the results record, so both spellings write the same results."""
     from ...experiments.common import StudyResult
-    from .cli import experiment_config, parse_command
 
     if options:
         raise ValueError(f"experiment aloha takes no option {', '.join(sorted(options))}")
-    command = robot_command(exp_cfg, out)
-    args = parse_command(command)
-    doc = run_experiment(experiment_config(args), out, command=command, device=args.device, workers=args.workers)
+    cfg = PRESETS["quick" if exp_cfg.quick else "cpu"]()
+    changes: Dict[str, Any] = {"progress": bool(exp_cfg.progress)}
+    if exp_cfg.seeds and not exp_cfg.quick:
+        changes["seeds"] = [int(s) for s in exp_cfg.seeds]
+    if exp_cfg.pes:
+        changes["encodings"] = [encoding_label(p) for p in exp_cfg.pes]
+    if getattr(exp_cfg, "threads", None):
+        changes["threads"] = int(exp_cfg.threads)
+    cfg = dataclasses.replace(cfg, **changes)
+    doc = run_experiment(cfg, out, command=robot_command(exp_cfg, out))
     out = Path(out)
     files = sorted(p for p in out.iterdir() if p.is_file())
     return StudyResult("aloha", out, files, (out / "table.md").read_text(), {"rows": summary_rows(doc)})
