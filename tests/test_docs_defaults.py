@@ -170,3 +170,44 @@ def test_streamed_folder_image_size_default():
             for name, p in inspect.signature(f).parameters.items() if name == "image_size"
             and isinstance(p.default, int)]
     assert caps and set(caps) == {224}, caps
+
+
+def test_encoding_defaults_the_encodings_page_states():
+    """docs/encodings.md: circulant's `block_size` defaults to d, comrope-ap's to 8; `per_head` (default: one set
+    shared by the heads)."""
+    import ropekit
+
+    text = _flat((ROOT / "docs" / "encodings.md").read_text())
+    assert "(block size `block_size`, default d)" in text and "(`block_size` default 8;" in text
+    assert "`per_head=True` gives every head its own parameters (default: one set shared by the heads" in text
+    d = 48
+    circ = ropekit.create_pe("circulant", head_dim=d, coord_dim=2, num_heads=2)
+    assert circ.block_size == d
+    ap = ropekit.create_pe("comrope-ap", head_dim=d, coord_dim=2, num_heads=2)
+    assert ap.block_size == 8
+    for name in ("cayley", "circulant", "comrope-ap", "mixed"):
+        assert ropekit.create_pe(name, head_dim=d, coord_dim=2, num_heads=2).per_head is False, name
+
+
+def test_data_defaults_the_data_page_states():
+    """docs/data.md: evaluation resizes to `size / crop_pct` (0.875); the shard converter writes 1,000 images a
+    shard by default."""
+    import inspect
+
+    from ropekit.data import shards
+    from ropekit.train.config import TrainConfig
+
+    text = _flat((ROOT / "docs" / "data.md").read_text())
+    crop_pct = float(re.search(r"`size / crop_pct` \(([\d.]+)\)", text)[1])
+    assert TrainConfig().crop_pct == crop_pct
+    per_shard = int(re.search(r"the converter's default is ([\d,]+) images a shard", text)[1].replace(",", ""))
+    sizes = {p.default for f in vars(shards).values() if inspect.isfunction(f)
+             for n, p in inspect.signature(f).parameters.items() if n == "shard_size"}
+    assert sizes == {per_shard}, sizes
+    import argparse
+
+    from ropekit.data.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["convert", "in", "out"]).shard_size == per_shard  # `ropekit data convert`
