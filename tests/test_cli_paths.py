@@ -1,4 +1,4 @@
-"""The command line and data paths as a user meets them (issue 55): runs that travel, one spelling per setting, bad
+"""The command line and data paths as a user meets them: runs that travel, one spelling per setting, bad
 data that costs no run, no silent data change, results never overwritten, conventions users know.
 
 Each case runs the command as a user would -- ``ropekit.cli.main`` in a temporary working directory, and where the

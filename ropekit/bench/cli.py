@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -11,14 +12,25 @@ from typing import Any, List, Optional
 
 import torch
 
-from .core import CASES, COMPILE_MODES, DTYPES, VIT_PES, VIT_PES_GPU, BenchConfig, all_rows, run_bench
-from .report import format_report
+from .core import CASES, COMPILE_MODES, DTYPES, QUICK_CLI, VIT_PES, VIT_PES_GPU, BenchConfig, all_rows, run_bench
+from .report import format_report, format_summary
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run", "main", "HelpFormatter"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter that states each default once: not for flags (``store_true`` / ``store_false``),
+    nor for an option without a default, nor where the help text already says its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.nargs == 0 or action.default in (None, argparse.SUPPRESS) or re.search(r"\bdefault\b", text):
+            return text
+        return super()._get_help_string(action)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.formatter_class = HelpFormatter
     p.description = ("Speed and peak memory of every position encoding (the encoding alone, forward and "
                      "forward+backward), as ratios against no encoding, the elementwise floor (q*k) and "
                      "scaled_dot_product_attention measured in the same rounds; naive reference forms; folded "
@@ -31,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 + ", ".join(r.label for r in all_rows()) + ".")
     d = BenchConfig()
     p.add_argument("--quick", action="store_true",
-                   help="reduced run: 3 rounds per row, no naive reference rows, tiny ViT only (under two minutes on "
-                        "2 idle cores)")
+                   help="reduced run: the grid2d case, 3 rounds per row, no memory profile, no naive reference rows, "
+                        "tiny ViT only; 207 s of CPU time on the project's 2-core machine (so 2 to 3.5 min on 2 idle "
+                        "cores), measured 8 min on 2 cores shared with other jobs (load 5)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda[:i]): GPU defaults change batch, rounds and the "
                                                    "ViT table (see the examples)")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="q/k dtype and autocast dtype (default: fp32 on the CPU, "
@@ -51,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-timm", action="store_true", help="skip the timm vit_base_patch16_224 reference row")
     p.add_argument("--json", metavar="FILE", help="write the records (a JSON list) to FILE")
     p.add_argument("--markdown", metavar="FILE", help="also write the markdown report to FILE")
-    p.add_argument("--cases", nargs="+", choices=CASES, default=list(d.cases), help="coordinate cases")
+    p.add_argument("--cases", nargs="+", choices=CASES,
+                   help="coordinate cases (default: " + " ".join(d.cases) + "; quick: grid2d)")
     p.add_argument("--rows", nargs="+", metavar="ROW", help="rows to run (labels or encoding names; default: all)")
     p.add_argument("--batch", type=int, help=f"B (default {d.batch}, 64 on a GPU)")
     p.add_argument("--heads", type=int, default=d.heads, help="H")
@@ -59,9 +73,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", type=int, default=d.grid, help="g: M = g * g tokens")
     p.add_argument("--repeats", type=int, help=f"timed rounds per row (default {d.repeats}, quick 3, GPU 20)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    p.add_argument("--max-spread", type=float, default=d.max_spread, metavar="FRACTION",
+                   help="refuse a row whose ratio (fwd+bwd / floor, step / absolute-embedding step) varies between the "
+                        "interleaved rounds by more than this fraction of its median (interquartile range; "
+                        "default %(default)s); 0 or less: never refuse")
     p.add_argument("--clock", choices=("wall", "cpu"), default=d.clock,
                    help="wall: wall-clock time; cpu: process CPU time (use with --threads 1 on a shared machine)")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak / saved memory measurements")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the peak / saved memory measurements (--quick skips them too)")
     p.add_argument("--no-check", action="store_true", help="skip comparing naive rows' outputs and gradients")
     p.add_argument("--vit", nargs="*", choices=("tiny", "small", "base"), metavar="SIZE",
                    help="ViT sizes of the training-step table (default: tiny base; quick: tiny; none: skip)")
@@ -76,11 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench_command", metavar="[data | packing]")
     add_data_arguments(sub.add_parser(
         "data", help="the training input pipeline: ropekit's folder and shard streams against torchvision's "
-                     "ImageFolder (images/s, memory)", formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+                     "ImageFolder (images/s, memory)", formatter_class=HelpFormatter))
     add_packing_arguments(sub.add_parser(
         "packing", help="packed vs padded batches of mixed resolutions (images/s), FlexAttention vs SDPA with a "
                         "mask, torch.compile across sequence-length buckets",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        formatter_class=HelpFormatter))
 
 
 def add_packing_arguments(p: argparse.ArgumentParser) -> None:
@@ -171,9 +190,14 @@ def check_rows(rows: Any) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     check_rows(args.rows)
-    kw = dict(heads=args.heads, head_dim=args.head_dim, grid=args.grid, cases=tuple(args.cases),
+    kw = dict(heads=args.heads, head_dim=args.head_dim, grid=args.grid,
               rows=tuple(args.rows) if args.rows else None, threads=args.threads, clock=args.clock,
-              memory=not args.no_memory, check=not args.no_check, device=args.device, timm=not args.no_timm)
+              check=not args.no_check, device=args.device, timm=not args.no_timm,
+              max_spread=args.max_spread if args.max_spread and args.max_spread > 0 else None)
+    if args.cases:  # (otherwise the configuration's: both cases, grid2d for --quick)
+        kw["cases"] = tuple(args.cases)
+    if args.no_memory:
+        kw["memory"] = False
     for name in ("batch", "repeats", "dtype", "vit_batch", "compile", "compile_mode"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
@@ -189,7 +213,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if args.quick:
             kw = {"repeats": 5, "warmup": 2, "vit": ("base",), "vit_base_repeats": 3, "quick": True, **kw}
         return BenchConfig.cuda_config(**kw)
-    return BenchConfig.quick_config(**kw) if args.quick else BenchConfig(**kw)
+    return BenchConfig.quick_config(**{**QUICK_CLI, **kw}) if args.quick else BenchConfig(**kw)
 
 
 #: The encodings of ``--ops`` by default: the reference, RoPE-Mixed (learned frequencies, not folded) and the
@@ -235,7 +259,14 @@ def run(args: argparse.Namespace) -> int:
             Path(args.markdown).write_text(format_report(records, command=command.strip()) + "\n")
 
     records = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True), on_record=save)
-    return _write(args, records, format_report(records, command=command.strip()))
+    report = format_report(records, command=command.strip())
+    if not (args.json or args.markdown):  # stdout is the only copy: everything, the summary first
+        print(report)
+        return 0
+    save(records)
+    print(format_summary(records))
+    print("Details (every table and target): " + " and ".join(f for f in (args.markdown, args.json) if f))
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:

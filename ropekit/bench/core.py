@@ -90,6 +90,7 @@ from ..encodings.fold import fold_pe, fold_qkv_weight, frequency_rope, rope_form
 from .baselines import DenseComRoPE, NaiveLieRE
 
 __all__ = ["Row", "all_rows", "ROW_KINDS", "CASES", "VIT_PES", "VIT_PES_GPU", "DTYPES", "BenchConfig", "run_bench",
+           "ratio_spread", "too_noisy",
            "peak_memory_mb", "cuda_peak_memory_mb", "saved_memory_mb", "device_info", "machine_info"]
 
 CASES = ("grid2d", "rgbd3d")
@@ -144,6 +145,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
+#: What ``ropekit bench --quick`` changes on top of :meth:`BenchConfig.quick_config` unless given: the rgbd3d case
+#: and the profiler's memory measurements were half of its time.
+QUICK_CLI: Dict[str, Any] = {"cases": ("grid2d",), "memory": False}
+
+
 @dataclass
 class BenchConfig:
     """What ``ropekit bench`` measures (defaults: one attention layer of ViT-B/16, batch 8 on the CPU; use
@@ -160,6 +166,7 @@ class BenchConfig:
     threads: int = 2
     clock: str = "wall"  # "wall" (perf_counter) or "cpu" (process CPU time: with 1 thread, blind to other jobs)
     row_budget_s: float = 30.0  # a row gets at most this much timing (but at least 3 rounds)
+    max_spread: Optional[float] = 0.5  # refuse a row whose headline ratio varies more between rounds (None: never)
     memory: bool = True
     check: bool = True  # compare naive rows' outputs and gradients with the fast rows
     vit: Tuple[str, ...] = ("tiny", "base")
@@ -178,8 +185,9 @@ class BenchConfig:
 
     @classmethod
     def quick_config(cls, **overrides: Any) -> "BenchConfig":
-        """The ``--quick`` variant: every encoding on both cases and the folded rows, 3 rounds, no memory profile of
-        slow rows, no naive reference rows (each costs seconds per call), tiny ViT only."""
+        """The reduced variant: every encoding and the folded rows, 3 rounds, no naive reference rows (each costs
+        seconds per call), tiny ViT only. ``ropekit bench --quick`` also keeps to the ``grid2d`` case and leaves
+        out the memory profile (:data:`QUICK_CLI`)."""
         base = dict(repeats=3, warmup=1, row_budget_s=3.0, vit=("tiny",), vit_repeats=2, quick=True)
         base.update(overrides)
         return cls(**base)
@@ -362,6 +370,35 @@ def impossible_timing(fwd: Sequence[float], fwdbwd: Sequence[float]) -> Optional
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (med, med, med)
     return (f"refused: forward alone took {med:.2f}x forward+backward (median of {len(ratios)} interleaved rounds, "
             f"spread {100 * (q3 - q1) / med:.0f}%): timing noise larger than the work; rerun on a quieter machine")
+
+
+def ratio_spread(num: Sequence[float], den: Sequence[float]) -> Tuple[float, float]:
+    """``(median, spread)`` of the per-round ratios ``num[i] / den[i]`` of interleaved rounds (round ``i`` timed both
+    calls back to back, so a slow phase of the machine moves both): the spread is the interquartile range of the
+    ratios relative to their median (0 for one round; ``inf`` for a median of 0). Rounds with ``den[i] <= 0`` are
+    left out; no usable round gives ``(nan, inf)``."""
+    ratios = [n / d for n, d in zip(num, den) if d > 0]
+    if not ratios:
+        return float("nan"), float("inf")
+    med = float(statistics.median(ratios))
+    if len(ratios) == 1:
+        return med, 0.0
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return med, (float(q3 - q1) / med if med > 0 else float("inf"))
+
+
+def too_noisy(name: str, num: Sequence[float], den: Sequence[float], max_spread: Optional[float]) -> Optional[str]:
+    """Why a row is refused because its ratio ``name`` varies too much between the interleaved rounds (its spread,
+    see :func:`ratio_spread`, is above ``max_spread``), or ``None``. A ratio known only to within more than
+    ``max_spread`` of itself cannot decide a target or rank two encodings."""
+    if max_spread is None:
+        return None
+    _, spread = ratio_spread(num, den)
+    if spread <= max_spread:
+        return None
+    return (f"refused: {name} varied by {100 * spread:.0f}% between rounds (interquartile range of {len(num)} "
+            f"interleaved rounds, limit {100 * max_spread:.0f}%): timing noise larger than the differences measured; "
+            f"rerun on a quieter machine or with more --repeats")
 
 
 @contextlib.contextmanager
@@ -700,6 +737,13 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
         rec["skipped"] = contradiction
         log(f"  {case.name:7s} {row.label:30s} {contradiction}")
         return rec
+    for ratio, ref in (("x_none", "none"), ("x_floor", "floor"), ("frac_sdpa", "sdpa")):
+        rec[f"{ratio}_spread"] = ratio_spread(times["fwdbwd"], times[ref])[1]
+    noisy = too_noisy("x floor", times["fwdbwd"], times["floor"], cfg.max_spread)
+    if noisy is not None:
+        rec["skipped"] = noisy
+        log(f"  {case.name:7s} {row.label:30s} {noisy}")
+        return rec
     rec["x_none"] = rec["fwdbwd_ms"] / rec["none_fwdbwd_ms"]
     rec["x_floor"] = rec["fwdbwd_ms"] / rec["floor_fwdbwd_ms"]
     rec["frac_sdpa"] = rec["fwdbwd_ms"] / rec["sdpa_fwdbwd_ms"]
@@ -721,6 +765,7 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
             case.zero_grads(pe)
     if row.kind == "folded":
         rec["x_axial_fwd"] = rec["fwd_ms"] / rec["axial_fwd_ms"]
+        rec["x_axial_fwd_spread"] = ratio_spread(times["fwd"], times["axial_fwd"])[1]
         rec["x_axial_fwdbwd"] = rec["fwdbwd_ms"] / rec["axial_fwdbwd_ms"]
 
     if cfg.memory:
@@ -748,7 +793,8 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
             rec["peak_ratio"] = rec["fast_peak_mb"] / max(rec["peak_mb"], 1e-9)
             rec["saved_ratio"] = rec["fast_saved_mb"] / max(rec["saved_mb"], 1e-9)
     log(f"  {case.name:7s} {row.label:30s} fwd {rec['fwd_ms']:9.2f} ms  fwd+bwd {rec['fwdbwd_ms']:9.2f} ms  "
-        f"x floor {rec['x_floor']:7.2f}  SDPA {100 * rec['frac_sdpa']:6.1f}%"
+        f"x floor {rec['x_floor']:7.2f} (spread {100 * rec['x_floor_spread']:3.0f}%)  "
+        f"SDPA {100 * rec['frac_sdpa']:6.1f}%"
         + (f"  GPU time {rec['fwdbwd_gpu_ms']:7.3f} ms x floor {rec['x_floor_gpu']:5.2f}" if cfg.on_gpu else "")
         + ("  (synchronises the host)" if rec.get("gpu_synced") else "")
         + (f"  peak {rec['peak_mb']:8.1f} MB" if "peak_mb" in rec else ""))
@@ -871,9 +917,19 @@ def _bench_vit(size: str, cfg: BenchConfig, log: Callable[[str], None], compiled
             continue
         rec.update(repeats=repeats, step_ms=_median(times["step"]), step_ms_min=min(times["step"]),
                    absolute_step_ms=_median(times["absolute"]), absolute_step_ms_min=min(times["absolute"]))
+        rec["x_absolute_spread"] = ratio_spread(times["step"], times["absolute"])[1]
+        noisy = too_noisy("x absolute", times["step"], times["absolute"], cfg.max_spread)
+        if noisy is not None:
+            rec["skipped"] = noisy
+            records.append(rec)
+            log(f"  vit-{size:4s} {mode:8s} {label:14s} {noisy}")
+            del step
+            _release(cfg)
+            continue
         rec["x_absolute"] = rec["step_ms"] / rec["absolute_step_ms"]
         log(f"  vit-{size:4s} {mode:8s} {label:14s} step {rec['step_ms']:9.1f} ms  absolute "
-            f"{rec['absolute_step_ms']:9.1f} ms  x {rec['x_absolute']:5.2f}")
+            f"{rec['absolute_step_ms']:9.1f} ms  x {rec['x_absolute']:5.2f} (spread "
+            f"{100 * rec['x_absolute_spread']:.0f}%)")
         records.append(rec)
         del step
         _release(cfg)

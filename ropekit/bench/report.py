@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["format_report", "evaluate_targets"]
+__all__ = ["format_report", "format_summary", "evaluate_targets"]
 
 
 def _find(records: List[Dict[str, Any]], label: str, case: str) -> Optional[Dict[str, Any]]:
@@ -152,12 +152,16 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
                   f"threads, torch {meta.get('torch')}{load}; times are {clock}"
                   + (f"; CPU allocator: {meta['allocator']}" if meta.get("allocator") else "")
                   + (" (quick run)" if meta.get("quick") else ""), ""]
+    if records:
+        lines += [format_summary(records)]
     for case in ("grid2d", "rgbd3d"):
         rows = [r for r in records if r.get("case") == case and r.get("kind") in ("pe", "kernel")]
         if not rows:
             continue
         ok = [r for r in rows if "skipped" not in r]
-        if not ok:
+        if not ok:  # nothing measured: say why, row by row
+            lines += [f"### Encoding alone, `{case}`: no row measured", ""]
+            lines += [f"*{r['label']}* not run: {r['skipped']}" for r in rows] + [""]
             continue
         floor = sorted(r["floor_fwdbwd_ms"] for r in ok)[len(ok) // 2]
         sdpa = sorted(r["sdpa_fwdbwd_ms"] for r in ok)[len(ok) // 2]
@@ -166,7 +170,8 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
                   f"References (medians over the rows' rounds): elementwise floor {floor_name} fwd+bwd {floor:.2f} ms, "
                   f"SDPA fwd+bwd {sdpa:.2f} ms. Every ratio below uses the references timed in the same rounds "
                   f"as its row: medians, and (min) the ratio of the fastest rounds, less sensitive to other jobs on "
-                  f"a shared machine.", ""]
+                  f"a shared machine. *Spread*: the interquartile range of the per-round ratio fwd+bwd / floor, "
+                  f"relative to its median; a row whose spread passes the limit is refused.", ""]
         if any("fwdbwd_gpu_ms" in r for r in ok):
             lines += ["GPU time alone (host overhead hidden behind a queued GPU sleep; medians):", "",
                       "| encoding | fwd GPU ms | fwd+bwd GPU ms | x floor (GPU) | % of SDPA (GPU) | floor GPU ms |",
@@ -178,17 +183,18 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
                                  f"{r['x_floor_gpu']:.2f} | {100 * r['frac_sdpa_gpu']:.1f}% | "
                                  f"{r['floor_fwdbwd_gpu_ms']:.3f} |")
             lines += ["", "Latency (each call after a synchronisation, host overhead included):", ""]
-        lines += ["| encoding | fwd ms | fwd+bwd ms | x none | x floor | % of SDPA | x floor (min) | % of SDPA (min) "
-                  "| peak MB | saved MB |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| encoding | fwd ms | fwd+bwd ms | x none | x floor | spread | % of SDPA | x floor (min) "
+                  "| % of SDPA (min) | peak MB | saved MB |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             if "skipped" in r:
-                lines.append(f"| {r['label']} | – | – | – | – | – | – | – | – | – |")
+                lines.append(f"| {r['label']} | – | – | – | – | – | – | – | – | – | – |")
                 continue
             x_min = r["fwdbwd_ms_min"] / r["floor_fwdbwd_ms_min"]
             s_min = r["fwdbwd_ms_min"] / r["sdpa_fwdbwd_ms_min"]
             lines.append(f"| {r['label']} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {r['x_none']:.2f} | "
-                         f"{r['x_floor']:.2f} | {100 * r['frac_sdpa']:.1f}% | {x_min:.2f} | {100 * s_min:.1f}% | "
+                         f"{r['x_floor']:.2f} | {_pct(r.get('x_floor_spread'))} | {100 * r['frac_sdpa']:.1f}% | "
+                         f"{x_min:.2f} | {100 * s_min:.1f}% | "
                          f"{_f(r.get('peak_mb'), '{:.1f}')} | {_f(r.get('saved_mb'), '{:.1f}')} |")
         skipped = [r for r in rows if "skipped" in r]
         for r in skipped:
@@ -266,7 +272,8 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
                   "", f"{desc}{extra}. The absolute-embedding step is timed in alternation with each row's (for "
                   f"`compiled`, both models under torch.compile{_compile_mode_note(vit)}); a timm row is timm's "
                   "model of the same shape "
-                  "against ropekit's absolute-embedding ViT.", "",
+                  "against ropekit's absolute-embedding ViT. [n%]: the spread of the per-round ratio (interquartile "
+                  "range relative to the median).", "",
                   f"| encoding | {head} |", "|---|" + "---:|---:|" * len(cols)]
         for pe in dict.fromkeys(r["pe"] for r in vit):
             cells = []
@@ -275,7 +282,8 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
                 if r is None or "skipped" in r:
                     cells += ["–", "–"]
                 else:
-                    cells += [f"{r['step_ms']:.1f}", f"{r['x_absolute']:.2f}"]
+                    spread = f" [{_pct(r['x_absolute_spread'])}]" if "x_absolute_spread" in r else ""
+                    cells += [f"{r['step_ms']:.1f}", f"{r['x_absolute']:.2f}{spread}"]
             lines.append(f"| {pe} | " + " | ".join(cells) + " |")
         ref = [r for r in vit if "absolute_step_ms" in r]
         for s, mode in cols:
@@ -287,17 +295,75 @@ def format_report(records: List[Dict[str, Any]], command: str = "") -> str:
                 lines.append(f"\n*{r['label']}* ({r['size']} {r.get('mode', 'eager')}) not run: {r['skipped']}")
         lines.append("")
 
-    targets = evaluate_targets(records)
-    if targets:
-        lines += ["### Targets", "", "| target | case | measured | bound | met |", "|---|---|---:|---:|---|"]
-        for t in targets:
-            if t["unit"].startswith(("of SDPA", "of dense", "of naive")):
-                val = _f(None if t["value"] is None else 100 * t["value"], "{:.1f}%")
-                bound = f"{100 * t['bound']:.0f}%"
-            else:
-                val, bound = _f(t["value"]), f"{t['bound']:g}"
-            met = (t.get("note") or "not measured") if t["met"] is None else ("yes" if t["met"] else "**no**")
-            lines.append(f"| {t['target']} | {t['case']} | {val} {t['unit'] if t['value'] is not None else ''} | "
-                         f"{bound} | {met} |")
-        lines.append("")
+    lines += _targets_section(records)
     return "\n".join(lines)
+
+
+def _pct(v: Optional[float]) -> str:
+    return "–" if v is None else f"{100 * v:.0f}%"
+
+
+def _targets_section(records: List[Dict[str, Any]]) -> List[str]:
+    """The targets this run measured (or ran and found not measurable, with the reason), as a table, and one line
+    counting the others: those whose rows were not run or were refused (no table row for them)."""
+    targets = evaluate_targets(records)
+    if not targets:
+        return []
+    shown = [t for t in targets if t["value"] is not None or t.get("note")]
+    lines = ["### Targets", ""]
+    if shown:
+        lines += ["| target | case | measured | bound | met |", "|---|---|---:|---:|---|"]
+    for t in shown:
+        percent = t["unit"].startswith(("of SDPA", "of dense", "of naive"))
+        bound = f"{100 * t['bound']:.0f}%" if percent else f"{t['bound']:g}"
+        if t["value"] is None:
+            lines.append(f"| {t['target']} | {t['case']} | – | {bound} | {t['note']} |")
+            continue
+        val = f"{100 * t['value']:.1f}%" if percent else f"{t['value']:.2f}"
+        lines.append(f"| {t['target']} | {t['case']} | {val} {t['unit']} | {bound} | "
+                     f"{'yes' if t['met'] else '**no**'} |")
+    missing = len(targets) - len(shown)
+    if missing:
+        lines += ["", f"{missing} of {len(targets)} targets not measured in this run (their rows were not run or "
+                      "were refused as too noisy); the JSON records hold every row."]
+    return lines + [""]
+
+
+def format_summary(records: List[Dict[str, Any]]) -> str:
+    """A few lines to read first: per table, how many rows were measured and refused and the range of the headline
+    ratio (with the largest spread); then how many measured targets were met, naming those that were not."""
+    lines: List[str] = []
+    for case in dict.fromkeys(r.get("case") for r in records if r.get("kind") in ("pe", "kernel")):
+        rows = [r for r in records if r.get("case") == case and r.get("kind") in ("pe", "kernel")]
+        ok = [r for r in rows if "skipped" not in r]
+        refused = [r for r in rows if str(r.get("skipped", "")).startswith("refused")]
+        line = f"- {case}, encoding alone: {len(ok)} of {len(rows)} rows measured"
+        if refused:
+            line += f", {len(refused)} refused as too noisy ({', '.join(r['label'] for r in refused)})"
+        if ok:
+            lo, hi = min(ok, key=lambda r: r["x_floor"]), max(ok, key=lambda r: r["x_floor"])
+            worst = max(r.get("x_floor_spread", 0.0) for r in ok)
+            line += (f"; fwd+bwd {lo['x_floor']:.2f}x floor ({lo['label']}) to {hi['x_floor']:.2f}x ({hi['label']}), "
+                     f"largest spread {100 * worst:.0f}%")
+        lines.append(line)
+    vit = [r for r in records if r.get("kind") == "vit"]
+    for size, mode in dict.fromkeys((r["size"], r.get("mode", "eager")) for r in vit):
+        rows = [r for r in vit if r["size"] == size and r.get("mode", "eager") == mode]
+        ok = [r for r in rows if "skipped" not in r]
+        line = f"- vit-{size} {mode} training step: {len(ok)} of {len(rows)} rows measured"
+        if ok:
+            lo, hi = min(ok, key=lambda r: r["x_absolute"]), max(ok, key=lambda r: r["x_absolute"])
+            line += (f"; {lo['x_absolute']:.2f}x absolute embedding ({lo['label']}) to {hi['x_absolute']:.2f}x "
+                     f"({hi['label']})")
+        lines.append(line)
+    targets = evaluate_targets(records)
+    measured = [t for t in targets if t["value"] is not None]
+    failed = [t for t in measured if not t["met"]]
+    if targets:
+        line = f"- targets: {len(measured) - len(failed)} of {len(measured)} measured met"
+        if failed:
+            line += "; not met: " + "; ".join(f"{t['target']} ({t['case']})" for t in failed[:3])
+            line += f" and {len(failed) - 3} more" if len(failed) > 3 else ""
+        line += f"; {len(targets) - len(measured)} not measured in this run"
+        lines.append(line)
+    return "\n".join(["### Summary", ""] + lines + [""])

@@ -5,7 +5,7 @@
 * :mod:`.expert` -- scripted experts, replayed demonstrations and the on-disk demo-set cache.
 * :mod:`.policy` -- diffusion policies on a ropekit ViT (the encoder's position encoding is the variable)
   and batched evaluation.
-* :mod:`.experiment` -- the study behind ``ropekit experiment aloha`` / ``ropekit robot aloha``.
+* :mod:`.experiment` -- the study: ``ropekit robot aloha experiment`` (``ropekit experiment aloha`` is an alias).
 
 Importing this package needs none of the simulator's packages; they are imported when a sim is built.
 """

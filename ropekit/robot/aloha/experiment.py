@@ -42,7 +42,7 @@ import torch
 
 from ...experiments.recipes import LATER_ARCH_FIELDS
 
-__all__ = ["AlohaExperimentConfig", "run_experiment", "run_study", "missing_fields", "PRESETS"]
+__all__ = ["AlohaExperimentConfig", "run_experiment", "run_study", "robot_command", "missing_fields", "PRESETS"]
 
 PathLike = Union[str, Path]
 
@@ -537,10 +537,33 @@ def _plot(doc: Dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def robot_command(exp_cfg: Any, out: PathLike) -> str:
+    """The ``ropekit robot aloha experiment`` command that ``ropekit experiment aloha`` with ``exp_cfg`` stands for:
+    ``--quick``, ``--seeds``, ``--pe``, ``--threads`` and ``--no-progress`` carried over, ``--out`` the study's
+    folder. ``ropekit robot aloha experiment`` is the one command of the ALOHA study; ``ropekit experiment aloha``
+    is an alias of it (the same configuration, the same recorded command)."""
+    import shlex
+
+    words = ["ropekit", "robot", "aloha", "experiment", "--out", str(out)]
+    if exp_cfg.quick:
+        words.append("--quick")
+    if exp_cfg.seeds and not exp_cfg.quick:
+        words += ["--seeds", ",".join(str(int(s)) for s in exp_cfg.seeds)]
+    if exp_cfg.pes:
+        words += ["--pe", ",".join(str(p) for p in exp_cfg.pes)]
+    if getattr(exp_cfg, "threads", None):
+        words += ["--threads", str(int(exp_cfg.threads))]
+    if not exp_cfg.progress:
+        words.append("--no-progress")
+    return " ".join(shlex.quote(w) for w in words)
+
+
 def run_study(exp_cfg: Any, out: PathLike, **options: Any):
-    """The ``aloha`` entry of ``ropekit experiment``: the CPU preset (``--quick``: the tiny one), with
-    ``--seeds``, ``--pe`` (encoder labels or create_pe names: absolute, axial, mixed, cayley, cayley-rgbd),
-    ``--threads`` and ``--no-progress`` taken from the shared options."""
+    """The ``aloha`` entry of ``ropekit experiment``: an alias of ``ropekit robot aloha experiment`` (see
+    :func:`robot_command`): the CPU preset (``--quick``: the tiny one), with ``--seeds``, ``--pe`` (encoder labels or
+    create_pe names: absolute, axial, mixed, cayley, cayley-rgbd), ``--threads`` and ``--no-progress`` taken from the
+    shared options. The configuration is the one that command runs (tests/test_one_command.py holds them equal),
+    and the command is what the results record, so both spellings write the same results."""
     from ...experiments.common import StudyResult
 
     if options:
@@ -554,7 +577,7 @@ def run_study(exp_cfg: Any, out: PathLike, **options: Any):
     if getattr(exp_cfg, "threads", None):
         changes["threads"] = int(exp_cfg.threads)
     cfg = dataclasses.replace(cfg, **changes)
-    doc = run_experiment(cfg, out)
+    doc = run_experiment(cfg, out, command=robot_command(exp_cfg, out))
     out = Path(out)
     files = sorted(p for p in out.iterdir() if p.is_file())
     return StudyResult("aloha", out, files, (out / "table.md").read_text(), {"rows": summary_rows(doc)})
