@@ -309,6 +309,18 @@ _COMROPE_PAPER_START = {**_COMROPE_PROTOCOL_SHARING,
                         "liere": {"pe_sharing": "model"}}
 _COMROPE_PAPER_PES = ["comrope-ap", "comrope-ld", "circulant", "liere", "absolute"]
 
+#: Native resolution: the native arm's loader -- token budgets 16..100 around the 7x7 training grid (4x4 to 10x10
+#: squares), the aspect ratio stretched by up to 2x either way, no flip (digits), evaluation of the trainer at 7x7.
+_NATIVE_OPTIONS = {
+    "default": dict(seq_len=128, rows=16, min_tokens=16, max_tokens=100, eval_tokens=49, hflip=0.0, aspect=2.0),
+    "gpu": dict(seq_len=256, rows=32, min_tokens=16, max_tokens=196, eval_tokens=49, hflip=0.0, aspect=2.0),
+    "quick": dict(seq_len=64, rows=8, min_tokens=9, max_tokens=49, eval_tokens=49, hflip=0.0, aspect=2.0),
+}
+#: 0.5x..4x the 7x7 training grid (12: rope-vit's 224 -> 384 ratio), and 2:1 and 3:1 grids.
+_NATIVE_STUDY = dict(grids=[4, 7, 10, 12, 14, 21, 28], aspect_grids=["5x10", "10x5", "4x12", "12x4"],
+                     scalings=["pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"])
+_NATIVE_PES = ["absolute", "axial", "mixed", "cayley", "circulant", "comrope-ld"]
+
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "classify": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
                          _study(QUICK_PES, [0], 200)),
@@ -399,6 +411,15 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
                sizes=[16, 20, 24, 28, 36, 44, 56]),
         _study(["comrope-ld", "absolute"], [0], 200, pe_overrides=_COMROPE_PAPER_START,
                coord_modes=["normalized"], jitter_sigma=1.0, scale_sizes=None, sizes=[16, 28])),
+    # fixed-size against native-resolution training (ropekit.experiments.native_resolution); a quarter of MNIST
+    # for five epochs on the CPU, the first 1000 test digits at each of 11 grids and 5 scalings
+    "native-resolution": _presets(
+        _study(_NATIVE_PES, SEEDS, 1000, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["default"]),
+        _study(_NATIVE_PES, GPU_SEEDS, 2000, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["gpu"]),
+        _study(["absolute", "mixed", "comrope-ld"], [0], 200, grids=[4, 7, 12, 28], aspect_grids=["5x10"],
+               scalings=["pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"],
+               native_options=_NATIVE_OPTIONS["quick"]),
+        train=dict(train_fraction=0.25, epochs=5), train_gpu=dict(train_fraction=1.0, epochs=10)),
     "mqa": {"default": {"train": _mnist(model_options=_arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
                                                             num_kv_heads=1)),
                         "study": _study(["mixed", "cayley"], SEEDS, pe_overrides=_MQA_SHARING)},

@@ -77,7 +77,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "(image folders or in-memory sets, RGB-D too; see docs/native-resolution.md)")
     d.add_argument("--native-opt", metavar="KEY=VALUE", action="append", default=S,
                    help="native resolution option: seq_len, rows, min_tokens, max_tokens, eval_tokens, max_images, "
-                        "token_drop, hflip (repeatable)")
+                        "token_drop, hflip, aspect (repeatable)")
     a = p.add_argument_group("augmentation of streamed data: imagefolder, shards (the in-memory sets use "
                              "--augment-shift)")
     a.add_argument("--crop-scale", type=float, nargs=2, metavar=("LO", "HI"), default=S,

@@ -42,7 +42,7 @@ class TrainConfig:
         native_resolution: train and evaluate on packed batches of images at their own aspect ratio and a sampled
         resolution (``ropekit.train.native``); native_options: its ``ropekit.data.native.NativeOptions`` fields
         (``seq_len``, ``rows``, ``min_tokens``, ``max_tokens``, ``eval_tokens``, ``max_images``, ``token_drop``,
-        ``hflip``).
+        ``hflip``, ``aspect``).
     Model (see :class:`ropekit.nn.ViTConfig`):
         model: ``tiny``, ``small`` or ``base``; patch_size (``None``: ``auto_patch_size``, a power of two by the
         short side); tubelet_size (video; ``None``: 2 frames, or 1 for clips shorter than 4); pe, pe_options,
