@@ -175,8 +175,8 @@ def test_run_records_the_option_and_resumes_bit_exactly(tmp_path, native):
 
     def cfg(out):
         kw = dict(data="digits", train_fraction=0.1, model_options=dict(TINY), batch_size=32, epochs=2, lr=3e-3,
-                  progress=False, tensorboard=False, threads=1, out=str(out), device="cpu", coord_augment=[0.5, 1.3, 1.5],
-                  log_every=1, native_resolution=native)
+                  progress=False, tensorboard=False, threads=1, out=str(out), device="cpu",
+                  coord_augment=[0.5, 1.3, 1.5], log_every=1, native_resolution=native)
         if native:
             kw.update(pe="circulant", pe_options={"block_size": 8},
                       native_options={"seq_len": 32, "rows": 4, "min_tokens": 1, "max_tokens": 4})

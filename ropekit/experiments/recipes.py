@@ -37,9 +37,9 @@ from .arguments import _OPTION_FIELDS, _STUDY_OPTIONS, add_arguments
 from .registry import STUDIES
 from .settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
-__all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "LATER_BACKBONE_FIELDS", "with_later_fields", "RUNTIME_FIELDS", "PER_RUN_FIELDS",
-           "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields", "experiment_config",
-           "compare_with_committed", "recipe_names", "STUDY_CLAIMS"]
+__all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "LATER_BACKBONE_FIELDS", "with_later_fields", "RUNTIME_FIELDS",
+           "PER_RUN_FIELDS", "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields",
+           "experiment_config", "compare_with_committed", "recipe_names", "STUDY_CLAIMS"]
 
 PRESETS = ("default", "gpu", "quick")
 
@@ -411,15 +411,14 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
                sizes=[16, 20, 24, 28, 36, 44, 56]),
         _study(["comrope-ld", "absolute"], [0], 200, pe_overrides=_COMROPE_PAPER_START,
                coord_modes=["normalized"], jitter_sigma=1.0, scale_sizes=None, sizes=[16, 28])),
-    # fixed-size against native-resolution training (ropekit.experiments.native_resolution); a quarter of MNIST
-    # for five epochs on the CPU, the first 1000 test digits at each of 11 grids and 5 scalings
+    # fixed-size against native-resolution training (ropekit.experiments.native_resolution): the classification's
+    # recipe (its fixed arms are the classification's runs of the same seeds), every test digit at 11 grids, 5 scalings
     "native-resolution": _presets(
-        _study(_NATIVE_PES, SEEDS, 1000, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["default"]),
-        _study(_NATIVE_PES, GPU_SEEDS, 2000, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["gpu"]),
+        _study(_NATIVE_PES, SEEDS, None, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["default"]),
+        _study(_NATIVE_PES, GPU_SEEDS, None, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["gpu"]),
         _study(["absolute", "mixed", "comrope-ld"], [0], 200, grids=[4, 7, 12, 28], aspect_grids=["5x10"],
                scalings=["pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"],
-               native_options=_NATIVE_OPTIONS["quick"]),
-        train=dict(train_fraction=0.25, epochs=5), train_gpu=dict(train_fraction=1.0, epochs=10)),
+               native_options=_NATIVE_OPTIONS["quick"])),
     "mqa": {"default": {"train": _mnist(model_options=_arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
                                                             num_kv_heads=1)),
                         "study": _study(["mixed", "cayley"], SEEDS, pe_overrides=_MQA_SHARING)},
