@@ -22,7 +22,7 @@ def test_recipe_trains_fixed_and_native_arms_with_the_encodings_asked_for():
     r = recipe("native-resolution", "default")
     assert r["study"]["pes"] == ["absolute", "axial", "mixed", "cayley", "circulant", "comrope-ld"]
     o = r["study"]["options"]
-    assert o["trainings"] == ["fixed", "native"] and o["scalings"] == ["pi", "ntk", "yarn", "cap"]
+    assert o["trainings"] == ["fixed", "native"] and o["scalings"] == ["none", "pi", "ntk", "yarn", "cap"]
     assert min(o["grids"]) <= 4 and max(o["grids"]) >= 4 * 7  # about 0.5x (4 of 7) .. 4x the 7x7 training grid
     cfg = study_config("native-resolution")
     fixed = cfg.train_config("mixed", 0)

@@ -318,7 +318,7 @@ _NATIVE_OPTIONS = {
 }
 #: 0.5x..4x the 7x7 training grid (12: rope-vit's 224 -> 384 ratio), and 2:1 and 3:1 grids.
 _NATIVE_STUDY = dict(grids=[4, 7, 10, 12, 14, 21, 28], aspect_grids=["5x10", "10x5", "4x12", "12x4"],
-                     scalings=["pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"])
+                     scalings=["none", "pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"])
 _NATIVE_PES = ["absolute", "axial", "mixed", "cayley", "circulant", "comrope-ld"]
 
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
@@ -417,7 +417,7 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
         _study(_NATIVE_PES, SEEDS, None, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["default"]),
         _study(_NATIVE_PES, GPU_SEEDS, None, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["gpu"]),
         _study(["absolute", "mixed", "comrope-ld"], [0], 200, grids=[4, 7, 12, 28], aspect_grids=["5x10"],
-               scalings=["pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"],
+               scalings=["none", "pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"],
                native_options=_NATIVE_OPTIONS["quick"])),
     "mqa": {"default": {"train": _mnist(model_options=_arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
                                                             num_kv_heads=1)),
