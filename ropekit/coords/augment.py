@@ -16,12 +16,13 @@ Shape legend: ``B`` images, ``M`` tokens, ``c`` coordinate dimension.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["CoordAugmentDraws", "draw_coord_augmentation", "apply_coord_augmentation", "augment_coords"]
+__all__ = ["CoordAugmentDraws", "draw_coord_augmentation", "apply_coord_augmentation", "augment_coords",
+           "check_coord_augment", "augment_leading_axes"]
 
 
 class CoordAugmentDraws(NamedTuple):
@@ -94,3 +95,41 @@ def augment_coords(coords: Tensor, *, shift: float = 0.0, jitter: float = 1.0, r
     draws = draw_coord_augmentation(coords.shape[0], coords.shape[-1], shift=shift, jitter=jitter, rescale=rescale,
                                     generator=generator)
     return apply_coord_augmentation(coords, draws)
+
+
+def check_coord_augment(settings: Sequence[float]) -> Tuple[float, float, float]:
+    """``(shift, jitter, rescale)`` checked (``shift >= 0``, ``jitter >= 1``, ``rescale >= 1``, all finite);
+    ``ValueError`` otherwise. ``(0, 1, 1)`` is no augmentation."""
+    values = tuple(settings)
+    if len(values) != 3:
+        raise ValueError(f"coord_augment is (shift, jitter, rescale), got {values!r}")
+    return (_check("shift", values[0], 0.0), _check("jitter", values[1], 1.0), _check("rescale", values[2], 1.0))
+
+
+def augment_leading_axes(coords: Tensor, settings: Sequence[float], num_images: int, *, axes: int,
+                         image: Optional[Tensor] = None) -> Tensor:
+    """The model's training-time augmentation: the first ``axes`` coordinate axes of each image shifted, jittered
+    and rescaled with one draw per image (from the global torch CPU generator, so a checkpoint's RNG state makes a
+    resumed run draw the same numbers); the other axes (an RGB-D depth coordinate) are left as they are.
+
+    Args:
+        coords: ``(M, c)`` (one grid for all images, expanded), ``(B, M, c)`` one image per row, or ``(B, N, c)``
+            packed tokens with ``image``.
+        settings: ``(shift, jitter, rescale)`` (:func:`check_coord_augment`).
+        num_images: ``B``, or the packed batch's ``I``.
+        axes: how many leading axes to augment (``<= c``).
+        image: ``(B, N)`` each packed token's image (``-1``: padding, unchanged), or ``None``.
+
+    Returns:
+        ``(B, M, c)`` / ``(B, N, c)`` coordinates in ``coords``' dtype.
+    """
+    shift, jitter, rescale = check_coord_augment(settings)
+    c = coords.shape[-1]
+    if not 0 < axes <= c:
+        raise ValueError(f"axes must be in 1..{c}, got {axes}")
+    if image is None and coords.dim() == 2:
+        coords = coords.expand(num_images, -1, -1)  # (B, M, c)
+    draws = draw_coord_augmentation(num_images, axes, shift=shift, jitter=jitter, rescale=rescale,
+                                    dtype=coords.dtype, device=coords.device)
+    moved = apply_coord_augmentation(coords[..., :axes], draws, image)
+    return torch.cat([moved, coords[..., axes:]], dim=-1) if axes < c else moved

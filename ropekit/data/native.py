@@ -60,6 +60,9 @@ class NativeOptions:
         max_images: at most this many images per row (``None``: no limit).
         token_drop: fraction of each training image's tokens dropped at random (NaViT), ``[0, 1)``.
         hflip: horizontal flip probability in training.
+        aspect: aspect-ratio stretch in training (``>= 1``; 1: none): each image's height-to-width ratio is multiplied
+            by a log-uniform factor in ``[1 / aspect, aspect]`` before its grid is chosen (the image is resized to that
+            grid, so it is stretched), which gives data of one shape (MNIST's squares) mixed aspect ratios.
         depth: the last channel is metric depth (RGB-D): resized with nearest, never standardised.
         mean, std: per-colour-channel standardisation of uint8 sources (ImageNet's by default).
     """
@@ -73,6 +76,7 @@ class NativeOptions:
     max_images: Optional[int] = None
     token_drop: float = 0.0
     hflip: float = 0.5
+    aspect: float = 1.0
     depth: bool = False
     mean: Tuple[float, ...] = IMAGENET_MEAN
     std: Tuple[float, ...] = IMAGENET_STD
@@ -88,6 +92,8 @@ class NativeOptions:
                              f"{hi}, {self.seq_len}")
         if self.eval_tokens is not None and not 1 <= self.eval_tokens <= self.seq_len:
             raise ValueError(f"native resolution: eval_tokens must be in [1, seq_len], got {self.eval_tokens}")
+        if not (math.isfinite(self.aspect) and self.aspect >= 1.0):
+            raise ValueError(f"native resolution: aspect must be a finite number >= 1, got {self.aspect}")
         if not 0.0 <= self.token_drop < 1.0 or not 0.0 <= self.hflip <= 1.0:
             raise ValueError(f"native resolution: token_drop must be in [0, 1) and hflip in [0, 1], got "
                              f"{self.token_drop}, {self.hflip}")
@@ -210,7 +216,12 @@ class NativeBatches(Dataset):
         if x.dim() != 3:
             raise ValueError(f"native resolution takes (C, H, W) images, got {tuple(x.shape)} for item {index}")
         rng = np.random.default_rng([self.seed, self.epoch, int(index), 0x50415443])
-        grid = grid_for(x.shape[-2], x.shape[-1], tokens, o.patch_size)
+        h, w = float(x.shape[-2]), float(x.shape[-1])
+        if self.train and o.aspect > 1.0:  # its own stream: the flip and drop draws stay as without a stretch
+            u = np.random.default_rng([self.seed, self.epoch, int(index), 0x41535043]).random()
+            r = math.exp((2.0 * u - 1.0) * math.log(o.aspect))  # height-to-width ratio multiplied by r
+            h, w = h * math.sqrt(r), w / math.sqrt(r)
+        grid = grid_for(max(1, round(h)), max(1, round(w)), tokens, o.patch_size)
         x = resize_to_grid(x, grid, o.patch_size, o.depth)
         if self.train and o.hflip > 0 and rng.random() < o.hflip:
             x = x.flip(-1)

@@ -101,7 +101,8 @@ def _backbone(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, patc
     return dict(**_arch(embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
                         drop_path_rate=drop_path_rate),
                 patch_size=patch_size, pe_options={}, pe_sharing="model", per_head=False, ape="none", cls="none",
-                coords="grid", jitter=0.0, depth_scale_init=depth_scale_init)
+                coords="grid", jitter=0.0, coord_augment=[0.0, 1.0, 1.0],
+                depth_scale_init=depth_scale_init)
 
 
 def _scenes() -> Dict[str, Any]:

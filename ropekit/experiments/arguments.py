@@ -116,6 +116,12 @@ _STUDY_OPTIONS = (
     ("--shifts", _ints, "shifts", "exact-vs-relaxed: whole-patch shifts of the content on the canvas (default 0,1,2)"),
     ("--coord-modes", _list, "coord_modes", "resolution, classify-coords, video-coords: coordinate conventions "
                                            "trained (grid, normalized; resolution also normalized+scale)"),
+    ("--grids", _ints, "grids", "native-resolution: square evaluation grids, patches per side (default 4,7,10,12,14,"
+                                "21,28: 0.5x..4x a 7x7 training grid)"),
+    ("--aspect-grids", _list, "aspect_grids", "native-resolution: non-square evaluation grids HxW (e.g. 5x10,10x5)"),
+    ("--scalings", _list, "scalings", "native-resolution: resolution-scaling methods evaluated besides none "
+                                      "(pi, ntk, yarn, cap)"),
+    ("--trainings", _list, "trainings", "native-resolution: fixed and/or native (packed, mixed aspect ratios)"),
     ("--scale-sizes", _ints, "scale_sizes", "resolution: training image sizes of the normalized+scale convention"),
     ("--epoch-budgets", _ints, "epoch_budgets", "compute-efficiency: training lengths in epochs, each a separate "
                                                 "run with its own schedule (default 2,4,6,10)"),

@@ -37,9 +37,9 @@ from .arguments import _OPTION_FIELDS, _STUDY_OPTIONS, add_arguments
 from .registry import STUDIES
 from .settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
-__all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "with_later_fields", "RUNTIME_FIELDS", "PER_RUN_FIELDS",
-           "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields", "experiment_config",
-           "compare_with_committed", "recipe_names", "STUDY_CLAIMS"]
+__all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "LATER_BACKBONE_FIELDS", "with_later_fields", "RUNTIME_FIELDS",
+           "PER_RUN_FIELDS", "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields",
+           "experiment_config", "compare_with_committed", "recipe_names", "STUDY_CLAIMS"]
 
 PRESETS = ("default", "gpu", "quick")
 
@@ -65,10 +65,18 @@ _STUDY_KEYS = {"pes", "seeds", "eval_limit", "pe_overrides", "options"}
 LATER_ARCH_FIELDS: Dict[str, Any] = {"num_kv_heads": None}
 
 
+#: ``ViTConfig`` fields that ``TrainConfig`` carries too, added after committed studies were trained, with the value
+#: those studies trained with (``coord_augment`` off). Only a whole backbone states them (the detect3d, robot and
+#: ALOHA recipes, which list every ``ViTConfig`` field); a recipe's ``model_options`` never does.
+LATER_BACKBONE_FIELDS: Dict[str, Any] = {"coord_augment": [0.0, 1.0, 1.0]}
+
+
 def with_later_fields(options: Dict[str, Any]) -> Dict[str, Any]:
     """``options`` (architecture fields of a committed recipe or run) with every :data:`LATER_ARCH_FIELDS` it
-    predates set to the value it trained with."""
-    return {**LATER_ARCH_FIELDS, **options}
+    predates set to the value it trained with; a whole backbone (one stating ``coords``, a field ``TrainConfig``
+    carries) also with every :data:`LATER_BACKBONE_FIELDS`."""
+    later = {**LATER_ARCH_FIELDS, **(LATER_BACKBONE_FIELDS if "coords" in options else {})}
+    return {**later, **options}
 
 
 def architecture_fields() -> Set[str]:
@@ -166,7 +174,7 @@ _STREAM_DEFAULTS = {k: TrainConfig.__dataclass_fields__[k].default_factory()  # 
 #: ``TrainConfig`` fields added after studies were committed, with the value that trains as those studies did: a
 #: committed recipe or run that lacks one is compared as if it stated this value.
 ADDED_FIELDS: Dict[str, Any] = {**_STREAM_DEFAULTS, "lr_base_batch": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
-                                 "native_resolution": False, "native_options": {}}
+                                 "native_resolution": False, "native_options": {}, "coord_augment": [0.0, 1.0, 1.0]}
 
 
 def _mnist(**changes: Any) -> Dict[str, Any]:
@@ -175,8 +183,8 @@ def _mnist(**changes: Any) -> Dict[str, Any]:
         data="mnist", data_root=None, image_size=None, data_options={}, split_seed=0, normalize=True,
         train_fraction=1.0,
         model="tiny", patch_size=4, tubelet_size=None, pe_options={}, pe_sharing="model", per_head=False,
-        ape="none", cls="none", coords="grid", jitter=0.0, depth_input="auto", depth_scale_init=1.0,
-        init_from=None,
+        ape="none", cls="none", coords="grid", jitter=0.0, coord_augment=[0.0, 1.0, 1.0], depth_input="auto",
+        depth_scale_init=1.0, init_from=None,
         model_options=_arch(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
         epochs=10, batch_size=64, lr=2e-3, weight_decay=0.05, warmup_epochs=1.0, min_lr=1e-5, label_smoothing=0.0,
         grad_clip=1.0, augment_shift=0, augment_sizes=[], lr_base_batch=None, precision="fp32",
@@ -301,6 +309,18 @@ _COMROPE_PAPER_START = {**_COMROPE_PROTOCOL_SHARING,
                         "liere": {"pe_sharing": "model"}}
 _COMROPE_PAPER_PES = ["comrope-ap", "comrope-ld", "circulant", "liere", "absolute"]
 
+#: Native resolution: the native arm's loader -- token budgets 16..100 around the 7x7 training grid (4x4 to 10x10
+#: squares), the aspect ratio stretched by up to 2x either way, no flip (digits), evaluation of the trainer at 7x7.
+_NATIVE_OPTIONS = {
+    "default": dict(seq_len=128, rows=16, min_tokens=16, max_tokens=100, eval_tokens=49, hflip=0.0, aspect=2.0),
+    "gpu": dict(seq_len=256, rows=32, min_tokens=16, max_tokens=196, eval_tokens=49, hflip=0.0, aspect=2.0),
+    "quick": dict(seq_len=64, rows=8, min_tokens=9, max_tokens=49, eval_tokens=49, hflip=0.0, aspect=2.0),
+}
+#: 0.5x..4x the 7x7 training grid (12: rope-vit's 224 -> 384 ratio), and 2:1 and 3:1 grids.
+_NATIVE_STUDY = dict(grids=[4, 7, 10, 12, 14, 21, 28], aspect_grids=["5x10", "10x5", "4x12", "12x4"],
+                     scalings=["none", "pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"])
+_NATIVE_PES = ["absolute", "axial", "mixed", "cayley", "circulant", "comrope-ld"]
+
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "classify": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
                          _study(QUICK_PES, [0], 200)),
@@ -391,6 +411,14 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
                sizes=[16, 20, 24, 28, 36, 44, 56]),
         _study(["comrope-ld", "absolute"], [0], 200, pe_overrides=_COMROPE_PAPER_START,
                coord_modes=["normalized"], jitter_sigma=1.0, scale_sizes=None, sizes=[16, 28])),
+    # fixed-size against native-resolution training (ropekit.experiments.native_resolution): the classification's
+    # recipe (its fixed arms are the classification's runs of the same seeds), every test digit at 11 grids, 5 scalings
+    "native-resolution": _presets(
+        _study(_NATIVE_PES, SEEDS, None, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["default"]),
+        _study(_NATIVE_PES, GPU_SEEDS, None, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["gpu"]),
+        _study(["absolute", "mixed", "comrope-ld"], [0], 200, grids=[4, 7, 12, 28], aspect_grids=["5x10"],
+               scalings=["none", "pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"],
+               native_options=_NATIVE_OPTIONS["quick"])),
     "mqa": {"default": {"train": _mnist(model_options=_arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
                                                             num_kv_heads=1)),
                         "study": _study(["mixed", "cayley"], SEEDS, pe_overrides=_MQA_SHARING)},

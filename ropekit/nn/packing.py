@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..coords.augment import augment_leading_axes
 from .depth import patch_mean_depth, valid_depth_mask
 from .masks import flex_segment_mask, segment_mask
 
@@ -315,6 +316,10 @@ def packed_embed(model, batch: PackedBatch, coord_offset: Optional[Tensor] = Non
             noise = torch.empty_like(coords)
             torch.nn.init.trunc_normal_(noise, mean=0.0, std=1.0, a=-0.5 / cfg.jitter, b=0.5 / cfg.jitter)
             coords = coords + noise * cfg.jitter * unit
+        if model.training and cfg.coord_augmenting:
+            image = torch.where(seg >= 0, batch.image_index.gather(1, seg.clamp(min=0)), seg)  # (B, N)
+            coords = augment_leading_axes(coords, cfg.coord_augment, batch.num_images, axes=idx.shape[-1],
+                                          image=image)
         if coord_offset is not None:
             off = torch.as_tensor(coord_offset, dtype=coords.dtype, device=coords.device)
             if off.dim() != 2 or off.shape[-1] != coords.shape[-1]:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .._config_keys import known_keys
+from ..coords.augment import augment_leading_axes, check_coord_augment
 from ..encodings import PositionEncoding, create_pe, list_pes
 from ..encodings.registry import RegistryView
 from ..encodings.prepared import prepare_layers
@@ -111,6 +112,11 @@ class ViTConfig:
             the centroid of the patch coordinates, so offset invariance is kept).
         coords: ``"grid"`` (integer patch indices) or ``"normalized"`` (centres in ``[0, 1]``).
         jitter: position jitter sigma in patches (training only; 0 disables).
+        coord_augment: ``(shift, jitter, rescale)`` coordinate augmentation in training, as DINOv3 and timm's
+            NaFlexViT: per image a uniform shift in ``[-shift, shift]`` per axis, a log-uniform per-axis scale in
+            ``[1/jitter, jitter]`` and a log-uniform global scale in ``[1/rescale, rescale]`` of the patch
+            coordinates (``ropekit.coords.augment``; never at evaluation; a depth coordinate is left as it is).
+            ``(0, 1, 1)`` (default) disables it.
     RGB-D:
         depth_input: ``"coord"`` (z = learnable linear function of the patch's mean valid depth, a 3-D
             encoding), ``"channel"`` (depth as an extra input channel, invalid pixels as 0), ``"both"`` (depth
@@ -144,6 +150,7 @@ class ViTConfig:
     cls: str = "none"
     coords: str = "grid"
     jitter: float = 0.0
+    coord_augment: Tuple[float, float, float] = (0.0, 1.0, 1.0)
     depth_input: str = "auto"
     depth_scale_init: float = 1.0
 
@@ -153,6 +160,11 @@ class ViTConfig:
         """The ``create_pe`` name, or ``None`` without a rotary encoding (``none``, ``absolute``, ``sincos``)."""
         name = self.pe.lower().replace("_", "-")
         return None if name in ABSOLUTE_PES or name == "none" else name
+
+    @property
+    def coord_augmenting(self) -> bool:
+        """Whether ``coord_augment`` changes anything (a rotary encoding and not ``(0, 1, 1)``)."""
+        return self.rotary is not None and tuple(float(v) for v in self.coord_augment) != (0.0, 1.0, 1.0)
 
     @property
     def ape_kind(self) -> str:
@@ -212,6 +224,7 @@ class ViTConfig:
             raise ValueError("depth, patch_size and tubelet_size must be >= 1")
         if self.jitter < 0:
             raise ValueError(f"jitter must be >= 0, got {self.jitter}")
+        check_coord_augment(self.coord_augment)
         if self.depth_as_coord and self.rotary is None:
             raise ValueError(f"depth_input={self.resolved_depth_input!r} needs a rotary encoding; pe={self.pe!r} has "
                              f"no coordinate path (use depth_input='channel')")
@@ -224,6 +237,7 @@ class ViTConfig:
         self.validate()
         changes: Dict[str, Any] = {"image_size": tuple(int(s) for s in self.image_size),
                                    "pe": self.pe.lower().replace("_", "-")}
+        changes["coord_augment"] = check_coord_augment(self.coord_augment)
         if self.modality == "rgbd":
             changes["depth_input"] = self.resolved_depth_input
         sharing = self.pe_sharing
@@ -512,6 +526,8 @@ class VisionTransformer(nn.Module):
                 unit = unit + [0.0]  # z is not jittered
             if self.training and cfg.jitter > 0:
                 coords = jitter_coords(coords, b, cfg.jitter, unit)  # (B, M, c)
+            if self.training and cfg.coord_augmenting:
+                coords = augment_leading_axes(coords, cfg.coord_augment, b, axes=len(grid))  # (B, M, c)
             if coord_offset is not None:
                 off = torch.as_tensor(coord_offset, dtype=coords.dtype, device=coords.device)
                 if off.dim() == 1:

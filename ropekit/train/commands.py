@@ -77,7 +77,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "(image folders or in-memory sets, RGB-D too; see docs/native-resolution.md)")
     d.add_argument("--native-opt", metavar="KEY=VALUE", action="append", default=S,
                    help="native resolution option: seq_len, rows, min_tokens, max_tokens, eval_tokens, max_images, "
-                        "token_drop, hflip (repeatable)")
+                        "token_drop, hflip, aspect (repeatable)")
     a = p.add_argument_group("augmentation of streamed data: imagefolder, shards (the in-memory sets use "
                              "--augment-shift)")
     a.add_argument("--crop-scale", type=float, nargs=2, metavar=("LO", "HI"), default=S,
@@ -115,6 +115,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--cls", default=S, help="none (mean pooling), unrotated or centroid CLS token")
     m.add_argument("--coords", default=S, help="patch coordinates: grid (indices) or normalized ([0, 1])")
     m.add_argument("--jitter", type=float, metavar="SIGMA", default=S, help="position jitter in patches (training)")
+    m.add_argument("--coord-augment", type=float, nargs=3, metavar=("SHIFT", "JITTER", "RESCALE"), default=S,
+                   help="coordinate augmentation in training (DINOv3, timm): per image a uniform shift in [-SHIFT, "
+                        "SHIFT], a per-axis scale in [1/JITTER, JITTER] and a global scale in [1/RESCALE, RESCALE] "
+                        "(log-uniform) of the patch coordinates; never at evaluation (default 0 1 1: off)")
     m.add_argument("--depth-input", default=S, help="RGB-D: auto, coord (ViTD z coordinate), channel, ignore")
     m.add_argument("--depth-scale-init", type=float, metavar="A", default=S,
                    help="RGB-D: initial a of z = a * depth + b (0 when fine-tuning a 2-D model)")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from .._config_keys import known_keys
+from ..coords.augment import check_coord_augment
 from ..nn.vit import VIT_SIZES, ViTConfig, vit_config
 
 if TYPE_CHECKING:
@@ -41,11 +42,12 @@ class TrainConfig:
         native_resolution: train and evaluate on packed batches of images at their own aspect ratio and a sampled
         resolution (``ropekit.train.native``); native_options: its ``ropekit.data.native.NativeOptions`` fields
         (``seq_len``, ``rows``, ``min_tokens``, ``max_tokens``, ``eval_tokens``, ``max_images``, ``token_drop``,
-        ``hflip``).
+        ``hflip``, ``aspect``).
     Model (see :class:`ropekit.nn.ViTConfig`):
         model: ``tiny``, ``small`` or ``base``; patch_size (``None``: ``auto_patch_size``, a power of two by the
         short side); tubelet_size (video; ``None``: 2 frames, or 1 for clips shorter than 4); pe, pe_options,
-        pe_sharing, per_head, ape, cls, coords, jitter, depth_input, depth_scale_init;
+        pe_sharing, per_head, ape, cls, coords, jitter, coord_augment (``[shift, jitter, rescale]`` of the patch
+        coordinates in training, as DINOv3; ``[0, 1, 1]``: off), depth_input, depth_scale_init;
         model_options: any other ``ViTConfig`` field (``embed_dim``, ``depth``, ``num_heads``, ``drop_path_rate``...);
         init_from: a checkpoint whose matching weights initialise the model (fine-tuning).
     Optimisation:
@@ -96,6 +98,7 @@ class TrainConfig:
     cls: str = "none"
     coords: str = "grid"
     jitter: float = 0.0
+    coord_augment: List[float] = field(default_factory=lambda: [0.0, 1.0, 1.0])
     depth_input: str = "auto"
     depth_scale_init: float = 1.0
     model_options: Dict[str, Any] = field(default_factory=dict)
@@ -200,6 +203,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        check_coord_augment(self.coord_augment)
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.augment_sizes):
             raise ValueError(f"augment_sizes must be a list of positive image sizes, got {self.augment_sizes!r}")
         if self.patch_size is not None:

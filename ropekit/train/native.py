@@ -6,8 +6,8 @@ Data: ``--data folder-stream`` or ``--data imagefolder`` with ``--data-root`` (`
 when both exist, else a seeded 10 % of ``root`` held out), read file by file in ``--workers`` processes; or any
 in-memory data set of ``ropekit.data`` (RGB-D too: depth as the last channel, resized with nearest).
 ``--native-opt KEY=VALUE`` sets :class:`~ropekit.data.native.NativeOptions` fields (``seq_len``, ``rows``,
-``min_tokens``, ``max_tokens``, ``eval_tokens``, ``max_images``, ``token_drop``, ``hflip``); ``patch_size`` is the
-model's. ``--batch-size`` is not used: a batch is ``rows`` packed rows of ``seq_len`` tokens.
+``min_tokens``, ``max_tokens``, ``eval_tokens``, ``max_images``, ``token_drop``, ``hflip``, ``aspect``);
+``patch_size`` is the model's. ``--batch-size`` is not used: a batch is ``rows`` packed rows of ``seq_len`` tokens.
 """
 
 from __future__ import annotations
