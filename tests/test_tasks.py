@@ -126,7 +126,8 @@ def test_each_task_builds_from_a_tiny_config_and_its_model_trains_a_step(name, t
     assert isinstance(cfg, spec.config)
     task = spec.build(cfg)
     ctx = DistContext()
-    batch = next(iter(task.epoch_batches(0, ctx)))  # a list, or a streamed epoch (packed batches)
+    epoch = task.epoch_batches(0, ctx)  # a sequence of batches, or a streamed epoch (packed batches)
+    batch = next(epoch.iter_from(0)) if hasattr(epoch, "iter_from") else epoch[0]
     loss, sums = task.loss(task.model, batch, torch.device("cpu"))
     loss.backward()
     assert loss.ndim == 0 and torch.isfinite(loss) and sums
