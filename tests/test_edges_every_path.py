@@ -222,3 +222,19 @@ def test_nan_in_k_coords_is_named_k_coords(name):
             call()
     with pytest.raises(ValueError, match=r"^1 non-finite value \(NaN or infinite\) in coords;"):
         pe(q, k, kc[:3], k_coords=torch.zeros(4, C))  # the query coordinates are still "coords"
+
+
+# A buffer's dtype, not a summation order: kept out of the numerics rerun, whose ATEN_CPU_CAPABILITY=default
+# has no bf16 matrix product on this CPU ("pack_vnni2 is only supported when avx512 is supported").
+@pytest.mark.parametrize("pe", ["axial", "mixed"])
+def test_text_tower_positions_stay_exact_after_a_bf16_cast(pe):
+    """The text tower's fixed positions 0..L-1 survive ``.to(torch.bfloat16)`` (at main a float32 buffer, rounded to
+    bf16: every position above 256 moved, 511 became 512), and the bf16 tower still runs on them."""
+    from ropekit.nn.text import TextConfig, TextTransformer
+
+    torch.manual_seed(0)
+    tower = TextTransformer(TextConfig(vocab_size=50, context_length=520, embed_dim=32, depth=1, num_heads=2, pe=pe))
+    tower.to(torch.bfloat16)
+    assert torch.equal(tower.coords.double().squeeze(-1), torch.arange(520, dtype=torch.float64))
+    out = tower(torch.randint(1, 50, (2, 520)))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
