@@ -30,6 +30,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1  # a stage cut off by its limit (SIGABRT) leaves every thread's traceback in the log
 export PYTHONPATH=${PYTHONPATH:-$PWD}
+# a plain `python` that imports torch: where only a venv's python3 has it (a symlink to it would lose the venv),
+# a wrapper script that execs it
+if ! python -c "import torch" 2>/dev/null && command -v python3 >/dev/null; then
+  mkdir -p /tmp/ropekit-bin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/ropekit-bin/python
+  chmod +x /tmp/ropekit-bin/python && export PATH=/tmp/ropekit-bin:$PATH
+fi
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 gpu=$(echo "$name" | grep -oiE 'h100|h200|a100|l40s|l4|a10' | head -n 1 | tr 'A-Z' 'a-z')
 gpu=${gpu:-gpu}
