@@ -5,7 +5,7 @@ Checked on the CPU: one training step (forward, backward, fused AdamW) of a tiny
 dispatch mode that raises on every ATen operation that reads a value back to the host -- ``item`` and every
 ``bool(tensor)`` / ``int(tensor)`` (``_local_scalar_dense``, ``is_nonzero``), ``nonzero``, boolean-mask
 indexing, ``unique``, ``masked_select``, the linear-algebra error checks (``_linalg_check_errors``: ``solve``,
-``inv``, ``cholesky`` without ``_ex``) and the eigensolvers and SVD (whose error checks run inside the kernel). The
+``inv``, ``cholesky`` without ``_ex``), ``solve_ex`` (on an H200 it copies between host and device), the eigensolvers and SVD (whose error checks run inside the kernel). The
 setup (model, optimiser state, constant tables) runs before the checked step, unchecked, as it would before a
 graph capture. Coordinates are validated in the deferred mode, as on an accelerator.
 """
@@ -24,7 +24,10 @@ aten = torch.ops.aten
 #: ATen operations that make the host wait for the device (or that have a shape only the data decides).
 SYNCING = {aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.nonzero, aten.masked_select,
            aten._unique2, aten.unique_dim, aten.unique_consecutive, aten._linalg_check_errors,
-           aten._linalg_eigh, aten.linalg_eig, aten._linalg_svd, aten.linalg_lstsq}
+           aten._linalg_eigh, aten.linalg_eig, aten._linalg_svd, aten.linalg_lstsq,
+           # measured on an H200 (torch 2.11): a batched float64 ``solve_ex`` copies between host and device, which
+           # broke the CUDA-graph capture of ComRoPE's Schur finish; ``lu_factor_ex`` + ``lu_solve`` did not
+           aten._linalg_solve_ex}
 INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 #: Encodings whose training step synchronises, with the reason. Every other registered encoding must not.
@@ -74,11 +77,13 @@ def test_the_checker_catches_synchronisations():
     for bad in (lambda: t.sum().item(), lambda: bool(t.sum() > 0), lambda: t[t > 0], lambda: torch.nonzero(t),
                 lambda: torch.linalg.eigh(t @ t.T), lambda: torch.linalg.solve(t @ t.T + 4 * torch.eye(4), t),
                 lambda: torch.linalg.inv(t @ t.T + 4 * torch.eye(4)),
+                lambda: torch.linalg.solve_ex(t @ t.T + 4 * torch.eye(4), t),
                 lambda: torch.arange(3).repeat_interleave(torch.tensor([1, 0, 2]))):
         with pytest.raises(AssertionError, match="synchronisation|boolean-mask"), _NoSync():
             bad()
     with _NoSync():  # the sync-free forms pass
-        torch.linalg.solve_ex(t @ t.T + 4 * torch.eye(4), t)
+        lu, pivots, _ = torch.linalg.lu_factor_ex(t @ t.T + 4 * torch.eye(4))
+        torch.linalg.lu_solve(lu, pivots, t)
         torch.where(t > 0, t, 0.0)
 
     class ReadsInBackward(torch.autograd.Function):
