@@ -81,3 +81,15 @@ def no_data(monkeypatch):
         raise AssertionError("data loaded before the options were checked")
 
     monkeypatch.setattr(trainer, "load_data", refuse)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n 2`` in the test command), one torch CPU thread per worker process: two workers on two
+    cores, rather than two processes of two threads each fighting over them."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -72,28 +72,6 @@ def test_every_encoding_compiles_once_on_the_gpu_path(tmp_path):
         _assert_once(row)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("pe", ["cayley", "comrope-ld"])
-def test_compiled_training_step_compiles_once_on_the_cpu_path(pe, tmp_path):
-    """The CPU's own dispatch (no kernel), as a CPU user compiles the step."""
-    _assert_once(_run(tmp_path, "--pes", pe, "--steps", "6"))
-
-
-@pytest.mark.slow
-def test_compiled_training_step_compiles_once_with_inductor(tmp_path):
-    """Inductor's code generation end to end on the GPU path, for the encoding with a learned dense basis."""
-    _assert_once(_run(tmp_path, "--kernel-path", "torch", "--pes", "cayley", "--steps", "5", "--backend",
-                      "inductor"))
-
-
-@pytest.mark.slow
-def test_compiled_training_step_compiles_once_with_the_triton_interpreter(tmp_path):
-    """The real fused kernel (Triton's interpreter on the CPU) inside the compiled step: its custom operator is
-    traced, not the kernel's launch."""
-    pytest.importorskip("triton")
-    _assert_once(_run(tmp_path, "--kernel-path", "interpret", "--pes", "axial", "--steps", "3"))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("pe", ["cayley", "comrope-ld"])
