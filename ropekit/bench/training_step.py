@@ -288,8 +288,8 @@ def _load_note(env: Dict[str, Any]) -> List[str]:
     if not loads or not env.get("cpus") or max(loads) < env["cpus"]:
         return []
     return [f"The machine was loaded (1-minute load average up to {max(loads):.1f} on {env['cpus']} CPUs: other "
-            f"jobs shared it): absolute times are inflated; the ratios, from process CPU time of steps alternated "
-            f"in the same rounds, are what to read.", ""]
+            f"jobs shared it): absolute times are inflated by the contention for caches and memory; the ratios, of "
+            f"steps alternated in the same rounds, are what to read.", ""]
 
 
 def format_timm_report(records: Sequence[Dict[str, Any]], command: str = "") -> str:
