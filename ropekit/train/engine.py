@@ -39,7 +39,6 @@ The options and the optimiser live in :mod:`ropekit.train.options`, the run fold
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -53,6 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from ..encodings.counting import count_parameters
+from .._io import atomic_write
 from ..encodings.validation import check_deferred_coords
 from .checkpoint import CheckpointError, atomic_save, capture_rng, load_checkpoint, load_model_state, restore_rng
 from .distributed import DistContext, init_distributed
@@ -682,7 +682,5 @@ def _plot_generic(history: Sequence[Dict[str, Any]], path: Path, title: str) -> 
     ax.legend()
     ax.set_title(title)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=100)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format=path.suffix.lstrip(".") or "png"))
     plt.close(fig)
-    os.replace(tmp, path)

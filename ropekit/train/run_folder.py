@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from .checkpoint import CheckpointError, load_checkpoint
-from .metrics import atomic_write_text
+from .._io import TEMP_GLOB, atomic_write
 
 __all__ = ["load_run", "SaveError", "RunLockedError", "versions", "RunLock", "safe_write", "remove_stale_temporaries",
            "write_json"]
@@ -172,7 +172,7 @@ def remove_stale_temporaries(run_dir: Path) -> List[str]:
     """Delete the temporary files a killed write left in ``run_dir`` (``.<name>.tmp-<pid>``); call it while holding
     the folder's :class:`RunLock`, when no other process can be writing them. Returns the names removed."""
     removed = []
-    for tmp in run_dir.glob(".*.tmp-*"):
+    for tmp in run_dir.glob(TEMP_GLOB):
         try:
             if tmp.is_file():
                 tmp.unlink()
@@ -184,4 +184,4 @@ def remove_stale_temporaries(run_dir: Path) -> List[str]:
 
 def write_json(path: Path, doc: Dict[str, Any], what: str = "file") -> None:
     """``doc`` as indented JSON, atomically; :class:`SaveError` on a failed write."""
-    safe_write(what, path, lambda: atomic_write_text(path, json.dumps(doc, indent=2) + "\n"))
+    safe_write(what, path, lambda: atomic_write(path, json.dumps(doc, indent=2) + "\n"))
