@@ -111,17 +111,14 @@ _CODEC_DEPRECATION = r"The image decoding and encoding capabilities of TorchVisi
 @functools.lru_cache(maxsize=None)
 def _jpeg_decoder() -> Optional[Callable[[Tensor], Tensor]]:
     """``torchvision.io.decode_jpeg`` to RGB (no EXIF rotation, as Pillow's default), or ``None`` where torchvision
-    or its image codecs are missing (Pillow then decodes JPEGs too). The call silences only torchvision's
-    per-call deprecation notice of its codecs."""
+    is missing. Where torchvision was built without its image codecs the call raises ``RuntimeError`` and
+    :func:`decode_image` hands the file to Pillow. The call silences only torchvision's per-call deprecation notice
+    of its codecs."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             from torchvision.io import ImageReadMode, decode_jpeg
-            from torchvision.io import image as tv_image
-
-            if not tv_image._has_image_ops():
-                return None
-    except (ImportError, AttributeError, RuntimeError):
+    except ImportError:
         return None
 
     def decode(data: Tensor) -> Tensor:
@@ -130,4 +127,3 @@ def _jpeg_decoder() -> Optional[Callable[[Tensor], Tensor]]:
             return decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=False)
 
     return decode
-
