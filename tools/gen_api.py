@@ -37,7 +37,7 @@ MODULES = [
     ("ropekit.kernels", "the fused GPU rotation kernel"),
     ("ropekit.integrations.timm", "ropekit encodings inside timm Vision Transformers"),
     ("ropekit.integrations.finetune", "2-D to 3-D fine-tuning"),
-    ("ropekit.integrations.streaming", "encoding tokens one at a time (KV caches)"),
+    ("ropekit.integrations.video_stream", "encoding tokens one at a time (KV caches)"),
 ]
 #: Modules whose import may fail for a missing optional dependency or an absent optional part.
 OPTIONAL = {"ropekit.kernels", "ropekit.integrations.timm"}

@@ -7,7 +7,8 @@ of a ViT, timed in alternation with a reference step.
   embedding, axial RoPE, RoPE-Mixed: timm's ports of rope-vit) and the folded encodings (Cayley, Circulant)
   against ropekit's axial step, all in the same rounds of one process.
 
-Shape legend: ``B`` batch, ``C`` channels, ``H = W`` image side.
+Shape legend: ``B`` batch, ``C`` channels, ``H = W`` image side. A ``cfg: Any`` argument is a
+:class:`ropekit.bench.core.BenchConfig` (typed ``Any``: ``core`` imports this module, not the other way round).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +24,6 @@ from torch import Tensor, nn
 
 from ..encodings.registry import PE_REGISTRY
 from . import measure
-
-if TYPE_CHECKING:
-    from .core import BenchConfig
 
 __all__ = ["VIT_SETTINGS", "TIMM_MODELS", "optimiser_step", "random_batch", "train_step", "vit_step", "timm_step",
            "bench_vit", "TIMM_PAIRS", "TimmBenchConfig", "run_timm_bench", "format_timm_report"]
@@ -41,7 +39,7 @@ VIT_SETTINGS = {
 TIMM_MODELS = {"base": "vit_base_patch16_224", "small": "vit_small_patch16_224"}
 
 
-def vit_batch(size: str, cfg: "BenchConfig") -> int:
+def vit_batch(size: str, cfg: Any) -> int:
     if cfg.vit_batch is not None:
         return cfg.vit_batch
     return 128 if (cfg.on_gpu and size == "base") else VIT_SETTINGS[size][3]
@@ -76,7 +74,7 @@ def random_batch(batch: int, chans: int, image: int, seed: int, device: Any = "c
     return x.to(device), y.to(device)
 
 
-def train_step(model: nn.Module, size: str, cfg: "BenchConfig", compiled: bool, fused_adamw: Optional[bool] = None,
+def train_step(model: nn.Module, size: str, cfg: Any, compiled: bool, fused_adamw: Optional[bool] = None,
                image_size: Optional[int] = None) -> Callable[[], None]:
     """One optimisation step (forward, cross entropy, backward, AdamW) of ``model`` on fixed random data (fused
     AdamW on a GPU, or where ``fused_adamw`` asks for it; images of ``image_size``, default the size's)."""
@@ -93,7 +91,7 @@ def vit_options(pe: str) -> Dict[str, Any]:
     return dict(cls.bench_vit_options) if cls is not None else {}
 
 
-def vit_step(size: str, pe: str, cfg: "BenchConfig", compiled: bool = False, fused_adamw: Optional[bool] = None,
+def vit_step(size: str, pe: str, cfg: Any, compiled: bool = False, fused_adamw: Optional[bool] = None,
               image_size: Optional[int] = None) -> Callable[[], None]:
     """The training step of the ViT table for encoding ``pe`` (see ``train_step``)."""
     from ..nn import VisionTransformer, vit_config
@@ -106,7 +104,7 @@ def vit_step(size: str, pe: str, cfg: "BenchConfig", compiled: bool = False, fus
     return train_step(model, size, cfg, compiled, fused_adamw, image)
 
 
-def timm_step(size: str, cfg: "BenchConfig", compiled: bool) -> Callable[[], None]:
+def timm_step(size: str, cfg: Any, compiled: bool) -> Callable[[], None]:
     import timm  # optional: the caller records a skipped row when it is missing
 
     torch.manual_seed(cfg.seed)
@@ -114,13 +112,13 @@ def timm_step(size: str, cfg: "BenchConfig", compiled: bool) -> Callable[[], Non
     return train_step(model, size, cfg, compiled)
 
 
-def release(cfg: "BenchConfig") -> None:
+def release(cfg: Any) -> None:
     if cfg.on_gpu:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 
-def bench_vit(size: str, cfg: "BenchConfig", log: Callable[[str], None], compiled: bool = False) -> List[Dict[str, Any]]:
+def bench_vit(size: str, cfg: Any, log: Callable[[str], None], compiled: bool = False) -> List[Dict[str, Any]]:
     image, patch, chans, _ = VIT_SETTINGS[size]
     batch = vit_batch(size, cfg)
     mode = "compiled" if compiled else "eager"

@@ -9,7 +9,7 @@ only by the module that uses it:
   (vision tower and multimodal RoPE), starting as the model's own function (``pip install ropekit[transformers]``).
 * :mod:`ropekit.integrations.finetune` -- ``init_3d_from_2d(model3d, model2d)``: an RGB-D model with a 3-D
   encoding that starts as the 2-D checkpoint's function.
-* :mod:`ropekit.integrations.streaming` -- ``VideoStream(model)``: a video ViT fed one tubelet at a time with a
+* :mod:`ropekit.integrations.video_stream` -- ``VideoStream(model)``: a video ViT fed one tubelet at a time with a
   KV cache of encoded keys.
 
 * :mod:`ropekit.integrations.export` -- ``export_onnx`` / ``export_program``: one folded export for every image
