@@ -16,6 +16,7 @@ from torch import nn
 pytestmark = pytest.mark.sim
 pytest.importorskip("gym_aloha", reason='the ALOHA tests need pip install "ropekit[aloha]"')
 
+from ropekit._io import TEMP_GLOB  # noqa: E402
 from ropekit.robot.aloha.expert import (DemoConfig, collect_demos, expert_actions,  # noqa: E402
                                         expert_episode, load_or_collect)
 from ropekit.robot.aloha.policy import (AlohaChunks, AlohaPolicy, AlohaPolicyConfig,  # noqa: E402
@@ -75,7 +76,7 @@ def test_demo_set_round_trips_through_the_cache(demos):
     assert 0.3 < float(d.min()) < 1.0 and float(d.max()) > 10.0
     # another configuration is another file
     assert DemoConfig(task="transfer_cube", episodes=1, seed=4).key() != cfg.key()
-    assert not list(root.glob("*.tmp"))  # atomic write left no temporary behind
+    assert not list(root.glob("*.tmp")) and not list(root.glob(TEMP_GLOB))  # atomic write left no temporary behind
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ import torch
 
 from ropekit.bench import BenchConfig, format_report, run_bench
 from ropekit.bench.cli import add_arguments, config_from_args, main
-from ropekit.bench.core import VIT_PES_GPU, _round_times
+from ropekit.bench.core import VIT_PES_GPU
+from ropekit.bench.measure import round_times
 from ropekit.bench.report import evaluate_targets
 
 
@@ -55,7 +56,7 @@ def test_cli_quick_writes_json_and_markdown(tmp_path, capsys):
 
 def test_report_records_the_cpu_allocator(monkeypatch):
     """The allocator's settings move CPU figures (page faults of fresh buffers): the report says which were used."""
-    from ropekit.bench.core import ALLOCATOR_VARIABLES, allocator_settings
+    from ropekit.bench.measure import ALLOCATOR_VARIABLES, allocator_settings
 
     for var in ALLOCATOR_VARIABLES:
         monkeypatch.delenv(var, raising=False)
@@ -135,7 +136,7 @@ def test_cuda_request_without_cuda_is_an_error():
 
 def test_round_times_interleaves_calls():
     calls = []
-    times = _round_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=2, warmup=1)
+    times = round_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=2, warmup=1)
     assert calls == ["a", "b"] * 3 and len(times["a"]) == 2 and all(t >= 0 for t in times["b"])
 
 
@@ -194,7 +195,7 @@ class _FakeGpu:
 def _patch_fake_gpu(monkeypatch, gpu: _FakeGpu) -> None:
     import types
 
-    import ropekit.bench.core as core
+    import ropekit.bench.measure as measure
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -209,15 +210,15 @@ def _patch_fake_gpu(monkeypatch, gpu: _FakeGpu) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: gpu.sync())
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: gpu.launch(cycles / 1000.0, host_ms=0.0))
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(core, "time", types.SimpleNamespace(perf_counter=lambda: gpu.host / 1e3))
-    monkeypatch.setitem(core._CYCLES_PER_MS, 0, 1000.0)
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: gpu.host / 1e3))
+    monkeypatch.setitem(measure.CYCLES_PER_MS, 0, 1000.0)
 
 
 def test_gpu_times_isolate_gpu_work_and_flag_a_synchronising_op(monkeypatch):
     """The queued sleep hides the host's launch time; an op that synchronises inside the call (as a CUDA eigh's
     error check does) is flagged -- and its rounds must not lengthen the next sleep: doubling it every round made
     the ComRoPE row of a 20-round GPU run wait for hours (found on an H200)."""
-    from ropekit.bench.core import _gpu_times
+    from ropekit.bench.measure import gpu_times
 
     gpu = _FakeGpu()
     _patch_fake_gpu(monkeypatch, gpu)
@@ -231,12 +232,12 @@ def test_gpu_times_isolate_gpu_work_and_flag_a_synchronising_op(monkeypatch):
         gpu.sync()
         gpu.launch(0.05, host_ms=0.15)
 
-    times, synced = _gpu_times({"op": op}, repeats=40, device=torch.device("cuda", 0))
+    times, synced = gpu_times({"op": op}, repeats=40, device=torch.device("cuda", 0))
     assert not synced and len(times["op"]) == 40
     assert max(times["op"]) == pytest.approx(0.1)  # the GPU work alone, not the 0.3 ms of host time
 
     start = gpu.host
-    times, synced = _gpu_times({"op": op, "syncing": syncing_op}, repeats=40, device=torch.device("cuda", 0))
+    times, synced = gpu_times({"op": op, "syncing": syncing_op}, repeats=40, device=torch.device("cuda", 0))
     assert synced
     assert gpu.host - start < 200.0  # 40 rounds of bounded sleeps (the unbounded rule took 2**40 ms)
     assert min(times["syncing"]) > 0.1  # host gaps inside the call: not the op's GPU time

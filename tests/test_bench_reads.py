@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ropekit.bench import BenchConfig, format_report, run_bench
-from ropekit.bench.core import ratio_spread, too_noisy
+from ropekit.bench.measure import ratio_spread, too_noisy
 from ropekit.bench.report import evaluate_targets, format_summary
 from ropekit.cli import main
 
@@ -97,7 +97,7 @@ def test_too_noisy_refuses_above_the_limit_only():
 
 
 def _fake_rounds(noisy: str = ""):
-    """A ``_round_times`` replacement: fixed times (fwd 1, fwd+bwd 3, references 1 ms), except that with ``noisy``
+    """A ``measure.round_times`` replacement: fixed times (fwd 1, fwd+bwd 3, references 1 ms), except that with ``noisy``
     "rows" the floor swings by 10x between rounds, and with "vit" the ViT step does."""
     def fake(fns, repeats, warmup, clock=None):
         times = {name: [1.0] * repeats for name in fns}
@@ -120,9 +120,9 @@ def _cfg(**kw) -> BenchConfig:
 
 
 def test_a_row_whose_spread_is_too_large_is_refused_and_reported(monkeypatch):
-    import ropekit.bench.core as core
+    import ropekit.bench.measure as measure
 
-    monkeypatch.setattr(core, "_round_times", _fake_rounds("rows"))
+    monkeypatch.setattr(measure, "round_times", _fake_rounds("rows"))
     logs = []
     records = run_bench(_cfg(), log=logs.append)
     pe = [r for r in records if r["kind"] in ("pe", "train")]
@@ -135,7 +135,7 @@ def test_a_row_whose_spread_is_too_large_is_refused_and_reported(monkeypatch):
     assert "*axial* not run: refused: x floor varied by" in report
 
     # the same rounds with a steady floor: measured, ratio of medians and a spread of 0
-    monkeypatch.setattr(core, "_round_times", _fake_rounds())
+    monkeypatch.setattr(measure, "round_times", _fake_rounds())
     records = run_bench(_cfg(), log=lambda s: None)
     axial = next(r for r in records if r["label"] == "axial")
     assert "skipped" not in axial and axial["x_floor"] == 3.0 and axial["x_floor_spread"] == 0.0
@@ -143,9 +143,9 @@ def test_a_row_whose_spread_is_too_large_is_refused_and_reported(monkeypatch):
 
 
 def test_a_vit_row_whose_spread_is_too_large_is_refused(monkeypatch):
-    import ropekit.bench.core as core
+    import ropekit.bench.measure as measure
 
-    monkeypatch.setattr(core, "_round_times", _fake_rounds("vit"))
+    monkeypatch.setattr(measure, "round_times", _fake_rounds("vit"))
     records = run_bench(_cfg(rows=("none",), cases=(), vit=("tiny",), vit_pes=("axial",), vit_batch=2,
                              vit_repeats=4), log=lambda s: None)
     (vit,) = records
@@ -154,9 +154,9 @@ def test_a_vit_row_whose_spread_is_too_large_is_refused(monkeypatch):
 
 
 def test_targets_table_lists_measured_targets_only(monkeypatch):
-    import ropekit.bench.core as core
+    import ropekit.bench.measure as measure
 
-    monkeypatch.setattr(core, "_round_times", _fake_rounds())
+    monkeypatch.setattr(measure, "round_times", _fake_rounds())
     records = run_bench(_cfg(), log=lambda s: None)
     targets = evaluate_targets(records)
     measured = [t for t in targets if t["value"] is not None]

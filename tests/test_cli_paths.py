@@ -540,7 +540,7 @@ def test_robot_help_has_no_pybullet_banner(tmp_path):
 
 
 def test_bench_refuses_a_row_whose_forward_outlasts_forward_and_backward():
-    from ropekit.bench.core import impossible_timing
+    from ropekit.bench.measure import impossible_timing
 
     assert impossible_timing([1.0, 1.1, 0.9], [3.0, 3.2, 2.9]) is None  # fwd about a third of fwd+bwd
     # the issue's row: cayley fwd 58.96 ms, fwd+bwd 17.56 ms -- noise, not a measurement
@@ -553,7 +553,7 @@ def test_bench_refuses_a_row_whose_forward_outlasts_forward_and_backward():
 def test_native_output_of_the_profiler_goes_to_stderr(tmp_path):
     """What C code writes to fd 1 inside the block (as the profiler's start-up lines are) reaches stderr; stdout keeps
     only the report. Run in a subprocess: pytest's capture replaces the descriptors of this one."""
-    code = ("import ctypes, sys\nfrom ropekit.bench.core import native_output_to_stderr, peak_memory_mb\n"
+    code = ("import ctypes, sys\nfrom ropekit.bench.measure import native_output_to_stderr, peak_memory_mb\n"
             "import torch\nprint('before')\nwith native_output_to_stderr():\n"
             "    ctypes.CDLL(None).printf(b'native line\\n')\n"
             "print('after')\nprint(peak_memory_mb(lambda: torch.ones(1000)) >= 0)\n")

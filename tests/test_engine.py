@@ -306,8 +306,8 @@ def test_one_training_loop_in_the_code_base():
     root = Path(__file__).parents[1] / "ropekit"
     hits = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                   if re.search(r"\.step\(\)|scaler\.step\(", p.read_text()) and "backward()" in p.read_text())
-    # (bench/core.py times one forward + backward + step of a model for the speed tables: no loop over data)
-    assert hits == ["bench/core.py", "train/engine.py"], hits
+    # (bench/training_step.py times one forward + backward + step of a model for the speed tables: no loop over data)
+    assert hits == ["bench/training_step.py", "train/engine.py"], hits
 
 
 def test_checkpoint_of_another_size_is_refused(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.integrations.finetune import init_3d_from_2d, init_3d_from_checkpoint, load_source_model, logits_match
+from ropekit.train.finetune import init_3d_from_2d, init_3d_from_checkpoint, load_source_model, logits_match
 from ropekit.nn import VisionTransformer, vit_config
 
 BASE = dict(num_classes=5, in_chans=3, modality="rgbd", patch_size=4, embed_dim=48, depth=2, num_heads=2,

@@ -14,7 +14,7 @@ layer       modules                                                             
 ==========  ==========================================================================================  =============
 0 core      ``ropekit`` (the package's ``__init__``), ``encodings`` (with their RoPE forms,             torch, numpy
             ``encodings.fold``), ``kernels``, ``coords``, ``_optional``, ``_platform``, ``_config_keys``,
-            ``_errors``, ``diagnostics``
+            ``_errors``, ``_io``, ``diagnostics``
 1 nn        ``nn`` (attention, ViTs, heads, ``fold(model)``), ``fold`` (the public façade of folding)    layer 0
 2 engine    ``data`` (datasets, loaders), ``train`` (the engine, its ``Task`` protocol and the task      0-1
             registry, checkpoints, metrics, distributed)
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ropekit"
 
 #: (layer name, module prefixes), low to high. ``"ropekit"`` matches the package's ``__init__`` only.
 LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("core", ("ropekit", "ropekit.encodings", "ropekit.kernels", "ropekit.coords", "ropekit._optional",
+    ("core", ("ropekit", "ropekit.encodings", "ropekit.kernels", "ropekit.coords", "ropekit._optional", "ropekit._io",
               "ropekit._platform", "ropekit._config_keys", "ropekit._errors", "ropekit.diagnostics")),
     ("nn", ("ropekit.nn", "ropekit.fold")),
     ("engine", ("ropekit.data", "ropekit.train")),

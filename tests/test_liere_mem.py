@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ropekit import create_pe
-from ropekit.bench.core import saved_memory_mb
+from ropekit.bench.measure import saved_memory_mb
 from ropekit.encodings.expm import linear_skew_expm
 
 

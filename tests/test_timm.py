@@ -399,16 +399,16 @@ def test_version_check():
 def test_conversion_check_catches_a_wrong_reading(monkeypatch):
     """The probe comparison against timm's own rotation is a real check: frequencies read wrongly are caught, and
     the conversion then warns and falls back to the identity instead of returning a different model."""
-    from ropekit.integrations import timm as integ
+    from ropekit.integrations import timm_rope
 
-    real = integ._read_timm_rope
+    real = timm_rope.read_timm_rope
 
     def misread(model, head_dim):
         rope = real(model, head_dim)
         rope.freqs = rope.freqs * 1.5
         return rope
 
-    monkeypatch.setattr(integ, "_read_timm_rope", misread)
+    monkeypatch.setattr(timm_rope, "read_timm_rope", misread)
     model = tiny_timm("eva02_tiny_patch14_224")
     with pytest.warns(UserWarning, match="differs from the model's rotary embedding"):
         conv = apply_pe(model, "mixed", inplace=False, init_identity=True)

@@ -197,12 +197,12 @@ def test_older_timm_fallback(monkeypatch):
     """Without timm's grid builder (timm < 1.0.31) integer grids are still kept, with the same coordinates (to the
     rounding of the reference-grid rescale: x * (r / g) vs x / g * r, a few ulp of values <= 16), and DINOv3's
     normalised grid is refused with the reason instead of being reproduced wrongly."""
-    from ropekit.integrations import timm as integ
+    from ropekit.integrations import timm_grid
 
     grids = [TimmGrid("index", [16, 16], 0.0, "ij"), TimmGrid("index", [16, 12], 1.0, "xy"),
              TimmGrid("index", None, 0.0, "xy")]
     want = {(i, s): g.coords(s, False, torch.device("cpu")) for i, g in enumerate(grids) for s in [(4, 6), (5, 3)]}
-    monkeypatch.setattr(integ, "_build_grid", None)
+    monkeypatch.setattr(timm_grid, "build_grid", None)
     for (i, s), ref in want.items():
         torch.testing.assert_close(grids[i].coords(s, False, torch.device("cpu")), ref, rtol=0, atol=4e-6)
     with pytest.warns(UserWarning, match="needs timm >= 1.0.31"):

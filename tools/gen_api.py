@@ -36,8 +36,8 @@ MODULES = [
     ("ropekit.coords", "coordinate maps (canonical coordinates for 3-D points)"),
     ("ropekit.kernels", "the fused GPU rotation kernel"),
     ("ropekit.integrations.timm", "ropekit encodings inside timm Vision Transformers"),
-    ("ropekit.integrations.finetune", "2-D to 3-D fine-tuning"),
-    ("ropekit.integrations.streaming", "encoding tokens one at a time (KV caches)"),
+    ("ropekit.train.finetune", "2-D to 3-D fine-tuning"),
+    ("ropekit.integrations.video_stream", "encoding tokens one at a time (KV caches)"),
 ]
 #: Modules whose import may fail for a missing optional dependency or an absent optional part.
 OPTIONAL = {"ropekit.kernels", "ropekit.integrations.timm"}

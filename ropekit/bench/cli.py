@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--vit-pes (default axial mixed and the folded ones) on the CPU, as a GPU runs the step and "
                         "as the CPU does, with the ratio to axial -- the proxy of an eager GPU step's launches "
                         "(--vit sets the size, default tiny)")
-    sub = p.add_subparsers(dest="bench_command", metavar="[data | packing]")
+    sub = p.add_subparsers(dest="bench_command", metavar="[data | packing | timm]")
     add_data_arguments(sub.add_parser(
         "data", help="the training input pipeline: ropekit's folder and shard streams against torchvision's "
                      "ImageFolder (images/s, memory)", formatter_class=HelpFormatter))
@@ -100,6 +100,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "packing", help="packed vs padded batches of mixed resolutions (images/s), FlexAttention vs SDPA with a "
                         "mask, torch.compile across sequence-length buckets",
         formatter_class=HelpFormatter))
+    add_timm_arguments(sub.add_parser(
+        "timm", help="ropekit's ViT training step against timm's at the same encoding (APE, axial, RoPE-Mixed), "
+                     "and the folded encodings against ropekit's axial step, in the same rounds",
+        formatter_class=HelpFormatter))
+
+
+def add_timm_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``ropekit bench timm`` (see :func:`ropekit.bench.training_step.run_timm_bench`)."""
+    from .training_step import TimmBenchConfig
+
+    d = TimmBenchConfig()
+    p.add_argument("--depth", type=int, default=d.depth, help="blocks of the ViT-S/16 shape")
+    p.add_argument("--image-size", type=int, default=d.image_size, help="image side (a multiple of 16)")
+    p.add_argument("--batch", type=int, default=d.batch, help="images per step")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="timed rounds (each times every step once)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed rounds first")
+    p.add_argument("--clock", choices=("wall", "cpu"), default=d.clock,
+                   help="cpu: process CPU time (with one thread it ignores waiting for a core on a shared machine)")
+    p.add_argument("--folded", nargs="*", default=list(d.folded), metavar="PE",
+                   help="folded encodings timed against ropekit's axial step")
+    p.add_argument("--json", metavar="FILE", help="write the records to FILE")
+    p.add_argument("--markdown", metavar="FILE", help="write the markdown report to FILE")
+
+
+def run_timm(args: argparse.Namespace, command: str) -> int:
+    """``ropekit bench timm``."""
+    from .training_step import TimmBenchConfig, format_timm_report, run_timm_bench
+
+    cfg = TimmBenchConfig(depth=args.depth, image_size=args.image_size, batch=args.batch, threads=args.threads,
+                          repeats=args.repeats, warmup=args.warmup, clock=args.clock, folded=tuple(args.folded))
+    records = run_timm_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    return _write(args, records, format_timm_report(records, command=command).rstrip("\n"))
 
 
 def add_packing_arguments(p: argparse.ArgumentParser) -> None:
@@ -248,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
         return run_data(args, command.strip())
     if getattr(args, "bench_command", None) == "packing":
         return run_packing(args, command.strip())
+    if getattr(args, "bench_command", None) == "timm":
+        return run_timm(args, command.strip())
     if args.ops:
         return _run_ops(args, command)
     cfg = config_from_args(args)

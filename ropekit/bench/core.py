@@ -71,23 +71,22 @@ and k without its arithmetic. ``peak_mb`` is the growth of
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
-import statistics
-import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._platform import numerics_fingerprint
 from ..encodings import create_pe
 from ..encodings.registry import PE_REGISTRY
 from ..encodings.fold import fold_pe, fold_qkv_weight, frequency_rope, rope_form
+from . import measure
 from .baselines import DenseComRoPE, NaiveLieRE
+from .measure import (CLOCKS, cuda_peak_memory_mb, device_info, impossible_timing, machine_info, peak_memory_mb,
+                      ratio_spread, saved_memory_mb, too_noisy)
+from .training_step import bench_vit, vit_batch
 
 __all__ = ["Row", "all_rows", "ROW_KINDS", "CASES", "VIT_PES", "VIT_PES_GPU", "DTYPES", "BenchConfig", "run_bench",
            "ratio_spread", "too_noisy",
@@ -220,294 +219,6 @@ class BenchConfig:
             wanted = set(self.rows)
             rows = [r for r in rows if r.label in wanted or r.pe in wanted]
         return rows
-
-
-# ----------------------------------------------------------------------------- measurement primitives
-CLOCKS: Dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def _round_times(fns: Dict[str, Callable[[], Any]], repeats: int, warmup: int,
-                 clock: Any = time.perf_counter) -> Dict[str, List[float]]:
-    """Milliseconds of every function, interleaved: each round calls every function once, in turn.
-
-    ``clock``: a host clock (a function returning seconds), or ``"cuda"``: CUDA events recorded around each call,
-    after a synchronisation (the call's launch overhead counts when the GPU would wait for it).
-    """
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: Dict[str, List[float]] = {name: [] for name in fns}
-    if clock == "cuda":
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end))
-        return times
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = clock()
-            fn()
-            times[name].append((clock() - t0) * 1e3)
-    return times
-
-
-_CYCLES_PER_MS: Dict[int, float] = {}
-
-
-def _cycles_per_ms(device: torch.device) -> float:
-    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured once per device."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CYCLES_PER_MS:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        torch.cuda._sleep(10_000_000)
-        end.record()
-        end.synchronize()
-        _CYCLES_PER_MS[idx] = 10_000_000 / max(start.elapsed_time(end), 1e-3)
-    return _CYCLES_PER_MS[idx]
-
-
-class _SleepPlan:
-    """How long a GPU sleep :func:`_gpu_times` queues before each round, and whether a round's calls synchronised.
-
-    Round 0 runs without a sleep and measures the host time ``h`` of queueing one round. Every later round queues
-    ``2 h + 0.5`` ms of GPU sleep first. A round whose host time reaches the sleep's length waited for the GPU: one
-    of its calls synchronised the host (a ``.item()``, an error check of a factorisation), so the events around the
-    calls include host gaps and do not isolate their GPU work. Such a round is counted, and its host time -- the
-    sleep plus the work -- is not taken as the host's: it would double the next sleep, and the next, without bound.
-    """
-
-    def __init__(self) -> None:
-        self.host_ms: Optional[float] = None
-        self.synced_rounds = 0
-
-    def sleep_ms(self) -> float:
-        """GPU sleep to queue before the next round (0 before the calibration round)."""
-        return 0.0 if self.host_ms is None else 2.0 * self.host_ms + 0.5
-
-    def observe(self, host_ms: float) -> None:
-        """Record the host time of the round just queued behind ``sleep_ms()`` of sleep."""
-        slept = self.sleep_ms()
-        if self.host_ms is None:
-            self.host_ms = host_ms
-        elif host_ms >= 0.9 * slept:  # the host waited for the sleep: a call synchronised
-            self.synced_rounds += 1
-        else:
-            self.host_ms = max(self.host_ms, host_ms)
-
-
-def _gpu_times(fns: Dict[str, Callable[[], Any]], repeats: int,
-               device: torch.device) -> Tuple[Dict[str, List[float]], bool]:
-    """GPU milliseconds of every function, host overhead excluded: each round first queues a GPU sleep long enough
-    for the host to queue all the round's calls behind it, so that the events around a call see only its GPU work.
-
-    Returns ``(times, synced)``: ``synced`` is True when a call synchronised the host in most rounds -- its
-    "GPU time" then includes host gaps and is not the op's GPU cost (see :class:`_SleepPlan`)."""
-    times: Dict[str, List[float]] = {name: [] for name in fns}
-    plan = _SleepPlan()
-    for r in range(repeats + 1):  # round 0 calibrates the host time of one round
-        events = []
-        torch.cuda.synchronize()
-        if r:
-            torch.cuda._sleep(int(_cycles_per_ms(device) * plan.sleep_ms()))
-        t0 = time.perf_counter()
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((name, start, end))
-        host = (time.perf_counter() - t0) * 1e3
-        torch.cuda.synchronize()
-        plan.observe(host)
-        if r == 0:
-            continue
-        for name, start, end in events:
-            times[name].append(start.elapsed_time(end))
-    return times, plan.synced_rounds * 2 > repeats
-
-
-def _clock(cfg: "BenchConfig") -> Any:
-    return "cuda" if cfg.on_gpu else CLOCKS[cfg.clock]
-
-
-def _sync(cfg: "BenchConfig") -> None:
-    if cfg.on_gpu:
-        torch.cuda.synchronize()
-
-
-def cuda_peak_memory_mb(fn: Callable[[], Any], device: Any = None) -> float:
-    """Growth (MiB) of the CUDA allocator's peak over what was allocated before, while ``fn`` runs."""
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
-
-
-def _median(v: Sequence[float]) -> float:
-    return float(statistics.median(v))
-
-
-def impossible_timing(fwd: Sequence[float], fwdbwd: Sequence[float]) -> Optional[str]:
-    """Why a row's timings cannot be reported, or ``None``: a forward pass is part of forward + backward, so in the
-    interleaved rounds (one ``fwd`` and one ``fwdbwd`` call each, back to back) the ratio ``fwd / fwdbwd`` is below 1
-    on a quiet machine. When its median over the rounds is 1 or more, the machine's noise exceeded the difference
-    being measured and every ratio of the row would mislead; the message gives the median ratio and its spread (the
-    interquartile range over the rounds, relative to the median)."""
-    ratios = [f / b for f, b in zip(fwd, fwdbwd) if b > 0]
-    if not ratios:
-        return None
-    med = float(statistics.median(ratios))
-    if med < 1.0:
-        return None
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (med, med, med)
-    return (f"refused: forward alone took {med:.2f}x forward+backward (median of {len(ratios)} interleaved rounds, "
-            f"spread {100 * (q3 - q1) / med:.0f}%): timing noise larger than the work; rerun on a quieter machine")
-
-
-def ratio_spread(num: Sequence[float], den: Sequence[float]) -> Tuple[float, float]:
-    """``(median, spread)`` of the per-round ratios ``num[i] / den[i]`` of interleaved rounds (round ``i`` timed both
-    calls back to back, so a slow phase of the machine moves both): the spread is the interquartile range of the
-    ratios relative to their median (0 for one round; ``inf`` for a median of 0). Rounds with ``den[i] <= 0`` are
-    left out; no usable round gives ``(nan, inf)``."""
-    ratios = [n / d for n, d in zip(num, den) if d > 0]
-    if not ratios:
-        return float("nan"), float("inf")
-    med = float(statistics.median(ratios))
-    if len(ratios) == 1:
-        return med, 0.0
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return med, (float(q3 - q1) / med if med > 0 else float("inf"))
-
-
-def too_noisy(name: str, num: Sequence[float], den: Sequence[float], max_spread: Optional[float]) -> Optional[str]:
-    """Why a row is refused because its ratio ``name`` varies too much between the interleaved rounds (its spread,
-    see :func:`ratio_spread`, is above ``max_spread``), or ``None``. A ratio known only to within more than
-    ``max_spread`` of itself cannot decide a target or rank two encodings."""
-    if max_spread is None:
-        return None
-    _, spread = ratio_spread(num, den)
-    if spread <= max_spread:
-        return None
-    return (f"refused: {name} varied by {100 * spread:.0f}% between rounds (interquartile range of {len(num)} "
-            f"interleaved rounds, limit {100 * max_spread:.0f}%): timing noise larger than the differences measured; "
-            f"rerun on a quieter machine or with more --repeats")
-
-
-@contextlib.contextmanager
-def native_output_to_stderr() -> Iterator[None]:
-    """Send what native code writes to standard output (the profiler's and the drivers' start-up lines: ``USDT ...
-    profiler_start``, ``gpuGetDeviceCount failed ...``) to standard error while the block runs, so that the
-    benchmark's stdout holds its report only. C's buffers are flushed before the descriptor is given back."""
-    import ctypes
-
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:
-        yield
-        return
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None).fflush(None)
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def peak_memory_mb(fn: Callable[[], Any]) -> float:
-    """Peak extra CPU memory (MiB) allocated by torch while ``fn`` runs, from the profiler's allocation events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with native_output_to_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events: List[Tuple[int, int]] = []
-    try:
-        from torch._C._profiler import _EventType
-
-        stack = list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            if node.tag == _EventType.Allocation:
-                events.append((node.start_time_ns, int(node.extra_fields.alloc_size)))
-            stack.extend(node.children)
-    except (AttributeError, ImportError):  # older profiler API: per-op net usage (an underestimate of the peak)
-        events = [(int(e.time_range.start), int(e.cpu_memory_usage)) for e in prof.events() if e.cpu_memory_usage]
-    events.sort()
-    running = peak = 0
-    for _, size in events:
-        running += size
-        peak = max(peak, running)
-    return peak / 2 ** 20
-
-
-def saved_memory_mb(forward: Callable[[], Any], exclude: Sequence[Tensor]) -> float:
-    """MiB of distinct storages autograd saves for backward during ``forward()``, excluding those of ``exclude``
-    and of the returned tensors."""
-    seen: Dict[int, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    skip = {t.untyped_storage().data_ptr() for t in list(exclude) + [o for o in outs if isinstance(o, Tensor)]}
-    return sum(n for ptr, n in seen.items() if ptr not in skip) / 2 ** 20
-
-
-def machine_info() -> Dict[str, Any]:
-    """The numerics fingerprint of this process (CPU, instruction set, torch, threads) plus what else moves a
-    timing: CPU count, Python, load average and allocator settings."""
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
-    return {**numerics_fingerprint(), "cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": load,
-            "allocator": allocator_settings()}
-
-
-#: Environment variables that change how the C library allocates the CPU's tensors (glibc's tunables, a preloaded
-#: allocator such as jemalloc or tcmalloc): on the CPU they move the figures of rows with large temporaries.
-ALLOCATOR_VARIABLES = ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                       "MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "MALLOC_CONF")
-
-
-def allocator_settings() -> str:
-    """The allocator settings of this process as one line: ``"C library defaults"`` or the variables that are set,
-    e.g. ``"MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824"``."""
-    set_ = [f"{k}={os.environ[k]}" for k in ALLOCATOR_VARIABLES if os.environ.get(k)]
-    return " ".join(set_) if set_ else "C library defaults"
-
-
-def device_info(device: Any) -> Dict[str, Any]:
-    """Name, capability and library versions of a CUDA device (empty for the CPU)."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return {}
-    info: Dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev), "capability": ".".join(
-        map(str, torch.cuda.get_device_capability(dev))), "cuda": torch.version.cuda,
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except Exception:
-        pass
-    return info
 
 
 # ----------------------------------------------------------------------------- cases and rows
@@ -719,19 +430,19 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
         # one call to size the number of rounds to the budget
         t0 = time.perf_counter()
         fns["fwdbwd"]()
-        _sync(cfg)
+        measure.sync(cfg)
         first = time.perf_counter() - t0
         per_round = first * (3 if row.kind != "pe" else 2) + 0.05
         repeats = max(3, min(cfg.repeats, int(cfg.row_budget_s / per_round)))
         warmup = cfg.warmup if first < 1.0 else 0
-        times = _round_times(fns, repeats, warmup, _clock(cfg))
+        times = measure.round_times(fns, repeats, warmup, measure.clock_of(cfg))
     except RuntimeError as e:  # out of memory on a huge naive row
         rec["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return rec
     rec["repeats"] = repeats
     for name, v in times.items():
         key = name if name in ("fwd", "fwdbwd") else f"{name}_fwdbwd" if name in ("floor", "sdpa", "none") else name
-        rec[f"{key}_ms"] = _median(v)
+        rec[f"{key}_ms"] = measure.median(v)
         rec[f"{key}_ms_min"] = min(v)
     contradiction = impossible_timing(times["fwd"], times["fwdbwd"]) if cfg.max_spread is not None else None
     if contradiction is not None:  # (the numbers stay in the record; the tables leave the row out, saying why)
@@ -749,13 +460,13 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
     rec["x_floor"] = rec["fwdbwd_ms"] / rec["floor_fwdbwd_ms"]
     rec["frac_sdpa"] = rec["fwdbwd_ms"] / rec["sdpa_fwdbwd_ms"]
     if cfg.on_gpu:  # GPU time alone (host overhead hidden behind a queued sleep): what the op costs in a model
-        gpu, synced = _gpu_times({k: fns[k] for k in ("fwd", "fwdbwd", "floor", "sdpa", "none")}, repeats,
+        gpu, synced = measure.gpu_times({k: fns[k] for k in ("fwd", "fwdbwd", "floor", "sdpa", "none")}, repeats,
                                  case.q.device)
         if synced:  # the op waits for the GPU inside the call: its GPU time cannot be isolated from host gaps
             rec["gpu_synced"] = True
         for name, v in gpu.items():
             key = name if name in ("fwd", "fwdbwd") else f"{name}_fwdbwd"
-            rec[f"{key}_gpu_ms"] = _median(v)
+            rec[f"{key}_gpu_ms"] = measure.median(v)
         rec["x_floor_gpu"] = rec["fwdbwd_gpu_ms"] / rec["floor_fwdbwd_gpu_ms"]
         rec["frac_sdpa_gpu"] = rec["fwdbwd_gpu_ms"] / rec["sdpa_fwdbwd_gpu_ms"]
     if row.kind == "naive":
@@ -802,140 +513,6 @@ def _bench_row(row: Row, case: _Case, cfg: BenchConfig, log: Callable[[str], Non
     return rec
 
 
-# ----------------------------------------------------------------------------- the training-step table
-VIT_SETTINGS = {
-    # size: (image size, patch size, channels, batch on the CPU) -- tiny: the MNIST default; base: ViT-B/16 at 224
-    "tiny": (28, 4, 1, 32),
-    "small": (224, 16, 3, 8),
-    "base": (224, 16, 3, 8),
-}
-
-#: timm's model of the same shape as ropekit's named size (the external reference of the training-step table).
-TIMM_MODELS = {"base": "vit_base_patch16_224", "small": "vit_small_patch16_224"}
-
-
-def _vit_batch(size: str, cfg: BenchConfig) -> int:
-    if cfg.vit_batch is not None:
-        return cfg.vit_batch
-    return 128 if (cfg.on_gpu and size == "base") else VIT_SETTINGS[size][3]
-
-
-def _train_step(model: nn.Module, size: str, cfg: BenchConfig, compiled: bool, fused_adamw: Optional[bool] = None,
-                image_size: Optional[int] = None) -> Callable[[], None]:
-    """One optimisation step (forward, cross entropy, backward, AdamW) of ``model`` on fixed random data (fused
-    AdamW on a GPU, or where ``fused_adamw`` asks for it; images of ``image_size``, default the size's)."""
-    image, _, chans, _ = VIT_SETTINGS[size]
-    image = image_size or image
-    batch = _vit_batch(size, cfg)
-    dev = torch.device(cfg.device)
-    model = model.to(dev).train()
-    fused = {"fused": True} if (cfg.on_gpu if fused_adamw is None else fused_adamw) else {}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
-    g = torch.Generator().manual_seed(cfg.seed)
-    x = torch.randn(batch, chans, image, image, generator=g).to(dev)
-    y = torch.randint(0, 10, (batch,), generator=g).to(dev)
-    dt = cfg.torch_dtype
-    fwd = torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode) if compiled else model
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with (torch.autocast(dev.type, dtype=dt) if dt != torch.float32 else contextlib.nullcontext()):
-            loss = F.cross_entropy(fwd(x), y)
-        loss.backward()
-        opt.step()
-
-    return step
-
-
-def _vit_options(pe: str) -> Dict[str, Any]:
-    """The options of ``pe`` in the training-step table (its class's ``bench_vit_options``)."""
-    cls = PE_REGISTRY.get(pe)
-    return dict(cls.bench_vit_options) if cls is not None else {}
-
-
-def _vit_step(size: str, pe: str, cfg: BenchConfig, compiled: bool = False, fused_adamw: Optional[bool] = None,
-              image_size: Optional[int] = None) -> Callable[[], None]:
-    """The training step of the ViT table for encoding ``pe`` (see ``_train_step``)."""
-    from ..nn import VisionTransformer, vit_config
-
-    image, patch, chans, _ = VIT_SETTINGS[size]
-    image = image_size or image
-    torch.manual_seed(cfg.seed)
-    model = VisionTransformer(vit_config(size, num_classes=10, in_chans=chans, image_size=(image, image),
-                                         patch_size=patch, pe=pe, pe_options=_vit_options(pe)))
-    return _train_step(model, size, cfg, compiled, fused_adamw, image)
-
-
-def _timm_step(size: str, cfg: BenchConfig, compiled: bool) -> Callable[[], None]:
-    import timm  # optional: the caller records a skipped row when it is missing
-
-    torch.manual_seed(cfg.seed)
-    model = timm.create_model(TIMM_MODELS[size], pretrained=False, num_classes=10)
-    return _train_step(model, size, cfg, compiled)
-
-
-def _release(cfg: BenchConfig) -> None:
-    if cfg.on_gpu:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def _bench_vit(size: str, cfg: BenchConfig, log: Callable[[str], None], compiled: bool = False) -> List[Dict[str, Any]]:
-    image, patch, chans, _ = VIT_SETTINGS[size]
-    batch = _vit_batch(size, cfg)
-    mode = "compiled" if compiled else "eager"
-    reference = _vit_step(size, "absolute", cfg, compiled)
-    repeats = cfg.vit_base_repeats if size != "tiny" else cfg.vit_repeats
-    records = []
-    rows: List[Tuple[str, Callable[[], Callable[[], None]]]] = [
-        (pe, (lambda pe=pe: _vit_step(size, pe, cfg, compiled))) for pe in cfg.vit_pes]
-    if cfg.timm and size in TIMM_MODELS:
-        rows.append((f"timm {TIMM_MODELS[size]}", lambda: _timm_step(size, cfg, compiled)))
-    for label, make in rows:
-        rec: Dict[str, Any] = {"kind": "vit", "label": label, "pe": label, "case": f"vit-{size}", "size": size,
-                               "mode": mode, "compile_mode": cfg.compile_mode if compiled else None, "batch": batch,
-                               "image_size": image, "patch_size": patch, "tokens": (image // patch) ** 2,
-                               "dtype": cfg.dtype}
-        try:
-            step = make()
-            t0 = time.perf_counter()
-            step()  # the first call compiles (torch.compile) and allocates the optimiser state
-            _sync(cfg)
-            rec["first_step_s"] = time.perf_counter() - t0
-            times = _round_times({"absolute": reference, "step": step}, repeats, 2 if cfg.on_gpu else 1,
-                                 _clock(cfg))
-        except ImportError as e:  # timm missing
-            rec["skipped"] = f"{type(e).__name__}: {e}"
-            records.append(rec)
-            log(f"  vit-{size:4s} {mode:8s} {label:14s} skipped: {rec['skipped']}")
-            continue
-        except Exception as e:  # an encoding that cannot build, compile (Inductor errors) or fit in memory
-            rec["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            records.append(rec)
-            log(f"  vit-{size:4s} {mode:8s} {label:14s} skipped: {rec['skipped']}")
-            step = None
-            _release(cfg)
-            continue
-        rec.update(repeats=repeats, step_ms=_median(times["step"]), step_ms_min=min(times["step"]),
-                   absolute_step_ms=_median(times["absolute"]), absolute_step_ms_min=min(times["absolute"]))
-        rec["x_absolute_spread"] = ratio_spread(times["step"], times["absolute"])[1]
-        noisy = too_noisy("x absolute", times["step"], times["absolute"], cfg.max_spread)
-        if noisy is not None:
-            rec["skipped"] = noisy
-            records.append(rec)
-            log(f"  vit-{size:4s} {mode:8s} {label:14s} {noisy}")
-            del step
-            _release(cfg)
-            continue
-        rec["x_absolute"] = rec["step_ms"] / rec["absolute_step_ms"]
-        log(f"  vit-{size:4s} {mode:8s} {label:14s} step {rec['step_ms']:9.1f} ms  absolute "
-            f"{rec['absolute_step_ms']:9.1f} ms  x {rec['x_absolute']:5.2f} (spread "
-            f"{100 * rec['x_absolute_spread']:.0f}%)")
-        records.append(rec)
-        del step
-        _release(cfg)
-    return records
-
 
 # ----------------------------------------------------------------------------- driver
 def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = print,
@@ -978,10 +555,10 @@ def run_bench(cfg: Optional[BenchConfig] = None, log: Callable[[str], None] = pr
         for size in cfg.vit:
             for mode in modes:
                 compiled = mode == "compiled"
-                log(f"[vit-{size}] training step, batch {_vit_batch(size, cfg)}, {cfg.dtype}"
+                log(f"[vit-{size}] training step, batch {vit_batch(size, cfg)}, {cfg.dtype}"
                     + ((", torch.compile" + ("" if cfg.compile_mode == "default" else f" (mode={cfg.compile_mode})"))
                        if compiled else ""))
-                recs = _bench_vit(size, cfg, log, compiled)
+                recs = bench_vit(size, cfg, log, compiled)
                 _stamp(recs, cfg, info)
                 records.extend(recs)
                 if on_record:

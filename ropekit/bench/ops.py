@@ -42,7 +42,7 @@ VIEWS = frozenset({
 def count_step_ops(step: Callable[[], None]) -> Dict[str, int]:
     """Top-level ATen operations of one call of ``step`` (after one unprofiled call that builds the optimiser
     state and cached tables): ``{"all": n, "non_view": m}``."""
-    from .core import native_output_to_stderr
+    from .measure import native_output_to_stderr
 
     step()
     with native_output_to_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -83,7 +83,8 @@ def step_op_counts(pes: Sequence[str], size: str = "tiny", batch: int | None = N
         ``cpu_non_view`` (those of ``forms``) and each divided by the reference's (``*_ratio``). Counts do not
         depend on the batch or image size, except where a CPU loop runs over the batch (the ``cpu`` form).
     """
-    from .core import VIT_SETTINGS, BenchConfig, _vit_step
+    from .core import BenchConfig
+    from .training_step import VIT_SETTINGS, vit_step
 
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -96,7 +97,7 @@ def step_op_counts(pes: Sequence[str], size: str = "tiny", batch: int | None = N
             out: Dict[str, int] = {}
             for form in forms:
                 with (_device_form() if form == "device" else contextlib.nullcontext()):
-                    step = _vit_step(size, pe, cfg, fused_adamw=form == "device", image_size=image_size)
+                    step = vit_step(size, pe, cfg, fused_adamw=form == "device", image_size=image_size)
                     for key, n in count_step_ops(step).items():
                         out[f"{form}_{key}"] = n
             counts[pe] = out

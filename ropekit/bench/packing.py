@@ -135,13 +135,16 @@ def _packed_vs_padded(cfg: PackingBenchConfig, log: Callable[[str], None]) -> Li
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds per call of ``fn``: ``torch.utils.benchmark.Timer.blocked_autorange`` at this process's thread
+    count, given about ``repeats`` calls' time (one timed warm-up call sets the budget; the Timer warms up again
+    and picks its block size)."""
+    from torch.utils import benchmark
+
+    t0 = time.perf_counter()
     fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    budget = max(repeats, 1) * (time.perf_counter() - t0)
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return float(timer.blocked_autorange(min_run_time=budget).median)
 
 
 def _flex_vs_sdpa(cfg: PackingBenchConfig, log: Callable[[str], None]) -> List[Dict[str, Any]]:

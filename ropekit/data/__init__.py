@@ -85,17 +85,15 @@ from .builtin import load_mnist5k, mnist5k_path, read_digit_csv
 from .readers import read_cifar_batch, read_idx, read_image, read_image_folder
 from .fake import write_fake_image_folder
 from .shards import check_data, describe_data, write_shards
+from .decode import decode_image, decode_rgb
+from .shard_stream import ShardStream, read_manifest
 from .streaming import (
     ImageFolderStream,
-    ShardStream,
     StreamLoader,
-    decode_image,
-    decode_rgb,
     is_stream,
     list_streams,
     make_loader,
     open_stream,
-    read_manifest,
     scan_image_folder,
 )
 from .synthetic import DIRECTIONS, make_moving_digits, make_rgbd_digits

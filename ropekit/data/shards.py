@@ -20,8 +20,9 @@ import numpy as np
 
 from .._optional import require
 from ._common import DataFileError, PathLike, stratified_split
-from .streaming import IMAGE_KEYS, MANIFEST_NAME, ShardStream, decode_image, read_manifest, scan_image_folder, \
-    shard_label
+from .decode import decode_image
+from .shard_stream import IMAGE_KEYS, MANIFEST_NAME, ShardStream, read_manifest, shard_label
+from .streaming import scan_image_folder
 
 __all__ = ["write_shards", "check_data", "describe_data"]
 

@@ -1,6 +1,10 @@
 """Datasets that decode images as they are read, for data sets larger than memory (ImageNet-size folders and
 WebDataset tar shards), and the loader that gives them a deterministic, resumable order.
 
+This module holds the folder stream, the loader and :func:`open_stream`; the shard reader is
+:mod:`ropekit.data.shard_stream`, image decoding :mod:`ropekit.data.decode`, the per-sample seeds and worker
+errors :mod:`ropekit.data.worker` (the public names of the first two are re-exported here).
+
 Shape legend: ``B`` batch size; ``C`` colour channels (3); ``H, W`` the transform's output size.
 
 * :class:`ImageFolderStream` -- map-style over ``root/<class>/**/<image>``: construction lists file names only
@@ -41,27 +45,23 @@ manifest is always an error, as is a class folder without images.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
-import io
-import json
 import os
-import re
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ._common import SKIP_HINT, DataFileError, DatasetInfo, PathLike, SizeLike, as_size, canonical_name, \
     stratified_split
+from .decode import decode_image, decode_rgb
 from .readers import IMAGE_EXTENSIONS
+from .shard_stream import MANIFEST_NAME, EpochPlan, ShardStream, read_manifest
+from .worker import WorkerFailure, collate_samples, failed_in_worker, mix_seed, sample_rng
 
 __all__ = [
     "MANIFEST_NAME",
@@ -77,159 +77,6 @@ __all__ = [
     "list_streams",
     "is_stream",
 ]
-
-#: The manifest ``ropekit data convert`` writes beside the shards.
-MANIFEST_NAME = "shards.json"
-#: Sample keys that hold an encoded image in a shard (the file extension WebDataset writes).
-IMAGE_KEYS = tuple(e.lstrip(".") for e in IMAGE_EXTENSIONS)
-_WIDE = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 65535.0, "F": 1.0}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# decoding
-# ----------------------------------------------------------------------------------------------------------
-
-
-def decode_rgb(source: Union[PathLike, bytes], name: Optional[str] = None) -> Any:
-    """Open and decode one image into an 8-bit RGB ``PIL.Image``.
-
-    Conversions: ``L`` / ``1`` / ``P`` / ``CMYK`` / ``YCbCr`` / ... by Pillow's ``convert("RGB")``; images with
-    alpha (``RGBA``, ``LA``, ``P`` with transparency) drop the alpha channel and keep their colours (as
-    torchvision's ``ImageFolder`` does); 16-bit and 32-bit integer greyscale (``I;16*``, ``I``) are scaled by
-    255 / 65535 (rounded, values above 65535 clip), float greyscale (``F``) taken as [0, 1]: scaled, not clipped
-    to 255.
-
-    Args:
-        source: a file path, or the encoded bytes (then ``name`` names them in errors).
-        name: what to call the image in an error message (default: the path).
-
-    Raises:
-        DataFileError: not an image Pillow can decode (corrupt, truncated, another format), one line naming it.
-    """
-    from PIL import Image
-
-    label = name if name is not None else str(source)
-    try:
-        with Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as img:
-            img.load()  # decode now: a truncated file fails here
-            if img.mode in _WIDE:
-                arr = np.asarray(img, dtype=np.float64) * (255.0 / _WIDE[img.mode])
-                return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), "L").convert("RGB")
-            if img.mode == "P" and "transparency" in img.info:
-                img = img.convert("RGBA")
-            return img.convert("RGB")
-    except MemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError, ... on bad files
-        raise DataFileError(label, f"not a readable image ({type(e).__name__}: {_without_reprs(e)})") from e
-
-
-_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
-
-
-def _without_reprs(e: BaseException) -> str:
-    """``e``'s message without object reprs (Pillow names the in-memory buffer it read: ``<_io.BytesIO object at
-    0x7f...>``; the file is named by the error itself)."""
-    return _OBJECT_REPR.sub("", str(e)).strip() or type(e).__name__
-
-
-def _to_tensor(img: Any) -> Tensor:
-    """PIL RGB → uint8 ``(3, H, W)``."""
-    return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
-
-
-_JPEG_MAGIC = b"\xff\xd8\xff"
-
-
-def decode_image(source: Union[PathLike, bytes], name: Optional[str] = None) -> Tensor:
-    """Decode one image into uint8 ``(3, H, W)`` RGB: what the streams hand their transform.
-
-    JPEG files are decoded by ``torchvision.io.decode_jpeg`` straight into a tensor (libjpeg-turbo, the same
-    pixels as Pillow's, without Pillow's copies: about 40 % less time on a 256² JPEG) where torchvision still
-    has it; everything else, and a JPEG that it refuses, goes through :func:`decode_rgb` (whose conversions and
-    errors apply).
-
-    Raises:
-        DataFileError: not a decodable image, one line naming it.
-    """
-    label = name if name is not None else str(source)
-    if isinstance(source, (bytes, bytearray)):
-        data = bytes(source)
-    else:
-        try:
-            data = Path(source).read_bytes()
-        except OSError as e:
-            raise DataFileError(label, f"cannot be read ({type(e).__name__}: {e})") from None
-    decoder = _jpeg_decoder() if data[:3] == _JPEG_MAGIC else None
-    if decoder is not None:
-        try:
-            return decoder(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        except RuntimeError:
-            pass  # Pillow decodes it or names the problem
-    return _to_tensor(decode_rgb(data, name=label))
-
-
-@functools.lru_cache(maxsize=None)
-def _jpeg_decoder() -> Optional[Callable[[Tensor], Tensor]]:
-    """torchvision's JPEG decoding operator (to RGB, no EXIF rotation, as Pillow's default), or ``None`` where
-    it is missing. Called as the operator that ``torchvision.io.decode_jpeg`` wraps: the wrapper warns on every
-    call that torchvision 0.29 deprecates its image codecs in favour of TorchCodec; when they are gone, Pillow
-    decodes JPEGs too."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from torchvision.io import image as tv_image
-
-            if not tv_image._has_image_ops():
-                return None
-            op = torch.ops.image.decode_jpeg
-            rgb = int(tv_image.ImageReadMode.RGB.value)
-    except (ImportError, AttributeError, RuntimeError):
-        return None
-    return lambda data: op(data, rgb, False)
-
-
-class _Failure:
-    """A :class:`DataFileError` raised in a DataLoader worker, carried to the main process as a value.
-
-    DataLoader re-raises a worker's exception as a ``RuntimeError`` holding the worker's traceback, which would
-    turn the one-line error into many; the loaders of this module raise the original instead.
-    """
-
-    def __init__(self, error: DataFileError) -> None:
-        self.error = error
-
-
-def _failed(error: DataFileError) -> "_Failure":
-    """``error`` as a value in a worker of :func:`make_loader` (the caller raises it otherwise)."""
-    if get_worker_info() is None:
-        raise error
-    return _Failure(error)
-
-
-def _seed(*parts: int) -> int:
-    """A 63-bit seed mixed from integers (numpy's SeedSequence: stable across versions and platforms)."""
-    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFFFFFFFFFF for p in parts]).generate_state(1, np.uint64)[0]
-               >> np.uint64(1))
-
-
-@contextlib.contextmanager
-def _sample_rng(seed: Optional[int]) -> Iterator[None]:
-    """Run a transform under torch CPU seed ``seed``; in the main process the caller's RNG state is restored.
-
-    Seeds the CPU generator only (``torch.manual_seed`` also queues seeds for every accelerator, with a stack
-    trace each: about 30 times slower, for generators the CPU transforms never draw from).
-    """
-    if seed is None:
-        yield
-        return
-    if get_worker_info() is None:
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            yield
-    else:
-        torch.default_generator.manual_seed(seed)
-        yield
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -391,9 +238,9 @@ class ImageFolderStream(Dataset):
                 return None
             e = DataFileError(e.path, f"{e.reason}; {SKIP_HINT}")
             if self._defer_errors:
-                return _failed(e)  # type: ignore[return-value]
+                return failed_in_worker(e)  # type: ignore[return-value]
             raise e from None
-        with _sample_rng(seed):
+        with sample_rng(seed):
             image = self.transform(img) if self.transform is not None else img
         return image, torch.tensor(self.labels[index], dtype=torch.int64)
 
@@ -409,300 +256,8 @@ class ImageFolderStream(Dataset):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# shards
-# ----------------------------------------------------------------------------------------------------------
-
-
-def read_manifest(path: PathLike) -> Dict[str, Any]:
-    """Read ``shards.json`` (a file, or a directory holding one).
-
-    Format: ``{"format": "ropekit-shards", "version": 1, "classes": [...], "splits": {"train": {"shards":
-    [{"file": "train-000000.tar", "count": 1000}, ...]}, "val": {...}}}``; file names relative to the manifest.
-
-    Raises:
-        FileNotFoundError: no manifest. DataFileError: not such a manifest.
-    """
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / MANIFEST_NAME
-    if not p.is_file():
-        raise FileNotFoundError(f"shards: no manifest {p} (write shards with `ropekit data convert`)")
-    try:
-        m = json.loads(p.read_text())
-        ok = m.get("format") == "ropekit-shards" and isinstance(m.get("splits"), dict) and all(
-            isinstance(s.get("shards"), list) for s in m["splits"].values())
-    except (ValueError, AttributeError) as e:
-        raise DataFileError(p, f"not a shard manifest ({type(e).__name__}: {e})") from None
-    if not ok:
-        raise DataFileError(p, "not a shard manifest (expected format 'ropekit-shards' with splits)")
-    m["_dir"] = str(p.parent)
-    return m
-
-
-def _count_tar(path: Path) -> int:
-    """Samples of a tar as WebDataset groups them: runs of consecutive files with the same key (the name up to
-    the first dot of its last component), meta files ``__*__`` left out."""
-    import re
-    import tarfile
-
-    from webdataset.tariterators import base_plus_ext
-
-    try:
-        with tarfile.open(path, "r:*") as tf:
-            keys = [base_plus_ext(m.name)[0] for m in tf.getmembers()
-                    if m.isreg() and not re.match(r"__[^/]*__($|/)", m.name)]
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise DataFileError(path, f"not a readable tar shard ({type(e).__name__}: {e})") from None
-    return sum(1 for i, k in enumerate(keys) if k is not None and (i == 0 or k != keys[i - 1]))
-
-
-def _resolve_shards(source: Any, split: str) -> Tuple[List[Path], List[int], Optional[List[str]]]:
-    """(shard paths, sample counts, class names or None) of a manifest, a directory, a pattern or a list."""
-    if isinstance(source, (str, os.PathLike)) and (Path(source).is_dir() or str(source).endswith(".json")):
-        m = read_manifest(source)
-        if split not in m["splits"]:
-            raise ValueError(f"shards {source}: no split {split!r} in the manifest (it has "
-                             f"{', '.join(sorted(m['splits']))})")
-        entries = m["splits"][split]["shards"]
-        paths = [Path(m["_dir"]) / e["file"] for e in entries]
-        counts = [int(e["count"]) for e in entries]
-        classes = m.get("classes")
-    else:
-        if isinstance(source, (str, os.PathLike)):
-            from webdataset.shardlists import expand_urls  # brace patterns: train-{000000..000009}.tar
-
-            urls = expand_urls(str(source))
-        else:
-            urls = [str(u) for u in source]
-        paths = [Path(u).expanduser() for u in urls]
-        counts = []
-        classes = None
-    missing = [p for p in paths if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"shards: missing shard {missing[0]}"
-                                + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    if not paths:
-        raise FileNotFoundError(f"shards: no shard in {source}")
-    if not counts:
-        counts = [_count_tar(p) for p in paths]
-    return paths, counts, classes
-
-
-@dataclass(frozen=True)
-class _EpochPlan:
-    """Which worker reads which shards, and the global batch order, of one epoch of one rank."""
-
-    worker_shards: Tuple[Tuple[int, ...], ...]  # shard indices per worker, in reading order
-    order: Tuple[Tuple[int, int], ...]  # global batch b -> (worker, that worker's batch index)
-
-
-def _plan_epoch(counts: Sequence[int], *, seed: int, epoch: int, rank: int, world_size: int, workers: int,
-                batch_size: int, drop_last: bool, shuffle: bool) -> _EpochPlan:
-    n_shards = len(counts)
-    order = np.random.default_rng([seed, epoch]).permutation(n_shards) if shuffle else np.arange(n_shards)
-    workers = max(1, workers)
-
-    def batches_of(r: int) -> List[int]:
-        mine = order[r::world_size]
-        per = [sum(counts[i] for i in mine[w::workers]) for w in range(workers)]
-        return [n // batch_size if drop_last else -(-n // batch_size) for n in per]
-
-    own = batches_of(rank)
-    total = min(sum(batches_of(r)) for r in range(world_size)) if drop_last else sum(own)
-    seq: List[Tuple[int, int]] = []
-    left = list(own)
-    nxt = [0] * workers
-    while len(seq) < total:  # round robin over the workers that still have batches (what a DataLoader does)
-        for w in range(workers):
-            if left[w] and len(seq) < total:
-                seq.append((w, nxt[w]))
-                nxt[w] += 1
-                left[w] -= 1
-    mine = order[rank::world_size]
-    return _EpochPlan(tuple(tuple(int(i) for i in mine[w::workers]) for w in range(workers)), tuple(seq))
-
-
-class ShardStream(IterableDataset):
-    """Iterable dataset over WebDataset tar shards, decoding each sample as it streams by.
-
-    Args:
-        source: a manifest (``shards.json`` or the directory holding it), a brace pattern
-            (``"out/train-{000000..000099}.tar"``), or a list of tar paths; without a manifest the samples of
-            each shard are counted by listing the tar once.
-        transform: callable uint8 ``(3, H_in, W_in)`` RGB tensor → sample; ``None`` gives that tensor.
-        split: which split of a manifest (``"train"`` or ``"val"``).
-        shuffle_buffer: samples (encoded bytes, not decoded) in each reader's shuffle buffer.
-        skip_corrupt: leave undecodable samples, and samples without an image or label entry, out of their batch
-            (counted) instead of raising.
-
-    Iterate it through :func:`make_loader`, which sets the epoch and yields batches. Per epoch: the shard list
-    is permuted by ``(seed, epoch)``; rank ``r`` takes shards ``r, r + world_size, ...`` of it, and its DataLoader
-    worker ``w`` every ``num_workers``-th of those (so no sample is read twice, and each reader streams whole
-    shards); each reader shuffles its samples through a buffer seeded by ``(seed, epoch, its first shard)`` and
-    batches them; the loader interleaves the readers' batches round robin. So the order depends on
-    ``num_workers`` (the same number must be used to resume exactly). Dropped with ``drop_last=True``: each
-    reader's last incomplete batch, and the batches of a rank beyond the fewest any rank has, so every rank
-    runs the same number of steps. A shard count of at least ``world_size * num_workers`` keeps every reader busy.
-
-    Attributes:
-        shards: the tar paths. counts: samples per shard. classes: class names (from the manifest) or ``None``.
-    """
-
-    def __init__(self, source: Any, transform: Optional[Callable[[Any], Any]] = None, *, split: str = "train",
-                 shuffle_buffer: int = 1000, skip_corrupt: bool = False) -> None:
-        super().__init__()
-        self.shards, self.counts, classes = _resolve_shards(source, split)
-        self.classes: Optional[List[str]] = list(classes) if classes is not None else None
-        self.transform = transform
-        self.shuffle_buffer = max(1, int(shuffle_buffer))
-        self.skip_corrupt = bool(skip_corrupt)
-        self._epoch: Optional[Dict[str, Any]] = None
-
-    def __len__(self) -> int:
-        """Samples in all shards."""
-        return int(sum(self.counts))
-
-    # -- set by make_loader before a DataLoader copies the dataset into its workers
-    def _configure(self, **epoch: Any) -> _EpochPlan:
-        self._epoch = dict(epoch)
-        self._epoch["plan"] = _plan_epoch(self.counts, **{k: epoch[k] for k in (
-            "seed", "epoch", "rank", "world_size", "workers", "batch_size", "drop_last", "shuffle")})
-        return self._epoch["plan"]
-
-    def _samples(self, shard: int) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
-        """``(shard, position, raw sample)`` of one shard, checked against its count."""
-        import tarfile
-
-        from webdataset.tariterators import group_by_keys, tar_file_iterator
-
-        path = self.shards[shard]
-        n = 0
-        try:
-            with open(path, "rb") as f:
-                files = ({**x, "__url__": str(path)} for x in tar_file_iterator(f))
-                for sample in group_by_keys(files):
-                    yield shard, n, sample
-                    n += 1
-        except (tarfile.TarError, OSError, EOFError) as e:
-            raise DataFileError(path, f"not a readable tar shard ({type(e).__name__}: {e})") from None
-        except ValueError as e:
-            raise DataFileError(path, " ".join(str(a) for a in e.args if a is not None)) from None
-        if n != self.counts[shard]:
-            raise DataFileError(path, f"holds {n} samples, the manifest says {self.counts[shard]} "
-                                      "(rewrite the manifest with `ropekit data convert`)")
-
-    def _decode(self, shard: int, pos: int, raw: Dict[str, Any], seed: int) -> Optional[Tuple[Any, Tensor]]:
-        where = f"{self.shards[shard]}[{raw.get('__key__')}]"
-        try:
-            key = next((k for k in IMAGE_KEYS if k in raw), None)
-            if key is None:
-                raise DataFileError(where, f"sample has no image entry ({'/'.join(IMAGE_KEYS[:4])}/...); it has "
-                                           f"{', '.join(sorted(k for k in raw if not k.startswith('__')))}")
-            label = shard_label(raw, where, len(self.classes) if self.classes else None)
-            img = decode_image(raw[key], name=where)
-        except DataFileError as e:
-            if self.skip_corrupt:
-                return None
-            return _failed(DataFileError(e.path, f"{e.reason}; {SKIP_HINT}"))  # type: ignore[return-value]
-        with _sample_rng(seed):
-            image = self.transform(img) if self.transform is not None else img
-        return image, torch.tensor(label, dtype=torch.int64)  # type: ignore[return-value]
-
-    def _worker_batches(self, worker: int) -> Iterator[Tuple[int, int, Any]]:
-        cfg = self._epoch
-        if cfg is None:
-            raise RuntimeError("iterate a ShardStream through ropekit.data.make_loader (it sets the epoch)")
-        plan: _EpochPlan = cfg["plan"]
-        mine = [j for w, j in plan.order if w == worker]
-        skip = sum(1 for w, _ in plan.order[:cfg["start_batch"]] if w == worker)
-        if len(mine) <= skip:
-            return
-        shards = plan.worker_shards[worker]
-        bs = cfg["batch_size"]
-        base = {s: _seed(cfg["seed"], cfg["epoch"], s) for s in shards}
-        stream = (x for s in shards for x in self._samples(s))
-        if cfg["shuffle"]:
-            rng = np.random.default_rng([cfg["seed"], cfg["epoch"], shards[0] if shards else 0, 7])
-            stream = _buffer_shuffle(stream, self.shuffle_buffer, rng)
-        batch: List[Any] = []
-        j = 0
-        try:
-            for i, (s, pos, raw) in enumerate(stream):
-                if i < skip * bs:
-                    continue  # before the start batch: not decoded
-                batch.append(self._decode(s, pos, raw, (base[s] + pos) & 0x7FFFFFFFFFFFFFFF))
-                if len(batch) == bs:
-                    yield worker, skip + j, _collate(batch)
-                    j += 1
-                    batch = []
-                    if skip + j >= len(mine):
-                        return
-        except DataFileError as e:  # a truncated tar, or a count that disagrees with the manifest
-            yield worker, skip + j, (None, None, 0, _failed(e))
-            return
-        if batch and skip + j < len(mine):
-            yield worker, skip + j, _collate(batch)
-
-    def __iter__(self) -> Iterator[Tuple[int, int, Any]]:
-        info = get_worker_info()
-        return self._worker_batches(info.id if info is not None else 0)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(shards={len(self.shards)}, n={len(self)})"
-
-
-def shard_label(raw: Dict[str, Any], where: str, num_classes: Optional[int] = None) -> int:
-    """The label of a shard sample (its ``.cls`` entry, decimal text), checked: an integer in ``[0, num_classes)``
-    (``num_classes``: the manifest's class count; ``None``: only ``>= 0``).
-
-    Raises:
-        DataFileError: no ``.cls`` entry, not an integer, or out of range; one line naming ``where``
-            (``<shard>[<key>]``).
-    """
-    if "cls" not in raw:
-        raise DataFileError(where, "sample has no label entry (.cls)")
-    text = bytes(raw["cls"])
-    try:
-        label = int(text.decode().strip())
-    except (ValueError, UnicodeDecodeError):
-        raise DataFileError(where, f"label entry .cls is not an integer: {text[:20]!r}") from None
-    if label < 0 or (num_classes is not None and label >= num_classes):
-        bound = f"0..{num_classes - 1} (the manifest names {num_classes} classes)" if num_classes else ">= 0"
-        raise DataFileError(where, f"label {label} (.cls) is outside {bound}")
-    return label
-
-
-def _buffer_shuffle(stream: Iterator[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:
-    """Shuffle a stream through a buffer of ``size`` items (each output drawn uniformly from the buffer)."""
-    buf: List[Any] = []
-    for x in stream:
-        if len(buf) < size:
-            buf.append(x)
-            continue
-        k = int(rng.integers(size))
-        yield buf[k]
-        buf[k] = x
-    for k in rng.permutation(len(buf)):
-        yield buf[k]
-
-
-# ----------------------------------------------------------------------------------------------------------
 # loader
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _collate(items: Sequence[Any]) -> Tuple[Any, Any, int, Optional[_Failure]]:
-    """``(images, labels, skipped, failure)``: default collate of the samples that are not ``None`` (skipped) and,
-    if a sample is a :class:`_Failure`, that failure for the main process to raise."""
-    failure = next((x for x in items if isinstance(x, _Failure)), None)
-    if failure is not None:
-        return None, None, 0, failure
-    kept = [x for x in items if x is not None]
-    skipped = len(items) - len(kept)
-    if not kept:
-        return None, None, skipped, None
-    images, labels = default_collate(kept)
-    return images, labels, skipped, None
 
 
 class _EpochSampler(Sampler):
@@ -761,7 +316,7 @@ class StreamLoader:
         self.skipped = 0
         self._shards = isinstance(dataset, ShardStream)
         self._loader: Optional[DataLoader] = None
-        self._plan: Optional[_EpochPlan] = None
+        self._plan: Optional[EpochPlan] = None
         if not self._shards:
             self._sampler = _EpochSampler(len(dataset), seeded=bool(getattr(dataset, "seeded_index", False)),
                                           seed=kw["seed"], world_size=kw["world_size"], rank=kw["rank"],
@@ -774,7 +329,7 @@ class StreamLoader:
             raise ValueError(f"start_batch must be >= 0, got {start_batch}")
         self.epoch, self.start_batch = int(epoch), int(start_batch)
         kw = self._kw
-        gen = torch.Generator().manual_seed(_seed(kw["seed"], epoch, kw["rank"], 3))  # workers' base seed
+        gen = torch.Generator().manual_seed(mix_seed(kw["seed"], epoch, kw["rank"], 3))  # workers' base seed
         if self._shards:
             self._plan = self.dataset._configure(
                 seed=kw["seed"], epoch=self.epoch, rank=kw["rank"], world_size=kw["world_size"],
@@ -785,7 +340,7 @@ class StreamLoader:
             self._sampler.epoch, self._sampler.start = self.epoch, self.start_batch * kw["batch_size"]
             if self._loader is None:
                 self._loader = DataLoader(self.dataset, batch_size=kw["batch_size"], sampler=self._sampler,
-                                          drop_last=kw["drop_last"], collate_fn=_collate, generator=gen,
+                                          drop_last=kw["drop_last"], collate_fn=collate_samples, generator=gen,
                                           **self._loader_kw)
         return self
 
@@ -796,7 +351,7 @@ class StreamLoader:
         b = self._kw["batch_size"]
         return n // b if self._kw["drop_last"] else -(-n // b)
 
-    def _raw(self) -> Iterator[Tuple[Any, Any, int, Optional[_Failure]]]:
+    def _raw(self) -> Iterator[Tuple[Any, Any, int, Optional[WorkerFailure]]]:
         if not self._shards:
             yield from self._loader  # type: ignore[misc]
             return

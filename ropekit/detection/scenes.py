@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .._io import atomic_write
 from .._optional import require
 
 __all__ = [
@@ -486,13 +487,6 @@ def _cache_key(n: int, size: int, seed: int, config: SceneConfig) -> str:
     return hashlib.sha1(payload.encode()).hexdigest()[:12]
 
 
-def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        np.savez_compressed(fh, **arrays)
-    os.replace(tmp, path)
-
-
 def generate_scenes(
     n: int,
     size: int = 64,
@@ -573,7 +567,7 @@ def generate_scenes(
                 bar.update(len(arrays["rgb"]))
             shard = {k: np.concatenate([chunks[s][k] for s in sorted(chunks)]) for k in _ARRAY_KEYS}
             if cache is not None:
-                _save_npz(cache / name, shard)
+                atomic_write(cache / name, lambda f: np.savez_compressed(f, **shard))
             parts.append(SceneSet.from_arrays(shard))
     finally:
         bar.close()

@@ -35,6 +35,9 @@ What the conversion does (timm ``VisionTransformer`` with ``Block`` / ``ResPostB
   The rotary embedding's own parameters (RoPE-Mixed's ``rope.freqs``) leave the ``state_dict``: convert after
   loading the checkpoint.
 
+The patch coordinates live in :mod:`ropekit.integrations.timm_grid`, the reading of a model's own rotary embedding
+in :mod:`ropekit.integrations.timm_rope`.
+
 The absolute position embedding is kept (``keep_abs_pos=True``) so that, with an encoding that starts as the
 identity (``init_identity=True``, or ``name="none"``), the converted model computes exactly what the original
 did: fine-tuning starts from the checkpoint's function.
@@ -49,10 +52,8 @@ Example::
 from __future__ import annotations
 
 import copy
-import inspect
 import warnings
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,6 @@ from torch.utils.checkpoint import checkpoint
 from .._optional import require
 from ..encodings import PositionEncoding, create_pe
 from ._common import encodings
-from ..encodings.rope import MixedRoPE
 from ..nn.coords import COORD_MODES, grid_coords
 from ..nn.finetune import logits_match
 
@@ -72,10 +72,12 @@ from timm.layers import PatchDropout as _PatchDropout
 from timm.layers.patch_dropout import patch_dropout_forward as _patch_dropout_forward
 from timm.models.eva import Eva as _Eva
 from timm.models.eva import EvaAttention as _EvaAttention
-from timm.layers.pos_embed_sincos import apply_rot_embed_cat as _apply_rot_embed_cat
 from timm.models.vision_transformer import Block as _Block
 from timm.models.vision_transformer import ResPostBlock as _ResPostBlock
 from timm.models.vision_transformer import VisionTransformer as _VisionTransformer
+
+from . import timm_rope
+from .timm_grid import GridCoordinates, TimmGrid
 
 #: The oldest timm the integration is tested with (see docs/compatibility.md).
 MIN_TIMM = (1, 0, 29)
@@ -99,11 +101,6 @@ def _check_timm_version(version: str) -> None:
 
 
 _check_timm_version(_timm.__version__)
-
-try:  # timm's own grid builder and coordinate augmentation (timm >= 1.0.31)
-    from timm.layers.pos_embed_sincos import _apply_coord_augs, _build_grid
-except ImportError:  # pragma: no cover - depends on the timm version
-    _apply_coord_augs = _build_grid = None
 
 try:  # the attention of timm's rope-vit / Perception Encoder models (attn_type="rope"); absent in old timm
     from timm.layers import AttentionRope as _AttentionRope
@@ -413,255 +410,6 @@ class RopeEva(_Eva):
         return set(super().no_weight_decay()) | _pe_no_weight_decay(self)
 
 
-class GridCoordinates(nn.Module):
-    """Replaces an ``Eva`` model's ``rope``: ``get_embed(shape=(gh, gw))`` returns the patch coordinates
-    ``(gh * gw, 2)`` (row-major, ``(row, col)``) that ``Eva`` then hands to every block.
-
-    With ``mode="grid"`` the coordinate of row ``i`` is ``(i + offset) * ref[0] / gh`` (columns alike) when a
-    reference grid ``ref_shape`` is given, else ``i + offset``: this is how timm's EVA rotary embedding places the
-    patches (a fine-tuned EVA02 at another resolution keeps the coordinate range of its pre-training grid), so an
-    encoding initialised from the model's own rotary embedding sees the same coordinates.
-
-    ``timm_grid`` (a :class:`TimmGrid`, set when the encoding starts as the model's own rotary embedding) instead
-    builds the coordinates with timm's own grid function -- integer indices, DINOv3's patch centres normalised to
-    ``[-1, 1]`` per axis, or pixel grids, with timm's offset and reference grid -- and, in training mode, applies
-    timm's coordinate augmentation (``rope_shift_coords``, ``rope_jitter_coords``, ``rope_rescale_coords``) with
-    timm's random draws in timm's order, so the converted model trains on the coordinates the original would.
-    """
-
-    def __init__(self, mode: str, feat_shape: Sequence[int], offset: float = 0.0,
-                 ref_shape: Optional[Sequence[int]] = None, timm_grid: Optional["TimmGrid"] = None,
-                 extra_axes: int = 0) -> None:
-        super().__init__()
-        if mode != "grid" and (offset or ref_shape is not None or timm_grid is not None):
-            raise ValueError("offset, ref_shape and timm_grid apply to mode='grid' only")
-        self.mode = mode
-        self.feat_shape = list(feat_shape)
-        self.offset = float(offset)
-        self.ref_shape = None if ref_shape is None else [int(r) for r in ref_shape]
-        self.timm_grid = timm_grid
-        self.extra_axes = int(extra_axes)
-        self.pending_extra: Optional[Tensor] = None  # set by RopeEva.forward_features for one call
-        self.register_buffer("_anchor", torch.empty(0), persistent=False)  # follows .to(device)
-
-    def get_embed(self, shape: Optional[Sequence[int]] = None) -> Tensor:
-        """``(M, 2 + extra_axes)``, or ``(B, M, 2 + extra_axes)`` with per-example extra coordinates."""
-        coords = self._grid(self.feat_shape if shape is None else shape)  # (M, 2)
-        if self.extra_axes == 0:
-            return coords
-        extra = self.pending_extra
-        if extra is None:
-            return torch.cat([coords, coords.new_zeros(coords.shape[0], self.extra_axes)], dim=-1)
-        extra = extra.to(device=coords.device, dtype=coords.dtype)
-        if extra.shape[-2:] != (coords.shape[0], self.extra_axes):
-            raise ValueError(f"extra_coords must be (M, {self.extra_axes}) or (B, M, {self.extra_axes}) with "
-                             f"M = {coords.shape[0]} patches, got {tuple(extra.shape)}")
-        return torch.cat([coords.expand(*extra.shape[:-1], 2), extra], dim=-1)
-
-    def _grid(self, grid: Sequence[int]) -> Tensor:
-        if self.timm_grid is not None:
-            return self.timm_grid.coords(grid, self.training, self._anchor.device)
-        coords = grid_coords(grid, self.mode, device=self._anchor.device)  # (M, 2)
-        if self.offset:
-            coords = coords + self.offset
-        if self.ref_shape is not None:
-            scale = torch.tensor([r / int(g) for r, g in zip(self.ref_shape, grid)], device=coords.device)
-            coords = coords * scale
-        return coords
-
-    def update_feat_shape(self, feat_shape: Sequence[int]) -> None:
-        """Called by ``Eva.set_input_size``: the grid of a model without ``dynamic_img_size``."""
-        self.feat_shape = list(feat_shape)
-
-    def extra_repr(self) -> str:
-        extra = f", offset={self.offset}" if self.offset else ""
-        if self.ref_shape is not None:
-            extra += f", ref_shape={tuple(self.ref_shape)}"
-        if self.timm_grid is not None:
-            extra += f", timm_grid={self.timm_grid}"
-        if self.extra_axes:
-            extra += f", extra_axes={self.extra_axes}"
-        return f"mode={self.mode!r}, feat_shape={tuple(self.feat_shape)}{extra}"
-
-
-@dataclass
-class TimmGrid:
-    """How a timm rotary embedding places the patches: the arguments of timm's grid builder
-    (``grid_type`` ``"index"`` / ``"centered"`` / ``"pixel"``, ``ref_feat_shape``, ``grid_offset``,
-    ``grid_indexing``, ``normalize_coords``) and its train-time augmentation (``shift``, ``jitter``, ``rescale``;
-    ``None`` when off)."""
-
-    grid_type: str = "index"
-    ref_feat_shape: Optional[Sequence[int]] = None
-    grid_offset: float = 0.0
-    grid_indexing: str = "ij"
-    normalize_coords: str = "separate"
-    shift: Optional[float] = None
-    jitter: Optional[float] = None
-    rescale: Optional[float] = None
-
-    @property
-    def augments(self) -> bool:
-        return self.shift is not None or self.jitter is not None or self.rescale is not None
-
-    def coords(self, shape: Sequence[int], training: bool, device: torch.device) -> Tensor:
-        """Patch coordinates ``(gh * gw, 2)`` float32, ``(row, col)``, as timm computes them for grid ``shape``
-        (augmented when ``training``: one draw per call, like timm's ``get_embed``)."""
-        if _build_grid is None:  # older timm: integer indices (checked at conversion), as timm builds them
-            coords = grid_coords(shape, "grid", device=device) + self.grid_offset  # (M, 2) = (row, col)
-            if self.ref_feat_shape is not None:
-                scale = [r / int(g) for r, g in zip(self.ref_feat_shape, shape)]  # (H, W) order for "ij" and "xy"
-                coords = coords * torch.tensor(scale, device=device)
-            return coords
-        grid = _build_grid([int(s) for s in shape], grid_type=self.grid_type,
-                           ref_feat_shape=None if self.ref_feat_shape is None else list(self.ref_feat_shape),
-                           grid_offset=self.grid_offset, grid_indexing=self.grid_indexing,
-                           normalize_coords=self.normalize_coords)  # (gh, gw, 2), timm's channel order
-        grid = grid.reshape(-1, 2)  # (M, 2)
-        if training and self.augments:
-            grid = _apply_coord_augs(grid, self.shift, self.jitter, self.rescale)
-        if self.grid_indexing == "xy":  # timm's first channel is then the column
-            grid = grid.flip(-1)
-        return grid.to(device)
-
-
-# ---------------------------------------------------------------------------------------------- timm's own RoPE
-class _CannotKeep(Exception):
-    """The model's own rotary embedding cannot be reproduced by the requested encoding (the message says why)."""
-
-
-@dataclass
-class _TimmRope:
-    """An ``Eva`` model's rotary embedding in ropekit's terms.
-
-    ``freqs`` ``(L, Hs, 2, d/2)``: frequencies of interleaved pair ``n`` along ``(row, col)``, per layer (``L`` 1 when
-    every layer has the same) and per head (``Hs`` 1 when every head has the same); ``perm`` ``(d,)`` or ``None``:
-    the channel order that turns timm's pairs into interleaved ones; ``grid``: the coordinates (see
-    :class:`TimmGrid`).
-    """
-
-    freqs: Tensor
-    perm: Optional[Tensor]
-    grid: TimmGrid
-
-
-def _read_timm_rope(model: nn.Module, head_dim: int) -> _TimmRope:
-    """Read timm's rotary embedding ``model.rope`` (``RotaryEmbeddingCat``: EVA02, timm's SBB and Perception Encoder
-    ViTs; ``RotaryEmbeddingDinoV3``: DINOv3; ``RotaryEmbeddingMixed``: rope-vit's RoPE-Mixed) as ropekit
-    frequencies.
-
-    Raises:
-        _CannotKeep: another kind of rotary embedding (timm's multimodal RoPE) or an unsupported option.
-    """
-    rope = model.rope
-    kind = type(rope).__name__
-    indexing = getattr(rope, "grid_indexing", "ij")
-    if indexing not in ("ij", "xy"):
-        raise _CannotKeep(f"unknown grid indexing {indexing!r}")
-    half = bool(getattr(model.blocks[0].attn, "rotate_half", False))
-    d2 = head_dim // 2
-    perm = torch.stack([torch.arange(d2), torch.arange(d2) + d2], -1).reshape(-1) if half else None
-    aug = dict(shift=getattr(rope, "shift_coords", None), jitter=getattr(rope, "jitter_coords", None),
-               rescale=getattr(rope, "rescale_coords", None))
-    first, second = (0, 1) if indexing == "ij" else (1, 0)  # timm's first coordinate channel is the row for "ij"
-    nb = head_dim // 4
-    if kind in ("RotaryEmbeddingCat", "RotaryEmbeddingDinoV3"):
-        if kind == "RotaryEmbeddingCat":
-            grid_type = getattr(rope, "grid_type", None) or ("pixel" if getattr(rope, "in_pixels", True) else "index")
-            bands = getattr(rope, "bands", None)
-            if bands is None:  # older timm keeps only the cached table when the grid is fixed: rebuild the bands
-                if grid_type != "index":
-                    raise _CannotKeep("its rotary embedding keeps only a cached table, not its frequency bands")
-                from timm.layers.pos_embed_sincos import freq_bands
-                bands = freq_bands(nb, temperature=float(rope.temperature), step=1)
-            bands = bands.detach().float().cpu()  # angle = coordinate * band
-            ref = getattr(rope, "ref_feat_shape", None)
-        else:  # DINOv3: angle = 2 pi coordinate / period, coordinates the patch centres in [-1, 1]
-            grid_type, ref = "centered", None
-            bands = (2 * torch.pi / rope.periods.detach().double().cpu()).float()
-        if bands.numel() != nb or 4 * nb != head_dim:
-            raise _CannotKeep(f"{bands.numel()} frequency bands for head_dim {head_dim} (expected head_dim / 4)")
-        freqs = torch.zeros(2, d2)
-        freqs[first, :nb] = bands  # timm's angles: (channel 0 bands, channel 1 bands)
-        freqs[second, nb:] = bands
-        grid = TimmGrid(grid_type, None if ref is None else [int(r) for r in ref],
-                        float(getattr(rope, "grid_offset", 0.0) or 0.0), indexing,
-                        str(getattr(rope, "normalize_coords", None) or "separate"), **aug)
-        _check_grid_supported(grid)
-        return _TimmRope(freqs[None, None], perm, grid)
-    if kind == "RotaryEmbeddingMixed":
-        f = rope.freqs.detach().float().cpu()  # (2, L, H, d/2): multiplies (t_x, t_y), timm's channels 0 and 1
-        freqs = torch.zeros(f.shape[1], f.shape[2], 2, f.shape[3])
-        freqs[:, :, first] = f[0]
-        freqs[:, :, second] = f[1]
-        grid = TimmGrid("index", None, 0.0, indexing, **aug)
-        _check_grid_supported(grid)
-        return _TimmRope(freqs, perm, grid)
-    raise _CannotKeep(f"its rotary embedding {kind} is not one ropekit reproduces (RotaryEmbeddingCat, "
-                      f"RotaryEmbeddingMixed and RotaryEmbeddingDinoV3 are)")
-
-
-def _check_grid_supported(grid: TimmGrid) -> None:
-    """Older timm (before 1.0.31) has no grid builder to reuse: only integer grids without augmentation."""
-    if _build_grid is None and (grid.grid_type != "index" or grid.augments):
-        raise _CannotKeep(f"its {grid.grid_type!r} coordinate grid or coordinate augmentation needs timm >= 1.0.31 "
-                          f"to be reproduced")
-
-
-def _keep_rope_(pe: PositionEncoding, rope: _TimmRope, layer: int) -> None:
-    """Set ``pe`` to the model's own rotary embedding of block ``layer``: every parameter zero (no post-rotation),
-    then the frequencies."""
-    freqs = rope.freqs[layer if rope.freqs.shape[0] > 1 else 0]  # (Hs, 2, d/2)
-    with torch.no_grad():
-        for p in pe.parameters():
-            p.zero_()
-        target = pe.freq_param
-        target.copy_(freqs.to(target).expand_as(target))
-
-
-def _timm_rotation(model: nn.Module, layer: int, grid: Sequence[int], x: Tensor) -> Tensor:
-    """Block ``layer``'s rotation by timm's own rotary embedding applied to ``x`` ``(1, H, M, d)`` on ``grid``."""
-    rope, attn = model.rope, model.blocks[layer].attn
-    was = rope.training
-    rope.eval()  # no train-time coordinate augmentation
-    try:
-        if type(rope).__name__ == "RotaryEmbeddingMixed":
-            emb = rope.get_embed(shape=list(grid))[layer]  # (H, M, 2d)
-        elif getattr(rope, "feat_shape", None) is not None:
-            emb = rope.get_embed()  # (M, 2d), cached for the model's grid
-        else:
-            emb = rope.get_embed(shape=list(grid))
-    finally:
-        rope.train(was)
-    x = x.to(emb.device)
-    return _apply_rot_embed_cat(x, emb.float(), half=bool(getattr(attn, "rotate_half", False)))
-
-
-def _check_keeps_rope(model: nn.Module, pes: List[PositionEncoding], rope: _TimmRope,
-                      coords: GridCoordinates) -> Optional[str]:
-    """``None`` if every block's encoding rotates probe queries as timm's rotary embedding does, else the reason."""
-    grid = list(getattr(model.rope, "feat_shape", None) or model.patch_embed.grid_size)
-    gen = torch.Generator().manual_seed(0)
-    heads, d = pes[0].num_heads, pes[0].head_dim
-    m = int(torch.tensor(grid).prod())
-    x = torch.randn(1, heads, m, d, generator=gen)
-    was = coords.training
-    coords.eval()  # the coordinates without train-time augmentation
-    r = coords.get_embed(grid).cpu()  # (M, 2)
-    coords.train(was)
-    perm = rope.perm
-    for i, pe in enumerate(pes):
-        with torch.no_grad():
-            ref = _timm_rotation(model, i, grid, x).cpu()
-            xp = x if perm is None else x[..., perm]
-            ref = ref if perm is None else ref[..., perm]
-            got = copy.deepcopy(pe).float().cpu().rotate(xp, r)
-            err = float((got - ref).abs().max())
-        if not err <= 1e-4:
-            return f"block {i}: the encoding differs from the model's rotary embedding by {err:.1e} on a probe"
-    return None
-
-
 # ---------------------------------------------------------------------------------------------- conversion
 def _make_identity_(pe: PositionEncoding, name: str) -> None:
     with torch.no_grad():
@@ -739,12 +487,12 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
     if sharing == "head":
         pe_opts = {**pe_opts, "per_head": True}
 
-    own_rope: Optional[_TimmRope] = None
+    own_rope: Optional[timm_rope.TimmRope] = None
     if kind == "eva" and init_identity and getattr(model, "rope", None) is not None:
         try:
-            own_rope = _plan_keep_rope(model, name, sharing, coords, prefix, pe_opts, coord_dim)
-        except _CannotKeep as exc:
-            _warn_rope_removed(model, name, str(exc))
+            own_rope = timm_rope.plan_keep_rope(model, name, sharing, coords, prefix, pe_opts, coord_dim)
+        except timm_rope.CannotKeep as exc:
+            timm_rope.warn_rope_removed(model, name, str(exc))
 
     pes: List[PositionEncoding] = []
     shared: Optional[PositionEncoding] = None
@@ -756,7 +504,7 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
                                                          num_heads=attn.num_heads, **pe_opts)
         if pe is not shared:
             if own_rope is not None:
-                _keep_rope_(pe, own_rope, i)
+                timm_rope.keep_rope_(pe, own_rope, i)
             elif init_identity:
                 _make_identity_(pe, name)
         pes.append(pe)
@@ -768,9 +516,9 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         if own_rope is not None:
             grid_source = GridCoordinates("grid", model.patch_embed.grid_size, timm_grid=own_rope.grid,
                                           extra_axes=coord_dim - 2)
-            reason = _check_keeps_rope(model, pes, own_rope, grid_source)
+            reason = timm_rope.check_keeps_rope(model, pes, own_rope, grid_source)
             if reason is not None:
-                _warn_rope_removed(model, name, reason)
+                timm_rope.warn_rope_removed(model, name, reason)
                 for pe in {id(p): p for p in pes}.values():
                     _make_identity_(pe, name)
                 own_rope = None
@@ -802,44 +550,3 @@ def apply_pe(model: nn.Module, name: str, coord_dim: int = 2, *, sharing: str = 
         model.rope_mixed = False
         model.__class__ = RopeEva
     return model
-
-
-def _warn_rope_removed(model: nn.Module, name: str, reason: str) -> None:
-    warnings.warn(f"apply_pe(init_identity=True) cannot keep this {type(model).__name__} model's own rotary position "
-                  f"embedding as a {name!r} encoding: {reason}. The converted model does NOT compute what the original "
-                  f"did: its rotary embedding is replaced by an identity {name!r} encoding.", UserWarning, stacklevel=3)
-
-
-def _plan_keep_rope(model: nn.Module, name: str, sharing: str, coords: str, prefix: str,
-                    pe_opts: Dict[str, Any], coord_dim: int = 2) -> _TimmRope:
-    """The model's rotary embedding, if a ``name`` encoding with these options can hold it exactly.
-
-    Raises:
-        _CannotKeep: with the reason it cannot.
-    """
-    attn = model.blocks[0].attn
-    rope = _read_timm_rope(model, attn.head_dim)
-    probe = create_pe(name, head_dim=attn.head_dim, coord_dim=coord_dim, num_heads=attn.num_heads, **pe_opts)
-    freq = getattr(probe, "freq_param", None)
-    if not isinstance(probe, MixedRoPE) or not isinstance(freq, nn.Parameter) or \
-            tuple(freq.shape[-2:]) != (coord_dim, attn.head_dim // 2):
-        raise _CannotKeep("only encodings with a learnable frequency for every pair and axis that start as plain "
-                          "RoPE ('mixed', 'cayley') can start from it")
-    if coords != "grid":
-        raise _CannotKeep(f"coords={coords!r} places the patches differently from the model's rotary embedding "
-                          f"(use coords='grid')")
-    if prefix != "unrotated":
-        raise _CannotKeep(f"prefix={prefix!r}: timm leaves the prefix tokens unrotated (use prefix='unrotated')")
-    freqs = rope.freqs
-    if freqs.shape[0] > 1 and all(torch.equal(f, freqs[0]) for f in freqs):
-        freqs = freqs[:1]
-    if freqs.shape[1] > 1 and all(torch.equal(freqs[:, h], freqs[:, 0]) for h in range(freqs.shape[1])):
-        freqs = freqs[:, :1]
-    if freqs.shape[1] > 1 and not probe.per_head:
-        raise _CannotKeep("its frequencies differ between heads (use sharing='head')")
-    if freqs.shape[0] > 1 and sharing == "model":
-        raise _CannotKeep("its frequencies differ between blocks (use sharing='head' or 'layer')")
-    if coord_dim > 2:  # the extra axes (depth, time) start at zero weight: the model starts as the 2-D one
-        freqs = torch.cat([freqs, freqs.new_zeros(*freqs.shape[:2], coord_dim - 2, freqs.shape[-1])], dim=-2)
-    rope.freqs = freqs
-    return rope

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from .._io import atomic_write
 
 __all__ = ["plot_retrieval_curves", "plot_queries", "display_rgb"]
 
@@ -23,10 +24,8 @@ def _pyplot():
 
 def _save(fig: Any, path: Path) -> Path:
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=100)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format=path.suffix.lstrip(".") or "png"))
     _pyplot().close(fig)
-    os.replace(tmp, path)
     return path
 
 

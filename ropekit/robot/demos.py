@@ -34,13 +34,13 @@ import json
 import multiprocessing as mp
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from .._io import atomic_write
 from .env import PickConfig, PickEnv, require_pybullet
 from .expert import ScriptedExpert
 
@@ -253,26 +253,8 @@ def collect_demos(
     data["config_json"] = np.array(json.dumps(dataclasses.asdict(config)))
     data["expert_json"] = np.array(json.dumps({**ekw, "clean_labels": bool(clean_labels)}))
     if out is not None:
-        _atomic_savez(Path(out), data, compress)
+        atomic_write(Path(out), lambda f: (np.savez_compressed if compress else np.savez)(f, **data))
     return data
-
-
-def _atomic_savez(path: Path, data: Dict[str, np.ndarray], compress: bool) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            (np.savez_compressed if compress else np.savez)(f, **data)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file ordinary permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load_demos(path: Union[str, os.PathLike]) -> Dict[str, Any]:

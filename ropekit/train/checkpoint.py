@@ -21,13 +21,14 @@ A checkpoint is a plain ``dict`` of tensors, numbers, strings, lists and dicts (
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 import numpy as np
 import torch
+
+from .._io import atomic_write
 
 __all__ = ["CHECKPOINT_NAME", "CheckpointError", "atomic_save", "load_checkpoint", "capture_rng", "restore_rng",
            "load_model_state"]
@@ -42,31 +43,10 @@ class CheckpointError(ValueError):
 
 
 def atomic_save(obj: Any, path: Union[str, Path]) -> Path:
-    """``torch.save`` to a temporary file in the same folder, fsync, then ``os.replace`` onto ``path``.
-
-    A crash at any point leaves either the previous file or the new one, never a truncated file.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    try:  # make the rename durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-    return path
+    """``torch.save`` of ``obj`` onto ``path`` through :func:`ropekit._io.atomic_write` (temporary file in the same
+    folder, fsync, ``os.replace``): a crash at any point leaves either the previous file or the new one, never a
+    truncated file."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> Dict[str, Any]:

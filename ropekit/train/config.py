@@ -239,7 +239,7 @@ class TrainConfig:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not math.isfinite(self.depth_scale_init):
             raise ValueError(f"depth_scale_init must be finite, got {self.depth_scale_init}")
-        from .engine import PRECISIONS, check_compile_backend
+        from .options import PRECISIONS, check_compile_backend
 
         check_compile_backend(self.compile)
         if self.precision not in PRECISIONS:

@@ -32,21 +32,19 @@ An *epoch* is whatever the task calls one: a pass over the data (classification)
 Reproducibility contract: a task's batches for an epoch are a pure function of the task's settings and the epoch
 (``epoch_batches``), and every other random draw comes from the global RNGs or from state the task returns in
 ``state_dict`` -- both are saved with every checkpoint (one entry per rank).
+
+The options and the optimiser live in :mod:`ropekit.train.options`, the run folder's lock and safe writes in
+:mod:`ropekit.train.run_folder`; both are re-exported here.
 """
 
 from __future__ import annotations
 
-import errno
-import json
-import math
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
@@ -54,30 +52,23 @@ import torch
 from torch import Tensor, nn
 
 from ..encodings.counting import count_parameters
+from .._io import atomic_write
 from ..encodings.validation import check_deferred_coords
 from .checkpoint import CheckpointError, atomic_save, capture_rng, load_checkpoint, load_model_state, restore_rng
 from .distributed import DistContext, init_distributed
-from .metrics import TensorBoardLogger, atomic_write_text, write_metrics_csv
+from .metrics import TensorBoardLogger, write_metrics_csv
+from .options import (PRECISIONS, EngineOptions, FitOptions, Schedule, autocast_dtype, build_optimizer,
+                      seed_everything, warmup_cosine)
+from .run_folder import (RunLock, RunLockedError, SaveError, remove_stale_temporaries, safe_write, versions,
+                         write_json)
 
 __all__ = ["Task", "EngineOptions", "Schedule", "FitOptions", "FitResult", "fit", "build_optimizer", "warmup_cosine",
            "StreamedEpoch",
            "NonFiniteLossError", "SaveError", "RunLock", "RunLockedError", "PRECISIONS", "versions",
            "autocast_dtype", "seed_everything"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-StepCallback = Callable[[int], Optional[bool]]
-
-
 class NonFiniteLossError(FloatingPointError, ValueError):
     """The loss became NaN or infinite; raised before the update, the last checkpoint is untouched."""
-
-
-class SaveError(CheckpointError):
-    """A checkpoint or run file could not be written (disk full, read-only folder); the previous one is intact."""
-
-
-class RunLockedError(ValueError):
-    """Another process is writing the run folder."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -146,303 +137,6 @@ def _call(task: Any, name: str, *args: Any, default: Any = None) -> Any:
     fn = getattr(task, name, None)
     return fn(*args) if callable(fn) else default
 
-
-# ---------------------------------------------------------------------------------------------------------
-# options, optimiser, schedule
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class EngineOptions:
-    """How a run is executed (as opposed to what it learns).
-
-    device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; precision: ``"fp32"``,
-    ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a gradient scaler); compile: ``torch.compile`` the task's
-    modules (``True`` for the default backend, or a backend name such as ``"aot_eager"``); threads: torch CPU
-    threads during the run (``None``: leave as is); progress: show a progress bar; tensorboard: write event files
-    when the ``tensorboard`` package is installed; plots: write ``curves.png``.
-    """
-
-    device: str = "auto"
-    precision: str = "fp32"
-    compile: Union[bool, str] = False
-    threads: Optional[int] = None
-    progress: bool = True
-    tensorboard: bool = True
-    plots: bool = True
-
-    def validate(self) -> "EngineOptions":
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
-        check_compile_backend(self.compile)
-        return self
-
-
-def check_compile_backend(compile: Union[bool, str]) -> None:
-    """One-line ``ValueError`` unless ``compile`` is a bool or a ``torch.compile`` backend name."""
-    if isinstance(compile, bool):
-        return
-    if not isinstance(compile, str):
-        raise ValueError(f"compile must be true, false or a torch.compile backend name, got {compile!r}")
-    import torch._dynamo
-
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if compile not in known:
-        raise ValueError(f"unknown torch.compile backend {compile!r}; known: {', '.join(sorted(known))}")
-
-
-@dataclass
-class Schedule:
-    """AdamW hyper-parameters and the per-step learning-rate schedule of a run.
-
-    ``lr`` is the peak; linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr`` at
-    ``total_steps``; ``grad_clip`` > 0 clips the global gradient norm.
-    """
-
-    lr: float
-    total_steps: int
-    warmup_steps: int = 0
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    grad_clip: float = 0.0
-
-
-@dataclass
-class FitOptions:
-    """Everything :func:`fit` needs besides the task.
-
-    Attributes:
-        schedule: optimiser and learning-rate schedule.
-        epochs: epochs to train (a resumed run continues up to this many).
-        execution: device, precision, compile, threads, progress bar, TensorBoard, plots.
-        run_dir: the run folder (``None``: nothing is written and Ctrl-C is not intercepted).
-        checkpoint_name: file name of the training checkpoint in ``run_dir``.
-        resume: continue from ``run_dir / checkpoint_name`` (bit-exact when nothing changed).
-        ctx: an initialised distributed context (``None``: :func:`init_distributed` with ``execution.device``,
-            closed again on return).
-        on_step: called after every step with the global step; returning ``True`` stops like Ctrl-C.
-        quiet: no log lines (the progress bar follows ``execution.progress``).
-        config_doc: written as ``config.json`` (with ``versions``, ``world_size``, ``num_params``, ``engine``).
-        checkpoint_extra: more entries for every checkpoint (e.g. the model's config).
-        metric_columns: column order of ``metrics.csv`` (``None``: the keys of the rows).
-        optimizer: an optimiser over the task's parameters (``None``: :func:`build_optimizer`).
-        fresh_start: called on every rank when the run does not resume, after the model and optimiser are built
-            (e.g. to seed the per-rank random streams).
-        log_every: steps between the reads of the device-side loss guard and metric sums (and the progress bar's
-            loss); 1 checks every step before its update, as a step-by-step loop would.
-        checkpoint_every: also save a checkpoint every this many global steps inside an epoch (0: only after each
-            epoch and on a stop request); a run resumed from it continues at that step.
-    """
-
-    schedule: Schedule
-    epochs: int
-    execution: EngineOptions = field(default_factory=EngineOptions)
-    run_dir: Optional[Union[str, Path]] = None
-    checkpoint_name: str = "checkpoint.pt"
-    resume: bool = False
-    ctx: Optional[DistContext] = None
-    on_step: Optional[StepCallback] = None
-    quiet: bool = False
-    config_doc: Optional[Dict[str, Any]] = None
-    checkpoint_extra: Optional[Dict[str, Any]] = None
-    metric_columns: Optional[Sequence[str]] = None
-    optimizer: Optional[torch.optim.Optimizer] = None
-    fresh_start: Optional[Callable[[DistContext], None]] = None
-    log_every: int = 50
-    checkpoint_every: int = 0
-
-    def validate(self) -> "FitOptions":
-        for name, least in (("log_every", 1), ("checkpoint_every", 0), ("epochs", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
-        return self
-
-
-def warmup_cosine(total_steps: int, warmup_steps: int, floor: float) -> Callable[[int], float]:
-    """The learning-rate factor of step ``s`` (0-based): ``(s + 1) / (w + 1)`` during the ``w`` warm-up steps, then
-    ``floor + (1 - floor) (1 + cos(pi t)) / 2`` with ``t`` going 0 -> 1 over the remaining steps.
-
-    ``w`` is clipped to ``total_steps - 1`` so that at least one step is at the peak.
-    """
-    total = max(1, int(total_steps))
-    warm = max(0, min(int(warmup_steps), total - 1))
-    floor = min(1.0, float(floor))
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / (warm + 1)
-        t = (step - warm) / max(1, total - warm)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
-
-    return factor
-
-
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
-                    betas: Tuple[float, float] = (0.9, 0.999)) -> torch.optim.AdamW:
-    """AdamW with two groups: weight decay for matrices, none for ``model.no_weight_decay()`` names (encodings,
-    depth lift, CLS, APE) and for every parameter with fewer than two dimensions (norms, biases).
-
-    Parameters shared under several names are listed once; frozen ones are left out.
-    """
-    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    named = dict(model.named_parameters(remove_duplicate=False))
-    skip_ids = {id(named[n]) for n in skip if n in named}
-    decay, no_decay, seen = [], [], set()
-    for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (no_decay if id(p) in skip_ids or p.ndim < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed the python, numpy and torch global random number generators."""
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def autocast_dtype(precision: str) -> Optional[torch.dtype]:
-    """``None`` for fp32, else the autocast dtype of ``"bf16"`` / ``"fp16"``."""
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# run folder: versions, lock, safe writes
-# ---------------------------------------------------------------------------------------------------------
-
-
-def versions() -> Dict[str, Optional[str]]:
-    """``{"ropekit", "torch", "python", "git"}``: the versions that produced a run (``git``: the commit of the
-    ropekit checkout with ``+dirty`` when it has uncommitted changes; ``None`` outside a git checkout)."""
-    from .. import __version__
-
-    root = Path(__file__).resolve().parents[2]
-    git = None
-    if (root / ".git").exists():
-        try:
-            head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                  timeout=5)
-            if head.returncode == 0:
-                git = head.stdout.strip()
-                dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                       capture_output=True, text=True, timeout=5)
-                if dirty.returncode == 0 and dirty.stdout.strip():
-                    git += "+dirty"
-        except (OSError, subprocess.SubprocessError):
-            git = None
-    return {"ropekit": __version__, "torch": torch.__version__, "python": sys.version.split()[0], "git": git}
-
-
-_HELD: Dict[str, Any] = {}  # lock file -> its FileLock while this process holds it (kept alive by this reference)
-
-
-class RunLock:
-    """An exclusive lock on a run folder (``<run>/.lock``, a ``filelock.FileLock``), held while a run writes it.
-
-    Re-entrant within a process (the trainer takes it before loading data, the engine again: one lock object per
-    folder, counted). A second process gets :class:`RunLockedError` at once, without waiting, naming the holder's
-    pid. The operating system releases the lock when its process dies, so a killed run never blocks the folder;
-    the lock file is removed when the last holder releases it (a finished run leaves no ``.lock``).
-    """
-
-    def __init__(self, run_dir: Union[str, Path]) -> None:
-        self.run_dir = Path(run_dir)
-        self._lock: Any = None
-
-    def acquire(self) -> "RunLock":
-        from filelock import FileLock, Timeout
-
-        if self._lock is not None:
-            return self
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise SaveError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}") from None
-        path = self.run_dir.resolve() / ".lock"
-        lock = FileLock(str(path), timeout=0, is_singleton=True, thread_local=False, on_acquired=_write_pid)
-        try:
-            lock.acquire()
-        except Timeout:
-            try:
-                owner = path.read_text(errors="replace").strip()[:32]
-            except OSError:
-                owner = ""
-            raise RunLockedError(f"run folder {self.run_dir} is being written by another run"
-                                 f"{f' (pid {owner})' if owner else ''}; wait for it to end or choose another "
-                                 f"--out") from None
-        except OSError as e:
-            raise SaveError(f"cannot write the run folder {self.run_dir}: {e.strerror or e}") from None
-        self._lock = _HELD[str(path)] = lock
-        return self
-
-    def release(self) -> None:
-        lock, self._lock = self._lock, None
-        if lock is None:
-            return
-        if lock.lock_counter == 1:  # the last holder: remove the file while it is still ours
-            try:
-                Path(lock.lock_file).unlink(missing_ok=True)
-            except OSError:
-                pass
-            _HELD.pop(str(lock.lock_file), None)
-        lock.release()
-
-    def __enter__(self) -> "RunLock":
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-def _write_pid(fd: int) -> None:
-    """Record this process's pid in a freshly acquired lock file (named by a refused second run)."""
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-
-
-def _safe(what: str, path: Path, fn: Callable[[], Any]) -> Any:
-    """Run a write; any failure of it becomes a one-line :class:`SaveError` (the temporary file is already gone):
-    an ``OSError``, or the ``RuntimeError`` that ``torch.save`` raises when the disk fills while it writes
-    (``unexpected pos ...``)."""
-    try:
-        return fn()
-    except OSError as e:
-        reason = e.strerror or (os.strerror(e.errno) if e.errno else str(e))
-        hint = " (disk full?)" if e.errno == errno.ENOSPC else ""
-        raise SaveError(f"could not write the {what} {path}: {reason}{hint}; the previous {what} is intact") from None
-    except RuntimeError as e:  # (torch's writer reports a short write as "unexpected pos N vs M")
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise SaveError(f"could not write the {what} {path}: {first} (disk full?); the previous {what} is "
-                        f"intact") from None
-
-
-def remove_stale_temporaries(run_dir: Path) -> List[str]:
-    """Delete the temporary files a killed write left in ``run_dir`` (``.<name>.tmp-<pid>``); call it while holding
-    the folder's :class:`RunLock`, when no other process can be writing them. Returns the names removed."""
-    removed = []
-    for tmp in run_dir.glob(".*.tmp-*"):
-        try:
-            if tmp.is_file():
-                tmp.unlink()
-                removed.append(tmp.name)
-        except OSError:
-            pass
-    return removed
-
-
-def write_json(path: Path, doc: Dict[str, Any], what: str = "file") -> None:
-    """``doc`` as indented JSON, atomically; :class:`SaveError` on a failed write."""
-    _safe(what, path, lambda: atomic_write_text(path, json.dumps(doc, indent=2) + "\n"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -915,7 +609,7 @@ class _Fit:
                    "task": task_states, "history": self.history, "partial": parts, "world_size": ctx.world_size,
                    "precision": self.execution.precision}
             try:
-                _safe("checkpoint", ckpt_path, lambda: atomic_save(doc, ckpt_path))
+                safe_write("checkpoint", ckpt_path, lambda: atomic_save(doc, ckpt_path))
             except SaveError as e:
                 failure = e
         if ctx.any(failure is not None):
@@ -963,7 +657,7 @@ class _Fit:
 
 
 def _write_metrics(run: Path, history: List[Dict[str, Any]], columns: Optional[Sequence[str]]) -> None:
-    _safe("metrics file", run / "metrics.csv", lambda: write_metrics_csv(run / "metrics.csv", history, columns))
+    safe_write("metrics file", run / "metrics.csv", lambda: write_metrics_csv(run / "metrics.csv", history, columns))
 
 
 def _plot_generic(history: Sequence[Dict[str, Any]], path: Path, title: str) -> None:
@@ -988,7 +682,5 @@ def _plot_generic(history: Sequence[Dict[str, Any]], path: Path, title: str) -> 
     ax.legend()
     ax.set_title(title)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=100)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format=path.suffix.lstrip(".") or "png"))
     plt.close(fig)
-    os.replace(tmp, path)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
+
+from .._io import atomic_write
 
 __all__ = ["METRIC_COLUMNS", "write_metrics_csv", "read_metrics_csv", "plot_curves", "TensorBoardLogger",
            "atomic_write_text"]
@@ -16,11 +17,8 @@ METRIC_COLUMNS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc", "
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``path`` and rename it over ``path``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`ropekit._io.atomic_write`)."""
+    atomic_write(path, text)
 
 
 def write_metrics_csv(path: Path, rows: Sequence[Dict[str, Any]], columns: Optional[Sequence[str]] = None) -> None:
@@ -80,10 +78,8 @@ def plot_curves(rows: Sequence[Dict[str, Any]], path: Path, title: Optional[str]
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=100)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format=path.suffix.lstrip(".") or "png"))
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 

@@ -30,7 +30,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
+from ..._io import atomic_write
 from .sim import AlohaSim, _axis_angle_quat, _quat_mul, task_spec
 
 __all__ = ["DemoConfig", "waypoints", "expert_actions", "expert_episode", "collect_demos", "load_or_collect",
@@ -335,20 +335,7 @@ def save_demo_set(demos: Dict[str, np.ndarray], path: PathLike, cfg: Optional[De
     arrays = dict(demos)
     if cfg is not None:
         arrays["config_json"] = np.asarray(json.dumps(cfg.to_dict(), sort_keys=True))
-    return _atomic_write(path, lambda f: np.savez(f, **arrays))
-
-
-def _atomic_write(path: Path, write: Any) -> Path:
-    """``write(file)`` into a temporary file beside ``path``, then rename it to ``path`` (no partial file)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 def load_demo_set(path: PathLike) -> Dict[str, np.ndarray]:
@@ -388,7 +375,7 @@ def _replayed_object_positions(task: str, demos: Mapping[str, Any], path: Path, 
     if side.exists():
         return np.load(side)
     positions = replay_object_positions(task, demos, progress)
-    _atomic_write(side, lambda f: np.save(f, positions))
+    atomic_write(side, lambda f: np.save(f, positions))
     return positions
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ropekit.integrations.streaming import VideoStream, check_streamable, frame_causal_mask, video_features
+from ropekit.integrations.video_stream import VideoStream, check_streamable, frame_causal_mask, video_features
 from ropekit.nn import VisionTransformer, vit_config
 
 TT, T, HW = 2, 8, 16
