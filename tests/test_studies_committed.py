@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ropekit.experiments.recipes import compare_with_committed, with_later_fields
+from ropekit_studies.recipes import compare_with_committed, with_later_fields
 
 pytestmark = pytest.mark.repro
 
@@ -53,7 +53,7 @@ def test_readme_results_table_is_the_committed_one():
 
 def _schedule_pilots():
     """``(name, argv)`` of every ``run`` line of docs/results/detect3d/schedule/commands.sh, as the arguments its
-    ``run`` function passes to ``python -m ropekit.detection.experiment`` (without ``--out``)."""
+    ``run`` function passes to ``python -m ropekit_studies.detection`` (without ``--out``)."""
     import shlex
 
     pilots = []
@@ -75,7 +75,7 @@ def test_detect3d_schedule_pilots_are_what_their_commands_train():
     import argparse
     import json
 
-    from ropekit.detection import experiment as ex
+    from ropekit_studies import detection as ex
 
     pilots = _schedule_pilots()
     assert len(pilots) >= 10

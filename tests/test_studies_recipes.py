@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ropekit.experiments import STUDIES, run_experiment, study_config
-from ropekit.experiments import recipes as R
+from ropekit_studies import STUDIES, run_experiment, study_config
+from ropekit_studies import recipes as R
 from ropekit.nn import vit as vit_module
 from ropekit.nn.vit import ViTConfig
 from ropekit.train import TrainConfig, build_vit_config
@@ -136,7 +136,7 @@ def test_every_comparison_study_has_a_recipe():
 
 def test_gpu_preset_is_larger_and_resolves_from_the_cli():
     from ropekit.cli import build_parser
-    from ropekit.experiments.arguments import overrides
+    from ropekit_studies.arguments import overrides
 
     for name in R.RECIPES:
         cpu, gpu = study_config(name, preset="default"), study_config(name, preset="gpu")

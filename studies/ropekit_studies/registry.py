@@ -1,7 +1,7 @@
 """The study registry: every study registers itself with :func:`register_study`; ``ropekit experiment`` and
-:func:`ropekit.experiments.run_experiment` read :data:`STUDIES`.
+:func:`ropekit_studies.run_experiment` read :data:`STUDIES`.
 
-Importing :mod:`ropekit.experiments` imports every study module (its ``__init__`` is the one list of them), so
+Importing :mod:`ropekit_studies` imports every study module (its ``__init__`` is the one list of them), so
 :data:`STUDIES` is complete whenever this module can be reached.
 """
 
@@ -19,8 +19,8 @@ class Study:
     ``TrainConfig`` fields it changes from run to run besides ``pe`` and ``seed`` (``varies``; with
     ``varies_overrides`` also where the recipe's per-encoding overrides set them, as the sharing ablation does
     with the paper's sharing). A study with an
-    entry in :data:`ropekit.experiments.recipes.RECIPES` takes its configuration from that pinned recipe;
-    detect3d from its own pinned recipes (:mod:`ropekit.detection.recipes`), robot and aloha from their own
+    entry in :data:`ropekit_studies.recipes.RECIPES` takes its configuration from that pinned recipe;
+    detect3d from its own pinned recipes (:mod:`ropekit_studies.recipes.detect3d`), robot and aloha from their own
     configuration classes. ``compare(doc)``: the differences between a committed ``config.json`` (``doc``) and
     what its recipe trains now, for a study whose recipes have their own format (detect3d, robot)."""
 

@@ -17,7 +17,7 @@ dataclass breaks the recipe tests until every recipe states its value. Three pre
 ``default`` (2-core CPU, under 30 minutes per study), ``gpu`` (a larger model, more steps and seeds, under
 30 minutes on one GPU) and ``quick`` (seconds; tests and CI).
 
->>> from ropekit.experiments.recipes import recipe, experiment_config
+>>> from ropekit_studies.recipes import recipe, experiment_config
 >>> r = recipe("classify", "default")
 >>> cfg = experiment_config("classify", "default")
 >>> tcfg = cfg.train_config("mixed", 0)          # every field from the recipe, none from a default
@@ -31,11 +31,11 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..nn.vit import ViTConfig
-from ..train import TrainConfig
-from .arguments import _OPTION_FIELDS, _STUDY_OPTIONS, add_arguments
-from .registry import STUDIES
-from .settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
+from ropekit.nn.vit import ViTConfig
+from ropekit.train import TrainConfig
+from ..arguments import _OPTION_FIELDS, _STUDY_OPTIONS, add_arguments
+from ..registry import STUDIES
+from ..settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
 __all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "LATER_BACKBONE_FIELDS", "with_later_fields", "RUNTIME_FIELDS",
            "PER_RUN_FIELDS", "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields",
@@ -223,8 +223,8 @@ def _presets(study_default: Dict[str, Any], study_gpu: Dict[str, Any], study_qui
 
 #: The claims each study declares before it runs: the comparisons its papers make, ``(first, second, sign, paper)``
 #: read as ``first − second`` with the claimed ``sign`` (+1: first above), and the paper's own numbers. A study's
-#: claims are one Holm family (:mod:`ropekit.experiments.verdict`); ``docs/results/claims.md`` is generated from
-#: them and the committed CSVs (:mod:`ropekit.experiments.claims`). Kept beside, not inside, the recipes, so that
+#: claims are one Holm family (:mod:`ropekit_studies.verdict`); ``docs/results/claims.md`` is generated from
+#: them and the committed CSVs (:mod:`ropekit_studies.claims`). Kept beside, not inside, the recipes, so that
 #: declaring a claim changes no run's configuration.
 STUDY_CLAIMS: Dict[str, Tuple[Tuple[str, str, int, str], ...]] = {
     "classify": (
@@ -411,7 +411,7 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
                sizes=[16, 20, 24, 28, 36, 44, 56]),
         _study(["comrope-ld", "absolute"], [0], 200, pe_overrides=_COMROPE_PAPER_START,
                coord_modes=["normalized"], jitter_sigma=1.0, scale_sizes=None, sizes=[16, 28])),
-    # fixed-size against native-resolution training (ropekit.experiments.native_resolution): the classification's
+    # fixed-size against native-resolution training (ropekit_studies.native_resolution): the classification's
     # recipe (its fixed arms are the classification's runs of the same seeds), every test digit at 11 grids, 5 scalings
     "native-resolution": _presets(
         _study(_NATIVE_PES, SEEDS, None, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["default"]),
@@ -450,7 +450,7 @@ def recipe(study: str, preset: str = "default") -> Dict[str, Any]:
 
 
 def experiment_config(study: str, preset: str = "default", r: Optional[Dict[str, Any]] = None):
-    """The :class:`~ropekit.experiments.ExperimentConfig` of ``study`` at ``preset``, built from its recipe
+    """The :class:`~ropekit_studies.ExperimentConfig` of ``study`` at ``preset``, built from its recipe
     (or from ``r``): every ``TrainConfig`` field is given explicitly, so no dataclass default is used."""
     r = check_recipe(copy.deepcopy(r), f"recipe {study}/{preset}") if r is not None else recipe(study, preset)
     train = r["train"]
@@ -470,7 +470,7 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
     import argparse
     import shlex
 
-    from ..train.config import parse_key_values
+    from ropekit.train.config import parse_key_values
 
     words = shlex.split(command or "")
     if words[:2] != ["ropekit", "experiment"]:
@@ -500,7 +500,7 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     them), as do list-valued study options it gave (``--groups``, ``--sharing-pe``, ...: a part of the study;
     an error unless a subset of the recipe's list, or where the recipe states no such list), and its
     ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are
-    compared by their study's own ``compare`` (:class:`~ropekit.experiments.registry.Study`).
+    compared by their study's own ``compare`` (:class:`~ropekit_studies.registry.Study`).
     A committed recipe or run without a field of :data:`LATER_ARCH_FIELDS` is read as holding its value.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
