@@ -207,3 +207,18 @@ def test_compare_with_committed_on_quick_output(tmp_path, monkeypatch):
     # a results folder written before recipes were pinned says so
     (out / "config.json").write_text(json.dumps({"study": "classify", "runs": []}))
     assert "no study/preset recorded" in R.compare_with_committed(out)[0]
+
+
+def test_one_paper_sharing_table_and_the_studies_departure_from_it():
+    """``ropekit.nn.PAPER_SHARING`` is the one table of each paper's sharing (ComRoPE: per layer and head, its
+    Table 7); the studies' recipes derive theirs from it and depart only for ComRoPE (one set for the model, as the
+    committed studies trained it) -- reference: the recipes' literal table before it was derived."""
+    from ropekit.nn import PAPER_SHARING
+
+    assert PAPER_SHARING["comrope-ap"] == PAPER_SHARING["comrope-ld"] == "head"
+    committed = {"axial": "model", "mixed": "head", "cayley": "layer", "circulant": "layer", "liere": "model",
+                 "liere-commute": "model", "comrope-ap": "model", "comrope-ld": "model"}
+    assert R.STUDY_SHARING == {pe: {"pe_sharing": s} for pe, s in committed.items()}
+    assert {pe for pe in committed if PAPER_SHARING[pe] != committed[pe]} == set(R.STUDY_SHARING_CHANGES)
+    assert not hasattr(R, "PAPER_SHARING") or R.PAPER_SHARING is PAPER_SHARING  # no second table
+    assert R.recipe("classify", "default")["study"]["pe_overrides"] == R.STUDY_SHARING

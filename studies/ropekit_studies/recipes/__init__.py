@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from ropekit.nn.vit import ViTConfig
+from ropekit.nn.vit import PAPER_SHARING, ViTConfig
 from ropekit.train import TrainConfig
 from ..arguments import _OPTION_FIELDS, _STUDY_OPTIONS, add_arguments
 from ..registry import STUDIES
@@ -132,16 +132,17 @@ def check_recipe(r: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
 # the recipes
 # ---------------------------------------------------------------------------------------------------------
 
-#: Every rotary encoding with the parameter sharing the committed studies trained it with: as its paper trained
-#: it -- RoPE-Mixed per layer and head, the STRING family per layer (heads share), LieRE one set for the whole
-#: model -- except ComRoPE, one set for the model where its paper (Table 7) has one per layer and head
-#: (``ropekit.nn.PAPER_SHARING`` now says ``"head"``; the sharing ablation trains that arm).
-PAPER_SHARING: Dict[str, Dict[str, Any]] = {
-    "axial": {"pe_sharing": "model"}, "mixed": {"pe_sharing": "head"}, "cayley": {"pe_sharing": "layer"},
-    "circulant": {"pe_sharing": "layer"}, "liere": {"pe_sharing": "model"},
-    "liere-commute": {"pe_sharing": "model"}, "comrope-ap": {"pe_sharing": "model"},
-    "comrope-ld": {"pe_sharing": "model"},
-}
+#: The rotary encodings the studies compare.
+STUDY_ROTARY_PES = ("axial", "mixed", "cayley", "circulant", "liere", "liere-commute", "comrope-ap", "comrope-ld")
+#: Where the studies' sharing departs from the papers' (``ropekit.nn.PAPER_SHARING``, the one table of how each
+#: paper trained its encoding): ComRoPE's paper (Table 7) has one set per layer and head, the committed studies
+#: trained it with one set for the whole model (the sharing ablation trains the paper's arm).
+STUDY_SHARING_CHANGES: Dict[str, str] = {"comrope-ap": "model", "comrope-ld": "model"}
+#: The recipes' per-encoding sharing: ``ropekit.nn.PAPER_SHARING`` with :data:`STUDY_SHARING_CHANGES` --
+#: RoPE-Mixed per layer and head, the STRING family per layer (heads share), LieRE one set for the whole model,
+#: ComRoPE one set for the model.
+STUDY_SHARING: Dict[str, Dict[str, Any]] = {
+    pe: {"pe_sharing": STUDY_SHARING_CHANGES.get(pe, PAPER_SHARING[pe])} for pe in STUDY_ROTARY_PES}
 # The comparison is DEFAULT_PES (no position, learned absolute, every rotary preset above), the quick preset
 # QUICK_PES and the scale study SCALE_PES, all from settings, where the studies take their defaults.
 #: Video on the CPU: the comparison without the second LieRE and ComRoPE variants (30 epochs per run).
@@ -209,7 +210,7 @@ def _mnist_quick(**changes: Any) -> Dict[str, Any]:
 def _study(pes: Sequence[str], seeds: Sequence[int], eval_limit: Optional[int] = None,
            pe_overrides: Optional[Dict[str, Dict[str, Any]]] = None, **options: Any) -> Dict[str, Any]:
     return {"pes": list(pes), "seeds": list(seeds), "eval_limit": eval_limit,
-            "pe_overrides": copy.deepcopy(PAPER_SHARING if pe_overrides is None else pe_overrides),
+            "pe_overrides": copy.deepcopy(STUDY_SHARING if pe_overrides is None else pe_overrides),
             "options": options}
 
 

@@ -29,7 +29,7 @@ import copy
 import dataclasses
 from typing import Any, Dict, Set
 
-from . import DATA_FIELDS, PAPER_SHARING, PRESETS, _arch, _check_fields, preset_copy
+from . import DATA_FIELDS, STUDY_SHARING, PRESETS, _arch, _check_fields, preset_copy
 from ropekit.nn.vit import ViTConfig
 from ropekit.detection.scenes import SceneConfig
 
@@ -142,7 +142,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
                     box_param="ray", head_hidden=0,
                     backbone=_backbone(embed_dim=96, depth=4, num_heads=2, mlp_ratio=2.0, patch_size=8,
                                        depth_scale_init=5.0),
-                    pe_overrides=copy.deepcopy(PAPER_SHARING), train=_train())
+                    pe_overrides=copy.deepcopy(STUDY_SHARING), train=_train())
     if preset == "gpu":
         # 128x128 renders, 8x8 patches -> 16x16 tokens; a patch now spans half the metres of a CPU-preset one,
         # so a = 10 per metre keeps z isotropic with (y, x); width 192, 6 blocks of 4 heads of 48, MLP ratio 4
@@ -154,7 +154,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
                     box_param="ray", head_hidden=0,
                     backbone=_backbone(embed_dim=192, depth=6, num_heads=4, mlp_ratio=4.0, patch_size=8,
                                        depth_scale_init=10.0, drop_path_rate=0.1),
-                    pe_overrides=copy.deepcopy(PAPER_SHARING),
+                    pe_overrides=copy.deepcopy(STUDY_SHARING),
                     train=_train(steps=1200, batch_size=128, warmup_steps=100, log_every=100, val_scenes=200,
                                  precision="bf16"))
     # quick: 32x32 renders, 4x4 tokens, 1 block, 3 steps -- the study's machinery in seconds
@@ -162,7 +162,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
                 image_size=32, scene_seed=0, scenes=_scenes(), intrinsics="focal", box_param="ray", head_hidden=0,
                 backbone=_backbone(embed_dim=48, depth=1, num_heads=1, mlp_ratio=2.0, patch_size=8,
                                    depth_scale_init=5.0),
-                pe_overrides=copy.deepcopy(PAPER_SHARING),
+                pe_overrides=copy.deepcopy(STUDY_SHARING),
                 train=_train(steps=3, batch_size=8, warmup_steps=1, log_every=1, val_scenes=4, iou_samples=256))
 
 
