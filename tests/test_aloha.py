@@ -349,14 +349,14 @@ def test_committed_study_is_what_its_commands_train(study, extra):
     """Every committed ALOHA study (each part of a merge) records a command that resolves, at this version, to
     the configuration it ran with: a changed preset fails here until the study is regenerated. The study made
     before the object loss existed is checked with the ``--aux-weight 0`` its commands.sh states."""
-    from ropekit.robot.aloha.cli import compare_with_committed
+    from ropekit_studies.recipes import compare_with_committed
 
     folder = Path(__file__).resolve().parent.parent / "docs" / "results" / "aloha" / study
     assert compare_with_committed(folder, extra) == []
 
 
 def test_committed_study_check_sees_a_changed_recipe(tmp_path):
-    from ropekit.robot.aloha.cli import compare_with_committed
+    from ropekit_studies.recipes import compare_with_committed
 
     src = Path(__file__).resolve().parent.parent / "docs" / "results" / "aloha" / "cpu-200" / "config.json"
     doc = json.loads(src.read_text())

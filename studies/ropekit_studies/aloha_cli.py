@@ -15,14 +15,14 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, List, Sequence, Union
+from typing import Any, Dict, List, Sequence
 
 from ropekit.robot.aloha.policy import encoding_label
 
 from . import aloha as study  # (through the module: tests replace its runner)
 from .recipes.robot import with_later_backbone
 
-__all__ = ["ExperimentCommand", "MergeCommand", "experiment_config", "parse_command", "compare_with_committed"]
+__all__ = ["ExperimentCommand", "MergeCommand", "experiment_config", "parse_command", "compare_commands"]
 
 
 def _list(text: str) -> List[str]:
@@ -117,11 +117,12 @@ def run_experiment_command(args: Any) -> int:
     return 0
 
 
-def compare_with_committed(folder: Union[str, Path], extra_args: Sequence[str] = ()) -> List[str]:
-    """Differences between a committed ALOHA study folder and what its recorded commands train at this version
-    (the ALOHA study's part of :func:`ropekit_studies.recipes.compare_with_committed`).
+def compare_commands(doc: Dict[str, Any], folder: str, extra_args: Sequence[str] = ()) -> List[str]:
+    """Differences between a committed ALOHA study's ``config.json`` (``doc``, of the folder named ``folder``) and
+    what its recorded commands train at this version (the ALOHA study's part of
+    :func:`ropekit_studies.recipes.compare_with_committed`, which reads the folder).
 
-    ``folder``'s ``config.json`` is one study's (its ``command`` and ``config``) or a merge of several
+    ``doc`` is one study's (its ``command`` and ``config``) or a merge of several
     (``merged``: one such record per part). Each part's command is parsed as ``ropekit robot aloha experiment``
     parses it, and the configuration it resolves to now is compared field by field with the recorded one
     (``threads``, ``progress`` and ``cache_dir`` are the machine's, not the recipe's, and are not compared).
@@ -129,11 +130,10 @@ def compare_with_committed(folder: Union[str, Path], extra_args: Sequence[str] =
     study ran and that its ``commands.sh`` now states (e.g. ``--aux-weight 0`` for the study made before the
     object loss). One line per difference; empty when every part is what its command trains now.
     """
-    doc = json.loads((Path(folder) / "config.json").read_text())
     machine = {"threads", "progress", "cache_dir"}
     diffs: List[str] = []
     for i, part in enumerate(doc.get("merged", [doc])):
-        where = f"{Path(folder).name} part {i}"
+        where = f"{folder} part {i}"
         try:
             args = parse_command(part["command"] + "".join(f" {shlex.quote(a)}" for a in extra_args))
         except (ValueError, SystemExit, KeyError):

@@ -62,7 +62,7 @@ from ropekit.detection.scenes import CLASS_NAMES, SceneConfig, SceneSet, generat
 from ropekit.detection.train import DetTrainConfig, evaluate_detector, matched_errors, mean_box, predict, seed_everything, train_detector
 
 __all__ = ["Detect3DConfig", "config_from_recipe", "preset_config", "quick_config", "planned_runs", "run_settings",
-           "build_detector", "run_detect3d", "run_study", "compare_with_committed", "add_arguments", "run", "main", "INPUT_LABELS"]
+           "build_detector", "run_detect3d", "run_study", "compare_recipe", "add_arguments", "run", "main", "INPUT_LABELS"]
 
 #: Column titles: the paper's ViT and ViTD, and the two ablations of ViTD.
 INPUT_LABELS = {"rgb": "ViT (RGB)", "rgbd": "ViTD (depth as input + coordinate)", "rgbd-channel": "depth as input only",
@@ -678,7 +678,7 @@ def run_detect3d(cfg: Detect3DConfig, argv: Optional[Sequence[str]] = None, prog
     return result
 
 
-def compare_with_committed(doc: Dict[str, Any], where: str = "detect3d") -> List[str]:
+def compare_recipe(doc: Dict[str, Any], where: str = "detect3d") -> List[str]:
     """Differences between a committed detect3d ``config.json`` (``doc``) and what its recorded preset resolves
     to now: the recipe as a whole, the set of runs (none missing, none extra), and every recorded run's settings
     against the settings the recipe gives that run (:func:`run_settings`). One line

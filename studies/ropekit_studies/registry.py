@@ -22,14 +22,16 @@ class Study:
     entry in :data:`ropekit_studies.recipes.RECIPES` takes its configuration from that pinned recipe;
     detect3d from its own pinned recipes (:mod:`ropekit_studies.recipes.detect3d`), robot and aloha from their own
     configuration classes. ``compare(doc)``: the differences between a committed ``config.json`` (``doc``) and
-    what its recipe trains now, for a study whose recipes have their own format (detect3d, robot)."""
+    what its recipe or recorded commands train now, for a study whose recipes have their own format (detect3d,
+    robot, retrieval, owl; aloha's also takes ``folder`` and ``extra_args``); called by
+    :func:`ropekit_studies.recipes.compare_with_committed`, the one comparison."""
 
     fn: Callable
     help: str
     options: tuple = ()
     varies: tuple = ()
     varies_overrides: bool = False
-    compare: Optional[Callable[[dict], List[str]]] = None
+    compare: Optional[Callable[..., List[str]]] = None
 
 
 #: name -> :class:`Study`, in the order the studies registered (``ropekit experiment all`` runs them so).
@@ -37,7 +39,7 @@ STUDIES: Dict[str, Study] = {}
 
 
 def register_study(name: str, help: str, *, options: tuple = (), varies: tuple = (), varies_overrides: bool = False,
-                   compare: Optional[Callable[[dict], List[str]]] = None) -> Callable[[Callable], Callable]:
+                   compare: Optional[Callable[..., List[str]]] = None) -> Callable[[Callable], Callable]:
     """Decorator: register the study function ``fn(cfg, out, **options)`` under ``name`` (see :class:`Study`).
 
     >>> @register_study("my-study", "what it measures", options=("sizes",))        # doctest: +SKIP

@@ -45,7 +45,7 @@ from ropekit.robot.demos import collect_demos, episode_seeds, load_demos, rollou
 from ropekit.robot.env import PickConfig, PickEnv, env_config
 from ropekit.robot.evaluate import evaluate_policy, evaluate_run, format_rate, map_jobs, pooled_z, wilson_interval
 
-__all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study", "compare_with_committed",
+__all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study", "compare_recipe",
            "evaluate_policy", "depth_diagnostics", "wilson_interval", "add_arguments", "run"]
 
 CONDITIONS = ("in_distribution", "ood_table_height", "ood_large_distractors", "ood_light")
@@ -602,7 +602,7 @@ def config_from_args(args: Any) -> RobotExperimentConfig:
     return cfg
 
 
-def compare_with_committed(doc: Dict[str, Any], where: str = "robot") -> List[str]:
+def compare_recipe(doc: Dict[str, Any], where: str = "robot") -> List[str]:
     """Differences between a committed robot ``config.json`` (``doc``) and what its recorded preset resolves to
     now: the recipe field by field, the set of runs, and every recorded run's policy and training settings
     against :func:`arm_settings`. One line per difference; empty when the committed

@@ -490,7 +490,7 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
     return out
 
 
-def compare_with_committed(study_dir: Any) -> List[str]:
+def compare_with_committed(study_dir: Any, extra_args: Sequence[str] = ()) -> List[str]:
     """Differences between a study's committed ``config.json`` and what its recorded preset resolves to now.
 
     Compares the recipe section as a whole and, for every recorded run, each recipe field of its training
@@ -501,16 +501,24 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     them), as do list-valued study options it gave (``--groups``, ``--sharing-pe``, ...: a part of the study;
     an error unless a subset of the recipe's list, or where the recipe states no such list), and its
     ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are
-    compared by their study's own ``compare`` (:class:`~ropekit_studies.registry.Study`).
+    compared by their study's own ``compare`` (:class:`~ropekit_studies.registry.Study`), as are ALOHA folders
+    (one study's or a merge's, recognised by their ``ropekit robot aloha`` command or ``merged`` parts): each
+    part's recorded command, with ``extra_args`` appended (options that were the preset's default when the study
+    ran and that its ``commands.sh`` now states, e.g. ``--aux-weight 0``), against the configuration it resolves
+    to now.
     A committed recipe or run without a field of :data:`LATER_ARCH_FIELDS` is read as holding its value.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
     path = Path(study_dir) / "config.json"
     doc = json.loads(path.read_text())
     name, preset = doc.get("study"), doc.get("preset")
+    if "merged" in doc or str(doc.get("command") or "").startswith("ropekit robot aloha"):
+        return STUDIES["aloha"].compare(doc, folder=Path(study_dir).name, extra_args=tuple(extra_args))
     if name not in STUDIES or preset not in PRESETS:
         return [f"{path}: no study/preset recorded (written before recipes were pinned?)"]
-    if STUDIES[name].compare is not None:  # its own recipe format (detect3d, robot)
+    if extra_args:
+        raise ValueError(f"{name}: extra command-line options are compared for ALOHA folders only")
+    if STUDIES[name].compare is not None:  # its own recipe format (detect3d, robot, retrieval, owl)
         return STUDIES[name].compare(doc)
     now = recipe(name, preset)
     diffs: List[str] = []
