@@ -133,14 +133,15 @@ def plugin_subcommands(parent: str = "", load_help: bool = False) -> Dict[str, S
 def add_plugin_parsers(sub: "argparse._SubParsersAction", parent: str, placeholders: Dict[str, str],
                        command: Optional[str] = None) -> Dict[str, Subcommand]:
     """Add to ``sub`` (the subparsers of ``ropekit PARENT``, e.g. ``parent="robot"``) the subcommands installed
-    distributions add there, and for each name of ``placeholders`` (name -> help) that none adds, one that says how
+    distributions add there (a name of ``placeholders``, name -> help, keeps that help), and for each name of
+    ``placeholders`` that none adds, one that says how
     to install the studies. Only ``command``'s arguments are added when it is given (others get an empty parser).
     Each parser sets ``plugin_run`` (its ``run``) as a default: the parent's ``run`` hands ``args`` with one to
     :func:`run_plugin`. Returns name -> :class:`Subcommand`."""
     subs = plugin_subcommands(parent, load_help=True)
     for name, help in placeholders.items():
         if name in subs:
-            subs[name].help = subs[name].help or help
+            subs[name].help = help  # the declared help, as for a top-level command
         else:
             subs[name] = Subcommand(help, placeholder_arguments, studies_not_installed)
     for name, spec in subs.items():

@@ -88,8 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     from ..cli import add_plugin_parsers  # the study (ropekit-studies) adds experiment
 
-    add_plugin_parsers(sub, "robot", {"experiment": "the whole 2-D vs 3-D STRING study, with reports "
-                                                    "(ropekit-studies)"})
+    add_plugin_parsers(sub, "robot", {"experiment": "the whole 2-D vs 3-D STRING study, with reports"})
 
     p = sub.add_parser("diagnose", help="measurements that explain a policy's failures")
     dsub = p.add_subparsers(dest="diagnose_command", metavar="<tolerance|grasp|chunks|depth-shuffle>", required=True)

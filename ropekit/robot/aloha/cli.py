@@ -74,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ...cli import add_plugin_parsers  # the studies add experiment and merge (ropekit-studies)
 
     add_plugin_parsers(sub, "robot.aloha", {
-        "experiment": "every encoder x seed on the same demos: table, curves, plot (ropekit-studies)",
-        "merge": "pool the results of experiment runs made apart (ropekit-studies)"})
+        "experiment": "every encoder x seed on the same demos: table, curves, plot",
+        "merge": "pool the results of experiment runs made apart (e.g. one per seed)"})
 
 
 def run(args: Any) -> int:
