@@ -9,6 +9,14 @@ subcommand being run is imported, so ``ropekit --help`` is fast and a broken opt
   "ropekit.bench.cli:run")``;
 * or call :func:`register_subcommand` with callables at import time of something ``ropekit`` imports.
 
+Another installed distribution adds subcommands through the entry-point group :data:`ENTRY_POINT_GROUP`
+(``ropekit.commands``): an entry point named ``NAME`` adds ``ropekit NAME``, one named ``PARENT.NAME`` adds
+``ropekit PARENT NAME`` (a command that builds its own subcommands calls :func:`add_plugin_parsers`); its value,
+``"module"`` or ``"module:object"``, names something with ``add_arguments(parser)`` and ``run(args)``. The studies
+(``ropekit-studies``, in the repository's ``studies/`` folder, not in the ``ropekit`` wheel) add ``experiment``,
+``robot.experiment``, ``robot.aloha.experiment`` and ``robot.aloha.merge`` so; where they are not installed those
+commands print one line saying how to install them.
+
 ``run(args)`` returns the exit code (``None`` means 0). User mistakes are reported as one line on stderr,
 ``ropekit <subcommand>: error: <message>``, exit code 2, without a traceback: raise :class:`CommandError`
 (``ValueError``, ``FileNotFoundError`` and checkpoint errors are reported the same way). Set
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -29,7 +38,8 @@ from typing import Callable, Dict, List, NoReturn, Optional, Union
 from ._errors import CommandError
 from ._optional import MissingDependency
 
-__all__ = ["CommandError", "Subcommand", "SUBCOMMANDS", "register_subcommand", "available_subcommands", "main"]
+__all__ = ["CommandError", "Subcommand", "SUBCOMMANDS", "ENTRY_POINT_GROUP", "STUDIES_NOT_INSTALLED", "register_subcommand",
+           "available_subcommands", "plugin_subcommands", "add_plugin_parsers", "run_plugin", "main"]
 
 Target = Union[str, Callable]
 
@@ -54,13 +64,97 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
     # hidden until the module exists.
     "bench": Subcommand("benchmark the encodings", "ropekit.bench.cli:add_arguments", "ropekit.bench.cli:run",
                         optional=True),
+    # provided by the ropekit-studies distribution (entry point "experiment"); this one says how to install it
     "experiment": Subcommand("run the experiment studies (offset, resolution, data efficiency, ...)",
-                             "ropekit.experiments.cli:add_arguments", "ropekit.experiments.cli:run", optional=True),
+                             "ropekit.cli:placeholder_arguments", "ropekit.cli:studies_not_installed"),
     "data": Subcommand("inspect and prepare datasets", "ropekit.data.cli:add_arguments", "ropekit.data.cli:run",
                        optional=True),
     "robot": Subcommand("train and evaluate the RGB-D robot policy", "ropekit.robot.cli:add_arguments",
                         "ropekit.robot.cli:run", optional=True),
 }
+
+
+#: The entry-point group through which other distributions add subcommands (see the module's docstring).
+ENTRY_POINT_GROUP = "ropekit.commands"
+
+#: What a study command says where the studies are not installed.
+STUDIES_NOT_INSTALLED = ("the studies are not part of the ropekit package; install them from a clone of the "
+                         "repository: pip install -e studies")
+
+
+def placeholder_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of a command whose distribution is missing: whatever is given, options included (the command
+    only says how to install it)."""
+    parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    parse = parser.parse_known_args
+
+    def accept_all(args: Optional[List[str]] = None, namespace: Optional[argparse.Namespace] = None):
+        ns, extra = parse(args, namespace)
+        ns.rest = list(getattr(ns, "rest", None) or []) + list(extra)
+        return ns, []
+
+    parser.parse_known_args = accept_all  # type: ignore[method-assign]
+
+
+def studies_not_installed(args: argparse.Namespace) -> int:
+    """Run a study command without the studies installed: :class:`CommandError` with the one-line hint."""
+    raise CommandError(STUDIES_NOT_INSTALLED)
+
+
+class _EntryPointTarget:
+    """``add_arguments`` or ``run`` of an entry point's object, loaded when first called."""
+
+    def __init__(self, entry_point: importlib.metadata.EntryPoint, attr: str) -> None:
+        self.entry_point, self.attr = entry_point, attr
+
+    def __call__(self, *args: object) -> object:
+        return getattr(self.entry_point.load(), self.attr)(*args)
+
+
+def plugin_subcommands(parent: str = "", load_help: bool = False) -> Dict[str, Subcommand]:
+    """The subcommands installed distributions add under ``ropekit [parent]`` (``parent``: e.g. ``"robot"`` or
+    ``"robot.aloha"``) through :data:`ENTRY_POINT_GROUP`, by name. Nothing is imported unless ``load_help``
+    (then each help is its object's docstring's first line; otherwise its distribution's summary)."""
+    prefix = f"{parent}." if parent else ""
+    found: Dict[str, Subcommand] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        name = ep.name[len(prefix):] if ep.name.startswith(prefix) else ""
+        if not name or "." in name:
+            continue
+        if load_help:
+            help = ((ep.load().__doc__ or "").strip().splitlines() or [""])[0].rstrip(".")
+        else:
+            dist = getattr(ep, "dist", None)
+            help = (dist.metadata["Summary"] or "") if dist is not None else ""
+        found[name] = Subcommand(help, _EntryPointTarget(ep, "add_arguments"), _EntryPointTarget(ep, "run"))
+    return found
+
+
+def add_plugin_parsers(sub: "argparse._SubParsersAction", parent: str, placeholders: Dict[str, str],
+                       command: Optional[str] = None) -> Dict[str, Subcommand]:
+    """Add to ``sub`` (the subparsers of ``ropekit PARENT``, e.g. ``parent="robot"``) the subcommands installed
+    distributions add there (a name of ``placeholders``, name -> help, keeps that help), and for each name of
+    ``placeholders`` that none adds, one that says how
+    to install the studies. Only ``command``'s arguments are added when it is given (others get an empty parser).
+    Each parser sets ``plugin_run`` (its ``run``) as a default: the parent's ``run`` hands ``args`` with one to
+    :func:`run_plugin`. Returns name -> :class:`Subcommand`."""
+    subs = plugin_subcommands(parent, load_help=True)
+    for name, help in placeholders.items():
+        if name in subs:
+            subs[name].help = help  # the declared help, as for a top-level command
+        else:
+            subs[name] = Subcommand(help, placeholder_arguments, studies_not_installed)
+    for name, spec in subs.items():
+        p = sub.add_parser(name, help=spec.help, description=spec.help)
+        p.set_defaults(plugin_run=spec.run)
+        if command is None or name == command:
+            _resolve(spec.add_arguments)(p)
+    return subs
+
+
+def run_plugin(args: argparse.Namespace) -> Optional[int]:
+    """Run the subcommand :func:`add_plugin_parsers` added and ``args`` were parsed for."""
+    return _resolve(args.plugin_run)(args)
 
 
 def register_subcommand(name: str, add_arguments: Target, run: Target, help: str = "") -> None:
@@ -85,10 +179,21 @@ def _exists(module: str) -> bool:
         return False
 
 
+def _all_subcommands() -> Dict[str, Subcommand]:
+    """:data:`SUBCOMMANDS` with those of installed distributions (which replace a declared one of the same name,
+    keeping its help)."""
+    merged = dict(SUBCOMMANDS)
+    for name, spec in plugin_subcommands().items():
+        if name in merged and merged[name].help:
+            spec.help = merged[name].help
+        merged[name] = spec
+    return merged
+
+
 def available_subcommands() -> List[str]:
     """Names of the subcommands that can run here (optional ones only when their module exists)."""
     names = []
-    for name, sub in SUBCOMMANDS.items():
+    for name, sub in _all_subcommands().items():
         module = _module_of(sub.run)
         if sub.optional and module is not None and not _exists(module):
             continue
@@ -171,8 +276,9 @@ def build_parser(command: Optional[str]) -> argparse.ArgumentParser:
         prog="ropekit", description="Learnable N-dimensional rotary position encodings for Vision Transformers.")
     parser.add_argument("--version", action="version", version=f"ropekit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
+    commands = _all_subcommands()
     for name in available_subcommands():
-        spec = SUBCOMMANDS[name]
+        spec = commands[name]
         p = sub.add_parser(name, help=spec.help, description=spec.help)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show the full traceback of errors")
@@ -189,12 +295,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     debug = bool(os.environ.get("ROPEKIT_DEBUG")) or "--debug" in argv
     prog = f"ropekit {command}" if command else "ropekit"
     try:
-        parser = build_parser(command if command in SUBCOMMANDS else None)
+        commands = _all_subcommands()
+        parser = build_parser(command if command in commands else None)
         args = parser.parse_args(argv)
         if not getattr(args, "command", None):
             parser.print_help(sys.stderr)
             return 2
-        run = _resolve(SUBCOMMANDS[args.command].run)
+        run = _resolve(commands[args.command].run)
         code = run(args)
         return int(code or 0)
     except KeyboardInterrupt:

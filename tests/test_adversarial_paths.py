@@ -278,7 +278,7 @@ def _checkpoint(tmp_path, extra_keys):
 
 
 def test_every_checkpoint_loader_warns_about_unknown_vit_keys(tmp_path, monkeypatch):
-    from ropekit.experiments.runs import RunRecord
+    from ropekit_studies.runs import RunRecord
     from ropekit.train.finetune import init_from_checkpoint, load_source_model
     from ropekit.train import load_checkpoint, trainer
 

@@ -277,7 +277,7 @@ def test_bad_inputs_are_one_line_errors():
 
 
 def test_presets_state_every_policy_and_training_field():
-    from ropekit.robot.aloha.experiment import PRESETS, missing_fields
+    from ropekit_studies.aloha import PRESETS, missing_fields
 
     for name, make in PRESETS.items():
         assert missing_fields(make()) == [], name
@@ -289,7 +289,7 @@ def test_presets_state_every_policy_and_training_field():
 
 @pytest.mark.slow
 def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
-    from ropekit.experiments import run_experiment
+    from ropekit_studies import run_experiment
 
     monkeypatch.setenv("ROPEKIT_ALOHA_CACHE", str(tmp_path / "cache"))
     res = run_experiment("aloha", out=tmp_path / "out", quick=True)
@@ -303,7 +303,7 @@ def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     for runs in doc["tasks"]["transfer_cube"]["policies"].values():
         assert [(c["step"], c["episodes"]) for c in runs[0]["curve"]] == [(2, 1), (4, 2)]
     # the same command again reads the finished policies back instead of training them again
-    from ropekit.robot.aloha.experiment import PRESETS, run_experiment as run_aloha
+    from ropekit_studies.aloha import PRESETS, run_experiment as run_aloha
 
     finished = sorted((tmp_path / "out" / "runs").glob("*/*/result.json"))
     assert len(finished) == 2 and not list((tmp_path / "out" / "runs").glob("*/*/train/train_state.pt"))
@@ -316,7 +316,7 @@ def test_experiment_quick_writes_table_curves_and_plot(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="other settings"):
         run_aloha(other, tmp_path / "out")
     # runs made apart pool into one table (here the same run twice: two "seeds" per encoder)
-    from ropekit.robot.aloha.experiment import merge_results
+    from ropekit_studies.aloha import merge_results
 
     merged = merge_results([tmp_path / "out", tmp_path / "out"], tmp_path / "merged")
     assert all(len(runs) == 2 for runs in merged["tasks"]["transfer_cube"]["policies"].values())
@@ -350,14 +350,14 @@ def test_committed_study_is_what_its_commands_train(study, extra):
     """Every committed ALOHA study (each part of a merge) records a command that resolves, at this version, to
     the configuration it ran with: a changed preset fails here until the study is regenerated. The study made
     before the object loss existed is checked with the ``--aux-weight 0`` its commands.sh states."""
-    from ropekit.robot.aloha.cli import compare_with_committed
+    from ropekit_studies.recipes import compare_with_committed
 
     folder = Path(__file__).resolve().parent.parent / "docs" / "results" / "aloha" / study
     assert compare_with_committed(folder, extra) == []
 
 
 def test_committed_study_check_sees_a_changed_recipe(tmp_path):
-    from ropekit.robot.aloha.cli import compare_with_committed
+    from ropekit_studies.recipes import compare_with_committed
 
     src = Path(__file__).resolve().parent.parent / "docs" / "results" / "aloha" / "cpu-200" / "config.json"
     doc = json.loads(src.read_text())
@@ -372,15 +372,15 @@ def test_committed_study_check_sees_a_changed_recipe(tmp_path):
 @pytest.mark.repro
 @pytest.mark.parametrize("study", ["cpu", "cpu-200", "cpu-noloss"])
 def test_committed_table_is_what_the_report_writes_from_the_results(study):
-    from ropekit.robot.aloha.experiment import _table
+    from ropekit_studies.aloha import _table
 
     folder = Path(__file__).resolve().parent.parent / "docs" / "results" / "aloha" / study
     assert (folder / "table.md").read_text() == _table(json.loads((folder / "results.json").read_text()))
 
 
 def test_paired_differences_against_the_absolute_embedding():
-    from ropekit.robot.aloha.experiment import _paired_lines
-    from ropekit.robot.experiment import pooled_z
+    from ropekit_studies.aloha import _paired_lines
+    from ropekit_studies.robot import pooled_z
 
     def runs(*rates):  # one run per seed with 10 episodes at the given success rate
         return [{"seed": s, "final": {"success": [i < round(10 * r) for i in range(10)]}} for s, r in enumerate(rates)]

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from ropekit.experiments import run_experiment
-from ropekit.experiments import recipes as R
+from ropekit_studies import run_experiment
+from ropekit_studies import recipes as R
 
 
 def test_unknown_coordinate_convention_is_refused_before_training(tmp_path):

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from ropekit.experiments import run_experiment
-from ropekit.experiments.compute_efficiency import smallest_budget_reaching
+from ropekit_studies import run_experiment
+from ropekit_studies.compute_efficiency import smallest_budget_reaching
 
 
 def test_smallest_budget_reaching():

@@ -99,7 +99,7 @@ ENTRY_POINTS = {
     "core only": (NON_CORE, [
         ("ropekit.train", 'ropekit.train needs numpy: pip install "ropekit[train]"'),
         ("ropekit.data", 'ropekit.data needs numpy: pip install "ropekit[train]"'),
-        ("ropekit.experiments", 'ropekit.experiments needs numpy: pip install "ropekit[studies]"'),
+        ("ropekit_studies", 'ropekit_studies needs numpy: pip install "ropekit[studies]"'),
         ("ropekit.detection", 'ropekit.detection needs numpy: pip install "ropekit[studies]"'),
         ("ropekit.robot", 'ropekit.robot needs numpy: pip install "ropekit[train]"'),
         ("ropekit.integrations.timm", 'ropekit.integrations.timm needs timm: pip install "ropekit[timm]"'),
@@ -108,14 +108,14 @@ ENTRY_POINTS = {
         (["eval", "--help"], 'ropekit eval: error: ropekit.train needs numpy: pip install "ropekit[train]"'),
         (["data", "--help"], 'ropekit data: error: ropekit.data needs numpy: pip install "ropekit[train]"'),
         (["experiment", "--help"],
-         'ropekit experiment: error: ropekit.experiments needs numpy: pip install "ropekit[studies]"'),
+         'ropekit experiment: error: ropekit_studies needs numpy: pip install "ropekit[studies]"'),
     ]),
     "no tqdm": (["tqdm"], [
         (["train", "--help"], 'ropekit train: error: ropekit.train needs tqdm: pip install "ropekit[train]"'),
     ]),
     "no scipy": (["scipy"], [
         (["experiment", "--help"],
-         'ropekit experiment: error: ropekit.experiments needs scipy: pip install "ropekit[studies]"'),
+         'ropekit experiment: error: ropekit_studies needs scipy: pip install "ropekit[studies]"'),
         ("ropekit.detection", 'ropekit.detection needs scipy: pip install "ropekit[studies]"'),
     ]),
 }

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from ropekit.detection import experiment as ex
-from ropekit.detection import recipes as DR
+from ropekit_studies import detection as ex
+from ropekit_studies.recipes import detect3d as DR
 from ropekit.detection.model import is_rotary
 from ropekit.detection.scenes import SceneConfig
 from ropekit.detection.train import DetTrainConfig
-from ropekit.experiments.recipes import PRESETS, compare_with_committed
+from ropekit_studies.recipes import PRESETS, compare_with_committed
 from ropekit.nn import vit as vit_module
 from ropekit.nn.embed import LearnedPosEmbed
 from ropekit.nn.vit import ViTConfig
@@ -269,7 +269,7 @@ def test_a_run_locked_by_another_process_is_waited_for(tmp_path, monkeypatch, ca
 
 
 def test_module_cli_changes_recipe_fields_and_says_so():
-    """``python -m ropekit.detection.experiment --set ...``: any recipe field, recorded as a changed preset."""
+    """``python -m ropekit_studies.detection --set ...``: any recipe field, recorded as a changed preset."""
     import argparse
 
     p = argparse.ArgumentParser()

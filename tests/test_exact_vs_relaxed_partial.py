@@ -4,7 +4,7 @@ import csv
 
 import pytest
 
-from ropekit.experiments import run_experiment
+from ropekit_studies import run_experiment
 
 
 def test_partial_planes_must_be_fewer_than_the_recipes(tmp_path):

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit.experiments import STUDIES, run_experiment, study_config
-from ropekit.experiments.ablations import block_sizes
-from ropekit.experiments.data_efficiency import epochs_to_reach
-from ropekit.experiments.evaluation import is_offset_invariant, shift_images, shuffle_patches
-from ropekit.experiments.offset import OFFSET_RTOL
-from ropekit.experiments.recipes import recipe
-from ropekit.experiments.report import fmt_pm, mean_std, replace_marked_lines
-from ropekit.experiments.runs import RunCache, canonical_pe_options, run_key
-from ropekit.experiments.scale import parse_arm
+from ropekit_studies import STUDIES, run_experiment, study_config
+from ropekit_studies.ablations import block_sizes
+from ropekit_studies.data_efficiency import epochs_to_reach
+from ropekit_studies.evaluation import is_offset_invariant, shift_images, shuffle_patches
+from ropekit_studies.offset import OFFSET_RTOL
+from ropekit_studies.recipes import recipe
+from ropekit_studies.report import fmt_pm, mean_std, replace_marked_lines
+from ropekit_studies.runs import RunCache, canonical_pe_options, run_key
+from ropekit_studies.scale import parse_arm
 
 #: The studies of this file (classification and its controlled variants); detect3d and robot have their own tests.
 NAMES = ["classify", "resolution", "offset", "shuffle", "data-efficiency", "exact-vs-relaxed", "video", "ablations",
@@ -51,7 +51,7 @@ def outputs(tmp_path_factory, cache) -> dict:
 def test_quick_outputs_match_their_recipe(outputs, name, tmp_path):
     """Every study records its preset, recipe and options so that ``compare_with_committed`` can check it; a
     study option changed after the run (as a changed recipe would) is reported."""
-    from ropekit.experiments.recipes import compare_with_committed
+    from ropekit_studies.recipes import compare_with_committed
 
     _, out = outputs[name]
     assert compare_with_committed(out) == []
@@ -67,7 +67,7 @@ def test_quick_outputs_match_their_recipe(outputs, name, tmp_path):
 def test_command_options_narrow_the_recipe(outputs, tmp_path):
     """A list-valued study option on the recorded command (``--groups``, ``--sharing-pe``, ...) is part of what the
     command trains: the committed options must equal it, and it must be a subset of the recipe's list."""
-    from ropekit.experiments.recipes import compare_with_committed
+    from ropekit_studies.recipes import compare_with_committed
 
     _, out = outputs["ablations"]
     doc = json.loads((out / "config.json").read_text())

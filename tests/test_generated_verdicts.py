@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ropekit.experiments.claims import render_claims
-from ropekit.experiments.verdict import WORDS
+from ropekit_studies.claims import render_claims
+from ropekit_studies.verdict import WORDS
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -25,13 +25,13 @@ def _words(text: str):
 def test_claims_page_matches_the_csvs():
     committed = (RESULTS / "claims.md").read_text()
     fresh = render_claims(RESULTS)
-    assert _words(committed) == _words(fresh), "regenerate: python -m ropekit.experiments.claims docs/results"
-    assert committed == fresh, "regenerate: python -m ropekit.experiments.claims docs/results"
+    assert _words(committed) == _words(fresh), "regenerate: python -m ropekit_studies.claims docs/results"
+    assert committed == fresh, "regenerate: python -m ropekit_studies.claims docs/results"
     assert len(_words(fresh)) >= 4 * 17  # four classification folders of 17 claims each, and retrieval's
 
 
 def test_retrieval_table_matches_its_csv():
-    from ropekit.experiments.retrieval import ARMS, comparison_table, comparisons
+    from ropekit_studies.retrieval import ARMS, comparison_table, comparisons
 
     with open(RESULTS / "retrieval" / "retrieval.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -43,7 +43,7 @@ def test_retrieval_table_matches_its_csv():
 
 
 def test_owl_table_matches_its_csv(tmp_path):
-    from ropekit.experiments.owl import write_report
+    from ropekit_studies.owl import write_report
 
     src = RESULTS / "owl"
     doc = json.loads((src / "config.json").read_text())
@@ -69,7 +69,7 @@ def test_owl_table_matches_its_csv(tmp_path):
 @pytest.mark.parametrize("folder", ["robot", "robot-ood"])
 def test_robot_tables_match_their_csv(folder):
     pytest.importorskip("pybullet")
-    from ropekit.robot.experiment import _paired_lines, paired_verdicts
+    from ropekit_studies.robot import _paired_lines, paired_verdicts
 
     src = RESULTS / folder
     doc = json.loads((src / "robot.json").read_text())

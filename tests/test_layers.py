@@ -1,15 +1,7 @@
-"""The package's architecture: layers, low to high, and the import graph that must respect them.
+"""The architecture: layers, low to high, and the import graph of ``ropekit`` and ``ropekit_studies`` that must
+respect them.
 
 A module may import from its own layer and the layers below it, never from a layer above, and no two modules may
-import each other, directly or through others. The graph is built from the source with ``ast``: every ``import``
-and ``from ... import`` (at module level, inside functions, under ``if TYPE_CHECKING``), relative imports resolved,
-and ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name. ``from pkg import name`` is an
-edge to ``pkg.name`` where that is a module, else to ``pkg``.
-
-The layers (a module belongs to the layer of its longest matching prefix; a module named ``cli`` or ``commands``
-is a command-line module, the top layer, wherever it lives):
-
-==========  ==========================================================================================  =============
 layer       modules                                                                                     may import
 ==========  ==========================================================================================  =============
 0 core      ``ropekit`` (the package's ``__init__``), ``encodings`` (with their RoPE forms,             torch, numpy
@@ -25,43 +17,68 @@ layer       modules                                                             
             ``robot.aloha.experiment``
 5 tools     ``bench``, ``integrations``, ``cli`` and every ``*.cli`` / ``*.commands``                    0-5
 ==========  ==========================================================================================  =============
+=======
+import each other, directly or through others; nothing in ``ropekit`` imports ``ropekit_studies``. The layers are
+the table of ``docs/architecture.md`` (read here, so the page and the test cannot disagree): a module belongs to
+the layer of its longest matching prefix; a ``ropekit`` module named ``cli`` or ``commands`` is a command-line
+module, in the tools layer, wherever it lives. The graph is built from the source with ``ast``: every ``import``
+and ``from ... import`` (at module level, inside functions, under ``if TYPE_CHECKING``), relative imports
+resolved, and ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name. ``from pkg import
+name`` is an edge to ``pkg.name`` where that is a module, else to ``pkg``.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
-ROOT = Path(__file__).resolve().parents[1] / "ropekit"
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "ropekit"
+#: The packages whose modules are checked, and the folder each is imported from.
+PACKAGES = {"ropekit": REPO, "ropekit_studies": REPO / "studies"}
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def read_layers(text: str) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    """(layer name, module prefixes), low to high, from the markdown table under ``## The layers`` of ``text``:
+    the first column ``N name`` (numbered from 0, in order), the second the modules in backticks."""
+    section = text.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # header and rule left out
+    layers = []
+    for i, row in enumerate(rows):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        number, _, name = cells[0].partition(" ")
+        assert number == str(i) and name, f"docs/architecture.md: layer row {i} starts with {cells[0]!r}"
+        modules = tuple(re.findall(r"`([A-Za-z_][\w.]*)`", cells[1]))
+        assert modules, f"docs/architecture.md: layer {name} names no module"
+        layers.append((name, modules))
+    assert layers, "docs/architecture.md has no layer table"
+    return tuple(layers)
+
 
 #: (layer name, module prefixes), low to high. ``"ropekit"`` matches the package's ``__init__`` only.
-LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("core", ("ropekit", "ropekit.encodings", "ropekit.kernels", "ropekit.coords", "ropekit._optional", "ropekit._io",
-              "ropekit._platform", "ropekit._config_keys", "ropekit._errors", "ropekit.diagnostics")),
-    ("nn", ("ropekit.nn", "ropekit.fold")),
-    ("engine", ("ropekit.data", "ropekit.train")),
-    ("tasks", ("ropekit.train.trainer", "ropekit.train.config", "ropekit.train.native", "ropekit.train.__init__",
-               "ropekit.detection", "ropekit.robot", "ropekit.multimodal")),
-    ("studies", ("ropekit.experiments", "ropekit.detection.experiment", "ropekit.detection.recipes",
-                 "ropekit.robot.experiment", "ropekit.robot.recipes", "ropekit.robot.aloha.experiment")),
-    ("tools", ("ropekit.bench", "ropekit.integrations", "ropekit.cli")),
-)
+LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = read_layers(ARCHITECTURE.read_text())
+#: The layer of ``ropekit``'s command-line modules.
+TOOLS = next(i for i, (name, _) in enumerate(LAYERS) if name == "tools")
 
-#: Last components that make a module a command-line module (the top layer) wherever it lives.
+#: Last components that make a ``ropekit`` module a command-line module (the tools layer) wherever it lives.
 COMMAND_MODULES = ("cli", "commands")
 
 Edge = Tuple[str, int]  # (imported module, line)
 
 
 def module_files() -> Dict[str, Path]:
-    """Module name -> source file; a package is named as it is imported (``ropekit.nn`` for its ``__init__``)."""
+    """Module name -> source file of both packages; a package is named as it is imported (``ropekit.nn`` for its
+    ``__init__``)."""
     mods = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        mods[".".join(parts)] = path
+    for package, base in PACKAGES.items():
+        for path in sorted((base / package).rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = path
     return mods
 
 
@@ -70,8 +87,8 @@ def _is_package(path: Path) -> bool:
 
 
 def _target(name: str, modules: Dict[str, Path]) -> Optional[str]:
-    """The ropekit module ``name`` names, or its nearest existing ancestor; ``None`` outside ropekit."""
-    if name != "ropekit" and not name.startswith("ropekit."):
+    """The module of :data:`PACKAGES` ``name`` names, or its nearest existing ancestor; ``None`` outside them."""
+    if not any(name == p or name.startswith(p + ".") for p in PACKAGES):
         return None
     while name not in modules and "." in name:
         name = name.rsplit(".", 1)[0]
@@ -125,12 +142,12 @@ def import_graph() -> Dict[str, Dict[str, int]]:
 
 def layer_of(module: str, is_package: bool = False) -> int:
     """Index in :data:`LAYERS` of ``module``'s layer (a package is looked up as ``pkg.__init__``)."""
-    if module.rsplit(".", 1)[-1] in COMMAND_MODULES:
-        return len(LAYERS) - 1
+    if module.startswith("ropekit.") and module.rsplit(".", 1)[-1] in COMMAND_MODULES:
+        return TOOLS
     key = module + ".__init__" if is_package else module
     hits = [(len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
             if (module == "ropekit" if p == "ropekit" else key == p or key.startswith(p + "."))]
-    assert hits, f"{module} is in no layer: add it to LAYERS"
+    assert hits, f"{module} is in no layer: add it to the table of docs/architecture.md"
     return max(hits)[1]
 
 
@@ -204,7 +221,7 @@ def _cycle_in(comp: List[str], graph: Dict[str, Dict[str, int]]) -> List[str]:
 
 def _where(graph: Dict[str, Dict[str, int]], a: str, b: str) -> str:
     path = module_files()[a]
-    return f"{path.relative_to(ROOT.parent)}:{graph[a][b]}"
+    return f"{path.relative_to(REPO)}:{graph[a][b]}"
 
 
 def test_every_module_is_in_a_layer():
@@ -233,6 +250,25 @@ def test_no_import_against_the_layers():
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
 
 
+def test_the_library_never_imports_the_studies():
+    """``pip install ropekit`` installs no study, so no module of ``ropekit`` may import one (not even inside a
+    function or by ``importlib``): the studies reach the command line through entry points only."""
+    graph = import_graph()
+    bad = [f"{_where(graph, a, b)}: {a} imports {b}" for a, edges in sorted(graph.items())
+           if a == "ropekit" or a.startswith("ropekit.") for b in sorted(edges) if b.startswith("ropekit_studies")]
+    assert not bad, "the library imports the studies:\n" + "\n".join(bad)
+
+
+def test_the_studies_are_the_top_layer_and_outside_the_package():
+    """The studies are the last row of the table, named by their package alone, and no study file is left in
+    ``ropekit/``."""
+    assert LAYERS[-1] == ("studies", ("ropekit_studies",))
+    assert all(not p.startswith("ropekit_studies") for _, prefixes in LAYERS[:-1] for p in prefixes)
+    assert not (ROOT / "experiments").exists()
+    assert not any(p.name in ("experiment.py", "recipes.py") for p in ROOT.rglob("*.py"))
+    assert layer_of("ropekit_studies.cli") == len(LAYERS) - 1  # a study's cli is a study, not a library tool
+
+
 def test_the_checker_itself():
     """A cycle is found and printed as a path; imports are resolved (relative, function-level); command-line modules
     are the top layer wherever they live; a package's ``__init__`` has its own layer."""
@@ -241,7 +277,10 @@ def test_the_checker_itself():
     assert cycles({"a": {"b": 1}, "b": {}}) == []
     graph = import_graph()
     assert "ropekit._optional" in graph["ropekit.cli"]                         # relative, module level
-    assert "ropekit.robot.experiment" in graph["ropekit.experiments.task_studies"]  # inside a function
-    assert layer_of("ropekit.data.cli") == len(LAYERS) - 1
+    assert "ropekit_studies.robot" in graph["ropekit_studies.task_studies"]  # inside a function
+    assert layer_of("ropekit.data.cli") == TOOLS
+    layers = read_layers("## The layers\n\n| layer | modules |\n|---|---|\n| 0 low | `a`, `a.b` |\n"
+                         "| 1 high | `c` (and text) |\n\n## Next\n| 7 x | `z` |\n")
+    assert layers == (("low", ("a", "a.b")), ("high", ("c",)))
     assert layer_of("ropekit.encodings.fold") == 0
     assert layer_of("ropekit.train", is_package=True) > layer_of("ropekit.train.engine")

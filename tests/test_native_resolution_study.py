@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ropekit.data.native import NativeBatches, NativeOptions, plan_epoch
-from ropekit.experiments import run_experiment, study_config
-from ropekit.experiments.native_resolution import PAPER_CLAIMS, claim_diffs, parse_grid, scaling_diffs
-from ropekit.experiments.recipes import compare_with_committed, recipe
-from ropekit.experiments.verdict import judge
+from ropekit_studies import run_experiment, study_config
+from ropekit_studies.native_resolution import PAPER_CLAIMS, claim_diffs, parse_grid, scaling_diffs
+from ropekit_studies.recipes import compare_with_committed, recipe
+from ropekit_studies.verdict import judge
 
 
 def test_recipe_trains_fixed_and_native_arms_with_the_encodings_asked_for():

@@ -14,7 +14,7 @@ from ropekit.cli import main
 @pytest.fixture
 def captured(monkeypatch):
     """Replace the ALOHA study's runner by one that records its configuration and command (no simulator)."""
-    import ropekit.robot.aloha.experiment as experiment
+    import ropekit_studies.aloha as experiment
 
     calls = []
 
@@ -43,7 +43,7 @@ def test_experiment_aloha_is_the_robot_command(tmp_path, monkeypatch, captured, 
     assert direct["cfg"] == alias["cfg"] and direct["command"] == alias["command"]
     assert (direct["device"], direct["workers"], direct["out"]) == (alias["device"], alias["workers"], "a")
     if "--quick" in extra:
-        from ropekit.robot.aloha.experiment import PRESETS
+        from ropekit_studies.aloha import PRESETS
 
         assert alias["cfg"].train == PRESETS["quick"]().train
     else:

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("pycocotools")
 
-from ropekit.experiments.owl import compare_owl, owl_recipe, planned, reading, run_owl, run_settings  # noqa: E402
+from ropekit_studies.owl import compare_owl, owl_recipe, planned, reading, run_owl, run_settings  # noqa: E402
 
 
 def test_the_plan_pretrains_every_tower_once_per_seed():
@@ -57,7 +57,7 @@ def test_readings():
 @pytest.mark.slow
 def test_quick_study_end_to_end(tmp_path):
     pytest.importorskip("ropekit.multimodal.train")
-    from ropekit.experiments import run_experiment
+    from ropekit_studies import run_experiment
 
     res = run_experiment("owl", quick=True, out=tmp_path / "owl")
     out = tmp_path / "owl"

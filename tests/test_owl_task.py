@@ -147,7 +147,7 @@ def test_towers_from_a_contrastive_run_then_ropekit_train_task_owl(tmp_path, cap
 
     from ropekit.cli import main
     from ropekit.detection.owl_towers import build_detector, pretrain_towers
-    from ropekit.experiments.owl import owl_recipe
+    from ropekit_studies.owl import owl_recipe
 
     r = owl_recipe("quick")
     pretrain_towers("cayley", "rgbd", 0, data=r["data"], towers=r["towers"], schedule=r["pretrain"],

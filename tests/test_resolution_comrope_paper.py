@@ -8,7 +8,7 @@ import csv
 import pytest
 import torch
 
-from ropekit.experiments import run_experiment, study_config
+from ropekit_studies import run_experiment, study_config
 
 
 def test_comrope_arms_start_from_random_bases_and_the_rest_is_the_protocol():

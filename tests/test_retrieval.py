@@ -241,8 +241,8 @@ def test_the_command_line(tmp_path, capsys):
 
 
 def test_the_quick_study_writes_its_report(tmp_path):
-    from ropekit.experiments import compare_with_committed, run_experiment
-    from ropekit.experiments.retrieval import reading
+    from ropekit_studies import compare_with_committed, run_experiment
+    from ropekit_studies.retrieval import reading
 
     out = tmp_path / "study"
     res = run_experiment("retrieval", out=out, preset="quick", overrides={"progress": False},
@@ -273,7 +273,7 @@ def test_the_quick_study_writes_its_report(tmp_path):
 def test_hard_negative_verdicts_per_arm():
     """Per-arm accuracies, bootstrap intervals over seeds and captions (against the normal approximation of the
     binomial where the seeds agree), the declared claims read as one family, and too few pairs."""
-    from ropekit.experiments.retrieval import _outcomes, hard_negative_table, hard_negatives
+    from ropekit_studies.retrieval import _outcomes, hard_negative_table, hard_negatives
 
     assert _outcomes(0.75, 4, 0) == [1.0, 1.0, 1.0, 0.0] and _outcomes(0.625, 4, 1) == [1.0, 1.0, 0.5, 0.0]
     n = 400
@@ -314,7 +314,7 @@ def test_hard_negative_verdicts_per_arm():
 
 
 def test_the_depth_only_study_trains_on_depth_only_scenes(tmp_path):
-    from ropekit.experiments import compare_with_committed, run_experiment
+    from ropekit_studies import compare_with_committed, run_experiment
 
     out = tmp_path / "depth"
     res = run_experiment("retrieval-depth", out=out, preset="quick", overrides={"progress": False, "seeds": [0, 1]},
@@ -326,7 +326,7 @@ def test_the_depth_only_study_trains_on_depth_only_scenes(tmp_path):
                               f"rgb-ape,rgbd-cayley --out {out}")
     assert (out / "retrieval-depth.csv").is_file() and "(depth-only)" in res.table
     assert compare_with_committed(out) == []
-    from ropekit.experiments.retrieval import recipe
+    from ropekit_studies.retrieval import recipe
 
     assert "cues" not in recipe("default")["train"]["data_options"]  # the committed study's recipe is unchanged
     with pytest.raises(ValueError, match="unknown retrieval study"):
@@ -338,7 +338,7 @@ def test_the_docs_state_the_share_of_captions_with_a_depth_relation():
     (and the counter checked on hand-made captions)."""
     from pathlib import Path
 
-    from ropekit.experiments.retrieval import caption_depth_counts, depth_share_phrases
+    from ropekit_studies.retrieval import caption_depth_counts, depth_share_phrases
     from ropekit.multimodal.hard_negatives import depth_relation_counts
 
     docs = Path(__file__).resolve().parents[1] / "docs"

@@ -216,7 +216,7 @@ def test_quick_experiment_writes_its_files(quick_run):
 @pytest.mark.sim
 @pytest.mark.slow
 def test_quick_experiment_config_is_the_pinned_recipe(quick_run):
-    from ropekit.robot.experiment import compare_with_committed
+    from ropekit_studies.robot import compare_recipe as compare_with_committed  # the robot study's part of it
 
     doc = json.loads((quick_run / "config.json").read_text())
     assert doc["preset"] == "quick"

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from ropekit.experiments.recipes import PRESETS
+from ropekit_studies.recipes import PRESETS
 from ropekit.robot.expert import ScriptedExpert
 from ropekit.robot.policy import PolicyConfig
-from ropekit.robot.recipes import ARMS, check_recipe, recipe
+from ropekit_studies.recipes.robot import ARMS, check_recipe, recipe
 from ropekit.robot.train import PolicyTrainConfig
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_builds_its_policies_and_expert(preset):
-    from ropekit.robot.experiment import arm_settings, planned_runs
+    from ropekit_studies.robot import arm_settings, planned_runs
 
     r = recipe(preset)
     assert set(r["arms"]) <= set(ARMS)
@@ -54,7 +54,7 @@ def test_expert_defaults_match_the_recipe():
 def test_the_cpu_and_gpu_recipes_evaluate_every_condition():
     """In distribution, table height, large distractors and lighting: the STRING paper's out-of-distribution
     conditions, all in the default evaluation."""
-    from ropekit.robot.experiment import CONDITIONS
+    from ropekit_studies.robot import CONDITIONS
 
     for preset in ("default", "gpu"):
         assert recipe(preset)["conditions"] == list(CONDITIONS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ropekit.robot.experiment import _paired_lines
+from ropekit_studies.robot import _paired_lines
 
 
 def _cell(rates, episodes_per_seed=100):

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from ropekit.experiments import run_experiment
-from ropekit.experiments.scale import heads_for_width
+from ropekit_studies import run_experiment
+from ropekit_studies.scale import heads_for_width
 
 
 def test_heads_keep_the_head_dimension():
@@ -31,7 +31,7 @@ def test_bad_or_repeated_width_fails_before_training(tmp_path):
 def test_widths_cross_the_arms_and_change_only_width_and_heads(tmp_path):
     """The ``scale-width`` recipe (quick: widths 16 and 32, head dimension 16) through ``run_experiment``; its
     outputs match the recipe, and LieRE is paired with RoPE-Mixed as well as with APE."""
-    from ropekit.experiments.recipes import compare_with_committed
+    from ropekit_studies.recipes import compare_with_committed
 
     out = tmp_path / "out"
     run_experiment("scale-width", out=out, quick=True, overrides={"cache_dir": str(tmp_path / "cache"),

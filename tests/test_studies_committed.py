@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ropekit.experiments.recipes import compare_with_committed, with_later_fields
+from ropekit_studies.recipes import compare_with_committed, with_later_fields
 
 pytestmark = pytest.mark.repro
 
@@ -53,7 +53,7 @@ def test_readme_results_table_is_the_committed_one():
 
 def _schedule_pilots():
     """``(name, argv)`` of every ``run`` line of docs/results/detect3d/schedule/commands.sh, as the arguments its
-    ``run`` function passes to ``python -m ropekit.detection.experiment`` (without ``--out``)."""
+    ``run`` function passes to ``python -m ropekit_studies.detection`` (without ``--out``)."""
     import shlex
 
     pilots = []
@@ -75,7 +75,7 @@ def test_detect3d_schedule_pilots_are_what_their_commands_train():
     import argparse
     import json
 
-    from ropekit.detection import experiment as ex
+    from ropekit_studies import detection as ex
 
     pilots = _schedule_pilots()
     assert len(pilots) >= 10
@@ -99,3 +99,14 @@ def test_detect3d_schedule_pilots_are_what_their_commands_train():
     readme = (RESULTS / "detect3d" / "README.md").read_text()
     assert mod.with_readme_block(readme, mod.readme_block(rows)) == readme, \
         "docs/results/detect3d/README.md's grid and questions differ from the run files: run summarise.py"
+
+
+def test_one_comparison_for_every_committed_folder():
+    """``ropekit_studies.recipes.compare_with_committed`` is the one comparison (a study with its own recipe format
+    plugs its part in through the study registry): no other definition of that name in the library or the
+    studies, and it takes an ALOHA folder as it takes a classification one."""
+    root = Path(__file__).resolve().parents[1]
+    defs = [str(p.relative_to(root)) for base in ("ropekit", "studies") for p in sorted((root / base).rglob("*.py"))
+            if "def compare_with_committed(" in p.read_text()]
+    assert defs == ["studies/ropekit_studies/recipes/__init__.py"]
+    assert compare_with_committed(RESULTS / "aloha" / "cpu") == []

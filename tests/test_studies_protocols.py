@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from ropekit.experiments import run_experiment, study_config
-from ropekit.experiments.ablations import BLOCK_CANDIDATES, block_sizes
-from ropekit.experiments.data_efficiency import equal_step_schedule
-from ropekit.experiments.evaluation import background_value
-from ropekit.experiments.exact_vs_relaxed import canvas_shift
-from ropekit.experiments.recipes import recipe
-from ropekit.experiments.video import reverse_frames, shuffle_frames
+from ropekit_studies import run_experiment, study_config
+from ropekit_studies.ablations import BLOCK_CANDIDATES, block_sizes
+from ropekit_studies.data_efficiency import equal_step_schedule
+from ropekit_studies.evaluation import background_value
+from ropekit_studies.exact_vs_relaxed import canvas_shift
+from ropekit_studies.recipes import recipe
+from ropekit_studies.video import reverse_frames, shuffle_frames
 
 
 def test_canvas_shift_moves_whole_patches_exactly():

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ropekit.experiments import STUDIES, run_experiment, study_config
-from ropekit.experiments import recipes as R
+from ropekit_studies import STUDIES, run_experiment, study_config
+from ropekit_studies import recipes as R
 from ropekit.nn import vit as vit_module
 from ropekit.nn.vit import ViTConfig
 from ropekit.train import TrainConfig, build_vit_config
@@ -136,7 +136,7 @@ def test_every_comparison_study_has_a_recipe():
 
 def test_gpu_preset_is_larger_and_resolves_from_the_cli():
     from ropekit.cli import build_parser
-    from ropekit.experiments.arguments import overrides
+    from ropekit_studies.arguments import overrides
 
     for name in R.RECIPES:
         cpu, gpu = study_config(name, preset="default"), study_config(name, preset="gpu")
@@ -207,3 +207,18 @@ def test_compare_with_committed_on_quick_output(tmp_path, monkeypatch):
     # a results folder written before recipes were pinned says so
     (out / "config.json").write_text(json.dumps({"study": "classify", "runs": []}))
     assert "no study/preset recorded" in R.compare_with_committed(out)[0]
+
+
+def test_one_paper_sharing_table_and_the_studies_departure_from_it():
+    """``ropekit.nn.PAPER_SHARING`` is the one table of each paper's sharing (ComRoPE: per layer and head, its
+    Table 7); the studies' recipes derive theirs from it and depart only for ComRoPE (one set for the model, as the
+    committed studies trained it) -- reference: the recipes' literal table before it was derived."""
+    from ropekit.nn import PAPER_SHARING
+
+    assert PAPER_SHARING["comrope-ap"] == PAPER_SHARING["comrope-ld"] == "head"
+    committed = {"axial": "model", "mixed": "head", "cayley": "layer", "circulant": "layer", "liere": "model",
+                 "liere-commute": "model", "comrope-ap": "model", "comrope-ld": "model"}
+    assert R.STUDY_SHARING == {pe: {"pe_sharing": s} for pe, s in committed.items()}
+    assert {pe for pe in committed if PAPER_SHARING[pe] != committed[pe]} == set(R.STUDY_SHARING_CHANGES)
+    assert not hasattr(R, "PAPER_SHARING") or R.PAPER_SHARING is PAPER_SHARING  # no second table
+    assert R.recipe("classify", "default")["study"]["pe_overrides"] == R.STUDY_SHARING

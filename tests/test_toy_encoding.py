@@ -12,7 +12,7 @@ from ropekit.bench import BenchConfig, run_bench
 from ropekit.encodings import PAPER_PRESETS, PE_REGISTRY, BenchRow, create_pe, list_pes, register_pe
 from ropekit.encodings.frequencies import axial_frequencies
 from ropekit.encodings.rope import FrequencyRoPE
-from ropekit.experiments.report import pe_label
+from ropekit_studies.report import pe_label
 from ropekit.fold import fold, foldable_kind, to_rope
 from ropekit.nn import PAPER_SHARING, VisionTransformer, vit_config
 

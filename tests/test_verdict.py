@@ -1,4 +1,4 @@
-"""The verdict rule (ropekit.experiments.verdict) against hand-computed cases and scipy references."""
+"""The verdict rule (ropekit_studies.verdict) against hand-computed cases and scipy references."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from ropekit.experiments.verdict import bootstrap_interval, judge, judge_one, seeds_needed
+from ropekit_studies.verdict import bootstrap_interval, judge, judge_one, seeds_needed
 
 
 def test_hand_computed_interval_and_mde():

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ropekit.cli import main
-from ropekit.experiments.verify import compare_readings, parse_sample, reading, verify_study
+from ropekit_studies.verify import compare_readings, parse_sample, reading, verify_study
 
 
 @pytest.mark.parametrize("diffs,expected", [
@@ -128,7 +128,7 @@ def test_verify_end_to_end_on_a_tiny_study(tmp_path, capsys, monkeypatch):
 
 def test_coordinate_study_arms_select_encodings_and_conventions():
     """Arms ``ENCODING/CONVENTION`` (classify-coords, video-coords) re-run as ``--pe`` and ``--coord-modes``."""
-    from ropekit.experiments.verify import _arm_argv
+    from ropekit_studies.verify import _arm_argv
 
     assert _arm_argv(["mixed", "cayley"]) == ["--pe", "mixed,cayley"]
     assert _arm_argv(["liere/grid", "liere/normalized"]) == ["--pe", "liere", "--coord-modes", "grid,normalized"]
@@ -140,7 +140,7 @@ def test_coordinate_study_arms_select_encodings_and_conventions():
 def test_a_recorded_coord_modes_is_kept_unless_the_arms_select_conventions():
     """Plain arms re-run a study (e.g. resolution) with the conventions its command recorded; arms
     ``ENCODING/CONVENTION`` replace them."""
-    from ropekit.experiments.verify import _arm_argv, _drop_replaced
+    from ropekit_studies.verify import _arm_argv, _drop_replaced
 
     recorded = ["resolution", "--coord-modes", "grid", "--pe", "axial", "--seeds=0,1", "--no-progress"]
     assert _drop_replaced(recorded, also=_arm_argv(["axial", "cayley"])[::2]) == ["resolution", "--coord-modes",

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from ropekit.experiments import recipes as R
-from ropekit.experiments import run_experiment
-from ropekit.experiments.evaluation import coord_scale
+from ropekit_studies import recipes as R
+from ropekit_studies import run_experiment
+from ropekit_studies.evaluation import coord_scale
 from ropekit.nn import VisionTransformer, ViTConfig
 
 

@@ -82,7 +82,7 @@ def render(doc: Dict[str, Any]) -> str:
 def plot(doc: Dict[str, Any], path: Path) -> None:
     """Each matched run as a point (earlier value across, new value up) per group, the diagonal, and a band of
     one median seed spread around it."""
-    from ropekit.experiments.report import setup_matplotlib
+    from ropekit_studies.report import setup_matplotlib
 
     plt = setup_matplotlib()
     fig, ax = plt.subplots(figsize=(5.2, 5.0))

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ropekit.experiments.report import replace_marked_lines
+from ropekit_studies.report import replace_marked_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

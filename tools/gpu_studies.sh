@@ -49,7 +49,7 @@ torch.version.cuda, '| cuda available', torch.cuda.is_available())"
 if [ -n "$RUNS" ]; then
   jobs_=$RUNS
 else
-  jobs_=$(python3 -c "from ropekit.experiments.recipes import recipe
+  jobs_=$(python3 -c "from ropekit_studies.recipes import recipe
 print(' '.join(recipe('classify', '$PRESET')['study']['pes']))")
 fi
 for job in $jobs_; do

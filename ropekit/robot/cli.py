@@ -1,4 +1,5 @@
-"""``ropekit robot collect | train | eval | experiment`` (registered in :mod:`ropekit.cli`).
+"""``ropekit robot collect | train | eval | experiment`` (registered in :mod:`ropekit.cli`; ``experiment`` is the
+``ropekit-studies`` distribution's, :mod:`ropekit_studies.robot`).
 
 ::
 
@@ -21,7 +22,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import experiment
 from .env import PickConfig
 
 __all__ = ["add_arguments", "run"]
@@ -86,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--no-progress", action="store_true")
 
-    p = sub.add_parser("experiment", help="the whole 2-D vs 3-D STRING study, with reports")
-    experiment.add_arguments(p)
+    from ..cli import add_plugin_parsers  # the study (ropekit-studies) adds experiment
+
+    add_plugin_parsers(sub, "robot", {"experiment": "the whole 2-D vs 3-D STRING study, with reports"})
 
     p = sub.add_parser("diagnose", help="measurements that explain a policy's failures")
     dsub = p.add_subparsers(dest="diagnose_command", metavar="<tolerance|grasp|chunks|depth-shuffle>", required=True)
@@ -128,8 +129,12 @@ def run(args: Any) -> int:
         from .aloha import cli as aloha_cli
 
         return aloha_cli.run(args)
-    return {"collect": _collect, "train": _train, "eval": _eval, "experiment": experiment.run,
-            "diagnose": _diagnose}[args.robot_command](args)
+    own = {"collect": _collect, "train": _train, "eval": _eval, "diagnose": _diagnose}
+    if args.robot_command in own:
+        return own[args.robot_command](args)
+    from ..cli import run_plugin
+
+    return int(run_plugin(args) or 0)
 
 
 def _collect(args: Any) -> int:
@@ -189,11 +194,13 @@ def _train(args: Any) -> int:
 
 
 def _eval(args: Any) -> int:
+    from .evaluate import evaluate_run, format_rate, map_jobs
+
     jobs = [(Path(r).name, str(r), c, args.episodes, args.seed, {"max_steps": args.max_steps})
             for r in args.runs for c in args.conditions]
-    rows = experiment._map(experiment._eval_job, jobs, args.workers, not args.no_progress, "evaluate")
+    rows = map_jobs(evaluate_run, jobs, args.workers, not args.no_progress, "evaluate")
     for r in rows:
-        print(f"{r['policy']:>12}  {r['condition']:<22} {experiment._pct(r)}")
+        print(f"{r['policy']:>12}  {r['condition']:<22} {format_rate(r)}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rows, indent=2))

@@ -74,7 +74,7 @@ def grasp_errors(policy: Any, episodes: int, condition: str = "in_distribution",
     """Roll out ``policy`` (a ``DiffusionPolicy`` or a run folder) and record how close its gripper came.
 
     Episode ``i`` uses env seed ``episode_seeds(seed, episodes)[i]`` and diffusion seed ``sample_seed + i``
-    (this is the evaluation loop of :func:`ropekit.robot.experiment.evaluate_policy`). Returns one row per
+    (this is the evaluation loop of :func:`ropekit.robot.evaluate.evaluate_policy`). Returns one row per
     episode: ``success``, ``steps`` (the step of the first success when it succeeded), ``table_height_m``, and,
     at the step where the suction link came closest to the target before holding it: ``gap_m`` (the closest
     distance between them, :meth:`PickEnv.suction_gap`), ``dxy_m`` (horizontal tip-to-target distance),

@@ -42,7 +42,7 @@ with open(dst, "a", newline="") as f:
     for r in rows:
         w.writerow(r)
 PY
-    python -m ropekit.experiments.claims docs/results > /dev/null  # the claims page follows runs.csv
+    python -m ropekit_studies.claims docs/results > /dev/null  # the claims page follows runs.csv
     if [ "${COMMIT:-0}" = 1 ]; then  # each finished run committed at once (only these two files)
       git commit -q -m "classify-depth6-seeds: $pe seed $seed" -- "$csv" docs/results/claims.md || true
     fi

@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ropekit.robot.env import PickEnv, env_config  # noqa: E402
-from ropekit.robot.experiment import CONDITIONS  # noqa: E402
+from ropekit_studies.robot import CONDITIONS  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "conditions.png"
 

@@ -1,4 +1,5 @@
-"""``ropekit robot aloha collect | train | eval | experiment``.
+"""``ropekit robot aloha collect | train | eval`` (``experiment`` and ``merge``: the ``ropekit-studies``
+distribution's, :mod:`ropekit_studies.aloha_cli`).
 
 ::
 
@@ -12,18 +13,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import shlex
-import sys
 from pathlib import Path
-from typing import Any, List, Sequence, Union
+from typing import Any
 
-__all__ = ["add_arguments", "experiment_config", "parse_command", "compare_with_committed", "run"]
-
-
-def _list(text: str) -> List[str]:
-    return [t for t in text.split(",") if t]
+__all__ = ["add_arguments", "run"]
 
 
 def _hw(text: str):
@@ -77,48 +71,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--no-progress", action="store_true")
 
-    p = sub.add_parser("experiment", help="every encoder x seed on the same demos: table, curves, plot")
-    p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu",
-                   help="cpu: sized for 2 CPU cores (< 1 hour, transfer-cube); gpu: larger images, model and "
-                        "schedule, both tasks (about 30-35 minutes on one H100, estimated from a measured "
-                        "1500-step run)")
-    p.add_argument("--quick", action="store_true", help="tiny settings (seconds; for tests)")
-    p.add_argument("--out", default="runs/aloha", help="output folder")
-    p.add_argument("--tasks", type=_list, default=None, help="comma-separated tasks")
-    p.add_argument("--pe", type=_list, default=None,
-                   help="comma-separated encoders: absolute, axial, mixed, cayley, cayley-rgbd")
-    p.add_argument("--seeds", type=lambda t: [int(x) for x in _list(t)], default=None)
-    p.add_argument("--steps", type=int, default=None, help="training steps per policy")
-    p.add_argument("--aux-weight", type=float, default=None,
-                   help="weight of the object-position loss (default: the preset's, 1; 0: off)")
-    p.add_argument("--demos", type=int, default=None)
-    p.add_argument("--eval-episodes", type=int, default=None)
-    p.add_argument("--device", default="cpu", help="torch device for training (cpu, cuda)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--demo-depth", action="store_true",
-                   help="record depth even without an RGB-D encoder (one demo set for split runs)")
-    p.add_argument("--no-checkpoints", action="store_true", help="do not write the policies' checkpoints")
-    p.add_argument("--workers", type=int, default=1, help="processes collecting a missing demo set")
-    p.add_argument("--no-progress", action="store_true")
+    from ...cli import add_plugin_parsers  # the studies add experiment and merge (ropekit-studies)
 
-    p = sub.add_parser("merge", help="pool the results of experiment runs made apart (e.g. one per seed)")
-    p.add_argument("dirs", nargs="+",
-                   help="experiment output folders (a folder written by merge contributes its parts)")
-    p.add_argument("--out", required=True)
+    add_plugin_parsers(sub, "robot.aloha", {
+        "experiment": "every encoder x seed on the same demos: table, curves, plot",
+        "merge": "pool the results of experiment runs made apart (e.g. one per seed)"})
 
 
 def run(args: Any) -> int:
-    return {"collect": _collect, "train": _train, "eval": _eval, "experiment": _experiment,
-            "merge": _merge}[args.aloha_command](args)
+    own = {"collect": _collect, "train": _train, "eval": _eval}
+    if args.aloha_command in own:
+        return own[args.aloha_command](args)
+    from ...cli import run_plugin
 
-
-def _merge(args: Any) -> int:
-    from .experiment import merge_results
-
-    merge_results(args.dirs, args.out)
-    print((Path(args.out) / "table.md").read_text())
-    return 0
+    return int(run_plugin(args) or 0)
 
 
 def _demo_config(args: Any, depth: bool = False):
@@ -140,9 +106,8 @@ def _collect(args: Any) -> int:
 
 def _train(args: Any) -> int:
     from ..train import PolicyTrainConfig, train_policy
-    from .experiment import encoding_label
     from .expert import load_or_collect
-    from .policy import ENCODINGS, AlohaChunks, AlohaPolicy, AlohaPolicyConfig, save_aloha_policy
+    from .policy import ENCODINGS, AlohaChunks, AlohaPolicy, AlohaPolicyConfig, encoding_label, save_aloha_policy
 
     modality, pe, options = ENCODINGS[encoding_label(args.pe)]
     demos, path, _ = load_or_collect(_demo_config(args, depth=modality == "rgbd"), args.cache_dir, progress=True,
@@ -174,89 +139,3 @@ def _eval(args: Any) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
-
-
-def experiment_config(args: Any):
-    """The :class:`~.experiment.AlohaExperimentConfig` that ``ropekit robot aloha experiment`` with the parsed
-    ``args`` runs: the preset, then the options given on the command line."""
-    from .experiment import PRESETS, encoding_label
-
-    cfg = PRESETS["quick" if args.quick else args.preset]()
-    changes: dict = {"progress": not args.no_progress, "save_checkpoints": not args.no_checkpoints}
-    if args.demo_depth:
-        changes["demo_depth"] = True
-    if args.tasks:
-        changes["tasks"] = args.tasks
-    if args.pe:
-        changes["encodings"] = [encoding_label(p) for p in args.pe]
-    if args.steps:
-        changes["train"] = {**cfg.train, "steps": args.steps}
-    if args.aux_weight is not None:
-        changes["policy"] = {**cfg.policy, "aux_weight": args.aux_weight}
-    given = {"seeds": args.seeds, "demos": args.demos, "eval_episodes": args.eval_episodes,
-             "threads": args.threads, "cache_dir": args.cache_dir}
-    changes.update({k: v for k, v in given.items() if v})
-    return dataclasses.replace(cfg, **changes)
-
-
-def parse_command(command: str) -> Any:
-    """Parse a recorded ``ropekit robot aloha ...`` command line (as ``config.json`` stores it) into its arguments.
-
-    Raises:
-        ValueError: ``command`` is not a ``ropekit robot aloha`` command.
-    """
-    words = shlex.split(command)
-    if words[:3] != ["ropekit", "robot", "aloha"]:
-        raise ValueError(f"not a 'ropekit robot aloha' command: {command!r}")
-    parser = argparse.ArgumentParser(prog="ropekit robot aloha")
-    add_arguments(parser)
-    return parser.parse_args(words[3:])
-
-
-def _experiment(args: Any) -> int:
-    from .experiment import run_experiment
-
-    cfg = experiment_config(args)
-    command = "ropekit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    doc = run_experiment(cfg, args.out, command=command, device=args.device, workers=args.workers)
-    print((Path(args.out) / "table.md").read_text())
-    print(f"results in {args.out} ({doc['timings_s']['total'] / 60:.1f} min)")
-    return 0
-
-
-def compare_with_committed(folder: Union[str, Path], extra_args: Sequence[str] = ()) -> List[str]:
-    """Differences between a committed study folder and what its recorded commands train at this version.
-
-    ``folder``'s ``config.json`` is one study's (its ``command`` and ``config``) or a merge of several
-    (``merged``: one such record per part). Each part's command is parsed as ``ropekit robot aloha experiment``
-    parses it, and the configuration it resolves to now is compared field by field with the recorded one
-    (``threads``, ``progress`` and ``cache_dir`` are the machine's, not the recipe's, and are not compared).
-    ``extra_args`` are appended to every recorded command: options that were the preset's default when the
-    study ran and that its ``commands.sh`` now states (e.g. ``--aux-weight 0`` for the study made before the
-    object loss). One line per difference; empty when every part is what its command trains now.
-    """
-    from ..recipes import with_later_backbone
-
-    doc = json.loads((Path(folder) / "config.json").read_text())
-    machine = {"threads", "progress", "cache_dir"}
-    diffs: List[str] = []
-    for i, part in enumerate(doc.get("merged", [doc])):
-        where = f"{Path(folder).name} part {i}"
-        try:
-            args = parse_command(part["command"] + "".join(f" {shlex.quote(a)}" for a in extra_args))
-        except (ValueError, SystemExit, KeyError):
-            diffs.append(f"{where}: no parsable 'ropekit robot aloha experiment' command recorded")
-            continue
-        if args.aloha_command != "experiment":
-            diffs.append(f"{where}: recorded command is 'aloha {args.aloha_command}', not 'aloha experiment'")
-            continue
-        now = json.loads(json.dumps(experiment_config(args).to_dict()))
-        got = with_later_backbone(part.get("config") or {})
-        for key in sorted((set(now) | set(got)) - machine):
-            a, b = got.get(key, "<missing>"), now.get(key, "<missing>")
-            if isinstance(a, dict) and isinstance(b, dict):
-                diffs += [f"{where}: {key}.{k}: committed {a.get(k, '<missing>')!r}, now {b.get(k, '<missing>')!r}"
-                          for k in sorted(set(a) | set(b)) if a.get(k, "<missing>") != b.get(k, "<missing>")]
-            elif a != b:
-                diffs.append(f"{where}: {key}: committed {a!r}, now {b!r}")
-    return diffs

@@ -30,7 +30,7 @@ from ..train import PolicyTask, PolicyTrainConfig, policy_task
 from .expert import load_demo_set
 from .sim import ACTION_DIM, AlohaSim, task_spec
 
-__all__ = ["AlohaPolicyConfig", "AlohaPolicy", "AlohaChunks", "AlohaTaskConfig", "build_aloha_task",
+__all__ = ["encoding_label", "AlohaPolicyConfig", "AlohaPolicy", "AlohaChunks", "AlohaTaskConfig", "build_aloha_task",
            "evaluate_policy", "save_aloha_policy", "load_aloha_policy", "ENCODINGS"]
 
 PathLike = Union[str, Path]
@@ -45,6 +45,23 @@ ENCODINGS: Dict[str, Tuple[str, str, Dict[str, Any]]] = {
     "Cayley-STRING": ("image", "cayley", {}),
     "Cayley-STRING RGB-D": ("rgbd", "cayley", {}),
 }
+
+
+#: Short names of :data:`ENCODINGS`' labels, as the command line takes them.
+_PE_LABELS = {"absolute": "ViT (learned APE)", "vit": "ViT (learned APE)", "ape": "ViT (learned APE)",
+              "axial": "RoPE (axial)", "mixed": "RoPE (mixed)", "cayley": "Cayley-STRING",
+              "cayley-rgbd": "Cayley-STRING RGB-D", "rgbd": "Cayley-STRING RGB-D"}
+
+
+def encoding_label(name: str) -> str:
+    """An :data:`ENCODINGS` label from a label or a short name (absolute, axial, mixed, cayley,
+    cayley-rgbd)."""
+    if name in ENCODINGS:
+        return name
+    key = name.lower().replace("_", "-")
+    if key not in _PE_LABELS:
+        raise ValueError(f"unknown ALOHA encoder {name!r}; known: {', '.join(_PE_LABELS)} or {list(ENCODINGS)}")
+    return _PE_LABELS[key]
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ropekit.robot.aloha.experiment import PRESETS
+from ropekit_studies.aloha import PRESETS
 from ropekit.robot.aloha.expert import load_or_collect
 from ropekit.robot.aloha.policy import ENCODINGS, AlohaChunks, AlohaPolicy, evaluate_policy
 from ropekit.robot.aloha.sim import AlohaSim

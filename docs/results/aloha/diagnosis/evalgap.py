@@ -1,7 +1,7 @@
 """Evaluate ALOHA policies (run folders with checkpoint.pt) and the expert on the same seeds; print success and reach gap."""
 import sys, json, numpy as np
 from ropekit.robot.aloha.policy import evaluate_policy, load_aloha_policy
-from ropekit.robot.aloha.experiment import expert_ceiling
+from ropekit_studies.aloha import expert_ceiling
 n = int(sys.argv[1]); seeds = range(100000, 100000 + n)
 out = {}
 for r in sys.argv[2:]:

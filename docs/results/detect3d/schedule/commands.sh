@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../../../.."
 run() {  # run NAME ENCODING INPUT STEPS BATCH LR WARMUP LOG_EVERY [SEED, default 0]: trains from scratch, keeps
   local out="$here/$1"  # the run files
   rm -rf "$out"
-  python -m ropekit.detection.experiment --encodings "$2" --inputs "$3" --seeds "${9:-0}" --threads 1 --no-progress \
+  python -m ropekit_studies.detection --encodings "$2" --inputs "$3" --seeds "${9:-0}" --threads 1 --no-progress \
     --out "$out" --set train.steps="$4" --set train.batch_size="$5" --set train.lr="$6" \
     --set train.warmup_steps="$7" --set train.log_every="$8"
   find "$out" -maxdepth 1 -type f -delete  # the one-run report (table, plots); summarise.py writes the comparison

@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ropekit.experiments.report import replace_marked_lines  # noqa: E402
+from ropekit_studies.report import replace_marked_lines  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 README = HERE.parent / "README.md"

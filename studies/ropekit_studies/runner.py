@@ -73,7 +73,7 @@ def run_experiment(name: str, *, out: Any = None, quick: bool = False, overrides
     """Run study ``name`` and write its outputs into ``out`` (default ``runs/experiments/<name>``).
 
     Args:
-        name: one of :data:`~ropekit.experiments.registry.STUDIES`.
+        name: one of :data:`~ropekit_studies.registry.STUDIES`.
         quick: the tiny preset (seconds per study); the same as ``preset="quick"``.
         preset: ``default`` (2-core CPU), ``gpu`` (one GPU, under 30 minutes) or ``quick``.
         overrides: :class:`ExperimentConfig` fields to change (e.g. ``{"pes": ["mixed"], "seeds": [0, 1]}``).

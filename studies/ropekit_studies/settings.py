@@ -3,9 +3,9 @@
 Every study trains the *same* backbone for each encoding in ``pes`` and each seed in ``seeds``; only the
 encoding (or, in ``ablations``, one option of it) changes. :meth:`ExperimentConfig.train_config` turns the
 experiment settings into the :class:`ropekit.train.TrainConfig` of one run; runs are cached by a hash of that
-resolved configuration (see :mod:`ropekit.experiments.runs`), so studies that need the same model share it.
+resolved configuration (see :mod:`ropekit_studies.runs`), so studies that need the same model share it.
 
-The studies take their settings from pinned recipes (:mod:`ropekit.experiments.recipes`: ``default`` for a
+The studies take their settings from pinned recipes (:mod:`ropekit_studies.recipes`: ``default`` for a
 2-core CPU, ``gpu``, ``quick``), which give every ``TrainConfig`` field explicitly. :func:`default_config` and
 :func:`quick_config` below remain for studies without a recipe (detect3d, robot).
 """
@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..train import TrainConfig
+from ropekit.train import TrainConfig
 
 __all__ = ["ExperimentConfig", "DEFAULT_PES", "QUICK_PES", "SCALE_PES", "quick_config", "default_config",
            "shared_train_fields"]
@@ -53,7 +53,7 @@ class ExperimentConfig:
         eval_limit (use the first N test examples in evaluations; ``None``: all), eval_batch_size,
         cache_dir (trained runs, keyed by config hash), threads (torch CPU threads; 1 is friendliest on a shared
         machine), progress (bars), quick (the quick preset is in use), preset (the recipe preset's name,
-        recorded in the outputs; see :mod:`ropekit.experiments.recipes`).
+        recorded in the outputs; see :mod:`ropekit_studies.recipes`).
     Per encoding:
         pe_overrides: ``TrainConfig`` fields set for one encoding only (``{"mixed": {"pe_sharing": "head"}}``),
         applied after ``train_options``.

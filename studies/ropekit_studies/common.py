@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..nn.coords import COORD_MODES
-from ..train import TrainConfig
+from ropekit.nn.coords import COORD_MODES
+from ropekit.train import TrainConfig
 from .report import StudyWriter, pe_label
 from .runs import Progress, RunCache, RunRecord, memo_data
 from .settings import ExperimentConfig

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import diagnostics
+from ropekit import diagnostics
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, background_value, coord_scale, mean_loss, predict, token_grid
 from .registry import register_study

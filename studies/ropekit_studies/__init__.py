@@ -1,6 +1,6 @@
 """The experiment protocols behind ``ropekit experiment NAME`` (kept apart from the core library).
 
->>> from ropekit.experiments import run_experiment
+>>> from ropekit_studies import run_experiment
 >>> result = run_experiment("offset", quick=True, out="runs/experiments/offset")      # doctest: +SKIP
 >>> print(result.table)                                                               # doctest: +SKIP
 
@@ -11,15 +11,15 @@ Studies: ``classify`` (and ``classify-coords``, grid against normalised coordina
 resolution scaling), and the tasks' studies: ``detect3d``, ``robot``, ``aloha``, ``retrieval`` (and
 ``retrieval-depth``), ``owl``.
 Each trains (or takes from the run cache) the same backbone for every encoding and seed, from its pinned recipe
-(:mod:`ropekit.experiments.recipes`; presets ``default``, ``gpu``, ``quick``), and writes ``<study>.csv``,
+(:mod:`ropekit_studies.recipes`; presets ``default``, ``gpu``, ``quick``), and writes ``<study>.csv``,
 ``<study>.json``, ``table.md``, ``<study>.png`` and ``config.json`` (with the recipe).
-:mod:`ropekit.experiments.verify` (``ropekit experiment verify FOLDER``) re-runs a sample of a committed study and
+:mod:`ropekit_studies.verify` (``ropekit experiment verify FOLDER``) re-runs a sample of a committed study and
 says whether its readings hold.
 """
 
-from .._optional import require_extra
+from ropekit._optional import require_extra
 
-require_extra("studies", "ropekit.experiments")  # before the submodules import what it installs
+require_extra("studies", "ropekit_studies")  # before the submodules import what it installs
 
 from .common import StudyResult
 from .recipes import PRESETS, RECIPES, compare_with_committed, recipe

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import __version__
-from ..encodings.registry import PE_REGISTRY
-from ..nn.vit import ViTConfig, VisionTransformer
-from ..train import TrainConfig, build_vit_config, load_data, load_run, train
-from ..train.checkpoint import CHECKPOINT_NAME, load_model_state
-from ..train.metrics import read_metrics_csv
+from ropekit import __version__
+from ropekit.encodings.registry import PE_REGISTRY
+from ropekit.nn.vit import ViTConfig, VisionTransformer
+from ropekit.train import TrainConfig, build_vit_config, load_data, load_run, train
+from ropekit.train.checkpoint import CHECKPOINT_NAME, load_model_state
+from ropekit.train.metrics import read_metrics_csv
 
 __all__ = ["RunRecord", "RunCache", "Progress", "canonical_pe_options", "run_key", "RUNTIME_FIELDS"]
 

@@ -132,9 +132,9 @@ def run_settings(r: Dict[str, Any], arm: str, seed: int) -> Dict[str, Any]:
 def _train_run(r: Dict[str, Any], arm: str, seed: int, run_dir: Path, threads: Optional[int],
                device: str) -> Dict[str, Any]:
     """Train (or read back, or resume) one run; its ``summary.json`` and ``metrics.csv`` rows."""
-    from ..multimodal import RetrievalConfig, RetrievalOptions, train_retrieval
-    from ..train import TrainConfig
-    from ..train.metrics import read_metrics_csv
+    from ropekit.multimodal import RetrievalConfig, RetrievalOptions, train_retrieval
+    from ropekit.train import TrainConfig
+    from ropekit.train.metrics import read_metrics_csv
 
     want = run_settings(r, arm, seed)
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.json"
@@ -161,7 +161,7 @@ def _train_run(r: Dict[str, Any], arm: str, seed: int, run_dir: Path, threads: O
 
 
 def reading(diffs: Sequence[float]) -> str:
-    """The word of paired differences claimed positive, by the one rule (:mod:`ropekit.experiments.verdict`)
+    """The word of paired differences claimed positive, by the one rule (:mod:`ropekit_studies.verdict`)
     for a family of one comparison; the study's table reads its :data:`CLAIMS` together
     (:func:`comparisons`)."""
     return judge_one([float(x) for x in diffs], 1).word
@@ -248,7 +248,7 @@ def hard_negatives(rows: Sequence[Dict[str, Any]], arms: Sequence[str], *, resam
     """Per arm of ``arms``: the depth hard-negative accuracy per seed (``depth_hn_acc``, ``depth_hn_pairs``,
     ``depth_hn_ties`` of the rows; seeds without it -- runs from before it was measured, or without a depth
     caption -- are left out), its mean over seeds and the 95 % interval of a two-level bootstrap (seeds, then
-    captions inside each seed: :func:`~ropekit.experiments.verdict.bootstrap_interval`), so that the few pairs of a
+    captions inside each seed: :func:`~ropekit_studies.verdict.bootstrap_interval`), so that the few pairs of a
     small test set widen it. For the arms of :data:`HARD_NEGATIVE_CLAIMS`: the verdict of ``accuracy − 0.5`` by
     the one rule with those intervals and bootstrap p-values (the claims one Holm family), the expected word and
     whether the verdict is it; an arm with fewer than :data:`MIN_HARD_NEGATIVE_PAIRS` pairs in all is "not
@@ -325,8 +325,8 @@ def caption_depth_counts(preset: str = "default", study: str = "retrieval") -> D
     (:func:`~ropekit.multimodal.hard_negatives.depth_relation_counts` over every caption of every test scene, the
     captions the depth hard negatives score). The test scenes do not depend on the number of training scenes
     (their own generator seed), so one training scene is generated, not the recipe's thousands."""
-    from ..data import load_dataset
-    from ..multimodal.hard_negatives import depth_relation_counts
+    from ropekit.data import load_dataset
+    from ropekit.multimodal.hard_negatives import depth_relation_counts
 
     t = recipe(preset, study)["train"]
     opts = {**t["data_options"], "num_train": 1}
@@ -522,7 +522,7 @@ def _run(study: str, cfg: Any, out: Any, arms: Optional[Sequence[str]]) -> Study
                 compare=compare_retrieval)
 def run_retrieval(cfg: Any, out: Any, arms: Optional[Sequence[str]] = None) -> StudyResult:
     """The ``retrieval`` entry of ``ropekit experiment``: the preset's pinned recipe (:data:`RECIPES`), with these
-    settings of the shared :class:`~ropekit.experiments.settings.ExperimentConfig`: ``seeds`` (when other than the
+    settings of the shared :class:`~ropekit_studies.settings.ExperimentConfig`: ``seeds`` (when other than the
     preset's), ``threads``, ``progress``; ``--arms`` a subset of :data:`ARMS`. The classification backbone, data and
     schedule settings do not apply."""
     return _run("retrieval", cfg, out, arms)

@@ -26,9 +26,9 @@ import dataclasses
 import inspect
 from typing import Any, Dict, Set
 
-from ..experiments.recipes import (DATA_FIELDS, LATER_ARCH_FIELDS, PRESETS, _check_fields, preset_copy,
+from . import (DATA_FIELDS, LATER_ARCH_FIELDS, PRESETS, _check_fields, preset_copy,
                                    with_later_fields)
-from ..nn.vit import ViTConfig
+from ropekit.nn.vit import ViTConfig
 
 __all__ = ["ARMS", "TOP_FIELDS", "recipe", "check_recipe", "policy_fields",
            "backbone_fields", "train_fields", "expert_fields", "with_later_backbone"]
@@ -48,7 +48,7 @@ PER_RUN_BACKBONE = frozenset({"pe", "pe_options", "depth_input", "depth_scale_in
 
 
 def policy_fields() -> Set[str]:
-    from .policy import PolicyConfig
+    from ropekit.robot.policy import PolicyConfig
 
     return {f.name for f in dataclasses.fields(PolicyConfig)} - PER_ARM_POLICY
 
@@ -58,13 +58,13 @@ def backbone_fields() -> Set[str]:
 
 
 def train_fields() -> Set[str]:
-    from .train import PolicyTrainConfig
+    from ropekit.robot.train import PolicyTrainConfig
 
     return {f.name for f in dataclasses.fields(PolicyTrainConfig)} - {"seed", "num_threads"}
 
 
 def expert_fields() -> Set[str]:
-    from .expert import ScriptedExpert
+    from ropekit.robot.expert import ScriptedExpert
 
     params = inspect.signature(ScriptedExpert.__init__).parameters
     return set(params) - {"self", "env", "noise", "seed", "belief_offset"}
@@ -83,7 +83,7 @@ def _backbone(**changes: Any) -> Dict[str, Any]:
 
 def with_later_backbone(doc: Dict[str, Any]) -> Dict[str, Any]:
     """A committed recipe or configuration (robot or ALOHA) with its ``policy.vit_overrides`` completed by the
-    backbone fields added since it was trained (:func:`ropekit.experiments.recipes.with_later_fields`)."""
+    backbone fields added since it was trained (:func:`ropekit_studies.recipes.with_later_fields`)."""
     policy = doc.get("policy")
     if not isinstance(policy, dict) or not isinstance(policy.get("vit_overrides"), dict):
         return doc
@@ -171,7 +171,7 @@ def check_recipe(r: Dict[str, Any], where: str = "robot recipe") -> Dict[str, An
 
     Returns ``r`` unchanged.
     """
-    _check_fields(where, r, set(TOP_FIELDS), "robot recipe fields", "see ropekit.robot.recipes")
+    _check_fields(where, r, set(TOP_FIELDS), "robot recipe fields", "see ropekit_studies.recipes.robot")
     _check_fields(f"{where}: demos", r["demos"], {"episodes", "noise", "clean_labels", "seed", "expert"},
                   "demo fields", "episodes, noise, clean_labels, seed, expert")
     _check_fields(f"{where}: demos.expert", r["demos"]["expert"], expert_fields(), "ScriptedExpert settings",

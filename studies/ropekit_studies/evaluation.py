@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..nn import VisionTransformer, patch_units
+from ropekit.nn import VisionTransformer, patch_units
 
 __all__ = ["predict", "accuracy", "mean_loss", "token_grid", "coord_scale", "random_offsets", "shuffle_patches",
            "shift_images", "pad_or_crop", "background_value", "has_coordinate_path",

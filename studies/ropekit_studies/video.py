@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..nn.coords import COORD_MODES
+from ropekit.nn.coords import COORD_MODES
 from .common import StudyContext, StudyResult, coord_arms, headline
 from .evaluation import accuracy, coord_scale, has_coordinate_path, is_offset_invariant, predict, random_offsets, \
     summarize_logit_change, token_grid
@@ -64,7 +64,7 @@ def run_video(cfg: ExperimentConfig, out: Any) -> StudyResult:
 def run_video_coords(cfg: ExperimentConfig, out: Any, coord_modes: Optional[Sequence[str]] = None) -> StudyResult:
     """The video study of ``cfg``'s encodings with each coordinate convention of ``coord_modes`` (default grid and
     normalized, :data:`ropekit.nn.coords.COORD_MODES`): arms ``<pe>/<convention>``; each non-grid arm's accuracy
-    difference to its encoding's grid arm, paired by seed, with its reading (:func:`ropekit.experiments.verify.
+    difference to its encoding's grid arm, paired by seed, with its reading (:func:`ropekit_studies.verify.
     readings`: normalised − grid claimed positive, the arms one Holm family) in ``summary["paired_diff_vs_grid"]``
     and a second table."""
     return _video("video-coords", cfg, out, list(coord_modes or COORD_MODES))

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
-from ..encodings.registry import RegistryView
+from ropekit.encodings.registry import RegistryView
 
 __all__ = ["mean_std", "fmt_pm", "where_trained", "add_paired_difference", "add_paired_vs_grid", "arm_label",
            "aggregate", "markdown_table",

@@ -1,7 +1,7 @@
 """The study registry: every study registers itself with :func:`register_study`; ``ropekit experiment`` and
-:func:`ropekit.experiments.run_experiment` read :data:`STUDIES`.
+:func:`ropekit_studies.run_experiment` read :data:`STUDIES`.
 
-Importing :mod:`ropekit.experiments` imports every study module (its ``__init__`` is the one list of them), so
+Importing :mod:`ropekit_studies` imports every study module (its ``__init__`` is the one list of them), so
 :data:`STUDIES` is complete whenever this module can be reached.
 """
 
@@ -19,17 +19,19 @@ class Study:
     ``TrainConfig`` fields it changes from run to run besides ``pe`` and ``seed`` (``varies``; with
     ``varies_overrides`` also where the recipe's per-encoding overrides set them, as the sharing ablation does
     with the paper's sharing). A study with an
-    entry in :data:`ropekit.experiments.recipes.RECIPES` takes its configuration from that pinned recipe;
-    detect3d from its own pinned recipes (:mod:`ropekit.detection.recipes`), robot and aloha from their own
+    entry in :data:`ropekit_studies.recipes.RECIPES` takes its configuration from that pinned recipe;
+    detect3d from its own pinned recipes (:mod:`ropekit_studies.recipes.detect3d`), robot and aloha from their own
     configuration classes. ``compare(doc)``: the differences between a committed ``config.json`` (``doc``) and
-    what its recipe trains now, for a study whose recipes have their own format (detect3d, robot)."""
+    what its recipe or recorded commands train now, for a study whose recipes have their own format (detect3d,
+    robot, retrieval, owl; aloha's also takes ``folder`` and ``extra_args``); called by
+    :func:`ropekit_studies.recipes.compare_with_committed`, the one comparison."""
 
     fn: Callable
     help: str
     options: tuple = ()
     varies: tuple = ()
     varies_overrides: bool = False
-    compare: Optional[Callable[[dict], List[str]]] = None
+    compare: Optional[Callable[..., List[str]]] = None
 
 
 #: name -> :class:`Study`, in the order the studies registered (``ropekit experiment all`` runs them so).
@@ -37,7 +39,7 @@ STUDIES: Dict[str, Study] = {}
 
 
 def register_study(name: str, help: str, *, options: tuple = (), varies: tuple = (), varies_overrides: bool = False,
-                   compare: Optional[Callable[[dict], List[str]]] = None) -> Callable[[Callable], Callable]:
+                   compare: Optional[Callable[..., List[str]]] = None) -> Callable[[Callable], Callable]:
     """Decorator: register the study function ``fn(cfg, out, **options)`` under ``name`` (see :class:`Study`).
 
     >>> @register_study("my-study", "what it measures", options=("sizes",))        # doctest: +SKIP

@@ -16,9 +16,9 @@ a dataclass default, a named model size or the scene generator's defaults: the r
 
 :func:`check_recipe` rejects a recipe with a missing or unknown field, so a field added to any of these classes
 breaks the recipe tests until every preset states its value. The field checks and the preset names are those of
-the classification studies (:mod:`ropekit.experiments.recipes`).
+the classification studies (:mod:`ropekit_studies.recipes`).
 
->>> from ropekit.detection.recipes import recipe
+>>> from ropekit_studies.recipes.detect3d import recipe
 >>> r = recipe("default")
 >>> r["backbone"]["embed_dim"], r["train"]["steps"]     # doctest: +SKIP
 """
@@ -29,9 +29,9 @@ import copy
 import dataclasses
 from typing import Any, Dict, Set
 
-from ..experiments.recipes import DATA_FIELDS, PAPER_SHARING, PRESETS, _arch, _check_fields, preset_copy
-from ..nn.vit import ViTConfig
-from .scenes import SceneConfig
+from . import DATA_FIELDS, STUDY_SHARING, PRESETS, _arch, _check_fields, preset_copy
+from ropekit.nn.vit import ViTConfig
+from ropekit.detection.scenes import SceneConfig
 
 __all__ = ["RECIPES", "TOP_FIELDS", "backbone_fields", "train_fields", "scene_fields", "recipe", "check_recipe",
            "DEFAULT_ENCODINGS", "DEFAULT_INPUTS"]
@@ -59,7 +59,7 @@ def backbone_fields() -> Set[str]:
 def train_fields() -> Set[str]:
     """Fields a recipe's ``train`` section must state: ``DetTrainConfig``'s (but seed and evaluation batch size)
     and the training precision."""
-    from .train import DetTrainConfig
+    from ropekit.detection.train import DetTrainConfig
 
     return {f.name for f in dataclasses.fields(DetTrainConfig)} - NON_RECIPE_TRAIN | {"precision"}
 
@@ -74,7 +74,7 @@ def check_recipe(r: Dict[str, Any], where: str = "detect3d recipe") -> Dict[str,
 
     Returns ``r`` unchanged.
     """
-    _check_fields(where, r, set(TOP_FIELDS), "detect3d recipe fields", "see ropekit.detection.recipes")
+    _check_fields(where, r, set(TOP_FIELDS), "detect3d recipe fields", "see ropekit_studies.recipes.detect3d")
     _check_fields(f"{where}: backbone", r["backbone"], backbone_fields(), "backbone fields",
                   "state every ViTConfig field but the data's, pe and depth_input")
     _check_fields(f"{where}: train section", r["train"], train_fields(), "training fields",
@@ -142,7 +142,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
                     box_param="ray", head_hidden=0,
                     backbone=_backbone(embed_dim=96, depth=4, num_heads=2, mlp_ratio=2.0, patch_size=8,
                                        depth_scale_init=5.0),
-                    pe_overrides=copy.deepcopy(PAPER_SHARING), train=_train())
+                    pe_overrides=copy.deepcopy(STUDY_SHARING), train=_train())
     if preset == "gpu":
         # 128x128 renders, 8x8 patches -> 16x16 tokens; a patch now spans half the metres of a CPU-preset one,
         # so a = 10 per metre keeps z isotropic with (y, x); width 192, 6 blocks of 4 heads of 48, MLP ratio 4
@@ -154,7 +154,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
                     box_param="ray", head_hidden=0,
                     backbone=_backbone(embed_dim=192, depth=6, num_heads=4, mlp_ratio=4.0, patch_size=8,
                                        depth_scale_init=10.0, drop_path_rate=0.1),
-                    pe_overrides=copy.deepcopy(PAPER_SHARING),
+                    pe_overrides=copy.deepcopy(STUDY_SHARING),
                     train=_train(steps=1200, batch_size=128, warmup_steps=100, log_every=100, val_scenes=200,
                                  precision="bf16"))
     # quick: 32x32 renders, 4x4 tokens, 1 block, 3 steps -- the study's machinery in seconds
@@ -162,7 +162,7 @@ def _recipe(preset: str) -> Dict[str, Any]:
                 image_size=32, scene_seed=0, scenes=_scenes(), intrinsics="focal", box_param="ray", head_hidden=0,
                 backbone=_backbone(embed_dim=48, depth=1, num_heads=1, mlp_ratio=2.0, patch_size=8,
                                    depth_scale_init=5.0),
-                pe_overrides=copy.deepcopy(PAPER_SHARING),
+                pe_overrides=copy.deepcopy(STUDY_SHARING),
                 train=_train(steps=3, batch_size=8, warmup_steps=1, log_every=1, val_scenes=4, iou_samples=256))
 
 

@@ -171,7 +171,7 @@ def _done(path: Path, settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def _data_config(r: Dict[str, Any], kind: str = "owl2d"):
-    from ..detection.owl_task import OwlDataConfig
+    from ropekit.detection.owl_task import OwlDataConfig
 
     d = dict(r["data"])
     d["unseen"] = tuple(d["unseen"])
@@ -179,7 +179,7 @@ def _data_config(r: Dict[str, Any], kind: str = "owl2d"):
 
 
 def _pretrain(r: Dict[str, Any], enc: str, inp: str, seed: int, out: Path, device: str, threads: int) -> Path:
-    from ..detection.owl_towers import pretrain_towers
+    from ropekit.detection.owl_towers import pretrain_towers
 
     run_dir = out / "pretrain" / run_name("pretrain", enc, inp, seed)
     settings = run_settings(r, "pretrain", enc, inp, seed)
@@ -198,8 +198,8 @@ def _pretrain(r: Dict[str, Any], enc: str, inp: str, seed: int, out: Path, devic
 
 def _train_owl(r: Dict[str, Any], kind: str, enc: str, inp: str, seed: int, out: Path, sets: Tuple[Any, Any],
                device: str) -> Dict[str, Any]:
-    from ..detection.owl_task import OwlTaskConfig, OwlTrainConfig, evaluate_owl, plot_owl_examples, train_owl
-    from ..train.engine import EngineOptions
+    from ropekit.detection.owl_task import OwlTaskConfig, OwlTrainConfig, evaluate_owl, plot_owl_examples, train_owl
+    from ropekit.train.engine import EngineOptions
 
     run_dir = out / "runs" / run_name(kind, enc, inp, seed)
     settings = run_settings(r, kind, enc, inp, seed)
@@ -231,7 +231,7 @@ def run_owl(r: Dict[str, Any], out: Path, *, preset: str, argv: Sequence[str], d
     ``metrics.json`` when their settings match (and left out of the report otherwise)."""
     import torch
 
-    from ..detection.owl_task import load_scenes
+    from ropekit.detection.owl_task import load_scenes
 
     bad = sorted(set(boxes) - {"2d", "3d"})
     if bad or not boxes:
@@ -272,7 +272,7 @@ def run_owl(r: Dict[str, Any], out: Path, *, preset: str, argv: Sequence[str], d
 
 def reading(diffs: Sequence[float], claimed: int = 1) -> str:
     """The word of paired differences against the claimed sign (``+1``: positive) by the one rule
-    (:mod:`ropekit.experiments.verdict`) for a family of one comparison; NaN seeds are left out, ``-`` without
+    (:mod:`ropekit_studies.verdict`) for a family of one comparison; NaN seeds are left out, ``-`` without
     any seed. The study's table reads all its claims together (:func:`claim_verdicts`)."""
     d = [float(x) for x in diffs if x == x]
     return judge_one(d, claimed).word if d else "-"
@@ -426,7 +426,7 @@ def _bars(rows: List[Dict[str, Any]], r: Dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..detection.plot import save_figure
+    from ropekit.detection.plot import save_figure
     from .report import pe_label
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [2.2, 1]})

@@ -19,7 +19,7 @@ factor, low-frequency cap), with the per-axis scale ``s_k = max(1, g_k / L)``: `
 (fixed) or the side of a square image at ``max_tokens`` (native). At or below the training extent every method is
 the identity. APE has no RoPE form; its rows have ``none`` only.
 
-Claims (declared before running; one Holm family, :mod:`ropekit.experiments.verdict`), each a paired difference of
+Claims (declared before running; one Holm family, :mod:`ropekit_studies.verdict`), each a paired difference of
 test accuracy over seeds:
 
 * NaViT (Dehghani et al. 2023, Fig. 1 / Sec. 3.2): native-resolution training helps away from the training
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..encodings.scaling import SCALING_METHODS, ResolutionScaling, apply_resolution_scaling, \
+from ropekit.encodings.scaling import SCALING_METHODS, ResolutionScaling, apply_resolution_scaling, \
     remove_resolution_scaling
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, predict

@@ -1,6 +1,6 @@
 """The robot study: 2-D policies (RGB) against 3-D STRING policies (RGB-D), in and out of distribution.
 
-The recipe of a preset (:mod:`ropekit.robot.recipes`) states every setting. Stages (each skipped when its
+The recipe of a preset (:mod:`ropekit_studies.recipes.robot`) states every setting. Stages (each skipped when its
 output already exists in the folder, so an interrupted run resumes):
 
 1. ``demos.npz`` -- scripted-expert demonstrations in the training distribution.
@@ -33,8 +33,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import math
-import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +40,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..train.metrics import atomic_write_text
-from .demos import _default_start_method, collect_demos, episode_seeds, load_demos, rollout
-from .env import PickConfig, PickEnv, env_config
+from ropekit.train.metrics import atomic_write_text
+from ropekit.robot.demos import collect_demos, episode_seeds, load_demos, rollout
+from ropekit.robot.env import PickConfig, PickEnv, env_config
+from ropekit.robot.evaluate import evaluate_policy, evaluate_run, format_rate, map_jobs, pooled_z, wilson_interval
 
-__all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study", "compare_with_committed",
+__all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study", "compare_recipe",
            "evaluate_policy", "depth_diagnostics", "wilson_interval", "add_arguments", "run"]
 
 CONDITIONS = ("in_distribution", "ood_table_height", "ood_large_distractors", "ood_light")
@@ -59,7 +58,7 @@ COLOURS = {arm: f"C{i}" for i, arm in enumerate(LABELS)}
 
 @dataclass
 class RobotExperimentConfig:
-    """A robot study: the preset's pinned ``recipe`` (:mod:`ropekit.robot.recipes`, saved in ``config.json``)
+    """A robot study: the preset's pinned ``recipe`` (:mod:`ropekit_studies.recipes.robot`, saved in ``config.json``)
     and how to run it -- ``device`` of the training, ``workers`` processes with ``threads`` torch threads each,
     the media sizes and the progress bars."""
 
@@ -84,7 +83,7 @@ class RobotExperimentConfig:
 
 
 def _recipe(preset: str) -> Dict[str, Any]:
-    from .recipes import recipe
+    from .recipes.robot import recipe
 
     return recipe(preset)
 
@@ -94,94 +93,6 @@ def _recipe(preset: str) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> Tuple[float, float]:
-    """Wilson score interval of a binomial proportion (95 % for ``z = 1.96``); ``(0, 1)`` when ``n = 0``."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def pooled_z(k1: int, n1: int, k2: int, n2: int) -> float:
-    """Two-proportion z statistic of ``k1 / n1`` against ``k2 / n2`` with the pooled variance (``nan`` when both
-    proportions are 0 or both are 1, where it is undefined). It treats every episode as independent, so it
-    ignores the spread between training seeds: read it beside the per-seed differences."""
-    pooled = (k1 + k2) / (n1 + n2)
-    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
-    return (k1 / n1 - k2 / n2) / se if se > 0 else float("nan")
-
-
-def evaluate_policy(policy: Any, condition: str, episodes: int, seed: int = 1000,
-                    env_overrides: Optional[Mapping[str, Any]] = None, progress: bool = False,
-                    sample_seed: int = 0) -> Dict[str, Any]:
-    """Success of ``policy`` (a :class:`DiffusionPolicy` or a run folder) on ``episodes`` episodes of a condition.
-
-    Episode ``i`` uses env seed ``episode_seeds(seed, episodes)[i]`` and diffusion seed ``sample_seed + i``, so
-    every policy and condition sees the same scenes. Returns counts, the rate, its 95 % Wilson interval, the
-    mean step of first success, the per-episode outcomes and grasp errors
-    (:func:`~ropekit.robot.diagnose.grasp_errors`) and the failure kinds.
-    """
-    from .diagnose import grasp_errors, summarize_grasp_errors
-
-    rows = grasp_errors(policy, episodes, condition, seed, env_overrides=env_overrides, sample_seed=sample_seed,
-                        progress=progress)
-    outcomes = [r["success"] for r in rows]
-    first = [r["steps"] for r in rows if r["success"]]
-    k = int(sum(outcomes))
-    lo, hi = wilson_interval(k, episodes)
-    return {"condition": condition, "episodes": episodes, "successes": k, "success_rate": k / episodes,
-            "ci95_low": lo, "ci95_high": hi, "mean_steps_to_success": float(np.mean(first)) if first else None,
-            "outcomes": outcomes, "failures": summarize_grasp_errors(rows), "grasp": rows}
-
-
-def _eval_job(args: Tuple[str, str, str, int, int, Dict[str, Any]]) -> Dict[str, Any]:
-    """Evaluate one (policy, condition); the result is kept in ``<run>/eval_<condition>.json`` and reused
-    while the run's checkpoint and the evaluation settings are unchanged."""
-    name, run_dir, condition, episodes, seed, overrides = args
-    from .train import CHECKPOINT
-
-    ckpt = Path(run_dir) / CHECKPOINT
-    cache = Path(run_dir) / f"eval_{condition}.json"
-    key = {"episodes": episodes, "seed": seed, "env": overrides, "version": 2,
-           "checkpoint_sha256": hashlib.sha256(ckpt.read_bytes()).hexdigest() if ckpt.exists() else None}
-    if cache.exists():
-        hit = json.loads(cache.read_text())
-        if hit.get("key") == key:
-            return hit["result"]
-    result = {"policy": name, **evaluate_policy(run_dir, condition, episodes, seed, overrides)}
-    if ckpt.exists():
-        atomic_write_text(cache, json.dumps({"key": key, "result": result}))
-    return result
-
-
-def _map(fn, jobs: Sequence[Any], workers: int, progress: bool, desc: str) -> List[Any]:
-    """``[fn(j) for j in jobs]``, in ``workers`` processes (forkserver, like demo collection) when ``> 1``."""
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(jobs), desc=desc, disable=not progress)
-    out: List[Any] = []
-    try:
-        if workers <= 1:
-            for j in jobs:
-                out.append(fn(j))
-                bar.update(1)
-        else:
-            method = _default_start_method()
-            ctx = mp.get_context(method)
-            if method == "forkserver":
-                ctx.set_forkserver_preload([__name__])
-            with ctx.Pool(min(workers, len(jobs))) as pool:
-                for r in pool.imap(fn, jobs):
-                    out.append(r)
-                    bar.update(1)
-    finally:
-        bar.close()
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------
 # training
 # ---------------------------------------------------------------------------------------------------------
@@ -189,7 +100,7 @@ def _map(fn, jobs: Sequence[Any], workers: int, progress: bool, desc: str) -> Li
 
 def planned_runs(r: Mapping[str, Any]) -> List[Tuple[str, int]]:
     """``(arm, seed)`` of every policy a recipe trains, seed by seed in the order of :data:`recipes.ARMS`."""
-    from .recipes import ARMS
+    from .recipes.robot import ARMS
 
     return [(arm, int(seed)) for seed in r["seeds"] for arm in ARMS if arm in r["arms"]]
 
@@ -218,10 +129,10 @@ def _train_job(args: Tuple[str, int, str, Dict[str, Any], str, int, bool]) -> st
     arm, seed, out, settings, device, threads, progress = args
     import torch
 
-    from ..train import engine
-    from .demos import load_demos
-    from .policy import DiffusionPolicy, PolicyConfig, init_from_2d
-    from .train import CHECKPOINT, DemoChunks, PolicyTrainConfig, load_policy, train_policy
+    from ropekit.train import engine
+    from ropekit.robot.demos import load_demos
+    from ropekit.robot.policy import DiffusionPolicy, PolicyConfig, init_from_2d
+    from ropekit.robot.train import CHECKPOINT, DemoChunks, PolicyTrainConfig, load_policy, train_policy
 
     torch.set_num_threads(threads)
     out_p = Path(out)
@@ -261,7 +172,7 @@ def _train_stage(cfg: RobotExperimentConfig, out: Path, image_size: int) -> Dict
     for group in ([k for k in runs if settings[k]["init_from"] is None],
                   [k for k in runs if settings[k]["init_from"] is not None]):
         jobs = [(arm, seed, str(out), settings[arm, seed], cfg.device, cfg.threads, progress) for arm, seed in group]
-        _map(_train_job, jobs, cfg.workers, cfg.progress and not progress, "train")
+        map_jobs(_train_job, jobs, cfg.workers, cfg.progress and not progress, "train")
     return {k: run_dir(out, *k) for k in runs}
 
 
@@ -272,7 +183,7 @@ def _say(msg: str) -> None:
 def _tolerance_stage(r: Mapping[str, Any], out: Path, quick: bool) -> Dict[str, Any]:
     """``tolerance.json``: the expert's success against its belief error in height, for the recipe's grasp and
     for closing on the top face (``press_depth = suction_height = 0``)."""
-    from .diagnose import expert_tolerance
+    from ropekit.robot.diagnose import expert_tolerance
 
     path = out / "tolerance.json"
     expert = dict(r["demos"]["expert"])
@@ -295,7 +206,7 @@ def _tolerance_stage(r: Mapping[str, Any], out: Path, quick: bool) -> Dict[str, 
 
 def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, Any]:
     """Run (or resume) the study into ``out_dir``; return the document written to ``robot.json``."""
-    from .recipes import check_recipe
+    from .recipes.robot import check_recipe
 
     r = check_recipe(cfg.recipe)
     out = Path(out_dir)
@@ -320,7 +231,7 @@ def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, A
     keys = [(arm, seed, cond) for arm, seed in runs for cond in r["conditions"]]
     jobs = [(arm, str(runs[arm, seed]), cond, r["eval_episodes"], r["eval_seed"], dict(r["env"]))
             for arm, seed, cond in keys]
-    results = _map(_eval_job, jobs, cfg.workers, cfg.progress, "evaluate")
+    results = map_jobs(evaluate_run, jobs, cfg.workers, cfg.progress, "evaluate")
     rows = [{**res, "policy": arm, "seed": seed} for (arm, seed, _), res in zip(keys, results)]
     timings["eval"] = time.time() - t0 - sum(timings.values())
     _say(f"evaluated ({timings['eval']:.0f} s); writing reports")
@@ -375,8 +286,8 @@ def depth_diagnostics(runs: Mapping[Tuple[str, int], Path], demos: Mapping[str, 
     with its fine-tuned 2-D control -- the mean difference (mm) between the two policies' tip targets."""
     import torch
 
-    from .diagnose import depth_shuffle_effect
-    from .train import DemoChunks, load_policy
+    from ropekit.robot.diagnose import depth_shuffle_effect
+    from ropekit.robot.train import DemoChunks, load_policy
 
     out = []
     for (arm, seed), path in runs.items():
@@ -412,11 +323,6 @@ def _run_key(run_dir: Path) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _pct(r: Mapping[str, Any]) -> str:
-    return (f"{r['successes']}/{r['episodes']} = {100 * r['success_rate']:.0f} % "
-            f"[{100 * r['ci95_low']:.0f}, {100 * r['ci95_high']:.0f}]")
-
-
 #: The comparisons of the study: 3-D from 2-D against its fine-tuned 2-D control (the paper's protocol), 3-D from
 #: scratch against 2-D, and 3-D from 2-D against the 2-D policy it started from.
 PAIRS = (("3d", "2d_ft"), ("3d_scratch", "2d"), ("3d", "2d"))
@@ -425,13 +331,13 @@ PAIRS = (("3d", "2d_ft"), ("3d_scratch", "2d"), ("3d", "2d"))
 def paired_verdicts(rows: Sequence[Mapping[str, Any]], policies: Sequence[str], conditions: Sequence[str], *,
                     resamples: int = 4000) -> Dict[Tuple[str, str, str], Any]:
     """The verdict of every comparison of :data:`PAIRS` and condition, by the one rule
-    (:mod:`ropekit.experiments.verdict`): the success difference (first − second, claimed positive) with its
+    (:mod:`ropekit_studies.verdict`): the success difference (first − second, claimed positive) with its
     interval from a bootstrap over training seeds and then the episodes inside each seed
-    (:func:`~ropekit.experiments.verdict.bootstrap_interval`), every comparison of the study one Holm family;
+    (:func:`~ropekit_studies.verdict.bootstrap_interval`), every comparison of the study one Holm family;
     one seed is "not assessable". ``rows``: one per policy, seed and condition with ``successes`` and
     ``episodes`` (as ``robot.csv`` holds them; strings accepted). Returns ``{(first, second, condition):
     Verdict}`` (differences as fractions, not points)."""
-    from ..experiments.verdict import bootstrap_interval, judge
+    from .verdict import bootstrap_interval, judge
 
     cells = {(r["policy"], r["condition"], int(r["seed"])): (int(r["successes"]), int(r["episodes"])) for r in rows}
     diffs, pv, iv = {}, {}, {}
@@ -461,7 +367,7 @@ def _paired_lines(table: Mapping[Tuple[str, str], Mapping[str, Any]], policies: 
     """Markdown lines: per pair of policies and condition, the success differences paired by training seed
     (percentage points; mean and sample standard deviation over the seeds), the pooled two-proportion z and,
     with ``verdicts`` (:func:`paired_verdicts`), the 95 % bootstrap interval and the verdict."""
-    from ..experiments.verdict import RULE
+    from .verdict import RULE
 
     lines = ["", "Differences in success, paired by training seed (percentage points; mean ± sample standard "
              "deviation over the seeds), and the two-proportion z of the pooled episodes (which ignores the "
@@ -520,7 +426,7 @@ def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[Tuple[str, in
         for c in conditions:
             a = table[p, c]
             per_seed = ", ".join(f"{100 * x:.0f}" for x in a["seed_rates"])
-            cells.append(f"{_pct(a)}<br>seeds: {per_seed} %")
+            cells.append(f"{format_rate(a)}<br>seeds: {per_seed} %")
         lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(cells) + " |")
     lines += _paired_lines(table, policies, conditions, paired_verdicts(rows, policies, conditions))
     lines += ["", "Failures by kind, summed over the seeds. The suction link never came within the 12 mm suction "
@@ -624,8 +530,8 @@ def _rollout_media(cfg: RobotExperimentConfig, out: Path, runs: Mapping[str, Pat
     (in distribution)."""
     from PIL import Image, ImageDraw
 
-    from .policy import PolicyRunner
-    from .train import load_policy
+    from ropekit.robot.policy import PolicyRunner
+    from ropekit.robot.train import load_policy
 
     r = cfg.recipe
     seed = int(episode_seeds(r["eval_seed"], max(1, r["eval_episodes"]))[0])
@@ -666,7 +572,7 @@ def _rollout_media(cfg: RobotExperimentConfig, out: Path, runs: Mapping[str, Pat
 
 
 def add_arguments(parser: Any) -> None:
-    from ..experiments.recipes import PRESETS
+    from .recipes import PRESETS
 
     parser.add_argument("--out", default="runs/robot", help="output folder (resumes what it already holds)")
     parser.add_argument("--preset", choices=PRESETS, default="default",
@@ -696,13 +602,13 @@ def config_from_args(args: Any) -> RobotExperimentConfig:
     return cfg
 
 
-def compare_with_committed(doc: Dict[str, Any], where: str = "robot") -> List[str]:
+def compare_recipe(doc: Dict[str, Any], where: str = "robot") -> List[str]:
     """Differences between a committed robot ``config.json`` (``doc``) and what its recorded preset resolves to
     now: the recipe field by field, the set of runs, and every recorded run's policy and training settings
     against :func:`arm_settings`. One line per difference; empty when the committed
     runs are what the documented command trains now."""
-    from ..experiments.recipes import PRESETS
-    from .recipes import recipe, with_later_backbone
+    from .recipes import PRESETS
+    from .recipes.robot import recipe, with_later_backbone
 
     preset = doc.get("preset")
     if preset not in PRESETS:
@@ -734,16 +640,16 @@ def compare_with_committed(doc: Dict[str, Any], where: str = "robot") -> List[st
 
 
 def run_study(exp_cfg: Any, out: PathLike, **options: Any):
-    """The ``robot`` entry of ``ropekit experiment`` (:mod:`ropekit.experiments.registry`).
+    """The ``robot`` entry of ``ropekit experiment`` (:mod:`ropekit_studies.registry`).
 
-    The preset's pinned recipe (:mod:`ropekit.robot.recipes`; ``exp_cfg.preset``), with ``progress`` and, when
+    The preset's pinned recipe (:mod:`ropekit_studies.recipes.robot`; ``exp_cfg.preset``), with ``progress`` and, when
     given, ``seeds`` and ``pes`` (one name: both policies' encoding; two: the 2-D then the 3-D policy's) of the
-    shared :class:`~ropekit.experiments.settings.ExperimentConfig`. The classification backbone and schedule
+    shared :class:`~ropekit_studies.settings.ExperimentConfig`. The classification backbone and schedule
     do not apply; ``ropekit robot experiment`` takes this study's own flags.
     """
-    from ..experiments.common import StudyResult
-    from ..experiments.recipes import PRESETS
-    from ..experiments.settings import ExperimentConfig
+    from .common import StudyResult
+    from .recipes import PRESETS
+    from .settings import ExperimentConfig
 
     if options:
         raise ValueError(f"experiment robot takes no option {', '.join(sorted(options))}")

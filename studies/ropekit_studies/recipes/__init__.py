@@ -17,7 +17,7 @@ dataclass breaks the recipe tests until every recipe states its value. Three pre
 ``default`` (2-core CPU, under 30 minutes per study), ``gpu`` (a larger model, more steps and seeds, under
 30 minutes on one GPU) and ``quick`` (seconds; tests and CI).
 
->>> from ropekit.experiments.recipes import recipe, experiment_config
+>>> from ropekit_studies.recipes import recipe, experiment_config
 >>> r = recipe("classify", "default")
 >>> cfg = experiment_config("classify", "default")
 >>> tcfg = cfg.train_config("mixed", 0)          # every field from the recipe, none from a default
@@ -31,11 +31,11 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..nn.vit import ViTConfig
-from ..train import TrainConfig
-from .arguments import _OPTION_FIELDS, _STUDY_OPTIONS, add_arguments
-from .registry import STUDIES
-from .settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
+from ropekit.nn.vit import PAPER_SHARING, ViTConfig
+from ropekit.train import TrainConfig
+from ..arguments import _OPTION_FIELDS, _STUDY_OPTIONS, add_arguments
+from ..registry import STUDIES
+from ..settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
 __all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "LATER_BACKBONE_FIELDS", "with_later_fields", "RUNTIME_FIELDS",
            "PER_RUN_FIELDS", "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields",
@@ -132,16 +132,17 @@ def check_recipe(r: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
 # the recipes
 # ---------------------------------------------------------------------------------------------------------
 
-#: Every rotary encoding with the parameter sharing the committed studies trained it with: as its paper trained
-#: it -- RoPE-Mixed per layer and head, the STRING family per layer (heads share), LieRE one set for the whole
-#: model -- except ComRoPE, one set for the model where its paper (Table 7) has one per layer and head
-#: (``ropekit.nn.PAPER_SHARING`` now says ``"head"``; the sharing ablation trains that arm).
-PAPER_SHARING: Dict[str, Dict[str, Any]] = {
-    "axial": {"pe_sharing": "model"}, "mixed": {"pe_sharing": "head"}, "cayley": {"pe_sharing": "layer"},
-    "circulant": {"pe_sharing": "layer"}, "liere": {"pe_sharing": "model"},
-    "liere-commute": {"pe_sharing": "model"}, "comrope-ap": {"pe_sharing": "model"},
-    "comrope-ld": {"pe_sharing": "model"},
-}
+#: The rotary encodings the studies compare.
+STUDY_ROTARY_PES = ("axial", "mixed", "cayley", "circulant", "liere", "liere-commute", "comrope-ap", "comrope-ld")
+#: Where the studies' sharing departs from the papers' (``ropekit.nn.PAPER_SHARING``, the one table of how each
+#: paper trained its encoding): ComRoPE's paper (Table 7) has one set per layer and head, the committed studies
+#: trained it with one set for the whole model (the sharing ablation trains the paper's arm).
+STUDY_SHARING_CHANGES: Dict[str, str] = {"comrope-ap": "model", "comrope-ld": "model"}
+#: The recipes' per-encoding sharing: ``ropekit.nn.PAPER_SHARING`` with :data:`STUDY_SHARING_CHANGES` --
+#: RoPE-Mixed per layer and head, the STRING family per layer (heads share), LieRE one set for the whole model,
+#: ComRoPE one set for the model.
+STUDY_SHARING: Dict[str, Dict[str, Any]] = {
+    pe: {"pe_sharing": STUDY_SHARING_CHANGES.get(pe, PAPER_SHARING[pe])} for pe in STUDY_ROTARY_PES}
 # The comparison is DEFAULT_PES (no position, learned absolute, every rotary preset above), the quick preset
 # QUICK_PES and the scale study SCALE_PES, all from settings, where the studies take their defaults.
 #: Video on the CPU: the comparison without the second LieRE and ComRoPE variants (30 epochs per run).
@@ -209,7 +210,7 @@ def _mnist_quick(**changes: Any) -> Dict[str, Any]:
 def _study(pes: Sequence[str], seeds: Sequence[int], eval_limit: Optional[int] = None,
            pe_overrides: Optional[Dict[str, Dict[str, Any]]] = None, **options: Any) -> Dict[str, Any]:
     return {"pes": list(pes), "seeds": list(seeds), "eval_limit": eval_limit,
-            "pe_overrides": copy.deepcopy(PAPER_SHARING if pe_overrides is None else pe_overrides),
+            "pe_overrides": copy.deepcopy(STUDY_SHARING if pe_overrides is None else pe_overrides),
             "options": options}
 
 
@@ -223,8 +224,8 @@ def _presets(study_default: Dict[str, Any], study_gpu: Dict[str, Any], study_qui
 
 #: The claims each study declares before it runs: the comparisons its papers make, ``(first, second, sign, paper)``
 #: read as ``first − second`` with the claimed ``sign`` (+1: first above), and the paper's own numbers. A study's
-#: claims are one Holm family (:mod:`ropekit.experiments.verdict`); ``docs/results/claims.md`` is generated from
-#: them and the committed CSVs (:mod:`ropekit.experiments.claims`). Kept beside, not inside, the recipes, so that
+#: claims are one Holm family (:mod:`ropekit_studies.verdict`); ``docs/results/claims.md`` is generated from
+#: them and the committed CSVs (:mod:`ropekit_studies.claims`). Kept beside, not inside, the recipes, so that
 #: declaring a claim changes no run's configuration.
 STUDY_CLAIMS: Dict[str, Tuple[Tuple[str, str, int, str], ...]] = {
     "classify": (
@@ -411,7 +412,7 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
                sizes=[16, 20, 24, 28, 36, 44, 56]),
         _study(["comrope-ld", "absolute"], [0], 200, pe_overrides=_COMROPE_PAPER_START,
                coord_modes=["normalized"], jitter_sigma=1.0, scale_sizes=None, sizes=[16, 28])),
-    # fixed-size against native-resolution training (ropekit.experiments.native_resolution): the classification's
+    # fixed-size against native-resolution training (ropekit_studies.native_resolution): the classification's
     # recipe (its fixed arms are the classification's runs of the same seeds), every test digit at 11 grids, 5 scalings
     "native-resolution": _presets(
         _study(_NATIVE_PES, SEEDS, None, **_NATIVE_STUDY, native_options=_NATIVE_OPTIONS["default"]),
@@ -450,7 +451,7 @@ def recipe(study: str, preset: str = "default") -> Dict[str, Any]:
 
 
 def experiment_config(study: str, preset: str = "default", r: Optional[Dict[str, Any]] = None):
-    """The :class:`~ropekit.experiments.ExperimentConfig` of ``study`` at ``preset``, built from its recipe
+    """The :class:`~ropekit_studies.ExperimentConfig` of ``study`` at ``preset``, built from its recipe
     (or from ``r``): every ``TrainConfig`` field is given explicitly, so no dataclass default is used."""
     r = check_recipe(copy.deepcopy(r), f"recipe {study}/{preset}") if r is not None else recipe(study, preset)
     train = r["train"]
@@ -470,7 +471,7 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
     import argparse
     import shlex
 
-    from ..train.config import parse_key_values
+    from ropekit.train.config import parse_key_values
 
     words = shlex.split(command or "")
     if words[:2] != ["ropekit", "experiment"]:
@@ -489,7 +490,7 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
     return out
 
 
-def compare_with_committed(study_dir: Any) -> List[str]:
+def compare_with_committed(study_dir: Any, extra_args: Sequence[str] = ()) -> List[str]:
     """Differences between a study's committed ``config.json`` and what its recorded preset resolves to now.
 
     Compares the recipe section as a whole and, for every recorded run, each recipe field of its training
@@ -500,16 +501,24 @@ def compare_with_committed(study_dir: Any) -> List[str]:
     them), as do list-valued study options it gave (``--groups``, ``--sharing-pe``, ...: a part of the study;
     an error unless a subset of the recipe's list, or where the recipe states no such list), and its
     ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are
-    compared by their study's own ``compare`` (:class:`~ropekit.experiments.registry.Study`).
+    compared by their study's own ``compare`` (:class:`~ropekit_studies.registry.Study`), as are ALOHA folders
+    (one study's or a merge's, recognised by their ``ropekit robot aloha`` command or ``merged`` parts): each
+    part's recorded command, with ``extra_args`` appended (options that were the preset's default when the study
+    ran and that its ``commands.sh`` now states, e.g. ``--aux-weight 0``), against the configuration it resolves
+    to now.
     A committed recipe or run without a field of :data:`LATER_ARCH_FIELDS` is read as holding its value.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
     path = Path(study_dir) / "config.json"
     doc = json.loads(path.read_text())
     name, preset = doc.get("study"), doc.get("preset")
+    if "merged" in doc or str(doc.get("command") or "").startswith("ropekit robot aloha"):
+        return STUDIES["aloha"].compare(doc, folder=Path(study_dir).name, extra_args=tuple(extra_args))
     if name not in STUDIES or preset not in PRESETS:
         return [f"{path}: no study/preset recorded (written before recipes were pinned?)"]
-    if STUDIES[name].compare is not None:  # its own recipe format (detect3d, robot)
+    if extra_args:
+        raise ValueError(f"{name}: extra command-line options are compared for ALOHA folders only")
+    if STUDIES[name].compare is not None:  # its own recipe format (detect3d, robot, retrieval, owl)
         return STUDIES[name].compare(doc)
     now = recipe(name, preset)
     diffs: List[str] = []

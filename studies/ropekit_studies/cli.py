@@ -1,6 +1,6 @@
 """``ropekit experiment NAME``: the studies from the command line.
 
-Every option defaults to the study's pinned recipe (:mod:`ropekit.experiments.recipes`; ``--preset gpu`` for the
+Every option defaults to the study's pinned recipe (:mod:`ropekit_studies.recipes`; ``--preset gpu`` for the
 GPU one, ``--quick`` for the tiny one); options given on the command line override it.
 """
 

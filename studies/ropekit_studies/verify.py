@@ -15,7 +15,7 @@ nothing trained before is read back), and compares:
 * **paired difference** -- for every condition and every pair of sampled arms (``second − first``, as ``--pe``
   orders them): the committed differences seed by seed, and the same list with the sampled seeds' differences
   replaced by the re-run's ("spliced": what the whole study would read had it been re-run at HEAD). Holds when
-  the spliced verdict (:func:`readings`: the rule of :mod:`ropekit.experiments.verdict`, the pairs read as one
+  the spliced verdict (:func:`readings`: the rule of :mod:`ropekit_studies.verdict`, the pairs read as one
   Holm family) and sign are the committed ones.
 
 Command line::
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .._platform import numerics_fingerprint
+from ropekit._platform import numerics_fingerprint
 from .verdict import RULE, judge, judge_one
 
 __all__ = ["reading", "readings", "compare_readings", "verify_study", "render_verification", "parse_sample"]
@@ -48,7 +48,7 @@ BOOKKEEPING = ("seed", "run", "device", "wall_time", "num_params", "parameters",
 
 def reading(diffs: Sequence[float], claimed: int = 1) -> Tuple[str, int]:
     """The verdict of paired differences ``diffs`` (one per seed) and its sign, by the one rule of
-    :mod:`ropekit.experiments.verdict` for a family of one comparison (no multiple-comparison correction):
+    :mod:`ropekit_studies.verdict` for a family of one comparison (no multiple-comparison correction):
     ``"holds"`` / ``"reversed"`` when the 95 % t interval excludes 0 with the ``claimed`` / the other sign,
     ``"trend"`` when only the 80 % interval does, ``"null"`` otherwise, ``"not assessable"`` for one seed.
     Returns ``(verdict, sign)``, sign ``+1``, ``-1`` or ``0`` (the sign of the mean).

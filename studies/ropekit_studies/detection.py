@@ -10,7 +10,7 @@ encoding) is available as an input but not trained by default.
 For every encoding × input × seed the same detector (:mod:`ropekit.detection.model`) is trained on the same
 cached scenes with the same schedule -- only the encoding, the input and the seed change -- and evaluated on a
 held-out scene stream (every object; mean 3-D IoU of Hungarian-matched pairs and mAP at 3-D IoU 0.25 / 0.5,
-Monte Carlo IoU).  Every setting comes from a pinned recipe (:mod:`ropekit.detection.recipes`: ``default``
+Monte Carlo IoU).  Every setting comes from a pinned recipe (:mod:`ropekit_studies.recipes.detect3d`: ``default``
 for a 2-core CPU, ``gpu``, ``quick``).  The output directory gets:
 
 * ``runs/<encoding>-<input>-s<seed>/``: ``config.json`` (the run's settings and resolved detector),
@@ -23,7 +23,7 @@ for a 2-core CPU, ``gpu``, ``quick``).  The output directory gets:
   ``detect3d.png`` (bars of the three metrics), ``iou_curve.png`` (held-out mean IoU against step),
   ``training.png`` (loss curves), ``examples.png`` (test scenes with predicted (blue) and true (green) boxes),
   ``config.json`` (study, preset, the complete recipe, the command and every run's settings: what
-  :func:`ropekit.experiments.recipes.compare_with_committed` checks) and ``command.txt``.
+  :func:`ropekit_studies.recipes.compare_with_committed` checks) and ``command.txt``.
 
 A run whose ``metrics.json`` holds the same settings is not trained again, so an interrupted study resumes
 where it stopped.  Each run is trained under a lock on its folder, and the scenes are rendered under a lock on
@@ -32,7 +32,7 @@ holds is taken up at the end, read back once it is done), and both finish with t
 
 Python entry point::
 
-    from ropekit.detection.experiment import preset_config, run_detect3d
+    from ropekit_studies.detection import preset_config, run_detect3d
     summary = run_detect3d(preset_config("quick", out="runs/d3"))
 """
 
@@ -54,15 +54,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..encodings.counting import count_parameters
-from ..experiments.recipes import PRESETS
-from .model import BOX_PARAMS, INPUTS, INTRINSICS, Detector3D, depth_input_of, detector_config, is_rotary
-from .recipes import check_recipe, recipe
-from .scenes import CLASS_NAMES, SceneConfig, SceneSet, generate_scenes
-from .train import DetTrainConfig, evaluate_detector, matched_errors, mean_box, predict, seed_everything, train_detector
+from ropekit.encodings.counting import count_parameters
+from .recipes import PRESETS
+from ropekit.detection.model import BOX_PARAMS, INPUTS, INTRINSICS, Detector3D, depth_input_of, detector_config, is_rotary
+from .recipes.detect3d import check_recipe, recipe
+from ropekit.detection.scenes import CLASS_NAMES, SceneConfig, SceneSet, generate_scenes
+from ropekit.detection.train import DetTrainConfig, evaluate_detector, matched_errors, mean_box, predict, seed_everything, train_detector
 
 __all__ = ["Detect3DConfig", "config_from_recipe", "preset_config", "quick_config", "planned_runs", "run_settings",
-           "build_detector", "run_detect3d", "run_study", "compare_with_committed", "add_arguments", "run", "main", "INPUT_LABELS"]
+           "build_detector", "run_detect3d", "run_study", "compare_recipe", "add_arguments", "run", "main", "INPUT_LABELS"]
 
 #: Column titles: the paper's ViT and ViTD, and the two ablations of ViTD.
 INPUT_LABELS = {"rgb": "ViT (RGB)", "rgbd": "ViTD (depth as input + coordinate)", "rgbd-channel": "depth as input only",
@@ -73,7 +73,7 @@ ERRORS = ("lateral_err", "depth_err", "size_err", "rot_err_deg", "class_acc")
 
 @dataclass
 class Detect3DConfig:
-    """Settings of the whole study: the pinned recipe of a preset (:mod:`ropekit.detection.recipes`) plus how
+    """Settings of the whole study: the pinned recipe of a preset (:mod:`ropekit_studies.recipes.detect3d`) plus how
     it runs.  Build it with :func:`config_from_recipe`; nothing here has a default that could change what is
     learned.
 
@@ -112,7 +112,7 @@ class Detect3DConfig:
     device: str = "auto"
 
     def validate(self) -> "Detect3DConfig":
-        from .. import list_pes
+        from ropekit import list_pes
 
         known = list_pes() + ["absolute", "sincos"]
         for enc in self.encodings:
@@ -135,7 +135,7 @@ class Detect3DConfig:
         return self
 
     def recipe(self) -> Dict[str, Any]:
-        """The recipe this configuration runs (the format of :func:`ropekit.detection.recipes.recipe`)."""
+        """The recipe this configuration runs (the format of :func:`ropekit_studies.recipes.detect3d.recipe`)."""
         train = self.train.to_dict()
         for k in ("seed", "eval_batch_size"):
             train.pop(k)
@@ -336,7 +336,7 @@ def train_one(cfg: Detect3DConfig, enc: str, inp: str, seed: int, train_set: Sce
     A run whose ``metrics.json`` holds the same :func:`run_settings` is read back instead.  The learning curve
     (``val_mean_iou`` in ``curve.csv``) is measured on the first ``train.val_scenes`` test scenes.
     """
-    from ..train import engine
+    from ropekit.train import engine
 
     tcfg = dataclasses.replace(cfg.train, seed=seed)
     settings = json.loads(json.dumps(run_settings(cfg, enc, inp, seed), default=_json_default))
@@ -508,8 +508,8 @@ def render_examples(cfg: Detect3DConfig, test_set: SceneSet, configs: Sequence[T
     in blue, the model's ``n`` highest-scoring predictions (score = best real-class probability) with ``n``
     the number of true objects in the scene -- what the detector outputs when told how many objects there
     are, duplicates included."""
-    from .matching import postprocess
-    from .plot import draw_boxes, example_grid
+    from ropekit.detection.matching import postprocess
+    from ropekit.detection.plot import draw_boxes, example_grid
 
     n = min(cfg.num_examples, len(test_set))
     if n == 0 or not configs:
@@ -553,7 +553,7 @@ def _run_key(settings: Dict[str, Any]) -> str:
 
 def write_report(cfg: Detect3DConfig, runs: Sequence[Dict[str, Any]], test_set: SceneSet, argv: Sequence[str]) -> Dict:
     """Aggregate files, table, plots and examples from the run rows."""
-    from .plot import plot_metric_bars, plot_training_curves
+    from ropekit.detection.plot import plot_metric_bars, plot_training_curves
 
     out = Path(cfg.out)
     runs = [{**r, **run_errors(cfg, r, test_set)} for r in runs]
@@ -626,7 +626,7 @@ def _train_or_wait(cfg: Detect3DConfig, plan: Sequence[Tuple[int, str, str]], tr
     the same ``out`` share the work, and both end with every row.  Each run's error breakdown
     (:func:`run_errors`) is computed by the process that trained it, under the same lock.
     """
-    from ..train.engine import RunLock, RunLockedError
+    from ropekit.train.engine import RunLock, RunLockedError
 
     rows: Dict[Tuple[int, str, str], Dict[str, Any]] = {}
     waiting = list(plan)
@@ -671,20 +671,20 @@ def run_detect3d(cfg: Detect3DConfig, argv: Optional[Sequence[str]] = None, prog
     # seeds outermost: an early stop still leaves every configuration with some seeds
     plan = [(seed, inp, enc) for seed in cfg.seeds for enc, inp in planned_runs(cfg)]
     runs = _train_or_wait(cfg, plan, train_set, test_set)
-    argv = list(argv) if argv is not None else ["python", "-m", "ropekit.detection.experiment"] + sys.argv[1:]
+    argv = list(argv) if argv is not None else ["python", "-m", "ropekit_studies.detection"] + sys.argv[1:]
     with _WaitLock(out / ".report.lock"):  # a second process on the same folder rewrites it after this one
         result = write_report(cfg, runs, test_set, argv)
     _log(f"done in {time.perf_counter() - t0:.0f}s; results in {out}")
     return result
 
 
-def compare_with_committed(doc: Dict[str, Any], where: str = "detect3d") -> List[str]:
+def compare_recipe(doc: Dict[str, Any], where: str = "detect3d") -> List[str]:
     """Differences between a committed detect3d ``config.json`` (``doc``) and what its recorded preset resolves
     to now: the recipe as a whole, the set of runs (none missing, none extra), and every recorded run's settings
     against the settings the recipe gives that run (:func:`run_settings`). One line
     per difference; empty when the committed runs are what the documented command trains now."""
     preset = doc.get("preset")
-    from ..experiments.recipes import with_later_fields
+    from .recipes import with_later_fields
 
     now = json.loads(json.dumps(recipe(preset)))
     committed = dict(doc.get("recipe") or {})
@@ -714,10 +714,10 @@ def compare_with_committed(doc: Dict[str, Any], where: str = "detect3d") -> List
 
 
 def run_study(exp_cfg: Any, out: Any, **options: Any):
-    """The ``detect3d`` entry of ``ropekit experiment`` (:mod:`ropekit.experiments.registry`).
+    """The ``detect3d`` entry of ``ropekit experiment`` (:mod:`ropekit_studies.registry`).
 
-    The preset's pinned recipe (:mod:`ropekit.detection.recipes`; ``exp_cfg.preset``: ``default``, ``gpu`` or
-    ``quick``), with these settings of the shared :class:`~ropekit.experiments.settings.ExperimentConfig`:
+    The preset's pinned recipe (:mod:`ropekit_studies.recipes.detect3d`; ``exp_cfg.preset``: ``default``, ``gpu`` or
+    ``quick``), with these settings of the shared :class:`~ropekit_studies.settings.ExperimentConfig`:
     ``pes`` (a subset of the encodings), ``seeds``, ``threads`` (the gpu preset takes up to 8 unless another
     number than the default 1 is given: its metrics run on the CPU), ``progress``; a ``cache_dir`` other than the
     default puts the rendered scenes in ``<cache_dir>/scenes`` (otherwise they go to ``.cache/scenes``).  The
@@ -726,8 +726,8 @@ def run_study(exp_cfg: Any, out: Any, **options: Any):
     """
     import os
 
-    from ..experiments.common import StudyResult
-    from ..experiments.settings import ExperimentConfig
+    from .common import StudyResult
+    from .settings import ExperimentConfig
 
     unknown = sorted(set(options) - {"inputs"})
     if unknown:
@@ -763,7 +763,7 @@ def _csv_list(text: str) -> Tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``python -m ropekit.detection.experiment``: a preset, then any recipe field overridden."""
+    """Options of ``python -m ropekit_studies.detection``: a preset, then any recipe field overridden."""
     p.add_argument("--preset", choices=PRESETS, default="default", help="the pinned recipe (default: default)")
     p.add_argument("--quick", action="store_true", help="the same as --preset quick")
     p.add_argument("--encodings", type=_csv_list, default=None, help="comma-separated encodings")
@@ -819,11 +819,11 @@ def run(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m ropekit.detection.experiment [options]``."""
-    p = argparse.ArgumentParser(prog="python -m ropekit.detection.experiment", description=__doc__.split("\n")[0])
+    """``python -m ropekit_studies.detection [options]``."""
+    p = argparse.ArgumentParser(prog="python -m ropekit_studies.detection", description=__doc__.split("\n")[0])
     add_arguments(p)
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run(p.parse_args(argv), argv=["python", "-m", "ropekit.detection.experiment"] + argv)
+    return run(p.parse_args(argv), argv=["python", "-m", "ropekit_studies.detection"] + argv)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ...experiments.recipes import LATER_ARCH_FIELDS
+from ropekit.robot.aloha.policy import encoding_label
+
+from .recipes import LATER_ARCH_FIELDS
 
 __all__ = ["AlohaExperimentConfig", "run_experiment", "run_study", "robot_command", "missing_fields", "PRESETS"]
 
@@ -97,8 +99,8 @@ class AlohaExperimentConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        from .policy import ENCODINGS
-        from .sim import task_spec
+        from ropekit.robot.aloha.policy import ENCODINGS
+        from ropekit.robot.aloha.sim import task_spec
 
         self.tasks = [task_spec(t).name for t in self.tasks]
         unknown = [e for e in self.encodings if e not in ENCODINGS]
@@ -125,8 +127,8 @@ class AlohaExperimentConfig:
     def demo_config(self, task: str) -> Any:
         """The :class:`~.expert.DemoConfig` of ``task``'s demo set (with depth when any row or ``demo_depth``
         needs it)."""
-        from .expert import DemoConfig
-        from .policy import ENCODINGS
+        from ropekit.robot.aloha.expert import DemoConfig
+        from ropekit.robot.aloha.policy import ENCODINGS
 
         depth = self.demo_depth or any(ENCODINGS[e][0] == "rgbd" for e in self.encodings)
         return DemoConfig(task=task, episodes=self.demos, seed=self.demo_seed, episode_steps=self.episode_steps,
@@ -134,8 +136,8 @@ class AlohaExperimentConfig:
 
     def run_configs(self, label: str, seed: int) -> Tuple[Any, Any]:
         """``(AlohaPolicyConfig, PolicyTrainConfig)`` of the encoder row ``label`` at training seed ``seed``."""
-        from ..train import PolicyTrainConfig
-        from .policy import ENCODINGS, AlohaPolicyConfig
+        from ropekit.robot.train import PolicyTrainConfig
+        from ropekit.robot.aloha.policy import ENCODINGS, AlohaPolicyConfig
 
         modality, pe, pe_options = ENCODINGS[label]
         pcfg = AlohaPolicyConfig(**{**copy.deepcopy(self.policy), "pe": pe, "pe_options": dict(pe_options),
@@ -184,9 +186,9 @@ def _train(**changes: Any) -> Dict[str, Any]:
 
 def missing_fields(cfg: AlohaExperimentConfig) -> List[str]:
     """Policy, encoder and training fields ``cfg`` leaves to a default (empty for every preset)."""
-    from ..recipes import backbone_fields
-    from ..train import PolicyTrainConfig
-    from .policy import AlohaPolicyConfig
+    from .recipes.robot import backbone_fields
+    from ropekit.robot.train import PolicyTrainConfig
+    from ropekit.robot.aloha.policy import AlohaPolicyConfig
 
     policy = {f.name for f in dataclasses.fields(AlohaPolicyConfig)} - PER_RUN_POLICY
     train = {f.name for f in dataclasses.fields(PolicyTrainConfig)} - {"seed", "num_threads"}
@@ -235,8 +237,8 @@ def _slug(label: str) -> str:
 def expert_ceiling(task: str, seeds: Sequence[int], episode_steps: int = 400) -> Dict[str, Any]:
     """Success of the scripted expert (end-effector script, then joint replay) on ``seeds``, no rendering,
     and its closest approach to the object (``reach_gap``, metres: the reference for the policies')."""
-    from .expert import expert_episode
-    from .sim import AlohaSim
+    from ropekit.robot.aloha.expert import expert_episode
+    from ropekit.robot.aloha.sim import AlohaSim
 
     t0 = time.time()
     replay, ee = AlohaSim(task, cameras=()), AlohaSim(task, mode="ee", cameras=())
@@ -266,8 +268,8 @@ def run_experiment(cfg: AlohaExperimentConfig, out: PathLike, command: Optional[
     """Run the study described by ``cfg``; write its outputs into ``out``; return the results document.
 
     ``workers``: processes that collect a missing demo set side by side (the set does not depend on it)."""
-    from .expert import load_or_collect
-    from ...train.metrics import atomic_write_text
+    from ropekit.robot.aloha.expert import load_or_collect
+    from ropekit.train.metrics import atomic_write_text
 
     t_start = time.time()
     out = Path(out)
@@ -332,9 +334,9 @@ def _train_and_evaluate(cfg: AlohaExperimentConfig, task: str, label: str, seed:
                         eval_seeds: List[int], curve_steps: List[int], t_start: float) -> Dict[str, Any]:
     """Train one policy (resuming from ``run_dir/train`` after an interruption), evaluate it along the way and
     at the end; write ``run_dir/result.json`` (which marks it done) and return its record."""
-    from ...train.metrics import atomic_write_text
-    from ..train import train_policy
-    from .policy import AlohaChunks, AlohaPolicy, evaluate_policy, save_aloha_policy
+    from ropekit.train.metrics import atomic_write_text
+    from ropekit.robot.train import train_policy
+    from ropekit.robot.aloha.policy import AlohaChunks, AlohaPolicy, evaluate_policy, save_aloha_policy
 
     t0 = time.time()
     torch.manual_seed(seed)
@@ -385,7 +387,7 @@ def merge_results(dirs: Sequence[PathLike], out: PathLike) -> Dict[str, Any]:
     folder that is itself a merge contributes its parts (their commands, configurations and sources), so runs
     finished later can be added to a committed merge without the parts it was made from.
     """
-    from ...train.metrics import atomic_write_text
+    from ropekit.train.metrics import atomic_write_text
 
     totals = ("total", "total (longest part)")
     docs = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
@@ -459,7 +461,7 @@ def _paired_lines(doc: Dict[str, Any]) -> List[str]:
     seed (percentage points; mean and sample standard deviation over the seeds), and the two-proportion z of the
     pooled episodes ("-" where both are at 0 or both at 1). Empty when no task has the APE row beside another encoder
     on the same seeds."""
-    from ..experiment import pooled_z
+    from .robot import pooled_z
 
     rows = []
     for task, tdoc in doc["tasks"].items():
@@ -487,7 +489,7 @@ def _paired_lines(doc: Dict[str, Any]) -> List[str]:
 
 
 def _write_reports(cfg: Optional[AlohaExperimentConfig], doc: Dict[str, Any], out: Path) -> None:
-    from ...train.metrics import atomic_write_text
+    from ropekit.train.metrics import atomic_write_text
 
     atomic_write_text(out / "results.json", json.dumps(doc, indent=2))
     buf = io.StringIO()
@@ -513,7 +515,7 @@ def _plot(doc: Dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .policy import ENCODINGS
+    from ropekit.robot.aloha.policy import ENCODINGS
 
     tasks = list(doc["tasks"])
     labels = list(ENCODINGS) + sorted({lb for t in tasks for lb in doc["tasks"][t]["policies"]} - set(ENCODINGS))
@@ -565,7 +567,7 @@ def run_study(exp_cfg: Any, out: PathLike, **options: Any):
     create_pe names: absolute, axial, mixed, cayley, cayley-rgbd), ``--threads`` and ``--no-progress`` taken from the
     shared options. The configuration is the one that command runs (tests/test_one_command.py holds them equal),
     and the command is what the results record, so both spellings write the same results."""
-    from ...experiments.common import StudyResult
+    from .common import StudyResult
 
     if options:
         raise ValueError(f"experiment aloha takes no option {', '.join(sorted(options))}")
@@ -582,21 +584,3 @@ def run_study(exp_cfg: Any, out: PathLike, **options: Any):
     out = Path(out)
     files = sorted(p for p in out.iterdir() if p.is_file())
     return StudyResult("aloha", out, files, (out / "table.md").read_text(), {"rows": summary_rows(doc)})
-
-
-_PE_LABELS = {"absolute": "ViT (learned APE)", "vit": "ViT (learned APE)", "ape": "ViT (learned APE)",
-              "axial": "RoPE (axial)", "mixed": "RoPE (mixed)", "cayley": "Cayley-STRING",
-              "cayley-rgbd": "Cayley-STRING RGB-D", "rgbd": "Cayley-STRING RGB-D"}
-
-
-def encoding_label(name: str) -> str:
-    """An :data:`~.policy.ENCODINGS` label from a label or a short name (absolute, axial, mixed, cayley,
-    cayley-rgbd)."""
-    from .policy import ENCODINGS
-
-    if name in ENCODINGS:
-        return name
-    key = name.lower().replace("_", "-")
-    if key not in _PE_LABELS:
-        raise ValueError(f"unknown ALOHA encoder {name!r}; known: {', '.join(_PE_LABELS)} or {list(ENCODINGS)}")
-    return _PE_LABELS[key]

@@ -1,7 +1,7 @@
 """The options of ``ropekit experiment``: its argument parser (:func:`add_arguments`), also used to read the commands
 that committed studies recorded, and the configuration overrides the options give (:func:`overrides`).
 
-Every option defaults to the study's pinned recipe (:mod:`ropekit.experiments.recipes`); an option given
+Every option defaults to the study's pinned recipe (:mod:`ropekit_studies.recipes`); an option given
 overrides it.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List
 
-from ..train.config import parse_key_values
+from ropekit.train.config import parse_key_values
 from .registry import STUDIES
 
 __all__ = ["add_arguments", "overrides"]
@@ -158,7 +158,7 @@ _OPTION_FIELDS = tuple(dest for _, _, dest, _ in _STUDY_OPTIONS) + ("canvas_pad"
 
 
 def overrides(args: argparse.Namespace) -> Dict[str, Any]:
-    """The :class:`~ropekit.experiments.settings.ExperimentConfig` fields the parsed options set."""
+    """The :class:`~ropekit_studies.settings.ExperimentConfig` fields the parsed options set."""
     given = vars(args)
     out: Dict[str, Any] = {}
     for name in _CFG_FIELDS:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..nn.coords import COORD_MODES
+from ropekit.nn.coords import COORD_MODES
 from .common import StudyContext, StudyResult, coord_arms, headline
 from .registry import register_study
 from .report import (add_paired_difference, add_paired_vs_grid, aggregate, arm_label, fmt_pm, markdown_table, mean_std,
