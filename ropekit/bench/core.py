@@ -91,7 +91,7 @@ from .baselines import DenseComRoPE, NaiveLieRE
 
 __all__ = ["Row", "all_rows", "ROW_KINDS", "CASES", "VIT_PES", "VIT_PES_GPU", "DTYPES", "BenchConfig", "run_bench",
            "ratio_spread", "too_noisy",
-           "peak_memory_mb", "cuda_peak_memory_mb", "saved_memory_mb", "device_info", "machine_info"]
+           "peak_memory_mb", "cuda_peak_memory_mb", "saved_memory_mb", "device_info", "machine_info", "vit_step"]
 
 CASES = ("grid2d", "rgbd3d")
 
@@ -852,7 +852,7 @@ def _vit_options(pe: str) -> Dict[str, Any]:
     return dict(cls.bench_vit_options) if cls is not None else {}
 
 
-def _vit_step(size: str, pe: str, cfg: BenchConfig, compiled: bool = False, fused_adamw: Optional[bool] = None,
+def vit_step(size: str, pe: str, cfg: BenchConfig, compiled: bool = False, fused_adamw: Optional[bool] = None,
               image_size: Optional[int] = None) -> Callable[[], None]:
     """The training step of the ViT table for encoding ``pe`` (see ``_train_step``)."""
     from ..nn import VisionTransformer, vit_config
@@ -883,11 +883,11 @@ def _bench_vit(size: str, cfg: BenchConfig, log: Callable[[str], None], compiled
     image, patch, chans, _ = VIT_SETTINGS[size]
     batch = _vit_batch(size, cfg)
     mode = "compiled" if compiled else "eager"
-    reference = _vit_step(size, "absolute", cfg, compiled)
+    reference = vit_step(size, "absolute", cfg, compiled)
     repeats = cfg.vit_base_repeats if size != "tiny" else cfg.vit_repeats
     records = []
     rows: List[Tuple[str, Callable[[], Callable[[], None]]]] = [
-        (pe, (lambda pe=pe: _vit_step(size, pe, cfg, compiled))) for pe in cfg.vit_pes]
+        (pe, (lambda pe=pe: vit_step(size, pe, cfg, compiled))) for pe in cfg.vit_pes]
     if cfg.timm and size in TIMM_MODELS:
         rows.append((f"timm {TIMM_MODELS[size]}", lambda: _timm_step(size, cfg, compiled)))
     for label, make in rows:

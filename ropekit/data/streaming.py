@@ -569,7 +569,7 @@ class ShardStream(IterableDataset):
             "seed", "epoch", "rank", "world_size", "workers", "batch_size", "drop_last", "shuffle")})
         return self._epoch["plan"]
 
-    def _samples(self, shard: int) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
+    def shard_samples(self, shard: int) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
         """``(shard, position, raw sample)`` of one shard, checked against its count."""
         import tarfile
 
@@ -620,7 +620,7 @@ class ShardStream(IterableDataset):
         shards = plan.worker_shards[worker]
         bs = cfg["batch_size"]
         base = {s: _seed(cfg["seed"], cfg["epoch"], s) for s in shards}
-        stream = (x for s in shards for x in self._samples(s))
+        stream = (x for s in shards for x in self.shard_samples(s))
         if cfg["shuffle"]:
             rng = np.random.default_rng([cfg["seed"], cfg["epoch"], shards[0] if shards else 0, 7])
             stream = _buffer_shuffle(stream, self.shuffle_buffer, rng)

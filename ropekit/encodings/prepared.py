@@ -28,12 +28,12 @@ import torch
 from torch import Tensor
 
 from .base import PEState, PositionEncoding
-from .blocks import batch_block_gradients, share_block_gradients
+from .ops.blocks import batch_block_gradients, share_block_gradients
 from .fold import fold_qkv_weight, fold_qkv_weights, foldable_kind, frequency_rope, frequency_rope_qk, rope_form
 from .fold import rope_forms_stacked
-from .forms import RoPEForm
-from .products import basis_change
-from .rotation import _fused_kernel, angle_tables
+from .ops.forms import RoPEForm
+from .ops.products import basis_change
+from .ops.rotation import fused_kernel, angle_tables
 
 __all__ = ["FoldedState", "TokenState", "PreparedState", "AttentionLayer", "prepare_attention", "prepare_layers",
            "rotation_backend"]
@@ -44,7 +44,7 @@ def rotation_backend(pe: PositionEncoding, device: torch.device) -> str:
     where the fused kernel does not run (``backend="torch"``, the CPU, Triton missing -- with its one warning),
     else the encoding's own ``backend`` (``"auto"``: inside ``torch.compile`` a call the kernel cannot take still
     falls back to PyTorch). Raises ``ValueError`` for ``backend="triton"`` where the kernel cannot run."""
-    return "torch" if _fused_kernel(device, True, pe.backend) is None else pe.backend
+    return "torch" if fused_kernel(device, True, pe.backend) is None else pe.backend
 
 
 def _split_heads(qkv: Tensor, num_heads: int) -> Tensor:
@@ -74,7 +74,7 @@ class FoldedState(NamedTuple):
 
     Attributes:
         pe: the encoding (a state is used by layers holding this very module).
-        form: its :class:`~ropekit.encodings.forms.RoPEForm` (basis ``P``, frequencies, prefix transform).
+        form: its :class:`~ropekit.encodings.ops.forms.RoPEForm` (basis ``P``, frequencies, prefix transform).
         coords: ``(M, c)`` or ``(B, M, c)``, the coordinates of this forward pass.
         num_prefix_tokens: ``P0``.
         backend: the rotation's execution path, chosen in ``prepare`` (:func:`rotation_backend`).

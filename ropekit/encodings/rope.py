@@ -12,14 +12,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .angles import _wide_dtype, angle_table, rope_cos_sin, wide_angles
+from .ops.angles import wide_dtype, angle_table, rope_cos_sin, wide_angles
 from .base import PEState, PositionEncoding
-from .forms import RoPEForm, param_heads, stack_layers
-from .frequencies import axial_frequencies, mixed_frequencies, pair_generators
+from .ops.forms import RoPEForm, param_heads, stack_layers
+from .ops.frequencies import axial_frequencies, mixed_frequencies, pair_generators
 from .registry import BenchRow, register_pe
-from .rotation import _fused_kernel, _is_compiling, apply_frequency_rope, rotate_angles
+from .ops.rotation import fused_kernel, apply_frequency_rope, rotate_angles
 
-__all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE"]
+__all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "KernelState"]
 
 
 @register_pe("none", label="NoPE", bench_vit_gpu=True)
@@ -62,16 +62,16 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _rotate(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, backend: str,
             **kw) -> tuple[Tensor, Tensor | None]:
-    """The fused kernel on a prepared :class:`_KernelState`: called directly in eager mode; inside
+    """The fused kernel on a prepared :class:`KernelState`: called directly in eager mode; inside
     ``torch.compile`` through ``apply_frequency_rope``, which keeps the kernel (as a custom operator) where it
     can be traced -- q and k together -- and takes the PyTorch rotation otherwise."""
-    kernel = None if _is_compiling() else _fused_kernel(q.device, backend=backend)
+    kernel = None if torch.compiler.is_compiling() else fused_kernel(q.device, backend=backend)
     if kernel is not None:
         return kernel(q, k, coords, freqs, validate=False, **kw)
     return apply_frequency_rope(q, k, coords, freqs, backend=backend, validate=False, **kw)
 
 
-class _KernelState(NamedTuple):
+class KernelState(NamedTuple):
     """Prepared data when the fused rotation kernel runs: the coordinates and frequencies themselves."""
 
     coords: Tensor  # (M, c) or (B, M, c)
@@ -112,17 +112,17 @@ class FrequencyRoPE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
             return rope_cos_sin(coords, self.freqs, dtype)
-        if _fused_kernel(coords.device, not coords.requires_grad, self.backend) is not None:  # (compiled: _rotate)
-            return _KernelState(coords, self.freqs)  # the fused kernel forms the angles itself
+        if fused_kernel(coords.device, not coords.requires_grad, self.backend) is not None:  # (compiled: _rotate)
+            return KernelState(coords, self.freqs)  # the fused kernel forms the angles itself
         return angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
 
     def _kernel_direct(self, x: Tensor, data: object, dtype: torch.dtype) -> bool:
         """Whether ``x`` goes to the fused kernel as it is: the kernel reads and writes bf16 / fp16 / fp32 / fp64
         itself with fp32 math (fp64 for fp64 inputs), so the compute-dtype copies around it (two casts forward,
         two backward, and the concatenation of prefix tokens) are skipped when that is the state's dtype."""
-        return (isinstance(data, _KernelState) and x.dtype in _KERNEL_DTYPES
+        return (isinstance(data, KernelState) and x.dtype in _KERNEL_DTYPES
                 and (x.dtype == torch.float64) == (dtype == torch.float64)
-                and type(self)._transform_prefix is PositionEncoding._transform_prefix)  # prefix tokens: identity
+                and not self.transforms_prefix)  # prefix tokens: identity
 
     def _encode(self, x: Tensor, data, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
         if not self._kernel_direct(x, data, dtype):
@@ -146,7 +146,7 @@ class FrequencyRoPE(PositionEncoding):
         return self._from_bhnd(q_out), self._from_bhnd(k_out)
 
     def _transform(self, x: Tensor, state) -> Tensor:
-        if isinstance(state, _KernelState):
+        if isinstance(state, KernelState):
             freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, P) shared or (H, c, P)
             return _rotate(x, None, state.coords, freqs, self.backend, pairs=self.pairs)[0]
         theta, cos, sin = state
@@ -200,9 +200,9 @@ class AxialRoPE(FrequencyRoPE):
         shape = (self.param_heads, coord_dim, head_dim // 2)
         if learnable_freqs:
             self.freq_param = nn.Parameter(torch.empty(shape))
-        else:  # the module's device and dtype (first buffer: what _param_dtype reads), then the float64 table
+        else:  # the module's device and dtype (first buffer: what param_dtype reads), then the float64 table
             self.register_buffer("placement", torch.empty(0), persistent=False)
-            self.register_buffer("freq_table", torch.empty(shape, dtype=_wide_dtype("cpu")), persistent=False)
+            self.register_buffer("freq_table", torch.empty(shape, dtype=wide_dtype("cpu")), persistent=False)
         self._reset_axial()
 
     @property
@@ -213,7 +213,7 @@ class AxialRoPE(FrequencyRoPE):
         if hasattr(self, "freq_param"):
             return self.freq_param
         table = self.freq_table
-        wide = _wide_dtype(table.device)
+        wide = wide_dtype(table.device)
         if table.dtype != wide:
             table = axial_frequencies(self.head_dim, self.coord_dim, self.base, torch.float64).to(table.device, wide)
             table = table.unsqueeze(0).expand(self.freq_table.shape)
@@ -228,7 +228,7 @@ class AxialRoPE(FrequencyRoPE):
                     target.copy_(init.unsqueeze(0).expand_as(target))
             return
         table = self.freq_table  # exact in float64 (rounded once to float32 on devices without float64)
-        wide = _wide_dtype(table.device)
+        wide = wide_dtype(table.device)
         if table.device.type == "meta":
             self.freq_table = torch.empty(table.shape, dtype=wide, device=table.device)
             return

@@ -191,9 +191,9 @@ def _train(args: Any) -> int:
 def _eval(args: Any) -> int:
     jobs = [(Path(r).name, str(r), c, args.episodes, args.seed, {"max_steps": args.max_steps})
             for r in args.runs for c in args.conditions]
-    rows = experiment._map(experiment._eval_job, jobs, args.workers, not args.no_progress, "evaluate")
+    rows = experiment.map_jobs(experiment.eval_job, jobs, args.workers, not args.no_progress, "evaluate")
     for r in rows:
-        print(f"{r['policy']:>12}  {r['condition']:<22} {experiment._pct(r)}")
+        print(f"{r['policy']:>12}  {r['condition']:<22} {experiment.percent_cell(r)}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rows, indent=2))

@@ -43,11 +43,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..train.metrics import atomic_write_text
-from .demos import _default_start_method, collect_demos, episode_seeds, load_demos, rollout
+from .demos import default_start_method, collect_demos, episode_seeds, load_demos, rollout
 from .env import PickConfig, PickEnv, env_config
 
 __all__ = ["CONDITIONS", "RobotExperimentConfig", "run_experiment", "run_study", "compare_with_committed",
-           "evaluate_policy", "depth_diagnostics", "wilson_interval", "add_arguments", "run"]
+           "evaluate_policy", "depth_diagnostics", "wilson_interval", "add_arguments", "run",
+           "map_jobs", "eval_job", "percent_cell"]
 
 CONDITIONS = ("in_distribution", "ood_table_height", "ood_large_distractors", "ood_light")
 PathLike = Union[str, Path]
@@ -137,7 +138,7 @@ def evaluate_policy(policy: Any, condition: str, episodes: int, seed: int = 1000
             "outcomes": outcomes, "failures": summarize_grasp_errors(rows), "grasp": rows}
 
 
-def _eval_job(args: Tuple[str, str, str, int, int, Dict[str, Any]]) -> Dict[str, Any]:
+def eval_job(args: Tuple[str, str, str, int, int, Dict[str, Any]]) -> Dict[str, Any]:
     """Evaluate one (policy, condition); the result is kept in ``<run>/eval_<condition>.json`` and reused
     while the run's checkpoint and the evaluation settings are unchanged."""
     name, run_dir, condition, episodes, seed, overrides = args
@@ -157,7 +158,7 @@ def _eval_job(args: Tuple[str, str, str, int, int, Dict[str, Any]]) -> Dict[str,
     return result
 
 
-def _map(fn, jobs: Sequence[Any], workers: int, progress: bool, desc: str) -> List[Any]:
+def map_jobs(fn, jobs: Sequence[Any], workers: int, progress: bool, desc: str) -> List[Any]:
     """``[fn(j) for j in jobs]``, in ``workers`` processes (forkserver, like demo collection) when ``> 1``."""
     from tqdm.auto import tqdm
 
@@ -169,7 +170,7 @@ def _map(fn, jobs: Sequence[Any], workers: int, progress: bool, desc: str) -> Li
                 out.append(fn(j))
                 bar.update(1)
         else:
-            method = _default_start_method()
+            method = default_start_method()
             ctx = mp.get_context(method)
             if method == "forkserver":
                 ctx.set_forkserver_preload([__name__])
@@ -261,7 +262,7 @@ def _train_stage(cfg: RobotExperimentConfig, out: Path, image_size: int) -> Dict
     for group in ([k for k in runs if settings[k]["init_from"] is None],
                   [k for k in runs if settings[k]["init_from"] is not None]):
         jobs = [(arm, seed, str(out), settings[arm, seed], cfg.device, cfg.threads, progress) for arm, seed in group]
-        _map(_train_job, jobs, cfg.workers, cfg.progress and not progress, "train")
+        map_jobs(_train_job, jobs, cfg.workers, cfg.progress and not progress, "train")
     return {k: run_dir(out, *k) for k in runs}
 
 
@@ -320,7 +321,7 @@ def run_experiment(cfg: RobotExperimentConfig, out_dir: PathLike) -> Dict[str, A
     keys = [(arm, seed, cond) for arm, seed in runs for cond in r["conditions"]]
     jobs = [(arm, str(runs[arm, seed]), cond, r["eval_episodes"], r["eval_seed"], dict(r["env"]))
             for arm, seed, cond in keys]
-    results = _map(_eval_job, jobs, cfg.workers, cfg.progress, "evaluate")
+    results = map_jobs(eval_job, jobs, cfg.workers, cfg.progress, "evaluate")
     rows = [{**res, "policy": arm, "seed": seed} for (arm, seed, _), res in zip(keys, results)]
     timings["eval"] = time.time() - t0 - sum(timings.values())
     _say(f"evaluated ({timings['eval']:.0f} s); writing reports")
@@ -412,7 +413,7 @@ def _run_key(run_dir: Path) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _pct(r: Mapping[str, Any]) -> str:
+def percent_cell(r: Mapping[str, Any]) -> str:
     return (f"{r['successes']}/{r['episodes']} = {100 * r['success_rate']:.0f} % "
             f"[{100 * r['ci95_low']:.0f}, {100 * r['ci95_high']:.0f}]")
 
@@ -520,7 +521,7 @@ def write_reports(out: Path, doc: Mapping[str, Any], runs: Mapping[Tuple[str, in
         for c in conditions:
             a = table[p, c]
             per_seed = ", ".join(f"{100 * x:.0f}" for x in a["seed_rates"])
-            cells.append(f"{_pct(a)}<br>seeds: {per_seed} %")
+            cells.append(f"{percent_cell(a)}<br>seeds: {per_seed} %")
         lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(cells) + " |")
     lines += _paired_lines(table, policies, conditions, paired_verdicts(rows, policies, conditions))
     lines += ["", "Failures by kind, summed over the seeds. The suction link never came within the 12 mm suction "

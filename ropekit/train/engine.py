@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from ..encodings.counting import count_parameters
-from ..encodings.validation import check_deferred_coords
+from ..encodings.ops.validation import check_deferred_coords
 from .checkpoint import CheckpointError, atomic_save, capture_rng, load_checkpoint, load_model_state, restore_rng
 from .distributed import DistContext, init_distributed
 from .metrics import TensorBoardLogger, atomic_write_text, write_metrics_csv
