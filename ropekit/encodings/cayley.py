@@ -17,7 +17,7 @@ from .ops.forms import RoPEForm, half_pairs_basis, param_heads, post_form, stack
 from .ops.products import basis_change
 from .registry import BenchRow, register_pe
 from .rope import MixedRoPE, KernelState
-from .ops.rotation import fused_basis_kernel, fused_kernel, rotate_pairs
+from .ops.rotation import rotate_pairs
 from .ops.skew import cayley_from_free, free_to_skew, num_free
 
 __all__ = ["CayleySTRING"]
@@ -62,8 +62,9 @@ class CayleySTRING(MixedRoPE):
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         p = self._rotation(dtype)  # (Hp, d, d)
-        if fused_kernel(coords.device, backend=self.backend) is not None:
-            return KernelState(coords, self.freqs), p  # the fused kernel rotates P x, angles formed in-kernel
+        kernel = KernelState.prepare(coords, self.freqs, self.backend)
+        if kernel is not None:
+            return kernel, p  # the fused kernel rotates P x, angles formed in-kernel
         cos, sin = super()._prepare(coords, dtype)
         return cos, sin, p
 
@@ -72,7 +73,7 @@ class CayleySTRING(MixedRoPE):
         (``ropekit.kernels.fused_basis_rotary``: ``P x`` is never written to memory); else the two steps."""
         if isinstance(data, tuple) and isinstance(data[0], KernelState) and self.pairs == "interleaved" \
                 and dtype == torch.float32:
-            kernel = fused_basis_kernel(x, data[-1], data[0].coords, data[0].freqs, self.backend)
+            kernel = data[0].basis_kernel(x, data[-1])
             if kernel is not None:  # freqs (Hp, c, P), Hp = 1 or H: as the kernel takes them
                 return kernel(x, data[-1], data[0].coords, data[0].freqs, num_prefix_tokens=num_prefix_tokens,
                               validate=False)
@@ -81,9 +82,7 @@ class CayleySTRING(MixedRoPE):
     def _transform(self, x: Tensor, state) -> Tensor:
         x = basis_change(x, state[-1])  # P x per token, one GEMM: (B, H, M, d)
         if isinstance(state[0], KernelState):
-            data = state[0]
-            freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
-            return fused_kernel(x.device, backend=self.backend)(x, None, data.coords, freqs, validate=False)[0]
+            return state[0].rotate(x)[0]
         cos, sin, _ = state
         return rotate_pairs(x, cos, sin)
 

@@ -36,7 +36,7 @@ from .ops.frequencies import mixed_frequencies
 from .ops.products import precise_matmul
 from .registry import BenchRow, register_pe
 from .rope import KernelState
-from .ops.rotation import fused_basis_kernel, fused_kernel, rotate_angles
+from .ops.rotation import rotate_angles
 from .ops.skew import skew
 
 __all__ = ["CirculantSTRING", "circulant", "real_dft_basis", "block_dft_basis"]
@@ -211,8 +211,9 @@ class CirculantSTRING(PositionEncoding):
         ``b`` is even, the coordinates and pair frequencies it forms the angles from instead. The frequencies are
         float64 (the table's dtype) either way."""
         freqs = self._pair_frequencies(self.mode_table.dtype)
-        if self.block_size % 2 == 0 and fused_kernel(coords.device, backend=self.backend) is not None:
-            return KernelState(coords, freqs)
+        kernel = KernelState.prepare(coords, freqs, self.backend) if self.block_size % 2 == 0 else None
+        if kernel is not None:
+            return kernel
         return angle_table(coords, freqs, dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
 
     def _encode(self, x: Tensor, data, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
@@ -221,7 +222,7 @@ class CirculantSTRING(PositionEncoding):
         coordinates are never written to memory); else the three steps of ``_transform``."""
         if isinstance(data, KernelState) and self.pairs == "interleaved" and dtype == torch.float32:
             basis = self.dft_blockdiag  # (1, d, d), built with the other fixed tables
-            kernel = fused_basis_kernel(x, basis, data.coords, data.freqs, self.backend)
+            kernel = data.basis_kernel(x, basis)
             if kernel is not None:  # freqs (Hp, c, d/2), Hp = 1 or H: as the kernel takes them
                 return kernel(x, basis, data.coords, data.freqs, num_prefix_tokens=num_prefix_tokens,
                               transpose_back=True, validate=False)
@@ -232,9 +233,7 @@ class CirculantSTRING(PositionEncoding):
         q = self.dft_basis.to(x.dtype)
         z = precise_matmul(x.unflatten(-1, (-1, b)), q.transpose(0, 1))  # (B, H, M, nb, b): Q z per block
         if isinstance(state, KernelState):  # even b: every pair of the DFT coordinates, in one launch
-            freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, F) shared or (H, c, F)
-            kernel = fused_kernel(x.device, backend=self.backend)
-            z = kernel(z.flatten(-2), None, state.coords, freqs, validate=False)[0]  # (B, H, M, d)
+            z = state.rotate(z.flatten(-2))[0]  # (B, H, M, d)
             return precise_matmul(z.unflatten(-1, (-1, b)), q).flatten(-2)  # Q^T per block: (B, H, M, d)
         theta, cos, sin = state
         if b % 2 == 0:
