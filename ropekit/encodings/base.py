@@ -619,6 +619,8 @@ class PositionEncoding(nn.Module):
 
     # ------------------------------------------------------------------ internals
     def param_dtype(self) -> torch.dtype:
+        """The dtype of the encoding's parameters (the first parameter's; else the first floating buffer's; else
+        float32): float64 here gives a float64 prepared state, and a folded copy (``fold``) is built in it."""
         for p in self.parameters():
             return p.dtype
         for b in self.buffers():

@@ -272,6 +272,7 @@ class ScaledEncoding(PositionEncoding):
         self.scaling = scaling
 
     def param_dtype(self) -> torch.dtype:
+        """The wrapped encoding's parameter dtype."""
         return self.inner.param_dtype()
 
     def reset_parameters(self) -> None:
