@@ -2,7 +2,7 @@
 
 from .encodings import PositionEncoding, create_pe, list_pes, pe_options
 from . import kernels as _kernels  # (imports no Triton)
-from .encodings.rotation import register_kernels as _register_kernels
+from .encodings.ops.rotation import register_kernels as _register_kernels
 
 _register_kernels(_kernels)  # resolved once here, never while torch.compile traces
 

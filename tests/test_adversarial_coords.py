@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ropekit
-from ropekit.encodings.rotation import apply_frequency_rope
+from ropekit.encodings.ops.rotation import apply_frequency_rope
 from ropekit.fold import foldable_kind
 from ropekit.nn import Attention, VisionTransformer, vit_config
 
@@ -210,7 +210,7 @@ def test_apply_frequency_rope_one_and_zero_tokens(m, p0):
 
 # ----------------------------------------------------------------------------- the deferred check (accelerators)
 def test_auto_mode_defers_on_accelerators_and_inside_compile():
-    from ropekit.encodings.validation import _resolve
+    from ropekit.encodings.ops.validation import _resolve
 
     assert _resolve("auto", "cpu", False) == "eager"
     assert _resolve("auto", "cuda", False) == "deferred"
@@ -222,7 +222,7 @@ def test_auto_mode_defers_on_accelerators_and_inside_compile():
 
 
 def test_deferred_check_reads_nothing_on_the_host(deferred, monkeypatch):
-    from ropekit.encodings.validation import check_finite
+    from ropekit.encodings.ops.validation import check_finite
 
     def refuse(*_):
         raise AssertionError("host read of a device value")

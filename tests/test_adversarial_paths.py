@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ropekit
-import ropekit.encodings.rotation as fn
+import ropekit.encodings.ops.rotation as fn
 from ropekit.encodings import apply_frequency_rope, create_pe
 from ropekit.nn import Attention, VisionTransformer, ViTConfig, vit_config
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ropekit import create_pe, list_pes
-from ropekit.encodings.rope import _KernelState
+from ropekit.encodings.rope import KernelState
 from ropekit.nn import Attention
 
 pytestmark = pytest.mark.numerics  # .ci/run repeats these under other summation orders
@@ -191,7 +191,7 @@ def test_kernel_module_path_fp32_within_1e6_of_float64_at_1e4(kernel_device, nam
     with torch.no_grad():
         state = pe.prepare(coords.to(kernel_device))
         got = _logits(*pe(q.to(kernel_device), k.to(kernel_device), coords.to(kernel_device)))
-    assert isinstance(state.q if name != "cayley" else state.q[0], _KernelState), "the fused kernel did not run"
+    assert isinstance(state.q if name != "cayley" else state.q[0], KernelState), "the fused kernel did not run"
     assert _rel(got.cpu(), want) <= TOL
 
 
@@ -234,7 +234,7 @@ def test_inference_fold_keeps_its_frequencies_exact(name, opts, r):
     """``ropekit.fold.fold`` for inference: ``folded(P q, P k)`` has the float64 logits of ``pe(q, k)`` at
     coordinates of 1e3 / 1e4, also after the folded encoding is moved to float32 (at main its frequencies, derived
     from the parameters, were rounded to float32: 1e-5 to 1e-4 off at 1e4)."""
-    from ropekit.encodings.products import basis_change
+    from ropekit.encodings.ops.products import basis_change
     from ropekit.fold import fold
 
     pe = _pe(name, opts)

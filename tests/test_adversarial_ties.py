@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.encodings.skew import full_to_free
+from ropekit.encodings.ops.skew import full_to_free
 from ropekit.nn import Attention, VisionTransformer, vit_config
 
 J = torch.tensor([[0.0, -1.0], [1.0, 0.0]], dtype=torch.float64)
@@ -274,7 +274,7 @@ def test_first_order_attention_keeps_the_fused_kernel():
 def test_schur_form_keeps_small_frequencies(small):
     """``skew_real_schur`` reconstructs ``K`` to round-off also when a plane turns 1e-8 to 1e-11 times slower than
     the fastest (at main such planes were taken as still: an angle error of ``mu * s``, 4e-5 rad at ``s = 1e4``)."""
-    from ropekit.encodings.skew import skew_real_schur
+    from ropekit.encodings.ops.skew import skew_real_schur
 
     g = torch.Generator().manual_seed(0)
     q, _ = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64, generator=g))

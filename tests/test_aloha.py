@@ -21,7 +21,7 @@ from ropekit.robot.aloha.expert import (DemoConfig, collect_demos, expert_action
                                         expert_episode, load_or_collect)
 from ropekit.robot.aloha.policy import (AlohaChunks, AlohaPolicy, AlohaPolicyConfig,  # noqa: E402
                                         evaluate_policy, load_aloha_policy, save_aloha_policy)
-from ropekit.robot.aloha.sim import AlohaSim, _axis_angle_quat, _quat_mul, object_targets  # noqa: E402
+from ropekit.robot.aloha.sim import AlohaSim, axis_angle_quat, quat_mul, object_targets  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,9 @@ def test_expert_waypoints_start_at_the_grippers_and_stay_normalised():
 def test_quaternion_helpers_match_scipy():
     from scipy.spatial.transform import Rotation
 
-    a, b = _axis_angle_quat([0, 1, 0], -60), _axis_angle_quat([1, 2, 3], 37)
+    a, b = axis_angle_quat([0, 1, 0], -60), axis_angle_quat([1, 2, 3], 37)
     ref = (Rotation.from_quat(np.roll(a, -1)) * Rotation.from_quat(np.roll(b, -1))).as_quat()  # x, y, z, w
-    got = np.roll(_quat_mul(a, b), -1)
+    got = np.roll(quat_mul(a, b), -1)
     assert min(np.abs(got - ref).max(), np.abs(got + ref).max()) < 1e-12
 
 

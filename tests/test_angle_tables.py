@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ropekit.encodings.rotation as rot
-from ropekit.encodings.angles import angle_table
-from ropekit.encodings.rotation import angle_tables, apply_frequency_rope, rotate_qk
+import ropekit.encodings.ops.rotation as rot
+from ropekit.encodings.ops.angles import angle_table
+from ropekit.encodings.ops.rotation import angle_tables, apply_frequency_rope, rotate_qk
 
 
 def _reference(x: torch.Tensor, coords: torch.Tensor, freqs: torch.Tensor, p0: int) -> torch.Tensor:
@@ -101,7 +101,7 @@ def test_stacked_backward_loop_and_batched_forms_agree(monkeypatch):
     coords, freqs, qk, w, p0 = _case(False, torch.float32, layers=2)
     grads = []
     for threshold in (0, 1 << 40):  # loop over q/k and the batch in the CPU's scratch buffer, or one operation
-        monkeypatch.setattr(rot, "_LOOP_MIN_BYTES", threshold)
+        monkeypatch.setattr(rot, "LOOP_MIN_BYTES", threshold)
         tables = angle_tables(coords, freqs, torch.float32)
         loss = sum((rotate_qk(x, coords, f, table=t, num_prefix_tokens=p0, backend="torch")[i] * wx[i]).sum()
                    for x, f, t, wx in zip(qk, freqs, tables, w) for i in (0, 1))

@@ -1,5 +1,5 @@
 """The CPU backward reductions have two forms -- a loop over the batch in one scratch buffer (large slices) and one
-batched operation (every accelerator, and CPU slices below ``_LOOP_MIN_BYTES``). Both must give the same
+batched operation (every accelerator, and CPU slices below ``LOOP_MIN_BYTES``). Both must give the same
 gradients; this module forces each form in turn on the CPU."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ropekit.encodings.rotation as fn
+import ropekit.encodings.ops.rotation as fn
 from ropekit import create_pe
 
 
 def _grads(name: str, per_example: bool, loop: bool, monkeypatch) -> list:
-    monkeypatch.setattr(fn, "_LOOP_MIN_BYTES", 0 if loop else 1 << 40)
+    monkeypatch.setattr(fn, "LOOP_MIN_BYTES", 0 if loop else 1 << 40)
     torch.manual_seed(0)
     opts = {"block_size": 4} if name.startswith("comrope") else {}
     c = 3 if per_example else 2
@@ -28,8 +28,8 @@ def _grads(name: str, per_example: bool, loop: bool, monkeypatch) -> list:
 @pytest.mark.parametrize("name,per_example", [("mixed", False), ("mixed", True), ("comrope-ld", True),
                                               ("comrope-ap", True)])
 def test_loop_and_batched_backward_agree(name, per_example, monkeypatch):
-    monkeypatch.setattr(fn, "_LOOP_MIN_BYTES", 1024)
-    assert fn._slice_loops(torch.zeros(2, 1 << 16)) and not fn._slice_loops(torch.zeros(2, 16))
+    monkeypatch.setattr(fn, "LOOP_MIN_BYTES", 1024)
+    assert fn.slice_loops(torch.zeros(2, 1 << 16)) and not fn.slice_loops(torch.zeros(2, 16))
     looped = _grads(name, per_example, True, monkeypatch)
     batched = _grads(name, per_example, False, monkeypatch)
     assert len(looped) == len(batched) >= 3  # q, k and at least one parameter

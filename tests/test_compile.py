@@ -77,7 +77,7 @@ def test_a_compiled_vit_training_step_compiles_once(pe, monkeypatch):
     from torch._dynamo.utils import counters
 
     import ropekit.encodings.circulant as circulant
-    import ropekit.encodings.skew as skew
+    import ropekit.encodings.ops.skew as skew
     from ropekit.nn import VisionTransformer, vit_config
 
     monkeypatch.setattr(skew, "_FLAT_INDICES", {})

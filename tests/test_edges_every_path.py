@@ -21,10 +21,10 @@ import warnings
 import pytest
 import torch
 
-import ropekit.encodings.rotation as rotation_mod
+import ropekit.encodings.ops.rotation as rotation_mod
 from ropekit import create_pe, list_pes
 from ropekit.encodings import apply_frequency_rope
-from ropekit.encodings.rotation import rotate_qk
+from ropekit.encodings.ops.rotation import rotate_qk
 from ropekit.nn import Attention
 
 D, H, C = 8, 2, 2

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ropekit.encodings import PEState, create_pe, list_pes
-from ropekit.encodings.rotation import apply_frequency_rope
+from ropekit.encodings.ops.rotation import apply_frequency_rope
 
 H, D = 4, 16
 ROTATIONS = [n for n in list_pes() if n != "tensor"]
@@ -226,7 +226,7 @@ def test_fused_kernel_dispatch(monkeypatch):
     import sys
     import types
 
-    import ropekit.encodings.rotation as fn
+    import ropekit.encodings.ops.rotation as fn
 
     calls = []
     reference = apply_frequency_rope
@@ -234,7 +234,7 @@ def test_fused_kernel_dispatch(monkeypatch):
     def fused_rotary(q, k, coords, freqs, *, k_coords=None, num_prefix_tokens=0, pairs="interleaved", validate=True):
         calls.append((tuple(q.shape), k is None, tuple(coords.shape), tuple(freqs.shape), num_prefix_tokens, pairs))
         with monkeypatch.context() as m:
-            m.setattr(fn, "_fused_kernel", lambda device, traceable=False, backend="auto": None)
+            m.setattr(fn, "fused_kernel", lambda device, traceable=False, backend="auto": None)
             return reference(q, k, coords, freqs, k_coords=k_coords, num_prefix_tokens=num_prefix_tokens, pairs=pairs,
                              validate=validate)
 
@@ -263,7 +263,7 @@ def test_functional_reexports_each_public_name_from_its_home():
     import importlib
 
     import ropekit.encodings.functional as functional
-    import ropekit.encodings.rotation as rotation
+    import ropekit.encodings.ops.rotation as rotation
 
     assert len(functional.__all__) == len(set(functional.__all__)) == 20
     for name in functional.__all__:

@@ -8,9 +8,9 @@ import torch
 
 from ropekit.encodings import create_pe
 from ropekit.encodings.base import check_coords
-from ropekit.encodings.angles import frequency_angles
-from ropekit.encodings.blocks import block_apply
-from ropekit.encodings.rotation import apply_frequency_rope
+from ropekit.encodings.ops.angles import frequency_angles
+from ropekit.encodings.ops.blocks import block_apply
+from ropekit.encodings.ops.rotation import apply_frequency_rope
 
 H, D = 2, 16
 
@@ -126,7 +126,7 @@ def _tf32_emulated_matmul(a, b):
 def test_precise_matmul_is_tf32_proof(monkeypatch):
     """The split form used for basis changes on TF32 GPUs: forward and gradients to ~1e-6 relative under an
     emulated TF32 product, where the plain product is ~1e-3 off."""
-    import ropekit.encodings.products as fn
+    import ropekit.encodings.ops.products as fn
 
     torch.manual_seed(0)
     a = torch.randn(3, 2, 50, 16, requires_grad=True)

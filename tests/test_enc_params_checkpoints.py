@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ropekit import create_pe, list_pes
-from ropekit.encodings.skew import free_to_skew, full_to_free, skew_to_free
+from ropekit.encodings.ops.skew import free_to_skew, full_to_free, skew_to_free
 
 D = 16
 

@@ -50,7 +50,7 @@ def test_liere_fp32_matches_dense_float64_matrix_exp_on_grid():
 @pytest.mark.parametrize("per_example", [False, True])
 def test_liere_chunked_equals_unchunked(per_example):
     """The bounded-memory chunking changes nothing: one token per chunk vs all at once."""
-    from ropekit.encodings.expm import linear_skew_expm
+    from ropekit.encodings.ops.expm import linear_skew_expm
     torch.manual_seed(2)
     pe = create_pe("liere", head_dim=16, coord_dim=3, num_heads=1)
     gen = pe.block_generators().detach().double()
@@ -66,7 +66,7 @@ def test_liere_chunked_equals_unchunked(per_example):
 
 def test_gpu_path_matches_eigen_path():
     """The float64 matrix_exp used on GPUs and under torch.compile gives the CPU eigen path's values and grads."""
-    from ropekit.encodings.expm import _expm64, linear_skew_expm
+    from ropekit.encodings.ops.expm import _expm64, linear_skew_expm
     torch.manual_seed(3)
     pe = create_pe("liere", head_dim=16, coord_dim=3, num_heads=1)
     gen = pe.block_generators().detach().requires_grad_()

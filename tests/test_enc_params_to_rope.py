@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ropekit import create_pe
-from ropekit.encodings.rotation import rotate_pairs
+from ropekit.encodings.ops.rotation import rotate_pairs
 
 
 def _folded_rotate(pe, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 import ropekit
 from ropekit import create_pe, diagnostics, list_pes
-from ropekit.encodings.frequencies import axial_frequencies
+from ropekit.encodings.ops.frequencies import axial_frequencies
 
 D = 16  # head dim for most tests
 H = 2
@@ -407,7 +407,7 @@ def test_axial_leftover_pairs_not_rotated():
 
 # ----------------------------------------------------------------------------- gradients
 def test_gradcheck_cayley_solve():
-    from ropekit.encodings.skew import cayley_transform
+    from ropekit.encodings.ops.skew import cayley_transform
     a = torch.randn(2, 6, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: cayley_transform(t - t.transpose(-1, -2)), (a,))
 
@@ -416,7 +416,7 @@ def test_gradcheck_cayley_solve():
 def test_cayley_from_free_is_the_solve_with_its_own_backward(n, band):
     """``cayley_from_free`` (one gather, one solve; a backward without a second solve) against the Cayley transform
     of the skew matrix through autograd: values, gradients, second order; P orthogonal with det 1; bad sizes."""
-    from ropekit.encodings.skew import cayley_from_free, cayley_transform, free_to_skew, num_free
+    from ropekit.encodings.ops.skew import cayley_from_free, cayley_transform, free_to_skew, num_free
 
     torch.manual_seed(0)
     v = (2 * torch.randn(3, 2, num_free(n, band), dtype=torch.float64)).requires_grad_()
@@ -478,7 +478,7 @@ def test_gradcheck_parameters(name, param):
 
 def test_gradcheck_comrope_at_zero_and_degenerate():
     """The sinc-form backward must agree with finite differences even where eigenvalues coincide."""
-    from ropekit.encodings.blocks import scaled_block_exp_apply
+    from ropekit.encodings.ops.blocks import scaled_block_exp_apply
     x = torch.randn(2, 1, 3, 8, dtype=torch.float64, requires_grad=True)
     s = torch.randn(1, 3, 2, dtype=torch.float64, requires_grad=True)
     for kmat in (torch.zeros(1, 2, 4, 4, dtype=torch.float64),

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import ropekit
-from ropekit.encodings.products import basis_change
-from ropekit.encodings.skew import full_to_free
+from ropekit.encodings.ops.products import basis_change
+from ropekit.encodings.ops.skew import full_to_free
 from ropekit.fold import FoldedRoPE, fold, fold_pe, is_foldable, to_rope
 from ropekit.nn import VisionTransformer, vit_config
 

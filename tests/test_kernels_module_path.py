@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from ropekit.encodings import create_pe  # noqa: E402
-from ropekit.encodings.rope import _KernelState  # noqa: E402
+from ropekit.encodings.rope import KernelState  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,7 +56,7 @@ def test_module_kernel_path_equals_pytorch_path(kernel_mode, monkeypatch, name, 
     real = rotary.fused_rotary
     monkeypatch.setattr(rotary, "fused_rotary", lambda *a, **kw: calls.append(a[0].dtype) or real(*a, **kw))
     monkeypatch.setattr("ropekit.kernels.fused_rotary", rotary.fused_rotary)
-    assert isinstance(pe.prepare(coords, prefix).q, _KernelState)
+    assert isinstance(pe.prepare(coords, prefix).q, KernelState)
     out = _run(pe, q, k, coords, prefix)
     assert calls == [dtype], "q and k must go to the kernel together, in their own dtype"
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
@@ -109,7 +109,7 @@ def test_basis_encodings_rotate_with_the_kernel(kernel_mode, name, opts, dtype):
     kernel_mode(True)
     uses_kernel = name == "cayley" or pe.block_size % 2 == 0
     state = pe.prepare(coords, 1).q
-    assert isinstance(state[0] if name == "cayley" else state, _KernelState) == uses_kernel
+    assert isinstance(state[0] if name == "cayley" else state, KernelState) == uses_kernel
     out = _run(pe, q, k, coords, 1)
     rel = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for a, r in zip(list(out[:2]) + list(out[2]), list(ref[:2]) + list(ref[2])):

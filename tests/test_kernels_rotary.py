@@ -322,7 +322,7 @@ def test_compiled_attention_path_uses_the_kernel():
     """``apply_frequency_rope`` (what every folded encoding in ``ropekit.nn`` calls) takes the kernel inside
     torch.compile for q and k together, and the PyTorch path for a call the kernel cannot trace (coordinates that
     need a gradient)."""
-    from ropekit.encodings.rotation import apply_frequency_rope
+    from ropekit.encodings.ops.rotation import apply_frequency_rope
 
     q, k, coords, freqs, _ = _make(per_head=True)
     for c, expect in ((coords.detach(), True), (coords, False)):

@@ -8,7 +8,7 @@ import torch
 
 from ropekit import create_pe
 from ropekit.bench.measure import saved_memory_mb
-from ropekit.encodings.expm import linear_skew_expm
+from ropekit.encodings.ops.expm import linear_skew_expm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -80,7 +80,7 @@ def test_per_example_liere_saves_only_its_rotations():
 def test_grid_path_unchanged_and_per_example_path_agrees():
     """The shared grid still goes through the default chunks with kept eigenbases (bit for bit), and the same
     coordinates given per example (recomputed eigenbases, small chunks) give the same values and gradients."""
-    from ropekit.encodings.blocks import block_apply
+    from ropekit.encodings.ops.blocks import block_apply
 
     torch.manual_seed(3)
     h, m, d = 2, 30, 16

@@ -69,7 +69,7 @@ def test_one_schur_form_per_forward():
     whose error check would make the host wait for the device); they run once per model forward for all layers
     together -- one closed-form 4x4 step (one ``addcmul``: its two projectors) per round, not one per round and
     layer."""
-    from ropekit.encodings.skew import _jacobi_rounds, _jacobi_sweeps
+    from ropekit.encodings.ops.skew import _jacobi_rounds, _jacobi_sweeps
 
     m = _model("comrope-ld")
     b = m.blocks[0].attn.pe.block_size
@@ -175,7 +175,7 @@ def test_shared_comrope_maps_its_gradient_once(init, per_example, monkeypatch):
     """ComRoPE shared by every layer (its own default): the layers' gradients are gathered and mapped to the
     encoding's parameters by one Frechet map per step (``blocks.share_block_gradients``), equal to one map per
     layer in float64 to round-off -- also at ``K = 0``, where every frequency ties."""
-    import ropekit.encodings.blocks as blocks_mod
+    import ropekit.encodings.ops.blocks as blocks_mod
 
     m, x, offset = _comrope_float64("model", init, per_example)
     assert len({id(b.attn.pe) for b in m.blocks}) == 1
@@ -202,7 +202,7 @@ def test_gathered_and_per_rotation_gradients_keep_float64_angles():
     rotations (``share_block_gradients``) both form the angles ``s mu`` in float64 -- in float32 they would be off
     by ~1e-3 rad -- and agree with a float64 computation."""
     import ropekit
-    from ropekit.encodings.blocks import share_block_gradients
+    from ropekit.encodings.ops.blocks import share_block_gradients
     from ropekit.fold import frequency_rope
 
     torch.manual_seed(0)
@@ -232,9 +232,9 @@ def test_per_layer_comrope_runs_one_schur_form_and_one_gradient_map(init, per_ex
     one batched ``skew_real_schur`` call (``fold.rope_forms_stacked``) and their gradients from one batched Frechet map
     (``blocks.batch_block_gradients``), each layer keeping its own generators -- logits and every gradient equal to
     factorising and mapping layer by layer, in float64 to round-off, also at ``K = 0`` where every frequency ties."""
-    import ropekit.encodings.blocks as blocks_mod
+    import ropekit.encodings.ops.blocks as blocks_mod
     import ropekit.encodings.fold as enc_fold
-    import ropekit.encodings.forms as forms_mod
+    import ropekit.encodings.ops.forms as forms_mod
 
     m, x, offset = _comrope_float64("head", init, per_example)
     assert len({id(b.attn.pe) for b in m.blocks}) == 3 and m.blocks[0].attn.pe.param_heads > 1
@@ -268,7 +268,7 @@ def test_batch_block_gradients_groups_by_configuration():
     """Forms of one configuration share one gradient node, another configuration gets its own, forms without
     block generators pass as they are, and without a gradient no node is built; the forms come back in order."""
     from ropekit import create_pe
-    from ropekit.encodings.blocks import batch_block_gradients, share_block_gradients
+    from ropekit.encodings.ops.blocks import batch_block_gradients, share_block_gradients
 
     torch.manual_seed(0)
     opts = dict(head_dim=8, coord_dim=2, num_heads=2, init="normal", per_head=True)
@@ -330,7 +330,7 @@ def test_stacked_forms_slice_to_each_encodings_own_form(pe):
 
 def test_stack_layers_is_torch_stack_with_a_one_operation_backward():
     from ropekit.bench.ops import count_step_ops
-    from ropekit.encodings.forms import stack_layers
+    from ropekit.encodings.ops.forms import stack_layers
 
     ts = [torch.randn(3, 4, requires_grad=True) for _ in range(5)]
     w = torch.randn(5, 3, 4)

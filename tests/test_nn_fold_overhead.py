@@ -6,8 +6,8 @@ import torch
 
 from ropekit.encodings import create_pe
 from ropekit.encodings import cayley as cayley_module
-from ropekit.encodings.blocks import _block_diag
-from ropekit.encodings.forms import pair_frequencies
+from ropekit.encodings.ops.blocks import block_diag
+from ropekit.encodings.ops.forms import pair_frequencies
 from ropekit.fold import fold_qkv_weight, rope_form
 
 
@@ -92,7 +92,7 @@ def test_block_fold_equals_dense_fold(name, opts, with_bias):
     w = torch.randn(3 * 48, 20, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3 * 48, dtype=torch.float64, requires_grad=True) if with_bias else None
     blk = form.blocks.clone().requires_grad_()
-    basis = _block_diag(blk)
+    basis = block_diag(blk)
     dense = fold_qkv_weight(w, b, basis, 3)
     blocks = fold_qkv_weight(w, b, basis, 3, blocks=blk)
     outs = [t for t in dense if t is not None]
@@ -114,7 +114,7 @@ def test_block_fold_through_the_tf32_safe_product(monkeypatch):
     over broadcast dimensions: forced here on the CPU, the block merge (blocks shared by the heads, broadcast
     over q/k and heads) still equals the dense merge in value and gradients, in float32."""
     import ropekit.encodings.fold as fold_module
-    from ropekit.encodings.products import _PreciseMatmul
+    from ropekit.encodings.ops.products import _PreciseMatmul
 
     torch.manual_seed(0)
     pe = create_pe("comrope-ld", head_dim=16, coord_dim=2, num_heads=3, block_size=4)
@@ -153,7 +153,7 @@ def test_half_pairs_and_dense_bases_have_no_blocks():
                                                    ("comrope-ld", {}, False)])
 def test_batched_backward_equals_per_example_loop(monkeypatch, name, opts, per_example):
     """The accelerator form of the backward reductions (one batched operation) equals the CPU's loop."""
-    from ropekit.encodings import blocks, rotation
+    from ropekit.encodings.ops import blocks, rotation
 
     torch.manual_seed(0)
     pe = create_pe(name, head_dim=16, coord_dim=2, num_heads=2, **opts)
@@ -162,7 +162,7 @@ def test_batched_backward_equals_per_example_loop(monkeypatch, name, opts, per_e
     grads = []
     for loops in (True, False):
         for module in (rotation, blocks):  # every module that decides between the loop and the batched form
-            monkeypatch.setattr(module, "_slice_loops", lambda t, loops=loops: loops)
+            monkeypatch.setattr(module, "slice_loops", lambda t, loops=loops: loops)
         qo, ko = pe(q, k, coords)
         w = torch.sin(torch.arange(qo.numel(), dtype=qo.dtype)).view_as(qo)
         loss = (qo * w).sum() + (ko * w.flip(0)).sum()
@@ -174,7 +174,7 @@ def test_batched_backward_equals_per_example_loop(monkeypatch, name, opts, per_e
 def test_finite_check_on_every_call(monkeypatch):
     """The NaN check runs on every call -- nothing is remembered per tensor, so a value written where no version
     counter sees it (``.data``, a NumPy view) is caught at the next call -- once per call, not once per use."""
-    from ropekit.encodings import validation
+    from ropekit.encodings.ops import validation
 
     pe = create_pe("axial", head_dim=8, coord_dim=2, num_heads=1)
     q = torch.randn(1, 1, 4, 8)
@@ -194,7 +194,7 @@ def test_finite_check_on_every_call(monkeypatch):
 def test_cached_constants_first_built_in_inference_mode_still_train(name, opts):
     """Index and basis constants are cached per device; one first built under inference mode must still be
     usable by autograd afterwards (inference tensors cannot be saved for backward)."""
-    from ropekit.encodings import skew
+    from ropekit.encodings.ops import skew
     from ropekit.encodings import circulant
 
     skew._FLAT_INDICES.clear()

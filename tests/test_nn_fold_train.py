@@ -86,7 +86,7 @@ def test_non_commuting_encodings_take_the_unfolded_path(name, opts):
 
 def test_to_rope_is_differentiable_and_exact():
     """``R(r)^T R(s) = P^T RoPE(s - r) P`` with the differentiable form, and gradients reach the parameters."""
-    from ropekit.encodings.frequencies import pair_generators
+    from ropekit.encodings.ops.frequencies import pair_generators
 
     torch.manual_seed(0)
     for name, opts in FOLDABLE:

@@ -142,3 +142,24 @@ def test_kv_heads_must_divide_heads(kv):
         Attention(D, H, None, num_kv_heads=kv)
     with pytest.raises(ValueError, match="num_kv_heads"):
         vit_config("tiny", embed_dim=32, num_heads=4, num_kv_heads=kv).validate()
+
+
+def test_merged_projection_is_not_expanded_again(monkeypatch):
+    """A model's merged projection (``FoldedState.qkv``, one batched product for its layers) is what the layer
+    runs: under grouped-query attention its own weight is expanded once per forward, by ``prepare_layers``'s merge,
+    and not again (the concatenation of the expanded k/v rows) by the layer. The logits are those of each layer
+    preparing its own state (up to the rounding of the batched product against per-layer ones, float64)."""
+    from ropekit.encodings.prepared import FoldedState, prepare_layers
+
+    layers = [Attention(D, H, _pe("cayley", seed), num_kv_heads=2).double() for seed in range(3)]
+    coords, x = torch.rand(6, 2, dtype=torch.float64) * 4, torch.randn(2, 7, D, dtype=torch.float64)
+    own = [attn(x, coords, 1) for attn in layers]  # each layer's own, unmerged state
+    calls = []
+    real = Attention.expanded_qkv
+    monkeypatch.setattr(Attention, "expanded_qkv", lambda self: calls.append(self) or real(self))
+    states = prepare_layers(layers, coords, 1, torch.float64)
+    assert all(isinstance(st, FoldedState) and st.qkv is not None for st in states)
+    assert len(calls) == len(layers)  # the merge reads each layer's expanded weight once
+    for attn, st, ref in zip(layers, states, own):
+        torch.testing.assert_close(attn(x, coords, 1, pe_state=st), ref, rtol=1e-10, atol=1e-12)
+    assert len(calls) == len(layers)  # ... and the layers, running the merged copy, never expand theirs

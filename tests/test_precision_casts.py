@@ -29,7 +29,7 @@ import torch
 
 from ropekit import create_pe, list_pes
 from ropekit.encodings import keep_encodings_fp32
-from ropekit.encodings.rope import _KernelState
+from ropekit.encodings.rope import KernelState
 from ropekit.nn import Attention
 
 pytestmark = pytest.mark.numerics
@@ -112,7 +112,7 @@ def test_axial_fixed_table_is_exact_after_a_low_precision_cast(cast):
     for axis in range(C):
         want[axis, axis * per_axis:(axis + 1) * per_axis] = omega
     torch.testing.assert_close(low.freqs[0], want, rtol=1e-15, atol=0)
-    assert low._param_dtype() == (torch.bfloat16 if cast == "bfloat16" else torch.float16)  # the module's dtype
+    assert low.param_dtype() == (torch.bfloat16 if cast == "bfloat16" else torch.float16)  # the module's dtype
     q, k = _qk()
     coords = _coords(1e4)
     # closed-form reference: pair n of the interleaved q turns by r . freqs[:, n], in float64
@@ -223,7 +223,7 @@ def test_kernel_path_keeps_integer_coordinates_exact(kernel_device, name, opts):
     with torch.no_grad():
         state = pe.prepare(coords.to(kernel_device))
         got = pe(q.to(kernel_device), k.to(kernel_device), coords.to(kernel_device), num_prefix_tokens=1)
-    assert isinstance(state.q if name != "cayley" else state.q[0], _KernelState), "the fused kernel did not run"
+    assert isinstance(state.q if name != "cayley" else state.q[0], KernelState), "the fused kernel did not run"
     assert max(_within(g.cpu(), w, 0.0) for g, w in zip(got, want)) <= 1.0
 
 

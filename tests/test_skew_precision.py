@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekit.encodings.skew import cayley_from_free, free_to_skew, num_free
+from ropekit.encodings.ops.skew import cayley_from_free, free_to_skew, num_free
 
 pytestmark = pytest.mark.numerics
 

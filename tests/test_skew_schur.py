@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekit.encodings.skew import skew_real_schur
+from ropekit.encodings.ops.skew import skew_real_schur
 
 pytestmark = pytest.mark.numerics
 

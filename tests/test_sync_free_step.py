@@ -33,9 +33,9 @@ INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, 
 #: Encodings whose training step synchronises, with the reason. Every other registered encoding must not.
 EXCEPTIONS = {
     "relaxed": "not commuting (exact=False, the default; not folded): one matrix exponential per token from an "
-               "eigendecomposition (encodings.expm), whose error check syncs",
+               "eigendecomposition (encodings.ops.expm), whose error check syncs",
     "liere": "non-commuting with 2 coordinates (not folded): each token's generator is exponentiated through "
-             "an eigendecomposition of a sum of generators (encodings.expm), whose error check syncs",
+             "an eigendecomposition of a sum of generators (encodings.ops.expm), whose error check syncs",
 }
 
 
@@ -104,7 +104,7 @@ def test_the_checker_catches_synchronisations():
 def test_skew_schur_form_is_sync_free(b):
     """The block Schur form of skew matrices (ComRoPE's basis) on its own, for the blocks up to 8 x 8 (larger ones,
     e.g. one-axis LieRE's whole head, take the eigensolver path)."""
-    from ropekit.encodings.skew import skew_real_schur
+    from ropekit.encodings.ops.skew import skew_real_schur
 
     k = torch.randn(3, b, b, dtype=torch.float64)
     skew_real_schur(k - k.mT)  # setup: the cached index tables

@@ -10,7 +10,7 @@ import test_enc_api_contract as contract
 import test_encodings as generic
 from ropekit.bench import BenchConfig, run_bench
 from ropekit.encodings import PAPER_PRESETS, PE_REGISTRY, BenchRow, create_pe, list_pes, register_pe
-from ropekit.encodings.frequencies import axial_frequencies
+from ropekit.encodings.ops.frequencies import axial_frequencies
 from ropekit.encodings.rope import FrequencyRoPE
 from ropekit_studies.report import pe_label
 from ropekit.fold import fold, foldable_kind, to_rope

@@ -1,6 +1,6 @@
 """Where a ViT training step's time goes: the measurements behind docs/performance.md's profile figures.
 
-Four commands, each on the training step that ``ropekit bench`` times (``ropekit.bench.core._vit_step``):
+Four commands, each on the training step that ``ropekit bench`` times (``ropekit.bench.core.vit_step``):
 
 * ``profile PE [c:PE ...]`` -- on a CUDA device: wall time per step, the ``torch.profiler`` table of the ops with
   the most GPU time, the number of CUDA kernels launched per step and the GPU time per step (``c:PE`` compiles
@@ -33,9 +33,9 @@ from typing import Callable, Dict, List
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import ropekit.encodings.rotation as rotation
+import ropekit.encodings.ops.rotation as rotation
 import ropekit.nn.vit as vit
-from ropekit.bench.core import BenchConfig, _vit_step
+from ropekit.bench.core import BenchConfig, vit_step
 from ropekit.bench.ops import count_step_ops
 from ropekit.fold import rope_form, rope_forms_stacked
 
@@ -48,7 +48,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     for arg in args.pes:
         compiled = arg.startswith("c:")
         pe = arg[2:] if compiled else arg
-        step = _vit_step(args.size, pe, cfg, compiled=compiled)
+        step = vit_step(args.size, pe, cfg, compiled=compiled)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -79,7 +79,7 @@ def cmd_syncs(args: argparse.Namespace) -> None:
     cfg = BenchConfig.cuda_config()
     for arg in args.pes:
         compiled = arg.startswith("c:")
-        step = _vit_step(args.size, arg[2:] if compiled else arg, cfg, compiled=compiled)
+        step = vit_step(args.size, arg[2:] if compiled else arg, cfg, compiled=compiled)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -101,7 +101,7 @@ def cmd_syncs(args: argparse.Namespace) -> None:
 
 def cmd_ops(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    step = _vit_step(args.size, args.pe, BenchConfig())
+    step = vit_step(args.size, args.pe, BenchConfig())
     for name, forms in (("bases together", rope_forms_stacked), ("bases per layer", _per_layer_forms)):
         vit.rope_forms_stacked = forms
         counts = count_step_ops(step)
@@ -113,13 +113,13 @@ def cmd_ops(args: argparse.Namespace) -> None:
 def cmd_ab(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     settings: Dict[str, Callable[[], None]] = {
-        "loop-threshold": {"loop (0 B)": lambda: setattr(rotation, "_LOOP_MIN_BYTES", 0),
-                           "threshold (256 KiB)": lambda: setattr(rotation, "_LOOP_MIN_BYTES", 256 * 1024)},
+        "loop-threshold": {"loop (0 B)": lambda: setattr(rotation, "LOOP_MIN_BYTES", 0),
+                           "threshold (256 KiB)": lambda: setattr(rotation, "LOOP_MIN_BYTES", 256 * 1024)},
         "batched-bases": {"bases together": lambda: setattr(vit, "rope_forms_stacked", rope_forms_stacked),
                           "bases per layer": lambda: setattr(vit, "rope_forms_stacked", _per_layer_forms)},
     }[args.what]
-    before = rotation._LOOP_MIN_BYTES, vit.rope_forms_stacked
-    step = _vit_step(args.size, args.pe, BenchConfig())
+    before = rotation.LOOP_MIN_BYTES, vit.rope_forms_stacked
+    step = vit_step(args.size, args.pe, BenchConfig())
     for _ in range(2):
         step()
     times: Dict[str, List[float]] = {name: [] for name in settings}
@@ -130,7 +130,7 @@ def cmd_ab(args: argparse.Namespace) -> None:
             step()
             step()
             times[name].append((time.process_time() - t) / 2 * 1e3)
-    rotation._LOOP_MIN_BYTES, vit.rope_forms_stacked = before
+    rotation.LOOP_MIN_BYTES, vit.rope_forms_stacked = before
     print(f"{args.pe} ({args.size}), one thread, process CPU ms per step, median of {args.rounds} alternating "
           "rounds: " + ", ".join(f"{n} {statistics.median(v):.1f}" for n, v in times.items()))
 

@@ -40,7 +40,7 @@ def _stand_in_kernels() -> None:
     module's entry points (before any compilation: the process then looks like a GPU's to Dynamo)."""
     os.environ["TRITON_INTERPRET"] = "1"
     import ropekit.kernels as kernels
-    from ropekit.encodings.rotation import apply_frequency_rope
+    from ropekit.encodings.ops.rotation import apply_frequency_rope
 
     def fused_rotary(q, k, coords, freqs, *, k_coords=None, num_prefix_tokens=0, pairs="interleaved",
                      validate=True):

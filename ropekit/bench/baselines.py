@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..encodings import ComRoPEAP, ComRoPELD, LieRE
-from ..encodings.blocks import _block_diag
+from ..encodings.ops.blocks import block_diag
 
 __all__ = ["NaiveLieRE", "DenseComRoPE"]
 
@@ -66,5 +66,5 @@ class DenseComRoPE(nn.Module):
         s = self.pe.block_scales(_per_example(coords, b).to(kb.dtype))  # (B, Hp', M, nb)
         s = s.expand(b, h, *s.shape[2:])  # (B, H, M, nb): one per example and head
         blocks = torch.linalg.matrix_exp(s.unsqueeze(-1).unsqueeze(-1) * kb.unsqueeze(1))  # (B, H, M, nb, bs, bs)
-        dense = _block_diag(blocks)  # (B, H, M, d, d)
+        dense = block_diag(blocks)  # (B, H, M, d, d)
         return torch.einsum("bhmij,bhmj->bhmi", dense, q), torch.einsum("bhmij,bhmj->bhmi", dense, k)

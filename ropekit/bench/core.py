@@ -90,7 +90,7 @@ from .training_step import bench_vit, vit_batch
 
 __all__ = ["Row", "all_rows", "ROW_KINDS", "CASES", "VIT_PES", "VIT_PES_GPU", "DTYPES", "BenchConfig", "run_bench",
            "ratio_spread", "too_noisy",
-           "peak_memory_mb", "cuda_peak_memory_mb", "saved_memory_mb", "device_info", "machine_info"]
+           "peak_memory_mb", "cuda_peak_memory_mb", "saved_memory_mb", "device_info", "machine_info", "vit_step"]
 
 CASES = ("grid2d", "rgbd3d")
 

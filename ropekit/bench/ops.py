@@ -9,7 +9,7 @@ Two forms of the same step (forward, cross entropy, backward, AdamW) are counted
 
 * ``device`` -- the step as it runs on a GPU: fused AdamW (one operation for all parameters), the backward
   reductions of the rotation as single batched operations (on the CPU they loop over the batch, see
-  ``encodings.rotation._slice_loops``) and the coordinate check deferred (no host read). The target of the
+  ``encodings.ops.rotation.slice_loops``) and the coordinate check deferred (no host read). The target of the
   folded encodings is stated in this form.
 * ``cpu`` -- the step as the CPU bench times it (per-parameter AdamW, the CPU's loops).
 
@@ -55,15 +55,15 @@ def count_step_ops(step: Callable[[], None]) -> Dict[str, int]:
 @contextlib.contextmanager
 def _device_form() -> Iterator[None]:
     """The rotation's backward reductions batched and the coordinate check deferred, as on an accelerator."""
-    from ..encodings import rotation
-    from ..encodings.validation import set_coord_validation
+    from ..encodings.ops import rotation
+    from ..encodings.ops.validation import set_coord_validation
 
-    loop, previous = rotation._LOOP_MIN_BYTES, set_coord_validation("deferred")
-    rotation._LOOP_MIN_BYTES = 1 << 62
+    loop, previous = rotation.LOOP_MIN_BYTES, set_coord_validation("deferred")
+    rotation.LOOP_MIN_BYTES = 1 << 62
     try:
         yield
     finally:
-        rotation._LOOP_MIN_BYTES = loop
+        rotation.LOOP_MIN_BYTES = loop
         set_coord_validation(previous)
 
 

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from ..encodings import PositionEncoding
-from ..encodings.frequencies import mixed_frequencies
+from ..encodings.ops.frequencies import mixed_frequencies
 
 __all__ = [
     "axis_frame", "cylindrical", "from_cylindrical", "spherical", "from_spherical", "rotate_about_axis",

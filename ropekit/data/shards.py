@@ -135,7 +135,7 @@ def describe_data(path: PathLike) -> Dict[str, Any]:
             per = Counter()
             n_classes = len(m.get("classes") or []) or None
             for s in range(len(stream.shards)):
-                for _, _, raw in stream._samples(s):
+                for _, _, raw in stream.shard_samples(s):
                     try:
                         per[shard_label(raw, f"{stream.shards[s]}[{raw.get('__key__')}]", n_classes)] += 1
                     except DataFileError:
@@ -173,7 +173,7 @@ def check_data(path: PathLike, *, progress: Progress = None) -> Dict[str, Any]:
             n_classes = len(rec.get("classes") or []) or None
             for s in range(len(stream.shards)):
                 try:
-                    for _, _, raw in stream._samples(s):
+                    for _, _, raw in stream.shard_samples(s):
                         where = f"{stream.shards[s]}[{raw.get('__key__')}]"
                         key = next((k for k in IMAGE_KEYS if k in raw), None)
                         try:

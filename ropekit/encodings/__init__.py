@@ -1,7 +1,7 @@
 """Rotary position encodings for N-dimensional coordinates, behind one interface (``create_pe``)."""
 
 from .base import PEState, PositionEncoding, check_coords, keep_encodings_fp32
-from .rotation import apply_frequency_rope
+from .ops.rotation import apply_frequency_rope
 from .registry import PAPER_PRESETS, PE_REGISTRY, BenchRow, create_pe, list_pes, pe_options, register_pe
 # the encodings, imported in the order list_pes() gives them (each registers itself)
 from .rope import AxialRoPE, FrequencyRoPE, MixedRoPE, NoPE
@@ -13,7 +13,7 @@ from .liere import LieRE, LieRECommute
 from .comrope import ComRoPEAP, ComRoPELD
 from .relaxed import RelaxedSTRING
 from .counting import count_parameters
-from .validation import check_deferred_coords, set_coord_validation
+from .ops.validation import check_deferred_coords, set_coord_validation
 
 __all__ = [
     "PositionEncoding", "PEState", "check_coords", "check_deferred_coords", "set_coord_validation",

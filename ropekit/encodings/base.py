@@ -34,10 +34,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from .angles import _wide_dtype
-from .forms import RoPEForm, no_rope_form
-from .rotation import check_backend
-from .validation import check_finite, check_real
+from .ops.angles import wide_dtype
+from .ops.forms import RoPEForm, no_rope_form
+from .ops.rotation import check_backend
+from .ops.validation import check_finite, check_real
 
 __all__ = ["PositionEncoding", "PEState", "check_coords", "coord_precision", "keep_encodings_fp32", "normalize_coords",
            "LAYOUTS", "PAIRS"]
@@ -74,7 +74,7 @@ def coord_precision(coords: Tensor, dtype: torch.dtype) -> Tensor:
         return coords
     if coords.is_floating_point():
         return coords.to(dtype)
-    return coords.to(_wide_dtype(coords.device))
+    return coords.to(wide_dtype(coords.device))
 
 
 def _expected(num_tokens: Any, coord_dim: int, batch: Any) -> str:
@@ -98,7 +98,7 @@ def check_coords(coords: Tensor, coord_dim: int, num_tokens: int | None, batch: 
         ValueError: wrong type, dtype, rank, coordinate dimension, token count or batch; or NaN / infinite
             values, naming their count (``"3 non-finite values (NaN or infinite) in coords ..."``).
 
-    The finiteness check (``ropekit.encodings.validation.check_finite``, shared by every execution path) reads
+    The finiteness check (``ropekit.encodings.ops.validation.check_finite``, shared by every execution path) reads
     the values at every call, so values written in place since an earlier call are seen too. On the CPU it raises
     at once; on an accelerator, and inside ``torch.compile``, it counts the bad entries on the device without a
     host synchronisation, and ``check_deferred_coords()`` raises this error later (the training engine calls it
@@ -341,6 +341,11 @@ class PositionEncoding(nn.Module):
         return x
 
     @property
+    def transforms_prefix(self) -> bool:
+        """Whether the encoding acts on prefix tokens, i.e. overrides the identity of ``_transform_prefix``."""
+        return type(self)._transform_prefix is not PositionEncoding._transform_prefix
+
+    @property
     def out_dim(self) -> int:
         """Width of the encoded q and k (``head_dim`` except for the tensor-product encoding)."""
         return self.head_dim
@@ -377,7 +382,7 @@ class PositionEncoding(nn.Module):
                          dtype: torch.dtype | None) -> PEState:
         """``prepare`` after validation (``forward`` validates against q/k itself and skips a second check)."""
         if dtype is None:
-            wide = coords.dtype == torch.float64 or self._param_dtype() == torch.float64
+            wide = coords.dtype == torch.float64 or self.param_dtype() == torch.float64
             dtype = torch.float64 if wide else torch.float32
         elif dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -502,7 +507,7 @@ class PositionEncoding(nn.Module):
             return torch.stack([self.matrix(c) for c in coords])
         check_coords(coords, self.coord_dim, coords.shape[-2] if coords.dim() >= 2 else -1)
         m = coords.shape[0]
-        dtype = torch.float64 if self._param_dtype() == torch.float64 else torch.float32
+        dtype = torch.float64 if self.param_dtype() == torch.float64 else torch.float32
         eye = torch.eye(d, dtype=dtype, device=coords.device)
         basis = eye[:, None, None, :].expand(d, h, m, d)  # (d, H, M, d): batch j holds e_j at every token
         state = self.prepare(coords, dtype=dtype)
@@ -511,7 +516,7 @@ class PositionEncoding(nn.Module):
 
     def rope_form(self, basis_gradient: bool = False) -> RoPEForm:
         """The encoding as RoPE in a basis, ``R(r)^T R(s) = P^T RoPE_freqs(s - r) P``, differentiably in its
-        parameters (see ``ropekit.encodings.forms.RoPEForm``); encodings with a ``rope_kind`` implement it.
+        parameters (see ``ropekit.encodings.ops.forms.RoPEForm``); encodings with a ``rope_kind`` implement it.
 
         Args:
             basis_gradient: for block encodings (``rope_kind == "blocks"``) whose eigenbasis has no derivative
@@ -555,7 +560,7 @@ class PositionEncoding(nn.Module):
                 in its relaxed configuration) or is not a rotation (the tensor-product encoding).
         """
         form = self.rope_form(basis_gradient=True)
-        freqs = form.freqs.to(self._param_dtype())
+        freqs = form.freqs.to(self.param_dtype())
         p = form.basis
         if p is None:
             p = torch.eye(self.head_dim, dtype=freqs.dtype, device=freqs.device).unsqueeze(0)
@@ -613,7 +618,9 @@ class PositionEncoding(nn.Module):
                 f"per_head={self.per_head}" + extra)
 
     # ------------------------------------------------------------------ internals
-    def _param_dtype(self) -> torch.dtype:
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of the encoding's parameters (the first parameter's; else the first floating buffer's; else
+        float32): float64 here gives a float64 prepared state, and a folded copy (``fold``) is built in it."""
         for p in self.parameters():
             return p.dtype
         for b in self.buffers():

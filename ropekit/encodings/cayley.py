@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .forms import RoPEForm, half_pairs_basis, param_heads, post_form, stack_layers
-from .products import basis_change
+from .ops.forms import RoPEForm, half_pairs_basis, param_heads, post_form, stack_layers
+from .ops.products import basis_change
 from .registry import BenchRow, register_pe
-from .rope import MixedRoPE, _KernelState
-from .rotation import _fused_basis_kernel, _fused_kernel, rotate_pairs
-from .skew import cayley_from_free, free_to_skew, num_free
+from .rope import MixedRoPE, KernelState
+from .ops.rotation import rotate_pairs
+from .ops.skew import cayley_from_free, free_to_skew, num_free
 
 __all__ = ["CayleySTRING"]
 
@@ -62,17 +62,18 @@ class CayleySTRING(MixedRoPE):
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype):
         p = self._rotation(dtype)  # (Hp, d, d)
-        if _fused_kernel(coords.device, backend=self.backend) is not None:
-            return _KernelState(coords, self.freqs), p  # the fused kernel rotates P x, angles formed in-kernel
+        kernel = KernelState.prepare(coords, self.freqs, self.backend)
+        if kernel is not None:
+            return kernel, p  # the fused kernel rotates P x, angles formed in-kernel
         cos, sin = super()._prepare(coords, dtype)
         return cos, sin, p
 
     def _encode(self, x: Tensor, data, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
         """Where the fused rotation kernel runs, ``RoPE(theta) P x`` in one pass over the tokens in their own dtype
         (``ropekit.kernels.fused_basis_rotary``: ``P x`` is never written to memory); else the two steps."""
-        if isinstance(data, tuple) and isinstance(data[0], _KernelState) and self.pairs == "interleaved" \
+        if isinstance(data, tuple) and isinstance(data[0], KernelState) and self.pairs == "interleaved" \
                 and dtype == torch.float32:
-            kernel = _fused_basis_kernel(x, data[-1], data[0].coords, data[0].freqs, self.backend)
+            kernel = data[0].basis_kernel(x, data[-1])
             if kernel is not None:  # freqs (Hp, c, P), Hp = 1 or H: as the kernel takes them
                 return kernel(x, data[-1], data[0].coords, data[0].freqs, num_prefix_tokens=num_prefix_tokens,
                               validate=False)
@@ -80,10 +81,8 @@ class CayleySTRING(MixedRoPE):
 
     def _transform(self, x: Tensor, state) -> Tensor:
         x = basis_change(x, state[-1])  # P x per token, one GEMM: (B, H, M, d)
-        if isinstance(state[0], _KernelState):
-            data = state[0]
-            freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
-            return _fused_kernel(x.device, backend=self.backend)(x, None, data.coords, freqs, validate=False)[0]
+        if isinstance(state[0], KernelState):
+            return state[0].rotate(x)[0]
         cos, sin, _ = state
         return rotate_pairs(x, cos, sin)
 

@@ -28,16 +28,16 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .angles import _wide_dtype, angle_table
+from .ops.angles import wide_dtype, angle_table
 from .base import PositionEncoding
-from .blocks import _block_diag
-from .forms import RoPEForm, half_pairs_basis, stack_layers
-from .frequencies import mixed_frequencies
-from .products import precise_matmul
+from .ops.blocks import block_diag
+from .ops.forms import RoPEForm, half_pairs_basis, stack_layers
+from .ops.frequencies import mixed_frequencies
+from .ops.products import precise_matmul
 from .registry import BenchRow, register_pe
-from .rope import _KernelState
-from .rotation import _fused_basis_kernel, _fused_kernel, rotate_angles
-from .skew import skew
+from .rope import KernelState
+from .ops.rotation import rotate_angles
+from .ops.skew import skew
 
 __all__ = ["CirculantSTRING", "circulant", "real_dft_basis", "block_dft_basis"]
 
@@ -102,7 +102,7 @@ def _build_block_dft_basis(head_dim: int, block_size: int, device: torch.device,
     q, _ = real_dft_basis(b)  # (b, b) float64: u2 rotating rows, then DC (and Nyquist)
     rows = torch.arange(head_dim).view(nb, b)
     order = torch.cat((rows[:, :u2].reshape(-1), rows[:, u2:].reshape(-1)))  # rotating rows of every block first
-    p = _block_diag(q.expand(nb, -1, -1))[order]  # (d, d)
+    p = block_diag(q.expand(nb, -1, -1))[order]  # (d, d)
     return p.to(device=device, dtype=dtype).unsqueeze(0)
 
 
@@ -164,7 +164,7 @@ class CirculantSTRING(PositionEncoding):
         and the RoPE form's ``(d, d/2)`` table: the sine table of every block on its own rows and mode columns,
         zero elsewhere (float64)."""
         ref = self.dft_basis
-        q, table = real_dft_basis(self.block_size, dtype=_wide_dtype(ref.device), device=ref.device)
+        q, table = real_dft_basis(self.block_size, dtype=wide_dtype(ref.device), device=ref.device)
         # the bases the rotation multiplies by: in the compute dtype (float64 for a float64 module, else float32),
         # rounded once from float64 -- never in bf16 / float16, whatever the module was cast to
         params = getattr(self, "circ_params", None)
@@ -173,7 +173,7 @@ class CirculantSTRING(PositionEncoding):
             with torch.no_grad():
                 self.dft_basis = q.to(basis_dtype)
                 self.mode_table = table
-                blocks = _block_diag(q.expand(self.head_dim // self.block_size, -1, -1))  # (d, d)
+                blocks = block_diag(q.expand(self.head_dim // self.block_size, -1, -1))  # (d, d)
                 self.dft_blockdiag = blocks.to(basis_dtype).unsqueeze(0)  # (1, d, d)
                 nb, b, u = self.head_dim // self.block_size, self.block_size, self.num_modes
                 form = table.new_zeros(nb * b, self.head_dim // 2)  # rows j b .. (j + 1) b, columns j u .. (j + 1) u
@@ -211,17 +211,18 @@ class CirculantSTRING(PositionEncoding):
         ``b`` is even, the coordinates and pair frequencies it forms the angles from instead. The frequencies are
         float64 (the table's dtype) either way."""
         freqs = self._pair_frequencies(self.mode_table.dtype)
-        if self.block_size % 2 == 0 and _fused_kernel(coords.device, backend=self.backend) is not None:
-            return _KernelState(coords, freqs)
+        kernel = KernelState.prepare(coords, freqs, self.backend) if self.block_size % 2 == 0 else None
+        if kernel is not None:
+            return kernel
         return angle_table(coords, freqs, dtype)  # (theta, cos, sin): (1 | B, Hp, M, F)
 
     def _encode(self, x: Tensor, data, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
         """Where the fused rotation kernel runs (even ``b``), ``Q^T RoPE(theta) Q x`` in one pass over the tokens in
         their own dtype (``ropekit.kernels.fused_basis_rotary`` with ``Q`` the block-diagonal DFT basis: the DFT
         coordinates are never written to memory); else the three steps of ``_transform``."""
-        if isinstance(data, _KernelState) and self.pairs == "interleaved" and dtype == torch.float32:
+        if isinstance(data, KernelState) and self.pairs == "interleaved" and dtype == torch.float32:
             basis = self.dft_blockdiag  # (1, d, d), built with the other fixed tables
-            kernel = _fused_basis_kernel(x, basis, data.coords, data.freqs, self.backend)
+            kernel = data.basis_kernel(x, basis)
             if kernel is not None:  # freqs (Hp, c, d/2), Hp = 1 or H: as the kernel takes them
                 return kernel(x, basis, data.coords, data.freqs, num_prefix_tokens=num_prefix_tokens,
                               transpose_back=True, validate=False)
@@ -231,10 +232,8 @@ class CirculantSTRING(PositionEncoding):
         b = self.block_size
         q = self.dft_basis.to(x.dtype)
         z = precise_matmul(x.unflatten(-1, (-1, b)), q.transpose(0, 1))  # (B, H, M, nb, b): Q z per block
-        if isinstance(state, _KernelState):  # even b: every pair of the DFT coordinates, in one launch
-            freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, F) shared or (H, c, F)
-            kernel = _fused_kernel(x.device, backend=self.backend)
-            z = kernel(z.flatten(-2), None, state.coords, freqs, validate=False)[0]  # (B, H, M, d)
+        if isinstance(state, KernelState):  # even b: every pair of the DFT coordinates, in one launch
+            z = state.rotate(z.flatten(-2))[0]  # (B, H, M, d)
             return precise_matmul(z.unflatten(-1, (-1, b)), q).flatten(-2)  # Q^T per block: (B, H, M, d)
         theta, cos, sin = state
         if b % 2 == 0:

@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .angles import wide_angles
+from .ops.angles import wide_angles
 from .base import PositionEncoding
-from .blocks import _block_diag, block_apply, scaled_block_exp_matrices
-from .forms import RoPEForm, block_form, stack_layers
+from .ops.blocks import block_diag, block_apply, scaled_block_exp_matrices
+from .ops.forms import RoPEForm, block_form, stack_layers
 from .registry import BenchRow, register_pe
-from .skew import free_to_skew, full_to_free, num_free
+from .ops.skew import free_to_skew, full_to_free, num_free
 
 __all__ = ["ComRoPEAP", "ComRoPELD"]
 
@@ -125,7 +125,7 @@ class _ComRoPE(PositionEncoding):
     def generators(self) -> Tensor:
         lam = self._axis_weights()  # (Hp, c, nb)
         blocks = lam[..., None, None] * self.block_generators().unsqueeze(1)  # (Hp, c, nb, b, b)
-        return _block_diag(blocks).expand(self.num_heads, -1, -1, -1)
+        return block_diag(blocks).expand(self.num_heads, -1, -1, -1)
 
 
 @register_pe("comrope-ap", label="ComRoPE-AP", paper_sharing="head", bench_vit_options={"block_size": 8},

@@ -17,7 +17,7 @@ same as using the weight ``P W_q``. Two uses:
 The pieces:
 
 * :func:`rope_form` / :func:`to_rope` -- ``(P, freqs)`` of any commuting encoding, written by the encoding itself
-  (``PositionEncoding.rope_form``; :mod:`ropekit.encodings.forms` holds the pieces they share): the RoPE family
+  (``PositionEncoding.rope_form``; :mod:`ropekit.encodings.ops.forms` holds the pieces they share): the RoPE family
   has ``P = I``; cayley's ``P`` is its Cayley rotation; circulant's the fixed real DFT basis of its blocks;
   general STRING's the transpose of its learned basis; exact relaxed STRING's its post-rotation; comrope's (and
   one-coordinate LieRE's) the eigenbases of its skew blocks.
@@ -47,14 +47,14 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .angles import _wide_dtype
+from .ops.angles import wide_dtype
 from .base import PositionEncoding
-from .blocks import rotate_in_block_eigenbasis
-from .forms import BlockEigenForm, RoPEForm, block_form, stack_layers, stacked_block_form
-from .products import basis_change, precise_matmul
+from .ops.blocks import rotate_in_block_eigenbasis
+from .ops.forms import BlockEigenForm, RoPEForm, block_form, stack_layers, stacked_block_form
+from .ops.products import basis_change, precise_matmul
 from .rope import FrequencyRoPE
-from .rotation import apply_frequency_rope, rotate_qk
-from .skew import skew_real_schur
+from .ops.rotation import apply_frequency_rope, rotate_qk
+from .ops.skew import skew_real_schur
 
 __all__ = ["to_rope", "rope_form", "rope_forms", "rope_forms_stacked", "unstack_rope_form", "RoPEForm",
            "BlockEigenForm", "foldable_kind", "FoldedRoPE", "fold_pe", "is_foldable", "fold_qkv_weight",
@@ -155,7 +155,7 @@ def rope_forms_stacked(pes: Sequence[PositionEncoding], prefix: bool = True
             else:
                 ks, ws = (torch.stack(t) for t in zip(*(pe.rope_blocks() for pe in group)))
             blocks = list(zip(ks.unbind(0), ws.unbind(0)))  # (K, axis weights) of each
-            qs, mus = skew_real_schur(ks.detach().to(_wide_dtype(ks.device)))  # (L, Hp, nb, b, b), (L, Hp, nb, b/2)
+            qs, mus = skew_real_schur(ks.detach().to(wide_dtype(ks.device)))  # (L, Hp, nb, b, b), (L, Hp, nb, b/2)
             schurs = list(zip(qs.unbind(0), mus.unbind(0)))
             if pes[idx[0]].pairs == "half":  # a permuted dense basis per layer
                 for i, (k, w), schur in zip(idx, blocks, schurs):
@@ -335,7 +335,7 @@ def frequency_rope(q: Tensor, k: Optional[Tensor], coords: Tensor, form: "RoPEFo
             (``rotation.angle_tables``), or ``None``; ``k=None`` there: ``q`` holds q and k, ``(2, B, H, N, d)``.
 
     Returns:
-        ``(q, k)`` of the same shapes and dtypes, from ``encodings.rotation.apply_frequency_rope`` (float32 math,
+        ``(q, k)`` of the same shapes and dtypes, from ``encodings.ops.rotation.apply_frequency_rope`` (float32 math,
         elementwise angles; the fused kernel on CUDA).
     """
     if form.eigen is not None:  # the value as below, the gradients through the block exponentials
@@ -397,7 +397,7 @@ class FoldedRoPE(FrequencyRoPE):
             raise ValueError(f"freqs must have shape (1 or {num_heads}, {coord_dim}, {head_dim // 2}), "
                              f"got {tuple(freqs.shape)}")
         super().__init__(head_dim, coord_dim, num_heads, per_head=hp > 1)
-        self.register_buffer("freq_table", freqs.detach().to(_wide_dtype(freqs.device)).clone())
+        self.register_buffer("freq_table", freqs.detach().to(wide_dtype(freqs.device)).clone())
         if prefix_matrix is not None:
             if prefix_matrix.shape[0] not in (1, num_heads) or prefix_matrix.shape[1:] != (head_dim, head_dim):
                 raise ValueError(f"prefix_matrix must have shape (1 or {num_heads}, {head_dim}, {head_dim}), "
@@ -417,7 +417,7 @@ class FoldedRoPE(FrequencyRoPE):
         table = self.freq_table
         out = super()._apply(fn, recurse)
         device = self.freq_table.device
-        self.freq_table = table.to(device=device, dtype=_wide_dtype(device))
+        self.freq_table = table.to(device=device, dtype=wide_dtype(device))
         return out
 
     def _transform_prefix(self, x: Tensor) -> Tensor:
@@ -441,7 +441,7 @@ def fold_pe(pe: PositionEncoding) -> Tuple[FoldedRoPE, Tensor]:
     that produces ``q`` and ``k`` (what :func:`~ropekit.nn.fold.fold` does). Prefix tokens are handled by ``folded`` (see the
     module docstring).
     """
-    dtype = pe._param_dtype()
+    dtype = pe.param_dtype()
     with torch.no_grad():  # a snapshot, computed in float64 and rounded once
         pe64 = copy.deepcopy(pe).double()
         p64, freqs = to_rope(pe64)

@@ -28,9 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from .base import PositionEncoding
-from .blocks import _block_diag, block_apply
-from .expm import DEFAULT_BUDGET, linear_skew_expm
-from .forms import RoPEForm, block_form
+from .ops.blocks import block_diag, block_apply
+from .ops.expm import DEFAULT_BUDGET, linear_skew_expm
+from .ops.forms import RoPEForm, block_form
 from .registry import BenchRow, register_pe
 from .rope import FrequencyRoPE
 
@@ -81,7 +81,7 @@ class LieRE(PositionEncoding):
         return a - a.transpose(-1, -2)
 
     def generators(self) -> Tensor:
-        return _block_diag(self.block_generators()).expand(self.num_heads, -1, -1, -1)
+        return block_diag(self.block_generators()).expand(self.num_heads, -1, -1, -1)
 
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> Tensor:
         gen = self.block_generators().to(dtype)  # (Hp, c, nb, b, b)

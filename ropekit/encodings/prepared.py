@@ -3,8 +3,9 @@
 An encoding owns its execution: :func:`prepare_attention` (one layer) and :func:`prepare_layers` (every layer of a
 model at once, batched) return one typed state per layer, and the layer calls two methods of it:
 
-* ``fold_into(weight, bias, num_heads)``: the q/k/v projection to use -- with the encoding's basis merged into the
-  q and k rows for a folded commuting encoding (:class:`FoldedState`), unchanged otherwise (:class:`TokenState`);
+* ``projection(layer)``: the q/k/v projection to use -- with the encoding's basis merged into the q and k rows for a
+  folded commuting encoding (:class:`FoldedState`; ``fold_into(weight, bias, num_heads)`` merges it into given
+  weights), the layer's own otherwise (:class:`TokenState`);
 * ``apply_qkv(qkv, num_heads)``: q, k, v ``(B, H, N, d)`` from the projection's output ``(B, N, 3 D)``, q and k
   encoded (``apply(q, k)`` for q and k already split).
 
@@ -28,12 +29,12 @@ import torch
 from torch import Tensor
 
 from .base import PEState, PositionEncoding
-from .blocks import batch_block_gradients, share_block_gradients
+from .ops.blocks import batch_block_gradients, share_block_gradients
 from .fold import fold_qkv_weight, fold_qkv_weights, foldable_kind, frequency_rope, frequency_rope_qk, rope_form
 from .fold import rope_forms_stacked
-from .forms import RoPEForm
-from .products import basis_change
-from .rotation import _fused_kernel, angle_tables
+from .ops.forms import RoPEForm
+from .ops.products import basis_change
+from .ops.rotation import fused_kernel, angle_tables
 
 __all__ = ["FoldedState", "TokenState", "PreparedState", "AttentionLayer", "prepare_attention", "prepare_layers",
            "rotation_backend"]
@@ -44,7 +45,7 @@ def rotation_backend(pe: PositionEncoding, device: torch.device) -> str:
     where the fused kernel does not run (``backend="torch"``, the CPU, Triton missing -- with its one warning),
     else the encoding's own ``backend`` (``"auto"``: inside ``torch.compile`` a call the kernel cannot take still
     falls back to PyTorch). Raises ``ValueError`` for ``backend="triton"`` where the kernel cannot run."""
-    return "torch" if _fused_kernel(device, True, pe.backend) is None else pe.backend
+    return "torch" if fused_kernel(device, True, pe.backend) is None else pe.backend
 
 
 def _split_heads(qkv: Tensor, num_heads: int) -> Tensor:
@@ -74,7 +75,7 @@ class FoldedState(NamedTuple):
 
     Attributes:
         pe: the encoding (a state is used by layers holding this very module).
-        form: its :class:`~ropekit.encodings.forms.RoPEForm` (basis ``P``, frequencies, prefix transform).
+        form: its :class:`~ropekit.encodings.ops.forms.RoPEForm` (basis ``P``, frequencies, prefix transform).
         coords: ``(M, c)`` or ``(B, M, c)``, the coordinates of this forward pass.
         num_prefix_tokens: ``P0``.
         backend: the rotation's execution path, chosen in ``prepare`` (:func:`rotation_backend`).
@@ -100,6 +101,14 @@ class FoldedState(NamedTuple):
         if self.form.basis is None:
             return weight, bias
         return fold_qkv_weight(weight, bias, self.form.basis, num_heads, blocks=self.form.blocks)
+
+    def projection(self, layer: "AttentionLayer") -> Tuple[Tensor, Optional[Tensor]]:
+        """The projection ``(3D, D_in)``, ``(3D,)`` that ``layer`` runs with this state: the model's merged copy
+        where :func:`prepare_layers` made one (``layer``'s own weight is then not read -- not even expanded for
+        grouped-query attention), else :meth:`fold_into` of ``layer.expanded_qkv()``."""
+        if self.qkv is not None:
+            return self.qkv
+        return self.fold_into(*layer.expanded_qkv(), layer.num_heads)
 
     def apply_qkv(self, qkv: Tensor, num_heads: int) -> Tuple[Tensor, Tensor, Tensor]:
         """``(q, k, v)``, each ``(B, H, N, d)``, from ``qkv`` ``(B, N, 3D)`` (the output of :meth:`fold_into`'s
@@ -132,6 +141,11 @@ class TokenState(NamedTuple):
     def fold_into(self, weight: Tensor, bias: Optional[Tensor], num_heads: int) -> Tuple[Tensor, Optional[Tensor]]:
         """The projection unchanged: nothing is folded."""
         return weight, bias
+
+    def projection(self, layer: "AttentionLayer") -> Tuple[Tensor, Optional[Tensor]]:
+        """The projection ``(3D, D_in)``, ``(3D,)`` that ``layer`` runs with this state: its own, expanded for
+        grouped-query attention (``layer.expanded_qkv()``)."""
+        return layer.expanded_qkv()
 
     def apply(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
         """Encode q and k ``(B, H, N, d)``; returns ``(B, H, N, d')`` each (``d' = pe.out_dim``), in the encoding's
@@ -246,8 +260,10 @@ def prepare_layers(layers: Sequence[AttentionLayer], coords: Optional[Tensor], n
         if states[group[0]].backend == "torch":  # (the kernel forms its angles)
             for j, table in zip(group, angle_tables(coords, stacked.freqs, table_dtype)):
                 states[j] = states[j]._replace(table=table)
+        if stacked.basis is None:
+            continue
         expanded = [layers[users[j][0]].expanded_qkv() for j in group]  # (3D, D_in), (3D,): k/v rows per query head
-        if stacked.basis is not None and _uniform(expanded):
+        if _uniform(expanded):
             qkvs = fold_qkv_weights([w for w, _ in expanded], [b for _, b in expanded], stacked.basis,
                                     layers[users[group[0]][0]].num_heads, blocks=stacked.blocks)
             for j, qkv in zip(group, qkvs):
@@ -255,8 +271,8 @@ def prepare_layers(layers: Sequence[AttentionLayer], coords: Optional[Tensor], n
     # the other dense bases merged into every folding layer's projection in one batched product
     merging = [i for i, j in enumerate(owner) if j >= 0 and merged[i] is None and isinstance(states[j], FoldedState)
                and states[j].form.basis is not None and states[j].form.blocks is None]
-    expanded = [layers[i].expanded_qkv() for i in merging]  # (3D, D_in), (3D,): k/v rows per query head
-    if len(merging) > 1 and _uniform(expanded):
+    expanded = [layers[i].expanded_qkv() for i in merging] if len(merging) > 1 else []  # (3D, D_in), (3D,)
+    if expanded and _uniform(expanded):
         qkvs = fold_qkv_weights([w for w, _ in expanded], [b for _, b in expanded],
                                 [states[owner[i]].form.basis for i in merging], layers[merging[0]].num_heads)
         for i, qkv in zip(merging, qkvs):

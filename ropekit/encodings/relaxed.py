@@ -19,16 +19,16 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .angles import _wide_dtype, angle_table
+from .ops.angles import wide_dtype, angle_table
 from .base import PositionEncoding
-from .blocks import block_apply
-from .expm import linear_skew_expm
-from .forms import RoPEForm, basis_form, no_rope_form
-from .frequencies import mixed_frequencies, pair_generators
-from .products import basis_change
+from .ops.blocks import block_apply
+from .ops.expm import linear_skew_expm
+from .ops.forms import RoPEForm, basis_form, no_rope_form
+from .ops.frequencies import mixed_frequencies, pair_generators
+from .ops.products import basis_change
 from .registry import BenchRow, register_pe
-from .rotation import rotate_angles
-from .skew import skew
+from .ops.rotation import rotate_angles
+from .ops.skew import skew
 
 __all__ = ["RelaxedSTRING"]
 
@@ -130,7 +130,7 @@ class RelaxedSTRING(PositionEncoding):
         if self.exact:
             return p, angle_table(coords, self.freq_param, dtype)  # float64 angles, cos/sin: (1 | B, Hp, M, m)
         # the generator sums in float64: rounded to float32, each entry would be off by r * ulp at coordinate r
-        gen = self.active_generators(_wide_dtype(coords.device)).unsqueeze(2)  # (Hp, c, 1, 2m, 2m)
+        gen = self.active_generators(wide_dtype(coords.device)).unsqueeze(2)  # (Hp, c, 1, 2m, 2m)
         lead = coords.shape[:-1]  # (M,) or (B, M)
         r = linear_skew_expm(coords.reshape(-1, self.coord_dim), gen, dtype=dtype)  # (T, Hp, 1, 2m, 2m)
         r = r.view(*lead, *r.shape[1:])  # ([B,] M, Hp, 1, 2m, 2m)

@@ -12,14 +12,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .angles import _wide_dtype, angle_table, rope_cos_sin, wide_angles
+from .ops.angles import wide_dtype, angle_table, rope_cos_sin, wide_angles
 from .base import PEState, PositionEncoding
-from .forms import RoPEForm, param_heads, stack_layers
-from .frequencies import axial_frequencies, mixed_frequencies, pair_generators
+from .ops.forms import RoPEForm, param_heads, stack_layers
+from .ops.frequencies import axial_frequencies, mixed_frequencies, pair_generators
 from .registry import BenchRow, register_pe
-from .rotation import _fused_kernel, _is_compiling, apply_frequency_rope, rotate_angles
+from .ops.rotation import apply_frequency_rope, fused_basis_kernel, fused_kernel, rotate_angles
 
-__all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE"]
+__all__ = ["NoPE", "FrequencyRoPE", "AxialRoPE", "MixedRoPE", "KernelState"]
 
 
 @register_pe("none", label="NoPE", bench_vit_gpu=True)
@@ -60,22 +60,37 @@ class NoPE(PositionEncoding):
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _rotate(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Tensor, backend: str,
-            **kw) -> tuple[Tensor, Tensor | None]:
-    """The fused kernel on a prepared :class:`_KernelState`: called directly in eager mode; inside
-    ``torch.compile`` through ``apply_frequency_rope``, which keeps the kernel (as a custom operator) where it
-    can be traced -- q and k together -- and takes the PyTorch rotation otherwise."""
-    kernel = None if _is_compiling() else _fused_kernel(q.device, backend=backend)
-    if kernel is not None:
-        return kernel(q, k, coords, freqs, validate=False, **kw)
-    return apply_frequency_rope(q, k, coords, freqs, backend=backend, validate=False, **kw)
-
-
-class _KernelState(NamedTuple):
-    """Prepared data when the fused rotation kernel runs: the coordinates and frequencies themselves."""
+class KernelState(NamedTuple):
+    """Prepared data when the fused rotation kernel runs: the coordinates and frequencies themselves, and the
+    encoding's ``backend``. An encoding's ``_prepare`` makes one (:meth:`prepare`) where the kernel was chosen for
+    the coordinates' device, and rotates through it (:meth:`rotate`): the choice is made there, once."""
 
     coords: Tensor  # (M, c) or (B, M, c)
     freqs: Tensor  # (Hp, c, P)
+    backend: str = "auto"
+
+    @classmethod
+    def prepare(cls, coords: Tensor, freqs: Tensor, backend: str, traceable: bool = False) -> "KernelState | None":
+        """The state of ``coords`` ``(M, c) | (B, M, c)`` and ``freqs`` ``(Hp, c, P)`` where ``backend`` chooses
+        the fused kernel on the coordinates' device (``rotation.fused_kernel``; ``traceable``: inside
+        ``torch.compile`` the rotation can take it), else ``None``: the PyTorch rotation's tables are the state."""
+        return cls(coords, freqs, backend) if fused_kernel(coords.device, traceable, backend) is not None else None
+
+    def basis_kernel(self, x: Tensor, basis: Tensor):
+        """``ropekit.kernels.fused_basis_rotary`` where it takes ``x`` ``(B, H, N, d)`` and ``basis``
+        ``(Hp, d, d)`` with this state's coordinates and frequencies (``rotation.fused_basis_kernel``), else None."""
+        return fused_basis_kernel(x, basis, self.coords, self.freqs, self.backend)
+
+    def rotate(self, q: Tensor, k: Tensor | None = None, **kw) -> tuple[Tensor, Tensor | None]:
+        """Rotate ``q`` (and ``k``) ``(B, H, N, d)`` by the state's angles (``kw``: the kernel's ``k_coords``,
+        ``num_prefix_tokens``, ``pairs``): the fused kernel called directly in eager mode; inside
+        ``torch.compile`` through ``apply_frequency_rope``, which keeps the kernel (as a custom operator) where it
+        can be traced -- q and k together -- and takes the PyTorch rotation otherwise."""
+        freqs = self.freqs[0] if self.freqs.shape[0] == 1 else self.freqs  # (c, P) shared or (H, c, P)
+        kernel = None if torch.compiler.is_compiling() else fused_kernel(q.device, backend=self.backend)
+        if kernel is not None:
+            return kernel(q, k, self.coords, freqs, validate=False, **kw)
+        return apply_frequency_rope(q, k, self.coords, freqs, backend=self.backend, validate=False, **kw)
 
 
 class FrequencyRoPE(PositionEncoding):
@@ -112,24 +127,23 @@ class FrequencyRoPE(PositionEncoding):
     def _prepare(self, coords: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if not self._native_half_pairs:  # a subclass with its own _transform gets differentiable (cos, sin)
             return rope_cos_sin(coords, self.freqs, dtype)
-        if _fused_kernel(coords.device, not coords.requires_grad, self.backend) is not None:  # (compiled: _rotate)
-            return _KernelState(coords, self.freqs)  # the fused kernel forms the angles itself
+        kernel = KernelState.prepare(coords, self.freqs, self.backend, not coords.requires_grad)  # (compiled: rotate)
+        if kernel is not None:
+            return kernel  # the fused kernel forms the angles itself
         return angle_table(coords, self.freqs, dtype)  # (theta float64, cos, sin): (1 | B, Hp, M, P) each
 
     def _kernel_direct(self, x: Tensor, data: object, dtype: torch.dtype) -> bool:
         """Whether ``x`` goes to the fused kernel as it is: the kernel reads and writes bf16 / fp16 / fp32 / fp64
         itself with fp32 math (fp64 for fp64 inputs), so the compute-dtype copies around it (two casts forward,
         two backward, and the concatenation of prefix tokens) are skipped when that is the state's dtype."""
-        return (isinstance(data, _KernelState) and x.dtype in _KERNEL_DTYPES
+        return (isinstance(data, KernelState) and x.dtype in _KERNEL_DTYPES
                 and (x.dtype == torch.float64) == (dtype == torch.float64)
-                and type(self)._transform_prefix is PositionEncoding._transform_prefix)  # prefix tokens: identity
+                and not self.transforms_prefix)  # prefix tokens: identity
 
     def _encode(self, x: Tensor, data, num_prefix_tokens: int, dtype: torch.dtype) -> Tensor:
         if not self._kernel_direct(x, data, dtype):
             return super()._encode(x, data, num_prefix_tokens, dtype)
-        freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
-        return _rotate(x, None, data.coords, freqs, self.backend, num_prefix_tokens=num_prefix_tokens,
-                       pairs=self.pairs)[0]
+        return data.rotate(x, num_prefix_tokens=num_prefix_tokens, pairs=self.pairs)[0]
 
     def apply(self, q: Tensor, k: Tensor | None, state: PEState) -> tuple[Tensor, Tensor | None]:
         """As ``PositionEncoding.apply``; where the fused kernel runs, q and k go through one launch in their
@@ -138,17 +152,13 @@ class FrequencyRoPE(PositionEncoding):
                 or not self._kernel_direct(k, state.k, state.dtype):
             return super().apply(q, k, state)
         qb, kb = self._checked_bhnd(q, state, "q"), self._checked_bhnd(k, state, "k")
-        data = state.q
-        freqs = data.freqs[0] if data.freqs.shape[0] == 1 else data.freqs  # (c, P) shared or (H, c, P)
-        q_out, k_out = _rotate(qb, kb, data.coords, freqs, self.backend,
-                               k_coords=state.k.coords if state.separate_k else None,
-                               num_prefix_tokens=state.num_prefix_tokens, pairs=self.pairs)
+        q_out, k_out = state.q.rotate(qb, kb, k_coords=state.k.coords if state.separate_k else None,
+                                      num_prefix_tokens=state.num_prefix_tokens, pairs=self.pairs)
         return self._from_bhnd(q_out), self._from_bhnd(k_out)
 
     def _transform(self, x: Tensor, state) -> Tensor:
-        if isinstance(state, _KernelState):
-            freqs = state.freqs[0] if state.freqs.shape[0] == 1 else state.freqs  # (c, P) shared or (H, c, P)
-            return _rotate(x, None, state.coords, freqs, self.backend, pairs=self.pairs)[0]
+        if isinstance(state, KernelState):
+            return state.rotate(x, pairs=self.pairs)[0]
         theta, cos, sin = state
         return rotate_angles(x, theta, cos, sin, self.pairs)
 
@@ -200,9 +210,9 @@ class AxialRoPE(FrequencyRoPE):
         shape = (self.param_heads, coord_dim, head_dim // 2)
         if learnable_freqs:
             self.freq_param = nn.Parameter(torch.empty(shape))
-        else:  # the module's device and dtype (first buffer: what _param_dtype reads), then the float64 table
+        else:  # the module's device and dtype (first buffer: what param_dtype reads), then the float64 table
             self.register_buffer("placement", torch.empty(0), persistent=False)
-            self.register_buffer("freq_table", torch.empty(shape, dtype=_wide_dtype("cpu")), persistent=False)
+            self.register_buffer("freq_table", torch.empty(shape, dtype=wide_dtype("cpu")), persistent=False)
         self._reset_axial()
 
     @property
@@ -213,7 +223,7 @@ class AxialRoPE(FrequencyRoPE):
         if hasattr(self, "freq_param"):
             return self.freq_param
         table = self.freq_table
-        wide = _wide_dtype(table.device)
+        wide = wide_dtype(table.device)
         if table.dtype != wide:
             table = axial_frequencies(self.head_dim, self.coord_dim, self.base, torch.float64).to(table.device, wide)
             table = table.unsqueeze(0).expand(self.freq_table.shape)
@@ -228,7 +238,7 @@ class AxialRoPE(FrequencyRoPE):
                     target.copy_(init.unsqueeze(0).expand_as(target))
             return
         table = self.freq_table  # exact in float64 (rounded once to float32 on devices without float64)
-        wide = _wide_dtype(table.device)
+        wide = wide_dtype(table.device)
         if table.device.type == "meta":
             self.freq_table = torch.empty(table.shape, dtype=wide, device=table.device)
             return

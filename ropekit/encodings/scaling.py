@@ -41,11 +41,11 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .angles import _wide_dtype
+from .ops.angles import wide_dtype
 from .base import PositionEncoding
-from .forms import RoPEForm
-from .products import basis_change
-from .rotation import apply_frequency_rope
+from .ops.forms import RoPEForm
+from .ops.products import basis_change
+from .ops.rotation import apply_frequency_rope
 
 __all__ = ["SCALING_METHODS", "ResolutionScaling", "interpolation_factors", "ntk_factors", "yarn_factors",
            "cap_factors", "yarn_attention_factor", "scaling_factors", "scale_frequencies", "ScaledEncoding",
@@ -66,7 +66,7 @@ def _per_axis(value: Scale, freqs: Tensor, what: str) -> Tensor:
         raise ValueError(f"{what} needs 1 or {c} values (one per axis), got {t.numel()}")
     if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
         raise ValueError(f"{what} must be finite and positive, got {t.tolist()}")
-    return t.to(_wide_dtype(freqs.device)).unsqueeze(-1)  # (c, 1)
+    return t.to(wide_dtype(freqs.device)).unsqueeze(-1)  # (c, 1)
 
 
 def _magnitudes(freqs: Tensor) -> Tensor:
@@ -74,7 +74,7 @@ def _magnitudes(freqs: Tensor) -> Tensor:
         raise ValueError(f"freqs must be (..., c, d/2), got {tuple(freqs.shape)}")
     if not bool(torch.isfinite(freqs).all()):
         raise ValueError("freqs must be finite")
-    return freqs.detach().to(_wide_dtype(freqs.device)).abs()
+    return freqs.detach().to(wide_dtype(freqs.device)).abs()
 
 
 def interpolation_factors(freqs: Tensor, scale: Scale) -> Tensor:
@@ -271,8 +271,9 @@ class ScaledEncoding(PositionEncoding):
         self.inner = pe
         self.scaling = scaling
 
-    def _param_dtype(self) -> torch.dtype:
-        return self.inner._param_dtype()
+    def param_dtype(self) -> torch.dtype:
+        """The wrapped encoding's parameter dtype."""
+        return self.inner.param_dtype()
 
     def reset_parameters(self) -> None:
         self.inner.reset_parameters()
@@ -295,7 +296,7 @@ class ScaledEncoding(PositionEncoding):
         if form.basis is None:
             d = self.head_dim
             basis = a * torch.eye(d, dtype=form.freqs.dtype if form.freqs.is_floating_point() else torch.float32,
-                                  device=form.freqs.device).to(self._param_dtype()).unsqueeze(0)
+                                  device=form.freqs.device).to(self.param_dtype()).unsqueeze(0)
             return form._replace(basis=basis)
         return form._replace(basis=a * form.basis, blocks=None if form.blocks is None else a * form.blocks)
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .angles import angle_table
+from .ops.angles import angle_table
 from .base import PositionEncoding
-from .forms import RoPEForm, half_pairs_basis
-from .frequencies import mixed_frequencies, pair_generators
-from .products import basis_change
+from .ops.forms import RoPEForm, half_pairs_basis
+from .ops.frequencies import mixed_frequencies, pair_generators
+from .ops.products import basis_change
 from .registry import register_pe
-from .rotation import rotate_angles
-from .skew import skew
+from .ops.rotation import rotate_angles
+from .ops.skew import skew
 
 __all__ = ["GeneralSTRING", "dense_expm_rotations"]
 

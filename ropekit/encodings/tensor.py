@@ -14,9 +14,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .angles import wide_angles
+from .ops.angles import wide_angles
 from .base import PositionEncoding
-from .frequencies import mixed_frequencies
+from .ops.frequencies import mixed_frequencies
 from .registry import register_pe
 
 __all__ = ["TensorSTRING"]

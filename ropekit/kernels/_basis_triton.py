@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._rotary_triton import INTERPRET, _reduced_angles, _sum_combine  # noqa: F401  (INTERPRET: see rotary.py)
+from ._rotary_triton import INTERPRET, reduced_angles, sum_combine  # noqa: F401  (INTERPRET: see rotary.py)
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _angles(r_ptr, srb, w_ptr, swh, bc, hf, m, nmask, D2: tl.constexpr, C: tl.co
     p = tl.arange(0, D2)
     r_row = r_ptr + bc * srb + m.to(tl.int64) * C
     w_row = w_ptr + hf * swh
-    theta = _reduced_angles(r_row, nmask, w_row, p, p < D2, D2, C)
+    theta = reduced_angles(r_row, nmask, w_row, p, p < D2, D2, C)
     return tl.cos(theta), tl.sin(theta)
 
 
@@ -160,12 +160,12 @@ def basis_rotary_bwd(g_ptr, sgb, sgh, sgn, sgd, x_ptr, sxb, sxh, sxn, sxd, gx_pt
                 r_rows = r_ptr + bc * srb + m64[:, None] * C + cdims[None, :]
                 if NEED_FREQ:
                     r = tl.load(r_rows, mask=rows[:, None] & (cdims < C)[None, :], other=0.0).to(tl.float32)
-                    f_acc += tl.reduce(r[:, :, None] * gth[:, None, :], 0, _sum_combine)  # (BC, D2)
+                    f_acc += tl.reduce(r[:, :, None] * gth[:, None, :], 0, sum_combine)  # (BC, D2)
                 if NEED_COORD:
                     c_row = cpart_ptr + (bh.to(tl.int64) * M + m64) * C  # (B H, M, C) partials
                     for j in tl.static_range(C):
                         w = tl.load(w_ptr + hf * swh + j * D2 + planes).to(tl.float32)
-                        tl.store(c_row + j, tl.reduce(gth * w[None, :], 1, _sum_combine), mask=rows)
+                        tl.store(c_row + j, tl.reduce(gth * w[None, :], 1, sum_combine), mask=rows)
     if NEED_P:
         gp_base = gp_ptr + bh.to(tl.int64) * (D * D)
         tl.store(gp_base + (2 * planes)[:, None] * D + dims[None, :], gpe)

@@ -14,7 +14,7 @@ those of k after them: both tensors are rotated by one launch. In registers, in 
 where ``(x0, x1)`` is plane ``p``: the dimensions ``(2p, 2p + 1)`` (interleaved pairs) or ``(p, p + P)`` (half
 split). The angle is formed in fp64 from fp64 coordinates and frequencies (an fp32 sum is off by ~1e-3 rad at
 ``|theta| ~ 10^4``, coordinates in the thousands, and frequencies derived in float64 from parameters would be
-rounded), reduced modulo 2 pi in fp64 and only then rounded to the fp32 compute dtype (``_reduced_angles``): cos
+rounded), reduced modulo 2 pi in fp64 and only then rounded to the fp32 compute dtype (``reduced_angles``): cos
 and sin get the float64 angle to fp32 rounding, in ``[-pi, pi]``. Per (token, plane) and program that is ``c``
 fp64 multiply-adds, one fp64 multiply, a floor and one more multiply-add, shared by the program's copies. The
 backward pass is the same rotation by ``-theta`` applied to the output gradient, and, when the frequencies or
@@ -43,7 +43,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on
 # Triton's own library functions (``tl.sum``, ``tl.zeros``, ``tl.cdiv``) are jit functions whose compile-or-interpret
 # mode was fixed when Triton was imported; the kernels below call only builtins (``tl.reduce`` with the library's sum
 # combiner, which the interpreter recognises) so that they also run when TRITON_INTERPRET is set after that.
-_sum_combine = tl.standard._sum_combine
+sum_combine = tl.standard._sum_combine  # triton.language.standard keeps it private
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _store_pairs(base, stride, y0, y1, nmask, p, pmask, P, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _reduced_angles(r_row, rmask, w_row, p, pmask, P, C: tl.constexpr):
+def reduced_angles(r_row, rmask, w_row, p, pmask, P, C: tl.constexpr):
     """Angles ``sum_j r_j w_jp`` ``(BN, BP)`` formed in fp64 from the fp64 coordinates and frequencies, reduced
     modulo 2 pi in fp64 (``theta - round(theta / 2 pi) 2 pi``, exact to ~1e-12 rad at ``|theta| ~ 10^4``) and only
     then rounded to fp32, in ``[-pi, pi]``: within fp32 rounding of the float64 angle whatever the coordinate scale,
@@ -138,7 +138,7 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
     w_row = w_ptr + hk.to(tl.int64) * swh
 
     if REDUCE:  # fp32 compute dtype: the fp64 angle reduced modulo 2 pi, then rounded
-        theta = _reduced_angles(r_row, rmask, w_row, p, pmask, P, C)
+        theta = reduced_angles(r_row, rmask, w_row, p, pmask, P, C)
     else:  # fp64 compute dtype
         theta = _angles64(r_row, rmask, w_row, p, pmask, P, C)  # (BN, BP)
     cos = tl.cos(theta)
@@ -168,12 +168,12 @@ def _rotate_tile(x_ptr, sxb, sxh, sxn, sxd,
         f_row = fpart_ptr + t.to(tl.int64) * (C * P)  # (programs, C, P) partial sums, program order
         for j in tl.static_range(C):
             r = tl.load(r_row + j, mask=rmask, other=0.0).to(g_acc.dtype)
-            tl.store(f_row + j * P + p, tl.reduce(g_acc * r[:, None], 0, _sum_combine), mask=pmask)
+            tl.store(f_row + j * P + p, tl.reduce(g_acc * r[:, None], 0, sum_combine), mask=pmask)
     if NEED_COORD:
         c_row = cpart_ptr + ((key * n_chunks + chunk).to(tl.int64) * N + n64) * C  # (keys, chunks, N, C) partials
         for j in tl.static_range(C):
             w = tl.load(w_row + j * P + p, mask=pmask, other=0.0).to(g_acc.dtype)
-            tl.store(c_row + j, tl.reduce(g_acc * w[None, :], 1, _sum_combine), mask=nmask)
+            tl.store(c_row + j, tl.reduce(g_acc * w[None, :], 1, sum_combine), mask=nmask)
 
 
 @triton.jit

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..encodings.angles import _rotate_pairs_real, rope_cos_sin
-from ..encodings.products import basis_change
-from ..encodings.validation import check_finite, check_real
-from .rotary import _as_heads, _as_rows, available
-from .rotary import _kernels as _rotary_kernels
+from ..encodings.ops.angles import rotate_pairs_real, rope_cos_sin
+from ..encodings.ops.products import basis_change
+from ..encodings.ops.validation import check_finite, check_real
+from .rotary import as_heads, as_rows, available
+from .rotary import load_kernels as _rotary_kernels
 
 __all__ = ["basis_rotary_supported", "fused_basis_rotary"]
 
@@ -31,7 +31,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_N = 32
 
 
-def _kernels():
+def load_kernels():
     """The kernel module in the mode ``TRITON_INTERPRET`` asks for now, after the rotation kernels' module whose jit
     helpers it calls (so both are in the same mode)."""
     _rotary_kernels()
@@ -59,7 +59,7 @@ def _two_step(x: Tensor, p: Tensor, coords: Tensor, freqs: Tensor, prefix: int, 
     pf = p.to(torch.float32)
     y = basis_change(x[:, :, prefix:].to(torch.float32), pf)  # (B, H, M, d)
     cos, sin = rope_cos_sin(coords, freqs if freqs.dim() == 3 else freqs.unsqueeze(0), torch.float32)
-    out = _rotate_pairs_real(y, cos, sin)  # cos, sin: (1 | B, Hf, M, d/2)
+    out = rotate_pairs_real(y, cos, sin)  # cos, sin: (1 | B, Hf, M, d/2)
     if post:
         out = basis_change(out, pf.transpose(-1, -2))  # P^T per head
     return torch.cat([x[:, :, :prefix], out.to(x.dtype)], dim=2)
@@ -72,11 +72,11 @@ def _precision(x: Tensor) -> str:
 class _FusedBasisRotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, prefix: int, post: bool) -> Tensor:
-        mod = _kernels()
+        mod = load_kernels()
         bsz, h, n, d = x.shape
         p = basis.detach().to(torch.float32).contiguous()  # (Hp, d, d)
-        r = _as_rows(coords, torch.float64)  # (Bc, M, c): the angles are formed in fp64 (see _reduced_angles)
-        w = _as_heads(freqs.detach(), torch.float64)  # (Hf, c, d/2)
+        r = as_rows(coords, torch.float64)  # (Bc, M, c): the angles are formed in fp64 (see reduced_angles)
+        w = as_heads(freqs.detach(), torch.float64)  # (Hf, c, d/2)
         y = torch.empty_like(x)
         tiles = -(-n // BLOCK_N)
         if bsz * h * tiles:
@@ -99,7 +99,7 @@ class _FusedBasisRotary(torch.autograd.Function):
                 ref = _two_step(*inputs, ctx.prefix, ctx.post)
                 grads = iter(torch.autograd.grad(ref, want, g, create_graph=True))
             return tuple(next(grads) if n else None for n in ctx.needs_input_grad[:4]) + (None, None)
-        mod = _kernels()
+        mod = load_kernels()
         x, p, r, w = ctx.saved_tensors[:4]
         p_shape, p_dtype, r_shape, r_dtype, w_shape, w_dtype = ctx.meta
         need_x, need_p, need_r, need_w = ctx.needs_input_grad[:4]

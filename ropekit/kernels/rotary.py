@@ -23,9 +23,9 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..encodings.validation import check_finite, check_real
+from ..encodings.ops.validation import check_finite, check_real
 
-__all__ = ["available", "compile_supported", "fused_rotary", "unavailable_reason"]
+__all__ = ["available", "compile_supported", "fused_rotary", "unavailable_reason", "as_rows", "as_heads"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MODULE = "ropekit.kernels._rotary_triton"
@@ -71,7 +71,7 @@ def available(device: Any) -> bool:
     return unavailable_reason(device) is None
 
 
-def _kernels(name: str = _MODULE):
+def load_kernels(name: str = _MODULE):
     """The kernel module ``name``, (re)imported so that its compile-or-interpret mode matches ``TRITON_INTERPRET``
     now."""
     mod = sys.modules.get(name)
@@ -189,7 +189,7 @@ def _launch(x_q: Tensor, y_q: Tensor, o_q: Tensor, r_q: Tensor, x_k: Optional[Te
     Returns the reduced angle-gradient products when asked for, else None: the frequency gradient ``(Hf, c, P)``,
     and the coordinate gradients of q's and of k's tokens ``(Bc, N, c)`` (prefix rows included, summed over heads).
     """
-    mod = _kernels()
+    mod = load_kernels()
     dev = x_q.device
     d = x_q.shape[3]
     p = d // 2
@@ -247,13 +247,13 @@ def _compute_dtype(*xs: Optional[Tensor]) -> torch.dtype:
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
 
-def _as_rows(coords: Tensor, dtype: torch.dtype) -> Tensor:
+def as_rows(coords: Tensor, dtype: torch.dtype) -> Tensor:
     """Coordinates as contiguous ``(Bc, M, c)`` in ``dtype`` (``Bc = 1`` when shared by the batch)."""
     r = coords.detach().to(dtype)
     return (r.unsqueeze(0) if r.dim() == 2 else r).contiguous()
 
 
-def _as_heads(freqs: Tensor, dtype: torch.dtype) -> Tensor:
+def as_heads(freqs: Tensor, dtype: torch.dtype) -> Tensor:
     """Frequencies as contiguous ``(Hf, c, P)`` in ``dtype`` (``Hf = 1`` when shared by the heads); differentiable."""
     w = freqs.to(dtype)
     return (w.unsqueeze(0) if w.dim() == 2 else w).contiguous()
@@ -263,9 +263,9 @@ class _FusedRotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, k_coords: Optional[Tensor],
                 prefix: int, half: bool):
-        r_q = _as_rows(coords, torch.float64)  # angles in fp64 whatever the compute dtype (see _reduced_angles)
-        r_k = r_q if k_coords is None else _as_rows(k_coords, torch.float64)
-        w = _as_heads(freqs.detach(), torch.float64)  # (Hf, c, P)
+        r_q = as_rows(coords, torch.float64)  # angles in fp64 whatever the compute dtype (see reduced_angles)
+        r_k = r_q if k_coords is None else as_rows(k_coords, torch.float64)
+        w = as_heads(freqs.detach(), torch.float64)  # (Hf, c, P)
         q_out = torch.empty_like(q)  # keeps q's layout when it is a dense (permuted) view
         k_out = None if k is None else torch.empty_like(k)
         _launch(q, q_out, q, r_q, k, k_out, k, r_k, w, prefix, half, 1.0, False, False)
@@ -443,7 +443,7 @@ def compile_supported(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Ten
 
 def _compiled_rotary(q: Tensor, k: Tensor, coords: Tensor, freqs: Tensor, prefix: int,
                      half: bool) -> Tuple[Tensor, Tensor]:
-    return _rotary_qk(q, k, _as_rows(coords, torch.float64), _as_heads(freqs, torch.float64), prefix, half)
+    return _rotary_qk(q, k, as_rows(coords, torch.float64), as_heads(freqs, torch.float64), prefix, half)
 
 
 def fused_rotary(q: Tensor, k: Optional[Tensor], coords: Tensor, freqs: Tensor, *, k_coords: Optional[Tensor] = None,

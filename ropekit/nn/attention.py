@@ -195,17 +195,16 @@ class Attention(nn.Module):
                 ``ropekit.encodings.check_deferred_coords()``, which the training engine calls every ``log_every`` steps).
         """
         b, n, dim = x.shape
-        pe = self.pe
-        weight, bias = self.expanded_qkv()  # (3D, D), (3D,): each group's key and value once per query head
-        if pe is None:
-            q, k, v = F.linear(x, weight, bias).reshape(b, n, 3, self.num_heads, self.head_dim).permute(
+        if self.pe is None:
+            # (3D, D), (3D,): each group's key and value once per query head
+            q, k, v = F.linear(x, *self.expanded_qkv()).reshape(b, n, 3, self.num_heads, self.head_dim).permute(
                 2, 0, 3, 1, 4).unbind(0)  # (B, H, N, d) each
         else:
             if coords is None:
                 raise ValueError("this attention layer has a position encoding: pass coords")
-            state = pe_state if pe_state is not None and pe_state.pe is pe else \
+            state = pe_state if pe_state is not None and pe_state.pe is self.pe else \
                 self.prepare(coords, num_prefix_tokens, x.dtype)
-            qkv = F.linear(x, *state.fold_into(weight, bias, self.num_heads))  # (B, N, 3D)
+            qkv = F.linear(x, *state.projection(self))  # (B, N, 3D): the basis merged where the encoding folds
             q, k, v = state.apply_qkv(qkv, self.num_heads)  # (B, H, N, d') each, v (B, H, N, d)
         drop = self.attn_drop if self.training else 0.0
         if attn_mask is None:

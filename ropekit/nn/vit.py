@@ -31,7 +31,7 @@ from ..coords.augment import augment_leading_axes, check_coord_augment
 from ..encodings import PositionEncoding, create_pe, list_pes
 from ..encodings.registry import RegistryView
 from ..encodings.prepared import prepare_layers
-from ..encodings.validation import check_finite
+from ..encodings.ops.validation import check_finite
 from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
 from .depth import DepthLift, valid_depth_mask

@@ -44,7 +44,7 @@ from .._io import atomic_write
 from .env import PickConfig, PickEnv, require_pybullet
 from .expert import ScriptedExpert
 
-__all__ = ["collect_demos", "load_demos", "rollout", "RolloutResult", "episode_seeds"]
+__all__ = ["collect_demos", "load_demos", "rollout", "RolloutResult", "episode_seeds", "default_start_method"]
 
 PolicyFn = Callable[[Dict[str, np.ndarray]], Sequence[float]]
 
@@ -157,7 +157,7 @@ def _record_episode(args: Sequence[int]) -> Dict[str, Any]:
     return out
 
 
-def _default_start_method() -> str:
+def default_start_method() -> str:
     # forkserver/spawn: safe when the parent already runs threads (torch); fork is not.
     methods = mp.get_all_start_methods()
     return "forkserver" if (sys.platform.startswith("linux") and "forkserver" in methods) else "spawn"
@@ -224,7 +224,7 @@ def collect_demos(
             finally:
                 _WORKER.pop("env").close()
         else:
-            method = start_method or _default_start_method()
+            method = start_method or default_start_method()
             ctx = mp.get_context(method)
             if method == "forkserver":  # import this module (and torch, via ropekit) once, in the server
                 ctx.set_forkserver_preload([__name__])

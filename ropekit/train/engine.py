@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from ..encodings.counting import count_parameters
 from .._io import atomic_write
-from ..encodings.validation import check_deferred_coords
+from ..encodings.ops.validation import check_deferred_coords
 from .checkpoint import CheckpointError, atomic_save, capture_rng, load_checkpoint, load_model_state, restore_rng
 from .distributed import DistContext, init_distributed
 from .metrics import TensorBoardLogger, write_metrics_csv

@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 from ropekit.train.config import parse_key_values
 from .registry import STUDIES
 
-__all__ = ["add_arguments", "overrides"]
+__all__ = ["add_arguments", "overrides", "OPTION_FIELDS", "STUDY_OPTIONS"]
 
 S = argparse.SUPPRESS
 
@@ -88,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--threads", type=int, default=S, help="torch CPU threads (default 1)")
     e.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bars")
     s = p.add_argument_group("study options")
-    for flag, parse, dest, text in _STUDY_OPTIONS:
+    for flag, parse, dest, text in STUDY_OPTIONS:
         s.add_argument(flag, dest=dest, type=parse, metavar="LIST", default=S, help=text)
     v = p.add_argument_group("verify")
     v.add_argument("--sample", default="2x2", metavar="AxS",
@@ -104,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 #: The options of single studies: (flag, parser of the comma list, namespace name, help).
-_STUDY_OPTIONS = (
+STUDY_OPTIONS = (
     ("--rhos", _floats, "rhos", "offset: std of the global offset, in patches (default 0,0.5,1,2,4,8)"),
     ("--cls-pe", _list, "cls_pe", "offset: encodings also trained with an unrotated and a centroid CLS token "
                                   "(default mixed)"),
@@ -154,7 +154,7 @@ _STUDY_OPTIONS = (
 _CFG_FIELDS = ("cache_dir", "pes", "seeds", "data", "data_root", "image_size", "train_fraction", "model",
                "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
                "augment_shift", "eval_limit", "threads", "progress")
-_OPTION_FIELDS = tuple(dest for _, _, dest, _ in _STUDY_OPTIONS) + ("canvas_pad",)
+OPTION_FIELDS = tuple(dest for _, _, dest, _ in STUDY_OPTIONS) + ("canvas_pad",)
 
 
 def overrides(args: argparse.Namespace) -> Dict[str, Any]:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Optional
 
-from .arguments import _OPTION_FIELDS, add_arguments, overrides
+from .arguments import OPTION_FIELDS, add_arguments, overrides
 
 __all__ = ["add_arguments", "run"]
 
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> Optional[int]:
         raise ValueError(f"experiment {args.name} takes no folder argument ({args.folder!r}); only verify does")
     names = list(STUDIES) if args.name == "all" else [args.name]
     given = overrides(args)
-    options = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS}
+    options = {k: v for k, v in vars(args).items() if k in OPTION_FIELDS}
     outs = {name: (Path("runs") / "experiments" / name if args.out is None else
                    Path(args.out) / name if args.name == "all" else Path(args.out)) for name in names}
     if not getattr(args, "overwrite", False):

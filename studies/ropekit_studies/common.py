@@ -107,9 +107,9 @@ class StudyContext:
 def recipe_of(cfg: ExperimentConfig) -> Dict[str, Any]:
     """The recipe a study ran with (the pinned recipe plus any override), in the recipes' layout:
     ``{"train": every TrainConfig recipe field, "study": pes, seeds, eval_limit, pe_overrides}``."""
-    from .recipes import _SLOTS
+    from .recipes import SLOTS
 
-    train = {k: getattr(cfg, k) for k in _SLOTS}
+    train = {k: getattr(cfg, k) for k in SLOTS}
     train.update(cfg.train_options)
     return {"train": train, "study": {"pes": cfg.pes, "seeds": cfg.seeds, "eval_limit": cfg.eval_limit,
                                       "pe_overrides": cfg.pe_overrides}}

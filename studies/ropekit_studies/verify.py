@@ -274,7 +274,7 @@ def verify_study(study_dir: Any, *, arms: Optional[Sequence[str]] = None, seeds:
     """
     import argparse
 
-    from .arguments import _OPTION_FIELDS, add_arguments, overrides
+    from .arguments import OPTION_FIELDS, add_arguments, overrides
     from .runner import run_experiment
 
     study_dir = Path(study_dir)
@@ -308,7 +308,7 @@ def verify_study(study_dir: Any, *, arms: Optional[Sequence[str]] = None, seeds:
     parser = argparse.ArgumentParser(prog="ropekit experiment")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k in _OPTION_FIELDS}
+    options = {k: v for k, v in vars(args).items() if k in OPTION_FIELDS}
     shown = recorded + sample_argv + ([] if tmp is not None and out.is_relative_to(tmp.name)
                                                              else ["--out", str(out)])
     command = "ropekit experiment " + " ".join(shlex.quote(w) for w in shown)

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from ..._io import atomic_write
-from .sim import AlohaSim, _axis_angle_quat, _quat_mul, task_spec
+from .sim import AlohaSim, axis_angle_quat, quat_mul, task_spec
 
 __all__ = ["DemoConfig", "waypoints", "expert_actions", "expert_episode", "collect_demos", "load_or_collect",
            "default_cache_dir", "save_demo_set", "load_demo_set"]
@@ -111,8 +111,8 @@ def waypoints(task: str, object_pose: np.ndarray, init_left: np.ndarray, init_ri
 
     if spec.name == "transfer_cube":
         box = obj[:3]
-        pick = _quat_mul(init_right[3:], _axis_angle_quat([0, 1, 0], -60))
-        meet_left = _axis_angle_quat([1, 0, 0], 90)
+        pick = quat_mul(init_right[3:], axis_angle_quat([0, 1, 0], -60))
+        meet_left = axis_angle_quat([1, 0, 0], 90)
         meet = np.array([0.0, 0.5, 0.25])
         ident = np.array([1.0, 0, 0, 0])
         left = [wp(0, init_left[:3], init_left[3:], 0),
@@ -132,8 +132,8 @@ def waypoints(task: str, object_pose: np.ndarray, init_left: np.ndarray, init_ri
                  wp(400, meet + [0.1, 0, 0], pick, 1)]
         return left, right
     peg, socket = obj[:3], obj[7:10]
-    pick_r = _quat_mul(init_right[3:], _axis_angle_quat([0, 1, 0], -60))
-    pick_l = _quat_mul(init_left[3:], _axis_angle_quat([0, 1, 0], 60))
+    pick_r = quat_mul(init_right[3:], axis_angle_quat([0, 1, 0], -60))
+    pick_l = quat_mul(init_left[3:], axis_angle_quat([0, 1, 0], 60))
     meet = np.array([0.0, 0.5, 0.15])
     lift_r = 0.00715
     left = [wp(0, init_left[:3], init_left[3:], 0),

@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["TASKS", "TaskSpec", "AlohaSim", "require_sim", "sample_object_pose", "object_targets", "ACTION_DIM",
-           "INSTALL_HINT"]
+           "INSTALL_HINT", "axis_angle_quat", "quat_mul"]
 
 ACTION_DIM = 14
 INSTALL_HINT = 'pip install "ropekit[aloha]"'
@@ -126,7 +126,7 @@ def _render_error(exc: Exception) -> RuntimeError:
 _GRASP_POINT = np.array([0.0795, 0.0, -0.0068])
 
 
-def _quat_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def quat_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Hamilton product of quaternions ``(4,)`` in ``(w, x, y, z)`` order."""
     aw, ax, ay, az = a
     bw, bx, by, bz = b
@@ -134,7 +134,7 @@ def _quat_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
                      aw * by - ax * bz + ay * bw + az * bx, aw * bz + ax * by - ay * bx + az * bw])
 
 
-def _axis_angle_quat(axis: Sequence[float], degrees: float) -> np.ndarray:
+def axis_angle_quat(axis: Sequence[float], degrees: float) -> np.ndarray:
     """Unit quaternion ``(4,)`` (w, x, y, z) of a rotation by ``degrees`` about ``axis``."""
     axis = np.asarray(axis, dtype=np.float64)
     half = np.deg2rad(degrees) / 2

@@ -33,13 +33,14 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ropekit.nn.vit import PAPER_SHARING, ViTConfig
 from ropekit.train import TrainConfig
-from ..arguments import _OPTION_FIELDS, _STUDY_OPTIONS, add_arguments
+from ..arguments import OPTION_FIELDS, STUDY_OPTIONS, add_arguments
 from ..registry import STUDIES
 from ..settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
 __all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "LATER_BACKBONE_FIELDS", "with_later_fields", "RUNTIME_FIELDS",
            "PER_RUN_FIELDS", "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields",
-           "experiment_config", "compare_with_committed", "recipe_names", "STUDY_CLAIMS"]
+           "experiment_config", "compare_with_committed", "recipe_names", "STUDY_CLAIMS",
+           "arch", "check_fields", "SLOTS"]
 
 PRESETS = ("default", "gpu", "quick")
 
@@ -52,7 +53,7 @@ PER_RUN_FIELDS = frozenset({"pe", "seed"})
 DATA_FIELDS = frozenset({"num_classes", "in_chans", "image_size", "modality", "num_frames"})
 
 #: ``ExperimentConfig`` slots that hold a ``TrainConfig`` field of the same name; the rest go to ``train_options``.
-_SLOTS = ("data", "data_root", "data_options", "image_size", "split_seed", "train_fraction", "model",
+SLOTS = ("data", "data_root", "data_options", "image_size", "split_seed", "train_fraction", "model",
           "model_options", "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay",
           "warmup_epochs", "augment_shift")
 _STUDY_KEYS = {"pes", "seeds", "eval_limit", "pe_overrides", "options"}
@@ -99,7 +100,7 @@ def preset_copy(recipes: Dict[str, Dict[str, Any]], preset: str, check: Any, wha
     return check(copy.deepcopy(recipes[preset]), f"{what} recipe {preset}")
 
 
-def _check_fields(what: str, given: Dict[str, Any], expected: set, kind: str, hint: str) -> None:
+def check_fields(what: str, given: Dict[str, Any], expected: set, kind: str, hint: str) -> None:
     """One-line ``ValueError`` naming the fields of ``expected`` missing from ``given`` and those it should not hold."""
     missing = sorted(expected - set(given))
     unknown = sorted(set(given) - expected)
@@ -117,9 +118,9 @@ def check_recipe(r: Dict[str, Any], where: str = "recipe") -> Dict[str, Any]:
     if set(r) != {"train", "study"}:
         raise ValueError(f"{where}: a recipe has exactly the sections train and study, got {sorted(r)}")
     train = r["train"]
-    _check_fields(f"{where}: train section", train, recipe_fields(), "recipe fields",
+    check_fields(f"{where}: train section", train, recipe_fields(), "recipe fields",
                   "state every TrainConfig field except the runtime ones, pe and seed")
-    _check_fields(f"{where}: model_options", train["model_options"], architecture_fields(), "architecture fields",
+    check_fields(f"{where}: model_options", train["model_options"], architecture_fields(), "architecture fields",
                   "state every ViTConfig architecture field")
     bad = sorted(set(r["study"]) - _STUDY_KEYS)
     if bad or not {"pes", "seeds", "eval_limit", "pe_overrides", "options"} <= set(r["study"]):
@@ -154,13 +155,13 @@ VIDEO_PES = ["none", "absolute", "axial", "mixed", "cayley", "circulant", "liere
 _ARCH = dict(qkv_bias=True, drop_rate=0.0, attn_drop_rate=0.0, pe_fold_train=True, **LATER_ARCH_FIELDS)
 
 
-def _arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_path_rate: float = 0.0,
+def arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_path_rate: float = 0.0,
           tubelet_size: int = 2, **changes: Any) -> Dict[str, Any]:
     """A complete ``model_options``: the size given here, :data:`_ARCH` for the rest, with ``changes`` to it
     (e.g. ``num_kv_heads=1``)."""
     unknown = sorted(set(changes) - set(_ARCH))
     if unknown:
-        raise ValueError(f"_arch: {', '.join(unknown)} are not fields of _ARCH")
+        raise ValueError(f"arch: {', '.join(unknown)} are not fields of _ARCH")
     return dict(embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
                 drop_path_rate=drop_path_rate, tubelet_size=tubelet_size, **{**_ARCH, **changes})
 
@@ -186,7 +187,7 @@ def _mnist(**changes: Any) -> Dict[str, Any]:
         model="tiny", patch_size=4, tubelet_size=None, pe_options={}, pe_sharing="model", per_head=False,
         ape="none", cls="none", coords="grid", jitter=0.0, coord_augment=[0.0, 1.0, 1.0], depth_input="auto",
         depth_scale_init=1.0, init_from=None,
-        model_options=_arch(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
+        model_options=arch(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
         epochs=10, batch_size=64, lr=2e-3, weight_decay=0.05, warmup_epochs=1.0, min_lr=1e-5, label_smoothing=0.0,
         grad_clip=1.0, augment_shift=0, augment_sizes=[], lr_base_batch=None, precision="fp32",
         mixup_alpha=0.0, cutmix_alpha=0.0, native_resolution=False, native_options={}, **_STREAM_DEFAULTS,
@@ -197,13 +198,13 @@ def _mnist(**changes: Any) -> Dict[str, Any]:
 
 def _mnist_gpu(**changes: Any) -> Dict[str, Any]:
     """The GPU preset: a ViT of width 192, depth 6, 3 heads of 64 (7x7 tokens), 40 epochs at batch 128."""
-    return _mnist(**{"model_options": _arch(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0, drop_path_rate=0.1),
+    return _mnist(**{"model_options": arch(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0, drop_path_rate=0.1),
                      "epochs": 40, "batch_size": 128, "lr": 1e-3, "warmup_epochs": 3.0, **changes})
 
 
 def _mnist_quick(**changes: Any) -> Dict[str, Any]:
     """The quick preset: width 32, depth 1, 10 % of the training images, one epoch."""
-    return _mnist(**{"model_options": _arch(embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0),
+    return _mnist(**{"model_options": arch(embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0),
                      "train_fraction": 0.1, "epochs": 1, "batch_size": 32, "warmup_epochs": 0.2, **changes})
 
 
@@ -289,7 +290,7 @@ def _video(preset: str) -> Dict[str, Any]:
         data.update(num_train=8000, num_test=1000, num_frames=8)
     return dict(data="moving-digits", image_size={"quick": 16}.get(preset, 32), data_options=data,
                 patch_size={"quick": 4}.get(preset, 8), tubelet_size=1, train_fraction=1.0,
-                model_options=_arch(**mo, drop_path_rate=0.1 if preset == "gpu" else 0.0, tubelet_size=1),
+                model_options=arch(**mo, drop_path_rate=0.1 if preset == "gpu" else 0.0, tubelet_size=1),
                 epochs={"default": 30, "gpu": 60, "quick": 1}[preset])
 
 
@@ -420,13 +421,13 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
         _study(["absolute", "mixed", "comrope-ld"], [0], 200, grids=[4, 7, 12, 28], aspect_grids=["5x10"],
                scalings=["none", "pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"],
                native_options=_NATIVE_OPTIONS["quick"])),
-    "mqa": {"default": {"train": _mnist(model_options=_arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
+    "mqa": {"default": {"train": _mnist(model_options=arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
                                                             num_kv_heads=1)),
                         "study": _study(["mixed", "cayley"], SEEDS, pe_overrides=_MQA_SHARING)},
-            "gpu": {"train": _mnist_gpu(model_options=_arch(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0,
+            "gpu": {"train": _mnist_gpu(model_options=arch(embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0,
                                                             drop_path_rate=0.1, num_kv_heads=1)),
                     "study": _study(["mixed", "cayley"], GPU_SEEDS, pe_overrides=_MQA_SHARING)},
-            "quick": {"train": _mnist_quick(model_options=_arch(embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0,
+            "quick": {"train": _mnist_quick(model_options=arch(embed_dim=32, depth=1, num_heads=2, mlp_ratio=2.0,
                                                                 num_kv_heads=1)),
                       "study": _study(["mixed", "cayley"], [0], 200, pe_overrides=_MQA_SHARING)}},
 }
@@ -455,8 +456,8 @@ def experiment_config(study: str, preset: str = "default", r: Optional[Dict[str,
     (or from ``r``): every ``TrainConfig`` field is given explicitly, so no dataclass default is used."""
     r = check_recipe(copy.deepcopy(r), f"recipe {study}/{preset}") if r is not None else recipe(study, preset)
     train = r["train"]
-    slots = {k: train[k] for k in _SLOTS}
-    rest = {k: v for k, v in train.items() if k not in _SLOTS}
+    slots = {k: train[k] for k in SLOTS}
+    rest = {k: v for k, v in train.items() if k not in SLOTS}
     s = r["study"]
     return ExperimentConfig(pes=list(s["pes"]), seeds=list(s["seeds"]), eval_limit=s["eval_limit"],
                             train_options=rest, pe_overrides=copy.deepcopy(s["pe_overrides"]), quick=preset == "quick",
@@ -484,7 +485,7 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
                            if flag in given}
     if "model_opt" in given:
         out["model_options"] = parse_key_values(given["model_opt"], "--model-opt")
-    options = {dest: list(given[dest]) for dest in _OPTION_FIELDS if isinstance(given.get(dest), list)}
+    options = {dest: list(given[dest]) for dest in OPTION_FIELDS if isinstance(given.get(dest), list)}
     if options:  # e.g. --groups sharing --sharing-pe mixed,cayley: a part of the ablations
         out["options"] = options
     return out
@@ -545,7 +546,7 @@ def compare_with_committed(study_dir: Any, extra_args: Sequence[str] = ()) -> Li
         if narrows("--pe" if key == "pes" else f"--{key}", values, now["study"][key]):
             now["study"][key] = values
     options = now["study"].pop("options")  # the outputs record the options the study resolved ...
-    flags = {dest: flag for flag, _, dest, _ in _STUDY_OPTIONS}
+    flags = {dest: flag for flag, _, dest, _ in STUDY_OPTIONS}
     for key, values in narrowed.items():  # ... of which a list the command gave narrows the recipe's list
         if narrows(flags.get(key, key), values, options.get(key)):
             options[key] = values

@@ -29,7 +29,7 @@ import copy
 import dataclasses
 from typing import Any, Dict, Set
 
-from . import DATA_FIELDS, STUDY_SHARING, PRESETS, _arch, _check_fields, preset_copy
+from . import DATA_FIELDS, STUDY_SHARING, PRESETS, arch, check_fields, preset_copy
 from ropekit.nn.vit import ViTConfig
 from ropekit.detection.scenes import SceneConfig
 
@@ -74,12 +74,12 @@ def check_recipe(r: Dict[str, Any], where: str = "detect3d recipe") -> Dict[str,
 
     Returns ``r`` unchanged.
     """
-    _check_fields(where, r, set(TOP_FIELDS), "detect3d recipe fields", "see ropekit_studies.recipes.detect3d")
-    _check_fields(f"{where}: backbone", r["backbone"], backbone_fields(), "backbone fields",
+    check_fields(where, r, set(TOP_FIELDS), "detect3d recipe fields", "see ropekit_studies.recipes.detect3d")
+    check_fields(f"{where}: backbone", r["backbone"], backbone_fields(), "backbone fields",
                   "state every ViTConfig field but the data's, pe and depth_input")
-    _check_fields(f"{where}: train section", r["train"], train_fields(), "training fields",
+    check_fields(f"{where}: train section", r["train"], train_fields(), "training fields",
                   "state every DetTrainConfig field but seed and eval_batch_size, and precision")
-    _check_fields(f"{where}: scenes", r["scenes"], scene_fields(), "SceneConfig fields", "state every one")
+    check_fields(f"{where}: scenes", r["scenes"], scene_fields(), "SceneConfig fields", "state every one")
     for enc, over in r["pe_overrides"].items():
         bad = sorted(set(over) - backbone_fields())
         if bad:
@@ -95,10 +95,10 @@ def check_recipe(r: Dict[str, Any], where: str = "detect3d recipe") -> Dict[str,
 
 def _backbone(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, patch_size: int,
               depth_scale_init: float, drop_path_rate: float = 0.0) -> Dict[str, Any]:
-    """A complete ``backbone``: the classification recipes' shared architecture fields (``_arch``), then the
+    """A complete ``backbone``: the classification recipes' shared architecture fields (``arch``), then the
     position settings every run shares (mean pooling, grid coordinates, one encoding set for the model unless
     ``pe_overrides`` says otherwise)."""
-    return dict(**_arch(embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
+    return dict(**arch(embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
                         drop_path_rate=drop_path_rate),
                 patch_size=patch_size, pe_options={}, pe_sharing="model", per_head=False, ape="none", cls="none",
                 coords="grid", jitter=0.0, coord_augment=[0.0, 1.0, 1.0],

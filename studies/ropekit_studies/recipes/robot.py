@@ -26,7 +26,7 @@ import dataclasses
 import inspect
 from typing import Any, Dict, Set
 
-from . import (DATA_FIELDS, LATER_ARCH_FIELDS, PRESETS, _check_fields, preset_copy,
+from . import (DATA_FIELDS, LATER_ARCH_FIELDS, PRESETS, check_fields, preset_copy,
                                    with_later_fields)
 from ropekit.nn.vit import ViTConfig
 
@@ -171,16 +171,16 @@ def check_recipe(r: Dict[str, Any], where: str = "robot recipe") -> Dict[str, An
 
     Returns ``r`` unchanged.
     """
-    _check_fields(where, r, set(TOP_FIELDS), "robot recipe fields", "see ropekit_studies.recipes.robot")
-    _check_fields(f"{where}: demos", r["demos"], {"episodes", "noise", "clean_labels", "seed", "expert"},
+    check_fields(where, r, set(TOP_FIELDS), "robot recipe fields", "see ropekit_studies.recipes.robot")
+    check_fields(f"{where}: demos", r["demos"], {"episodes", "noise", "clean_labels", "seed", "expert"},
                   "demo fields", "episodes, noise, clean_labels, seed, expert")
-    _check_fields(f"{where}: demos.expert", r["demos"]["expert"], expert_fields(), "ScriptedExpert settings",
+    check_fields(f"{where}: demos.expert", r["demos"]["expert"], expert_fields(), "ScriptedExpert settings",
                   "state every ScriptedExpert argument except env, noise, seed and belief_offset")
-    _check_fields(f"{where}: policy", r["policy"], policy_fields(), "PolicyConfig fields",
+    check_fields(f"{where}: policy", r["policy"], policy_fields(), "PolicyConfig fields",
                   f"state every PolicyConfig field except {', '.join(sorted(PER_ARM_POLICY))}")
-    _check_fields(f"{where}: policy.vit_overrides", r["policy"]["vit_overrides"], backbone_fields(),
+    check_fields(f"{where}: policy.vit_overrides", r["policy"]["vit_overrides"], backbone_fields(),
                   "backbone fields", "state every ViTConfig field except the data's and the encoding's")
-    _check_fields(f"{where}: train", r["train"], train_fields(), "PolicyTrainConfig fields",
+    check_fields(f"{where}: train", r["train"], train_fields(), "PolicyTrainConfig fields",
                   "state every PolicyTrainConfig field except seed and num_threads")
     bad = sorted(set(r["finetune"]) - train_fields())
     if bad:

@@ -30,12 +30,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .angles import _rotate_pairs_real, _wide_dtype, angle_table, frequency_angles
-from .products import _reduce_to
+from .angles import rotate_pairs_real, wide_dtype, angle_table, frequency_angles
+from .products import reduce_to
 from .validation import check_finite
 
 __all__ = ["BACKENDS", "check_backend", "register_kernels", "rotate_pairs", "rotate_angles", "angle_tables", "apply_frequency_rope",
-           "rotate_qk"]
+           "rotate_qk", "fused_kernel", "fused_basis_kernel", "complex_pairs", "slice_loops", "LOOP_MIN_BYTES"]
 
 
 def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, pairs: str = "interleaved") -> Tensor:
@@ -62,7 +62,7 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, pairs: str = "interleaved"
         raise ValueError(f"pairs must be 'interleaved' or 'half', got {pairs!r}")
     if _fast_rotation_ok(x, cos, sin):
         return _RotatePairs.apply(x, cos, sin)
-    return _rotate_pairs_real(x, cos, sin)
+    return rotate_pairs_real(x, cos, sin)
 
 
 def _rotate_half_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -85,7 +85,7 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _complex_pairs(x: Tensor) -> Tensor:
+def complex_pairs(x: Tensor) -> Tensor:
     """View ``(..., d)`` real as ``(..., d / 2)`` complex (pair ``n`` -> ``x_2n + i x_2n+1``); copies if the
     strides do not allow a view."""
     if x.is_contiguous():  # the common case, without the stride checks below (this runs on every call)
@@ -102,17 +102,17 @@ def _complex_pairs(x: Tensor) -> Tensor:
 #: (``tools/profile_step.py ab PE --what loop-threshold``, docs/bench/cpu-profile-step.txt). Both forms give the same
 #: gradients up to the order of summation (tests/test_backward_loops.py); the committed studies' readings hold
 #: with it (docs/results/classify/verify-loop-threshold.md).
-_LOOP_MIN_BYTES = 256 * 1024
+LOOP_MIN_BYTES = 256 * 1024
 
 
-def _slice_loops(t: Tensor, lead: int = 1) -> bool:
+def slice_loops(t: Tensor, lead: int = 1) -> bool:
     """Whether backward reductions may loop over the batch: on the CPU, where a fresh temporary of the whole
     tensor's size costs more in page faults than the arithmetic, when each slice (over the first ``lead``
-    dimensions) has at least ``_LOOP_MIN_BYTES``. On an accelerator each iteration costs kernel launches, so they
+    dimensions) has at least ``LOOP_MIN_BYTES``. On an accelerator each iteration costs kernel launches, so they
     always run as one batched operation."""
     if t.device.type != "cpu" or t.dim() < lead or math.prod(t.shape[:lead]) == 0:
         return False
-    return t.numel() // math.prod(t.shape[:lead]) * t.element_size() >= _LOOP_MIN_BYTES  # no t[0]: a view op
+    return t.numel() // math.prod(t.shape[:lead]) * t.element_size() >= LOOP_MIN_BYTES  # no t[0]: a view op
 
 
 def _sum_times_conj(a: Tensor, b: Tensor, shape: Sequence[int]) -> Tensor:
@@ -123,18 +123,18 @@ def _sum_times_conj(a: Tensor, b: Tensor, shape: Sequence[int]) -> Tensor:
     an accelerator, where every launch costs several microseconds and a loop over the batch would cost ``4 n``
     launches, it is one product and one reduction. No autograd.
     """
-    if a.dim() == len(shape) + 1 and _slice_loops(a, lead=2):  # q and k stacked: each as below, summed
+    if a.dim() == len(shape) + 1 and slice_loops(a, lead=2):  # q and k stacked: each as below, summed
         acc = _sum_times_conj(a[0], b[0], shape)
         for i in range(1, a.shape[0]):
             acc = acc + _sum_times_conj(a[i], b[i], shape)
         return acc
-    if not _slice_loops(a) or a.dim() != len(shape) or a.dim() < 2:
-        return _reduce_to(a * b.conj_physical(), shape)
+    if not slice_loops(a) or a.dim() != len(shape) or a.dim() < 2:
+        return reduce_to(a * b.conj_physical(), shape)
     scratch = torch.empty(a.shape[1:], dtype=a.dtype, device=a.device)
     parts, acc = [], None
     for i in range(a.shape[0]):
         torch.conj_physical(b[i], out=scratch)
-        part = _reduce_to(scratch.mul_(a[i]), shape[1:])
+        part = reduce_to(scratch.mul_(a[i]), shape[1:])
         if shape[0] != 1:
             parts.append(part.clone() if part.data_ptr() == scratch.data_ptr() else part)
         else:
@@ -154,7 +154,7 @@ class _RotatePairs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         w = torch.complex(cos, sin)  # (..., P) broadcastable
-        y = torch.view_as_real(_complex_pairs(x) * w).flatten(-2)  # (..., d)
+        y = torch.view_as_real(complex_pairs(x) * w).flatten(-2)  # (..., d)
         ctx.cos_shape, ctx.sin_shape = cos.shape, sin.shape
         ctx.save_for_backward(cos, sin, y if (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]) else None)
         return y
@@ -167,24 +167,24 @@ class _RotatePairs(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         # attention hands back gradients in its own layout (e.g. (B, N, H, d) strides); products inherit it, and
         # the reduction over (B, H) for the cos/sin gradient is ~40x slower on that layout than on a contiguous one
-        gc = _complex_pairs(g.contiguous() if need_w else g)  # (..., P)
+        gc = complex_pairs(g.contiguous() if need_w else g)  # (..., P)
         gx = gcos = gsin = acc = None
         if not torch.is_grad_enabled():  # first-order backward: no temporary of the input's size
             if need_w:
-                acc = _sum_times_conj(gc, _complex_pairs(y), w.shape)  # sum g conj(y), shape of w
+                acc = _sum_times_conj(gc, complex_pairs(y), w.shape)  # sum g conj(y), shape of w
             if ctx.needs_input_grad[0]:
                 gx = torch.view_as_real(gc * w_conj).flatten(-2)
         else:  # double backward: out-of-place, so that autograd records every step
             if ctx.needs_input_grad[0]:
                 gx = torch.view_as_real(gc * w_conj).flatten(-2)
             if need_w:
-                acc = _reduce_to(gc * _complex_pairs(y).conj_physical(), w.shape)
+                acc = reduce_to(gc * complex_pairs(y).conj_physical(), w.shape)
         if need_w:
             gw = acc * w / (w.real.square() + w.imag.square())  # = sum g conj(x)
             if ctx.needs_input_grad[1]:
-                gcos = _reduce_to(gw.real, ctx.cos_shape)
+                gcos = reduce_to(gw.real, ctx.cos_shape)
             if ctx.needs_input_grad[2]:
-                gsin = _reduce_to(gw.imag, ctx.sin_shape)
+                gsin = reduce_to(gw.imag, ctx.sin_shape)
         return gx, gcos, gsin
 
 
@@ -205,7 +205,7 @@ class _RotateAngles(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, theta: Tensor, cos: Tensor, sin: Tensor, collector: Tensor | None = None) -> Tensor:
-        yc = _complex_pairs(x) * torch.complex(cos, sin)  # (..., P) complex
+        yc = complex_pairs(x) * torch.complex(cos, sin)  # (..., P) complex
         y = torch.view_as_real(yc).flatten(-2)  # (..., d), a view of yc
         need_theta = ctx.needs_input_grad[1] or (collector is not None and ctx.needs_input_grad[4])
         # the output (for a double backward, which differentiates through it) and its complex form (the same
@@ -222,11 +222,11 @@ class _RotateAngles(torch.autograd.Function):
             c, s = torch.cos(theta).to(g.dtype), torch.sin(theta).to(g.dtype)
             gx = _RotateAngles.apply(g, -theta, c, -s) if ctx.needs_input_grad[0] else None
             if ctx.needs_input_grad[1]:
-                gy = _complex_pairs(g) * _complex_pairs(y).conj_physical()
-                gtheta = _reduce_to(gy.imag, theta.shape).to(theta.dtype)
+                gy = complex_pairs(g) * complex_pairs(y).conj_physical()
+                gtheta = reduce_to(gy.imag, theta.shape).to(theta.dtype)
             return gx, gtheta, None, None, None
         need_theta = ctx.needs_input_grad[1] or ctx.collect
-        gc = _complex_pairs(g.contiguous() if need_theta and not g.is_contiguous() else g)  # (..., P)
+        gc = complex_pairs(g.contiguous() if need_theta and not g.is_contiguous() else g)  # (..., P)
         if ctx.collect:  # sum g conj(y), complex, for the collector's node, which takes Im() once for all rotations
             acc = _collect_times_conj(gc, yc, theta.shape)
             gx = torch.view_as_real(gc * torch.complex(cos, -sin)).flatten(-2) if ctx.needs_input_grad[0] else None
@@ -252,7 +252,7 @@ def _collect_times_conj(a: Tensor, b: Tensor, shape: Sequence[int]) -> Tensor:
     :func:`_collector_shape` (the batched form: one product, one reduction; the CPU's loop for large slices)."""
     lead = a.dim() - len(shape)
     dims = list(range(lead)) + [lead + i for i in (0, 1) if shape[i] == 1]
-    if _slice_loops(a, lead + 1) or any(n == 1 and a.shape[lead + i] != 1 for i, n in enumerate(shape) if i >= 2):
+    if slice_loops(a, lead + 1) or any(n == 1 and a.shape[lead + i] != 1 for i, n in enumerate(shape) if i >= 2):
         return _sum_times_conj(a, b, shape).reshape(_collector_shape(shape))
     return (a * b.conj_physical()).sum(dim=dims)
 
@@ -318,7 +318,7 @@ def angle_tables(coords: Tensor, freqs: Sequence[Tensor] | Tensor, dtype: torch.
     shapes = {tuple(freqs.shape[1:])} if stacked else {tuple(f.shape) for f in freqs}
     if len(shapes) != 1 or len(next(iter(shapes))) != 3:
         raise ValueError(f"angle_tables needs frequency matrices (Hp, c, P) of one shape, got {sorted(shapes)}")
-    wide = _wide_dtype(coords.device)
+    wide = wide_dtype(coords.device)
     with torch.autocast(device_type=coords.device.type, enabled=False):
         f = freqs if stacked else freqs[0].unsqueeze(0) if n == 1 else torch.stack(list(freqs))  # (L, Hp, c, P)
         f = f if f.dtype == wide else f.to(wide)
@@ -458,7 +458,7 @@ def apply_frequency_rope(q: Tensor, k: Tensor | None, coords: Tensor, freqs: Ten
         check_finite(coords)
         if k_coords is not None:
             check_finite(k_coords, "k_coords")
-    kernel = _fused_kernel(q.device, traceable=True, backend=check_backend(backend))
+    kernel = fused_kernel(q.device, traceable=True, backend=check_backend(backend))
     if kernel is not None and _is_compiling() and not _KERNELS[0].compile_supported(q, k, coords, freqs, k_coords):
         if backend == "triton":
             raise ValueError(_TRITON_IN_COMPILE)
@@ -500,7 +500,7 @@ def rotate_qk(qk: Tensor, coords: Tensor, freqs: Tensor, *, table: tuple | None 
     """
     if qk.dim() != 5 or qk.shape[0] != 2:
         raise ValueError(f"qk must be (2, B, H, N, d), got {tuple(qk.shape)}")
-    kernel = _fused_kernel(qk.device, traceable=True, backend=check_backend(backend))
+    kernel = fused_kernel(qk.device, traceable=True, backend=check_backend(backend))
     if kernel is not None or table is None:
         freqs = freqs[0] if freqs.dim() == 3 and freqs.shape[0] == 1 else freqs  # (c, d/2) shared or (H, c, d/2)
     if kernel is not None:
@@ -552,7 +552,7 @@ def _kernel_reason(device: torch.device) -> str | None:
     """Why the fused rotation kernel cannot run on ``device``, or None when it can (its check never raises here:
     a broken install is a reason like any other)."""
     if not _KERNELS:  # ropekit.kernels imports ropekit.encodings, so the package registers it (register_kernels)
-        from .. import kernels  # noqa: PLC0415,F401 -- importing it registers it
+        from ... import kernels  # noqa: PLC0415,F401 -- importing it registers it
 
         register_kernels(kernels)
     kernels = _KERNELS[0]
@@ -564,7 +564,7 @@ def _kernel_reason(device: torch.device) -> str | None:
         return f"checking the kernels raised {type(e).__name__}: {' '.join(str(e).split())}"
 
 
-def _fused_kernel(device: torch.device, traceable: bool = False, backend: str = "auto"):
+def fused_kernel(device: torch.device, traceable: bool = False, backend: str = "auto"):
     """``ropekit.kernels.fused_rotary`` where ``backend`` asks for it and it can run on ``device``, else None.
 
     ``"torch"``: None. ``"auto"``: the kernel on a CUDA device (and on the CPU under ``TRITON_INTERPRET=1``, for
@@ -596,11 +596,11 @@ def _fused_kernel(device: torch.device, traceable: bool = False, backend: str = 
     return None
 
 
-def _fused_basis_kernel(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, backend: str = "auto"):
+def fused_basis_kernel(x: Tensor, basis: Tensor, coords: Tensor, freqs: Tensor, backend: str = "auto"):
     """``ropekit.kernels.fused_basis_rotary`` where it handles these arguments (the rotation kernel is chosen by
-    ``backend`` for their device, see :func:`_fused_kernel`, and ``kernels.basis_rotary_supported`` accepts them)
+    ``backend`` for their device, see :func:`fused_kernel`, and ``kernels.basis_rotary_supported`` accepts them)
     outside ``torch.compile``, else None."""
-    kernels = _KERNELS[0] if _fused_kernel(x.device, backend=backend) is not None else None
+    kernels = _KERNELS[0] if fused_kernel(x.device, backend=backend) is not None else None
     if kernels is None or not kernels.basis_rotary_supported(x, basis, coords, freqs):
         return None
     return kernels.fused_basis_rotary

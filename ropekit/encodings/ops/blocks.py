@@ -14,13 +14,13 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .angles import _rotate_pairs_real, _wide_dtype, wide_angles
+from .angles import rotate_pairs_real, wide_dtype, wide_angles
 from .products import precise_matmul
-from .rotation import _complex_pairs, _fused_kernel, _is_compiling, _slice_loops, apply_frequency_rope
+from .rotation import complex_pairs, fused_kernel, slice_loops, apply_frequency_rope
 from .skew import skew_real_schur
 
 __all__ = ["block_apply", "scaled_block_exp_matrices", "scaled_block_exp_apply", "scaled_block_exp_reference",
-           "rotate_in_block_eigenbasis", "share_block_gradients", "batch_block_gradients"]
+           "rotate_in_block_eigenbasis", "share_block_gradients", "batch_block_gradients", "block_diag"]
 
 
 def block_apply(e: Tensor, x: Tensor) -> Tensor:
@@ -74,7 +74,7 @@ def _block_outer_sum(g: Tensor, x: Tensor, eshape: Sequence[int]) -> Tensor:
         gm = gv.permute(1, 3, 4, 0, 2).reshape(he, m, d, bsz * hr)  # (He, M, d, R)
         xm = xv.permute(1, 3, 0, 2, 4).reshape(he, m, bsz * hr, d)  # (He, M, R, d)
         full = precise_matmul(gm, xm).unsqueeze(0)  # (1, He, M, d, d)
-    elif he == 1 and not _slice_loops(x):  # per-example coordinates, shared by heads: one batched product
+    elif he == 1 and not slice_loops(x):  # per-example coordinates, shared by heads: one batched product
         gb = g.reshape(bsz, h, m * nb, b).permute(0, 2, 3, 1)  # (B, M*nb, b, H)
         xb = x.reshape(bsz, h, m * nb, b).permute(0, 2, 1, 3)  # (B, M*nb, H, b)
         return precise_matmul(gb, xb).view(bsz, 1, m, nb, b, b)
@@ -167,7 +167,7 @@ class _ScaledBlockExpm(torch.autograd.Function):
         # s: (Bs, Hp, M, nb); k: (Hp, nb, b, b)
         bs, hp, m, nb = s.shape
         b = k.shape[-1]
-        wide = _wide_dtype(k.device)
+        wide = wide_dtype(k.device)
         q, mu_wide = skew_real_schur(k.to(wide))  # (Hp, nb, b, b), (Hp, nb, h)
         q, mu = q.to(k.dtype), mu_wide.to(k.dtype)
         st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M coordinates
@@ -307,10 +307,10 @@ def _rotate_by_table(x: Tensor, cos: Tensor, sin: Tensor, num_prefix_tokens: int
         xr = x[..., num_prefix_tokens:, :] if num_prefix_tokens else x
         xr = xr if xr.dtype == cos.dtype else xr.to(cos.dtype)
         sin = -sin if inverse else sin
-        if _is_compiling():  # no complex tensor reaches the compiler (rotation.rotate_pairs)
-            y = _rotate_pairs_real(xr, cos, sin)
+        if torch.compiler.is_compiling():  # no complex tensor reaches the compiler (rotation.rotate_pairs)
+            y = rotate_pairs_real(xr, cos, sin)
         else:
-            y = torch.view_as_real(_complex_pairs(xr) * torch.complex(cos, sin)).flatten(-2)  # (..., M, d)
+            y = torch.view_as_real(complex_pairs(xr) * torch.complex(cos, sin)).flatten(-2)  # (..., M, d)
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return torch.cat((x[..., :num_prefix_tokens, :], y), dim=-2) if num_prefix_tokens else y
 
@@ -424,7 +424,7 @@ class _BlockGradientCollector(torch.autograd.Function):
 
 
 def share_block_gradients(form, coords: Tensor):
-    """A block encoding's :class:`~ropekit.encodings.forms.RoPEForm` prepared for several rotations on the same
+    """A block encoding's :class:`~ropekit.encodings.ops.forms.RoPEForm` prepared for several rotations on the same
     coordinates (the layers of a model sharing one encoding): the scalars ``s_j(r)`` formed once, and one node
     that gathers every rotation's gradient and maps the sum to ``K`` and ``s`` once, instead of one Frechet map per
     layer. First derivatives only: under ``create_graph`` each rotation differentiates its dense reference as
@@ -444,12 +444,12 @@ def share_block_gradients(form, coords: Tensor):
     if not (torch.is_grad_enabled() and (s.requires_grad or e.generators.requires_grad)):
         return form._replace(eigen=e._replace(scales=s))
     collector = _BlockGradientCollector.apply(s, e.generators, e.schur.detach(), e.mu.detach(),
-                                              _wide_dtype(s.device))
+                                              wide_dtype(s.device))
     return form._replace(eigen=e._replace(scales=s, collector=collector))
 
 
 def batch_block_gradients(forms: Sequence, coords: Tensor, stacked: Sequence = ()) -> list:
-    """Several block encodings' :class:`~ropekit.encodings.forms.RoPEForm` (the per-layer encodings of one model)
+    """Several block encodings' :class:`~ropekit.encodings.ops.forms.RoPEForm` (the per-layer encodings of one model)
     prepared for their rotations on the same coordinates: every form keeps its own generators and axis weights,
     but the scalars ``s_j(r)`` of all forms of one configuration are formed in one product, and one node gathers
     all their rotations' gradients and maps them to each form's ``K`` and ``s`` in one batched Frechet map (the
@@ -561,7 +561,7 @@ def rotate_in_block_eigenbasis(q: Tensor, k: Tensor | None, coords: Tensor, axis
     s = s.unsqueeze(0) if s.dim() == 3 else s  # (Bs, Hp, M, nb)
     mu = mu.detach()
     freqs = None  # the table's, where it is used
-    if table is None or _fused_kernel(q.device, backend=backend) is not None:
+    if table is None or fused_kernel(q.device, backend=backend) is not None:
         freqs = (axis_weights.detach().to(wide).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
         table = None
     qk = q if k is None else torch.stack((q, k))  # (2, B, H, N, d)
@@ -591,10 +591,10 @@ def scaled_block_exp_reference(s: Tensor, k: Tensor) -> Tensor:
     Returns:
         ``(..., Hp, M, d, d)``.
     """
-    return _block_diag(_dense_block_exp(s, k))  # (.., Hp, M, d, d)
+    return block_diag(_dense_block_exp(s, k))  # (.., Hp, M, d, d)
 
 
-def _block_diag(blocks: Tensor) -> Tensor:
+def block_diag(blocks: Tensor) -> Tensor:
     """``(..., nb, b, b)`` -> ``(..., nb * b, nb * b)`` block-diagonal matrices."""
     *lead, nb, b, _ = blocks.shape
     out = blocks.new_zeros(*lead, nb, b, nb, b)

@@ -1,10 +1,10 @@
 """Angles ``theta = r . freqs``, their cos/sin tables, and the rotation of pairs by them: the reference every
-rotation path (the PyTorch paths of :mod:`ropekit.encodings.rotation` and the fused kernels of
+rotation path (the PyTorch paths of :mod:`ropekit.encodings.ops.rotation` and the fused kernels of
 :mod:`ropekit.kernels`) is built from or checked against.
 
 Shape legend: ``B`` batch, ``Hp`` heads that own parameters (1 or ``H``), ``M`` tokens that carry a coordinate,
 ``c`` coordinate dimension, ``d`` head dimension, ``P = d / 2`` rotation planes; pairs are interleaved
-(``(2n, 2n + 1)``, see :mod:`ropekit.encodings.rotation`).
+(``(2n, 2n + 1)``, see :mod:`ropekit.encodings.ops.rotation`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["frequency_angles", "wide_angles", "angle_table", "rope_cos_sin"]
+__all__ = ["frequency_angles", "wide_angles", "angle_table", "rope_cos_sin", "wide_dtype", "rotate_pairs_real"]
 
 
 def frequency_angles(coords: Tensor, freqs: Tensor) -> Tensor:
@@ -52,7 +52,7 @@ def wide_angles(coords: Tensor, freqs: Tensor) -> Tensor:
         ``(Hp, M, P)`` for shared coordinates, ``(B, Hp, M, P)`` per example, in the wide dtype; differentiable
         in ``coords`` and ``freqs``.
     """
-    wide = _wide_dtype(coords.device)
+    wide = wide_dtype(coords.device)
     with torch.autocast(device_type=coords.device.type, enabled=False):
         return frequency_angles(coords if coords.dtype == wide else coords.to(wide),
                                 freqs if freqs.dtype == wide else freqs.to(wide))
@@ -92,13 +92,13 @@ def rope_cos_sin(coords: Tensor, freqs: Tensor, dtype: torch.dtype | None = None
     return torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
 
 
-def _wide_dtype(device: torch.device | str) -> torch.dtype:
+def wide_dtype(device: torch.device | str) -> torch.dtype:
     """The dtype angles, derived frequencies and fixed tables are formed in on ``device``: float64, or float32 on
     devices without float64 (MPS)."""
     return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 
-def _rotate_pairs_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotate_pairs_real(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Reference form of ``rotate_pairs`` in real arithmetic (any dtype; used under ``torch.compile``)."""
     x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)  # (..., P) each
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)

@@ -12,10 +12,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["precise_matmul", "basis_change"]
+__all__ = ["precise_matmul", "basis_change", "reduce_to"]
 
 
-def _reduce_to(t: Tensor, shape: Sequence[int]) -> Tensor:
+def reduce_to(t: Tensor, shape: Sequence[int]) -> Tensor:
     """Sum ``t`` over the dimensions that ``shape`` broadcasts (the inverse of broadcasting), in one reduction."""
     lead = t.dim() - len(shape)
     dims = list(range(lead)) + [lead + i for i, n in enumerate(shape) if n == 1 and t.shape[lead + i] != 1]
@@ -54,9 +54,9 @@ class _PreciseMatmul(torch.autograd.Function):
         mm = _PreciseMatmul.apply if torch.is_grad_enabled() else _split_matmul  # double backward: recorded
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = _reduce_to(mm(g, b.transpose(-1, -2)), a.shape)
+            ga = reduce_to(mm(g, b.transpose(-1, -2)), a.shape)
         if ctx.needs_input_grad[1]:
-            gb = _reduce_to(mm(a.transpose(-1, -2), g), b.shape)
+            gb = reduce_to(mm(a.transpose(-1, -2), g), b.shape)
         return ga, gb
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .rotation import _is_compiling
 from .validation import check_deferred_coords
 
 __all__ = ["linear_skew_expm", "DEFAULT_BUDGET"]
@@ -190,7 +189,7 @@ def linear_skew_expm(coords: Tensor, generators: Tensor, budget: int = DEFAULT_B
     dtype = generators.dtype if dtype is None else dtype
     if coords.shape[0] == 0:
         return generators.new_zeros(0, *generators.shape[:1], *generators.shape[2:], dtype=dtype)
-    if _is_compiling():  # traceable form: one float64 matrix_exp per token (orthogonal, unchunked)
+    if torch.compiler.is_compiling():  # traceable form: one float64 matrix_exp per token (orthogonal, unchunked)
         return _expm64(coords, generators).to(dtype)
     if coords.device.type != "cpu":
         # GPU solvers batch small eigendecompositions only up to n = 32 (larger ones run one by one), while the

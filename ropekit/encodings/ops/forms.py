@@ -17,8 +17,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .angles import _wide_dtype
-from .blocks import _block_diag
+from .angles import wide_dtype
+from .blocks import block_diag
 from .products import precise_matmul
 from .skew import real_schur, skew_real_schur
 
@@ -191,15 +191,15 @@ def block_form(pe, k: Tensor, axis_weights: Tensor, basis_gradient: bool = False
     """
     half = pe.pairs == "half"  # the pair permutation goes into P, which is then dense
     if basis_gradient:
-        q, mu = real_schur(k.to(_wide_dtype(k.device)))  # (Hp, nb, b, b), (Hp, nb, b/2)
+        q, mu = real_schur(k.to(wide_dtype(k.device)))  # (Hp, nb, b, b), (Hp, nb, b/2)
         freqs = (axis_weights.to(mu.dtype).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
         blocks = q.transpose(-1, -2).to(k.dtype)
-        return RoPEForm(half_pairs_basis(pe, _block_diag(blocks)), freqs.to(k.dtype), None,
+        return RoPEForm(half_pairs_basis(pe, block_diag(blocks)), freqs.to(k.dtype), None,
                         blocks=None if half else blocks)
-    q, mu = schur if schur is not None else skew_real_schur(k.detach().to(_wide_dtype(k.device)))
+    q, mu = schur if schur is not None else skew_real_schur(k.detach().to(wide_dtype(k.device)))
     blocks = q.transpose(-1, -2).to(k.dtype)  # (Hp, nb, b, b)
     freqs = (axis_weights.detach().to(mu.dtype).unsqueeze(-1) * mu.unsqueeze(1)).flatten(-2)  # (Hp, c, d/2)
-    return RoPEForm(half_pairs_basis(pe, _block_diag(blocks)), freqs, None, blocks=None if half else blocks,
+    return RoPEForm(half_pairs_basis(pe, block_diag(blocks)), freqs, None, blocks=None if half else blocks,
                     eigen=BlockEigenForm(k, axis_weights, q, mu))
 
 
@@ -220,4 +220,4 @@ def stacked_block_form(pe, k: Tensor, axis_weights: Tensor, q: Tensor, mu: Tenso
         raise ValueError("stacked_block_form is for interleaved pairs (half pairs permute the basis)")
     blocks = q.transpose(-1, -2).to(k.dtype)  # (L, Hp, nb, b, b)
     freqs = (axis_weights.detach().to(mu.dtype).unsqueeze(-1) * mu.unsqueeze(-3)).flatten(-2)  # (L, Hp, c, d/2)
-    return RoPEForm(_block_diag(blocks), freqs, None, blocks=blocks)
+    return RoPEForm(block_diag(blocks), freqs, None, blocks=blocks)

@@ -2,7 +2,7 @@
 generators of a pairwise rotation.
 
 Shape legend: ``Hp`` heads that own parameters (1 or ``H``), ``c`` coordinate dimension, ``d`` head dimension,
-``P = d / 2`` rotation planes (interleaved pairs, see :mod:`ropekit.encodings.rotation`).
+``P = d / 2`` rotation planes (interleaved pairs, see :mod:`ropekit.encodings.ops.rotation`).
 """
 
 from __future__ import annotations
