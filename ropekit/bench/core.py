@@ -86,7 +86,7 @@ from . import measure
 from .baselines import DenseComRoPE, NaiveLieRE
 from .measure import (CLOCKS, cuda_peak_memory_mb, device_info, impossible_timing, machine_info, peak_memory_mb,
                       ratio_spread, saved_memory_mb, too_noisy)
-from .training_step import bench_vit, vit_batch
+from .training_step import bench_vit, vit_batch, vit_step
 
 __all__ = ["Row", "all_rows", "ROW_KINDS", "CASES", "VIT_PES", "VIT_PES_GPU", "DTYPES", "BenchConfig", "run_bench",
            "ratio_spread", "too_noisy",

@@ -181,7 +181,7 @@ class ShardStream(IterableDataset):
         return int(sum(self.counts))
 
     # -- set by make_loader before a DataLoader copies the dataset into its workers
-    def _configure(self, **epoch: Any) -> EpochPlan:
+    def configure(self, **epoch: Any) -> EpochPlan:
         self._epoch = dict(epoch)
         self._epoch["plan"] = plan_epoch(self.counts, **{k: epoch[k] for k in (
             "seed", "epoch", "rank", "world_size", "workers", "batch_size", "drop_last", "shuffle")})

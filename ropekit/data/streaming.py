@@ -331,7 +331,7 @@ class StreamLoader:
         kw = self._kw
         gen = torch.Generator().manual_seed(mix_seed(kw["seed"], epoch, kw["rank"], 3))  # workers' base seed
         if self._shards:
-            self._plan = self.dataset._configure(
+            self._plan = self.dataset.configure(
                 seed=kw["seed"], epoch=self.epoch, rank=kw["rank"], world_size=kw["world_size"],
                 workers=self._loader_kw["num_workers"], batch_size=kw["batch_size"], drop_last=kw["drop_last"],
                 shuffle=kw["shuffle"], start_batch=self.start_batch)

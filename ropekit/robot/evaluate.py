@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..train.metrics import atomic_write_text
-from .demos import _default_start_method
+from .demos import default_start_method
 
 __all__ = ["wilson_interval", "pooled_z", "evaluate_policy", "evaluate_run", "map_jobs", "format_rate"]
 
@@ -95,7 +95,7 @@ def map_jobs(fn, jobs: Sequence[Any], workers: int, progress: bool, desc: str) -
                 out.append(fn(j))
                 bar.update(1)
         else:
-            method = _default_start_method()
+            method = default_start_method()
             ctx = mp.get_context(method)
             if method == "forkserver":
                 ctx.set_forkserver_preload(sorted({__name__, fn.__module__}))
