@@ -19,7 +19,8 @@ layer       modules                                                             
 2 engine    ``data`` (datasets, loaders), ``train`` (the engine, its ``Task`` protocol and the task      0-1
             registry, checkpoints, metrics, distributed)
 3 tasks     classification (``train.trainer``, ``train.config``, and ``train``'s façade that exports    0-2
-            them), ``detection``, ``robot`` (with ``robot.aloha``), ``multimodal`` (retrieval)
+            them), ``detection``, ``robot`` (with ``robot.aloha``), ``multimodal`` (retrieval),
+            ``tasks`` (the ``ropekit train --task`` plugins of 3-D detection, robot and ALOHA)
 4 studies   ``experiments`` (recipes, reports, the study registry), and the studies kept beside their   0-3
             task: ``detection.experiment`` / ``.recipes``, ``robot.experiment`` / ``.recipes``,
             ``robot.aloha.experiment``
@@ -42,7 +43,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("nn", ("ropekit.nn", "ropekit.fold")),
     ("engine", ("ropekit.data", "ropekit.train")),
     ("tasks", ("ropekit.train.trainer", "ropekit.train.config", "ropekit.train.native", "ropekit.train.__init__",
-               "ropekit.detection", "ropekit.robot", "ropekit.multimodal")),
+               "ropekit.detection", "ropekit.robot", "ropekit.multimodal", "ropekit.tasks")),
     ("studies", ("ropekit.experiments", "ropekit.detection.experiment", "ropekit.detection.recipes",
                  "ropekit.robot.experiment", "ropekit.robot.recipes", "ropekit.robot.aloha.experiment")),
     ("tools", ("ropekit.bench", "ropekit.integrations", "ropekit.cli")),
