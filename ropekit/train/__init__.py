@@ -12,8 +12,6 @@ augmentation, option parsing) are in the submodules ``checkpoint``, ``metrics``,
 ``config``; training recipes (``--preset``) in ``recipes``.
 """
 
-from typing import Any
-
 from .._optional import require_extra as _require_extra
 
 _require_extra("train", "ropekit.train")  # before the submodules import what it installs
@@ -36,7 +34,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _CLASSIFICATION:
         from . import trainer
 
