@@ -301,6 +301,9 @@ def test_ropekit_train_lists_the_tasks_and_refuses_what_a_task_does_not_read(cap
     assert main(["train", "--task", "nope"]) == 2
     assert "unknown task 'nope'" in capsys.readouterr().err
     assert lookup_task("classification").command is None
+    native = lookup_task("native-resolution")  # `--task native-resolution` is `--native-resolution`
+    assert native.command is None and native.defaults == {"native_resolution": True}
+    assert native.train == lookup_task("classification").train == "ropekit.train.commands:train_classification"
 
 
 # ropekit train --task NAME of the step-counted tasks, on the tiny data of _tiny_config
