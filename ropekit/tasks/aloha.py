@@ -28,7 +28,7 @@ from ..robot.aloha.policy import AlohaPolicyConfig, AlohaTaskConfig, build_aloha
 from ..robot.train import PolicyTrainConfig
 from ..train.tasks import register_task
 from . import OPTIM_OPTIONS, RUN_OPTIONS, engine_options, given_values, pick, refuse_unknown, required, run_folder
-from .robot import TRAIN_FIELDS, _TAKEN, model_fields
+from .robot import TRAIN_FIELDS, TAKEN, model_fields
 
 __all__ = ["OPTIONS", "run_aloha", "build_aloha_task"]
 
@@ -77,12 +77,12 @@ def run_aloha(cfg: Any, options: Dict[str, Any], *, resume: bool = False, given:
     options = dict(options)
     modality = str(options.pop("modality", "image"))
     episodes = options.pop("train_episodes", None)
-    tc = PolicyTrainConfig(**{"num_threads": 1, "shift": 0, **pick(options, PolicyTrainConfig, "aloha", _TAKEN),
+    tc = PolicyTrainConfig(**{"num_threads": 1, "shift": 0, **pick(options, PolicyTrainConfig, "aloha", TAKEN),
                               **given_values(cfg, given, TRAIN_FIELDS)})
-    policy_opts = pick(options, AlohaPolicyConfig, "aloha", {**_TAKEN, "image_hw": "--image-size"})
+    policy_opts = pick(options, AlohaPolicyConfig, "aloha", {**TAKEN, "image_hw": "--image-size"})
     demo_opts = {k: options.pop(k) for k in _DEMOS if k in options}
     refuse_unknown(options, "aloha", ["modality", "train_episodes", *_DEMOS, *PolicyTrainConfig.__dataclass_fields__,
-                                      *AlohaPolicyConfig.__dataclass_fields__], _TAKEN)
+                                      *AlohaPolicyConfig.__dataclass_fields__], TAKEN)
     demos, where = _demos(cfg, demo_opts, given, modality == "rgbd")
     fields = {k: v for k, v in model_fields(cfg, given, AlohaPolicyConfig()).items() if k != "image_size"}
     hw = tuple(int(n) for n in demos["rgb"].shape[1:3])

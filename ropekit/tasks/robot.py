@@ -24,7 +24,8 @@ from ..robot.train import PolicyTaskConfig, PolicyTrainConfig, build_policy_task
 from ..train.tasks import register_task
 from . import OPTIM_OPTIONS, RUN_OPTIONS, engine_options, given_values, pick, refuse_unknown, required, run_folder
 
-__all__ = ["OPTIONS", "run_robot", "build_policy_task"]
+__all__ = ["OPTIONS", "TAKEN", "MODEL_FIELDS", "TRAIN_FIELDS", "model_fields", "run_robot",
+           "build_policy_task"]
 
 #: ``TrainConfig`` fields -> the policy's (:class:`PolicyConfig`).
 MODEL_FIELDS = {"pe": "pe", "pe_options": "pe_options", "model": "vit_size", "image_size": "image_size"}
@@ -33,7 +34,8 @@ TRAIN_FIELDS = {**{k: k for k in OPTIM_OPTIONS}, "threads": "num_threads"}
 #: the ``TrainConfig`` fields ``ropekit train --task robot`` reads.
 OPTIONS = RUN_OPTIONS | set(MODEL_FIELDS) | set(TRAIN_FIELDS) | {"model_options", "patch_size", "depth_scale_init",
                                                                  "init_from"}
-_TAKEN = {"pe": "--pe", "pe_options": "--pe-opt", "vit_size": "--model", "image_size": "--image-size",
+#: policy and training fields that ``ropekit train`` options of their own set (field -> that option).
+TAKEN = {"pe": "--pe", "pe_options": "--pe-opt", "vit_size": "--model", "image_size": "--image-size",
           "depth_scale_init": "--depth-scale-init", "vit_overrides": "--model-opt", "num_threads": "--threads",
           **{k: f"--{k.replace('_', '-')}" for k in OPTIM_OPTIONS}}
 
@@ -63,13 +65,13 @@ def run_robot(cfg: Any, options: Dict[str, Any], *, resume: bool = False, given:
     demos_path = required(options, "demos", "robot", "demo file")
     modality = str(options.pop("modality", "image"))
     all_episodes = str(options.pop("all_episodes", False)).lower() in ("true", "1")
-    train = {"num_threads": 1, **pick(options, PolicyTrainConfig, "robot", _TAKEN),
+    train = {"num_threads": 1, **pick(options, PolicyTrainConfig, "robot", TAKEN),
              **given_values(cfg, given, TRAIN_FIELDS)}
     if all_episodes:
         train["only_successful"] = False
-    policy_opts = pick(options, PolicyConfig, "robot", _TAKEN)
+    policy_opts = pick(options, PolicyConfig, "robot", TAKEN)
     refuse_unknown(options, "robot", ["demos", "modality", "all_episodes", *PolicyTrainConfig.__dataclass_fields__,
-                                      *PolicyConfig.__dataclass_fields__], _TAKEN)
+                                      *PolicyConfig.__dataclass_fields__], TAKEN)
     if demos_path is None:
         raise ValueError("the robot task needs --task-opt demos=FILE (a demo file of `ropekit robot collect`)")
     tc = PolicyTrainConfig(**train)
