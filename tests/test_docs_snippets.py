@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 #: Blocks that are not run, each with why: (page, block index) -> reason. Keep it short.
 NOT_RUN = {
-    ("contributing.md", 0): "a template: MyTaskConfig and MyTask are the reader's own classes",
+    ("contributing.md", 0): "a template: MyTask is the reader's own class",
 }
 #: Pages whose blocks take more than a few seconds (marked slow).
 SLOW_PAGES = {"multimodal.md": "generates the 5,000 captioned scenes (about 20 s)"}

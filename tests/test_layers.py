@@ -11,7 +11,8 @@ layer       modules                                                             
 2 engine    ``data`` (datasets, loaders), ``train`` (the engine, its ``Task`` protocol and the task      0-1
             registry, checkpoints, metrics, distributed)
 3 tasks     classification (``train.trainer``, ``train.config``, and ``train``'s façade that exports    0-2
-            them), ``detection``, ``robot`` (with ``robot.aloha``), ``multimodal`` (retrieval)
+            them), ``detection``, ``robot`` (with ``robot.aloha``), ``multimodal`` (retrieval),
+            ``tasks`` (the ``ropekit train --task`` plugins of 3-D detection, robot and ALOHA)
 4 studies   ``experiments`` (recipes, reports, the study registry), and the studies kept beside their   0-3
             task: ``detection.experiment`` / ``.recipes``, ``robot.experiment`` / ``.recipes``,
             ``robot.aloha.experiment``

@@ -1,12 +1,19 @@
 """The task registry (:mod:`ropekit.train.tasks`): every task is listed without importing its module, builds its
-``Task`` from a tiny configuration, and ``ropekit train --task`` reads it."""
+``Task`` from a tiny configuration, and ``ropekit train --task`` trains it -- ropekit's own tasks and a task of
+another package, found through the ``ropekit.tasks`` entry points."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.metadata
 import json
 import subprocess
 import sys
+import textwrap
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +21,9 @@ import torch
 
 from ropekit.cli import main
 from ropekit.train.distributed import DistContext
-from ropekit.train.tasks import TASK_MODULES, TASKS, lookup_task, register_task, task_names
+from ropekit.train import tasks as registry
+from ropekit.train.tasks import BUILTIN_ENTRY_POINTS, TASKS, lookup_task, register_task, task_entry_points, \
+    task_names
 
 NAMES = ["classification", "native-resolution", "detection", "robot", "aloha", "retrieval", "owl"]
 SMALL_POLICY = dict(vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48, "num_heads": 1},
@@ -24,7 +33,8 @@ SMALL_POLICY = dict(vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48,
 
 def test_listing_the_tasks_imports_none_of_their_modules():
     code = ("import sys; from ropekit.train.tasks import task_names; print(task_names()); "
-            "print(sorted(m for m in sys.modules if m.startswith(('ropekit.detection', 'ropekit.robot', 'ropekit.multimodal'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('ropekit.detection', 'ropekit.robot', 'ropekit.multimodal', "
+            "'ropekit.tasks', 'ropekit.train.trainer', 'ropekit.train.native'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == [repr(NAMES), "[]"]
 
@@ -135,22 +145,212 @@ def test_each_task_builds_from_a_tiny_config_and_its_model_trains_a_step(name, t
     assert grads and any(g is not None and g.abs().sum() > 0 for g in grads)
 
 
-def test_every_task_module_registers_the_task_it_is_listed_under():
-    assert list(TASK_MODULES) == NAMES
-    for name in NAMES:
-        assert lookup_task(name).build.__module__ == TASK_MODULES[name]
+def test_importing_the_engine_imports_no_task_and_its_names_stay_importable():
+    code = ("import sys, ropekit.train, ropekit.train.engine; "
+            "print(sorted(m for m in sys.modules if m.startswith(('ropekit.detection', 'ropekit.robot', "
+            "'ropekit.multimodal', 'ropekit.tasks', 'ropekit.train.trainer', 'ropekit.train.native')))); "
+            "from ropekit.train import train, ClassificationTask, evaluate_run; print(train.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["[]", "ropekit.train.trainer"]
+    import ropekit.train
+
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        ropekit.train.nope
 
 
-def test_ropekit_train_lists_the_tasks_and_points_to_the_command_of_the_others(capsys):
+def test_every_entry_point_names_the_builder_of_its_task():
+    assert list(task_entry_points()) == NAMES
+    for name, target in task_entry_points().items():
+        module, attr = target.split(":")
+        assert getattr(importlib.import_module(module), attr) is lookup_task(name).build
+
+
+def test_pyproject_declares_the_builtin_entry_points():
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"]["ropekit.tasks"] == BUILTIN_ENTRY_POINTS
+
+
+_INSTALLED_ENTRY_POINTS = importlib.metadata.entry_points
+
+
+def _entry_points(monkeypatch, *extra: SimpleNamespace) -> None:
+    """``importlib.metadata.entry_points`` as the registry sees it: the installed ones of the group, then ``extra``."""
+    def entry_points(**select):
+        if set(select) != {"group"}:  # another library's question (e.g. Triton's backends): the installed answer
+            return _INSTALLED_ENTRY_POINTS(**select)
+        return [*_INSTALLED_ENTRY_POINTS(**select), *[ep for ep in extra if ep.group == select["group"]]]
+
+    monkeypatch.setattr(registry.metadata, "entry_points", entry_points)
+
+
+def test_ropekit_metadata_replaces_the_builtin_table_and_other_packages_add_to_it(monkeypatch):
+    ours = SimpleNamespace(name="classification", value="ropekit.train.trainer:build_classification_task",
+                           group="ropekit.tasks", dist=SimpleNamespace(name="ropekit"))
+    theirs = SimpleNamespace(name="theirs", value="their_package:build", group="ropekit.tasks",
+                             dist=SimpleNamespace(name="their-package"))
+    clash = SimpleNamespace(name="robot", value="their_package:robot", group="ropekit.tasks",
+                            dist=SimpleNamespace(name="their-package"))
+    _entry_points(monkeypatch, theirs, clash)
+    table = task_entry_points()
+    assert table == {**BUILTIN_ENTRY_POINTS, "theirs": "their_package:build"}  # the builtin robot wins
+    _entry_points(monkeypatch, ours, theirs)
+    assert task_entry_points() == {"classification": ours.value, "theirs": theirs.value}
+
+
+USER_TASK = textwrap.dedent('''
+    """A task of another package: least squares y = X w of a fixed random problem, in epochs of 4 batches."""
+    import torch
+    from ropekit.train import TrainConfig
+    from ropekit.train.tasks import register_task
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(64, 3, generator=g, dtype=torch.float64).float()
+    Y = X @ torch.tensor([[1.0], [-2.0], [0.5]])
+
+
+    class LeastSquares:
+        name = "least-squares"
+
+        def __init__(self, cfg):
+            torch.manual_seed(cfg.seed)
+            self.model = torch.nn.Linear(3, 1, bias=False)
+
+        def epoch_batches(self, epoch, ctx):
+            return [list(range(i, 64, 4)) for i in range(4)]
+
+        def loss(self, model, batch, device):
+            err = model(X[batch].to(device)) - Y[batch].to(device)
+            loss = (err ** 2).mean()
+            return loss, {"loss": loss.detach() * len(batch), "count": float(len(batch))}
+
+        def epoch_row(self, epoch, sums, info, ctx):
+            return {"epoch": epoch + 1, "loss": float(sums["loss"]) / sums["count"], "lr": info["lr"]}
+
+
+    @register_task("mytask", "least squares (a user task)", config=TrainConfig)
+    def build(cfg):
+        return LeastSquares(cfg)
+''')
+
+
+def test_a_task_of_another_package_trains_through_ropekit_train(monkeypatch, tmp_path, capsys):
+    (tmp_path / "my_tasks.py").write_text(USER_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "TASKS", dict(TASKS))
+    monkeypatch.delitem(sys.modules, "my_tasks", raising=False)
+    _entry_points(monkeypatch, SimpleNamespace(name="mytask", value="my_tasks:build", group="ropekit.tasks",
+                                               dist=SimpleNamespace(name="my-package")))
+    assert task_names() == [*NAMES, "mytask"] and "my_tasks" not in sys.modules
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "owl, mytask" in " ".join(capsys.readouterr().out.split())
+    out = tmp_path / "run"
+    argv = ["train", "--task", "mytask", "--epochs", "4", "--lr", "0.1", "--warmup-epochs", "0", "--weight-decay", "0",
+            "--out", str(out), "--device", "cpu", "--threads", "1", "--no-progress", "--no-tensorboard"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "task mytask: " in capsys.readouterr().out
+    import my_tasks
+
+    rows = [line.split(",") for line in (out / "metrics.csv").read_text().splitlines()]
+    loss = [float(r[rows[0].index("loss")]) for r in rows[1:]]
+    assert len(loss) == 4 and all(b < a for a, b in zip(loss, loss[1:]))
+    # the checkpoint holds the trained weights: their loss on the whole problem, computed here in float64, is below
+    # the first epoch's mean and below that of the initial weights (the task's seeded initialisation, rebuilt here)
+    def mse(w: torch.Tensor) -> float:
+        return float(((my_tasks.X.double() @ w.double().T - my_tasks.Y.double()) ** 2).mean())
+
+    torch.manual_seed(0)
+    initial = mse(torch.nn.Linear(3, 1, bias=False).weight.detach())
+    final = mse(torch.load(out / "checkpoint.pt", weights_only=False)["model"]["weight"])
+    assert final < loss[0] < initial * 1.5 and final < initial / 2
+    assert json.loads((out / "config.json").read_text())["task"] == "mytask"
+    assert main(argv[:3] + ["--task-opt", "a=1"]) == 2
+    assert "task 'mytask' takes no --task-opt" in capsys.readouterr().err
+
+
+def test_an_entry_point_that_registers_nothing_is_one_line(monkeypatch):
+    _entry_points(monkeypatch, SimpleNamespace(name="ghost", value="json:dumps", group="ropekit.tasks",
+                                               dist=SimpleNamespace(name="x")))
+    with pytest.raises(ValueError, match=r"^the entry point ghost = 'json:dumps' of ropekit.tasks registers no task "
+                                         r"named 'ghost' \(decorate"):
+        lookup_task("ghost")
+
+
+def test_ropekit_train_lists_the_tasks_and_refuses_what_a_task_does_not_read(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--task TASK" in help_text and "training task: classification, native-resolution, detection, robot, aloha, retrieval, owl" in \
         help_text
     for name in ("detection", "robot", "aloha"):
-        assert main(["train", "--task", name]) == 2
-        err = capsys.readouterr().err
-        assert err.strip().endswith(f"task {name!r} is trained by `{lookup_task(name).command}`")
+        assert lookup_task(name).command is None and lookup_task(name).train is not None
+        cases = {("--mixup", "0.2"): f"--mixup does not apply to the {name} task; it reads ",
+                 ("--epochs", "3"): f"--epochs does not apply to the {name} task (it trains for a number of steps: "
+                                    f"--task-opt steps=N)",
+                 ("--set", "label_smoothing=0.1"): f"--set label_smoothing does not apply to the {name} task",
+                 ("--preset", "deit-b16"): f"--preset (the recipes are classification's) does not apply to the "
+                                           f"{name} task",
+                 ("--resume", "--allow-change", "epochs"): f"--allow-change does not apply to the {name} task",
+                 ("--task-opt", "bogus=1"): f"unknown --task-opt bogus for the {name} task; known: "}
+        for extra, message in cases.items():
+            assert main(["train", "--task", name, *extra]) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and message in err, err
+    assert main(["train", "--task", "robot", "--task-opt", "lr=0.1"]) == 2
+    assert "--task-opt lr: the robot task takes it from --lr (one spelling per setting)" in capsys.readouterr().err
     assert main(["train", "--task", "nope"]) == 2
     assert "unknown task 'nope'" in capsys.readouterr().err
     assert lookup_task("classification").command is None
+    native = lookup_task("native-resolution")  # `--task native-resolution` is `--native-resolution`
+    assert native.command is None and native.defaults == {"native_resolution": True}
+    assert native.train == lookup_task("classification").train == "ropekit.train.commands:train_classification"
+
+
+# ropekit train --task NAME of the step-counted tasks, on the tiny data of _tiny_config
+_TINY_RUN = ["--task-opt", "steps=2", "--batch-size", "2", "--log-every", "1", "--device", "cpu", "--threads", "1",
+             "--no-progress", "--no-tensorboard"]
+_TINY_POLICY = ["--task-opt", "noise_samples=1", "--model-opt", "depth=1", "--model-opt", "embed_dim=48",
+                "--model-opt", "num_heads=1", "--task-opt", "hidden_dim=64", "--task-opt", "cond_dim=64",
+                "--task-opt", "num_blocks=1", "--task-opt", "horizon=4", "--task-opt", "n_action_steps=2",
+                "--pe-opt", "block_size=8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["detection", "robot", "aloha"])
+def test_ropekit_train_trains_the_step_counted_tasks_and_resumes_them(name, tmp_path, capsys):
+    _tiny_config(name, tmp_path)
+    out = tmp_path / "run"
+    data = {"detection": ["--task-opt", f"scenes={tmp_path / 'scenes.npz'}", "--task-opt",
+                          f"test_scenes={tmp_path / 'scenes.npz'}", "--model-opt", "depth=1", "--task-opt",
+                          "iou_samples=64"],
+            "robot": ["--task-opt", f"demos={tmp_path / 'demos.npz'}", "--image-size", "32", *_TINY_POLICY],
+            "aloha": ["--task-opt", f"demos={tmp_path / 'aloha.npz'}", "--pe", "circulant", *_TINY_POLICY]}[name]
+    argv = ["train", "--task", name, *data, *_TINY_RUN, "--out", str(out), "--lr", "0.002", "--seed", "3"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert f"run folder {out}" in capsys.readouterr().out or (out / "checkpoint.pt").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["train"]["steps"] == 2 and config["train"]["lr"] == 0.002 and config["train"]["seed"] == 3
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 3  # a header and one row per --log-every 1 step
+    if name == "detection":
+        assert config["model"]["vit"]["depth"] == 1 and "mean_iou" in json.loads((out / "metrics.json").read_text())
+    else:
+        assert config["policy"]["vit_overrides"] == {"depth": 1, "patch_size": 8, "embed_dim": 48, "num_heads": 1}
+        assert config["policy"]["pe_options"] == {"block_size": 8} and config["policy"]["horizon"] == 4
+    # a fresh run refuses the folder; --resume continues it (finished: nothing left to train, same files)
+    assert main(argv) == 2
+    assert "already holds" in capsys.readouterr().err
+    assert main([*argv[:-6], *argv[-4:], "--resume", str(out)]) == 0, capsys.readouterr().err
+    assert (out / "metrics.csv").read_text().splitlines() == rows
+    if name == "robot":  # the 2-D policy into RGB-D: its head and chunking, the depth lift at 0 (starts equal)
+        from ropekit.robot.train import load_policy
+
+        rgbd = tmp_path / "rgbd"
+        argv3d = ["train", "--task", "robot", "--task-opt", f"demos={tmp_path / 'demos.npz'}", "--task-opt",
+                  "modality=rgbd", "--init-from", str(out), "--pe", "circulant", *_TINY_RUN, "--out", str(rgbd)]
+        assert main(argv3d) == 0, capsys.readouterr().err
+        base, policy = load_policy(out), load_policy(rgbd)
+        assert (policy.config.modality, policy.config.pe, policy.config.depth_scale_init) == ("rgbd", "circulant", 0.0)
+        assert policy.config.horizon == base.config.horizon == 4
+        assert main([*argv3d[:-1], str(tmp_path / "x"), "--task-opt", "horizon=3"]) == 2
+        assert "with init_from the policy is the base run's" in capsys.readouterr().err

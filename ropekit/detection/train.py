@@ -29,13 +29,12 @@ from torch import Tensor, nn
 
 from ..train import engine
 from ..train.engine import seed_everything
-from ..train.tasks import register_task
 from .boxes import box_iou_3d, rotation_from_6d
 from .matching import DetectionEvaluator, DetectionLossConfig, detection_loss, hungarian_match
 from .model import Detector3D, DetectorConfig, detector_config
 from .scenes import SceneDataset, SceneSet, collate_detection
 
-__all__ = ["DetTrainConfig", "DetectionTask", "DetectionTaskConfig", "build_detection_task", "load_scenes",
+__all__ = ["DetTrainConfig", "DetectionTask", "DetectionTaskConfig", "build_detection_task", "new_detector", "load_scenes",
            "batch_indices", "scene_batch", "mean_box",
            "train_detector", "evaluate_detector", "matched_mean_iou",
            "matched_errors", "predict", "seed_everything"]
@@ -187,16 +186,19 @@ def load_scenes(path: Union[str, Path]) -> SceneSet:
         return SceneSet.from_arrays({k: z[k] for k in z.files})
 
 
-@register_task("detection", "3-D boxes from RGB-D images: a ViT detector with the Hungarian set loss",
-               config=DetectionTaskConfig, command="ropekit experiment detect3d")
 def build_detection_task(cfg: DetectionTaskConfig) -> DetectionTask:
-    """The :class:`DetectionTask` of ``cfg``: its scenes loaded, its detector built (seeded by ``cfg.train.seed``)
-    with the box head starting at the scenes' mean box."""
+    """The :class:`DetectionTask` of ``cfg``: its scenes loaded, its detector built (:func:`new_detector`)."""
     scenes = load_scenes(cfg.scenes)
-    seed_everything(cfg.train.seed)
-    model = Detector3D(cfg.detector.validate())
+    return DetectionTask(new_detector(cfg.detector, scenes, cfg.train.seed), scenes, cfg.train)
+
+
+def new_detector(config: DetectorConfig, scenes: SceneSet, seed: int) -> Detector3D:
+    """The untrained detector of ``config`` (seeded by ``seed``) with the box head starting at the mean box of
+    ``scenes``."""
+    seed_everything(seed)
+    model = Detector3D(config.validate())
     model.init_box_prior(mean_box(scenes))
-    return DetectionTask(model, scenes, cfg.train)
+    return model
 
 
 def train_detector(model: Detector3D, scenes: SceneSet, cfg: DetTrainConfig,

@@ -152,8 +152,7 @@ def _collect(args: Any) -> int:
 def _train(args: Any) -> int:
     from ..train.config import parse_key_values
     from .demos import load_demos
-    from .policy import DiffusionPolicy, PolicyConfig, init_from_2d
-    from .train import DemoChunks, PolicyTrainConfig, load_policy, train_policy
+    from .train import DemoChunks, PolicyTrainConfig, new_policy, train_policy
 
     demos = load_demos(args.demos)
     train_set = parse_key_values(args.train_set, "--train-set")
@@ -167,27 +166,12 @@ def _train(args: Any) -> int:
     extra = parse_key_values(args.policy_set, "--set")
     if extra and args.init_from:
         raise ValueError("--set changes a policy trained from scratch; with --init-from the policy is the base run's")
-    base = load_policy(args.init_from) if args.init_from else None
-    if base is not None and base.config.modality == args.modality:
-        policy = base  # continue training
-    else:
-        if base is not None and (base.config.modality, args.modality) != ("image", "rgbd"):
-            raise ValueError(f"--init-from a {base.config.modality} policy into --modality {args.modality}: "
-                             f"only the same modality or image -> rgbd is supported")
-        if base is not None:  # the 2-D policy's head and chunking, its encoder widened to 3-D
-            scale = 0.0 if args.depth_scale_init is None else args.depth_scale_init
-            cfg = PolicyConfig(**{**base.config.to_dict(), "modality": "rgbd", "pe": args.pe,
-                                  "depth_scale_init": scale})
-        else:
-            cfg = PolicyConfig.from_dict({
-                "modality": args.modality, "pe": args.pe, "image_size": int(demos["config"].image_size),
-                "horizon": args.horizon, "n_action_steps": args.n_action_steps,
-                "depth_scale_init": 1.0 if args.depth_scale_init is None else args.depth_scale_init, **extra})
-        policy = DiffusionPolicy(cfg)
-        if base is not None:
-            init_from_2d(policy, base.state_dict(), depth_scale=cfg.depth_scale_init)
+    fields = {"pe": args.pe} if args.init_from else {
+        "pe": args.pe, "image_size": int(demos["config"].image_size), "horizon": args.horizon,
+        "n_action_steps": args.n_action_steps, **extra}
+    policy, fresh = new_policy(args.modality, fields, args.init_from, args.depth_scale_init)
     train_policy(policy, DemoChunks(demos, policy.config, tc.only_successful), tc, args.out,
-                 fit_normalizers=base is None, progress=not args.no_progress,
+                 fit_normalizers=fresh, progress=not args.no_progress,
                  extra_config={"demos": str(args.demos), "init_from": args.init_from})
     print(f"policy saved to {Path(args.out) / 'checkpoint.pt'}")
     return 0

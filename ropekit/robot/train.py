@@ -31,11 +31,10 @@ from ..train import engine
 from ..train.augment import random_shift
 from ..train.checkpoint import atomic_save
 from ..train.distributed import init_distributed
-from ..train.tasks import register_task
 from .demos import load_demos
 from .policy import DiffusionPolicy, PolicyConfig, images_from_obs
 
-__all__ = ["PolicyTrainConfig", "DemoChunks", "PolicyTask", "PolicyTaskConfig", "build_policy_task", "train_policy", "save_policy", "load_policy",
+__all__ = ["PolicyTrainConfig", "DemoChunks", "PolicyTask", "PolicyTaskConfig", "build_policy_task", "new_policy", "train_policy", "save_policy", "load_policy",
            "CHECKPOINT", "TRAIN_STATE"]
 
 CHECKPOINT = "checkpoint.pt"
@@ -234,13 +233,48 @@ class PolicyTaskConfig:
     train: PolicyTrainConfig = field(default_factory=PolicyTrainConfig)
 
 
-@register_task("robot", "a diffusion policy imitating scripted pick demonstrations (pybullet)",
-               config=PolicyTaskConfig, command="ropekit robot train")
 def build_policy_task(cfg: PolicyTaskConfig) -> PolicyTask:
     """The :class:`PolicyTask` of ``cfg``: its demonstrations loaded, its policy built (seeded by
     ``cfg.train.seed``) with the action and state statistics fitted on them."""
     data = DemoChunks(load_demos(cfg.demos), cfg.policy, cfg.train.only_successful)
     return policy_task(DiffusionPolicy, cfg.policy, data, cfg.train)
+
+
+def new_policy(modality: str, fields: Mapping[str, Any], init_from: Optional[PathLike] = None,
+               depth_scale_init: Optional[float] = None) -> Tuple[DiffusionPolicy, bool]:
+    """The policy a run starts from, and whether its action / state statistics are still to be fitted.
+
+    From scratch: ``PolicyConfig`` of ``modality`` and ``fields`` (other ``PolicyConfig`` fields), its depth lift
+    at ``depth_scale_init`` (default 1). With ``init_from`` (a run folder or checkpoint): the same modality
+    continues that policy; an ``image`` policy into ``rgbd`` keeps its head and chunking, its encoder widened to
+    3-D with ``fields["pe"]`` and the depth lift at ``depth_scale_init`` (default 0, so that it starts equal to
+    the 2-D one).
+
+    Raises:
+        ValueError: ``fields`` with ``init_from`` besides ``pe``, or another modality change than image -> rgbd.
+    """
+    from .policy import init_from_2d
+
+    if init_from is None:
+        cfg = PolicyConfig.from_dict({**fields, "modality": modality,
+                                      "depth_scale_init": 1.0 if depth_scale_init is None else depth_scale_init})
+        return DiffusionPolicy(cfg), True
+    extra = sorted(set(fields) - {"pe"})
+    if extra:
+        raise ValueError(f"{', '.join(extra)} change a policy trained from scratch; with init_from the policy is "
+                         f"the base run's")
+    base = load_policy(init_from)
+    if base.config.modality == modality:
+        return base, False  # continue training
+    if (base.config.modality, modality) != ("image", "rgbd"):
+        raise ValueError(f"init_from a {base.config.modality} policy into modality {modality}: only the same "
+                         f"modality or image -> rgbd is supported")
+    scale = 0.0 if depth_scale_init is None else depth_scale_init
+    cfg = PolicyConfig(**{**base.config.to_dict(), "modality": "rgbd", "pe": fields.get("pe", base.config.pe),
+                          "depth_scale_init": scale})
+    policy = DiffusionPolicy(cfg)
+    init_from_2d(policy, base.state_dict(), depth_scale=scale)
+    return policy, False
 
 
 def policy_task(policy_class: Callable[[Any], DiffusionPolicy], config: PolicyConfig, data: Any,

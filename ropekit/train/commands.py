@@ -17,7 +17,8 @@ from typing import Any, Dict, Optional
 
 from .._errors import CommandError
 
-__all__ = ["add_train_arguments", "run_train", "add_eval_arguments", "run_eval", "config_from_args"]
+__all__ = ["add_train_arguments", "run_train", "add_eval_arguments", "run_eval", "config_from_args",
+           "given_fields", "fit_registered_task", "train_classification"]
 
 S = argparse.SUPPRESS
 
@@ -36,8 +37,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("configuration")
     g.add_argument("--task", default=S,
-                   help=f"training task: {', '.join(task_names())} (default classification; the others name the "
-                        f"command that trains them)")
+                   help=f"training task: {', '.join(task_names())} (default classification; other packages add "
+                        f"theirs through the entry-point group ropekit.tasks). Tasks trained for a number of steps "
+                        f"(detection, robot, aloha) read the run options (--out, --device, --precision, --resume, "
+                        f"--seed, --threads, logging), their optimiser's and their model's, and --task-opt: "
+                        f"demos / scenes files, steps=N ...; see ropekit.tasks")
     g.add_argument("--preset", metavar="NAME", default=S,
                    help=f"a training recipe to start from ({', '.join(list_recipes())}; see ropekit/train/recipes); "
                         f"--config and command-line options override it")
@@ -320,8 +324,59 @@ def _did_you_mean(word: str, choices: Any) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+# options whose flag is not the field's name with dashes
+_FLAGS = {"mixup_alpha": "--mixup", "cutmix_alpha": "--cutmix", "progress": "--no-progress", "min_lr": "--set min_lr",
+          "tensorboard": "--no-tensorboard", **{f: f"--{o.replace('_', '-')}" for o, f in _KV_OPTIONS.items()}}
+# arguments of `ropekit train` that are no TrainConfig field
+_NOT_FIELDS = ("command", "debug", "task", "task_opt", "resume", "preset", "config", "set", "allow_change",
+               "allow_data_change")
+
+
+def given_fields(args: argparse.Namespace) -> Dict[str, str]:
+    """The ``TrainConfig`` fields a ``ropekit train`` command line gives (dedicated options, ``--set``, the
+    ``--*-opt`` options, the keys of ``--config FILE``), each with how it was given (e.g. ``--lr``)."""
+    from .config import load_config_file, parse_key_values
+
+    given = vars(args)
+    spelled = {_KV_OPTIONS.get(k, k): _FLAGS.get(_KV_OPTIONS.get(k, k), f"--{k.replace('_', '-')}")
+               for k in given if k not in _NOT_FIELDS}
+    spelled.update({k: f"--set {k}" for k in parse_key_values(given.get("set"), "--set")})
+    if given.get("config"):
+        spelled.update({k: f"{k} in --config {given['config']}" for k in load_config_file(given["config"])})
+    return spelled
+
+
+def _run_own_trainer(task: Any, args: argparse.Namespace, task_options: Dict[str, Any]) -> int:
+    """``ropekit train --task NAME`` of a task with its own trainer (``TaskSpec.options`` set): only the options it
+    reads, resumed by giving the run folder again (its trainer checks that the options are the run's)."""
+    for flag, what in (("preset", "--preset (the recipes are classification's)"),
+                       ("allow_change", "--allow-change"), ("allow_data_change", "--allow-data-change")):
+        if flag in vars(args):
+            raise CommandError(f"{what} does not apply to the {task.name} task")
+    given = given_fields(args)
+    for key, how in given.items():
+        if key not in task.options:
+            hint = " (it trains for a number of steps: --task-opt steps=N)" if key in ("epochs", "warmup_epochs") \
+                else ""
+            raise CommandError(f"{how} does not apply to the {task.name} task{hint}; it reads "
+                               f"{', '.join(sorted(_FLAGS.get(k, '--' + k.replace('_', '-')) for k in task.options))}"
+                               f" and --task-opt")
+    ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "resume"})
+    resume = getattr(args, "resume", None)
+    if resume:
+        folder = resume_folder(resume if isinstance(resume, str) else getattr(args, "out", ""))
+        if getattr(args, "out", None) and Path(args.out).resolve() != folder.resolve():
+            raise CommandError(f"--resume {resume} and --out {args.out} disagree; give one of them")
+        ns.out = str(folder)
+    cfg, _, _ = config_from_args(ns, defaults=dict(task.defaults))
+    from .tasks import resolve
+
+    fields = frozenset(given) | ({"out"} if resume else frozenset())
+    return resolve(task.train)(cfg, task_options, resume=bool(resume), allow_change=(), given=fields)
+
+
 def run_train(args: argparse.Namespace) -> int:
-    from .tasks import lookup_task
+    from .tasks import lookup_task, resolve
 
     task = lookup_task(getattr(args, "task", "classification"))
     if task.command is not None:
@@ -331,15 +386,49 @@ def run_train(args: argparse.Namespace) -> int:
     task_options = parse_key_values(getattr(args, "task_opt", None), "--task-opt")
     if task.train is None and task_options:
         raise CommandError(f"task {task.name!r} takes no --task-opt")
+    if task.options is not None:
+        return _run_own_trainer(task, args, task_options)
     cfg, resume, allow = config_from_args(args, defaults=dict(task.defaults))
     if task.train is not None:
-        return task.train(cfg, task_options, resume=resume, allow_change=allow)
-    if resume and _finished(cfg, allow):
+        return resolve(task.train)(cfg, task_options, resume=resume, allow_change=allow)
+    return fit_registered_task(task, cfg, resume=resume)
+
+
+def fit_registered_task(task: Any, cfg: Any, *, resume: bool = False) -> int:
+    """``ropekit train --task NAME`` of a task that registered only its builder: ``task.build(cfg)`` (``cfg``, the
+    ``TrainConfig`` of the command line) trained by the engine for ``cfg.epochs`` epochs with ``cfg``'s optimiser,
+    schedule and execution options in ``cfg.out`` (default ``runs/<task>-s<seed>``); the exit status."""
+    from .distributed import DistContext
+    from .engine import FitOptions, fit
+    from .trainer import schedule_of
+
+    out = Path(cfg.out) if cfg.out else Path("runs") / f"{task.name}-s{cfg.seed}"
+    built = task.build(cfg)
+    steps = getattr(built, "steps_per_epoch", None) or len(built.epoch_batches(0, DistContext()))
+    res = fit(built, FitOptions(schedule_of(cfg, steps), cfg.epochs, execution=cfg.engine_options(), run_dir=out,
+                                resume=resume, config_doc={"task": task.name, "train": cfg.to_dict()}))
+    if res.interrupted:
+        print(f"interrupted; checkpoint saved in {out}. Continue with: ropekit train --task {task.name} --resume "
+              f"{out}", file=sys.stderr)
+        return 130
+    last = res.history[-1] if res.history else {}
+    print(f"task {task.name}: " + ", ".join(f"{k} {v:.4g}" for k, v in last.items() if isinstance(v, float))
+          + f"; run folder {out}")
+    return 0
+
+
+def train_classification(cfg: Any, task_options: Dict[str, Any], *, resume: bool = False, allow_change: Any = (),
+                         **_: Any) -> int:
+    """``ropekit train`` of the classification task (and ``--task native-resolution``): the exit status."""
+    if task_options:
+        name = "native-resolution" if cfg.native_resolution else "classification"
+        raise CommandError(f"task {name!r} takes no --task-opt")
+    if resume and _finished(cfg, allow_change):
         return 0
     from .config import plural
     from .trainer import train
 
-    result = train(cfg, resume=resume, allow_change=allow)
+    result = train(cfg, resume=resume, allow_change=allow_change)
     if not result.is_main:
         return 130 if result.interrupted else 0
     if result.interrupted:

@@ -150,7 +150,8 @@ class NativeClassificationTask(ClassificationTask):
 
 @register_task("native-resolution", "classification on packed batches of images at their own aspect ratio "
                                     "(ropekit train --native-resolution)", config=TrainConfig,
-               command="ropekit train --native-resolution")
+               defaults={"native_resolution": True},
+               train="ropekit.train.commands:train_classification")
 def build_native_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *, run_dir: Optional[Path] = None,
                       quiet: bool = False) -> NativeClassificationTask:
     """The native-resolution task of ``cfg`` (data sources opened, ViT built and seeded by ``cfg.seed``)."""

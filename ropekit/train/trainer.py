@@ -520,7 +520,7 @@ def _mixing(cfg: TrainConfig, num_classes: int, modality: str) -> Optional[Calla
 
 
 @register_task("classification", "image, RGB-D and video classification of a ViT with cross-entropy",
-               config=TrainConfig)
+               config=TrainConfig, train="ropekit.train.commands:train_classification")
 def build_classification_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *,
                               run_dir: Optional[Path] = None, quiet: bool = False) -> ClassificationTask:
     """The :class:`ClassificationTask` of ``cfg``: its data loaded and its ViT built (seeded by ``cfg.seed``,

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor, nn
 
 from ...nn import ViTConfig
-from ...train.tasks import register_task
 from ..policy import ChunkDenoiser, DiffusionPolicy, Normalizer, PolicyConfig, images_from_obs
 from ..train import PolicyTask, PolicyTrainConfig, policy_task
 from .expert import load_demo_set
@@ -241,8 +240,6 @@ class AlohaTaskConfig:
     episodes: Optional[int] = None
 
 
-@register_task("aloha", "a diffusion policy on bimanual ALOHA demonstrations (MuJoCo)", config=AlohaTaskConfig,
-               command="ropekit robot aloha")
 def build_aloha_task(cfg: AlohaTaskConfig) -> PolicyTask:
     """The :class:`~ropekit.robot.train.PolicyTask` of ``cfg``: its demo set loaded, an :class:`AlohaPolicy`
     built (seeded by ``cfg.train.seed``) with the statistics fitted on the demonstrations."""
