@@ -173,12 +173,14 @@ def test_pyproject_declares_the_builtin_entry_points():
 _INSTALLED_ENTRY_POINTS = importlib.metadata.entry_points
 
 
-def _entry_points(monkeypatch, *extra: SimpleNamespace) -> None:
-    """``importlib.metadata.entry_points`` as the registry sees it: the installed ones of the group, then ``extra``."""
+def _entry_points(monkeypatch, *extra: SimpleNamespace, installed: bool = True) -> None:
+    """``importlib.metadata.entry_points`` as the registry sees it: the installed ones of the group (unless
+    ``installed=False``: an install whose metadata lacks them), then ``extra``."""
     def entry_points(**select):
         if set(select) != {"group"}:  # another library's question (e.g. Triton's backends): the installed answer
             return _INSTALLED_ENTRY_POINTS(**select)
-        return [*_INSTALLED_ENTRY_POINTS(**select), *[ep for ep in extra if ep.group == select["group"]]]
+        return [*(_INSTALLED_ENTRY_POINTS(**select) if installed else []),
+                *[ep for ep in extra if ep.group == select["group"]]]
 
     monkeypatch.setattr(registry.metadata, "entry_points", entry_points)
 
@@ -190,10 +192,10 @@ def test_ropekit_metadata_replaces_the_builtin_table_and_other_packages_add_to_i
                              dist=SimpleNamespace(name="their-package"))
     clash = SimpleNamespace(name="robot", value="their_package:robot", group="ropekit.tasks",
                             dist=SimpleNamespace(name="their-package"))
-    _entry_points(monkeypatch, theirs, clash)
+    _entry_points(monkeypatch, theirs, clash, installed=False)  # ropekit's metadata without the group: the table
     table = task_entry_points()
     assert table == {**BUILTIN_ENTRY_POINTS, "theirs": "their_package:build"}  # the builtin robot wins
-    _entry_points(monkeypatch, ours, theirs)
+    _entry_points(monkeypatch, ours, theirs, installed=False)
     assert task_entry_points() == {"classification": ours.value, "theirs": theirs.value}
 
 

@@ -98,7 +98,9 @@ def task_entry_points() -> Dict[str, str]:
     (ropekit's own first; :data:`BUILTIN_ENTRY_POINTS` when ropekit's metadata lacks the group). Imports nothing."""
     found = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
     ours = [ep for ep in found if _dist_name(ep) == "ropekit"]
-    table = {ep.name: ep.value for ep in ours} if ours else dict(BUILTIN_ENTRY_POINTS)
+    own = {ep.name: ep.value for ep in ours}
+    # in the table's order (the metadata lists a group alphabetically), then any name ropekit's metadata adds
+    table = ({**{k: own[k] for k in BUILTIN_ENTRY_POINTS if k in own}, **own} if ours else dict(BUILTIN_ENTRY_POINTS))
     for ep in found:
         table.setdefault(ep.name, ep.value)
     return table
