@@ -107,6 +107,9 @@ def test_shards_resume_mid_epoch_and_workers(tmp_path, monkeypatch):
     assert all(_same(x, y) for x, y in zip(workers, full[1:]))
     again = pickle.loads(pickle.dumps(shards))  # what a spawned worker receives
     assert all(torch.equal(again[i][0], folder[i][0]) for i in range(len(folder)))
+    again = ShardSource(shards.shards[0].parent, workers=2)  # the index built in two processes
+    assert again.counts == shards.counts and np.array_equal(again.labels, shards.labels)
+    assert all(torch.equal(again[i][0], folder[i][0]) for i in range(len(folder)))
 
 
 def _rgbd_shards(out, n=9, bad_depth=None):
@@ -202,6 +205,11 @@ def test_corrupt_image_in_a_worker_and_bad_depth(tmp_path):
         with pytest.raises(DataFileError, match=r"train-000000.tar\[k4\]: not a readable image") as e:
             list(NativeLoader(src, opts, train=False, num_workers=workers).set_epoch(0))
         assert "\n" not in str(e.value)
+    _, _, out = _converted(tmp_path / "c")
+    (out / "train-000002.tar").write_bytes(b"\0" * 100)
+    with pytest.raises(DataFileError, match="train-000002.tar: not a readable") as e:
+        ShardSource(out, workers=2)  # raised in an index worker, re-raised as itself
+    assert "\n" not in str(e.value)
     _rgbd_shards(tmp_path / "d", bad_depth=2)
     with pytest.raises(DataFileError, match=r"\[s0002\]: depth entry depth.npy must be"):
         ShardSource(tmp_path / "d")[2]

@@ -37,6 +37,7 @@ from torch.utils.data import Dataset
 from ._common import DataFileError, PathLike
 from .decode import decode_image
 from .shard_stream import IMAGE_KEYS, _resolve_shards
+from .worker import WorkerFailure, failed_in_worker
 
 __all__ = ["ShardSource", "DEPTH_KEY", "OPEN_SHARDS"]
 
@@ -102,12 +103,48 @@ def _index_shard(path: Path, count: Optional[int], num_classes: Optional[int]) -
             "key": np.asarray([r["__key__"].encode() for r in rows], dtype=bytes)}
 
 
+class _ShardIndexes(Dataset):
+    """``ds[s]``: the index of shard ``s`` (built in a DataLoader worker; a bad shard's error as a value)."""
+
+    def __init__(self, paths: List[Path], counts: List[Optional[int]], num_classes: Optional[int]) -> None:
+        self.paths, self.counts, self.num_classes = paths, counts, num_classes
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, s: int) -> Any:
+        try:
+            return _index_shard(self.paths[s], self.counts[s], self.num_classes)
+        except DataFileError as e:
+            return failed_in_worker(e)
+
+
+def _as_is(x: Any) -> Any:
+    return x
+
+
+def _index_all(paths: List[Path], counts: List[Optional[int]], num_classes: Optional[int],
+               workers: int) -> List[Dict[str, np.ndarray]]:
+    ds = _ShardIndexes(paths, counts, num_classes)
+    if workers <= 0 or len(paths) < 2:
+        return [ds[s] for s in range(len(ds))]
+    from torch.utils.data import DataLoader
+
+    parts = []
+    for part in DataLoader(ds, batch_size=None, num_workers=min(workers, len(paths)), collate_fn=_as_is):
+        if isinstance(part, WorkerFailure):
+            raise part.error
+        parts.append(part)
+    return parts
+
+
 class ShardSource(Dataset):
     """Map-style data set over WebDataset tar shards (see the module docstring).
 
     Args:
         source: a manifest (``shards.json`` or the directory holding it), a brace pattern, or a list of tar paths.
         split: which split of a manifest.
+        workers: processes that read the shards' headers in parallel when the index is built (0: this process).
 
     ``ds[i]`` returns ``(image, label)``: ``image`` uint8 ``(3, H, W)`` RGB, or for RGB-D shards the pair
     ``(rgb, depth)`` of uint8 ``(3, H, W)`` and float32 ``(1, H, W)`` metres; ``label`` an int64 scalar tensor.
@@ -122,12 +159,12 @@ class ShardSource(Dataset):
             bad label; one line naming it. ValueError: some samples with depth and some without.
     """
 
-    def __init__(self, source: Union[PathLike, List[PathLike]], *, split: str = "train") -> None:
+    def __init__(self, source: Union[PathLike, List[PathLike]], *, split: str = "train", workers: int = 0) -> None:
         paths, counts, classes = _resolve_shards(source, split)
         self.shards: List[Path] = list(paths)
         self.classes: Optional[List[str]] = list(classes) if classes is not None else None
         n_classes = len(self.classes) if self.classes else None
-        parts = [_index_shard(p, c, n_classes) for p, c in zip(paths, counts)]
+        parts = _index_all(self.shards, list(counts), n_classes, int(workers))
         self.counts: List[int] = [len(q["label"]) for q in parts]
         self._shard_of = np.concatenate([np.full(len(q["label"]), s, dtype=np.int32) for s, q in enumerate(parts)])
         self._image = np.concatenate([q["image"] for q in parts])

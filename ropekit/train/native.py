@@ -91,7 +91,8 @@ def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
         if cfg.data_root is None:
             raise ValueError(f"--native-resolution with --data {cfg.data} needs --data-root (the directory of "
                              "shards.json)")
-        train, test = ShardSource(cfg.data_root, split="train"), ShardSource(cfg.data_root, split="val")
+        train = ShardSource(cfg.data_root, split="train", workers=cfg.workers)
+        test = ShardSource(cfg.data_root, split="val", workers=cfg.workers)
         if not train.classes or len(train.classes) < 2:
             raise ValueError(f"shards {cfg.data_root}: the manifest must name at least 2 classes")
         if test.depth != train.depth:
