@@ -1,5 +1,6 @@
-"""``ropekit train --native-resolution``: packed batches from a folder of mixed sizes, a run stopped mid-epoch
-resumes bit-exactly, RGB-D in-memory data, and the options' errors."""
+"""``ropekit train --native-resolution``: packed batches from a folder of mixed sizes or from the shards converted
+from it, a run stopped mid-epoch resumes bit-exactly (both sources), RGB-D in-memory data and RGB-D shards, and the
+options' errors."""
 
 import numpy as np
 import pytest
@@ -39,16 +40,26 @@ def _state(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_native_train_resumes_mid_epoch_bit_exactly(tmp_path):
+def _shards(root, out):
+    from ropekit.data.shards import write_shards
+
+    write_shards(root, out, shard_size=5)  # root/train + root/val: both splits, 4 and 2 shards
+    return out
+
+
+@pytest.mark.parametrize("data", ["folder-stream", "shards"])
+def test_native_train_resumes_mid_epoch_bit_exactly(tmp_path, data):
     root = _folder(tmp_path / "data")
-    full = train(_cfg(root, tmp_path / "full"), quiet=True)
+    if data == "shards":
+        root = _shards(root, tmp_path / "shards")
+    full = train(_cfg(root, tmp_path / "full", data=data), quiet=True)
     assert len(full.history) == 2 and full.final["test_acc"] >= 0.0
-    stopped = train(_cfg(root, tmp_path / "part"), quiet=True, on_step=lambda s: s == 3)
+    stopped = train(_cfg(root, tmp_path / "part", data=data), quiet=True, on_step=lambda s: s == 3)
     assert stopped.interrupted
     ckpt = load_checkpoint(tmp_path / "part")
     assert ckpt["step_in_epoch"] > 0  # stopped inside an epoch
     torch.manual_seed(123)
-    again = train(_cfg(root, tmp_path / "part"), resume=True, quiet=True)
+    again = train(_cfg(root, tmp_path / "part", data=data), resume=True, quiet=True)
     a, b = _state(full.model), _state(again.model)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["train_loss"] for r in again.history] == [r["train_loss"] for r in full.history]
@@ -63,8 +74,19 @@ def test_native_train_rgbd_in_memory(tmp_path):
     assert np.isfinite(res.final["test_loss"])
 
 
+def test_native_train_rgbd_shards(tmp_path):
+    from test_native_shards import _rgbd_shards
+
+    _rgbd_shards(tmp_path / "d")
+    res = train(_cfg(tmp_path / "d", tmp_path / "r", data="shards", epochs=1, workers=1), quiet=True)
+    assert np.isfinite(res.final["test_loss"])
+    assert res.model.cfg.modality == "rgbd"  # the depth entries made it an RGB-D model
+
+
 def test_native_errors(tmp_path):
     root = _folder(tmp_path / "data")
+    with pytest.raises(FileNotFoundError, match="no manifest"):
+        train(_cfg(root, tmp_path / "z", data="shards"), quiet=True)
     with pytest.raises(ValueError, match="unknown key"):
         train(_cfg(root, tmp_path / "x", native_options={"seq": 3}), quiet=True)
     with pytest.raises(ValueError, match="absolute"):

@@ -87,6 +87,7 @@ from .fake import write_fake_image_folder
 from .shards import check_data, describe_data, write_shards
 from .decode import decode_image, decode_rgb
 from .shard_stream import ShardStream, read_manifest
+from .shard_source import ShardSource
 from .streaming import (
     ImageFolderStream,
     StreamLoader,
@@ -128,6 +129,7 @@ __all__ = [
     "StreamLoader",
     "ImageFolderStream",
     "ShardStream",
+    "ShardSource",
     "scan_image_folder",
     "decode_rgb",
     "decode_image",

@@ -19,7 +19,10 @@ exactly the batches it would have seen):
 Sources: any map-style data set whose items are ``(image, label)``: uint8 ``(3, H, W)`` RGB from
 :class:`ropekit.data.streaming.ImageFolderStream` (converted to float and standardised with ``mean``/``std``), or
 float ``(C, H, W)`` / ``(C + 1, H, W)`` RGB-D (depth last, ``depth=True``) as ``ropekit.data.load_dataset`` gives
-them. Memory stays bounded: only the images of the batches in flight are decoded.
+them, or the pair ``(uint8 (3, H, W) RGB, float (1, H, W) depth)`` of RGB-D shards
+(:class:`ropekit.data.shard_source.ShardSource`, which also reads RGB shards by index). An unreadable file fails
+with its own one-line :class:`~ropekit.data.DataFileError`, from a worker too. Memory stays bounded: only the images
+of the batches in flight are decoded.
 
 Shape legend: ``B`` rows per batch, ``N`` tokens per row (``seq_len``), ``t`` an image's token budget.
 """
@@ -37,6 +40,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from ..nn.packing import PackedBatch, pack, patchify
+from ._common import DataFileError
+from .worker import WorkerFailure, failed_in_worker
 
 __all__ = ["NativeOptions", "grid_for", "plan_epoch", "NativeBatches", "NativeLoader", "resize_to_grid",
            "IMAGENET_MEAN", "IMAGENET_STD"]
@@ -205,14 +210,21 @@ class NativeBatches(Dataset):
 
         o = self.opts
         image, label = self.source[index]
+        depth = None
+        if isinstance(image, tuple):  # RGB-D shards: (uint8 RGB, float depth (1, H, W))
+            if not o.depth:
+                raise ValueError(f"native resolution: item {index} carries depth; set NativeOptions(depth=True)")
+            image, depth = image
         x = torch.as_tensor(image)
         if x.dtype == torch.uint8:  # an 8-bit RGB file: [0, 1], then standardised
             x = x.float() / 255.0
-            c = x.shape[0] - int(o.depth)
+            c = x.shape[0] - int(o.depth and depth is None)
             mean = torch.tensor(o.mean[:c]).view(-1, 1, 1)
             std = torch.tensor(o.std[:c]).view(-1, 1, 1)
             x = torch.cat([(x[:c] - mean) / std, x[c:]])
         x = x.float()
+        if depth is not None:
+            x = torch.cat([x, torch.as_tensor(depth, dtype=torch.float32)])
         if x.dim() != 3:
             raise ValueError(f"native resolution takes (C, H, W) images, got {tuple(x.shape)} for item {index}")
         rng = np.random.default_rng([self.seed, self.epoch, int(index), 0x50415443])
@@ -232,17 +244,36 @@ class NativeBatches(Dataset):
 
     def __getitem__(self, j: int) -> PackedBatch:
         images, rows = [], []
-        for row in self.plan[j]:
-            ids = []
-            for index, tokens in row:
-                ids.append(len(images))
-                images.append(self._image(index, tokens))
-            rows.append(ids)
+        try:
+            for row in self.plan[j]:
+                ids = []
+                for index, tokens in row:
+                    ids.append(len(images))
+                    images.append(self._image(index, tokens))
+                rows.append(ids)
+        except DataFileError as e:  # in a worker: a value, raised as it is by NativeLoader (one line)
+            return failed_in_worker(e)  # type: ignore[return-value]
         return pack(images, self.opts.seq_len, max_images=self.opts.max_images, rows=rows)
 
 
 def _first(batch: Any) -> Any:
     return batch
+
+
+class _Batches:
+    """The DataLoader of one epoch's batches, raising a worker's :class:`DataFileError` as it is."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        for batch in self.loader:
+            if isinstance(batch, WorkerFailure):
+                raise batch.error
+            yield batch
 
 
 class NativeLoader:
@@ -292,16 +323,16 @@ class NativeLoader:
     def __len__(self) -> int:
         return len(self.plan(max(self._epoch, 0)))
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> "DataLoader":
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> "_Batches":
         plan = self.plan(epoch)
         if not 0 <= start_batch <= len(plan):
             raise ValueError(f"start_batch {start_batch} is outside the epoch's {len(plan)} batches")
         ds = NativeBatches(self.source, self.opts, plan, seed=self.seed, epoch=epoch, train=self.train)
         # its own generator: creating the iterator then draws nothing from the global RNG, whose state a resumed run
         # restores from its checkpoint (the batches' own draws are seeded per image)
-        return DataLoader(ds, batch_size=None, sampler=range(start_batch, len(plan)), num_workers=self.num_workers,
-                          collate_fn=_first, pin_memory=self.pin_memory,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return _Batches(DataLoader(ds, batch_size=None, sampler=range(start_batch, len(plan)),
+                                   num_workers=self.num_workers, collate_fn=_first, pin_memory=self.pin_memory,
+                                   generator=torch.Generator().manual_seed(self.seed)))
 
     def __iter__(self) -> Iterator[PackedBatch]:
         return iter(self.set_epoch(max(self._epoch, 0)))

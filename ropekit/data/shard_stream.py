@@ -187,8 +187,9 @@ class ShardStream(IterableDataset):
             "seed", "epoch", "rank", "world_size", "workers", "batch_size", "drop_last", "shuffle")})
         return self._epoch["plan"]
 
-    def _samples(self, shard: int) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
-        """``(shard, position, raw sample)`` of one shard, checked against its count."""
+    def shard_samples(self, shard: int) -> Iterator[Tuple[int, int, Dict[str, Any]]]:
+        """``(shard, position, raw sample)`` of shard ``shard`` (an index into :attr:`shards`), in tar order,
+        checked against its count (a ``DataFileError`` at the end when they disagree)."""
         import tarfile
 
         from webdataset.tariterators import group_by_keys, tar_file_iterator
@@ -238,7 +239,7 @@ class ShardStream(IterableDataset):
         shards = plan.worker_shards[worker]
         bs = cfg["batch_size"]
         base = {s: mix_seed(cfg["seed"], cfg["epoch"], s) for s in shards}
-        stream = (x for s in shards for x in self._samples(s))
+        stream = (x for s in shards for x in self.shard_samples(s))
         if cfg["shuffle"]:
             rng = np.random.default_rng([cfg["seed"], cfg["epoch"], shards[0] if shards else 0, 7])
             stream = _buffer_shuffle(stream, self.shuffle_buffer, rng)

@@ -78,7 +78,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "differs from the run's (recorded in config.json)")
     d.add_argument("--native-resolution", action="store_true", default=S,
                    help="train on packed batches of images at their own aspect ratio and a sampled number of tokens "
-                        "(image folders or in-memory sets, RGB-D too; see docs/native-resolution.md)")
+                        "(image folders, shards or in-memory sets, RGB-D too; see docs/native-resolution.md)")
     d.add_argument("--native-opt", metavar="KEY=VALUE", action="append", default=S,
                    help="native resolution option: seq_len, rows, min_tokens, max_tokens, eval_tokens, max_images, "
                         "token_drop, hflip, aspect (repeatable)")

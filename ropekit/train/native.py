@@ -3,8 +3,11 @@ batches of images at their own aspect ratio and a sampled resolution (:mod:`rope
 :mod:`ropekit.nn.packing`), with the engine, run folder, checkpoints and resume of ordinary classification.
 
 Data: ``--data folder-stream`` or ``--data imagefolder`` with ``--data-root`` (``root/train`` and ``root/val``
-when both exist, else a seeded 10 % of ``root`` held out), read file by file in ``--workers`` processes; or any
-in-memory data set of ``ropekit.data`` (RGB-D too: depth as the last channel, resized with nearest).
+when both exist, else a seeded 10 % of ``root`` held out), read file by file in ``--workers`` processes;
+``--data shards`` with ``--data-root`` the directory of ``shards.json`` (``ropekit data convert`` writes it; its
+``train`` and ``val`` splits), read sample by sample through an in-memory index of the tars
+(:class:`~ropekit.data.shard_source.ShardSource`; RGB-D when the samples carry ``depth.npy``); or any in-memory
+data set of ``ropekit.data`` (RGB-D too: depth as the last channel, resized with nearest).
 ``--native-opt KEY=VALUE`` sets :class:`~ropekit.data.native.NativeOptions` fields (``seq_len``, ``rows``,
 ``min_tokens``, ``max_tokens``, ``eval_tokens``, ``max_images``, ``token_drop``, ``hflip``, ``aspect``);
 ``patch_size`` is the model's. ``--batch-size`` is not used: a batch is ``rows`` packed rows of ``seq_len`` tokens.
@@ -36,6 +39,7 @@ from .trainer import ClassificationTask, build_model
 __all__ = ["NativeClassificationTask", "build_native_task", "native_sources", "native_options"]
 
 FOLDER_DATA = ("folder-stream", "imagefolder")
+SHARD_DATA = ("shards", "wds")
 _OPTION_KEYS = {f.name for f in dataclasses.fields(NativeOptions)} - {"patch_size", "depth", "mean", "std"}
 
 
@@ -49,6 +53,13 @@ def native_options(cfg: TrainConfig, patch_size: int, depth: bool) -> NativeOpti
     """The loader options of ``cfg`` (``native_options``), with the model's patch size."""
     _check_option_keys(cfg)
     return NativeOptions(patch_size=patch_size, depth=depth, **cfg.native_options)
+
+
+def _nominal_size(cfg: TrainConfig) -> Tuple[int, int]:
+    """The square image size the model is built for (it sizes no table: any grid is accepted)."""
+    tokens = cfg.native_options.get("max_tokens") or cfg.native_options.get("seq_len", 256)
+    size = (cfg.patch_size or 16) * max(1, math.isqrt(int(tokens)))
+    return size, size
 
 
 def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
@@ -71,13 +82,26 @@ def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
             order = np.random.default_rng(cfg.split_seed).permutation(len(full))
             held = max(1, len(full) // 10)
             test, train = full.subset(np.sort(order[:held])), full.subset(np.sort(order[held:]))
-        tokens = cfg.native_options.get("max_tokens") or cfg.native_options.get("seq_len", 256)
-        size = (cfg.patch_size or 16) * max(1, math.isqrt(int(tokens)))  # (sizes no table: any grid is accepted)
-        info = DatasetInfo(name=data, num_classes=len(train.classes), in_chans=3, image_size=(size, size),
+        info = DatasetInfo(name=data, num_classes=len(train.classes), in_chans=3, image_size=_nominal_size(cfg),
                            class_names=tuple(train.classes))
         return train, test, info
-    if data in ("folder-stream", "shards"):
-        raise ValueError(f"--native-resolution reads image folders or in-memory data sets, not --data {cfg.data}")
+    if data in SHARD_DATA:
+        from ..data.shard_source import ShardSource
+
+        if cfg.data_root is None:
+            raise ValueError(f"--native-resolution with --data {cfg.data} needs --data-root (the directory of "
+                             "shards.json)")
+        train = ShardSource(cfg.data_root, split="train", workers=cfg.workers)
+        test = ShardSource(cfg.data_root, split="val", workers=cfg.workers)
+        if not train.classes or len(train.classes) < 2:
+            raise ValueError(f"shards {cfg.data_root}: the manifest must name at least 2 classes")
+        if test.depth != train.depth:
+            raise ValueError(f"shards {cfg.data_root}: the train split {'has' if train.depth else 'has no'} depth, "
+                             f"the val split {'has' if test.depth else 'has no'}")
+        info = DatasetInfo(name="shards", num_classes=len(train.classes), in_chans=3,
+                           image_size=_nominal_size(cfg), kind="rgbd" if train.depth else "image",
+                           class_names=tuple(train.classes))
+        return train, test, info
     from ..data import load_dataset
 
     train, test, info = load_dataset(cfg.data, root=cfg.data_root, image_size=cfg.image_size,
@@ -164,7 +188,7 @@ def build_native_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *, ru
                          "apply to packed batches")
     _check_option_keys(cfg)  # (before any data is read)
     train_ds, test_ds, info = native_sources(cfg)
-    if cfg.patch_size is None and cfg.data.strip().lower().replace("_", "-") in FOLDER_DATA:
+    if cfg.patch_size is None and cfg.data.strip().lower().replace("_", "-") in FOLDER_DATA + SHARD_DATA:
         cfg = dataclasses.replace(cfg, patch_size=16)
     seed_everything(cfg.seed)
     model, vit_cfg = build_model(cfg, info)
