@@ -9,6 +9,7 @@ import torch
 from ropekit.cli import main
 from ropekit.train import TrainConfig, evaluate_run, load_checkpoint
 from ropekit.train import config as config_module
+from ropekit.train import upgrade as upgrade_module
 from ropekit.train import engine, trainer
 
 TINY = ["--data", "digits", "--train-fraction", "0.1", "--model-opt", "embed_dim=24", "--model-opt", "depth=1",
@@ -199,7 +200,7 @@ def test_unknown_keys_warn_and_renamed_keys_map(finished, tmp_path, monkeypatch)
     config["train"]["future_option"] = 3
     config["train"]["learning_rate"] = config["train"].pop("lr")  # as if lr had once been called learning_rate
     (run / "config.json").write_text(json.dumps(config))
-    monkeypatch.setitem(config_module.RENAMED, "learning_rate", "lr")
+    monkeypatch.setitem(upgrade_module.RENAMED, "learning_rate", "lr")  # (the one converter's table)
     with pytest.warns(UserWarning, match="ignoring unknown option.*future_option"):
         res = evaluate_run(run, device="cpu")
     assert 0.0 <= res["test_acc"] <= 1.0
