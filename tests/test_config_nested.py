@@ -135,3 +135,38 @@ def test_upgrade_architecture():
     assert upgrade_architecture({"depth": 2}) == {"num_kv_heads": None, "depth": 2}
     assert upgrade_architecture({"coords": "grid", "num_kv_heads": 1}) == {
         "num_kv_heads": 1, "coord_augment": [0.0, 1.0, 1.0], "coords": "grid"}
+
+
+def _command(argv):
+    import argparse
+
+    from ropekit.train.commands import add_train_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    return config_from_args(p.parse_args(argv))[0]
+
+
+def test_config_file_nested_or_flat_resolves_the_same(tmp_path):
+    # the command line is unchanged and wins over the file, whichever form the file has
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("model: {size: small, pe: axial, depth: 3}\noptim: {lr: 0.004, epochs: 2}\n"
+                      "data: {name: digits}\nrun: {seed: 5}\n")
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"model": "small", "pe": "axial", "model_options": {"depth": 3}, "lr": 0.004,
+                                "epochs": 2, "data": "digits", "seed": 5}))
+    a = _command(["--config", str(nested), "--lr", "0.002", "--device", "cpu"])
+    b = _command(["--config", str(flat), "--lr", "0.002", "--device", "cpu"])
+    assert a == b
+    assert (a.model, a.pe, a.model_options, a.lr, a.epochs, a.data, a.seed) == (
+        "small", "axial", {"depth": 3}, 0.002, 2, "digits", 5)
+
+
+def test_config_file_with_an_unknown_nested_key_is_one_line(tmp_path, capsys, no_data):
+    from ropekit.cli import main
+
+    bad = tmp_path / "run.yaml"
+    bad.write_text("optim: {learning_rate: 0.1}\n")
+    code = main(["train", "--config", str(bad), "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "unknown option(s) optim.learning_rate" in err, err
