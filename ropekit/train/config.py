@@ -1,8 +1,8 @@
 """``TrainConfig``: everything a training run needs, as one dataclass saved with the run.
 
 Precedence when resolving a run's configuration: dataclass defaults < ``--config FILE`` (YAML or JSON)
-< command-line options. The resolved configuration, together with the model's :class:`ViTConfig`, is
-written to ``config.json`` in the run folder.
+< command-line options. The resolved configuration (in its ``model`` / ``data`` / ``optim`` / ``run`` sections),
+together with the model's :class:`ViTConfig`, is written to ``config.json`` in the run folder.
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ __all__ = ["TrainConfig", "check_type", "load_config_file", "parse_key_values", 
 @dataclass
 class TrainConfig:
     """A training run.
+
+    Written down (``config.json``, a ``--config`` file, :meth:`to_nested`) the fields form four sections
+    (:data:`ropekit.train.upgrade.SECTIONS`, docs/configuration.md): ``model`` (``model`` as ``size``,
+    ``model_options`` as ``options``), ``data`` (``data`` as ``name``; augmentation and mixing included), ``optim``
+    and ``run``; :meth:`from_dict` reads that form and every older flat one.
 
     Data:
         data: dataset name (``ropekit.data.list_datasets()``, held in memory) or a streamed one decoded as it is
