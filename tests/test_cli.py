@@ -48,7 +48,7 @@ def test_config_file_then_command_line_overrides(tmp_path, capsys):
     assert code == 0, err
     assert "test accuracy" in stdout
     resolved = json.loads((out / "config.json").read_text())
-    assert resolved["train"]["pe"] == "axial" and resolved["train"]["lr"] == 0.002  # the command line wins
+    assert resolved["train"]["model"]["pe"] == "axial" and resolved["train"]["optim"]["lr"] == 0.002  # the command line wins
     assert resolved["model"]["pe_options"] == {"base": 100.0}
     # resume: the run folder's config is the base; more epochs continue the same run
     code, _, err = run_cli(capsys, "train", "--resume", str(out), "--epochs", "2", "--allow-change", "epochs",

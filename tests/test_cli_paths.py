@@ -88,7 +88,7 @@ def trained(tmp_path_factory):
 def test_the_run_folder_records_the_absolute_data_path_and_evaluates_from_anywhere(trained, capsys, monkeypatch):
     run = trained / "work" / "run"
     config = json.loads((run / "config.json").read_text())
-    assert config["train"]["data_root"] == str((trained / "work" / "demo").resolve())
+    assert config["train"]["data"]["data_root"] == str((trained / "work" / "demo").resolve())
     assert config["data"]["class_names"] == ["a", "b"]
     elsewhere = trained / "elsewhere"
     elsewhere.mkdir(exist_ok=True)

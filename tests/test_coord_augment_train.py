@@ -184,7 +184,7 @@ def test_run_records_the_option_and_resumes_bit_exactly(tmp_path, native):
 
     full = train(cfg(tmp_path / "full"), quiet=True)
     recorded = json.loads((tmp_path / "full" / "config.json").read_text())
-    assert recorded["train"]["coord_augment"] == [0.5, 1.3, 1.5]
+    assert recorded["train"]["model"]["coord_augment"] == [0.5, 1.3, 1.5]
     part = train(cfg(tmp_path / "part"), quiet=True, on_step=lambda s: s == 3)
     assert part.interrupted and load_checkpoint(tmp_path / "part")["step_in_epoch"] > 0
     torch.manual_seed(123)  # the checkpoint's RNG state, not this one, drives the draws

@@ -9,6 +9,8 @@ import torch
 from ropekit.cli import main
 from ropekit.train import TrainConfig, evaluate_run, load_checkpoint
 from ropekit.train import config as config_module
+from ropekit.train import upgrade as upgrade_module
+from ropekit.train.upgrade import flatten
 from ropekit.train import engine, trainer
 
 TINY = ["--data", "digits", "--train-fraction", "0.1", "--model-opt", "embed_dim=24", "--model-opt", "depth=1",
@@ -119,7 +121,7 @@ def test_resume_a_finished_run_with_more_epochs(finished, capsys, tmp_path):
     assert code == 0, err
     assert "cosine decay stretched from 10 to 15 steps" in err  # the schedule effect, said
     config = json.loads((run / "config.json").read_text())
-    assert config["train"]["epochs"] == 3  # what really ran
+    assert config["train"]["optim"]["epochs"] == 3  # what really ran
     assert config["resumes"][-1]["changed"] == {"epochs": [2, 3]} and config["resumes"][-1]["global_step"] == 10
     rows = (run / "metrics.csv").read_text().strip().splitlines()
     assert len(rows) == 4
@@ -190,16 +192,43 @@ def test_run_folder_records_versions(finished):
     assert config["engine"]["precision"] == "fp32"
 
 
+def test_a_run_recorded_flat_resumes_and_is_rewritten_nested(finished, capsys, tmp_path):
+    """A run folder of a version that recorded the flat ``TrainConfig`` fields (config.json and checkpoint, without
+    the fields added since) resumes through the converter as the same run; the resumed run records the nested form."""
+    import shutil
+
+    from ropekit.train.upgrade import ADDED
+
+    run = tmp_path / "flat"
+    shutil.copytree(finished, run)
+    config = json.loads((run / "config.json").read_text())
+    flat = {k: v for k, v in flatten(config["train"]).items() if k not in ADDED}
+    config["train"] = flat
+    (run / "config.json").write_text(json.dumps(config))
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    ckpt["train_config"] = flat
+    torch.save(ckpt, run / "checkpoint.pt")
+    code, _, err = run_cli(capsys, "train", "--resume", str(run), "--epochs", "3", "--allow-change", "epochs",
+                           "--no-progress")
+    assert code == 0, err
+    config = json.loads((run / "config.json").read_text())
+    assert set(config["train"]) == {"model", "data", "optim", "run"}
+    assert config["train"]["optim"]["epochs"] == 3 and config["resumes"][-1]["changed"] == {"epochs": [2, 3]}
+    assert flatten(config["train"]) == {**TrainConfig.from_dict(flat, strict=False).to_dict(), "epochs": 3,
+                                        "out": str(run)}
+
+
 def test_unknown_keys_warn_and_renamed_keys_map(finished, tmp_path, monkeypatch):
     import shutil
 
     run = tmp_path / "old"
     shutil.copytree(finished, run)
     config = json.loads((run / "config.json").read_text())
+    config["train"] = flatten(config["train"])  # a run of a version that wrote the flat form
     config["train"]["future_option"] = 3
     config["train"]["learning_rate"] = config["train"].pop("lr")  # as if lr had once been called learning_rate
     (run / "config.json").write_text(json.dumps(config))
-    monkeypatch.setitem(config_module.RENAMED, "learning_rate", "lr")
+    monkeypatch.setitem(upgrade_module.RENAMED, "learning_rate", "lr")  # (the one converter's table)
     with pytest.warns(UserWarning, match="ignoring unknown option.*future_option"):
         res = evaluate_run(run, device="cpu")
     assert 0.0 <= res["test_acc"] <= 1.0

@@ -232,7 +232,7 @@ def test_the_command_line(tmp_path, capsys):
     assert main(argv) == 0
     assert "mean recall" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
-    assert config["train"]["data"] == "captioned-scenes" and config["retrieval"]["text_width"] == 16
+    assert config["train"]["data"]["name"] == "captioned-scenes" and config["retrieval"]["text_width"] == 16
     assert not (out / "queries.png").exists()
     assert main(["train", "--task", "retrieval", "--task-opt", "bogus=1", "--out", str(tmp_path / "x")]) == 2
     assert "bogus" in capsys.readouterr().err

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ropekit_studies.recipes import compare_with_committed, with_later_fields
+from ropekit.train.upgrade import upgrade_architecture
+from ropekit_studies.recipes import compare_with_committed
 
 pytestmark = pytest.mark.repro
 
@@ -86,7 +87,7 @@ def test_detect3d_schedule_pilots_are_what_their_commands_train():
         (enc,), (inp,), (seed,) = cfg.encodings, cfg.inputs, cfg.seeds
         doc = json.loads((RESULTS / "detect3d" / "schedule" / name / "runs" / f"{enc}-{inp}-s{seed}" / "metrics.json")
                          .read_text())
-        settings = {**doc["settings"], "backbone": with_later_fields(doc["settings"]["backbone"])}
+        settings = {**doc["settings"], "backbone": upgrade_architecture(doc["settings"]["backbone"])}
         assert settings == json.loads(json.dumps(ex.run_settings(cfg, enc, inp, seed))), name
     summarise = RESULTS / "detect3d" / "schedule" / "summarise.py"
     spec = importlib.util.spec_from_file_location("schedule_summary", summarise)

@@ -54,7 +54,7 @@ def test_run_folder_holds_config_metrics_plot_and_checkpoint(run_dir):
     assert len(rows) == 2 and {"epoch", "train_loss", "test_loss", "test_acc"} <= set(rows[0])
     assert all(0.0 <= float(r["test_acc"]) <= 1.0 for r in rows)
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["train"]["data"] == "digits" and config["model"]["pe"] == "cayley"
+    assert config["train"]["data"]["name"] == "digits" and config["model"]["pe"] == "cayley"
     assert config["model"]["embed_dim"] == 24 and config["model"]["patch_size"] == 2
     assert (run_dir / "curves.png").stat().st_size > 1000
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tb").iterdir())
@@ -119,7 +119,7 @@ def test_resume_with_more_epochs_continues_from_the_checkpoint(tmp_path):
     assert [r["epoch"] for r in more.history] == [1, 2]
     assert more.history[0] == first.history[0]
     config = json.loads((tmp_path / "r" / "config.json").read_text())
-    assert config["train"]["epochs"] == 2 and config["resumes"][0]["changed"] == {"epochs": [1, 2]}
+    assert config["train"]["optim"]["epochs"] == 2 and config["resumes"][0]["changed"] == {"epochs": [1, 2]}
     assert "stretched" in config["resumes"][0]["schedule"]
 
 

@@ -153,7 +153,7 @@ def test_folder_stream_run_stopped_mid_epoch_resumes_bit_exactly(tmp_path):
     import json
 
     doc = json.loads((tmp_path / "part" / "config.json").read_text())
-    assert doc["train"]["auto_augment"] == "randaugment" and doc["train"]["crop_pct"] == 0.875
+    assert doc["train"]["data"]["auto_augment"] == "randaugment" and doc["train"]["data"]["crop_pct"] == 0.875
     assert doc["data"]["num_train"] + doc["data"]["num_test"] == 72
 
 

@@ -386,14 +386,14 @@ def train_retrieval(cfg: RetrievalConfig, *, resume: bool = False, quiet: bool =
         def fresh_start(c: DistContext) -> None:
             seed_everything(tc.seed + 1_000_003 * (c.rank + 1))
 
-        config_doc = {"task": "retrieval", "train": tc.to_dict(), "retrieval": cfg.options.to_dict(),
+        config_doc = {"task": "retrieval", "train": tc.to_nested(), "retrieval": cfg.options.to_dict(),
                       "model": vit.to_dict(), "text": task.model.text.cfg.to_dict(),
                       "data": {"name": tc.data, "num_train": len(task.train_scenes),
                                "num_test_pairs": len(task.test_index)}}
         res = engine.fit(task, engine.FitOptions(
             schedule, tc.epochs, execution=tc.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
             resume=ckpt is not None, ctx=ctx, quiet=quiet, config_doc=config_doc, on_step=on_step,
-            checkpoint_extra={"vit_config": vit.to_dict(), "train_config": tc.to_dict(),
+            checkpoint_extra={"vit_config": vit.to_dict(), "train_config": tc.to_nested(),
                               "retrieval_options": cfg.options.to_dict(), "text_config": task.model.text.cfg.to_dict()},
             metric_columns=METRIC_COLUMNS, fresh_start=fresh_start))
         final = dict(res.history[-1]) if res.history else {}

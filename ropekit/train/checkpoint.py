@@ -6,7 +6,7 @@ A checkpoint is a plain ``dict`` of tensors, numbers, strings, lists and dicts (
     format, version        "ropekit-checkpoint", 1
     model                  the model's state_dict (learnable parameters only; caches are not persistent)
     vit_config             ViTConfig.to_dict() -- the model can be rebuilt from the checkpoint alone
-    train_config           TrainConfig.to_dict()
+    train_config           TrainConfig.to_nested() (older checkpoints: to_dict()'s flat fields; both load)
     optimizer, scheduler   their state_dicts
     epoch, step_in_epoch   epochs completed, and optimiser steps done in the current epoch (mid-epoch saves)
     global_step

@@ -406,7 +406,7 @@ def fit_registered_task(task: Any, cfg: Any, *, resume: bool = False) -> int:
     built = task.build(cfg)
     steps = getattr(built, "steps_per_epoch", None) or len(built.epoch_batches(0, DistContext()))
     res = fit(built, FitOptions(schedule_of(cfg, steps), cfg.epochs, execution=cfg.engine_options(), run_dir=out,
-                                resume=resume, config_doc={"task": task.name, "train": cfg.to_dict()}))
+                                resume=resume, config_doc={"task": task.name, "train": cfg.to_nested()}))
     if res.interrupted:
         print(f"interrupted; checkpoint saved in {out}. Continue with: ropekit train --task {task.name} --resume "
               f"{out}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """``TrainConfig``: everything a training run needs, as one dataclass saved with the run.
 
 Precedence when resolving a run's configuration: dataclass defaults < ``--config FILE`` (YAML or JSON)
-< command-line options. The resolved configuration, together with the model's :class:`ViTConfig`, is
-written to ``config.json`` in the run folder.
+< command-line options. The resolved configuration (in its ``model`` / ``data`` / ``optim`` / ``run`` sections),
+together with the model's :class:`ViTConfig`, is written to ``config.json`` in the run folder.
 """
 
 from __future__ import annotations
@@ -19,17 +19,23 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 from .._config_keys import known_keys
 from ..coords.augment import check_coord_augment
 from ..nn.vit import VIT_SIZES, ViTConfig, vit_config
+from .upgrade import flatten, nest, upgrade_config
 
 if TYPE_CHECKING:
     from .engine import EngineOptions
 
-__all__ = ["TrainConfig", "RENAMED", "check_type", "load_config_file", "parse_key_values", "parse_value",
+__all__ = ["TrainConfig", "check_type", "load_config_file", "parse_key_values", "parse_value",
            "build_vit_config", "auto_patch_size", "model_fields"]
 
 
 @dataclass
 class TrainConfig:
     """A training run.
+
+    Written down (``config.json``, a ``--config`` file, :meth:`to_nested`) the fields form four sections
+    (:data:`ropekit.train.upgrade.SECTIONS`, docs/configuration.md): ``model`` (``model`` as ``size``,
+    ``model_options`` as ``options``), ``data`` (``data`` as ``name``; augmentation and mixing included), ``optim``
+    and ``run``; :meth:`from_dict` reads that form and every older flat one.
 
     Data:
         data: dataset name (``ropekit.data.list_datasets()``, held in memory) or a streamed one decoded as it is
@@ -152,12 +158,21 @@ class TrainConfig:
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_nested(self) -> Dict[str, Dict[str, Any]]:
+        """The nested form: ``{"model": ..., "data": ..., "optim": ..., "run": ...}`` (:mod:`ropekit.train.upgrade`;
+        ``model`` holds ``model_options``' ``ViTConfig`` fields by their own names)."""
+        return nest(self.to_dict())
+
     @classmethod
     def from_dict(cls, d: Dict[str, Any], *, source: str = "config", strict: bool = True) -> "TrainConfig":
-        """Build from a mapping. Keys renamed since a run was written are mapped to their new names
-        (:data:`RENAMED`). Unknown keys raise ``ValueError`` naming them (``strict``: the user's own options), or
-        -- reading a run folder written by another ropekit version -- give one warning and are ignored."""
-        return cls(**known_keys(d, cls.field_names(), RENAMED, source=source, strict=strict)).validate(source)
+        """Build from a mapping: ``TrainConfig`` fields, or the nested form of :meth:`to_nested`. Every mapping goes
+        through :func:`ropekit.train.upgrade.upgrade_config` (renamed keys under their new names; a recorded
+        configuration, ``strict=False``, also gets the fields added since it was written at the value it trained
+        with). Unknown keys raise ``ValueError`` naming them (``strict``: the user's own options; a nested key as
+        ``section.key``), or -- reading a run folder written by another ropekit version -- give one warning and
+        are ignored."""
+        flat = flatten(upgrade_config(d, fill=not strict))
+        return cls(**known_keys(flat, cls.field_names(), {}, source=source, strict=strict)).validate(source)
 
     def replace(self, **changes: Any) -> "TrainConfig":
         unknown = sorted(set(changes) - set(self.field_names()))
@@ -306,9 +321,6 @@ def _default(f: "dataclasses.Field[Any]") -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-#: Options renamed since runs were first written: old name -> new name (old run folders stay readable).
-RENAMED: Dict[str, str] = {}
-
 _FIELD_TYPES = typing.get_type_hints(TrainConfig)
 
 
@@ -421,7 +433,9 @@ def parse_key_values(items: Optional[List[str]], what: str) -> Dict[str, Any]:
 
 
 def load_config_file(path: Union[str, Path]) -> Dict[str, Any]:
-    """Read a YAML or JSON mapping of ``TrainConfig`` fields.
+    """Read a YAML or JSON mapping of options: ``TrainConfig`` fields, or the nested form (``model``, ``data``,
+    ``optim``, ``run`` sections, :mod:`ropekit.train.upgrade`). Returns ``TrainConfig`` fields (a nested key that
+    belongs nowhere as ``"section.key"``, which ``TrainConfig.from_dict`` then names).
 
     A run folder's ``config.json`` is accepted too (its ``train`` section is used).
     """
@@ -442,7 +456,10 @@ def load_config_file(path: Union[str, Path]) -> Dict[str, Any]:
         raise ValueError(f"config file {p} must hold a mapping of options, got {type(data).__name__}")
     if "train" in data and isinstance(data["train"], dict):
         data = data["train"]
-    return data
+    try:
+        return flatten(upgrade_config(data, fill=False))
+    except ValueError as e:
+        raise ValueError(f"config file {p}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ checkpoint's batch without decoding the ones before.
 
 Run folder layout::
 
-    config.json      resolved TrainConfig ("train", data_root absolute), ViTConfig ("model"), dataset info
+    config.json      resolved TrainConfig ("train": its model / data / optim / run sections, data_root absolute;
+                     docs/configuration.md), ViTConfig ("model"), dataset info
                      ("data": counts, class names, the data's fingerprint), "versions" (ropekit, torch, python,
                      git), "engine" (precision, compile, device) and "resumes" (where each resume started, which
                      options it changed, and a data change accepted with --allow-data-change)
@@ -630,7 +631,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
                                    DATA_CHANGE in allow_change) if ckpt is not None else None
     schedule = schedule_of(cfg, task.steps_per_epoch)
     n_params = count_parameters(model)  # encodings by their effective count
-    config_doc = {"train": cfg.to_dict(), "model": vit_cfg.to_dict(),
+    config_doc = {"train": cfg.to_nested(), "model": vit_cfg.to_dict(),
                   "data": {**_info_dict(info, len(train_ds), len(test_ds)), "fingerprint": fingerprint},
                   "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None}
     resumes = list(previous_config.get("resumes", []))
@@ -670,7 +671,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
     res = engine.fit(task, engine.FitOptions(
         schedule, cfg.epochs, execution=cfg.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
         resume=ckpt is not None, ctx=ctx, on_step=on_step, quiet=quiet, config_doc=config_doc,
-        checkpoint_extra={"vit_config": vit_cfg.to_dict(), "train_config": cfg.to_dict()},
+        checkpoint_extra={"vit_config": vit_cfg.to_dict(), "train_config": cfg.to_nested()},
         metric_columns=METRIC_COLUMNS + (("train_skipped", "test_skipped") if task.skips else ()),
         fresh_start=fresh_start, log_every=cfg.log_every,
         checkpoint_every=cfg.checkpoint_every))

@@ -684,12 +684,12 @@ def compare_recipe(doc: Dict[str, Any], where: str = "detect3d") -> List[str]:
     against the settings the recipe gives that run (:func:`run_settings`). One line
     per difference; empty when the committed runs are what the documented command trains now."""
     preset = doc.get("preset")
-    from .recipes import with_later_fields
+    from ropekit.train.upgrade import upgrade_architecture
 
     now = json.loads(json.dumps(recipe(preset)))
     committed = dict(doc.get("recipe") or {})
     if isinstance(committed.get("backbone"), dict):  # a recipe that predates a later backbone field
-        committed["backbone"] = with_later_fields(committed["backbone"])
+        committed["backbone"] = upgrade_architecture(committed["backbone"])
     diffs = [f"{where}: recipe {k}: committed {committed.get(k, '<missing>')!r}, now {now.get(k, '<missing>')!r}"
              for k in sorted(set(committed) | set(now)) if committed.get(k, "<missing>") != now.get(k, "<missing>")]
     cfg = config_from_recipe(recipe(preset), preset=preset)
@@ -700,7 +700,7 @@ def compare_recipe(doc: Dict[str, Any], where: str = "detect3d") -> List[str]:
     for run in doc.get("runs", []):
         s = dict(run.get("settings") or {})
         if isinstance(s.get("backbone"), dict):
-            s["backbone"] = with_later_fields(s["backbone"])
+            s["backbone"] = upgrade_architecture(s["backbone"])
         try:
             want = json.loads(json.dumps(run_settings(cfg, s["encoding"], s["input"], int(s["seed"]))))
         except (KeyError, TypeError, ValueError) as e:

@@ -135,13 +135,15 @@ def _train_run(r: Dict[str, Any], arm: str, seed: int, run_dir: Path, threads: O
     from ropekit.multimodal import RetrievalConfig, RetrievalOptions, train_retrieval
     from ropekit.train import TrainConfig
     from ropekit.train.metrics import read_metrics_csv
+    from ropekit.train.upgrade import flatten, upgrade_config
 
     want = run_settings(r, arm, seed)
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.json"
     same = False
     if config_path.is_file():
         doc = json.loads(config_path.read_text())
-        got = {"train": {k: doc.get("train", {}).get(k) for k in want["train"]},
+        recorded = flatten(upgrade_config(doc.get("train", {}), fill=False))  # (the nested form, or an older flat one)
+        got = {"train": {k: recorded.get(k) for k in want["train"]},
                "retrieval": {k: doc.get("retrieval", {}).get(k) for k in want["retrieval"]}}
         same = json.loads(json.dumps(got)) == json.loads(json.dumps(want))
     if not same and run_dir.exists():

@@ -1,4 +1,5 @@
-"""Training recipes: YAML files of ``TrainConfig`` options, one per recipe, named by their file (``--preset NAME``).
+"""Training recipes: YAML files of ``TrainConfig`` options (in their ``model`` / ``data`` / ``optim`` / ``run`` sections,
+docs/configuration.md), one per recipe, named by their file (``--preset NAME``).
 
 A recipe is an ordinary ``--config`` file kept with the package; copy one to change it. Precedence when a run's
 configuration is resolved: ``TrainConfig`` defaults < ``--preset`` < ``--config FILE`` < command-line options.
@@ -29,8 +30,8 @@ def recipe_path(name: str) -> Path:
 
 
 def load_recipe(name: str) -> Dict[str, Any]:
-    """The options of recipe ``name`` as a mapping of ``TrainConfig`` fields (checked where the configuration is
-    resolved, like a ``--config`` file's)."""
-    import yaml
+    """The options of recipe ``name`` as a mapping of ``TrainConfig`` fields (read as a ``--config`` file is, and
+    checked where the configuration is resolved)."""
+    from ..config import load_config_file
 
-    return dict(yaml.safe_load(recipe_path(name).read_text()) or {})
+    return load_config_file(recipe_path(name))

@@ -33,11 +33,12 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ropekit.nn.vit import PAPER_SHARING, ViTConfig
 from ropekit.train import TrainConfig
+from ropekit.train.upgrade import ADDED, flatten, upgrade_architecture, upgrade_config
 from ..arguments import OPTION_FIELDS, STUDY_OPTIONS, add_arguments
 from ..registry import STUDIES
 from ..settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
-__all__ = ["PRESETS", "RECIPES", "LATER_ARCH_FIELDS", "LATER_BACKBONE_FIELDS", "with_later_fields", "RUNTIME_FIELDS",
+__all__ = ["PRESETS", "RECIPES", "RUNTIME_FIELDS",
            "PER_RUN_FIELDS", "DATA_FIELDS", "recipe", "check_recipe", "architecture_fields", "recipe_fields",
            "experiment_config", "compare_with_committed", "recipe_names", "STUDY_CLAIMS",
            "arch", "check_fields", "SLOTS"]
@@ -57,27 +58,6 @@ SLOTS = ("data", "data_root", "data_options", "image_size", "split_seed", "train
           "model_options", "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay",
           "warmup_epochs", "augment_shift")
 _STUDY_KEYS = {"pes", "seeds", "eval_limit", "pe_overrides", "options"}
-
-
-#: Architecture fields added to ``ViTConfig`` after committed studies were trained, each with the value that
-#: builds the model those studies trained (``num_kv_heads=None``: multi-head attention). Every recipe states it
-#: (:data:`_ARCH`); :func:`compare_with_committed` reads a committed recipe or run that predates the field as
-#: holding this value.
-LATER_ARCH_FIELDS: Dict[str, Any] = {"num_kv_heads": None}
-
-
-#: ``ViTConfig`` fields that ``TrainConfig`` carries too, added after committed studies were trained, with the value
-#: those studies trained with (``coord_augment`` off). Only a whole backbone states them (the detect3d, robot and
-#: ALOHA recipes, which list every ``ViTConfig`` field); a recipe's ``model_options`` never does.
-LATER_BACKBONE_FIELDS: Dict[str, Any] = {"coord_augment": [0.0, 1.0, 1.0]}
-
-
-def with_later_fields(options: Dict[str, Any]) -> Dict[str, Any]:
-    """``options`` (architecture fields of a committed recipe or run) with every :data:`LATER_ARCH_FIELDS` it
-    predates set to the value it trained with; a whole backbone (one stating ``coords``, a field ``TrainConfig``
-    carries) also with every :data:`LATER_BACKBONE_FIELDS`."""
-    later = {**LATER_ARCH_FIELDS, **(LATER_BACKBONE_FIELDS if "coords" in options else {})}
-    return {**later, **options}
 
 
 def architecture_fields() -> Set[str]:
@@ -151,8 +131,9 @@ VIDEO_PES = ["none", "absolute", "axial", "mixed", "cayley", "circulant", "liere
 
 
 #: The architecture fields every recipe shares (each preset adds its width, depth, heads, MLP ratio and drop-path
-#: rate). A field added to ``ViTConfig`` is stated here once.
-_ARCH = dict(qkv_bias=True, drop_rate=0.0, attn_drop_rate=0.0, pe_fold_train=True, **LATER_ARCH_FIELDS)
+#: rate). A field added to ``ViTConfig`` is stated here once (and in ``ropekit.train.upgrade.ADDED_MODEL`` with the
+#: value committed recipes that predate it trained with).
+_ARCH = dict(qkv_bias=True, drop_rate=0.0, attn_drop_rate=0.0, pe_fold_train=True, num_kv_heads=None)
 
 
 def arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_path_rate: float = 0.0,
@@ -171,12 +152,6 @@ def arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_path
 _STREAM_DEFAULTS = {k: TrainConfig.__dataclass_fields__[k].default_factory()  # type: ignore[misc]
                     if callable(TrainConfig.__dataclass_fields__[k].default_factory)
                     else TrainConfig.__dataclass_fields__[k].default for k in TrainConfig.STREAM_ONLY}
-
-
-#: ``TrainConfig`` fields added after studies were committed, with the value that trains as those studies did: a
-#: committed recipe or run that lacks one is compared as if it stated this value.
-ADDED_FIELDS: Dict[str, Any] = {**_STREAM_DEFAULTS, "lr_base_batch": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
-                                 "native_resolution": False, "native_options": {}, "coord_augment": [0.0, 1.0, 1.0]}
 
 
 def _mnist(**changes: Any) -> Dict[str, Any]:
@@ -496,8 +471,8 @@ def compare_with_committed(study_dir: Any, extra_args: Sequence[str] = ()) -> Li
 
     Compares the recipe section as a whole and, for every recorded run, each recipe field of its training
     configuration with the recipe's value (fields the study varies per run -- ``Study.varies`` -- excepted),
-    and every study option the recipe states with the option the study recorded (a field added since, of
-    :data:`ADDED_FIELDS`, counts at its value there). Encodings and seeds the
+    and every study option the recipe states with the option the study recorded (a recorded configuration goes
+    through ``ropekit.train.upgrade``: a field added since counts at the value it trained with). Encodings and seeds the
     recorded command chose with ``--pe`` / ``--seeds`` replace the recipe's lists (an error unless they are among
     them), as do list-valued study options it gave (``--groups``, ``--sharing-pe``, ...: a part of the study;
     an error unless a subset of the recipe's list, or where the recipe states no such list), and its
@@ -507,7 +482,8 @@ def compare_with_committed(study_dir: Any, extra_args: Sequence[str] = ()) -> Li
     part's recorded command, with ``extra_args`` appended (options that were the preset's default when the study
     ran and that its ``commands.sh`` now states, e.g. ``--aux-weight 0``), against the configuration it resolves
     to now.
-    A committed recipe or run without a field of :data:`LATER_ARCH_FIELDS` is read as holding its value.
+    A committed architecture without a field added to ``ViTConfig`` since is read as holding the value of
+    ``ropekit.train.upgrade.ADDED_MODEL``.
     Returns one line per difference; an empty list means the committed runs are what the command trains now.
     """
     path = Path(study_dir) / "config.json"
@@ -553,12 +529,12 @@ def compare_with_committed(study_dir: Any, extra_args: Sequence[str] = ()) -> Li
     now, options = json.loads(json.dumps(now)), json.loads(json.dumps(options))
     committed = copy.deepcopy(doc.get("recipe") or {})
     if "model_options" in committed.get("train", {}):
-        committed["train"]["model_options"] = with_later_fields(committed["train"]["model_options"])
+        committed["train"]["model_options"] = upgrade_architecture(committed["train"]["model_options"])
     ran = doc.get("options") or {}
     for k, v in options.items():  # ... which include every option the recipe states
         if ran.get(k, "<missing>") != v:
             diffs.append(f"{name}: option {k}: committed {ran.get(k, '<missing>')!r}, recipe {v!r}")
-    added = json.loads(json.dumps(ADDED_FIELDS))
+    added = json.loads(json.dumps(ADDED))
     for section in ("train", "study"):
         a, b = committed.get(section, {}), now[section]
         if section == "train":
@@ -570,9 +546,9 @@ def compare_with_committed(study_dir: Any, extra_args: Sequence[str] = ()) -> Li
     varies = set(STUDIES[name].varies) | PER_RUN_FIELDS
     base = now["train"]
     for run in doc.get("runs", []):
-        tc = {**added, **run.get("train_config", {})}
+        tc = flatten(upgrade_config(run.get("train_config", {})))  # (fields added since: at their value then)
         if "model_options" in tc:  # a run that predates a later architecture field trained with its value
-            tc["model_options"] = with_later_fields(tc["model_options"])
+            tc["model_options"] = upgrade_architecture(tc["model_options"])
         expected = {**base, **now["study"]["pe_overrides"].get(tc.get("pe"), {})}
         for k, v in expected.items():
             if k in varies and (STUDIES[name].varies_overrides

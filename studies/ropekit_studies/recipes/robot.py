@@ -26,9 +26,10 @@ import dataclasses
 import inspect
 from typing import Any, Dict, Set
 
-from . import (DATA_FIELDS, LATER_ARCH_FIELDS, PRESETS, check_fields, preset_copy,
-                                   with_later_fields)
 from ropekit.nn.vit import ViTConfig
+from ropekit.train.upgrade import upgrade_architecture
+
+from . import DATA_FIELDS, PRESETS, check_fields, preset_copy
 
 __all__ = ["ARMS", "TOP_FIELDS", "recipe", "check_recipe", "policy_fields",
            "backbone_fields", "train_fields", "expert_fields", "with_later_backbone"]
@@ -76,18 +77,18 @@ def _backbone(**changes: Any) -> Dict[str, Any]:
     b = dict(patch_size=8, tubelet_size=2, embed_dim=96, depth=4, num_heads=2, mlp_ratio=2.0, qkv_bias=True,
              drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0, pe_sharing="model", per_head=False,
              pe_fold_train=True, ape="none", cls="none", coords="grid", jitter=0.0,
-             coord_augment=[0.0, 1.0, 1.0], **LATER_ARCH_FIELDS)
+             coord_augment=[0.0, 1.0, 1.0], num_kv_heads=None)
     b.update(changes)
     return b
 
 
 def with_later_backbone(doc: Dict[str, Any]) -> Dict[str, Any]:
     """A committed recipe or configuration (robot or ALOHA) with its ``policy.vit_overrides`` completed by the
-    backbone fields added since it was trained (:func:`ropekit_studies.recipes.with_later_fields`)."""
+    backbone fields added since it was trained (:func:`ropekit.train.upgrade.upgrade_architecture`)."""
     policy = doc.get("policy")
     if not isinstance(policy, dict) or not isinstance(policy.get("vit_overrides"), dict):
         return doc
-    return {**doc, "policy": {**policy, "vit_overrides": with_later_fields(policy["vit_overrides"])}}
+    return {**doc, "policy": {**policy, "vit_overrides": upgrade_architecture(policy["vit_overrides"])}}
 
 
 def _policy(**changes: Any) -> Dict[str, Any]:
