@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 
 from ._common import DataFileError, PathLike
 from .decode import decode_image
-from .shard_stream import IMAGE_KEYS, _resolve_shards
+from .shard_stream import IMAGE_KEYS, resolve_shards
 from .worker import WorkerFailure, failed_in_worker
 
 __all__ = ["ShardSource", "DEPTH_KEY", "OPEN_SHARDS"]
@@ -160,7 +160,7 @@ class ShardSource(Dataset):
     """
 
     def __init__(self, source: Union[PathLike, List[PathLike]], *, split: str = "train", workers: int = 0) -> None:
-        paths, counts, classes = _resolve_shards(source, split)
+        paths, counts, classes = resolve_shards(source, split)
         self.shards: List[Path] = list(paths)
         self.classes: Optional[List[str]] = list(classes) if classes is not None else None
         n_classes = len(self.classes) if self.classes else None

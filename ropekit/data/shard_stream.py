@@ -23,7 +23,7 @@ from .decode import decode_image
 from .readers import IMAGE_EXTENSIONS
 from .worker import collate_samples, failed_in_worker, mix_seed, sample_rng
 
-__all__ = ["MANIFEST_NAME", "IMAGE_KEYS", "read_manifest", "EpochPlan", "plan_epoch", "ShardStream", "shard_label"]
+__all__ = ["MANIFEST_NAME", "IMAGE_KEYS", "read_manifest", "resolve_shards", "EpochPlan", "plan_epoch", "ShardStream", "shard_label"]
 
 #: The manifest ``ropekit data convert`` writes beside the shards.
 MANIFEST_NAME = "shards.json"
@@ -74,7 +74,7 @@ def _count_tar(path: Path) -> int:
     return sum(1 for i, k in enumerate(keys) if k is not None and (i == 0 or k != keys[i - 1]))
 
 
-def _resolve_shards(source: Any, split: str) -> Tuple[List[Path], List[int], Optional[List[str]]]:
+def resolve_shards(source: Any, split: str) -> Tuple[List[Path], List[int], Optional[List[str]]]:
     """(shard paths, sample counts, class names or None) of a manifest, a directory, a pattern or a list."""
     if isinstance(source, (str, os.PathLike)) and (Path(source).is_dir() or str(source).endswith(".json")):
         m = read_manifest(source)
@@ -169,7 +169,7 @@ class ShardStream(IterableDataset):
     def __init__(self, source: Any, transform: Optional[Callable[[Any], Any]] = None, *, split: str = "train",
                  shuffle_buffer: int = 1000, skip_corrupt: bool = False) -> None:
         super().__init__()
-        self.shards, self.counts, classes = _resolve_shards(source, split)
+        self.shards, self.counts, classes = resolve_shards(source, split)
         self.classes: Optional[List[str]] = list(classes) if classes is not None else None
         self.transform = transform
         self.shuffle_buffer = max(1, int(shuffle_buffer))
