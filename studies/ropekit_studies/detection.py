@@ -53,7 +53,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from filelock import FileLock
 
+from ropekit._io import atomic_write
 from ropekit.encodings.counting import count_parameters
 from .recipes import PRESETS
 from ropekit.detection.model import BOX_PARAMS, INPUTS, INTRINSICS, Detector3D, depth_input_of, detector_config, is_rotary
@@ -215,10 +217,7 @@ def run_settings(cfg: Detect3DConfig, enc: str, inp: str, seed: int) -> Dict[str
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=_json_default) + "\n")
-    tmp.replace(path)
+    atomic_write(path, json.dumps(obj, indent=1, default=_json_default) + "\n")
 
 
 def _json_default(o: Any) -> Any:
@@ -254,37 +253,18 @@ def _depth_label(enc: str, inp: str) -> str:
     return DEPTH_AS[depth_input_of(enc, inp)]
 
 
-class _WaitLock:
-    """A blocking ``flock`` on ``path`` (released when the process ends): two study processes render a scene
-    set once (the second waits, then loads the shards the first wrote) and write the report one after the
-    other."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.fd: Optional[int] = None
-
-    def __enter__(self) -> "_WaitLock":
-        import fcntl
-        import os
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        import fcntl
-        import os
-
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+def _wait_lock(path: Path) -> FileLock:
+    """A blocking lock on ``path``: two study processes render a scene set once (the second waits, then loads the
+    shards the first wrote) and write the report one after the other."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path))
 
 
 def load_scenes(cfg: Detect3DConfig, progress: bool = True) -> Tuple[SceneSet, SceneSet]:
     """The training and test scenes (rendered once into ``cfg.cache_dir``, one process at a time)."""
     kw = dict(size=cfg.image_size, workers=cfg.workers, cache_dir=cfg.cache_dir, progress=progress,
               config=cfg.scene_config())
-    with _WaitLock(Path(cfg.cache_dir) / ".render.lock"):
+    with _wait_lock(Path(cfg.cache_dir) / ".render.lock"):  # two processes render a scene set once
         train = generate_scenes(cfg.n_train, seed=cfg.scene_seed, **kw)
         test = generate_scenes(cfg.n_test, seed=cfg.scene_seed + 1, **kw)
     return train, test
@@ -672,7 +652,7 @@ def run_detect3d(cfg: Detect3DConfig, argv: Optional[Sequence[str]] = None, prog
     plan = [(seed, inp, enc) for seed in cfg.seeds for enc, inp in planned_runs(cfg)]
     runs = _train_or_wait(cfg, plan, train_set, test_set)
     argv = list(argv) if argv is not None else ["python", "-m", "ropekit_studies.detection"] + sys.argv[1:]
-    with _WaitLock(out / ".report.lock"):  # a second process on the same folder rewrites it after this one
+    with _wait_lock(out / ".report.lock"):  # a second process on the same folder rewrites it after this one
         result = write_report(cfg, runs, test_set, argv)
     _log(f"done in {time.perf_counter() - t0:.0f}s; results in {out}")
     return result
