@@ -84,8 +84,8 @@ from ._common import (
 from .builtin import load_mnist5k, mnist5k_path, read_digit_csv
 from .readers import read_cifar_batch, read_idx, read_image, read_image_folder
 from .fake import write_fake_image_folder
-from .shards import check_data, describe_data, write_shards
-from .decode import decode_image, decode_rgb
+from .shards import check_data, describe_data, write_dataset_shards, write_shards
+from .decode import decode_depth, decode_image, decode_rgb
 from .shard_stream import ShardStream, read_manifest
 from .shard_source import ShardSource
 from .streaming import (
@@ -133,8 +133,10 @@ __all__ = [
     "scan_image_folder",
     "decode_rgb",
     "decode_image",
+    "decode_depth",
     "read_manifest",
     "write_shards",
+    "write_dataset_shards",
     "check_data",
     "describe_data",
     "write_fake_image_folder",

@@ -6,7 +6,9 @@
 * ``ropekit data check PATH [--json]`` -- decode every image of a folder or of shards; counts per class and the
   unreadable files by name; exit code 1 if there is any;
 * ``ropekit data convert FOLDER OUT --shard-size N`` -- write an image folder as WebDataset tar shards plus
-  ``shards.json`` (the encoded bytes are copied, not re-encoded);
+  ``shards.json`` (the encoded bytes are copied, not re-encoded); an RGB-D folder (``0001.png`` with
+  ``0001.depth.npy`` beside it) as RGB-D shards; ``ropekit data convert rgbd-digits OUT`` (an RGB-D data set's
+  name) writes that data set's train and test splits as RGB-D shards (8-bit PNG colour, float32 depth);
 * ``ropekit data make-fake FOLDER --classes 4 --per-class 24 --size 64`` -- write a folder of generated JPEGs;
 * ``ropekit data make-scenes --n 20000 --size 64`` -- render (or load from cache) the pybullet RGB-D scenes of
   the detection study (``ropekit.detection.scenes``; needs ``pybullet``).
@@ -35,14 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                     "directory (with shards.json)")
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.add_argument("--no-progress", action="store_true", help="no progress bar")
-    conv = sub.add_parser("convert", help="write an image folder as WebDataset tar shards and shards.json")
-    conv.add_argument("folder", help="root/<class>/<image>, or root/train/<class>/... with root/val/...")
+    conv = sub.add_parser("convert", help="write an image folder (or an RGB-D data set) as WebDataset tar shards "
+                                          "and shards.json")
+    conv.add_argument("folder", help="root/<class>/<image>, or root/train/<class>/... with root/val/...; RGB-D: "
+                                     "each image with <stem>.depth.npy (float (H, W) metres) beside it; or the "
+                                     "name of an RGB-D data set (rgbd-digits, captioned-scenes)")
     conv.add_argument("out", help="output directory")
     conv.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
     conv.add_argument("--val-fraction", type=float, default=0.2,
                       help="fraction of each class written to the val split of a flat folder (0: train only)")
     conv.add_argument("--split-seed", type=int, default=0, help="seed of that split and of the sample order")
     conv.add_argument("--skip-corrupt", action="store_true", help="leave out files that are not images")
+    conv.add_argument("--image-size", type=int, default=None, help="image side of a generated data set")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     fake = sub.add_parser("make-fake", help="write a folder of generated JPEG images (class = shape and colour)")
     fake.add_argument("folder", help="output directory")
@@ -120,13 +126,23 @@ def run(args: argparse.Namespace) -> Optional[int]:
         print(f"wrote {counts['train']} training" + (f" and {counts['val']} validation" if counts["val"] else "")
               + f" images of {args.classes} classes to {args.folder}")
         return 0
+    if action == "convert" and not Path(args.folder).expanduser().exists() and args.folder in list_datasets():
+        from .shards import write_dataset_shards
+
+        data = load_dataset(args.folder, image_size=args.image_size, split_seed=args.split_seed)
+        m = _with_bar(len(data[0]) + len(data[1]), "convert", args.no_progress, lambda up: write_dataset_shards(
+            data, args.out, shard_size=args.shard_size, seed=args.split_seed, progress=up))
+        parts = [f"{split}: {s['count']} samples in {len(s['shards'])} shards" for split, s in m["splits"].items()]
+        print(f"{args.out}: " + "; ".join(parts) + f" (RGB-D); manifest {Path(args.out) / 'shards.json'}")
+        return 0
     if action == "convert":
         total = sum(s["samples"] for s in describe_data(args.folder)["splits"].values())
         m = _with_bar(total, "convert", args.no_progress, lambda up: write_shards(
             args.folder, args.out, shard_size=args.shard_size, val_fraction=args.val_fraction,
             split_seed=args.split_seed, skip_corrupt=args.skip_corrupt, progress=up))
         parts = [f"{split}: {s['count']} samples in {len(s['shards'])} shards" for split, s in m["splits"].items()]
-        print(f"{args.out}: " + "; ".join(parts) + f"; manifest {Path(args.out) / 'shards.json'}"
+        print(f"{args.out}: " + "; ".join(parts) + (" (RGB-D)" if m["depth"] else "")
+              + f"; manifest {Path(args.out) / 'shards.json'}"
               + (f"; skipped {len(m['skipped'])} unreadable file(s), first {m['skipped'][0]}" if m["skipped"] else ""))
         return 0
     if action == "check":

@@ -1,8 +1,9 @@
-"""Decoding one image file (or its bytes) into an 8-bit RGB tensor or ``PIL.Image``, with one-line errors.
+"""Decoding one image file (or its bytes) into an 8-bit RGB tensor or ``PIL.Image``, and one depth map, with
+one-line errors.
 
 Shape legend: ``H, W`` the image's size. :func:`decode_image` gives uint8 ``(3, H, W)``: JPEGs through
 torchvision's public ``decode_jpeg``, everything else through Pillow (:func:`decode_rgb`, which converts every
-mode to RGB).
+mode to RGB). :func:`decode_depth` gives float32 ``(1, H, W)`` metres from a ``.npy`` file's bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import io
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -20,7 +21,10 @@ from torch import Tensor
 
 from ._common import DataFileError, PathLike
 
-__all__ = ["decode_rgb", "decode_image"]
+__all__ = ["decode_rgb", "decode_image", "decode_depth", "DEPTH_KEY"]
+
+#: The sample entry (and the file suffix beside an image) that holds an RGB-D sample's depth map: ``<key>.depth.npy``.
+DEPTH_KEY = "depth.npy"
 
 _WIDE = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 65535.0, "F": 1.0}
 
@@ -127,3 +131,31 @@ def _jpeg_decoder() -> Optional[Callable[[Tensor], Tensor]]:
             return decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=False)
 
     return decode
+
+
+def decode_depth(source: Union[PathLike, bytes], name: Optional[str] = None,
+                 shape: Optional[Tuple[int, int]] = None) -> Tensor:
+    """Read one depth map: a ``.npy`` file (or its bytes) holding a numeric ``(H, W)`` array of metres (``0`` or
+    NaN: invalid), as float32 ``(1, H, W)`` (a float32 or float16 file is kept bit for bit; float64 rounds to
+    float32, integers convert exactly up to 2^24).
+
+    Args:
+        source: a file path, or the ``.npy`` bytes (then ``name`` names them in errors).
+        name: what to call the depth map in an error message (default: the path).
+        shape: ``(H, W)`` of its image, which the array must have.
+
+    Raises:
+        DataFileError: not a ``.npy`` array (pickled objects are refused), not numeric, not 2-D, or not of
+            ``shape``; one line naming it.
+    """
+    label = name if name is not None else str(source)
+    try:
+        data = bytes(source) if isinstance(source, (bytes, bytearray)) else Path(source).read_bytes()
+        d = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise DataFileError(label, f"depth entry {DEPTH_KEY} is not a NumPy array ({type(e).__name__}: "
+                                   f"{_without_reprs(e)})") from None
+    if d.ndim != 2 or d.dtype.kind not in "fiu" or (shape is not None and d.shape != tuple(shape)):
+        want = f"(H, W) = {tuple(shape)}" if shape is not None else "(H, W)"
+        raise DataFileError(label, f"depth entry {DEPTH_KEY} must be a numeric {want} array, got {d.dtype} {d.shape}")
+    return torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32))[None]

@@ -21,7 +21,6 @@ Shape legend: ``H, W`` an image's size.
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import tarfile
@@ -35,14 +34,12 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from ._common import DataFileError, PathLike
-from .decode import decode_image
+from .decode import DEPTH_KEY, decode_depth, decode_image
 from .shard_stream import IMAGE_KEYS, resolve_shards
 from .worker import WorkerFailure, failed_in_worker
 
 __all__ = ["ShardSource", "DEPTH_KEY", "OPEN_SHARDS"]
 
-#: The sample entry that holds an RGB-D sample's depth map (``<key>.depth.npy``).
-DEPTH_KEY = "depth.npy"
 #: Shard files a process keeps open at once (least recently used closed first).
 OPEN_SHARDS = 16
 
@@ -213,15 +210,8 @@ class ShardSource(Dataset):
         label = torch.tensor(self.labels[i], dtype=torch.int64)
         if not self.depth:
             return rgb, label
-        try:
-            d = np.load(io.BytesIO(self._read(s, *self._depth[i].tolist())), allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise DataFileError(where, f"depth entry {DEPTH_KEY} is not a NumPy array ({type(e).__name__}: "
-                                       f"{e})") from None
-        if d.shape != tuple(rgb.shape[-2:]) or d.dtype.kind not in "fiu":
-            raise DataFileError(where, f"depth entry {DEPTH_KEY} must be a numeric (H, W) = {tuple(rgb.shape[-2:])} "
-                                       f"array, got {d.dtype} {d.shape}")
-        return (rgb, torch.from_numpy(d.astype(np.float32))[None]), label
+        depth = decode_depth(self._read(s, *self._depth[i].tolist()), name=where, shape=tuple(rgb.shape[-2:]))
+        return (rgb, depth), label
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)

@@ -1,6 +1,7 @@
 """WebDataset tar shards as a stream: the manifest ``shards.json`` that gives an epoch its length, the per-epoch plan
 of which rank and worker reads which shard, and :class:`ShardStream` (one sample = ``<key>.jpg`` (or ``.png``,
-...) plus ``<key>.cls``, the label as decimal text), as ``ropekit data convert`` writes them.
+...) plus ``<key>.cls``, the label as decimal text, and for RGB-D shards ``<key>.depth.npy``, the depth map), as
+``ropekit data convert`` writes them.
 
 Shape legend: ``C`` colour channels (3); ``H_in, W_in`` a decoded image's size.
 """
@@ -19,11 +20,12 @@ from torch import Tensor
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ._common import SKIP_HINT, DataFileError, PathLike
-from .decode import decode_image
+from .decode import DEPTH_KEY, decode_depth, decode_image
 from .readers import IMAGE_EXTENSIONS
 from .worker import collate_samples, failed_in_worker, mix_seed, sample_rng
 
-__all__ = ["MANIFEST_NAME", "IMAGE_KEYS", "read_manifest", "resolve_shards", "EpochPlan", "plan_epoch", "ShardStream", "shard_label"]
+__all__ = ["MANIFEST_NAME", "IMAGE_KEYS", "read_manifest", "resolve_shards", "EpochPlan", "plan_epoch", "ShardStream",
+           "shard_label", "first_sample_entries"]
 
 #: The manifest ``ropekit data convert`` writes beside the shards.
 MANIFEST_NAME = "shards.json"
@@ -72,6 +74,33 @@ def _count_tar(path: Path) -> int:
     except (tarfile.TarError, OSError, EOFError) as e:
         raise DataFileError(path, f"not a readable tar shard ({type(e).__name__}: {e})") from None
     return sum(1 for i, k in enumerate(keys) if k is not None and (i == 0 or k != keys[i - 1]))
+
+
+def first_sample_entries(path: PathLike) -> List[str]:
+    """The entry names (``"png"``, ``"cls"``, ``"depth.npy"``, ...) of the first sample of a tar shard, read from
+    the tar headers up to the second sample (nothing decoded); ``[]`` for an empty shard."""
+    import re
+    import tarfile
+
+    from webdataset.tariterators import base_plus_ext
+
+    first: Optional[str] = None
+    exts: List[str] = []
+    try:
+        with tarfile.open(path, "r:*") as tf:
+            for m in tf:
+                if not m.isreg() or re.match(r"__[^/]*__($|/)", m.name):
+                    continue
+                key, ext = base_plus_ext(m.name)
+                if key is None:
+                    continue
+                if first is not None and key != first:
+                    break
+                first = key
+                exts.append(ext)
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise DataFileError(path, f"not a readable tar shard ({type(e).__name__}: {e})") from None
+    return exts
 
 
 def resolve_shards(source: Any, split: str) -> Tuple[List[Path], List[int], Optional[List[str]]]:
@@ -153,6 +182,13 @@ class ShardStream(IterableDataset):
         skip_corrupt: leave undecodable samples, and samples without an image or label entry, out of their batch
             (counted) instead of raising.
 
+    RGB-D shards (samples with a ``depth.npy`` entry, :attr:`depth`): a sample's image is the pair ``(rgb, depth)``
+    -- uint8 ``(3, H_in, W_in)`` and float32 ``(1, H_in, W_in)`` metres (0 or NaN: invalid) -- which the transform
+    receives (:func:`ropekit.data.transforms.build_train_transform` with ``rgbd=True`` crops, resizes and flips both
+    alike, depth with nearest, and returns float32 ``(4, H, W)``); without a transform batches are that pair,
+    stacked (images of one size only). Whether the shards carry depth is read from the first sample's entries;
+    every sample must then have one (else a :class:`DataFileError` naming it).
+
     Iterate it through :func:`make_loader`, which sets the epoch and yields batches. Per epoch: the shard list
     is permuted by ``(seed, epoch)``; rank ``r`` takes shards ``r, r + world_size, ...`` of it, and its DataLoader
     worker ``w`` every ``num_workers``-th of those (so no sample is read twice, and each reader streams whole
@@ -164,6 +200,7 @@ class ShardStream(IterableDataset):
 
     Attributes:
         shards: the tar paths. counts: samples per shard. classes: class names (from the manifest) or ``None``.
+        depth: whether the samples carry depth (RGB-D).
     """
 
     def __init__(self, source: Any, transform: Optional[Callable[[Any], Any]] = None, *, split: str = "train",
@@ -175,6 +212,8 @@ class ShardStream(IterableDataset):
         self.shuffle_buffer = max(1, int(shuffle_buffer))
         self.skip_corrupt = bool(skip_corrupt)
         self._epoch: Optional[Dict[str, Any]] = None
+        first = next((s for s, c in enumerate(self.counts) if c > 0), None)
+        self.depth = first is not None and DEPTH_KEY in first_sample_entries(self.shards[first])
 
     def __len__(self) -> int:
         """Samples in all shards."""
@@ -218,7 +257,11 @@ class ShardStream(IterableDataset):
                 raise DataFileError(where, f"sample has no image entry ({'/'.join(IMAGE_KEYS[:4])}/...); it has "
                                            f"{', '.join(sorted(k for k in raw if not k.startswith('__')))}")
             label = shard_label(raw, where, len(self.classes) if self.classes else None)
+            if self.depth and DEPTH_KEY not in raw:
+                raise DataFileError(where, f"sample has no depth entry ({DEPTH_KEY}); the shards' first sample has one")
             img = decode_image(raw[key], name=where)
+            if self.depth:
+                img = (img, decode_depth(raw[DEPTH_KEY], name=where, shape=tuple(img.shape[-2:])))
         except DataFileError as e:
             if self.skip_corrupt:
                 return None

@@ -5,26 +5,32 @@
   :func:`ropekit.data.streaming.read_manifest`). Each sample is ``<key>.<ext>`` -- the file's encoded bytes,
   unchanged (``.jpeg`` stored as ``.jpg``) -- and ``<key>.cls``, the label as decimal text, written with
   ``webdataset.TarWriter``. Samples are written in a seeded random order, so that every shard mixes the classes.
-* :func:`check_data` -- decode every image of a folder or of shards; counts per class and the unreadable files.
+  An RGB-D folder -- each image with its depth map beside it, ``<class>/0001.png`` + ``<class>/0001.depth.npy``
+  (a numeric ``(H, W)`` NumPy array of metres, 0 or NaN invalid) -- gives RGB-D shards: ``<key>.depth.npy`` too.
+* :func:`write_dataset_shards` -- an in-memory RGB-D data set (``rgbd-digits``, ``captioned-scenes``) as RGB-D
+  shards: ``<key>.png`` (8-bit RGB), ``<key>.depth.npy`` (float32 metres, bit for bit), ``<key>.cls``.
+* :func:`check_data` -- decode every image (and depth map) of a folder or of shards; counts per class and the
+  unreadable files.
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
+import torch
 
 from .._optional import require
 from ._common import DataFileError, PathLike, stratified_split
-from .decode import decode_image
+from .decode import DEPTH_KEY, decode_depth, decode_image
 from .shard_stream import IMAGE_KEYS, MANIFEST_NAME, ShardStream, read_manifest, shard_label
 from .streaming import scan_image_folder
 
-__all__ = ["write_shards", "check_data", "describe_data"]
+__all__ = ["write_shards", "write_dataset_shards", "depth_path", "check_data", "describe_data"]
 
 Progress = Optional[Callable[[int], None]]
 
@@ -44,6 +50,73 @@ def _splits_of(folder: Path, val_fraction: float, split_seed: int) -> Tuple[List
                      "val": (folder, pick(te), labels[np.sort(te)])}
 
 
+class _SplitWriter:
+    """One split's samples into ``<split>-000000.tar, ...``, ``shard_size`` samples each (``webdataset.TarWriter``)."""
+
+    def __init__(self, wds: Any, out: Path, split: str, shard_size: int) -> None:
+        self.wds, self.out, self.split, self.shard_size = wds, out, split, shard_size
+        self.entries: List[Dict[str, Any]] = []
+        self.writer: Any = None
+
+    def write(self, sample: Dict[str, Any]) -> None:
+        if self.writer is None or self.entries[-1]["count"] == self.shard_size:
+            if self.writer is not None:
+                self.writer.close()
+            name = f"{self.split}-{len(self.entries):06d}.tar"
+            self.writer = self.wds.TarWriter(str(self.out / name))
+            self.entries.append({"file": name, "count": 0})
+        self.writer.write(sample)
+        self.entries[-1]["count"] += 1
+
+    def close(self) -> Dict[str, Any]:
+        if self.writer is not None:
+            self.writer.close()
+        return {"shards": self.entries, "count": sum(e["count"] for e in self.entries)}
+
+
+def depth_path(image: PathLike) -> Path:
+    """The depth map beside an image of an RGB-D folder: ``a/b/0001.png`` → ``a/b/0001.depth.npy``."""
+    image = Path(image)
+    return image.with_name(image.stem + "." + DEPTH_KEY)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _folder_sample(path: Path, key: str, label: int, rgbd: bool, first: str,
+                   skip_corrupt: bool) -> Optional[Dict[str, Any]]:
+    """The shard sample of one image of a folder (and its depth map when ``rgbd``); ``None``: unreadable, skipped."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.verify()  # header (and PNG checksums); no full decode
+            width, height = im.size
+    except Exception as e:  # noqa: BLE001 - whatever Pillow raises on a non-image
+        if not skip_corrupt:
+            raise DataFileError(path, f"not a readable image ({type(e).__name__}: {e}); pass "
+                                      "--skip-corrupt to leave such files out") from None
+        return None
+    ext = path.suffix.lower().lstrip(".")
+    ext = "jpg" if ext == "jpeg" else ext
+    sample = {"__key__": key, ext: path.read_bytes(), "cls": str(label)}
+    dpath = depth_path(path)
+    if rgbd:
+        if not dpath.is_file():
+            raise DataFileError(path, f"has no depth map {dpath.name} beside it (the folder's first image has one, "
+                                      "so every image needs one)")
+        data = dpath.read_bytes()
+        decode_depth(data, name=str(dpath), shape=(height, width))  # checked, then copied as it is
+        sample[DEPTH_KEY] = data
+    elif dpath.is_file():
+        raise DataFileError(dpath, f"a depth map, but the folder's first image ({first}) has none: give every "
+                                   "image a depth map or none")
+    return sample
+
+
 def write_shards(
     folder: PathLike,
     out: PathLike,
@@ -55,6 +128,11 @@ def write_shards(
     progress: Progress = None,
 ) -> Dict[str, Any]:
     """Write ``folder``'s images as tar shards of ``shard_size`` samples and the manifest ``shards.json``.
+
+    RGB-D folders: when the first image has a depth map beside it (``0001.png`` and ``0001.depth.npy``, a numeric
+    ``(H, W)`` array of metres of the image's size, 0 or NaN invalid), every image must have one, and each sample
+    gets a ``<key>.depth.npy`` entry (its bytes copied, after a check of its shape), which the shard readers hand on
+    as the image's depth.
 
     Args:
         folder: ``root/<class>/<image>`` (then ``val_fraction`` of each class, chosen by ``split_seed``, goes to
@@ -68,48 +146,106 @@ def write_shards(
         progress: called with 1 after each sample.
 
     Returns:
-        the manifest written (a dict).
+        the manifest written (a dict; ``"depth"``: whether the samples carry depth).
+
+    Raises:
+        DataFileError: an unreadable image (without ``skip_corrupt``), a missing or malformed depth map in an RGB-D
+            folder, or a depth map beside an image of a folder whose first image has none; one line naming it.
     """
     wds = require("webdataset", "train", "writing WebDataset shards")
-    from PIL import Image
-
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     folder, out = Path(folder).expanduser(), Path(out).expanduser()
     classes, splits = _splits_of(folder, val_fraction, split_seed)
+    first_root, first_files, _ = next(iter(splits.values()))
+    rgbd = depth_path(first_root / first_files[0]).is_file()
     out.mkdir(parents=True, exist_ok=True)
     manifest: Dict[str, Any] = {"format": "ropekit-shards", "version": 1, "classes": classes,
-                                "source": str(folder), "shard_size": shard_size, "splits": {}, "skipped": []}
+                                "source": str(folder), "shard_size": shard_size, "depth": rgbd, "splits": {},
+                                "skipped": []}
     for split, (root, files, labels) in splits.items():
         order = np.random.default_rng([split_seed, len(files), 5]).permutation(len(files))
-        entries: List[Dict[str, Any]] = []
-        writer: Any = None
+        writer = _SplitWriter(wds, out, split, shard_size)
+        try:
+            for n, i in enumerate(order.tolist()):
+                sample = _folder_sample(root / files[i], f"{split}_{n:08d}", int(labels[i]), rgbd, first_files[0],
+                                        skip_corrupt)
+                if sample is None:
+                    manifest["skipped"].append(str(root / files[i]))
+                    continue
+                writer.write(sample)
+                if progress is not None:
+                    progress(1)
+        finally:  # (a shard left open would be flushed into a closed file later)
+            manifest["splits"][split] = writer.close()
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def write_dataset_shards(
+    data: Tuple[Any, Any, Any],
+    out: PathLike,
+    *,
+    shard_size: int = 1000,
+    seed: int = 0,
+    progress: Progress = None,
+) -> Dict[str, Any]:
+    """Write an in-memory RGB-D data set (``load_dataset("rgbd-digits")``, ``"captioned-scenes"``) as RGB-D tar
+    shards: its training split as ``train``, its test split as ``val``.
+
+    Each sample is ``<key>.png`` (the RGB channels, 8-bit: ``round(255 x)``, so within half a grey level of the
+    in-memory float values and exactly what a PNG can hold), ``<key>.depth.npy`` (the depth channel, float32
+    metres, bit for bit, zeros and NaNs of invalid pixels included) and ``<key>.cls``; samples in a random order
+    seeded by ``seed``, as :func:`write_shards`.
+
+    Args:
+        data: ``(train, test, info)`` as :func:`ropekit.data.load_dataset` returns it (without ``normalize``);
+            ``info.kind`` must be ``"rgbd"``.
+        out: output directory (created).
+        shard_size: samples per shard.
+        seed: of the sample order.
+        progress: called with 1 after each sample.
+
+    Returns:
+        the manifest written (``"source"`` names the data set).
+
+    Raises:
+        ValueError: not an RGB-D data set, or RGB values outside [0, 1] or not finite (one line).
+    """
+    wds = require("webdataset", "train", "writing WebDataset shards")
+    from PIL import Image
+
+    train, test, info = data
+    name = info.name
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    if info.kind != "rgbd":
+        raise ValueError(f"data set {name!r} is of kind {info.kind!r}; shards are written from RGB-D data sets "
+                         f"(kind 'rgbd') or from an image folder")
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    manifest: Dict[str, Any] = {
+        "format": "ropekit-shards", "version": 1, "source": f"dataset {name}", "image_size": list(info.image_size),
+        "classes": list(info.class_names) if info.class_names else [str(k) for k in range(info.num_classes)],
+        "shard_size": shard_size, "depth": True, "splits": {}, "skipped": []}
+    for split, ds in (("train", train), ("val", test)):
+        images, labels = ds.images, ds.labels  # (N, 4, H, W) float32: RGB in [0, 1], then depth; (N,) int64
+        rgb = images[:, :3]
+        if not bool(torch.isfinite(rgb).all()) or float(rgb.min()) < 0.0 or float(rgb.max()) > 1.0:
+            raise ValueError(f"data set {name!r}: RGB values must be finite and in [0, 1] to be written as PNG "
+                             "(load it without normalize)")
+        order = np.random.default_rng([seed, len(labels), 5]).permutation(len(labels))
+        writer = _SplitWriter(wds, out, split, shard_size)
         for n, i in enumerate(order.tolist()):
-            path = root / files[i]
-            try:
-                with Image.open(path) as im:
-                    im.verify()  # header (and PNG checksums); no full decode
-            except Exception as e:  # noqa: BLE001 - whatever Pillow raises on a non-image
-                if not skip_corrupt:
-                    raise DataFileError(path, f"not a readable image ({type(e).__name__}: {e}); pass "
-                                              "--skip-corrupt to leave such files out") from None
-                manifest["skipped"].append(str(path))
-                continue
-            if writer is None or entries[-1]["count"] == shard_size:
-                if writer is not None:
-                    writer.close()
-                name = f"{split}-{len(entries):06d}.tar"
-                writer = wds.TarWriter(str(out / name))
-                entries.append({"file": name, "count": 0})
-            ext = os.path.splitext(files[i])[1].lower().lstrip(".")
-            ext = "jpg" if ext == "jpeg" else ext
-            writer.write({"__key__": f"{split}_{n:08d}", ext: path.read_bytes(), "cls": str(int(labels[i]))})
-            entries[-1]["count"] += 1
+            pixels = torch.round(rgb[i] * 255.0).to(torch.uint8).permute(1, 2, 0).numpy()  # (H, W, 3)
+            png = io.BytesIO()
+            Image.fromarray(pixels, "RGB").save(png, format="png")
+            depth = images[i, 3].numpy().astype(np.float32)  # (H, W) metres
+            writer.write({"__key__": f"{split}_{n:08d}", "png": png.getvalue(), DEPTH_KEY: _npy_bytes(depth),
+                          "cls": str(int(labels[i]))})
             if progress is not None:
                 progress(1)
-        if writer is not None:
-            writer.close()
-        manifest["splits"][split] = {"shards": entries, "count": sum(e["count"] for e in entries)}
+        manifest["splits"][split] = writer.close()
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -181,7 +317,11 @@ def check_data(path: PathLike, *, progress: Progress = None) -> Dict[str, Any]:
                                 raise DataFileError(where, "sample lacks its " + ("image" if key is None else
                                                                                   "label (.cls)") + " entry")
                             shard_label(raw, where, n_classes)
-                            decode_image(raw[key], name=where)
+                            img = decode_image(raw[key], name=where)
+                            if stream.depth:
+                                if DEPTH_KEY not in raw:
+                                    raise DataFileError(where, f"sample lacks its depth entry ({DEPTH_KEY})")
+                                decode_depth(raw[DEPTH_KEY], name=where, shape=tuple(img.shape[-2:]))
                         except DataFileError as e:
                             bad.append(str(e))
                         checked += 1

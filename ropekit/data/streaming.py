@@ -507,7 +507,10 @@ def open_stream(
     Returns:
         ``(train, val, info)``: two streams for :func:`make_loader` (:class:`ImageFolderStream` or
         :class:`ShardStream`) and a :class:`ropekit.data.DatasetInfo` (``kind="image"``, ``in_chans=3``,
-        ``image_size``, ``class_names``).
+        ``image_size``, ``class_names``). RGB-D shards (samples with ``depth.npy``) give ``kind="rgbd"``: the
+        transforms are built with ``rgbd=True`` (depth cropped, resized with nearest and flipped with its image,
+        left in metres) and samples are float32 ``(4, H, W)``, RGB then depth, as the in-memory RGB-D data sets
+        give them; ``train_transform`` / ``eval_transform`` then receive ``(rgb, depth)``.
 
     Raises:
         ValueError: unknown name, bad option, or fewer than two classes. FileNotFoundError, DataFileError: as
@@ -519,6 +522,11 @@ def open_stream(
     if key is None:
         raise ValueError(f"unknown stream {name!r}; known streams: {', '.join(list_streams())}")
     hw = as_size(image_size)
+    root_p = Path(root).expanduser()
+    shards: Any = None
+    if key == "shards":
+        shards = ShardStream(root_p, split="train", shuffle_buffer=shuffle_buffer, skip_corrupt=skip_corrupt)
+    rgbd = shards is not None and shards.depth
     given = mean is not None or std is not None
     own = train_transform is None and eval_transform is None  # info records the statistics of our transforms
     m = tuple(mean) if mean is not None else IMAGENET_MEAN
@@ -526,13 +534,13 @@ def open_stream(
     if train_transform is None:
         train_transform = build_train_transform(hw, scale=scale, ratio=ratio, hflip=hflip, auto_augment=auto_augment,
                                                 random_erasing=random_erasing, mean=m, std=s,
-                                                interpolation=interpolation)
+                                                interpolation=interpolation, rgbd=rgbd)
     if eval_transform is None:
-        eval_transform = build_eval_transform(hw, crop_pct=crop_pct, mean=m, std=s, interpolation=interpolation)
-    root_p = Path(root).expanduser()
-    if key == "shards":
-        train: Any = ShardStream(root_p, train_transform, split="train", shuffle_buffer=shuffle_buffer,
-                                 skip_corrupt=skip_corrupt)
+        eval_transform = build_eval_transform(hw, crop_pct=crop_pct, mean=m, std=s, interpolation=interpolation,
+                                              rgbd=rgbd)
+    if shards is not None:
+        train: Any = shards
+        train.transform = train_transform
         val: Any = ShardStream(root_p, eval_transform, split="val", skip_corrupt=skip_corrupt)
         classes = train.classes or []
         num_classes = len(classes) if classes else None
@@ -552,6 +560,6 @@ def open_stream(
         raise ValueError(f"{canonical_name(name)} {root_p} has {num_classes} class; classification needs at least 2 "
                          f"classes, one sub-folder of images each")
     stats = own or given
-    info = DatasetInfo(key, num_classes, 3, hw, "image", class_names=tuple(classes), mean=m if stats else None,
-                       std=s if stats else None)
+    info = DatasetInfo(key, num_classes, 3, hw, "rgbd" if rgbd else "image", class_names=tuple(classes),
+                       mean=m if stats else None, std=s if stats else None)
     return train, val, info

@@ -10,8 +10,11 @@ Both take a PIL image or a uint8 tensor ``(C, H_in, W_in)`` (a float tensor in [
 float32 ``(C, H, W)`` normalised with ``mean`` / ``std``. With ``rgbd=True`` they take ``(rgb, depth)``: ``rgb``
 as above, ``depth`` float ``(H_in, W_in)`` or ``(1, H_in, W_in)`` metres (0 or NaN invalid), and return float32
 ``(4, H, W)``: the normalised RGB, then depth in metres, unnormalised. Every geometric step (crop, resize,
-flip) is applied to depth identically, with nearest-neighbour interpolation (depth is carried as a
-``tv_tensors.Mask``, which v2 resizes with ``NEAREST``, so no depth value is invented by blending an edge);
+flip) is applied to depth identically, with nearest-neighbour interpolation, so no depth value is invented by
+blending an edge. Depth is carried as a ``tv_tensors.Mask`` subclass whose resize kernels sample the source pixel
+under each output pixel's centre (``"nearest-exact"``, as the image's resize is centred): v2's own mask resize
+(``"nearest"``, ``floor(i * scale)``) would shift depth against the image by up to ``(scale - 1) / 2`` source
+pixels when shrinking by ``scale``;
 colour steps (the colour operations of RandAugment, normalisation, random erasing) touch RGB only. In RGB-D mode
 the augmentation policy is restricted to its colour operations, since its shears, rotations and translations
 would move RGB without depth (v2's policies refuse a mask).
@@ -22,6 +25,7 @@ streaming datasets seed it per sample; see :mod:`ropekit.data.streaming`).
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -131,6 +135,34 @@ def _stats(mean: Sequence[float], std: Sequence[float]) -> Tuple[Tuple[float, ..
     return mean, std
 
 
+@functools.lru_cache(maxsize=None)
+def _depth_type() -> type:
+    """A ``tv_tensors.Mask`` subclass for depth maps, with resize kernels that use ``"nearest-exact"`` (registered
+    once, through torchvision's public ``register_kernel``); flips, crops and pads are the mask's (exact copies)."""
+    from torchvision import tv_tensors
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as TF
+
+    class Depth(tv_tensors.Mask):
+        pass
+
+    def resize(depth: Tensor, size: Any, interpolation: Any = None, max_size: Any = None,
+               antialias: Any = True) -> Tensor:
+        out = TF.resize_image(depth.as_subclass(Tensor), size, interpolation=InterpolationMode.NEAREST_EXACT,
+                              max_size=max_size)
+        return tv_tensors.wrap(out, like=depth)
+
+    def resized_crop(depth: Tensor, top: int, left: int, height: int, width: int, size: Any, interpolation: Any = None,
+                     antialias: Any = True) -> Tensor:
+        out = TF.crop_image(depth.as_subclass(Tensor), top, left, height, width)  # (1, h, w), zero-padded outside
+        out = TF.resize_image(out, size, interpolation=InterpolationMode.NEAREST_EXACT)
+        return tv_tensors.wrap(out, like=depth)
+
+    TF.register_kernel(TF.resize, Depth)(resize)
+    TF.register_kernel(TF.resized_crop, Depth)(resized_crop)
+    return Depth
+
+
 class _RGBDTransform:
     """``(rgb, depth) -> (4, H, W)``: ``geometric`` applied jointly (depth as a Mask), ``colour`` to RGB only."""
 
@@ -139,8 +171,6 @@ class _RGBDTransform:
         self.colour = colour
 
     def __call__(self, sample: Any) -> Tensor:
-        from torchvision import tv_tensors
-
         v2 = _v2()
         if isinstance(sample, Tensor):  # an in-memory (4, H, W) sample: RGB in [0, 1], then depth
             rgb, depth = sample[:3], sample[3]
@@ -154,7 +184,7 @@ class _RGBDTransform:
         image = v2.functional.to_image(rgb)
         if tuple(image.shape[-2:]) != tuple(depth.shape[-2:]):
             raise ValueError(f"RGB {tuple(image.shape[-2:])} and depth {tuple(depth.shape[-2:])} differ in size")
-        image, mask = self.geometric(image, tv_tensors.Mask(depth))
+        image, mask = self.geometric(image, _depth_type()(depth))
         return torch.cat([self.colour(image), mask.as_subclass(Tensor).float()], dim=0)  # (3+1, H, W)
 
 
