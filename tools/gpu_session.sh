@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/performance.md, in stages that each fit a 10-minute command on a lent GPU.
 #
-#   bash tools/gpu_session.sh all             # FIRST on any loan (~9.5 min): the CUDA tests, the ViT-B/16 bf16
+#   bash tools/gpu_session.sh all             # FIRST on any loan (~9.5 min): the CUDA tests (with the packed
+#                                             # varlen attention test, not yet run on a GPU), the ViT-B/16 bf16
 #                                             # step eager and compiled against APE, the recompile counts per
 #                                             # encoding, the eager steps' kernel tables -- 6 files in $OUT
 #   bash tools/gpu_session.sh new             # first on a short loan: what this version has not measured on a GPU
@@ -24,7 +25,7 @@
 # h200, ... from the device's name. Run from the repository root with the project importable (PYTHONPATH=$PWD or
 # `pip install --no-deps -e .`).
 set -u
-[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -63,7 +64,8 @@ for stage in "$@"; do
           # counts (.md); the kernel tables of the eager steps (where axial's 1.2x APE goes) are in the log
       run_stage all-tests 120 python -m pytest -q -rfs -p no:cacheprovider -o addopts="" \
         tests/test_sync_free_step.py tests/test_skew_schur.py tests/test_nn_batched_bases.py \
-        tests/test_adversarial_devices.py tests/test_compile_step.py -k "not compiles_once or on_cuda" \
+        tests/test_adversarial_devices.py tests/test_compile_step.py \
+        tests/test_varlen.py::test_varlen_on_cuda_equals_each_image_alone -k "not compiles_once or on_cuda" \
         --junitxml "$OUT/$gpu-all-tests.xml"
       run_stage all-eager 80 $bench --quick --rows none --cases grid2d --vit base --vit-modes eager \
         --vit-pes axial mixed cayley circulant comrope-ld --no-timm \
@@ -83,7 +85,8 @@ for stage in "$@"; do
     checks)
       run_stage checks 420 python -m pytest -q -rfs -p no:cacheprovider tests/test_kernels_rotary.py tests/test_kernels_basis.py \
         tests/test_cuda_precision.py tests/test_nn_batched_bases.py tests/test_nn_fold_overhead.py \
-        tests/test_adversarial_devices.py tests/test_adversarial_precision.py tests/test_adversarial_paths.py
+        tests/test_adversarial_devices.py tests/test_adversarial_precision.py tests/test_adversarial_paths.py \
+        tests/test_varlen.py::test_varlen_on_cuda_equals_each_image_alone
       ;;
     peop)
       run_stage peop 420 $bench --no-vit --json "$OUT/$gpu-peop.json" --markdown "$OUT/$gpu-peop.md"

@@ -182,8 +182,9 @@ class Attention(nn.Module):
             num_prefix_tokens: ``P0`` leading tokens that the encoding leaves unrotated.
             pe_state: this layer's encoding state from :meth:`prepare` (computed here when ``None``).
             attn_mask: ``None`` (full attention), a boolean mask broadcastable to ``(B, H, N, N)`` (``True``:
-                attend; e.g. ``ropekit.nn.masks.segment_mask`` for packed sequences) or a FlexAttention
-                ``BlockMask`` (``ropekit.nn.masks.flex_segment_mask``), see ``ropekit.nn.masks.masked_attention``.
+                attend; e.g. ``ropekit.nn.masks.segment_mask`` for packed sequences), a FlexAttention
+                ``BlockMask`` (``ropekit.nn.masks.flex_segment_mask``) or the varlen layout of packed rows
+                (``ropekit.nn.masks.varlen_segments``), see ``ropekit.nn.masks.masked_attention``.
 
         Returns:
             ``(B, N, D)``.

@@ -3,7 +3,8 @@ aspect ratio in one sequence, each token with its own coordinates and segment id
 
 A rotary encoding acts on every token separately with its own coordinates, so packing changes nothing in the
 encoding: a packed image's logits equal the image's alone (to float round-off) for every encoding and every path
-(module, folded in training, folded for inference), with SDPA and a boolean mask or with FlexAttention.
+(module, folded in training, folded for inference), with SDPA and a boolean mask, with FlexAttention, or with
+FlashAttention's varlen kernel on CUDA.
 
 Layout of a packed row (``B`` rows, ``S`` image slots per row, ``N`` patch tokens per row):
 
@@ -39,12 +40,14 @@ from torch import Tensor
 
 from ..coords.augment import augment_leading_axes
 from .depth import patch_mean_depth, valid_depth_mask
-from .masks import flex_segment_mask, segment_mask
+from .masks import NO_VARLEN, flex_segment_mask, segment_mask, varlen_function, varlen_segments
 
 __all__ = ["PatchedImage", "PackedBatch", "patchify", "pack", "from_naflex", "packed_embed", "packed_forward",
            "packed_forward_any", "ATTENTION_KINDS"]
 
-ATTENTION_KINDS = ("sdpa", "flex")
+#: How :func:`packed_forward` runs attention: ``"auto"`` (the varlen kernel on CUDA in float16 / bfloat16 where one
+#: is installed, else SDPA), ``"sdpa"``, ``"flex"``, ``"varlen"`` (see :mod:`ropekit.nn.masks`).
+ATTENTION_KINDS = ("auto", "sdpa", "flex", "varlen")
 
 
 class PatchedImage(NamedTuple):
@@ -342,8 +345,8 @@ def packed_embed(model, batch: PackedBatch, coord_offset: Optional[Tensor] = Non
     return tokens, coords, num_prefix, seg
 
 
-def packed_forward(model, batch: PackedBatch, *, attention: str = "sdpa", coord_offset: Optional[Tensor] = None,
-                   pre_logits: bool = False) -> Tensor:
+def packed_forward(model, batch: PackedBatch, *, attention: str = "auto", coord_offset: Optional[Tensor] = None,
+                   pre_logits: bool = False, max_seqlen: Optional[int] = None) -> Tensor:
     """Run a :class:`~ropekit.nn.VisionTransformer` on a packed batch: logits ``(I, K)`` (pooled features
     ``(I, D)`` with ``pre_logits`` or ``num_classes == 0``), one row per image in packing order -- each image's as
     ``model(image)`` gives them alone, to float round-off.
@@ -351,15 +354,21 @@ def packed_forward(model, batch: PackedBatch, *, attention: str = "sdpa", coord_
     Args:
         model: the ViT (image, RGB-D or video; no absolute position embedding).
         batch: :class:`PackedBatch` on the model's device.
-        attention: ``"sdpa"`` (boolean block-diagonal mask) or ``"flex"`` (FlexAttention document mask).
+        attention: ``"sdpa"`` (boolean block-diagonal mask), ``"flex"`` (FlexAttention document mask), ``"varlen"``
+            (FlashAttention's varlen kernel: CUDA, float16 / bfloat16, e.g. under autocast; ``ValueError`` where no
+            varlen function is installed or the batch is not on CUDA) or ``"auto"`` (default: ``"varlen"`` where it
+            can run -- a CUDA batch, a varlen function installed, half-precision q / k / v, no dropout unless
+            flash-attn's -- decided in each layer, else ``"sdpa"``; on the CPU exactly ``"sdpa"``).
         coord_offset: optional ``(I, c)`` shift per image (as ``model(x, coord_offset=...)``).
+        max_seqlen: the longest image (prefix token included) for the varlen kernel, when known on the host; default
+            the row length, a bound that needs no host synchronisation (see :mod:`ropekit.nn.masks`).
 
     ``I`` is ``batch.labels.numel()``, or, without labels, the number of slots (every slot then holds an image).
     """
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}")
     tokens, coords, num_prefix, seg = packed_embed(model, batch, coord_offset)
-    mask = segment_mask(seg) if attention == "sdpa" else flex_segment_mask(seg)
+    mask = _attention_mask(attention, seg, batch.image_index.shape[1], tokens.device, max_seqlen)
     states = model.prepare_encodings(coords, num_prefix, tokens.dtype)
     for blk, state in zip(model.blocks, states):  # one prepared state per block, in order
         tokens = blk(tokens, coords, num_prefix, state, attn_mask=mask)
@@ -379,9 +388,27 @@ def packed_forward(model, batch: PackedBatch, *, attention: str = "sdpa", coord_
     return out if pre_logits else model.head(out)
 
 
+def _attention_mask(attention: str, seg: Tensor, slots: int, device: torch.device, max_seqlen: Optional[int]) -> Any:
+    """The ``attn_mask`` the blocks get for ``attention`` (one of :data:`ATTENTION_KINDS`)."""
+    if attention == "flex":
+        return flex_segment_mask(seg)
+    kernel = varlen_function()
+    if attention == "varlen":
+        if kernel is None:
+            raise ValueError(NO_VARLEN)
+        if device.type not in kernel.device_types:
+            raise ValueError(f"attention='varlen' runs on {'/'.join(kernel.device_types)}, the batch is on "
+                             f"{device.type} (use 'auto' or 'sdpa')")
+        return varlen_segments(seg, slots, max_seqlen=max_seqlen)
+    if attention == "auto" and kernel is not None and device.type in kernel.device_types:
+        return varlen_segments(seg, slots, max_seqlen=max_seqlen, mode="auto")  # (the dtype is checked per layer)
+    return segment_mask(seg)
+
+
 def packed_forward_any(model, batch: Union[PackedBatch, Mapping[str, Tensor]],
                        coord_offset: Optional[Tensor] = None) -> Tensor:
-    """:func:`packed_forward` (SDPA) of a :class:`PackedBatch` or of a timm NaFlex dict (:func:`from_naflex`): what
+    """:func:`packed_forward` (``attention="auto"``: SDPA, or the varlen kernel on CUDA in half precision) of a
+    :class:`PackedBatch` or of a timm NaFlex dict (:func:`from_naflex`): what
     ``VisionTransformer.forward`` does with an input that is not a tensor."""
     if isinstance(batch, PackedBatch):
         return packed_forward(model, batch, coord_offset=coord_offset)
