@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from ropekit.data import (DataFileError, DatasetInfo, ShardSource, ShardStream, TensorImageDataset, load_dataset,
-                          make_loader, open_stream)
+from ropekit.data import (DataFileError, DatasetInfo, ImageFolderStream, ShardSource, ShardStream, TensorImageDataset,
+                          load_dataset, make_loader, open_stream)
 from ropekit.data.native import NativeLoader, NativeOptions
 from ropekit.data.shards import check_data, write_dataset_shards, write_shards
 
@@ -241,3 +241,65 @@ def test_train_a_vit_on_rgbd_shards_for_one_epoch(digits, tmp_path):
     data = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
     assert summary["epochs_done"] == 1 and summary["depth_input"] == "coord" and np.isfinite(summary["train_loss"])
     assert (data["kind"], data["num_train"], data["num_test"]) == ("rgbd", 40, 12)
+
+
+def test_rgbd_folder_streams_as_its_shards_do(tmp_path):
+    """An RGB-D folder streamed directly (``--data imagefolder``): the same (rgb, depth) pairs as the files, kind
+    "rgbd" with 4-channel batches, and at native resolution the same packed batches as the shards converted from it."""
+    folder = _ramp_folder(tmp_path / "f", per_class=4)
+    write_shards(folder, tmp_path / "s", shard_size=3, val_fraction=0)
+    stream = ImageFolderStream(folder)
+    assert stream.depth and len(stream) == 8
+    for i in range(len(stream)):
+        (rgb, depth), _ = stream[i]
+        p = stream.path(i)
+        assert torch.equal(rgb, torch.from_numpy(np.array(Image.open(p))).permute(2, 0, 1))
+        assert torch.equal(depth[0], torch.from_numpy(np.load(p.with_name(p.stem + ".depth.npy"))))
+    train, val, info = open_stream("imagefolder", folder, image_size=8, test_fraction=0.25)
+    assert info.kind == "rgbd" and train.depth and val.depth
+    x, _ = next(iter(make_loader(train, batch_size=3)))
+    assert x.shape == (3, 4, 8, 8)
+    shards = ShardSource(tmp_path / "s")
+    by_depth = {_key(stream[i][0][1][0]): i for i in range(len(stream))}
+    ordered = stream.subset([by_depth[_key(shards[j][0][1][0])] for j in range(len(shards))])  # the shards' order
+    opts = NativeOptions(patch_size=4, seq_len=120, rows=2, min_tokens=20, max_tokens=60, depth=True, token_drop=0.2)
+    for seed in range(2):
+        want = list(NativeLoader(ordered, opts, seed=seed).set_epoch(seed))
+        got = list(NativeLoader(shards, opts, seed=seed).set_epoch(seed))
+        assert len(want) == len(got) >= 1
+        assert all(torch.equal(a, b) for x, y in zip(want, got) for a, b in zip(x, y) if isinstance(a, torch.Tensor))
+
+
+def test_rgbd_folder_bad_depth_is_named(tmp_path):
+    folder = _ramp_folder(tmp_path / "f")
+    np.save(folder / "b" / "002.depth.npy", np.zeros((2, 2), np.float32))
+    stream = ImageFolderStream(folder)
+    i = next(i for i in range(len(stream)) if stream.path(i).name == "002.png" and stream.path(i).parent.name == "b")
+    with pytest.raises(DataFileError, match=r"002.depth.npy: depth entry depth.npy must be a numeric"):
+        stream[i]
+    assert ImageFolderStream(folder, skip_corrupt=True)[i] is None
+    bad = check_data(folder)["bad"]
+    assert len(bad) == 1 and "002.depth.npy" in bad[0]
+    (folder / "b" / "002.depth.npy").unlink()
+    with pytest.raises(DataFileError, match=r"002.png: has no depth map 002.depth.npy beside it"):
+        stream[i]
+    _ramp_folder(tmp_path / "tv" / "train")
+    for p in _ramp_folder(tmp_path / "tv" / "val").rglob("*.depth.npy"):
+        p.unlink()
+    with pytest.raises(ValueError, match="the training images have depth maps, the validation images have none"):
+        open_stream("imagefolder", tmp_path / "tv", image_size=8)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_native_resolution_trains_on_an_rgbd_folder(tmp_path):
+    from ropekit.cli import main
+
+    folder = _ramp_folder(tmp_path / "f", per_class=5)
+    args = ["train", "--native-resolution", "--data", "imagefolder", "--data-root", str(folder), "--patch-size", "8",
+            "--native-opt", "seq_len=32", "--native-opt", "rows=2", "--native-opt", "min_tokens=4",
+            "--native-opt", "max_tokens=16", "--model-opt", "embed_dim=16", "--model-opt", "depth=1",
+            "--model-opt", "num_heads=1", "--epochs", "1", "--no-progress", "--no-tensorboard", "--threads", "1",
+            "--device", "cpu", "--out", str(tmp_path / "run")]
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["depth_input"] == "coord" and np.isfinite(summary["train_loss"])  # an RGB-D model

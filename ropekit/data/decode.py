@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ._common import DataFileError, PathLike
 
-__all__ = ["decode_rgb", "decode_image", "decode_depth", "DEPTH_KEY"]
+__all__ = ["decode_rgb", "decode_image", "decode_depth", "depth_path", "DEPTH_KEY"]
 
 #: The sample entry (and the file suffix beside an image) that holds an RGB-D sample's depth map: ``<key>.depth.npy``.
 DEPTH_KEY = "depth.npy"
@@ -159,3 +159,9 @@ def decode_depth(source: Union[PathLike, bytes], name: Optional[str] = None,
         want = f"(H, W) = {tuple(shape)}" if shape is not None else "(H, W)"
         raise DataFileError(label, f"depth entry {DEPTH_KEY} must be a numeric {want} array, got {d.dtype} {d.shape}")
     return torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32))[None]
+
+
+def depth_path(image: PathLike) -> Path:
+    """The depth map beside an image of an RGB-D folder: ``a/b/0001.png`` → ``a/b/0001.depth.npy``."""
+    image = Path(image)
+    return image.with_name(image.stem + "." + DEPTH_KEY)

@@ -26,11 +26,11 @@ import torch
 
 from .._optional import require
 from ._common import DataFileError, PathLike, stratified_split
-from .decode import DEPTH_KEY, decode_depth, decode_image
+from .decode import DEPTH_KEY, decode_depth, decode_image, depth_path
 from .shard_stream import IMAGE_KEYS, MANIFEST_NAME, ShardStream, read_manifest, shard_label
 from .streaming import scan_image_folder
 
-__all__ = ["write_shards", "write_dataset_shards", "depth_path", "check_data", "describe_data"]
+__all__ = ["write_shards", "write_dataset_shards", "check_data", "describe_data"]
 
 Progress = Optional[Callable[[int], None]]
 
@@ -72,12 +72,6 @@ class _SplitWriter:
         if self.writer is not None:
             self.writer.close()
         return {"shards": self.entries, "count": sum(e["count"] for e in self.entries)}
-
-
-def depth_path(image: PathLike) -> Path:
-    """The depth map beside an image of an RGB-D folder: ``a/b/0001.png`` → ``a/b/0001.depth.npy``."""
-    image = Path(image)
-    return image.with_name(image.stem + "." + DEPTH_KEY)
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
@@ -333,9 +327,12 @@ def check_data(path: PathLike, *, progress: Progress = None) -> Dict[str, Any]:
         roots = [path / "train", path / "val"] if "train" in rec["splits"] else [path]
         for root in roots:
             files, _, _, _ = scan_image_folder(root, classes=rec["classes"], allow_empty=True)
+            rgbd = bool(files) and depth_path(root / files[0]).is_file()
             for f in files:
                 try:
-                    decode_image(root / f)
+                    img = decode_image(root / f)
+                    if rgbd:
+                        decode_depth(depth_path(root / f), shape=tuple(img.shape[-2:]))
                 except DataFileError as e:
                     bad.append(str(e))
                 checked += 1

@@ -8,7 +8,8 @@ errors :mod:`ropekit.data.worker` (the public names of the first two are re-expo
 Shape legend: ``B`` batch size; ``C`` colour channels (3); ``H, W`` the transform's output size.
 
 * :class:`ImageFolderStream` -- map-style over ``root/<class>/**/<image>``: construction lists file names only
-  (class ``k`` is the ``k``-th class folder in sorted order), ``ds[i]`` opens, decodes and transforms one file.
+  (class ``k`` is the ``k``-th class folder in sorted order), ``ds[i]`` opens, decodes and transforms one file (and,
+  in an RGB-D folder, the depth map ``<stem>.depth.npy`` beside it).
 * :class:`ShardStream` -- iterable over WebDataset tar shards (one sample = ``<key>.jpg`` (or ``.png``, ...)
   plus ``<key>.cls``, the label as decimal text), as ``ropekit data convert`` writes them, with the manifest
   ``shards.json`` (sample count per shard, class names) that gives the epoch its length.
@@ -58,7 +59,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ._common import SKIP_HINT, DataFileError, DatasetInfo, PathLike, SizeLike, as_size, canonical_name, \
     stratified_split
-from .decode import decode_image, decode_rgb
+from .decode import decode_depth, decode_image, decode_rgb, depth_path
 from .readers import IMAGE_EXTENSIONS
 from .shard_stream import MANIFEST_NAME, EpochPlan, ShardStream, read_manifest
 from .worker import WorkerFailure, collate_samples, failed_in_worker, mix_seed, sample_rng
@@ -191,8 +192,15 @@ class ImageFolderStream(Dataset):
     transform under ``torch.manual_seed(seed)`` (how :func:`make_loader` makes augmentation reproducible).
     The paths are held in one numpy byte array, so DataLoader workers share them without copying.
 
+    RGB-D folders: when the first image has its depth map beside it (``0001.png`` and ``0001.depth.npy``, a numeric
+    ``(H, W)`` array of metres, 0 or NaN invalid; :attr:`depth`), every image needs one, and the transform receives
+    ``(rgb, depth)``: uint8 ``(3, H, W)`` and float32 ``(1, H, W)`` (see
+    :func:`ropekit.data.transforms.build_train_transform` with ``rgbd=True``). A missing or malformed depth map is a
+    :class:`DataFileError` naming it, skipped like an unreadable image with ``skip_corrupt``.
+
     Attributes:
-        classes: class names, label order. labels: int64 ``(N,)``. root: the folder. ignored: non-image files.
+        classes: class names, label order. labels: int64 ``(N,)``. root: the folder. ignored: non-image files
+        (depth maps included). depth: whether the images carry depth maps (RGB-D).
     """
 
     seeded_index = True  # understands ``ds[(i, seed)]``
@@ -221,6 +229,7 @@ class ImageFolderStream(Dataset):
         self.classes: List[str] = list(classes)  # type: ignore[arg-type]
         self._files = np.asarray([os.fsencode(f) for f in files], dtype=bytes)  # (N,) fixed-width bytes
         self.labels = np.asarray(labels, dtype=np.int64)
+        self.depth = bool(len(files)) and depth_path(self.root / files[0]).is_file()
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -233,6 +242,8 @@ class ImageFolderStream(Dataset):
         index, seed = key if isinstance(key, tuple) else (key, None)
         try:
             img = decode_image(self.path(index))
+            if self.depth:
+                img = (img, self._depth(index, tuple(img.shape[-2:])))
         except DataFileError as e:
             if self.skip_corrupt:
                 return None
@@ -243,6 +254,14 @@ class ImageFolderStream(Dataset):
         with sample_rng(seed):
             image = self.transform(img) if self.transform is not None else img
         return image, torch.tensor(self.labels[index], dtype=torch.int64)
+
+    def _depth(self, index: int, shape: Tuple[int, int]) -> Tensor:
+        """Image ``index``'s depth map, float32 ``(1, H, W)``."""
+        path = depth_path(self.path(index))
+        if not path.is_file():
+            raise DataFileError(self.path(index), f"has no depth map {path.name} beside it (the folder's first image "
+                                                  "has one, so every image needs one)")
+        return decode_depth(path, shape=shape)
 
     def subset(self, indices: Sequence[int], transform: Optional[Callable[[Any], Any]] = None) -> "ImageFolderStream":
         """The samples ``indices`` (in that order) as a new stream, with ``transform`` (default: this one's)."""
@@ -510,7 +529,8 @@ def open_stream(
         ``image_size``, ``class_names``). RGB-D shards (samples with ``depth.npy``) give ``kind="rgbd"``: the
         transforms are built with ``rgbd=True`` (depth cropped, resized with nearest and flipped with its image,
         left in metres) and samples are float32 ``(4, H, W)``, RGB then depth, as the in-memory RGB-D data sets
-        give them; ``train_transform`` / ``eval_transform`` then receive ``(rgb, depth)``.
+        give them; ``train_transform`` / ``eval_transform`` then receive ``(rgb, depth)``. So does an RGB-D folder
+        (each image with ``<stem>.depth.npy`` beside it, see :class:`ImageFolderStream`).
 
     Raises:
         ValueError: unknown name, bad option, or fewer than two classes. FileNotFoundError, DataFileError: as
@@ -523,10 +543,24 @@ def open_stream(
         raise ValueError(f"unknown stream {name!r}; known streams: {', '.join(list_streams())}")
     hw = as_size(image_size)
     root_p = Path(root).expanduser()
-    shards: Any = None
-    if key == "shards":
-        shards = ShardStream(root_p, split="train", shuffle_buffer=shuffle_buffer, skip_corrupt=skip_corrupt)
-    rgbd = shards is not None and shards.depth
+    if key == "shards":  # the streams first, without transforms: whether they carry depth decides the transforms
+        train: Any = ShardStream(root_p, split="train", shuffle_buffer=shuffle_buffer, skip_corrupt=skip_corrupt)
+        val: Any = ShardStream(root_p, split="val", skip_corrupt=skip_corrupt)
+        classes = train.classes or []
+        num_classes = len(classes) if classes else None
+    elif (root_p / "train").is_dir() and (root_p / "val").is_dir():
+        train = ImageFolderStream(root_p / "train", skip_corrupt=skip_corrupt)
+        val = ImageFolderStream(root_p / "val", classes=train.classes, skip_corrupt=skip_corrupt, allow_empty=True)
+        classes, num_classes = train.classes, len(train.classes)
+    else:
+        full = ImageFolderStream(root_p, None, skip_corrupt=skip_corrupt)
+        tr, te = stratified_split(full.labels, test_fraction, split_seed)
+        train, val = full.subset(np.sort(tr)), full.subset(np.sort(te))
+        classes, num_classes = full.classes, len(full.classes)
+    rgbd = bool(train.depth)
+    if len(val) and bool(val.depth) != rgbd:
+        raise ValueError(f"{root_p}: the training images {'have' if rgbd else 'have no'} depth maps, the validation "
+                         f"images {'have' if val.depth else 'have none'}")
     given = mean is not None or std is not None
     own = train_transform is None and eval_transform is None  # info records the statistics of our transforms
     m = tuple(mean) if mean is not None else IMAGENET_MEAN
@@ -538,22 +572,7 @@ def open_stream(
     if eval_transform is None:
         eval_transform = build_eval_transform(hw, crop_pct=crop_pct, mean=m, std=s, interpolation=interpolation,
                                               rgbd=rgbd)
-    if shards is not None:
-        train: Any = shards
-        train.transform = train_transform
-        val: Any = ShardStream(root_p, eval_transform, split="val", skip_corrupt=skip_corrupt)
-        classes = train.classes or []
-        num_classes = len(classes) if classes else None
-    elif (root_p / "train").is_dir() and (root_p / "val").is_dir():
-        train = ImageFolderStream(root_p / "train", train_transform, skip_corrupt=skip_corrupt)
-        val = ImageFolderStream(root_p / "val", eval_transform, classes=train.classes, skip_corrupt=skip_corrupt,
-                                allow_empty=True)
-        classes, num_classes = train.classes, len(train.classes)
-    else:
-        full = ImageFolderStream(root_p, None, skip_corrupt=skip_corrupt)
-        tr, te = stratified_split(full.labels, test_fraction, split_seed)
-        train, val = full.subset(np.sort(tr), train_transform), full.subset(np.sort(te), eval_transform)
-        classes, num_classes = full.classes, len(full.classes)
+    train.transform, val.transform = train_transform, eval_transform
     if num_classes is None:
         raise ValueError(f"shards {root_p}: the manifest names no classes")
     if num_classes < 2:

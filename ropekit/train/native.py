@@ -83,7 +83,7 @@ def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
             held = max(1, len(full) // 10)
             test, train = full.subset(np.sort(order[:held])), full.subset(np.sort(order[held:]))
         info = DatasetInfo(name=data, num_classes=len(train.classes), in_chans=3, image_size=_nominal_size(cfg),
-                           class_names=tuple(train.classes))
+                           kind="rgbd" if train.depth else "image", class_names=tuple(train.classes))
         return train, test, info
     if data in SHARD_DATA:
         from ..data.shard_source import ShardSource
