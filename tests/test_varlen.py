@@ -133,14 +133,16 @@ def test_auto_chooses_varlen_where_the_kernel_runs(cpu_kernel):
     with torch.no_grad():
         sdpa = packed_forward(model, batch, attention="sdpa")
         assert not CALLS
-        auto = packed_forward(model, batch)  # the default: a kernel for this device and dtype is there
+        default = packed_forward(model, batch)  # the default stays SDPA although a kernel could run here
+        assert not CALLS and torch.equal(default, sdpa)
+        auto = packed_forward(model, batch, attention="auto")  # a kernel for this device and dtype is there
         assert len(CALLS) == 2 and torch.allclose(auto, sdpa, rtol=1e-12, atol=1e-12)
         CALLS.clear()
-        packed_forward(model.float(), batch._replace(patches=batch.patches.float()))  # float32: SDPA, per layer
+        packed_forward(model.float(), batch._replace(patches=batch.patches.float()), attention="auto")  # float32: SDPA
         assert not CALLS
     model.double().train()
     model.blocks[0].attn.attn_drop = 0.1  # dropout the kernel does not have: SDPA
-    packed_forward(model, batch)
+    packed_forward(model, batch, attention="auto")
     assert len(CALLS) == 1
     with pytest.raises(ValueError, match="without dropout, heads .*; got cpu float64, head 48, dropout 0.1"):
         packed_forward(model, batch, attention="varlen")

@@ -45,8 +45,8 @@ from .masks import NO_VARLEN, flex_segment_mask, segment_mask, varlen_function, 
 __all__ = ["PatchedImage", "PackedBatch", "patchify", "pack", "from_naflex", "packed_embed", "packed_forward",
            "packed_forward_any", "ATTENTION_KINDS"]
 
-#: How :func:`packed_forward` runs attention: ``"auto"`` (the varlen kernel on CUDA in float16 / bfloat16 where one
-#: is installed, else SDPA), ``"sdpa"``, ``"flex"``, ``"varlen"`` (see :mod:`ropekit.nn.masks`).
+#: How :func:`packed_forward` runs attention: ``"sdpa"`` (the default), ``"flex"``, ``"varlen"``, or ``"auto"`` (the
+#: varlen kernel on CUDA in float16 / bfloat16 where one is installed, else SDPA); see :mod:`ropekit.nn.masks`.
 ATTENTION_KINDS = ("auto", "sdpa", "flex", "varlen")
 
 
@@ -345,7 +345,7 @@ def packed_embed(model, batch: PackedBatch, coord_offset: Optional[Tensor] = Non
     return tokens, coords, num_prefix, seg
 
 
-def packed_forward(model, batch: PackedBatch, *, attention: str = "auto", coord_offset: Optional[Tensor] = None,
+def packed_forward(model, batch: PackedBatch, *, attention: str = "sdpa", coord_offset: Optional[Tensor] = None,
                    pre_logits: bool = False, max_seqlen: Optional[int] = None) -> Tensor:
     """Run a :class:`~ropekit.nn.VisionTransformer` on a packed batch: logits ``(I, K)`` (pooled features
     ``(I, D)`` with ``pre_logits`` or ``num_classes == 0``), one row per image in packing order -- each image's as
@@ -354,11 +354,12 @@ def packed_forward(model, batch: PackedBatch, *, attention: str = "auto", coord_
     Args:
         model: the ViT (image, RGB-D or video; no absolute position embedding).
         batch: :class:`PackedBatch` on the model's device.
-        attention: ``"sdpa"`` (boolean block-diagonal mask), ``"flex"`` (FlexAttention document mask), ``"varlen"``
+        attention: ``"sdpa"`` (default: boolean block-diagonal mask), ``"flex"`` (FlexAttention document mask), ``"varlen"``
             (FlashAttention's varlen kernel: CUDA, float16 / bfloat16, e.g. under autocast; ``ValueError`` where no
-            varlen function is installed or the batch is not on CUDA) or ``"auto"`` (default: ``"varlen"`` where it
+            varlen function is installed or the batch is not on CUDA) or ``"auto"`` (``"varlen"`` where it
             can run -- a CUDA batch, a varlen function installed, half-precision q / k / v, no dropout unless
-            flash-attn's -- decided in each layer, else ``"sdpa"``; on the CPU exactly ``"sdpa"``).
+            flash-attn's -- decided in each layer, else ``"sdpa"``; on the CPU exactly ``"sdpa"``). The varlen kernel is
+            opt-in until ``tools/gpu_session.sh`` has checked it on a GPU (its test is written, not yet run there).
         coord_offset: optional ``(I, c)`` shift per image (as ``model(x, coord_offset=...)``).
         max_seqlen: the longest image (prefix token included) for the varlen kernel, when known on the host; default
             the row length, a bound that needs no host synchronisation (see :mod:`ropekit.nn.masks`).
@@ -407,7 +408,7 @@ def _attention_mask(attention: str, seg: Tensor, slots: int, device: torch.devic
 
 def packed_forward_any(model, batch: Union[PackedBatch, Mapping[str, Tensor]],
                        coord_offset: Optional[Tensor] = None) -> Tensor:
-    """:func:`packed_forward` (``attention="auto"``: SDPA, or the varlen kernel on CUDA in half precision) of a
+    """:func:`packed_forward` (SDPA with a block-diagonal mask) of a
     :class:`PackedBatch` or of a timm NaFlex dict (:func:`from_naflex`): what
     ``VisionTransformer.forward`` does with an input that is not a tensor."""
     if isinstance(batch, PackedBatch):
