@@ -82,3 +82,76 @@ def test_robot_tables_match_their_csv(folder):
                                     paired_verdicts(rows, policies, conditions)))
     text = (src / "table.md").read_text()
     assert fresh in text, f"regenerate the paired section of docs/results/{folder}/table.md"
+
+
+def _write_retrieval_folder(folder: Path, study: str, rows):
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"study": study, "preset": "default"}))
+    with open(folder / f"{study}.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _section(text: str, heading: str) -> str:
+    part = text.split(f"\n## {heading}\n", 1)[1]
+    return part.split("\n## ", 1)[0]
+
+
+def test_a_dropped_in_retrieval_depth_folder_is_indexed_with_its_hard_negatives(tmp_path):
+    """A ``retrieval-depth`` folder put under docs/results is read by the index with no code change: its recall
+    claims, the power of RGB-D Cayley − RGB-D RoPE, and per arm the depth hard-negative accuracy against chance
+    with the verdict of the one rule (the RGB control at chance reads null with its MDE; the RGB-D towers far above
+    it hold); too few pairs read "not assessable", and runs without the measure say so."""
+    from ropekit_studies.verdict import seeds_needed
+
+    pairs = 400
+    acc = {"rgb-ape": [0.5, 0.5, 0.5], "rgb-cayley": [0.49, 0.51, 0.5], "rgbd-rope": [0.66, 0.70, 0.68],
+           "rgbd-cayley": [0.70, 0.74, 0.72]}
+    recall = {"rgb-ape": [0.10, 0.12, 0.11], "rgb-cayley": [0.11, 0.12, 0.10], "rgbd-rope": [0.15, 0.20, 0.16],
+              "rgbd-cayley": [0.17, 0.24, 0.19]}
+    rows = [{"arm": a, "seed": k, "mean_recall": recall[a][k], "depth_hn_acc": acc[a][k],
+             "depth_hn_pairs": pairs, "depth_hn_ties": 0} for a in acc for k in range(3)]
+    _write_retrieval_folder(tmp_path / "retrieval-depth", "retrieval-depth", rows)
+    text = render_claims(tmp_path)
+    sec = _section(text, "retrieval-depth")
+    assert "`ropekit experiment retrieval-depth`" in sec and "depth-only" in sec
+    hn = {line.split(" | ")[0].lstrip("| "): line for line in sec.splitlines() if line.startswith("| RGB")
+          and "chance" in line}
+    assert set(hn) == {"RGB, APE (baseline)", "RGB, Cayley-STRING (2-D)", "RGB-D, RoPE (axial), depth as z",
+                       "RGB-D, Cayley-STRING, depth as z"}
+    # the control at exactly 0.5 on 3 x 400 captions: null, with the MDE of the captions' binomial spread,
+    # (z_0.975 + z_0.8) sqrt(0.25 / 1200) = 4.04 points (the bootstrap's quantiles: a few per cent of Monte Carlo)
+    assert "**null** (MDE " in hn["RGB, APE (baseline)"] and "yes (expected null)" in hn["RGB, APE (baseline)"]
+    mde = float(re.search(r"MDE ([0-9.]+)", hn["RGB, APE (baseline)"]).group(1))
+    assert mde == pytest.approx(100 * 2.8016 * (0.25 / 1200) ** 0.5, rel=0.08)
+    assert "**null**" in hn["RGB, Cayley-STRING (2-D)"]
+    # 0.68 and 0.72 over 1,200 captions each: z > 12 from chance, far beyond any Holm threshold
+    for arm in ("RGB-D, RoPE (axial), depth as z", "RGB-D, Cayley-STRING, depth as z"):
+        assert "**holds**" in hn[arm] and "yes (expected holds)" in hn[arm] and "| 1200 |" in hn[arm]
+    # the STRING-against-RoPE pair and its power: sd of (+0.02, +0.04, +0.03) = 0.01
+    assert "RGB-D, depth as z: Cayley-STRING − RoPE (axial) | 3 | +3.00 ± 1.00 |" in sec
+    assert f"needs about {seeds_needed(0.01, 0.01)} seeds" in sec and seeds_needed(0.01, 0.01) == 8
+
+    # an RGB control above chance is flagged; one seed or too few pairs are not assessable; no measure, said so
+    leak = [dict(r, depth_hn_acc=0.75) if r["arm"] == "rgb-ape" else r for r in rows]
+    shutil.rmtree(tmp_path / "retrieval-depth")
+    _write_retrieval_folder(tmp_path / "retrieval-depth", "retrieval-depth", leak)
+    line = next(x for x in _section(render_claims(tmp_path), "retrieval-depth").splitlines()
+                if x.startswith("| RGB, APE (baseline) | control"))
+    assert "**holds**" in line and "**no** (expected null)" in line
+    one = [r for r in rows if r["seed"] == 0]
+    _write_retrieval_folder(tmp_path / "one" / "retrieval-depth", "retrieval-depth", one)
+    sec = _section(render_claims(tmp_path / "one"), "retrieval-depth")
+    assert sec.count("**not assessable**") == 4 + 5  # four arms, the five recall claims among them, one seed
+    bare = [{k: v for k, v in r.items() if not k.startswith("depth_hn")} for r in rows]
+    _write_retrieval_folder(tmp_path / "bare" / "retrieval", "retrieval", bare)
+    assert "Depth hard negatives: not measured" in _section(render_claims(tmp_path / "bare"), "retrieval")
+
+
+def test_the_index_reads_the_committed_depth_only_smoke_run():
+    """docs/results/retrieval-depth-quick (2 pairs per arm in all) is indexed: every hard-negative claim is not
+    assessable, as its README says."""
+    sec = _section((RESULTS / "claims.md").read_text(), "retrieval-depth-quick")
+    rows = [x for x in sec.splitlines() if "chance" in x and x.startswith("| RGB")]
+    assert len(rows) == 3 and all("**not assessable**" in x and "| 2 |" in x for x in rows)
