@@ -155,3 +155,82 @@ def test_the_index_reads_the_committed_depth_only_smoke_run():
     sec = _section((RESULTS / "claims.md").read_text(), "retrieval-depth-quick")
     rows = [x for x in sec.splitlines() if "chance" in x and x.startswith("| RGB")]
     assert len(rows) == 3 and all("**not assessable**" in x and "| 2 |" in x for x in rows)
+
+
+class _V:
+    """A verdict's fields as the pages write them (3 decimals, a real minus sign)."""
+
+    def __init__(self, v):
+        self.word, self.label = v.word, v.label
+        self.lo, self.hi = self._signed(v.low95), self._signed(v.high95)
+        self.mde, self.ph = f"{v.mde:.3f}", f"{v.p_holm:.3f}"
+
+    @staticmethod
+    def _signed(x: float) -> str:
+        return f"{x:+.3f}".replace("-", "−")
+
+
+def _acc(path: Path, *keys: str):
+    """``{(key values..., seed): test_acc}`` of a study CSV."""
+    with open(path, newline="") as fh:
+        return {tuple(r[k] for k in keys) + (int(r["seed"]),): float(r["test_acc"]) for r in csv.DictReader(fh)}
+
+
+def _family(diffs):
+    from ropekit_studies.verdict import judge
+
+    return {k: _V(v) for k, v in judge(diffs, {k: 1 for k in diffs}).items()}
+
+
+def _flat(page: str) -> str:
+    return " ".join((RESULTS / page).read_text().split())
+
+
+def test_hand_written_readings_of_the_study_readmes_match_the_csvs():
+    """The verdict words (and intervals, MDEs, Holm p) that study READMEs state in prose are what the one rule gives
+    on the committed CSVs, each family as the page names it."""
+    from ropekit_studies.verdict import judge_one
+
+    seeds = range(3)
+    # scale-width: the six LieRE comparisons one family; the growth 32 -> 128 read alone
+    a = _acc(RESULTS / "scale-width" / "scale-width.csv", "pe", "width")
+    fam = {f"{ref}{w}": [a[("liere", str(w), s)] - a[(pe, str(w), s)] for s in seeds]
+           for ref, pe in (("a", "absolute"), ("m", "mixed")) for w in (32, 64, 128)}
+    v = _family(fam)
+    assert v["a32"].word == v["a64"].word and v["m64"].word == v["m128"].word
+    g = _V(judge_one([fam["a128"][s] - fam["a32"][s] for s in seeds]))
+    page = _flat("scale-width/README.md")
+    for text in (f"LieRE − APE is a **{v['a32'].word}** at 32 and 64 (95 % [{v['a32'].lo}, {v['a32'].hi}] and "
+                 f"[{v['a64'].lo}, {v['a64'].hi}]; MDE {v['a32'].mde} and {v['a64'].mde}) and a "
+                 f"**{v['a128'].word}** at 128 (95 % [{v['a128'].lo}, {v['a128'].hi}]",
+                 f"LieRE − RoPE-Mixed is a **{v['m32'].word}** at 32 (95 % [{v['m32'].lo}, {v['m32'].hi}]) and a "
+                 f"**{v['m64'].word}** at 64 and 128 (MDE {v['m64'].mde} and {v['m128'].mde})",
+                 f"(−0.018/+0.077/+0.068): a **{g.word}** (95 % [{g.lo}, {g.hi}], MDE {g.mde};"):
+        assert text in page, text
+    # data-efficiency-depth6-liere: its five LieRE comparisons at equal steps one family
+    st = _acc(RESULTS / "data-efficiency-depth6-liere" / "equal-steps.csv", "pe", "fraction")
+    mx = _acc(RESULTS / "data-efficiency-depth6" / "equal-steps.csv", "pe", "fraction")
+    lead = {f: [st[("liere", f, s)] - st[("absolute", f, s)] for s in seeds] for f in ("0.1", "0.25", "0.5", "1")}
+    v = _family({"a10": lead["0.1"], "a25": lead["0.25"], "a50": lead["0.5"],
+                 "g": [lead["0.1"][s] - lead["1"][s] for s in seeds],
+                 "m10": [st[("liere", "0.1", s)] - mx[("mixed", "0.1", s)] for s in seeds]})
+    text = (f"LieRE − APE on 10 % **{v['a10'].word}** (95 % [{v['a10'].lo}, {v['a10'].hi}], Holm p {v['a10'].ph}), "
+            f"on 25 % a **{v['a25'].word}** (95 % [{v['a25'].lo}, {v['a25'].hi}], MDE {v['a25'].mde}), on 50 % a "
+            f"**{v['a50'].word}** (95 % [{v['a50'].lo}, {v['a50'].hi}]); the growth from 100 % to 10 % "
+            f"**{v['g'].word}**, only just (95 % [{v['g'].lo}, {v['g'].hi}], Holm p {v['g'].ph}); LieRE − RoPE-Mixed "
+            f"on 10 % **{v['m10'].word}** (95 % [{v['m10'].lo}, {v['m10'].hi}], Holm p {v['m10'].ph})")
+    assert text in _flat("data-efficiency-depth6-liere/README.md"), text
+    # gpu/README: learnable against fixed, read alone
+    gp = _acc(RESULTS / "gpu" / "classify" / "classify.csv", "pe")
+    five = range(5)
+    v = _V(judge_one([gp[("mixed", s)] - gp[("axial", s)] for s in five]))
+    text = f"RoPE-Mixed − axial −0.005 ± 0.005 (4 of 5 below) a {v.label} (95 % [{v.lo}, {v.hi}])"
+    assert text in _flat("gpu/README.md"), text
+    # classify-normalized's side check: LieRE (normalised) − ComRoPE-LD with its authors' start, read alone
+    cn = _acc(RESULTS / "classify-normalized" / "classify-coords.csv", "pe")
+    side = {}
+    for name in ("classify-seeds0-1.csv", "classify-seed2.csv"):
+        side.update(_acc(RESULTS / "classify-normalized" / "comrope-paper-start" / name, "pe"))
+    v = _V(judge_one([cn[("liere/normalized", s)] - side[("comrope-ld", s)] for s in seeds]))
+    text = f"LieRE − LD +0.027 ± 0.033, a {v.word}, 95 % [{v.lo}, {v.hi}], MDE {v.mde}"
+    assert text in _flat("classify-normalized/README.md"), text
