@@ -234,3 +234,37 @@ def test_hand_written_readings_of_the_study_readmes_match_the_csvs():
     v = _V(judge_one([cn[("liere/normalized", s)] - side[("comrope-ld", s)] for s in seeds]))
     text = f"LieRE − LD +0.027 ± 0.033, a {v.word}, 95 % [{v.lo}, {v.hi}], MDE {v.mde}"
     assert text in _flat("classify-normalized/README.md"), text
+
+
+def test_the_ablation_readings_of_the_results_readme_match_the_csvs():
+    """docs/results/README.md's ablation rows (sharing and jitter, each difference read alone) are what the one rule
+    gives on the committed ablations CSVs."""
+    from ropekit_studies.verdict import judge_one
+
+    def diffs(folder, group, pe, first, second, column="test_acc"):
+        with open(RESULTS / folder / "ablations.csv", newline="") as fh:
+            rows = {(r["group"], r["pe"], r["setting"], int(r["seed"])): r for r in csv.DictReader(fh)}
+        return [float(rows[(group, pe, first, s)][column]) - float(rows[(group, pe, second, s)][column])
+                for s in range(3)]
+
+    def v(*args, **kw):
+        return _V(judge_one(diffs(*args, **kw)))
+
+    page = _flat("README.md")
+    mixed, cayley = v("ablations", "sharing", "mixed", "model", "head"), v("ablations", "sharing", "cayley", "model",
+                                                                           "head")
+    commute6 = v("ablations-depth6", "sharing", "liere-commute", "model", "head")
+    ap = v("ablations", "sharing", "comrope-ap", "head", "model")
+    jm, jc = (v("ablations", "jitter", pe, "σ=1", "σ=0", column="acc_at_36px") for pe in ("mixed", "cayley"))
+    jm6, jc6 = (v("ablations-depth6", "jitter", pe, "σ=1", "σ=0", column="acc_at_36px") for pe in ("mixed", "cayley"))
+    for text in (f"a **{mixed.word}** for RoPE-Mixed (one per model − per head +0.036 ± 0.018, every seed; 95 % "
+                 f"[{mixed.lo}, {mixed.hi}]), a **{cayley.word}** for Cayley (+0.025 ± 0.024, every seed; MDE "
+                 f"{cayley.mde})",
+                 f"a **{commute6.word}** for LieRE-Commute (+0.025 ± 0.020, every seed; 95 % [{commute6.lo}, "
+                 f"{commute6.hi}])",
+                 f"AP +0.002 ± 0.001 **{ap.word}** (every seed, 95 % [{ap.lo}, {ap.hi}]",
+                 f"RoPE-Mixed **{jm.word}**, +0.076 ± 0.020 (every seed; 95 % [{jm.lo}, {jm.hi}]); Cayley a "
+                 f"{jc.word}, +0.049 ± 0.089 (MDE {jc.mde})",
+                 f"at 36 px Cayley **{jc6.word}**, +0.061 ± 0.018 (95 % [{jc6.lo}, {jc6.hi}]), RoPE-Mixed a "
+                 f"{jm6.word}, +0.072 ± 0.031 (95 % [{jm6.lo}, {jm6.hi}])"):
+        assert text in page, text
