@@ -268,3 +268,23 @@ def test_the_ablation_readings_of_the_results_readme_match_the_csvs():
                  f"at 36 px Cayley **{jc6.word}**, +0.061 ± 0.018 (95 % [{jc6.lo}, {jc6.hi}]), RoPE-Mixed a "
                  f"{jm6.word}, +0.072 ± 0.031 (95 % [{jm6.lo}, {jm6.hi}])"):
         assert text in page, text
+
+
+def test_the_video_side_check_readings_match_their_csvs():
+    """video-normalized's side check (ComRoPE with its authors' start): each paired difference of its table read
+    alone, word and MDE or interval as the page states them."""
+    from ropekit_studies.verdict import judge_one
+
+    side = _acc(RESULTS / "video-normalized" / "comrope-paper-start" / "video.csv", "pe")
+    arms = _acc(RESULTS / "video-normalized" / "video-coords.csv", "pe")
+    page = _flat("video-normalized/README.md")
+
+    def v(pe, ref):
+        return _V(judge_one([side[(pe, s)] - arms[(ref, s)] for s in range(3)]))
+
+    ag, al = v("comrope-ap", "comrope-ap/grid"), v("comrope-ap", "liere/normalized")
+    lg, ll = v("comrope-ld", "comrope-ld/grid"), v("comrope-ld", "liere/normalized")
+    for text in (f"+0.013 ± 0.013, {ag.word} (every seed positive; MDE {ag.mde}) | +0.011 ± 0.005, {al.word} (95 % "
+                 f"[{al.lo}, {al.hi}]) |",
+                 f"−0.003 ± 0.012, {lg.word} (MDE {lg.mde}) | −0.003 ± 0.013, {ll.word} (MDE {ll.mde}) |"):
+        assert text in page, text
