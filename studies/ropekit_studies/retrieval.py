@@ -321,21 +321,11 @@ def hard_negatives(rows: Sequence[Dict[str, Any]], arms: Sequence[str], *, resam
         v = verdicts.get(h["arm"])
         word = v.word if v is not None else ("not assessable" if h["claim"] else None)
         h.update({"reading": word, "label": v.label if v is not None else word,
-                  "mde": _boot_mde(h["low95"], h["high95"]) if v is not None else float("nan"), "p": boot["p"],
+                  "mde": v.mde if v is not None else float("nan"), "p": boot["p"],
                   "p_holm": v.p_holm if v is not None else float("nan"),
                   "expected": h["claim"][1] if h["claim"] else None,
                   "as_expected": (word == h["claim"][1]) if h["claim"] else None})
     return out
-
-
-def _boot_mde(low95: float, high95: float) -> float:
-    """The smallest distance from chance a bootstrap interval of this width detects at 80 % power: its standard
-    error ``(high − low) / (2 z_0.975)`` times ``z_0.975 + z_0.8`` (the captions' spread counts, not only the
-    seeds')."""
-    from scipy.stats import norm
-
-    z = float(norm.ppf(0.975))
-    return (high95 - low95) / (2 * z) * (z + float(norm.ppf(0.8)))
 
 
 def hard_negative_table(hn: Sequence[Dict[str, Any]]) -> str:
