@@ -288,3 +288,37 @@ def test_the_video_side_check_readings_match_their_csvs():
                  f"[{al.lo}, {al.hi}]) |",
                  f"−0.003 ± 0.012, {lg.word} (MDE {lg.mde}) | −0.003 ± 0.013, {ll.word} (MDE {ll.mde}) |"):
         assert text in page, text
+
+
+def test_the_resolution_comrope_paired_table_matches_its_csv():
+    """docs/results/resolution-comrope/README.md's paired table (between its markers) is what the CSV gives: the
+    30 cells one Holm family, every null with its MDE."""
+    from ropekit_studies.resolution_paired import render_folder
+
+    folder = RESULTS / "resolution-comrope"
+    committed = (folder / "README.md").read_text()
+    assert render_folder(folder) == committed, "regenerate: python -m ropekit_studies.resolution_paired " \
+                                               "docs/results/resolution-comrope"
+    table = committed.split("<!-- paired:begin -->")[1].split("<!-- paired:end -->")[0]
+    assert table.count(" null (MDE ") == table.count(" null") == 19 and table.count(" trend") == 11
+
+
+def test_the_paired_size_table_reads_signs_seeds_and_gaps():
+    """A trend against the claimed sign is written "trend (−)", one seed "not assessable", a missing arm is an
+    error; the words are judge's over the whole table."""
+    from ropekit_studies.resolution_paired import paired_size_table
+    from ropekit_studies.verdict import judge
+
+    acc = {("b", 0): 0.50, ("b", 1): 0.52, ("b", 2): 0.51, ("a", 0): 0.45, ("a", 1): 0.51, ("a", 2): 0.48,
+           ("c", 0): 0.80}
+    rows = [{"mode": "resize", "pe": pe, "image_size": "16", "seed": str(s), "test_acc": str(v), "train_size": "16"}
+            for (pe, s), v in acc.items()]
+    lines = paired_size_table(rows, "resize", [16], [("a − b", "a", "b")])
+    want = judge({"x": [-0.05, -0.01, -0.03]}, {"x": 1})["x"]
+    assert want.word == "trend" and want.sign == -1  # t = -2.60: beyond t_(0.9, 2) = 1.89, inside t_(0.975, 2)
+    assert lines[0] == "| difference | 16 (train) px |" and "−0.030 ± 0.020 trend (−)" in lines[2]
+    one = paired_size_table(rows + [{"mode": "resize", "pe": "b", "image_size": "16", "seed": "9",
+                                     "test_acc": "0.5", "train_size": "16"}], "resize", [16], [("c − b", "c", "b")])
+    assert "+0.300 not assessable" in one[2]
+    with pytest.raises(ValueError, match="no paired runs of a and z"):
+        paired_size_table(rows, "resize", [16], [("a − z", "a", "z")])
