@@ -322,3 +322,14 @@ def test_the_paired_size_table_reads_signs_seeds_and_gaps():
     assert "+0.300 not assessable" in one[2]
     with pytest.raises(ValueError, match="no paired runs of a and z"):
         paired_size_table(rows, "resize", [16], [("a − z", "a", "z")])
+
+
+def test_the_compute_efficiency_depth6_readings_match_its_csv():
+    """compute-efficiency-depth6's reading column: LieRE − APE at each length, the four one Holm family."""
+    a = _acc(RESULTS / "compute-efficiency-depth6" / "compute-efficiency.csv", "pe", "epochs")
+    v = _family({e: [a[("liere", e, s)] - a[("absolute", e, s)] for s in range(3)] for e in ("2", "4", "6", "10")})
+    page = _flat("compute-efficiency-depth6/README.md")
+    for text in (f"| {v['2'].label} (95 % [{v['2'].lo}, {v['2'].hi}]) |", f"| {v['4'].word} (MDE {v['4'].mde}) |",
+                 f"| {v['6'].word} (95 % [{v['6'].lo}, {v['6'].hi}]) |",
+                 f"| {v['10'].word} (95 % [{v['10'].lo}, {v['10'].hi}]) |"):
+        assert text in page, text
