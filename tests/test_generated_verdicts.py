@@ -333,3 +333,17 @@ def test_the_compute_efficiency_depth6_readings_match_its_csv():
                  f"| {v['6'].word} (95 % [{v['6'].lo}, {v['6'].hi}]) |",
                  f"| {v['10'].word} (95 % [{v['10'].lo}, {v['10'].hi}]) |"):
         assert text in page, text
+
+
+def test_the_owl_readme_quotes_its_generated_table():
+    """docs/results/owl/README.md's verdict cells ("mean ± sd word") are the generated table's (table.md, itself
+    checked against the CSV above): the same word, and the same MDE beside a null."""
+    cell = r"([+\-−]?[0-9]+\.[0-9]+) ± ([0-9.]+)\*{0,2} (holds|reversed|trend|null)(?:\*{0,2} \(MDE ([0-9.]+)\))?"
+    table = {}
+    for m in re.finditer(r"\| (-?[0-9.]+) ± ([0-9.]+) \| (holds|reversed|trend|null)(?: \(MDE ([0-9.]+)\))? (?=\|)",
+                         _flat("owl/table.md")):
+        table.setdefault((abs(float(m.group(1))), m.group(2)), []).append((m.group(3), m.group(4)))
+    quoted = re.findall(cell, _flat("owl/README.md").replace("| ", " "))
+    assert len(quoted) >= 10
+    for mean, sd, word, mde in quoted:
+        assert (word, mde or None) in table[(abs(float(mean.replace("−", "-"))), sd)], (mean, sd, word, mde)
