@@ -347,3 +347,21 @@ def test_the_owl_readme_quotes_its_generated_table():
     assert len(quoted) >= 10
     for mean, sd, word, mde in quoted:
         assert (word, mde or None) in table[(abs(float(mean.replace("−", "-"))), sd)], (mean, sd, word, mde)
+
+
+def test_the_detect3d_rotary_readings_match_its_csv():
+    """detect3d's README at the study's length: rotary ViTD − APE / NoPE ViTD, the eight one Holm family, as the
+    page states them (words, MDEs, none holding)."""
+    with open(RESULTS / "detect3d" / "detect3d.csv", newline="") as fh:
+        iou = {(r["encoding"], r["input"], int(r["seed"])): float(r["mean_iou"]) for r in csv.DictReader(fh)}
+    v = _family({f"{e} {b}": [iou[(e, "rgbd", s)] - iou[(ref, "rgbd", s)] for s in range(3)]
+                 for e in ("axial", "mixed", "cayley", "circulant") for b, ref in (("APE", "absolute"),
+                                                                                  ("NoPE", "none"))})
+    assert not any(x.word == "holds" for x in v.values()) and min(float(x.ph) for x in v.values()) >= 0.27
+    text = (f"− APE +0.035 to +0.057 (axial a {v['axial APE'].word}, MDE {v['axial APE'].mde}; RoPE-Mixed, Cayley, "
+            f"Circulant {v['mixed APE'].word}s), − NoPE +0.017 to +0.039 (axial and Cayley {v['axial NoPE'].word}s; "
+            f"RoPE-Mixed and Circulant {v['mixed NoPE'].word}s, MDE {v['mixed NoPE'].mde} and "
+            f"{v['circulant NoPE'].mde})")
+    assert {v["mixed APE"].word, v["cayley APE"].word, v["circulant APE"].word} == {v["mixed APE"].word}
+    assert v["cayley NoPE"].word == v["axial NoPE"].word and v["circulant NoPE"].word == v["mixed NoPE"].word
+    assert text in _flat("detect3d/README.md"), text
