@@ -365,3 +365,18 @@ def test_the_detect3d_rotary_readings_match_its_csv():
     assert {v["mixed APE"].word, v["cayley APE"].word, v["circulant APE"].word} == {v["mixed APE"].word}
     assert v["cayley NoPE"].word == v["axial NoPE"].word and v["circulant NoPE"].word == v["mixed NoPE"].word
     assert text in _flat("detect3d/README.md"), text
+
+
+@pytest.mark.parametrize("study", ["resolution-comrope", "resolution-comrope-paper"])
+def test_the_declared_paired_comparisons_name_arms_the_recipe_trains(study):
+    """Every arm of a declared paired table is one its study's default recipe trains (``ENCODING/CONVENTION``, or
+    the plain name of an encoding without coordinates), at sizes the recipe evaluates."""
+    from ropekit_studies.recipes import RECIPES
+    from ropekit_studies.resolution_paired import PAIRED_TABLES
+
+    rec = RECIPES[study]["default"]["study"]
+    modes = rec["options"]["coord_modes"]
+    arms = {pe if pe in ("none", "absolute", "sincos") else f"{pe}/{cm}" for pe in rec["pes"] for cm in modes}
+    mode, sizes, pairs = PAIRED_TABLES[study]
+    assert mode == "resize" and set(sizes) <= set(rec["options"]["sizes"])
+    assert {x for _, a, b in pairs for x in (a, b)} <= arms

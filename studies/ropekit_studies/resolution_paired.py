@@ -19,23 +19,36 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .report import markdown_table, replace_marked_lines
+from .report import markdown_table, pe_label, replace_marked_lines
 from .verdict import judge
 
 __all__ = ["PAIRED_TABLES", "BEGIN", "END", "paired_size_table", "render_folder", "main"]
 
 BEGIN, END = "<!-- paired:begin -->", "<!-- paired:end -->"
 
+_SIZES = (16, 24, 28, 36, 44, 56)
+_LD_AP = ("ComRoPE-LD − ComRoPE-AP, σ = 0", "comrope-ld/normalized", "comrope-ap/normalized")
+_AP_CIRCULANT = ("ComRoPE-AP − Circulant, σ = 0", "comrope-ap/normalized", "circulant/normalized")
+
+
+def _sigma(*encodings: str) -> Tuple[Tuple[str, str, str], ...]:
+    """The jitter comparisons, σ = 1 − σ = 0, of ``encodings`` (labels from :func:`~ropekit_studies.report.
+    pe_label`)."""
+    return tuple((f"σ = 1 − σ = 0, {pe_label(pe).replace('-STRING', '')}", f"{pe}/normalized+jitter",
+                  f"{pe}/normalized") for pe in encodings)
+
+
 #: study -> (evaluation mode, evaluation sizes, [(label, first arm, second arm)]): the comparisons its README
 #: reads, declared before the runs; arms as the study's CSV names them (``ENCODING/CONVENTION``).
 PAIRED_TABLES: Dict[str, Tuple[str, Tuple[int, ...], Tuple[Tuple[str, str, str], ...]]] = {
-    "resolution-comrope": ("resize", (16, 24, 28, 36, 44, 56), (
-        ("ComRoPE-LD − ComRoPE-AP, σ = 0", "comrope-ld/normalized", "comrope-ap/normalized"),
-        ("σ = 1 − σ = 0, ComRoPE-AP", "comrope-ap/normalized+jitter", "comrope-ap/normalized"),
-        ("σ = 1 − σ = 0, ComRoPE-LD", "comrope-ld/normalized+jitter", "comrope-ld/normalized"),
-        ("σ = 1 − σ = 0, Circulant", "circulant/normalized+jitter", "circulant/normalized"),
-        ("ComRoPE-AP − Circulant, σ = 0", "comrope-ap/normalized", "circulant/normalized"),
-    )),
+    "resolution-comrope": ("resize", _SIZES,
+                           (_LD_AP,) + _sigma("comrope-ap", "comrope-ld", "circulant") + (_AP_CIRCULANT,)),
+    # ComRoPE with its authors' random start, and LieRE and APE: ComRoPE Table 1's order (LD > AP > LieRE > APE)
+    # and the comparisons resolution-comrope made, declared before its runs were read
+    "resolution-comrope-paper": ("resize", _SIZES, (
+        _LD_AP, ("ComRoPE-LD − LieRE, σ = 0", "comrope-ld/normalized", "liere/normalized"),
+        ("LieRE − APE, σ = 0", "liere/normalized", "absolute")) + _sigma("comrope-ap", "comrope-ld")
+        + (_AP_CIRCULANT,)),
 }
 
 
