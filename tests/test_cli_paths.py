@@ -447,6 +447,28 @@ def test_experiment_quick_on_a_streamed_folder(tmp_path, capsys, monkeypatch):
     assert any((tmp_path / ".cache" / "ropekit-experiments").iterdir())
 
 
+def test_the_cache_line_names_only_caches_a_study_used(tmp_path, capsys, monkeypatch):
+    """``trained runs are cached in ...`` is printed once per run cache the studies trained in or read back from,
+    and not at all after studies that keep their runs under their own --out (retrieval, detect3d, owl, robot)."""
+    from ropekit_studies import runner
+    from ropekit_studies.common import StudyResult
+
+    monkeypatch.chdir(tmp_path)
+    used = {"retrieval": None, "classify": tmp_path / "c1", "offset": tmp_path / "c1", "shuffle": tmp_path / "c2"}
+    monkeypatch.setattr(runner, "run_experiment", lambda name, out, **kw: StudyResult(name, out, [], "", {},
+                                                                                       cache_dir=used[name]))
+    code, _, err = run_cli(capsys, "experiment", "retrieval", "--out", "r")
+    assert code == 0 and "cached in" not in err, err
+    for name in ("classify", "offset", "shuffle"):
+        code, _, err = run_cli(capsys, "experiment", name, "--out", name)
+        assert code == 0 and err.count("trained runs are cached in") == 1 and str(used[name]) in err, err
+    # every study at once: one line for the one cache they share
+    monkeypatch.setattr(runner, "run_experiment", lambda name, out, **kw: StudyResult(
+        name, out, [], "", {}, cache_dir=None if name in ("retrieval", "owl") else tmp_path / "c1"))
+    code, _, err = run_cli(capsys, "experiment", "all", "--out", "every")
+    assert code == 0 and err.count("trained runs are cached in") == 1, err
+
+
 # ------------------------------------------------------------------------------------------------ 8. conventions
 
 

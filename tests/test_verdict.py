@@ -159,3 +159,18 @@ def test_bootstrap_of_unpaired_episodes():
     assert 0 < lo < out["mean"] < hi < 0.45 + 0.28 and out["p"] < 0.01
     with pytest.raises(ValueError, match="same number"):
         bootstrap_interval(a, per_seed_b=b[:2])
+
+
+def test_a_given_interval_sets_the_mde():
+    """With a bootstrap interval the MDE is its implied standard error times z_0.975 + z_0.8, not the t-based one
+    of the per-seed spread: three identical seeds (sd 0) over 1,200 Bernoulli(0.5) captions still have the
+    binomial's MDE, (z_0.975 + z_0.8) sqrt(0.25 / 1200)."""
+    from scipy import stats
+
+    z = stats.norm.ppf(0.975)
+    half = z * np.sqrt(0.25 / 1200)
+    out = judge({"c": [0.0, 0.0, 0.0]}, {"c": 1}, p_values={"c": 1.0},
+                intervals={"c": {0.95: (-half, half), 0.8: (-0.5 * half, 0.5 * half)}})["c"]
+    assert out.word == "null"
+    assert out.mde == pytest.approx((z + stats.norm.ppf(0.8)) * np.sqrt(0.25 / 1200), rel=1e-12)
+    assert judge_one([0.0, 0.0, 0.0]).mde == 0.0  # the t-based one: no spread, no detectable difference

@@ -161,3 +161,25 @@ def test_verify_re_runs_a_coordinate_study(tmp_path, capsys, monkeypatch):
     text = report.read_text()
     assert "liere/normalized − liere/grid" in text and "**3 of 3 readings hold**" in text
     capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_verify_re_runs_one_convention_of_a_resolution_study(tmp_path, capsys, monkeypatch):
+    """A sample of one ``ENCODING/CONVENTION`` arm of a resolution study (``--sample 1x1`` of
+    docs/results/resolution-comrope) re-runs one convention; its rows (both evaluation modes, ``pad`` among them)
+    are named as the study named them, so each has its committed counterpart."""
+    argv = ["experiment", "resolution-comrope", "--quick", "--seeds", "0,1", "--sizes", "16,28", "--no-progress",
+            "--threads", "1", "--out", str(tmp_path / "study")]
+    monkeypatch.setattr("sys.argv", ["ropekit"] + argv)
+    assert main(argv + ["--cache-dir", str(tmp_path / "cache")]) == 0
+    with open(tmp_path / "study" / "resolution-comrope.csv", newline="") as f:
+        assert {r["pe"] for r in csv.DictReader(f)} == {"comrope-ld/normalized", "comrope-ld/normalized+jitter"}
+    capsys.readouterr()
+    report = tmp_path / "verify.md"
+    assert main(["experiment", "verify", str(tmp_path / "study"), "--sample", "1x1", "--report", str(report),
+                 "--threads", "1", "--out", str(tmp_path / "rerun")]) == 0
+    text = report.read_text()
+    assert "**4 of 4 readings hold**" in text  # one arm, two modes x two sizes, one seed: four levels, no pair
+    assert "| comrope-ld/normalized | mode pad," in text and "| comrope-ld/normalized | mode resize," in text
+    with open(tmp_path / "rerun" / "resolution-comrope.csv", newline="") as f:
+        assert {r["pe"] for r in csv.DictReader(f)} == {"comrope-ld/normalized"}

@@ -1,7 +1,9 @@
 """The claims index, generated: for every committed classification folder, each claim the study declares
 (:data:`ropekit_studies.recipes.STUDY_CLAIMS`) with the paper's numbers, our paired mean, its 95 % interval
 and the verdict of the one rule (:mod:`ropekit_studies.verdict`), the claims of a folder read as one Holm
-family; the retrieval study's claims come from its own table (:func:`ropekit_studies.retrieval.comparisons`).
+family; for every retrieval folder (:data:`RETRIEVAL_FOLDERS`) the study's recall claims
+(:func:`ropekit_studies.retrieval.comparisons`), the power of its STRING-against-RoPE pair and the depth
+hard negatives per arm against chance (:func:`ropekit_studies.retrieval.hard_negatives`).
 
 Command line (from the repository root; ``--check`` exits 1 when the committed page differs)::
 
@@ -12,6 +14,7 @@ Command line (from the repository root; ``--check`` exits 1 when the committed p
 from __future__ import annotations
 
 import csv
+import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -20,7 +23,8 @@ from .recipes import STUDY_CLAIMS
 from .report import pe_label
 from .verdict import RULE, judge
 
-__all__ = ["CLASSIFY_FOLDERS", "read_runs", "classify_claims", "render_claims", "main"]
+__all__ = ["CLASSIFY_FOLDERS", "RETRIEVAL_FOLDERS", "read_runs", "read_retrieval_rows", "classify_claims",
+           "render_claims", "main"]
 
 #: (heading, CSV files whose rows are pooled by seed, what the folder is), relative to docs/results.
 CLASSIFY_FOLDERS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
@@ -105,28 +109,89 @@ def _seed_ranges(seeds: Sequence[int]) -> str:
     return ", ".join(parts)
 
 
-def _retrieval_section(root: Path) -> List[str]:
-    from .retrieval import ARMS, PAPER_TABLE2, comparisons
+#: The retrieval studies' folders, relative to docs/results, and what each is; a folder not there is left out (the
+#: index reports a folder the moment its runs are dropped in, with no code change).
+RETRIEVAL_FOLDERS: Tuple[Tuple[str, str], ...] = (
+    ("retrieval", "natural captioned scenes (apparent size, image height and occlusion go with depth), "
+                  "default preset"),
+    ("retrieval-depth", "depth-only captioned scenes (apparent size, image height and occlusion say nothing of "
+                        "depth order; only the depth map tells a depth relation), default preset"),
+    ("retrieval-depth-quick", "depth-only captioned scenes, quick preset: a smoke run of the pipeline (16 test "
+                              "captions per seed), which decides nothing"),
+)
 
-    path = root / "retrieval" / "retrieval.csv"
+
+def read_retrieval_rows(folder: Path) -> Tuple[str, List[Dict[str, str]]]:
+    """``(study, rows)`` of a retrieval study folder: the study named by its ``config.json`` (else the folder's
+    name) and the rows of ``<study>.csv``; no rows when the folder or the CSV is missing."""
+    folder = Path(folder)
+    study = folder.name
+    if (folder / "config.json").is_file():
+        study = json.loads((folder / "config.json").read_text()).get("study", study)
+    path = folder / f"{study}.csv"
     if not path.is_file():
-        return []
+        return study, []
     with open(path, newline="") as fh:
-        rows = list(csv.DictReader(fh))
+        return study, list(csv.DictReader(fh))
+
+
+def _retrieval_section(root: Path, folder: str, what: str) -> List[str]:
+    from .retrieval import ARMS, PAPER_TABLE2, comparisons, decision_power, hard_negatives, power_sentence
+
+    study, rows = read_retrieval_rows(root / folder)
+    if not rows:
+        return []
     arms = [a for a in ARMS if any(r["arm"] == a for r in rows)]
     comps = comparisons(rows, arms)
+    seeds = sorted({int(r["seed"]) for r in rows})
     paper = ", ".join(f"{name} {v:.2f}" for name, v in PAPER_TABLE2.values())
-    lines = ["## retrieval", "", f"Image–text retrieval on generated captioned RGB-D scenes (`ropekit experiment "
-             f"retrieval`), mean recall in points, paired by seed; STRING Table 2 (WebLI-3D mean recall): {paper}; "
-             f"{len(comps)} claims, one Holm family.", "",
+    lines = [f"## {folder}", "", f"Image–text retrieval (`ropekit experiment {study}`) on {what}; seeds "
+             f"{_seed_ranges(seeds)}. Mean recall in points, paired by seed; STRING Table 2 (WebLI-3D mean "
+             f"recall): {paper}; {len(comps)} claims, one Holm family.", "",
              "| claim | n | mean ± sd | 95 % interval | Holm p | verdict |", "|---|---:|---:|---:|---:|---|"]
     for c in comps:
         word = f"**{c['label']}**" + (f" (MDE {100 * c['mde']:.1f})" if c["reading"] == "null" else "")
         iv = "–" if c["n"] < 2 else f"[{100 * c['low95']:+.1f}, {100 * c['high95']:+.1f}]"
         ph = "–" if c["n"] < 2 else f"{c['p_holm']:.3f}"
-        lines.append(f"| {c['what']} | {c['n']} | {100 * c['mean']:+.2f} ± {100 * c['std']:.2f} | {iv} | {ph} | "
-                     f"{word} |")
+        sd = "–" if c["n"] < 2 else f"{100 * c['std']:.2f}"
+        lines.append(f"| {c['what']} | {c['n']} | {100 * c['mean']:+.2f} ± {sd} | {iv} | {ph} | {word} |")
+    power = decision_power(comps)
+    if power is not None:
+        lines += ["", power_sentence(power)]
+    lines += [""] + _hard_negative_lines(hard_negatives(rows, arms))
     return lines + [""]
+
+
+def _hard_negative_lines(hn: Sequence[Dict[str, Any]]) -> List[str]:
+    """The depth hard negatives of a retrieval folder (:func:`ropekit_studies.retrieval.hard_negatives`): per arm
+    the accuracy against chance with its bootstrap interval and, for a declared claim, the verdict and the word
+    the claim expects."""
+    from .retrieval import ARMS, HARD_NEGATIVE_CLAIMS, MIN_HARD_NEGATIVE_PAIRS
+
+    if not hn:
+        return ["Depth hard negatives: not measured (these runs predate the measure)."]
+    claimed = [h for h in hn if h["claim"] is not None]
+    lines = [f"Depth hard negatives (each test caption with a depth relation against the same caption with the "
+             f"relation flipped; accuracy in percent, chance 50): accuracy − 50 per arm, the 95 % interval a "
+             f"bootstrap over seeds and then captions; {len(claimed)} declared claims "
+             f"(`ropekit_studies.retrieval.HARD_NEGATIVE_CLAIMS`), one Holm family; the RGB-only towers are the "
+             f"control that must read null (at chance); fewer than {MIN_HARD_NEGATIVE_PAIRS} pairs in all, or one "
+             f"seed: not assessable.", "",
+             "| vision tower | claim | n | pairs | accuracy (%) | 95 % interval | Holm p | verdict | as expected |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for h in hn:
+        if h["claim"] is None:
+            word, ph, ok, claim = "–", "–", "–", "not a claim"
+        else:
+            word = f"**{h['label']}**" + (f" (MDE {100 * h['mde']:.1f})" if h["reading"] == "null" else "")
+            ph = "–" if h["p_holm"] != h["p_holm"] else f"{h['p_holm']:.3f}"
+            ok = (f"– (expected {h['expected']})" if h["reading"] == "not assessable" else
+                  ("yes" if h["as_expected"] else "**no**") + f" (expected {h['expected']})")
+            claim = HARD_NEGATIVE_CLAIMS[h["arm"]][0]
+        acc = f"{100 * h['mean']:.1f}" + (f" ± {100 * h['std']:.1f}" if h["n"] > 1 else "")
+        lines.append(f"| {ARMS[h['arm']][0]} | {claim} | {h['n']} | {sum(h['pairs'])} | {acc} | "
+                     f"[{100 * h['low95']:.1f}, {100 * h['high95']:.1f}] | {ph} | {word} | {ok} |")
+    return lines
 
 
 def render_claims(root: Path) -> str:
@@ -142,7 +207,8 @@ def render_claims(root: Path) -> str:
              "direction and size of the published effect, not a level these runs should reach.", ""]
     for heading, files, what in CLASSIFY_FOLDERS:
         lines += _classify_section(heading, files, what, root)
-    lines += _retrieval_section(root)
+    for folder, what in RETRIEVAL_FOLDERS:
+        lines += _retrieval_section(root, folder, what)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

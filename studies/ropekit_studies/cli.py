@@ -34,14 +34,19 @@ def run(args: argparse.Namespace) -> Optional[int]:
     if not getattr(args, "overwrite", False):
         for out in outs.values():  # (all checked before anything trains)
             refuse_results_folder(out)
+    caches = []
     for name in names:
         result = run_experiment(name, out=outs[name], quick=args.quick, preset=args.preset, overrides=given,
                                 **options)
         print(result.table)
         print(f"wrote {len(result.files)} files to {result.out_dir}: "
               f"{', '.join(p.name for p in result.files)}", file=sys.stderr)
-    cache = Path(given.get("cache_dir") or _default_cache_dir()).expanduser().resolve()
-    print(f"trained runs are cached in {cache} (--cache-dir)", file=sys.stderr)
+        if result.cache_dir is not None and result.cache_dir not in caches:
+            caches.append(result.cache_dir)
+    # where a re-run finds the trained runs: only for studies that used the run cache (the others keep their runs
+    # under their own --out), once per cache
+    for cache in caches:
+        print(f"trained runs are cached in {cache} (--cache-dir)", file=sys.stderr)
     return 0
 
 
@@ -58,12 +63,6 @@ def refuse_results_folder(out: "Path") -> None:
                          f"come from the cache) or choose another --out")
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--out {out} is a file, not a folder")
-
-
-def _default_cache_dir() -> str:
-    from .settings import ExperimentConfig
-
-    return ExperimentConfig.__dataclass_fields__["cache_dir"].default  # type: ignore[return-value]
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -20,13 +20,16 @@ __all__ = ["StudyContext", "StudyResult", "run_label", "coord_arms"]
 
 @dataclass
 class StudyResult:
-    """What a study returns: its name, output folder, the files written, the markdown table and the summary."""
+    """What a study returns: its name, output folder, the files written, the markdown table and the summary;
+    ``cache_dir`` is the run cache its runs were trained in or read back from (``None`` for a study that trains
+    into its own output folder, or that had no run)."""
 
     name: str
     out_dir: Path
     files: List[Path]
     table: str
     summary: Dict[str, Any] = field(default_factory=dict)
+    cache_dir: Optional[Path] = None
 
 
 def run_label(tcfg: TrainConfig, extra: str = "") -> str:
@@ -98,7 +101,8 @@ class StudyContext:
         w.figure(figure)
         w.config(config)
         self.progress.close()
-        return StudyResult(self.name, self.out, list(w.files), table, summary)
+        return StudyResult(self.name, self.out, list(w.files), table, summary,
+                           cache_dir=self.cache.root.resolve() if self.runs else None)
 
     def close(self) -> None:
         self.progress.close()

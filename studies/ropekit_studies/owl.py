@@ -278,13 +278,26 @@ def reading(diffs: Sequence[float], claimed: int = 1) -> str:
     return judge_one(d, claimed).word if d else "-"
 
 
+def _judged(claims: Dict[str, Tuple[Sequence[float], int]]) -> Dict[str, Any]:
+    """name -> :class:`~ropekit_studies.verdict.Verdict` (``None`` without any seed) of the claims read as one
+    Holm family; NaN seeds are left out."""
+    clean = {k: [float(x) for x in d if x == x] for k, (d, _) in claims.items()}
+    have = {k: v for k, v in clean.items() if v}
+    out = judge(have, {k: claims[k][1] for k in have})
+    return {k: out.get(k) for k in claims}
+
+
 def claim_verdicts(claims: Dict[str, Tuple[Sequence[float], int]]) -> Dict[str, str]:
     """name -> word for the study's claims read as one Holm family: ``claims`` maps a name to (per-seed paired
     differences, claimed sign). NaN seeds are left out; a claim without any seed reads ``-``."""
-    clean = {k: [float(x) for x in d if x == x] for k, (d, _) in claims.items()}
-    have = {k: v for k, v in clean.items() if v}
-    out = {k: v.word for k, v in judge(have, {k: claims[k][1] for k in have}).items()}
-    return {k: out.get(k, "-") for k in claims}
+    return {k: v.word if v is not None else "-" for k, v in _judged(claims).items()}
+
+
+def _cell(v: Any) -> str:
+    """A verdict as the tables write it: the word, a null with its MDE."""
+    if v is None:
+        return "-"
+    return v.word + (f" (MDE {v.mde:.3f})" if v.word == "null" else "")
 
 
 def _ms(values: Sequence[float]) -> str:
@@ -354,7 +367,8 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
     for a, b, what in pairs:
         for m, sign in (("mean_iou", 1), ("iou25", 1), ("depth_err", -1)):
             claims[f"3d {a} {b} {m}"] = (_paired(rows, "owl3d", a, b, m), sign)
-    words = claim_verdicts({k: v for k, v in claims.items() if v[0]})
+    judged = _judged({k: v for k, v in claims.items() if v[0]})
+    words = {k: v.word for k, v in judged.items() if v is not None}
     lines += ["", "Paired by seed, each encoding − APE (claimed: positive). Verdicts, every comparison of this page "
                   f"one family: {RULE}.\n",
               "| difference | AP | reading | AP_unseen | reading |", "|---|---|---|---|---|"]
@@ -367,7 +381,8 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
             w1, w2 = words.get(f"2d {enc} AP", "-"), words.get(f"2d {enc} AP_unseen", "-")
             diffs.append({"kind": "owl2d", "a": enc, "b": "absolute", "AP": d1, "AP_unseen": d2,
                           "AP_reading": w1, "AP_unseen_reading": w2})
-            lines.append(f"| {pe_label(enc)} − APE | {_ms(d1)} | {w1} | {_ms(d2)} | {w2} |")
+            lines.append(f"| {pe_label(enc)} − APE | {_ms(d1)} | {_cell(judged.get(f'2d {enc} AP'))} | {_ms(d2)} | "
+                         f"{_cell(judged.get(f'2d {enc} AP_unseen'))} |")
     obj = ("blocks as deep as their true size (the 3-D box is the volume; its centre lies half that depth behind the "
            "front face the depth map shows)" if r.get("three_d_solid") else "cards 2 cm deep")
     lines += ["", "## 3-D boxes by text query\n",
@@ -399,7 +414,8 @@ def write_report(r: Dict[str, Any], rows: List[Dict[str, Any]], out: Path, *, pr
             w, w25, wz = (words.get(f"3d {a} {b} {m}", "-") for m in ("mean_iou", "iou25", "depth_err"))
             diffs.append({"kind": "owl3d", "a": list(a), "b": list(b), "mean_iou": d, "reading": w,
                           "iou25": d25, "iou25_reading": w25, "depth_err": dz, "depth_err_reading": wz})
-            lines.append(f"| {pe_label(a[0])} {what} | {_ms(d)} | {w} | {_ms(d25)} | {w25} | {_ms(dz)} | {wz} |")
+            c, c25, cz = (_cell(judged.get(f"3d {a} {b} {m}")) for m in ("mean_iou", "iou25", "depth_err"))
+            lines.append(f"| {pe_label(a[0])} {what} | {_ms(d)} | {c} | {_ms(d25)} | {c25} | {_ms(dz)} | {cz} |")
     lines += ["", PAPER_NUMBERS]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     _bars(rows, r, out / "owl.png")

@@ -92,6 +92,9 @@ def _resolution(name: str, cfg: ExperimentConfig, out: Any, sizes: Optional[Sequ
                 coord_modes: Optional[Sequence[str]], scale_sizes: Optional[Sequence[int]],
                 jitter_sigma: float) -> StudyResult:
     base_pes = cfg.pe_list(QUICK_PES if cfg.quick else DEFAULT_PES)
+    # An arm is named ENCODING/CONVENTION whenever conventions are chosen (by the recipe or --coord-modes), however
+    # many: a re-run of one convention (``ropekit experiment verify``) must name its rows as the study did.
+    named = bool(coord_modes)
     coord_modes = list(coord_modes or ("grid",))
     bad = sorted(set(coord_modes) - set(COORD_MODES))
     if bad:
@@ -101,8 +104,7 @@ def _resolution(name: str, cfg: ExperimentConfig, out: Any, sizes: Optional[Sequ
         first = "grid" if coord_modes[0] == "normalized+jitter" else coord_modes[0]
         return [first] + (["normalized+scale"] if "normalized+scale" in coord_modes[1:] else [])
 
-    variants = [(pe if len(coord_modes) == 1 or (pe in _NO_COORDS and cm != "normalized+scale") else f"{pe}/{cm}",
-                 pe, cm)
+    variants = [(pe if not named or (pe in _NO_COORDS and cm != "normalized+scale") else f"{pe}/{cm}", pe, cm)
                 for pe in base_pes for cm in (no_coord_modes() if pe in _NO_COORDS else coord_modes)]
     pes = [v[0] for v in variants]
     ctx = StudyContext(name, cfg, out, total=len(variants) * len(cfg.seeds))

@@ -50,6 +50,7 @@ from .runs import Progress
 from .verdict import RULE, bootstrap_interval, judge, judge_one
 
 __all__ = ["ARMS", "RECIPES", "VARIANTS", "HARD_NEGATIVE_CLAIMS", "hard_negatives", "hard_negative_table",
+           "DECISION_PAIR", "decision_power", "power_sentence",
            "caption_depth_counts", "depth_share_phrases",
            "PAPER_TABLE2", "recipe", "run_retrieval_study", "reading", "compare_retrieval", "CLAIMS",
            "comparisons", "comparison_table"]
@@ -205,11 +206,41 @@ def comparisons(rows: Sequence[Dict[str, Any]], arms: Sequence[str]) -> List[Dic
     return out
 
 
+#: The pair a user choosing between STRING and RoPE for an RGB-D tower decides on: RGB-D Cayley-STRING − RGB-D axial
+#: RoPE, both with depth as the third coordinate (a declared claim of :data:`CLAIMS`).
+DECISION_PAIR: Tuple[str, str] = ("rgbd-cayley", "rgbd-rope")
+
+
+def decision_power(comps: Sequence[Dict[str, Any]], target: float = 0.01) -> Optional[Dict[str, Any]]:
+    """The power of :data:`DECISION_PAIR` among ``comps`` (:func:`comparisons`): its paired mean, sd, 95 %
+    interval and MDE at these seeds, and the seeds that detect ``target`` (mean recall as a fraction; 0.01 is one
+    point) at 80 % power with this paired spread (:func:`~ropekit_studies.verdict.seeds_needed`, one comparison
+    at α = 0.05). ``None`` when the pair was not run or has fewer than two seeds."""
+    from .verdict import seeds_needed
+
+    c = next((c for c in comps if (c["a"], c["b"]) == DECISION_PAIR), None)
+    if c is None or c["n"] < 2:
+        return None
+    return {**{k: c[k] for k in ("what", "n", "mean", "std", "low95", "high95", "mde", "label")},
+            "target": target, "seeds_for_target": seeds_needed(c["std"], target)}
+
+
+def power_sentence(p: Dict[str, Any]) -> str:
+    """One sentence of :func:`decision_power` (points of mean recall)."""
+    return (f"**Power of the STRING-against-RoPE pair** ({p['what']}): {100 * p['mean']:+.2f} ± "
+            f"{100 * p['std']:.2f} points over {p['n']} seeds, 95 % [{100 * p['low95']:+.1f}, "
+            f"{100 * p['high95']:+.1f}], {p['label']}; these seeds detect {100 * p['mde']:.1f} points at 80 % "
+            f"power (MDE), and {100 * p['target']:g} point{'' if p['target'] == 0.01 else 's'} of mean recall needs "
+            f"about {p['seeds_for_target']} seeds at this paired spread (one comparison at α = 0.05, "
+            f"`ropekit_studies.verdict.seeds_needed`; a spread from {p['n']} seeds is itself uncertain).")
+
+
 def comparison_table(comps: Sequence[Dict[str, Any]]) -> str:
-    """The markdown of :func:`comparisons` (differences in points)."""
+    """The markdown of :func:`comparisons` (differences in points), with the power of :data:`DECISION_PAIR`."""
     def iv(c: Dict[str, Any]) -> str:
         return "–" if c["n"] < 2 else f"[{100 * c['low95']:+.1f}, {100 * c['high95']:+.1f}]"
 
+    power = decision_power(comps)
     rows = [[c["what"], f"{100 * c['mean']:+.2f} ± {100 * (c['std'] if c['n'] > 1 else 0):.2f}", iv(c),
              f"{c['seeds_positive']} of {c['n']}", ", ".join(f"{100 * x:+.1f}" for x in c["diffs"]),
              f"**{c.get('label', c['reading'])}**"
@@ -219,7 +250,8 @@ def comparison_table(comps: Sequence[Dict[str, Any]]) -> str:
             f"recall in points, mean ± sd and the 95 % t interval over seeds; the {len(comps)} comparisons are "
             f"the study's declared claims. Verdicts: {RULE}.\n\n"
             + markdown_table(["comparison", "Δ mean recall (points)", "95 % interval", "seeds > 0", "per seed",
-                              "verdict"], rows, align="lrrrrl"))
+                              "verdict"], rows, align="lrrrrl").rstrip("\n")
+            + ("" if power is None else "\n\n" + power_sentence(power)))
 
 
 #: The study's claims on the depth hard negatives, declared before the runs: arm -> (what, expected word). Each is

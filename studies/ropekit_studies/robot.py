@@ -393,7 +393,8 @@ def _paired_lines(table: Mapping[Tuple[str, str], Mapping[str, Any]], policies: 
             if verdicts:
                 v = verdicts[(a_name, b_name, c)]
                 ivl = "–" if v.n < 2 else f"[{100 * v.low95:+.1f}, {100 * v.high95:+.1f}]"
-                line += f" {ivl} | {v.label} |"
+                mde = f" (MDE {100 * v.mde:.1f})" if v.word == "null" else ""
+                line += f" {ivl} | {v.label}{mde} |"
             lines.append(line)
     return lines
 

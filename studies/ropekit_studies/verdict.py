@@ -13,7 +13,9 @@ two-sided p-values of those claims are Holm-corrected together (the family). The
 * ``reversed``: the same, with the other sign;
 * ``trend``: not that, but the uncorrected 80 % interval excludes 0 (:attr:`Verdict.sign` says on which side);
 * ``null``: otherwise; reported with the smallest difference the same design detects at 80 % power,
-  ``MDE = (t_{0.975, n−1} + t_{0.8, n−1})·se``;
+  ``MDE = (t_{0.975, n−1} + t_{0.8, n−1})·se`` (with a given interval, e.g. a bootstrap over seeds and episodes,
+  its standard error ``(high − low)/(2 z_{0.975})`` times ``z_{0.975} + z_{0.8}``, so that the episodes' spread
+  counts as the interval does);
 * ``not assessable``: one seed (no spread, no interval).
 
 A null therefore says "not measurable at this size" as much as "no effect": read it beside its MDE.
@@ -119,7 +121,8 @@ def judge(diffs: Mapping[str, Sequence[float]], claims: Mapping[str, int], *, al
     ``claims``: name -> the claimed sign (``+1``: the first arm is claimed above the second, ``-1`` below); every
     name of ``diffs`` must be in it, and the names of ``diffs`` are the Holm family. ``p_values`` and
     ``intervals`` (name -> {confidence: (low, high)}) replace the t-based ones, e.g. from
-    :func:`bootstrap_interval`. Returns name -> :class:`Verdict`.
+    :func:`bootstrap_interval`, and the MDE then follows from the given 95 % interval. Returns name ->
+    :class:`Verdict`.
     """
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
@@ -177,7 +180,11 @@ def judge(diffs: Mapping[str, Sequence[float]], claims: Mapping[str, int], *, al
             word = "trend"
         else:
             word = "null"
-        mde = (_t(0.975, b["n"]) + _t(0.8, b["n"])) * b["se"]
+        if intervals and k in intervals:  # the standard error the given interval implies
+            z = float(stats.norm.ppf(0.975))
+            mde = (hi95 - lo95) / (2 * z) * (z + float(stats.norm.ppf(0.8)))
+        else:
+            mde = (_t(0.975, b["n"]) + _t(0.8, b["n"])) * b["se"]
         out[k] = Verdict(word, sign, claimed, b["n"], b["m"], b["sd"], b["se"], lo95, hi95, lo80, hi80, level[k],
                          loc, hic, b["p"], p_holm[k], mde, fam)
     return out
