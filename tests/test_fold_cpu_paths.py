@@ -131,6 +131,32 @@ def test_layer_by_layer_merge_with_an_unused_output():
     assert all(t is None or torch.count_nonzero(t) == 0 for t in got[2:])  # the unused layer's weight and bias
 
 
+def test_layer_by_layer_merge_under_autocast_stays_in_the_weights_dtype():
+    """Under CPU autocast (bfloat16) the merge still runs in float32, as the stacked form does: equal to the
+    float64 reference to float32 round-off (at most 2 H D_in = 96 products per entry: below 1e-5 relative; bfloat16
+    would be off by ~1e-2), forward and backward."""
+    h, d, d_in = 3, 8, 16
+    ws, bs = _layers(2, h, d, d_in, True, 11)
+    p = torch.linalg.qr(torch.randn(2, 1, d, d, dtype=torch.float64))[0]
+    w32, b32 = [w.detach().float().requires_grad_() for w in ws], [b.detach().float().requires_grad_() for b in bs]
+    p32 = p.float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fold_qkv_weights(w32, b32, p32, h)
+        loss = sum(t.sum() for pair in out for t in pair)
+    loss.backward()
+    for (w2, b2), w, b, pl in zip(out, ws, bs, p):
+        assert w2.dtype == b2.dtype == torch.float32
+        rw, rb = _reference_merge(w, b, pl, h)
+        torch.testing.assert_close(w2.double(), rw, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b2.double(), rb, rtol=1e-5, atol=1e-5)
+    pr = p.clone().requires_grad_()
+    ref_loss = sum(t.sum() for w, b, pl in zip(ws, bs, pr) for t in _reference_merge(w, b, pl, h))
+    ref = torch.autograd.grad(ref_loss, ws + [pr])
+    for got, want in zip(w32 + [p32], ref):
+        assert got.grad.dtype == torch.float32
+        torch.testing.assert_close(got.grad.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def _rotate_reference(x, coords, freqs, p0, prefix):
     """Prefix tokens by ``prefix`` per head (a loop of matrix products), the others rotated pair by pair with
     cos / sin of ``coords . freqs`` written out (interleaved pairs)."""

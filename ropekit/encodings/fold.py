@@ -368,6 +368,11 @@ class _MergeQKRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Optional[Tensor]):
         bases, *tensors = ctx.saved_tensors
+        with torch.autocast(device_type=bases.device.type, enabled=False):  # as the forward: no autocast
+            return _MergeQKRows._backward(ctx, bases, tensors, grads)
+
+    @staticmethod
+    def _backward(ctx, bases: Tensor, tensors: Sequence[Tensor], grads: Sequence[Optional[Tensor]]):
         n, h, d = ctx.n, ctx.num_heads, bases.shape[-1]
         weights, biases = tensors[:n], tensors[n:]
         graph = torch.is_grad_enabled()  # double backward: out-of-place, recorded
@@ -430,7 +435,8 @@ def _merge_qk_rows(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]]
     n = len(weights)
     ws = [w.contiguous() for w in weights]
     bs = [] if biases[0] is None else [b if b.dtype == ws[0].dtype else b.to(ws[0].dtype) for b in biases]
-    out = _MergeQKRows.apply(bases, num_heads, n, *ws, *bs)
+    with torch.autocast(device_type=ws[0].device.type, enabled=False):  # the merge in the weights' dtype
+        out = _MergeQKRows.apply(bases, num_heads, n, *ws, *bs)
     if not bs:
         return [(w, None) for w in out]
     return [(w, b if b.dtype == biases[0].dtype else b.to(biases[0].dtype)) for w, b in zip(out[:n], out[n:])]
