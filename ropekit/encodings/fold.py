@@ -338,7 +338,7 @@ class _MergeQKRows(torch.autograd.Function):
     The stacked form (``torch.stack`` of the weights, a bias column, one batched product, a concatenation, copies
     back to contiguous layers) moves every weight through memory about ten times per step, forward and backward;
     on the CPU, where a step's small operations cost no launches, that data movement was most of the merge's cost
-    (ViT-S, depth 4: ~20 ms of a ~1 s step). Under ``create_graph`` the backward is written with differentiable
+    (ViT-S, depth 4, one core: ~42 ms of a ~1.1 s step, ~20 ms here). Under ``create_graph`` the backward is written with differentiable
     operations, so second derivatives are exact too.
 
     Inputs: ``bases`` ``(L | 1, Hp, d, d)`` in the weights' dtype, ``num_heads`` ``H``, ``n`` ``L``, then ``L``
@@ -352,17 +352,19 @@ class _MergeQKRows(torch.autograd.Function):
         ctx.save_for_backward(bases, *tensors)
         ctx.num_heads, ctx.n = num_heads, n
         ctx.set_materialize_grads(False)  # an output without a gradient arrives as None: nothing computed for it
+        d = bases.shape[-1]
+        rows = 2 * num_heads * d  # the q and k rows
         out_w, out_b = [], []
         for layer, w in enumerate(weights):
-            pe, qk = _head_bases(bases, layer, num_heads), _qk_rows(w, num_heads, bases.shape[-1])
-            o = torch.empty_like(w, memory_format=torch.contiguous_format)
-            torch.bmm(pe, qk, out=_qk_rows(o, num_heads, bases.shape[-1]))  # (2H, d, D_in)
-            o[qk.numel() // w.shape[1]:].copy_(w[qk.numel() // w.shape[1]:])  # the v rows as they are
+            pe = _head_bases(bases, layer, num_heads)  # (2H, d, d)
+            o = torch.empty_like(w, memory_format=torch.contiguous_format)  # (3D, D_in)
+            torch.bmm(pe, _qk_rows(w, num_heads, d), out=_qk_rows(o, num_heads, d))  # (2H, d, D_in)
+            o[rows:].copy_(w[rows:])  # the v rows as they are
             out_w.append(o)
             if biases:
-                b = biases[layer]
-                bqk = _qk_rows(b.unsqueeze(-1), num_heads, bases.shape[-1])  # (2H, d, 1)
-                out_b.append(torch.cat([torch.bmm(pe, bqk).flatten(), b[bqk.numel():]]))
+                b = biases[layer]  # (3D,)
+                bqk = torch.bmm(pe, _qk_rows(b.unsqueeze(-1), num_heads, d))  # (2H, d, 1)
+                out_b.append(torch.cat([bqk.flatten(), b[rows:]]))
         return (*out_w, *out_b)
 
     @staticmethod
