@@ -51,7 +51,7 @@ from .ops.angles import wide_dtype
 from .base import PositionEncoding
 from .ops.blocks import rotate_in_block_eigenbasis
 from .ops.forms import BlockEigenForm, RoPEForm, block_form, stack_layers, stacked_block_form
-from .ops.products import basis_change, precise_matmul
+from .ops.products import basis_change, precise_matmul, reduce_to
 from .rope import FrequencyRoPE
 from .ops.rotation import apply_frequency_rope, rotate_qk
 from .ops.skew import skew_real_schur
@@ -247,6 +247,9 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
                      blocks: Optional[Tensor] = None) -> List[Tuple[Tensor, Optional[Tensor]]]:
     """:func:`fold_qkv_weight` for several layers at once (e.g. every layer of a ViT): one batched product for all
     of them instead of a merge per layer -- on a GPU a handful of launches per step instead of a handful per layer.
+    On the CPU (outside ``torch.compile``), where launches cost nothing and moving the weights through memory is
+    what costs, the layers are merged one by one in one autograd node that writes each merged weight, and each
+    weight's gradient, once (``_MergeQKRows``; dense bases only, a block form is merged as below).
 
     Args:
         weights: ``L`` fused projections ``(3 D, D_in)`` of one shape and dtype.
@@ -287,6 +290,13 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
         if len(shape) != 3 or shape[-2:] != (d, d) or shape[0] not in (1, h):
             raise ValueError(f"every basis must have shape (1 or {h}, {d}, {d}), got {tuple(shape)}")
     dtype = weights[0].dtype
+    if blocks is None and _merge_by_layer(weights[0].device):
+        # the CPU: layer by layer, each merged weight written once (no stacked copies of the weights)
+        if not stacked:
+            if len({b.shape[0] for b in bases}) > 1:
+                bases = [b.expand(h, d, d) for b in bases]
+            bases = torch.stack(list(bases))  # (L, Hp, d, d), small
+        return _merge_qk_rows(weights, biases, bases if bases.dtype == dtype else bases.to(dtype), h)
     with torch.autocast(device_type=weights[0].device.type, enabled=False):
         rows: Tuple[int, ...] = (d,)  # the rows one product takes: the head, or its nb blocks of b
         if blocks is not None:  # (L | 1, 1, Hp, nb, b, b), broadcast over the heads as fold_qkv_weight does
@@ -318,6 +328,120 @@ def fold_qkv_weights(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor
         w, b = w.contiguous(), b.squeeze(-1).contiguous()
         b = b if b.dtype == biases[0].dtype else b.to(biases[0].dtype)
     return list(zip(w.unbind(0), b.unbind(0)))
+
+
+class _MergeQKRows(torch.autograd.Function):
+    """``W'_l = [P_l W_qk,l; W_v,l]`` and ``b'_l = [P_l b_qk,l; b_v,l]`` for ``L`` layers (``P_l`` applied to every
+    head's ``d`` rows of q and of k), each output written once into its own buffer, and a backward that writes each
+    weight's gradient once: ``dW_qk = P^T dW'_qk``, ``dP = sum_heads (dW'_qk W_qk^T + db'_qk b_qk^T)``.
+
+    The stacked form (``torch.stack`` of the weights, a bias column, one batched product, a concatenation, copies
+    back to contiguous layers) moves every weight through memory about ten times per step, forward and backward;
+    on the CPU, where a step's small operations cost no launches, that data movement was most of the merge's cost
+    (ViT-S, depth 4, one core: ~42 ms of a ~1.1 s step, ~20 ms here). Under ``create_graph`` the backward is written with differentiable
+    operations, so second derivatives are exact too.
+
+    Inputs: ``bases`` ``(L | 1, Hp, d, d)`` in the weights' dtype, ``num_heads`` ``H``, ``n`` ``L``, then ``L``
+    contiguous weights ``(3D, D_in)`` and, optionally, ``L`` biases ``(3D,)``. Outputs: the ``L`` merged weights,
+    then the ``L`` merged biases.
+    """
+
+    @staticmethod
+    def forward(ctx, bases: Tensor, num_heads: int, n: int, *tensors: Tensor):
+        weights, biases = tensors[:n], tensors[n:]
+        ctx.save_for_backward(bases, *tensors)
+        ctx.num_heads, ctx.n = num_heads, n
+        ctx.set_materialize_grads(False)  # an output without a gradient arrives as None: nothing computed for it
+        d = bases.shape[-1]
+        rows = 2 * num_heads * d  # the q and k rows
+        out_w, out_b = [], []
+        for layer, w in enumerate(weights):
+            pe = _head_bases(bases, layer, num_heads)  # (2H, d, d)
+            o = torch.empty_like(w, memory_format=torch.contiguous_format)  # (3D, D_in)
+            torch.bmm(pe, _qk_rows(w, num_heads, d), out=_qk_rows(o, num_heads, d))  # (2H, d, D_in)
+            o[rows:].copy_(w[rows:])  # the v rows as they are
+            out_w.append(o)
+            if biases:
+                b = biases[layer]  # (3D,)
+                bqk = torch.bmm(pe, _qk_rows(b.unsqueeze(-1), num_heads, d))  # (2H, d, 1)
+                out_b.append(torch.cat([bqk.flatten(), b[rows:]]))
+        return (*out_w, *out_b)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        bases, *tensors = ctx.saved_tensors
+        with torch.autocast(device_type=bases.device.type, enabled=False):  # as the forward: no autocast
+            return _MergeQKRows._backward(ctx, bases, tensors, grads)
+
+    @staticmethod
+    def _backward(ctx, bases: Tensor, tensors: Sequence[Tensor], grads: Sequence[Optional[Tensor]]):
+        n, h, d = ctx.n, ctx.num_heads, bases.shape[-1]
+        weights, biases = tensors[:n], tensors[n:]
+        graph = torch.is_grad_enabled()  # double backward: out-of-place, recorded
+        need_p = ctx.needs_input_grad[0]
+        g_tensors: List[Optional[Tensor]] = [None] * len(tensors)
+        g_bases: List[Optional[Tensor]] = [None] * n
+        for layer in range(n):
+            pe = _head_bases(bases, layer, h)  # (2H, d, d)
+            gps = []
+            for i, (x, g) in enumerate(((weights[layer], grads[layer]),
+                                        *(((biases[layer], grads[n + layer]),) if biases else ()))):
+                if g is None:
+                    continue
+                g = g.contiguous()
+                col = g.dim() == 1  # a bias: one column
+                g2, x2 = (g.unsqueeze(-1), x.unsqueeze(-1)) if col else (g, x)
+                gqk, rows = _qk_rows(g2, h, d), 2 * h * d
+                if ctx.needs_input_grad[3 + layer + i * n]:
+                    if graph:
+                        gx = torch.cat([(pe.mT @ gqk).reshape(rows, -1), g2[rows:]])
+                    else:
+                        gx = torch.empty_like(g2)
+                        torch.bmm(pe.mT, gqk, out=_qk_rows(gx, h, d))
+                        gx[rows:].copy_(g2[rows:])
+                    g_tensors[layer + i * n] = gx.squeeze(-1) if col else gx
+                if need_p:
+                    gps.append(gqk @ _qk_rows(x2, h, d).mT)  # (2H, d, d)
+            if need_p and gps:
+                g_bases[layer] = sum(gps[1:], gps[0]).view(2, h, d, d).sum(0)  # (H, d, d)
+        g_p = None
+        if need_p:
+            zero = bases.new_zeros(h, d, d)
+            g_p = torch.stack([zero if g is None else g for g in g_bases])  # (L, H, d, d)
+            g_p = reduce_to(g_p, bases.shape)  # (L | 1, Hp, d, d)
+        return (g_p, None, None, *g_tensors)
+
+
+def _merge_by_layer(device: torch.device) -> bool:
+    """Whether :func:`fold_qkv_weights` merges layer by layer (:class:`_MergeQKRows`): on the CPU, outside
+    ``torch.compile``. On a GPU the stacked form's few launches for all layers matter more than its copies."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _head_bases(bases: Tensor, layer: int, num_heads: int) -> Tensor:
+    """Layer ``layer``'s basis of each q and k head: ``(2H, d, d)`` from ``(L | 1, Hp, d, d)``."""
+    p = bases[layer if bases.shape[0] > 1 else 0]  # (Hp, d, d)
+    d = p.shape[-1]
+    return p.expand(2, num_heads, d, d).reshape(2 * num_heads, d, d)
+
+
+def _qk_rows(w: Tensor, num_heads: int, d: int) -> Tensor:
+    """The q and k rows of a contiguous ``(3D, C)`` projection as ``(2H, d, C)``, a view."""
+    return w[: 2 * num_heads * d].view(2 * num_heads, d, w.shape[-1])
+
+
+def _merge_qk_rows(weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]], bases: Tensor,
+                   num_heads: int) -> List[Tuple[Tensor, Optional[Tensor]]]:
+    """:class:`_MergeQKRows` of ``L`` layers: ``L`` pairs ``(weight', bias')`` (``bases`` ``(L | 1, Hp, d, d)`` in the
+    weights' dtype)."""
+    n = len(weights)
+    ws = [w.contiguous() for w in weights]
+    bs = [] if biases[0] is None else [b if b.dtype == ws[0].dtype else b.to(ws[0].dtype) for b in biases]
+    with torch.autocast(device_type=ws[0].device.type, enabled=False):  # the merge in the weights' dtype
+        out = _MergeQKRows.apply(bases, num_heads, n, *ws, *bs)
+    if not bs:
+        return [(w, None) for w in out]
+    return [(w, b if b.dtype == biases[0].dtype else b.to(biases[0].dtype)) for w, b in zip(out[:n], out[n:])]
 
 
 def frequency_rope(q: Tensor, k: Optional[Tensor], coords: Tensor, form: "RoPEForm", num_prefix_tokens: int = 0,
@@ -367,11 +491,8 @@ def frequency_rope_qk(qk: Tensor, coords: Tensor, form: "RoPEForm", num_prefix_t
     """
     if form.eigen is not None:
         return frequency_rope(qk, None, coords, form, num_prefix_tokens, backend, table)
-    if form.prefix is not None and num_prefix_tokens > 0:
-        q, k = qk.unbind(0)
-        return frequency_rope(q, k, coords, form, num_prefix_tokens, backend)
     return rotate_qk(qk, coords, form.freqs, table=table, num_prefix_tokens=num_prefix_tokens, pairs=form.pairs,
-                     backend=backend)
+                     backend=backend, prefix=form.prefix if num_prefix_tokens > 0 else None)
 
 
 class FoldedRoPE(FrequencyRoPE):

@@ -57,9 +57,12 @@ def _transform_prefix_rows(qkv: Tensor, prefix: Tensor, num_prefix_tokens: int, 
     """Apply a folded encoding's prefix transform ``T`` (``(Hp, d, d)``) to the q and k of the prefix tokens, in
     place in the projection's output ``qkv`` ``(B, N, 3D)`` (which no backward pass has saved).
 
-    The alternative -- slicing q and k into prefix and patch tokens and concatenating them again -- costs two copies
-    of q and k in the forward pass and, in the backward pass, a zero-filled buffer of their size per slice; here
-    only the few prefix rows are copied, and the rotation then passes them through.
+    Used where the fused kernel rotates (it passes the prefix tokens through without copying q and k): slicing q and
+    k into prefix and patch tokens and concatenating them again would cost two copies of q and k forward and a
+    zero-filled buffer of their size per slice backward; here only the few prefix rows are copied. The PyTorch
+    rotation slices and concatenates anyway and applies ``T`` there (``rotation.rotate_qk(..., prefix=)``): the
+    in-place write would add, in the backward pass, a copy and a zero-filled buffer of the whole ``(B, N, 3D)``
+    gradient per layer.
     """
     b, p0, h = qkv.shape[0], num_prefix_tokens, num_heads
     d = qkv.shape[-1] // (3 * h)
@@ -115,9 +118,10 @@ class FoldedState(NamedTuple):
         projection), q and k rotated together: one product, one backward. The prefix rows of ``qkv`` are
         transformed in place (no backward has saved it)."""
         form, p0 = self.form, self.num_prefix_tokens
-        if form.prefix is not None and p0:
+        if form.prefix is not None and p0 and self.backend != "torch":  # the fused kernel passes them through
             _transform_prefix_rows(qkv, form.prefix, p0, num_heads)
-            form = form._replace(prefix=None)  # done: the rotation passes them
+            form = form._replace(prefix=None)  # done
+        # (the PyTorch rotation transforms them in the concatenation that assembles its output: no further copy)
         qk, v = _split_heads(qkv, num_heads).split([2, 1])  # (2, B, H, N, d), (1, B, H, N, d)
         q, k = frequency_rope_qk(qk, self.coords, form, p0, self.backend, self.table)  # (B, H, N, d)
         return q, k, v.squeeze(0)
