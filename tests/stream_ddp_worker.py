@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ropekit.train import train
-from ropekit.train.config import TrainConfig
+from ropekit.classification import train
+from ropekit.classification.config import TrainConfig
 
 RECIPE = dict(  # the DeiT recipe's augmentations, scaled down to 24-pixel images and a one-block ViT
     image_size=24, patch_size=8, model="tiny", model_options=dict(depth=1, embed_dim=24, num_heads=1,

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.train import engine, trainer
+from ropekit.train import engine
+from ropekit.classification import trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model-opt", "embed_dim=16", "--model-opt", "depth=1", "--model-opt", "num_heads=1", "--epochs", "1",
@@ -216,7 +217,7 @@ def test_one_folder_reader_streams_with_one_image_size_policy(tmp_path):
 
 
 def test_help_says_what_the_code_does(capsys):
-    from ropekit.train.config import auto_patch_size
+    from ropekit.classification.config import auto_patch_size
 
     with pytest.raises(SystemExit) as e:
         main(["train", "--help"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ropekit.nn.vit import ViTConfig
-from ropekit.train.config import TrainConfig
+from ropekit.classification.config import TrainConfig
 from ropekit.train.upgrade import ADDED, ADDED_MODEL, SECTIONS, flatten, nest, upgrade_architecture, upgrade_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -150,7 +150,7 @@ def test_rgbd_depth_coordinate_is_not_augmented():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match="coord"):
         vit_config("tiny", coord_augment=bad).validate()
-    from ropekit.train.config import TrainConfig
+    from ropekit.classification.config import TrainConfig
 
     with pytest.raises(ValueError, match="coord"):
         TrainConfig(coord_augment=list(bad)).validate()
@@ -170,8 +170,8 @@ def test_cli_option_reaches_the_config():
 @pytest.mark.parametrize("native", [False, True])
 def test_run_records_the_option_and_resumes_bit_exactly(tmp_path, native):
     from ropekit.train import load_checkpoint
-    from ropekit.train.config import TrainConfig
-    from ropekit.train.trainer import train
+    from ropekit.classification.config import TrainConfig
+    from ropekit.classification.trainer import train
 
     def cfg(out):
         kw = dict(data="digits", train_fraction=0.1, model_options=dict(TINY), batch_size=32, epochs=2, lr=3e-3,

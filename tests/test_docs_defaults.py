@@ -32,8 +32,8 @@ def _train_parser():
 def test_the_default_run_the_readme_describes():
     """'`ropekit train` with no options trains the tiny ViT with Cayley-STRING on the 5,000 real MNIST digits ...
     (4,000 train / 1,000 test ...)', ending 'after 12 epochs ... run folder runs/mnist-cayley-tiny-s0-<time>'."""
-    from ropekit.train.config import TrainConfig
-    from ropekit.train.trainer import default_run_dir
+    from ropekit.classification.config import TrainConfig
+    from ropekit.classification.trainer import default_run_dir
 
     text = _flat(README)
     m = re.search(r"`ropekit train` with no options trains the (\w+) ViT with Cayley-STRING on the 5,000 real MNIST "
@@ -89,7 +89,7 @@ def test_pe_sharing_auto_is_what_the_readme_and_presets_say():
     model (one module for the model, one per layer, or one per layer with per-head parameters)."""
     from ropekit.nn import ViTConfig
     from ropekit.nn.vit import PAPER_SHARING
-    from ropekit.train.config import TrainConfig
+    from ropekit.classification.config import TrainConfig
 
     text = _flat(README)
     assert re.search(r'`pe_sharing="auto"` \(the default: each encoding as its paper trained it -- RoPE-Mixed and '
@@ -130,7 +130,7 @@ def test_model_defaults_the_readme_states():
 
 def test_engine_defaults_the_readme_states():
     """'`--log-every N` steps (default 50)'; '(`ROPEKIT_DIST_TIMEOUT` seconds, default 600)'."""
-    from ropekit.train.config import TrainConfig
+    from ropekit.classification.config import TrainConfig
     from ropekit.train.distributed import DEFAULT_DIST_TIMEOUT_S, DIST_TIMEOUT_ENV
 
     text = _flat(README)
@@ -162,7 +162,7 @@ def test_streamed_folder_image_size_default():
     import inspect
 
     from ropekit.data import streaming
-    from ropekit.train.config import TrainConfig
+    from ropekit.classification.config import TrainConfig
 
     assert "by default at the first image's size, at most 224 px" in _flat(README)
     assert TrainConfig().image_size is None
@@ -195,7 +195,7 @@ def test_data_defaults_the_data_page_states():
     import inspect
 
     from ropekit.data import shards
-    from ropekit.train.config import TrainConfig
+    from ropekit.classification.config import TrainConfig
 
     text = _flat((ROOT / "docs" / "data.md").read_text())
     crop_pct = float(re.search(r"`size / crop_pct` \(([\d.]+)\)", text)[1])

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.train import TrainConfig, evaluate_run, load_checkpoint
-from ropekit.train import config as config_module
+from ropekit.train import load_checkpoint
+from ropekit.classification import TrainConfig, evaluate_run
+from ropekit.classification import config as config_module
 from ropekit.train import upgrade as upgrade_module
 from ropekit.train.upgrade import flatten
-from ropekit.train import engine, trainer
+from ropekit.train import engine
+from ropekit.classification import trainer
 
 TINY = ["--data", "digits", "--train-fraction", "0.1", "--model-opt", "embed_dim=24", "--model-opt", "depth=1",
         "--model-opt", "num_heads=1", "--epochs", "1", "--batch-size", "32", "--no-progress", "--no-tensorboard",

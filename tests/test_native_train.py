@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ropekit.train import load_checkpoint
-from ropekit.train.config import TrainConfig
-from ropekit.train.trainer import train
+from ropekit.classification.config import TrainConfig
+from ropekit.classification.trainer import train
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 

@@ -14,7 +14,7 @@ from ropekit.cli import main
 from ropekit.multimodal import (DualEncoder, RetrievalConfig, RetrievalOptions, recall_ranks, retrieval_recall,
                                 siglip_loss, train_retrieval)
 from ropekit.nn import TextConfig, TextTransformer, VisionTransformer, vit_config
-from ropekit.train import TrainConfig
+from ropekit.classification import TrainConfig
 
 TINY_VIT = dict(embed_dim=24, depth=1, num_heads=2)
 TINY_TEXT = dict(text_width=16, text_depth=1, text_heads=2, embed_dim=16)
@@ -182,7 +182,7 @@ def test_training_a_few_steps_writes_the_run_folder(tmp_path):
 
 def load_retrieval_run_of_classification(tmp_path):
     from ropekit.multimodal import load_retrieval_run
-    from ropekit.train import train
+    from ropekit.classification import train
 
     train(TrainConfig(data="digits", train_fraction=0.05, epochs=1, batch_size=16, image_size=8, patch_size=2,
                       threads=1, device="cpu", progress=False, tensorboard=False, out=str(tmp_path / "cls"),

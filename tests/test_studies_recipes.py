@@ -14,7 +14,7 @@ from ropekit_studies import STUDIES, run_experiment, study_config
 from ropekit_studies import recipes as R
 from ropekit.nn import vit as vit_module
 from ropekit.nn.vit import ViTConfig
-from ropekit.train import TrainConfig, build_vit_config
+from ropekit.classification import TrainConfig, build_vit_config
 
 CASES = [(name, preset) for name in R.RECIPES for preset in R.PRESETS]
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ropekit.nn import VisionTransformer, vit_config
-from ropekit.train import CheckpointError, TrainConfig, build_optimizer, evaluate_run, load_checkpoint, train
+from ropekit.train import CheckpointError, build_optimizer, load_checkpoint
+from ropekit.classification import TrainConfig, evaluate_run, train
 from ropekit.train.augment import random_shift
 from ropekit.train.checkpoint import atomic_save, load_model_state
 

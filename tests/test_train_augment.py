@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ropekit.train import TrainConfig
+from ropekit.classification import TrainConfig
 from ropekit.train.augment import random_resize
 
 
@@ -33,7 +33,7 @@ def test_augment_sizes_validation():
 def test_training_with_scale_augmentation_sees_several_grids(tmp_path, monkeypatch):
     """A short run with normalised coordinates: the model's forward is called on 5x5, 7x7 and 9x9 grids."""
     from ropekit.nn import VisionTransformer
-    from ropekit.train import train
+    from ropekit.classification import train
 
     grids = set()
     orig = VisionTransformer.forward

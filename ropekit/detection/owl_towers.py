@@ -119,8 +119,8 @@ def _colour_stats(train_config: Dict[str, Any]) -> Optional[Tuple[Sequence[float
     ``normalize``): recomputed by loading its data."""
     if not train_config.get("normalize", False):
         return None
-    from ..train.config import TrainConfig
-    from ..train.trainer import load_data
+    from ..classification.config import TrainConfig
+    from ..classification.trainer import load_data
 
     _, _, info = load_data(TrainConfig.from_dict(train_config, source="the contrastive run", strict=False))
     if info.mean is None:
@@ -143,7 +143,7 @@ def pretrain_towers(encoding: str, input: str, seed: int, *, data: Dict[str, Any
     standardised (colours in ``[0, 1]``, as the detector reads them).
     """
     from ..multimodal.train import RetrievalConfig, RetrievalOptions, train_retrieval
-    from ..train.config import TrainConfig
+    from ..classification.config import TrainConfig
     from .model import is_rotary
 
     if input not in ("rgb", "rgbd"):

@@ -1,7 +1,7 @@
 """Image-text models: captioned RGB-D scenes, a text tower and SigLIP contrastive training (the retrieval task).
 
 >>> from ropekit.multimodal import RetrievalConfig, train_retrieval                        # doctest: +SKIP
->>> from ropekit.train import TrainConfig
+>>> from ropekit.classification import TrainConfig
 >>> cfg = RetrievalConfig(TrainConfig(data="captioned-scenes", pe="cayley", epochs=4, out="runs/retrieval"))
 >>> train_retrieval(cfg).final["mean_recall"]
 

@@ -3,7 +3,7 @@ tower trained with the SigLIP loss on captioned scenes, evaluated by image<->tex
 
 The loop is the shared engine (:func:`ropekit.train.engine.fit`): DDP, precision, ``torch.compile``, exact resume,
 the run folder and the learning curves come from it. This module supplies the task (:class:`RetrievalTask`), its
-configuration (:class:`RetrievalConfig`: the usual :class:`~ropekit.train.TrainConfig` for the data, the vision
+configuration (:class:`RetrievalConfig`: the usual :class:`~ropekit.classification.TrainConfig` for the data, the vision
 tower and the schedule, plus :class:`RetrievalOptions` for the text tower and the joint space, ``--task-opt
 KEY=VALUE`` on the command line) and :func:`train_retrieval`.
 
@@ -46,12 +46,12 @@ from ..data.text import Tokenizer
 from ..nn import TextConfig, TextTransformer, VisionTransformer
 from ..train import engine
 from ..train.checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
-from ..train.config import TrainConfig, build_vit_config, check_type
+from ..classification.config import TrainConfig, build_vit_config, check_type
 from ..train.distributed import DistContext, init_distributed
 from ..train.engine import seed_everything
 from ..train.run_folder import load_run
 from ..train.tasks import register_task
-from ..train.trainer import default_run_dir, load_data, resolve_threads, resume_changes, schedule_of
+from ..classification.trainer import default_run_dir, load_data, resolve_threads, resume_changes, schedule_of
 from .hard_negatives import depth_hard_negative_accuracy
 from .retrieval import RECALL_KS, DualEncoder, retrieval_recall, siglip_loss
 
@@ -350,7 +350,7 @@ def train_retrieval(cfg: RetrievalConfig, *, resume: bool = False, quiet: bool =
 
     Raises:
         ValueError: bad options, data without captions, a folder that already holds a run (without ``resume``);
-        RunLockedError, NonFiniteLossError, SaveError, CheckpointError: as :func:`ropekit.train.train`.
+        RunLockedError, NonFiniteLossError, SaveError, CheckpointError: as :func:`ropekit.classification.train`.
     """
     tc = cfg.train.validate()
     cfg.options.validate()

@@ -1,4 +1,4 @@
-"""``ropekit train`` and ``ropekit eval``: argument parsing on top of :mod:`ropekit.train.trainer`.
+"""``ropekit train`` and ``ropekit eval``: argument parsing on top of :mod:`ropekit.classification.trainer`.
 
 Every option defaults to "not given" (``argparse.SUPPRESS``), so the precedence is simply
 ``TrainConfig`` defaults < the task's defaults < ``--preset`` < ``--config FILE`` < the command line. With
@@ -32,7 +32,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Examples: `ropekit train` (MNIST, ViT-tiny, Cayley-STRING); `ropekit train --pe circulant "
                 "--pe-opt block_size=16 --epochs 5`; `ropekit train --data rgbd-digits --pe mixed`; "
                 "`torchrun --nproc_per_node 2 -m ropekit.cli train` (DDP).")
-    from .recipes import list_recipes
+    from ..classification.recipes import list_recipes
     from .tasks import task_names
 
     g = p.add_argument_group("configuration")
@@ -43,7 +43,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         f"--seed, --threads, logging), their optimiser's and their model's, and --task-opt: "
                         f"demos / scenes files, steps=N ...; see ropekit.tasks")
     g.add_argument("--preset", metavar="NAME", default=S,
-                   help=f"a training recipe to start from ({', '.join(list_recipes())}; see ropekit/train/recipes); "
+                   help=f"a training recipe to start from ({', '.join(list_recipes())}; see ropekit/classification/recipes); "
                         f"--config and command-line options override it")
     g.add_argument("--task-opt", metavar="KEY=VALUE", action="append", default=S,
                    help="an option of the task besides the TrainConfig ones, e.g. text_depth=3 for retrieval "
@@ -181,7 +181,7 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
     ``data_root`` is made absolute (resolved against the current directory) so that the run folder travels.
     """
     from ..encodings import list_pes
-    from .config import DATA_CHANGE, TrainConfig, load_config_file, parse_key_values
+    from ..classification.config import DATA_CHANGE, TrainConfig, load_config_file, parse_key_values
 
     given: Dict[str, Any] = {k: v for k, v in vars(args).items()
                              if k not in ("command", "debug", "task", "task_opt")}
@@ -209,7 +209,7 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
         base["out"] = str(run_dir)
         resume = str(run_dir)
     if preset:
-        from .recipes import load_recipe
+        from ..classification.recipes import load_recipe
 
         base.update(load_recipe(preset))
     if config_file:
@@ -297,7 +297,7 @@ def _show(value: Any) -> str:
 def _check_kv_spelling(flag: str, entries: Dict[str, Any], given: Dict[str, Any], spelled: Dict[str, str]) -> None:
     """A ``--pe-opt`` / ``--model-opt`` entry that is a ``TrainConfig`` setting of its own is refused, pointing to
     the option that sets it (one spelling per setting)."""
-    from .config import TrainConfig, model_fields
+    from ..classification.config import TrainConfig, model_fields
 
     if flag == "--pe-opt" and "per_head" in entries:
         raise CommandError("--pe-opt per_head: per-head encoding parameters are asked with --per-head (one spelling "
@@ -335,7 +335,7 @@ _NOT_FIELDS = ("command", "debug", "task", "task_opt", "resume", "preset", "conf
 def given_fields(args: argparse.Namespace) -> Dict[str, str]:
     """The ``TrainConfig`` fields a ``ropekit train`` command line gives (dedicated options, ``--set``, the
     ``--*-opt`` options, the keys of ``--config FILE``), each with how it was given (e.g. ``--lr``)."""
-    from .config import load_config_file, parse_key_values
+    from ..classification.config import load_config_file, parse_key_values
 
     given = vars(args)
     spelled = {_KV_OPTIONS.get(k, k): _FLAGS.get(_KV_OPTIONS.get(k, k), f"--{k.replace('_', '-')}")
@@ -381,7 +381,7 @@ def run_train(args: argparse.Namespace) -> int:
     task = lookup_task(getattr(args, "task", "classification"))
     if task.command is not None:
         raise CommandError(f"task {task.name!r} is trained by `{task.command}`")
-    from .config import parse_key_values
+    from ..classification.config import parse_key_values
 
     task_options = parse_key_values(getattr(args, "task_opt", None), "--task-opt")
     if task.train is None and task_options:
@@ -400,7 +400,7 @@ def fit_registered_task(task: Any, cfg: Any, *, resume: bool = False) -> int:
     schedule and execution options in ``cfg.out`` (default ``runs/<task>-s<seed>``); the exit status."""
     from .distributed import DistContext
     from .engine import FitOptions, fit
-    from .trainer import schedule_of
+    from ..classification.trainer import schedule_of
 
     out = Path(cfg.out) if cfg.out else Path("runs") / f"{task.name}-s{cfg.seed}"
     built = task.build(cfg)
@@ -425,8 +425,8 @@ def train_classification(cfg: Any, task_options: Dict[str, Any], *, resume: bool
         raise CommandError(f"task {name!r} takes no --task-opt")
     if resume and _finished(cfg, allow_change):
         return 0
-    from .config import plural
-    from .trainer import train
+    from ..classification.config import plural
+    from ..classification.trainer import train
 
     result = train(cfg, resume=resume, allow_change=allow_change)
     if not result.is_main:
@@ -449,9 +449,9 @@ def _finished(cfg: Any, allow: Any = ()) -> bool:
     (with its final accuracy and how to train longer). Options that differ from the run's are refused first, as
     for any resume."""
     from .checkpoint import CHECKPOINT_NAME
-    from .config import DATA_CHANGE, plural
+    from ..classification.config import DATA_CHANGE, plural
     from .run_folder import load_run
-    from .trainer import resume_changes
+    from ..classification.trainer import resume_changes
 
     run = Path(cfg.out)
     if not (run / CHECKPOINT_NAME).is_file():
@@ -498,7 +498,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if target.is_file() and target.suffix.lower() in (".json", ".yaml", ".yml", ".csv", ".png"):
         raise CommandError(f"{args.run_dir} is a file of the run, not a checkpoint: give the run folder "
                            f"({target.parent}) or its checkpoint.pt")
-    from .trainer import evaluate_run
+    from ..classification.trainer import evaluate_run
 
     res = evaluate_run(args.run_dir, image_size=args.image_size, offset_std=args.offset_std, seed=args.seed,
                        batch_size=args.batch_size, device=args.device, data=args.data, data_root=args.data_root)

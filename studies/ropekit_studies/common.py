@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ropekit.nn.coords import COORD_MODES
-from ropekit.train import TrainConfig
+from ropekit.classification import TrainConfig
 from .report import StudyWriter, pe_label
 from .runs import Progress, RunCache, RunRecord, memo_data
 from .settings import ExperimentConfig

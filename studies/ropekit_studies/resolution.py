@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from ropekit.train.config import auto_patch_size
+from ropekit.classification.config import auto_patch_size
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, background_value, mean_loss, pad_or_crop, predict, token_grid
 from .registry import register_study

@@ -1,6 +1,6 @@
 """Trained runs, cached by a hash of their resolved configuration, and the two progress bars of a study.
 
-A run is identified by the SHA-256 of its resolved configuration: the :class:`~ropekit.train.TrainConfig`
+A run is identified by the SHA-256 of its resolved configuration: the :class:`~ropekit.classification.TrainConfig`
 without the runtime-only fields (run folder, progress bar, TensorBoard, threads, device, evaluation batch
 size), the resolved :class:`~ropekit.nn.ViTConfig` built from it, and the ropekit version. Encoding options
 equal to the encoding's defaults are dropped first, so ``{"block_size": 8}`` and ``{}`` for ComRoPE name the
@@ -27,7 +27,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from ropekit import __version__
 from ropekit.encodings.registry import PE_REGISTRY
 from ropekit.nn.vit import ViTConfig, VisionTransformer
-from ropekit.train import TrainConfig, build_vit_config, load_data, load_run, train
+from ropekit.train import load_run
+from ropekit.classification import TrainConfig, build_vit_config, load_data, train
 from ropekit.train.checkpoint import CHECKPOINT_NAME, load_model_state
 from ropekit.train.metrics import read_metrics_csv
 
@@ -64,7 +65,7 @@ _DATA_MEMO: Dict[str, Tuple[Any, Any, Any]] = {}
 
 
 def memo_data(cfg: TrainConfig, image_size: Any = None) -> Tuple[Any, Any, Any]:
-    """``ropekit.train.load_data(cfg, image_size)``, memoised for the process (datasets are read-only here)."""
+    """``ropekit.classification.load_data(cfg, image_size)``, memoised for the process (datasets are read-only here)."""
     key = _data_key(cfg, image_size)
     if key not in _DATA_MEMO:
         if len(_DATA_MEMO) > 16:

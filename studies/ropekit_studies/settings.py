@@ -2,7 +2,7 @@
 
 Every study trains the *same* backbone for each encoding in ``pes`` and each seed in ``seeds``; only the
 encoding (or, in ``ablations``, one option of it) changes. :meth:`ExperimentConfig.train_config` turns the
-experiment settings into the :class:`ropekit.train.TrainConfig` of one run; runs are cached by a hash of that
+experiment settings into the :class:`ropekit.classification.TrainConfig` of one run; runs are cached by a hash of that
 resolved configuration (see :mod:`ropekit_studies.runs`), so studies that need the same model share it.
 
 The studies take their settings from pinned recipes (:mod:`ropekit_studies.recipes`: ``default`` for a
@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ropekit.train import TrainConfig
+from ropekit.classification import TrainConfig
 
 __all__ = ["ExperimentConfig", "DEFAULT_PES", "QUICK_PES", "SCALE_PES", "quick_config", "default_config",
            "shared_train_fields"]

@@ -1,7 +1,7 @@
 """Pinned recipes: the complete training recipe of every study and preset, written out field by field.
 
 A study's results must stay reproducible when a library default changes, so no run of a study inherits a
-default of :class:`~ropekit.train.TrainConfig` or :class:`~ropekit.nn.ViTConfig`. Each recipe states every
+default of :class:`~ropekit.classification.TrainConfig` or :class:`~ropekit.nn.ViTConfig`. Each recipe states every
 field that changes what is learned:
 
 * ``train`` -- every ``TrainConfig`` field except the runtime ones (:data:`RUNTIME_FIELDS`: run folder, device,
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ropekit.nn.vit import PAPER_SHARING, ViTConfig
-from ropekit.train import TrainConfig
+from ropekit.classification import TrainConfig
 from ropekit.train.upgrade import ADDED, flatten, upgrade_architecture, upgrade_config
 from ..arguments import OPTION_FIELDS, STUDY_OPTIONS, add_arguments
 from ..registry import STUDIES
@@ -447,7 +447,7 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
     import argparse
     import shlex
 
-    from ropekit.train.config import parse_key_values
+    from ropekit.classification.config import parse_key_values
 
     words = shlex.split(command or "")
     if words[:2] != ["ropekit", "experiment"]:

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 from .._config_keys import known_keys
 from ..coords.augment import check_coord_augment
 from ..nn.vit import VIT_SIZES, ViTConfig, vit_config
-from .upgrade import flatten, nest, upgrade_config
+from ..train.upgrade import flatten, nest, upgrade_config
 
 if TYPE_CHECKING:
-    from .engine import EngineOptions
+    from ..train.engine import EngineOptions
 
 __all__ = ["TrainConfig", "check_type", "load_config_file", "parse_key_values", "parse_value",
            "build_vit_config", "auto_patch_size", "model_fields"]
@@ -46,7 +46,7 @@ class TrainConfig:
         train_fraction: use this (stratified) fraction of the training set (in-memory data);
         workers: data-loader processes of streamed data (0: decode in the training process).
         native_resolution: train and evaluate on packed batches of images at their own aspect ratio and a sampled
-        resolution (``ropekit.train.native``); native_options: its ``ropekit.data.native.NativeOptions`` fields
+        resolution (``ropekit.classification.native``); native_options: its ``ropekit.data.native.NativeOptions`` fields
         (``seq_len``, ``rows``, ``min_tokens``, ``max_tokens``, ``eval_tokens``, ``max_images``, ``token_drop``,
         ``hflip``, ``aspect``).
     Model (see :class:`ropekit.nn.ViTConfig`):
@@ -190,7 +190,7 @@ class TrainConfig:
 
     def engine_options(self) -> "EngineOptions":
         """The run-execution settings for :func:`ropekit.train.engine.fit` (threads are set by the trainer)."""
-        from .engine import EngineOptions
+        from ..train.engine import EngineOptions
 
         return EngineOptions(device=self.device, precision=self.precision, compile=self.compile, threads=None,
                              progress=self.progress, tensorboard=self.tensorboard)
@@ -254,7 +254,7 @@ class TrainConfig:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not math.isfinite(self.depth_scale_init):
             raise ValueError(f"depth_scale_init must be finite, got {self.depth_scale_init}")
-        from .options import PRECISIONS, check_compile_backend
+        from ..train.options import PRECISIONS, check_compile_backend
 
         check_compile_backend(self.compile)
         if self.precision not in PRECISIONS:

@@ -29,11 +29,11 @@ from torch.utils.data import Dataset
 
 from ..data.native import NativeLoader, NativeOptions
 from ..nn.packing import PackedBatch
-from . import engine
+from ..train import engine
 from .config import TrainConfig
-from .distributed import DistContext
-from .engine import seed_everything
-from .tasks import register_task
+from ..train.distributed import DistContext
+from ..train.engine import seed_everything
+from ..train.tasks import register_task
 from .trainer import ClassificationTask, build_model
 
 __all__ = ["NativeClassificationTask", "build_native_task", "native_sources", "native_options"]
@@ -112,7 +112,7 @@ def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
 
 
 class NativeClassificationTask(ClassificationTask):
-    """Classification on packed native-resolution batches: :class:`~ropekit.train.trainer.ClassificationTask`'s
+    """Classification on packed native-resolution batches: :class:`~ropekit.classification.trainer.ClassificationTask`'s
     metrics, plots and summary; batches from :class:`~ropekit.data.native.NativeLoader` (a training epoch has a
     fixed number of batches, a pure function of ``(seed, epoch, rank)``, restarted at the checkpoint's batch on
     resume); the model takes a :class:`~ropekit.nn.packing.PackedBatch` (``VisionTransformer.forward``)."""

@@ -46,15 +46,15 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from ..encodings.counting import count_parameters
 from ..nn.vit import ViTConfig, VisionTransformer
-from . import engine
-from .augment import random_resize, random_shift
-from .engine import seed_everything
-from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
+from ..train import engine
+from ..train.augment import random_resize, random_shift
+from ..train.engine import seed_everything
+from ..train.checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
 from .config import DATA_CHANGE, TrainConfig, build_vit_config, is_folder, is_streamed_data, plural
-from .distributed import DistContext, init_distributed, resolve_device
-from .metrics import METRIC_COLUMNS, plot_curves
-from .run_folder import load_run
-from .tasks import register_task
+from ..train.distributed import DistContext, init_distributed, resolve_device
+from ..train.metrics import METRIC_COLUMNS, plot_curves
+from ..train.run_folder import load_run
+from ..train.tasks import register_task
 
 __all__ = ["TrainResult", "ClassificationTask", "train", "evaluate", "evaluate_run", "load_data", "build_model",
            "default_run_dir", "fetch_batch", "random_shift", "load_run"]
@@ -527,8 +527,8 @@ def build_classification_task(cfg: TrainConfig, ctx: Optional[DistContext] = Non
     """The :class:`ClassificationTask` of ``cfg``: its data loaded and its ViT built (seeded by ``cfg.seed``,
     identical on every rank); ``ctx``: this process's place in the run (default: one process on the CPU)."""
     ctx = ctx or DistContext()
-    if cfg.native_resolution:  # packed batches at each image's own aspect ratio (ropekit.train.native)
-        from .tasks import lookup_task
+    if cfg.native_resolution:  # packed batches at each image's own aspect ratio (ropekit.classification.native)
+        from ..train.tasks import lookup_task
 
         return lookup_task("native-resolution").build(cfg, ctx, run_dir=run_dir, quiet=quiet)
     train_ds, test_ds, info = load_data(cfg)
@@ -622,7 +622,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
     if ckpt is not None:  # (checked here, before anything is said or written; the engine restores the rest)
         load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
     if cfg.init_from and ckpt is None:
-        from .finetune import init_from_checkpoint
+        from ..train.finetune import init_from_checkpoint
 
         _log(init_from_checkpoint(model, load_checkpoint(cfg.init_from)), ctx, quiet)
 
