@@ -23,7 +23,7 @@ RECIPE = dict(  # the DeiT recipe's augmentations, scaled down to 24-pixel image
 def main(out: Path) -> None:
     rank = int(os.environ["RANK"])
     for kind, data in (("folder", "folder-stream"), ("shards", "shards")):
-        cfg = TrainConfig(data=data, data_root=str(out / kind), **RECIPE)
+        cfg = TrainConfig.from_dict(dict(data=data, data_root=str(out / kind), **RECIPE))
         full = train(cfg.replace(out=str(out / f"{kind}-full")), quiet=True)
         torch.save(full.model.state_dict(), out / f"{kind}-full-rank{rank}.pt")
         part = cfg.replace(out=str(out / f"{kind}-part"))

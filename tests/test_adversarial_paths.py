@@ -264,7 +264,7 @@ def test_typed_model_options_stay_strict():
     from ropekit.classification import TrainConfig
 
     with pytest.raises(ValueError, match="model_options: unknown ViTConfig field.*embed_dimm"):
-        TrainConfig(model_options={"embed_dimm": 32}).validate()
+        TrainConfig.from_dict(dict(model_options={"embed_dimm": 32})).validate()
 
 
 def _checkpoint(tmp_path, extra_keys):

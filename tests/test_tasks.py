@@ -63,21 +63,23 @@ def _tiny_config(name: str, tmp_path):
     if name == "classification":
         from ropekit.classification import TrainConfig
 
-        return TrainConfig(data="digits", train_fraction=0.1, batch_size=8, threads=1, device="cpu",
-                           model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0))
+        return TrainConfig.from_dict(dict(data="digits", train_fraction=0.1, batch_size=8, threads=1, device="cpu",
+                           model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0)))
     if name == "native-resolution":
         from ropekit.classification import TrainConfig
 
-        return TrainConfig(data="digits", train_fraction=0.1, native_resolution=True, patch_size=2, threads=1,
+        return TrainConfig.from_dict(dict(data="digits", train_fraction=0.1, native_resolution=True, patch_size=2,
+                                          threads=1,
                            device="cpu", native_options={"seq_len": 48, "rows": 4, "min_tokens": 4, "max_tokens": 16},
-                           model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0))
+                           model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0)))
     if name == "retrieval":
         from ropekit.multimodal import RetrievalConfig, RetrievalOptions
         from ropekit.classification import TrainConfig
 
-        return RetrievalConfig(TrainConfig(data="captioned-scenes", data_options={"num_train": 16, "num_test": 8},
+        return RetrievalConfig(TrainConfig.from_dict(dict(data="captioned-scenes", data_options={"num_train": 16,
+                                                                                                 "num_test": 8},
                                            image_size=16, patch_size=4, batch_size=8, threads=1, device="cpu",
-                                           model_options=dict(embed_dim=24, depth=1, num_heads=2)),
+                                           model_options=dict(embed_dim=24, depth=1, num_heads=2))),
                                RetrievalOptions(embed_dim=16, text_width=16, text_depth=1))
     if name == "detection":
         from ropekit.detection.model import detector_config
@@ -125,7 +127,8 @@ def _tiny_config(name: str, tmp_path):
              qpos=rng.normal(size=(n, 14)).astype(np.float32), action=rng.normal(size=(n, 14)).astype(np.float32),
              frame_row=np.arange(n), episode=np.zeros(n, int), step=np.arange(n), episode_length=np.array([n]))
     return AlohaTaskConfig(str(tmp_path / "aloha.npz"),
-                           AlohaPolicyConfig(modality="image", pe="circulant", image_hw=(24, size), **SMALL_POLICY), train)
+                           AlohaPolicyConfig(modality="image", pe="circulant", image_hw=(24, size),
+                                             **SMALL_POLICY), train)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -218,7 +221,7 @@ USER_TASK = textwrap.dedent('''
         name = "least-squares"
 
         def __init__(self, cfg):
-            torch.manual_seed(cfg.seed)
+            torch.manual_seed(cfg.run.seed)
             self.model = torch.nn.Linear(3, 1, bias=False)
 
         def epoch_batches(self, epoch, ctx):

@@ -26,7 +26,7 @@ def tiny_cfg(out, **kw) -> TrainConfig:
     base = dict(data="digits", train_fraction=0.1, model_options=dict(TINY), batch_size=32, epochs=2, lr=3e-3,
                 eval_batch_size=400, progress=False, tensorboard=False, threads=1, out=str(out), device="cpu")
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.from_dict(base)
 
 
 def _state_equal(a, b):

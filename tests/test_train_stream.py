@@ -34,7 +34,7 @@ def _stream_cfg(data_root: Path, out: Path, **kw) -> TrainConfig:
                 epochs=2, batch_size=8, lr=2e-3, progress=False, tensorboard=False, threads=1, device="cpu",
                 out=str(out), eval_batch_size=32)
     base.update(kw)
-    return TrainConfig(**base).validate()
+    return TrainConfig.from_dict(base).validate()
 
 
 def _same(a, b):
@@ -71,10 +71,12 @@ def test_deit_preset_resolves_to_the_paper_recipe_with_a_vit_b16(monkeypatch):
     with pytest.raises(SystemExit):
         cli_main(["train", "--preset", "deit-b16", "--data-root", ".", "--batch-size", "2048", "--device", "cpu"])
     cfg = seen["cfg"]
-    assert (cfg.data, cfg.model, cfg.patch_size, cfg.image_size, cfg.epochs) == ("shards", "base", 16, 224, 300)
-    assert cfg.peak_lr == pytest.approx(5e-4 * 2048 / 512)  # the command line's batch, scaled as the paper says
-    assert (cfg.weight_decay, cfg.warmup_epochs, cfg.label_smoothing) == (0.05, 5, 0.1)
-    assert (cfg.mixup_alpha, cfg.cutmix_alpha, cfg.random_erasing, cfg.auto_augment) == (0.8, 1.0, 0.25, "rand-m9-n2")
+    assert (cfg.data.name, cfg.model.size, cfg.model.patch_size, cfg.data.image_size, cfg.optim.epochs) == (
+        "shards", "base", 16, 224, 300)
+    assert cfg.optim.peak_lr == pytest.approx(5e-4 * 2048 / 512)  # the command line's batch, scaled as the paper says
+    assert (cfg.optim.weight_decay, cfg.optim.warmup_epochs, cfg.optim.label_smoothing) == (0.05, 5, 0.1)
+    assert (cfg.data.mixup_alpha, cfg.data.cutmix_alpha, cfg.data.random_erasing, cfg.data.auto_augment) == (
+        0.8, 1.0, 0.25, "rand-m9-n2")
     from ropekit.data import DatasetInfo
 
     vit = build_vit_config(cfg, DatasetInfo("shards", 1000, 3, (224, 224), "image"))

@@ -1,4 +1,5 @@
-"""``TrainConfig``: everything a training run needs, as one dataclass saved with the run.
+"""``TrainConfig``: everything a training run needs, in four sections (``model``, ``data``, ``optim``, ``run``: the
+dataclasses :class:`ModelConfig`, :class:`DataConfig`, :class:`OptimConfig`, :class:`RunConfig`), saved with the run.
 
 Precedence when resolving a run's configuration: dataclass defaults < ``--config FILE`` (YAML or JSON)
 < command-line options. The resolved configuration (in its ``model`` / ``data`` / ``optim`` / ``run`` sections),
@@ -7,6 +8,7 @@ together with the model's :class:`ViTConfig`, is written to ``config.json`` in t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -14,75 +16,95 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from .._config_keys import known_keys
 from ..coords.augment import check_coord_augment
 from ..nn.vit import VIT_SIZES, ViTConfig, vit_config
-from ..train.upgrade import flatten, nest, upgrade_config
+from ..train.upgrade import FLAT_FIELDS, flatten, nest, upgrade_config
 
 if TYPE_CHECKING:
     from ..train.engine import EngineOptions
 
-__all__ = ["TrainConfig", "check_type", "load_config_file", "parse_key_values", "parse_value",
-           "build_vit_config", "auto_patch_size", "model_fields"]
+__all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "check_type", "load_config_file",
+           "parse_key_values", "parse_value",
+           "build_vit_config", "auto_patch_size", "POSITION_FIELDS", "SECTION_TYPES"]
+
+
+#: The ``ViTConfig`` fields that the ``model`` section states by name (the position encoding and its inputs):
+#: every recorded configuration holds them, the other ``ViTConfig`` fields only when given (``model.options``).
+POSITION_FIELDS = ("pe", "pe_options", "pe_sharing", "per_head", "ape", "cls", "coords", "jitter", "coord_augment",
+                   "depth_input", "depth_scale_init")
 
 
 @dataclass
-class TrainConfig:
-    """A training run.
+class ModelConfig:
+    """The ``model`` section: a ViT of a named size.
 
-    Written down (``config.json``, a ``--config`` file, :meth:`to_nested`) the fields form four sections
-    (:data:`ropekit.train.upgrade.SECTIONS`, docs/configuration.md): ``model`` (``model`` as ``size``,
-    ``model_options`` as ``options``), ``data`` (``data`` as ``name``; augmentation and mixing included), ``optim``
-    and ``run``; :meth:`from_dict` reads that form and every older flat one.
+    size: ``tiny``, ``small`` or ``base`` (:data:`ropekit.nn.VIT_SIZES`); patch_size (``None``: ``auto_patch_size``,
+    a power of two by the short side of the data's images); tubelet_size (video; ``None``: 2 frames, or 1 for clips
+    shorter than 4); options: the :class:`ropekit.nn.ViTConfig` fields set on top of the size's own (``pe``,
+    ``pe_options``, ``pe_sharing``, ``per_head``, ``ape``, ``cls``, ``coords``, ``jitter``, ``coord_augment``
+    (``[shift, jitter, rescale]`` of the patch coordinates in training, as DINOv3; ``[0, 1, 1]``: off),
+    ``depth_input``, ``depth_scale_init``, ``embed_dim``, ``depth``, ``num_heads``, ``drop_path_rate``...);
+    init_from: a checkpoint whose matching weights initialise the model (fine-tuning). The data decide the rest
+    (classes, channels, image size, modality) when the model is built (:func:`build_vit_config`).
 
-    Data:
-        data: dataset name (``ropekit.data.list_datasets()``, held in memory) or a streamed one decoded as it is
-        read (``folder-stream``: ``data_root/<class>/<image>``, ``shards``: WebDataset shards written by
-        ``ropekit data convert``); data_root: path of user data;
-        image_size: resize / generate at this size (int or ``[H, W]``); data_options: dataset keyword options;
-        split_seed: seed of the train/test split; normalize: standardise colour channels;
-        train_fraction: use this (stratified) fraction of the training set (in-memory data);
-        workers: data-loader processes of streamed data (0: decode in the training process).
-        native_resolution: train and evaluate on packed batches of images at their own aspect ratio and a sampled
-        resolution (``ropekit.classification.native``); native_options: its ``ropekit.data.native.NativeOptions`` fields
-        (``seq_len``, ``rows``, ``min_tokens``, ``max_tokens``, ``eval_tokens``, ``max_images``, ``token_drop``,
-        ``hflip``, ``aspect``).
-    Model (see :class:`ropekit.nn.ViTConfig`):
-        model: ``tiny``, ``small`` or ``base``; patch_size (``None``: ``auto_patch_size``, a power of two by the
-        short side); tubelet_size (video; ``None``: 2 frames, or 1 for clips shorter than 4); pe, pe_options,
-        pe_sharing, per_head, ape, cls, coords, jitter, coord_augment (``[shift, jitter, rescale]`` of the patch
-        coordinates in training, as DINOv3; ``[0, 1, 1]``: off), depth_input, depth_scale_init;
-        model_options: any other ``ViTConfig`` field (``embed_dim``, ``depth``, ``num_heads``, ``drop_path_rate``...);
-        init_from: a checkpoint whose matching weights initialise the model (fine-tuning).
-    Optimisation:
-        epochs, batch_size (global, split over DDP ranks), lr (peak), weight_decay, warmup_epochs, min_lr,
-        label_smoothing, grad_clip (0 disables), augment_shift (random translation by up to this many pixels,
-        zero fill; 0 disables), augment_sizes (scale augmentation: each step resizes its batch to one image size
-        drawn from this list -- bilinear, antialiased when shrinking -- so the model trains on several token
-        grids; ``[]`` disables; images only); lr_base_batch: when set, the learning rate is
-        ``lr * batch_size / lr_base_batch`` (the linear scaling rule of recipes such as DeiT's).
-    Augmentation of streamed data (``folder-stream``, ``shards``; the in-memory sets use ``augment_shift``):
-        crop_scale, crop_ratio: random resized crop's area fraction and aspect-ratio ranges; hflip: horizontal flip
-        probability; auto_augment: ``none``, ``randaugment``, ``trivialaugment`` or ``rand-m9-n2`` style;
-        random_erasing: probability of erasing a rectangle; crop_pct: evaluation resizes to ``size / crop_pct`` and
-        crops the centre.
-    Mixing (any data, opt-in): mixup_alpha, cutmix_alpha: Beta parameters of MixUp and CutMix (0 disables; both
-        > 0: one of the two per batch, with equal probability). The loss then takes the mixed (soft) targets, with
-        label smoothing on top; the training accuracy counts the predictions that match a mixed target's largest
-        class.
-    Run:
-        seed, out (run folder; ``None``: ``runs/<data>-<pe>-<model>-s<seed>-<time>``), device (``auto``, ``cpu``,
-        ``cuda``...), precision (``fp32``, ``bf16`` or ``fp16`` autocast), compile (``torch.compile`` the model:
-        ``True`` or a backend name such as ``aot_eager``),
-        eval_batch_size, progress (bar), tensorboard (event files when installed), threads (torch
-        CPU threads; ``None``: half the cores per process, see ``trainer.resolve_threads``); log_every: steps
-        between reads of the loss guard and running metrics (the only host synchronisations of training);
-        checkpoint_every: also checkpoint every this many steps inside an epoch (0: after each epoch only).
+    ``options`` keeps what was given, even a value equal to the size's own (a recorded run states every field);
+    :meth:`vit` is the ``ViTConfig`` they make before the data are known.
     """
 
-    data: str = "mnist"
+    size: str = "tiny"
+    patch_size: Optional[int] = None
+    tubelet_size: Optional[int] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+    init_from: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        """The position fields (:data:`POSITION_FIELDS`) not given are set to ``ViTConfig``'s values, so that
+        a configuration states them all, as every recorded one does."""
+        missing = [name for name in POSITION_FIELDS if name not in self.options]
+        defaults = ViTConfig() if missing else None
+        for name in missing:
+            value = getattr(defaults, name)
+            self.options[name] = list(value) if isinstance(value, tuple) else copy.deepcopy(value)
+
+    def extra(self) -> Dict[str, Any]:
+        """The ``ViTConfig`` fields given besides the position fields (what ``--model-opt`` sets; recorded as
+        ``model.options``)."""
+        return {k: copy.deepcopy(v) for k, v in self.options.items() if k not in POSITION_FIELDS}
+
+    def vit(self) -> ViTConfig:
+        """The size's ``ViTConfig`` with :attr:`options` set (data fields, patch and tubelet sizes at their
+        defaults until :func:`build_vit_config` fills them)."""
+        return vit_config(self.size, **self.options)
+
+
+@dataclass
+class DataConfig:
+    """The ``data`` section: the dataset, its loader and its augmentation.
+
+    name: dataset name (``ropekit.data.list_datasets()``, held in memory) or a streamed one decoded as it is read
+    (``imagefolder``: ``data_root/<class>/<image>``, ``shards``: WebDataset shards written by ``ropekit data
+    convert``); data_root: path of user data; image_size: resize / generate at this size (int or ``[H, W]``);
+    data_options: dataset keyword options; split_seed: seed of the train/test split; normalize: standardise colour
+    channels; train_fraction: use this (stratified) fraction of the training set (in-memory data); workers:
+    data-loader processes of streamed data (0: decode in the training process); native_resolution: train and
+    evaluate on packed batches of images at their own aspect ratio (``ropekit.classification.native``);
+    native_options: its ``ropekit.data.native.NativeOptions`` fields (``seq_len``, ``rows``, ``min_tokens``,
+    ``max_tokens``, ``eval_tokens``, ``max_images``, ``token_drop``, ``hflip``, ``aspect``).
+
+    Augmentation: augment_shift (random translation by up to this many pixels, zero fill; 0 disables),
+    augment_sizes (scale augmentation: each step resizes its batch to one image size drawn from this list --
+    bilinear, antialiased when shrinking; ``[]`` disables; images only). Of streamed data only: crop_scale,
+    crop_ratio (random resized crop's area fraction and aspect-ratio ranges), hflip (horizontal flip probability),
+    auto_augment (``none``, ``randaugment``, ``trivialaugment`` or ``rand-m9-n2`` style), random_erasing
+    (probability of erasing a rectangle), crop_pct (evaluation resizes to ``size / crop_pct`` and crops the
+    centre). Mixing (any data, opt-in): mixup_alpha, cutmix_alpha (Beta parameters of MixUp and CutMix; 0 disables;
+    both > 0: one of the two per batch). The loss then takes the mixed (soft) targets, with label smoothing on top.
+    """
+
+    name: str = "mnist"
     data_root: Optional[str] = None
     image_size: Optional[Union[int, List[int]]] = None
     data_options: Dict[str, Any] = field(default_factory=dict)
@@ -92,23 +114,32 @@ class TrainConfig:
     workers: int = 0
     native_resolution: bool = False
     native_options: Dict[str, Any] = field(default_factory=dict)
+    augment_shift: int = 1
+    augment_sizes: List[int] = field(default_factory=list)
+    crop_scale: List[float] = field(default_factory=lambda: [0.08, 1.0])
+    crop_ratio: List[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    hflip: float = 0.5
+    auto_augment: str = "none"
+    random_erasing: float = 0.0
+    crop_pct: float = 0.875
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
 
-    model: str = "tiny"
-    patch_size: Optional[int] = None
-    tubelet_size: Optional[int] = None
-    pe: str = "cayley"
-    pe_options: Dict[str, Any] = field(default_factory=dict)
-    pe_sharing: str = "auto"
-    per_head: bool = False
-    ape: str = "none"
-    cls: str = "none"
-    coords: str = "grid"
-    jitter: float = 0.0
-    coord_augment: List[float] = field(default_factory=lambda: [0.0, 1.0, 1.0])
-    depth_input: str = "auto"
-    depth_scale_init: float = 1.0
-    model_options: Dict[str, Any] = field(default_factory=dict)
-    init_from: Optional[str] = None
+    def __post_init__(self) -> None:
+        """One name per data set: the image-folder aliases (``folder-stream``, ``imagefolder-stream``) become
+        ``imagefolder``."""
+        if isinstance(self.name, str) and is_folder(self.name):
+            self.name = FOLDER_NAMES[0]
+
+    #: The fields that apply to streamed data only (the in-memory sets refuse values other than the defaults).
+    STREAM_ONLY = ("crop_scale", "crop_ratio", "hflip", "auto_augment", "random_erasing", "crop_pct", "workers")
+
+
+@dataclass
+class OptimConfig:
+    """The ``optim`` section: epochs, batch_size (global, split over DDP ranks), lr (peak), weight_decay,
+    warmup_epochs, min_lr, label_smoothing, grad_clip (0 disables), lr_base_batch (when set, the learning rate is
+    ``lr * batch_size / lr_base_batch``, the linear scaling rule of recipes such as DeiT's)."""
 
     epochs: int = 12
     batch_size: int = 32
@@ -118,18 +149,23 @@ class TrainConfig:
     min_lr: float = 1e-5
     label_smoothing: float = 0.0
     grad_clip: float = 0.0
-    augment_shift: int = 1
-    augment_sizes: List[int] = field(default_factory=list)
     lr_base_batch: Optional[int] = None
 
-    crop_scale: List[float] = field(default_factory=lambda: [0.08, 1.0])
-    crop_ratio: List[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
-    hflip: float = 0.5
-    auto_augment: str = "none"
-    random_erasing: float = 0.0
-    crop_pct: float = 0.875
-    mixup_alpha: float = 0.0
-    cutmix_alpha: float = 0.0
+    @property
+    def peak_lr(self) -> float:
+        """The peak learning rate: ``lr``, scaled by ``batch_size / lr_base_batch`` when that is set."""
+        return self.lr * self.batch_size / self.lr_base_batch if self.lr_base_batch else self.lr
+
+
+@dataclass
+class RunConfig:
+    """The ``run`` section: seed, out (run folder; ``None``: ``runs/<data>-<pe>-<model>-s<seed>-<time>``), device
+    (``auto``, ``cpu``, ``cuda``...), precision (``fp32``, ``bf16`` or ``fp16`` autocast), compile
+    (``torch.compile`` the model: ``True`` or a backend name such as ``aot_eager``), eval_batch_size, progress
+    (bar), tensorboard (event files when installed), threads (torch CPU threads; ``None``: half the cores per
+    process, see ``trainer.resolve_threads``), log_every (steps between reads of the loss guard and running
+    metrics, the only host synchronisations of training), checkpoint_every (also checkpoint every this many steps
+    inside an epoch; 0: after each epoch only)."""
 
     seed: int = 0
     out: Optional[str] = None
@@ -143,51 +179,6 @@ class TrainConfig:
     log_every: int = 50
     checkpoint_every: int = 0
 
-    def __post_init__(self) -> None:
-        """One name per data set: the image-folder aliases (``folder-stream``, ``imagefolder-stream``) become
-        ``imagefolder``. (``pe_sharing="head"`` is kept as written: it is the model's own short form of ``"layer"``
-        with ``per_head=True``, recorded so by studies' recipes.)"""
-        if isinstance(self.data, str) and is_folder(self.data):
-            self.data = FOLDER_NAMES[0]
-
-    # ------------------------------------------------------------------ (de)serialisation
-    @classmethod
-    def field_names(cls) -> List[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_nested(self) -> Dict[str, Dict[str, Any]]:
-        """The nested form: ``{"model": ..., "data": ..., "optim": ..., "run": ...}`` (:mod:`ropekit.train.upgrade`;
-        ``model`` holds ``model_options``' ``ViTConfig`` fields by their own names)."""
-        return nest(self.to_dict())
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any], *, source: str = "config", strict: bool = True) -> "TrainConfig":
-        """Build from a mapping: ``TrainConfig`` fields, or the nested form of :meth:`to_nested`. Every mapping goes
-        through :func:`ropekit.train.upgrade.upgrade_config` (renamed keys under their new names; a recorded
-        configuration, ``strict=False``, also gets the fields added since it was written at the value it trained
-        with). Unknown keys raise ``ValueError`` naming them (``strict``: the user's own options; a nested key as
-        ``section.key``), or -- reading a run folder written by another ropekit version -- give one warning and
-        are ignored."""
-        flat = flatten(upgrade_config(d, fill=not strict))
-        return cls(**known_keys(flat, cls.field_names(), {}, source=source, strict=strict)).validate(source)
-
-    def replace(self, **changes: Any) -> "TrainConfig":
-        unknown = sorted(set(changes) - set(self.field_names()))
-        if unknown:
-            raise ValueError(f"unknown option(s) {', '.join(unknown)}")
-        return dataclasses.replace(self, **changes).validate()
-
-    @property
-    def peak_lr(self) -> float:
-        """The peak learning rate: ``lr``, scaled by ``batch_size / lr_base_batch`` when that is set."""
-        return self.lr * self.batch_size / self.lr_base_batch if self.lr_base_batch else self.lr
-
-    #: The fields that apply to streamed data only, with their defaults (the in-memory sets refuse other values).
-    STREAM_ONLY = ("crop_scale", "crop_ratio", "hflip", "auto_augment", "random_erasing", "crop_pct", "workers")
-
     def engine_options(self) -> "EngineOptions":
         """The run-execution settings for :func:`ropekit.train.engine.fit` (threads are set by the trainer)."""
         from ..train.engine import EngineOptions
@@ -195,44 +186,151 @@ class TrainConfig:
         return EngineOptions(device=self.device, precision=self.precision, compile=self.compile, threads=None,
                              progress=self.progress, tensorboard=self.tensorboard)
 
+
+#: The dataclass of each section.
+SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}
+
+
+@dataclass
+class TrainConfig:
+    """A training run: four sections, as ``config.json`` writes them (docs/configuration.md).
+
+    >>> cfg = TrainConfig(data=DataConfig("digits"), optim=OptimConfig(epochs=2))
+    >>> cfg.model.vit().pe, cfg.optim.lr, cfg.run.device
+    ('cayley', 0.001, 'auto')
+
+    ``model`` (:class:`ModelConfig`: the ViT's size and the :class:`ropekit.nn.ViTConfig` fields given),
+    ``data`` (:class:`DataConfig`), ``optim`` (:class:`OptimConfig`) and ``run`` (:class:`RunConfig`).
+    :meth:`from_dict` reads the nested form, keys spelled ``section.key``, and every flat form a run folder or a
+    config file has had, through the one converter :func:`ropekit.train.upgrade.upgrade_config`; :meth:`to_nested`
+    writes the nested form, and ``upgrade.flatten(cfg.to_nested())`` is the flat one that recorded runs and study
+    hashes use.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_nested(self) -> Dict[str, Dict[str, Any]]:
+        """The nested form: ``{"model": ..., "data": ..., "optim": ..., "run": ...}`` (:mod:`ropekit.train.upgrade`;
+        ``model`` states the ViT's position fields by name and holds its other options in ``options``)."""
+        vit = self.model.vit()
+        model: Dict[str, Any] = {"size": self.model.size, "patch_size": self.model.patch_size,
+                                 "tubelet_size": self.model.tubelet_size}
+        for name in POSITION_FIELDS:
+            value = self.model.options[name] if name in self.model.options else getattr(vit, name)
+            model[name] = list(value) if isinstance(value, tuple) else copy.deepcopy(value)
+        model["init_from"] = self.model.init_from
+        model["options"] = self.model.extra()
+        data = dataclasses.asdict(self.data)
+        data = {"name": data.pop("name"), **data}
+        return {"model": model, "data": data, "optim": dataclasses.asdict(self.optim),
+                "run": dataclasses.asdict(self.run)}
+
+    def to_dict(self) -> Dict[str, Dict[str, Any]]:
+        """The same as :meth:`to_nested`."""
+        return self.to_nested()
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "config", strict: bool = True) -> "TrainConfig":
+        """Build from a mapping: the nested form of :meth:`to_nested`, keys spelled ``section.key``, or the flat
+        fields of older ropekit versions. Every mapping goes through :func:`ropekit.train.upgrade.upgrade_config`
+        (renamed keys under their new names; a recorded configuration, ``strict=False``, also gets the fields added
+        since it was written at the value it trained with). Unknown keys raise ``ValueError`` naming them
+        (``strict``: the user's own options; a nested key as ``section.key``), or -- reading a run folder written
+        by another ropekit version -- give one warning and are ignored."""
+        flat = flatten(upgrade_config(d, fill=not strict))
+        flat = known_keys(flat, FLAT_FIELDS, {}, source=source, strict=strict)
+        return cls._from_flat(flat).validate(source)
+
+    @classmethod
+    def _from_flat(cls, flat: Mapping[str, Any]) -> "TrainConfig":
+        nested = nest(flat)
+        model = dict(nested["model"])
+        options = {k: model.pop(k) for k in POSITION_FIELDS if k in model}
+        options.update(model.pop("options", {}) or {})
+        data = dict(nested["data"])
+        if "name" in data:
+            data["name"] = data.pop("name")
+        return cls(model=ModelConfig(**model, options=options), data=DataConfig(**data),
+                   optim=OptimConfig(**nested["optim"]), run=RunConfig(**nested["run"]))
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with ``changes`` (keys ``section.key``, or the flat names of
+        :data:`ropekit.train.upgrade.FLAT_FIELDS`;
+        a ``ViTConfig`` field as ``model.NAME``), validated.
+
+        Raises:
+            ValueError: an unknown key (every one named) or a bad value.
+        """
+        flat = flatten(self.to_nested())
+        new = flatten(upgrade_config(changes, fill=False))
+        unknown = sorted(set(new) - set(FLAT_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(unknown)}")
+        if "model_options" in new:
+            new["model_options"] = {**flat.get("model_options", {}), **new["model_options"]}
+        return type(self)._from_flat({**flat, **new}).validate()
+
     def validate(self, source: str = "options") -> "TrainConfig":
         """Type and range checks that need no data, each failing with a one-line ``ValueError`` naming the option
         (the model configuration itself is validated when the model is built)."""
-        for f in dataclasses.fields(self):
-            check_type(f.name, getattr(self, f.name), _FIELD_TYPES[f.name], source)
-        self.__post_init__()
-        if self.model not in VIT_SIZES:
-            raise ValueError(f"unknown model size {self.model!r}; known: {', '.join(VIT_SIZES)}")
-        for name in ("epochs", "batch_size", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("threads", "patch_size", "tubelet_size", "lr_base_batch", "log_every"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not 0.0 < float(self.train_fraction) <= 1.0:
-            raise ValueError(f"train_fraction must be in (0, 1], got {self.train_fraction}")
-        if not self.lr > 0 or not math.isfinite(self.lr):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
-        for name in ("weight_decay", "warmup_epochs", "min_lr", "grad_clip", "jitter", "augment_shift", "workers",
-                     "checkpoint_every", "mixup_alpha", "cutmix_alpha"):
-            v = getattr(self, name)
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
-        check_coord_augment(self.coord_augment)
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.augment_sizes):
-            raise ValueError(f"augment_sizes must be a list of positive image sizes, got {self.augment_sizes!r}")
-        if self.patch_size is not None:
-            bad = [v for v in self.augment_sizes if v % self.patch_size]
-            if bad:
-                raise ValueError("augment_sizes: " + _not_divisible(bad[0], self.patch_size))
+        for section, typ in SECTION_TYPES.items():
+            part = getattr(self, section)
+            if not isinstance(part, typ):
+                raise ValueError(f"{source}: {section} must be a {typ.__name__}, got {part!r}")
+            for f in dataclasses.fields(part):
+                check_type(f.name, getattr(part, f.name), _FIELD_TYPES[section][f.name], source)
+        m, d, o, r = self.model, self.data, self.optim, self.run
+        d.__post_init__()
+        if m.size not in VIT_SIZES:
+            raise ValueError(f"unknown model size {m.size!r}; known: {', '.join(VIT_SIZES)}")
+        vit_fields = {f.name: f for f in dataclasses.fields(ViTConfig)}
+        bad = sorted(set(m.options) - set(vit_fields))
+        if bad:
+            raise ValueError(f"model_options: unknown ViTConfig field(s) {', '.join(bad)}")
+        hints = typing.get_type_hints(ViTConfig)
+        for k, v in m.options.items():
+            if k == "coord_augment":
+                check_type(k, v, List[float], source)
+            elif k not in ("image_size",):
+                check_type(k, v, hints[k], source if k in POSITION_FIELDS else "--model-opt")
+        vit = m.vit()
+        for name, value in (("epochs", o.epochs), ("batch_size", o.batch_size), ("eval_batch_size", r.eval_batch_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, value in (("threads", r.threads), ("patch_size", m.patch_size), ("tubelet_size", m.tubelet_size),
+                            ("lr_base_batch", o.lr_base_batch), ("log_every", r.log_every)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < float(d.train_fraction) <= 1.0:
+            raise ValueError(f"train_fraction must be in (0, 1], got {d.train_fraction}")
+        if not o.lr > 0 or not math.isfinite(o.lr):
+            raise ValueError(f"lr must be a positive finite number, got {o.lr}")
+        for name, value in (("weight_decay", o.weight_decay), ("warmup_epochs", o.warmup_epochs),
+                            ("min_lr", o.min_lr), ("grad_clip", o.grad_clip), ("jitter", vit.jitter),
+                            ("augment_shift", d.augment_shift), ("workers", d.workers),
+                            ("checkpoint_every", r.checkpoint_every), ("mixup_alpha", d.mixup_alpha),
+                            ("cutmix_alpha", d.cutmix_alpha)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        check_coord_augment(vit.coord_augment)
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in d.augment_sizes):
+            raise ValueError(f"augment_sizes must be a list of positive image sizes, got {d.augment_sizes!r}")
+        if m.patch_size is not None:
+            bad_sizes = [v for v in d.augment_sizes if v % m.patch_size]
+            if bad_sizes:
+                raise ValueError("augment_sizes: " + _not_divisible(bad_sizes[0], m.patch_size))
         for name in ("hflip", "random_erasing"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} is a probability in [0, 1], got {getattr(self, name)}")
-        if not 0.0 < self.crop_pct <= 1.0:
-            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+            if not 0.0 <= getattr(d, name) <= 1.0:
+                raise ValueError(f"{name} is a probability in [0, 1], got {getattr(d, name)}")
+        if not 0.0 < d.crop_pct <= 1.0:
+            raise ValueError(f"crop_pct must be in (0, 1], got {d.crop_pct}")
         lo_hi = {"crop_scale": (0.0, 1.0), "crop_ratio": (0.0, math.inf)}
         for name, (lo, hi) in lo_hi.items():
-            v = getattr(self, name)
+            v = getattr(d, name)
             if len(v) != 2 or not lo < v[0] <= v[1] <= hi:
                 raise ValueError(f"{name} must be [low, high] with {lo:g} < low <= high"
                                  f"{f' <= {hi:g}' if math.isfinite(hi) else ''}, got {v!r}")
@@ -240,45 +338,41 @@ class TrainConfig:
 
         with warnings.catch_warnings():  # (the data's transform says what it ignores, once, when it is built)
             warnings.simplefilter("ignore")
-            parse_auto_augment(self.auto_augment)
-        if not is_streamed_data(self.data):
-            defaults = TrainConfig.__dataclass_fields__
-            given = [n for n in self.STREAM_ONLY if getattr(self, n) != _default(defaults[n])]
+            parse_auto_augment(d.auto_augment)
+        if not is_streamed_data(d.name):
+            defaults = DataConfig.__dataclass_fields__
+            given = [n for n in DataConfig.STREAM_ONLY if getattr(d, n) != _default(defaults[n])]
             if given:
                 raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to streamed data "
-                                 f"(--data imagefolder or shards); the in-memory set {self.data!r} augments with "
+                                 f"(--data imagefolder or shards); the in-memory set {d.name!r} augments with "
                                  f"augment_shift / augment_sizes")
         else:
-            _check_stream_options(self.data_options)
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if not math.isfinite(self.depth_scale_init):
-            raise ValueError(f"depth_scale_init must be finite, got {self.depth_scale_init}")
+            _check_stream_options(d.data_options)
+        if not 0.0 <= o.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {o.label_smoothing}")
+        if not math.isfinite(vit.depth_scale_init):
+            raise ValueError(f"depth_scale_init must be finite, got {vit.depth_scale_init}")
         from ..train.options import PRECISIONS, check_compile_backend
 
-        check_compile_backend(self.compile)
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.image_size is not None:
-            sizes = [self.image_size] if isinstance(self.image_size, int) else list(self.image_size)
+        check_compile_backend(r.compile)
+        if r.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {r.precision!r}")
+        if d.image_size is not None:
+            sizes = [d.image_size] if isinstance(d.image_size, int) else list(d.image_size)
             if not 1 <= len(sizes) <= 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
-                raise ValueError(f"image_size must be a positive integer or [H, W], got {self.image_size!r}")
-            if self.patch_size is not None:
-                bad = [v for v in sizes if v % self.patch_size]
-                if bad:
-                    raise ValueError(_not_divisible(bad[0], self.patch_size))
-        for name in ("pe_options", "data_options", "model_options", "native_options"):
-            if not isinstance(getattr(self, name), dict):
-                raise ValueError(f"{name} must be a mapping, got {getattr(self, name)!r}")
-        vit_fields = {f.name: f for f in dataclasses.fields(ViTConfig)}
-        bad = sorted(set(self.model_options) - set(vit_fields))
-        if bad:
-            raise ValueError(f"model_options: unknown ViTConfig field(s) {', '.join(bad)}")
-        hints = typing.get_type_hints(ViTConfig)
-        for k, v in self.model_options.items():
-            check_type(k, v, hints[k], "--model-opt")
-        _check_pe_options(self.pe, self.pe_options)
+                raise ValueError(f"image_size must be a positive integer or [H, W], got {d.image_size!r}")
+            if m.patch_size is not None:
+                bad_sizes = [v for v in sizes if v % m.patch_size]
+                if bad_sizes:
+                    raise ValueError(_not_divisible(bad_sizes[0], m.patch_size))
+        for name, value in (("pe_options", vit.pe_options), ("data_options", d.data_options),
+                            ("model_options", m.options), ("native_options", d.native_options)):
+            if not isinstance(value, dict):
+                raise ValueError(f"{name} must be a mapping, got {value!r}")
+        _check_pe_options(vit.pe, vit.pe_options)
         return self
+
+
 
 
 #: The ``allow_change`` entry of ``--allow-data-change``: resume although the data's fingerprint changed.
@@ -321,7 +415,7 @@ def _default(f: "dataclasses.Field[Any]") -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-_FIELD_TYPES = typing.get_type_hints(TrainConfig)
+_FIELD_TYPES = {name: typing.get_type_hints(typ) for name, typ in SECTION_TYPES.items()}
 
 
 def _not_divisible(size: int, patch: int) -> str:
@@ -477,41 +571,32 @@ def auto_patch_size(image_size) -> int:
     return 1
 
 
-#: TrainConfig fields that are also ViTConfig fields but are resolved from the data rather than copied.
-_RESOLVED_FROM_DATA = ("image_size", "patch_size", "tubelet_size")
-
-
-def model_fields() -> List[str]:
-    """The ``TrainConfig`` fields that are copied into the model's :class:`ViTConfig` (the fields both share)."""
-    vit = {f.name for f in dataclasses.fields(ViTConfig)}
-    return [n for n in TrainConfig.field_names() if n in vit and n not in _RESOLVED_FROM_DATA]
-
-
 def build_vit_config(cfg: TrainConfig, info: Any) -> ViTConfig:
-    """The model configuration for ``cfg`` on a dataset described by ``info`` (a ``DatasetInfo``).
-
-    Every field ``TrainConfig`` shares with ``ViTConfig`` is copied (:func:`model_fields`), ``model_options`` set
-    any other ``ViTConfig`` field, and the data decide the rest (classes, channels, size, modality, patch size).
+    """The model configuration for ``cfg`` on a dataset described by ``info`` (a ``DatasetInfo``): the size of
+    ``cfg.model`` with its ``options`` set, and the data deciding the rest (classes, channels, size, modality,
+    patch size when ``cfg.model.patch_size`` is ``None``, tubelet size of video).
 
     Raises:
         ValueError: an explicit ``patch_size`` that does not divide the image size (an automatic one that does not
             divide it gives a warning saying how many pixels are cut off).
     """
+    m = cfg.model
     image_size = tuple(int(s) for s in info.image_size)
-    patch = cfg.patch_size or auto_patch_size(image_size)
+    patch = m.patch_size or auto_patch_size(image_size)
     bad = [v for v in image_size if v % patch]
-    if bad and cfg.patch_size:
+    if bad and m.patch_size:
         raise ValueError(_not_divisible(bad[0], patch))
     if bad:
         warnings.warn(f"image size {'x'.join(map(str, image_size))} is not a multiple of the automatic patch size "
                       f"{patch}: the model uses the top-left {'x'.join(str(v - v % patch) for v in image_size)} "
                       f"pixels (set --patch-size or --image-size to use them all)", stacklevel=2)
-    kw: Dict[str, Any] = {name: getattr(cfg, name) for name in model_fields()}
-    kw.update(num_classes=int(info.num_classes), in_chans=int(info.in_chans), image_size=image_size,
-              modality=info.kind, num_frames=getattr(info, "num_frames", None), patch_size=patch,
-              pe_options=dict(cfg.pe_options), jitter=float(cfg.jitter), depth_scale_init=float(cfg.depth_scale_init))
+    kw: Dict[str, Any] = dict(num_classes=int(info.num_classes), in_chans=int(info.in_chans), image_size=image_size,
+                              modality=info.kind, num_frames=getattr(info, "num_frames", None), patch_size=patch)
     if info.kind == "video":
         t = int(info.num_frames or 1)
-        kw["tubelet_size"] = cfg.tubelet_size or (2 if t >= 4 else 1)
-    kw.update(cfg.model_options)
-    return vit_config(cfg.model, **kw).resolved()
+        kw["tubelet_size"] = m.tubelet_size or (2 if t >= 4 else 1)
+    kw.update(copy.deepcopy(m.options))
+    for name in ("jitter", "depth_scale_init"):
+        if name in kw:
+            kw[name] = float(kw[name])
+    return vit_config(m.size, **kw).resolved()

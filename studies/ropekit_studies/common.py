@@ -30,8 +30,8 @@ class StudyResult:
 
 
 def run_label(tcfg: TrainConfig, extra: str = "") -> str:
-    name = pe_label(tcfg.pe)
-    return f"{name}{' ' + extra if extra else ''} s{tcfg.seed}"
+    name = pe_label(tcfg.model.vit().pe)
+    return f"{name}{' ' + extra if extra else ''} s{tcfg.run.seed}"
 
 
 def coord_arms(encodings: Sequence[str], coord_modes: Optional[Sequence[str]]

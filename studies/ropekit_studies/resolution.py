@@ -137,7 +137,7 @@ def _resolution(name: str, cfg: ExperimentConfig, out: Any, sizes: Optional[Sequ
                     logits = predict(model, x, batch_size=cfg.eval_batch_size)
                     grid = token_grid(model, x.shape[1:])
                     rows.append({"mode": mode, "pe": pe, "encoding": enc, "coords": cm, "seed": seed,
-                                 "train_sizes": " ".join(map(str, tcfg.augment_sizes)) or str(train_size),
+                                 "train_sizes": " ".join(map(str, tcfg.data.augment_sizes)) or str(train_size),
                                  "image_size": size,
                                  "grid": "x".join(map(str, grid)), "num_tokens": int(_prod(grid)),
                                  "train_size": train_size, "test_acc": accuracy(logits, y),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ropekit.classification import TrainConfig
+from ropekit.train.upgrade import FLAT_FIELDS
 
 __all__ = ["ExperimentConfig", "DEFAULT_PES", "QUICK_PES", "SCALE_PES", "quick_config", "default_config",
            "shared_train_fields"]
@@ -120,7 +121,7 @@ class ExperimentConfig:
 def shared_train_fields() -> List[str]:
     """The ``ExperimentConfig`` fields that are ``TrainConfig`` fields too, and are copied into every run's
     configuration (all but the runtime-only ``threads`` and ``progress``, which the run cache sets)."""
-    train = set(TrainConfig.field_names())
+    train = set(FLAT_FIELDS)
     return [f.name for f in dataclasses.fields(ExperimentConfig) if f.name in train
             and f.name not in ("threads", "progress")]
 
