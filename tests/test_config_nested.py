@@ -219,6 +219,9 @@ def test_set_takes_section_keys_through_the_converter(capsys, no_data):
     code = main(["train", "--set", "optim.lr=0.01", "--lr", "0.002"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.endswith("--set optim.lr=0.01 conflicts with --lr 0.002; give lr once"), err
+    code = main(["train", "--set", "model.depth=3", "--model-opt", "depth=4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.endswith("--set model.depth=3 conflicts with --model-opt depth=4; give depth once"), err
     code = main(["train", "--set", "optim.learning_rate=0.01"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "unknown option(s) optim.learning_rate" in err, err

@@ -222,6 +222,11 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
     spelled: Dict[str, str] = {k: f"--{k.replace('_', '-')} {_show(v)}" for k, v in given.items()}
     for key, (value, written) in _set_entries(sets).items():
         if key == "model_options" and "." in written:  # --set model.depth=4: a --model-opt entry
+            opts = parse_key_values(given.get("model_opt"), "--model-opt")
+            for k, v in value.items():
+                if k in opts and opts[k] != v:
+                    raise CommandError(f"--set {written}={_show(v)} conflicts with --model-opt {k}={_show(opts[k])}; "
+                                       f"give {k} once")
             given["model_opt"] = [*(given.get("model_opt") or []), *(f"{k}={_show(v)}" for k, v in value.items())]
             continue
         if key in given and given[key] != value:
