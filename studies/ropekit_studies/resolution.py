@@ -110,7 +110,7 @@ def _resolution(name: str, cfg: ExperimentConfig, out: Any, sizes: Optional[Sequ
     _, _, info = ctx.test_data(probe)
     train_size = int(info.image_size[0])
     rows: List[Dict[str, Any]] = []
-    train_patch = probe.patch_size or auto_patch_size(info.image_size)  # as the trainer resolves it
+    train_patch = probe.model.patch_size or auto_patch_size(info.image_size)  # as the trainer resolves it
     aug = [int(v) for v in scale_sizes] if scale_sizes else [train_size + k * train_patch for k in (-1, 0, 1)]
     patch = None
     for pe, enc, cm in variants:
