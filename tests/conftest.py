@@ -75,7 +75,7 @@ def triton_mode():
 @pytest.fixture
 def no_data(monkeypatch):
     """Loading data in ``ropekit train`` fails loudly: the option checks must come first."""
-    from ropekit.train import trainer
+    from ropekit.classification import trainer
 
     def refuse(*a, **k):
         raise AssertionError("data loaded before the options were checked")

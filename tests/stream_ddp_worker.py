@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ropekit.train import train
-from ropekit.train.config import TrainConfig
+from ropekit.classification import train
+from ropekit.classification.config import TrainConfig
 
 RECIPE = dict(  # the DeiT recipe's augmentations, scaled down to 24-pixel images and a one-block ViT
     image_size=24, patch_size=8, model="tiny", model_options=dict(depth=1, embed_dim=24, num_heads=1,
@@ -23,7 +23,7 @@ RECIPE = dict(  # the DeiT recipe's augmentations, scaled down to 24-pixel image
 def main(out: Path) -> None:
     rank = int(os.environ["RANK"])
     for kind, data in (("folder", "folder-stream"), ("shards", "shards")):
-        cfg = TrainConfig(data=data, data_root=str(out / kind), **RECIPE)
+        cfg = TrainConfig.from_dict(dict(data=data, data_root=str(out / kind), **RECIPE))
         full = train(cfg.replace(out=str(out / f"{kind}-full")), quiet=True)
         torch.save(full.model.state_dict(), out / f"{kind}-full-rank{rank}.pt")
         part = cfg.replace(out=str(out / f"{kind}-part"))

@@ -261,10 +261,10 @@ def test_saved_vit_config_with_unknown_keys_warns_and_loads(monkeypatch):
 def test_typed_model_options_stay_strict():
     with pytest.raises(ValueError, match="vit_config: unknown field.*embed_dimm"):
         vit_config("tiny", embed_dimm=32)
-    from ropekit.train import TrainConfig
+    from ropekit.classification import TrainConfig
 
     with pytest.raises(ValueError, match="model_options: unknown ViTConfig field.*embed_dimm"):
-        TrainConfig(model_options={"embed_dimm": 32}).validate()
+        TrainConfig.from_dict(dict(model_options={"embed_dimm": 32})).validate()
 
 
 def _checkpoint(tmp_path, extra_keys):
@@ -280,7 +280,8 @@ def _checkpoint(tmp_path, extra_keys):
 def test_every_checkpoint_loader_warns_about_unknown_vit_keys(tmp_path, monkeypatch):
     from ropekit_studies.runs import RunRecord
     from ropekit.train.finetune import init_from_checkpoint, load_source_model
-    from ropekit.train import load_checkpoint, trainer
+    from ropekit.train import load_checkpoint
+    from ropekit.classification import trainer
 
     path, model = _checkpoint(tmp_path, {"newer_option": 1})
     x = torch.randn(2, 1, 8, 8)

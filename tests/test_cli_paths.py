@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.train import engine, trainer
+from ropekit.train import engine
+from ropekit.classification import trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model-opt", "embed_dim=16", "--model-opt", "depth=1", "--model-opt", "num_heads=1", "--epochs", "1",
@@ -122,7 +123,7 @@ def test_eval_on_another_folder_and_mismatches_refused(trained, capsys, monkeypa
 
     with pytest.raises(ValueError, match="has 1-channel images; the run's model takes 3"):
         trainer._check_same_task(DatasetInfo("x", 2, 1, (32, 32), "image"), ViTConfig(num_classes=2, in_chans=3),
-                                 {}, trainer.TrainConfig(data="digits"))
+                                 {}, trainer.TrainConfig.from_dict(dict(data="digits")))
 
 
 def test_resume_names_a_folder_or_its_checkpoint_and_a_finished_run_says_so(trained, capsys, monkeypatch):
@@ -189,11 +190,13 @@ def test_precedence_and_the_one_value_of_each_setting(tmp_path):
         return config_from_args(build_parser("train").parse_args(["train", *argv]))[0]
 
     cfg = resolve("--config", str(cfg_file), "--lr", "0.002", "--set", "lr=0.002")  # the same value twice: fine
-    assert (cfg.lr, cfg.weight_decay) == (0.002, 0.2)  # command line over the file, the file over the defaults
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == (0.002,
+                                                      0.2)  # command line over the file, the file over the defaults
     cfg = resolve("--pe-sharing", "head", "--per-head")  # the short form and the flag agree: accepted
-    assert (cfg.pe_sharing, cfg.per_head) == ("head", True)
+    assert (cfg.model.vit().pe_sharing, cfg.model.vit().per_head) == ("head", True)
     cfg = resolve("--data", "folder-stream", "--data-dir", str(tmp_path), "--img-size", "48", "--output", "o")
-    assert (cfg.data, cfg.data_root, cfg.image_size, cfg.out) == ("imagefolder", str(tmp_path.resolve()), 48, "o")
+    assert (cfg.data.name, cfg.data.data_root, cfg.data.image_size, cfg.run.out) == ("imagefolder",
+                                                                                     str(tmp_path.resolve()), 48, "o")
 
 
 def test_one_folder_reader_streams_with_one_image_size_policy(tmp_path):
@@ -202,21 +205,23 @@ def test_one_folder_reader_streams_with_one_image_size_policy(tmp_path):
     small = make_folder(tmp_path / "small", n=3, size=(64, 64))
     large = make_folder(tmp_path / "large", n=3, size=(250, 300))
     for name in ("imagefolder", "folder-stream"):
-        cfg = trainer.TrainConfig(data=name, data_root=str(small))
-        assert cfg.data == "imagefolder"
+        cfg = trainer.TrainConfig.from_dict(dict(data=name, data_root=str(small)))
+        assert cfg.data.name == "imagefolder"
         train_ds, test_ds, info = trainer.load_data(cfg)
         assert isinstance(train_ds, ImageFolderStream) and isinstance(test_ds, ImageFolderStream)  # not in memory
         assert tuple(info.image_size) == (64, 64)  # the first image's size
         x, _ = train_ds[0]
         assert x.shape == (3, 64, 64)
-    assert trainer.default_image_size(trainer.TrainConfig(data="imagefolder", data_root=str(large))) == (224, 224)
-    cfg = trainer.TrainConfig(data="imagefolder", data_root=str(large), image_size=32, train_fraction=0.5)
+    assert trainer.default_image_size(trainer.TrainConfig.from_dict(dict(data="imagefolder",
+                                                                         data_root=str(large)))) == (224, 224)
+    cfg = trainer.TrainConfig.from_dict(dict(data="imagefolder", data_root=str(large), image_size=32,
+                                             train_fraction=0.5))
     train_ds, _, info = trainer.load_data(cfg)
     assert tuple(info.image_size) == (32, 32) and len(train_ds) == 2  # half of each class's 2 training images
 
 
 def test_help_says_what_the_code_does(capsys):
-    from ropekit.train.config import auto_patch_size
+    from ropekit.classification.config import auto_patch_size
 
     with pytest.raises(SystemExit) as e:
         main(["train", "--help"])
@@ -338,16 +343,16 @@ def test_resume_refuses_changed_data_unless_told(tmp_path, capsys, monkeypatch):
 
 def test_same_files_same_fingerprint_any_change_another(tmp_path):
     make_folder(tmp_path / "d", n=5)
-    cfg = trainer.TrainConfig(data="imagefolder", data_root=str(tmp_path / "d"))
+    cfg = trainer.TrainConfig.from_dict(dict(data="imagefolder", data_root=str(tmp_path / "d")))
     fp = trainer.data_fingerprint(*trainer.load_data(cfg)[:2])
     assert fp == trainer.data_fingerprint(*trainer.load_data(cfg)[:2])
     assert fp != trainer.data_fingerprint(*trainer.load_data(cfg.replace(split_seed=1))[:2])  # another split
     with open(tmp_path / "d" / "a" / "0.png", "ab") as f:  # one file grows by a byte
         f.write(b"\0")
     assert fp != trainer.data_fingerprint(*trainer.load_data(cfg)[:2])
-    a = trainer.load_data(trainer.TrainConfig(data="digits"))
+    a = trainer.load_data(trainer.TrainConfig.from_dict(dict(data="digits")))
     assert trainer.data_fingerprint(*a[:2]) == trainer.data_fingerprint(*trainer.load_data(
-        trainer.TrainConfig(data="digits"))[:2])
+        trainer.TrainConfig.from_dict(dict(data="digits")))[:2])
 
 
 def test_a_failed_write_of_any_kind_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from ropekit.nn.vit import ViTConfig
-from ropekit.train.config import TrainConfig
-from ropekit.train.upgrade import ADDED, ADDED_MODEL, SECTIONS, flatten, nest, upgrade_architecture, upgrade_config
+from ropekit.classification.config import POSITION_FIELDS, TrainConfig
+from ropekit.train.upgrade import ADDED, ADDED_MODEL, FLAT_FIELDS, NESTED_NAMES, SECTIONS, flatten, nest, \
+    upgrade_architecture, upgrade_config
 
 ROOT = Path(__file__).resolve().parents[1]
 #: For each committed ``config.json`` under docs/results: the first 16 hex digits of the SHA-256 of
@@ -42,9 +43,11 @@ def test_every_committed_config_loads_as_before():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # (keys of other tasks' sections: ignored, as before, with a warning)
                 cfg = TrainConfig.from_dict(section, source=str(f), strict=False)
-            # the nested form is the same configuration: flattening it back gives the loaded fields
-            assert flatten(json.loads(json.dumps(cfg.to_nested()))) == cfg.to_dict(), f"{f}#{ptr}"
-            loaded[ptr] = cfg.to_dict()
+            # the nested form is the same configuration: flattening it back gives the loaded fields (the flat
+            # form the loader of 836965f returned, TrainConfig.to_dict() then, is the converter's flatten now)
+            flat = flatten(cfg.to_nested())
+            assert flatten(json.loads(json.dumps(cfg.to_nested()))) == flat, f"{f}#{ptr}"
+            loaded[ptr] = flat
         if loaded:
             key = str(f.relative_to(ROOT))
             got[key] = hashlib.sha256(json.dumps(loaded, sort_keys=True).encode()).hexdigest()[:16]
@@ -57,7 +60,7 @@ def test_every_committed_config_loads_as_before():
 def test_added_fields_are_what_old_runs_trained_with():
     # a recorded configuration that predates a field is read at the value runs trained with before it existed:
     # these equal today's defaults; if a default changes, ADDED keeps the old runs as they were
-    defaults = TrainConfig().to_dict()
+    defaults = flatten(TrainConfig().to_nested())
     for name, value in ADDED.items():
         assert defaults[name] == value, name
     vit = ViTConfig().to_dict()
@@ -71,18 +74,24 @@ def test_added_fields_are_what_old_runs_trained_with():
 def test_sections_partition_the_fields():
     names = [n for s in SECTIONS.values() for n in s]
     assert len(names) == len(set(names))
-    assert set(names) | {"model_options"} == set(TrainConfig.field_names())
+    assert set(names) | {"model_options"} == set(FLAT_FIELDS)
+    # and the sections of TrainConfig are those of the converter (model.size and data.name renamed, the ViT's
+    # position fields and model.options in ModelConfig.options)
+    nested = TrainConfig().to_nested()
+    assert {s: set(v) for s, v in nested.items()} == {
+        s: {NESTED_NAMES.get(n, n) for n in names} | ({"options"} if s == "model" else set())
+        for s, names in SECTIONS.items()}
 
 
 def _random_config(rng: random.Random) -> TrainConfig:
-    return TrainConfig(
+    return TrainConfig.from_dict(dict(
         data=rng.choice(["mnist", "digits", "cifar10"]), model=rng.choice(["tiny", "small", "base"]),
         pe=rng.choice(["cayley", "axial", "mixed", "absolute"]), patch_size=rng.choice([None, 2, 4]),
         lr=rng.choice([1e-3, 3e-4, 0.1]), lr_base_batch=rng.choice([None, 256]), epochs=rng.randint(1, 50),
         augment_sizes=rng.choice([[], [16, 32]]), coord_augment=rng.choice([[0.0, 1.0, 1.0], [0.5, 1.2, 2.0]]),
         model_options=rng.choice([{}, {"depth": rng.randint(1, 8)}, {"drop_path_rate": 0.1, "num_kv_heads": 1}]),
         compile=rng.choice([False, True, "aot_eager"]), threads=rng.choice([None, 1, 4]), seed=rng.randint(0, 99),
-        data_options=rng.choice([{}, {"mode": "L"}]), out=rng.choice([None, "runs/x"]))
+        data_options=rng.choice([{}, {"mode": "L"}]), out=rng.choice([None, "runs/x"])))
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -90,21 +99,21 @@ def test_nested_round_trips_through_json(seed):
     cfg = _random_config(random.Random(seed))
     nested = cfg.to_nested()
     assert set(nested) == set(SECTIONS)
-    assert nested["model"]["size"] == cfg.model and nested["data"]["name"] == cfg.data
-    assert nested["optim"]["lr"] == cfg.lr and nested["run"]["seed"] == cfg.seed
-    assert nested["model"]["options"] == cfg.model_options
+    assert nested["model"]["size"] == cfg.model.size and nested["data"]["name"] == cfg.data.name
+    assert nested["optim"]["lr"] == cfg.optim.lr and nested["run"]["seed"] == cfg.run.seed
+    assert nested["model"]["options"] == {k: v for k, v in cfg.model.options.items() if k not in POSITION_FIELDS}
     back = TrainConfig.from_dict(json.loads(json.dumps(nested)))
     assert back == cfg
     # and the flat form still loads to the same configuration
-    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
-    assert nest(cfg.to_dict()) == nested
+    assert TrainConfig.from_dict(json.loads(json.dumps(flatten(cfg.to_nested())))) == cfg
+    assert nest(flatten(cfg.to_nested())) == nested
 
 
 def test_model_section_takes_vit_fields_by_name():
     cfg = TrainConfig.from_dict({"model": {"size": "small", "pe": "axial", "depth": 4, "options": {"mlp_ratio": 2.0}},
                                  "optim": {"lr": 0.01}})
-    assert (cfg.model, cfg.pe, cfg.lr) == ("small", "axial", 0.01)
-    assert cfg.model_options == {"depth": 4, "mlp_ratio": 2.0}
+    assert (cfg.model.size, cfg.model.vit().pe, cfg.optim.lr) == ("small", "axial", 0.01)
+    assert {k: v for k, v in cfg.model.options.items() if k not in POSITION_FIELDS} == {"depth": 4, "mlp_ratio": 2.0}
     with pytest.raises(ValueError, match=r"^model: depth is given twice"):
         TrainConfig.from_dict({"model": {"depth": 4, "options": {"depth": 5}}})
 
@@ -158,8 +167,9 @@ def test_config_file_nested_or_flat_resolves_the_same(tmp_path):
     a = _command(["--config", str(nested), "--lr", "0.002", "--device", "cpu"])
     b = _command(["--config", str(flat), "--lr", "0.002", "--device", "cpu"])
     assert a == b
-    assert (a.model, a.pe, a.model_options, a.lr, a.epochs, a.data, a.seed) == (
-        "small", "axial", {"depth": 3}, 0.002, 2, "digits", 5)
+    assert (a.model.size, a.model.vit().pe, a.model.options["depth"], a.optim.lr, a.optim.epochs, a.data.name,
+            a.run.seed) == ("small", "axial", 3, 0.002, 2, "digits", 5)
+    assert set(a.model.options) - set(POSITION_FIELDS) == {"depth"}
 
 
 def test_config_file_with_an_unknown_nested_key_is_one_line(tmp_path, capsys, no_data):
@@ -168,5 +178,50 @@ def test_config_file_with_an_unknown_nested_key_is_one_line(tmp_path, capsys, no
     bad = tmp_path / "run.yaml"
     bad.write_text("optim: {learning_rate: 0.1}\n")
     code = main(["train", "--config", str(bad), "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "unknown option(s) optim.learning_rate" in err, err
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dotted_flat_and_nested_keys_give_one_configuration(seed):
+    """``section.key``, the flat name of earlier versions and the nested mapping are three spellings of one setting,
+    read by the one converter; ``replace`` takes the same keys."""
+    rng = random.Random(seed)
+    lr, depth, name, size = rng.choice([1e-3, 0.02]), rng.randint(1, 8), rng.choice(["digits", "mnist"]), \
+        rng.choice(["tiny", "small"])
+    dotted = TrainConfig.from_dict({"optim.lr": lr, "model.depth": depth, "data.name": name, "model.size": size,
+                                    "model.pe": "axial", "run.seed": seed})
+    flat = TrainConfig.from_dict({"lr": lr, "model_options": {"depth": depth}, "data": name, "model": size,
+                                  "pe": "axial", "seed": seed})
+    nested = TrainConfig.from_dict({"optim": {"lr": lr}, "model": {"size": size, "pe": "axial", "depth": depth},
+                                    "data": {"name": name}, "run": {"seed": seed}})
+    assert dotted == flat == nested
+    assert (nested.optim.lr, nested.model.vit().depth, nested.data.name, nested.model.size, nested.run.seed) == (
+        lr, depth, name, size, seed)
+    assert nested.model.vit().embed_dim == {"tiny": 96, "small": 384}[size]  # the size's own, not a copy
+    changed = nested.replace(**{"optim.lr": 0.5, "seed": 3, "model.pe": "mixed"})
+    assert (changed.optim.lr, changed.run.seed, changed.model.vit().pe, changed.model.vit().depth) == (
+        0.5, 3, "mixed", depth)
+    assert nested.optim.lr == lr  # replace returns a copy
+    with pytest.raises(ValueError, match=r"^unknown option\(s\) optim\.learning_rate$"):
+        nested.replace(**{"optim.learning_rate": 0.1})
+
+
+def test_set_takes_section_keys_through_the_converter(capsys, no_data):
+    from ropekit.cli import main
+
+    cfg = _command(["--set", "optim.lr=0.004", "--set", "data.name=digits", "--set", "model.depth=3",
+                    "--set", "run.seed=7", "--set", "weight_decay=0.2", "--device", "cpu"])
+    assert (cfg.optim.lr, cfg.data.name, cfg.model.vit().depth, cfg.run.seed, cfg.optim.weight_decay) == (
+        0.004, "digits", 3, 7, 0.2)
+    assert _command(["--set", "optim.lr=0.004", "--device", "cpu"]) == _command(["--lr", "0.004", "--device", "cpu"])
+    # one setting, two spellings, two values: refused in one line naming both
+    code = main(["train", "--set", "optim.lr=0.01", "--lr", "0.002"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.endswith("--set optim.lr=0.01 conflicts with --lr 0.002; give lr once"), err
+    code = main(["train", "--set", "model.depth=3", "--model-opt", "depth=4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.endswith("--set model.depth=3 conflicts with --model-opt depth=4; give depth once"), err
+    code = main(["train", "--set", "optim.learning_rate=0.01"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "unknown option(s) optim.learning_rate" in err, err

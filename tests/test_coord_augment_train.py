@@ -150,10 +150,10 @@ def test_rgbd_depth_coordinate_is_not_augmented():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match="coord"):
         vit_config("tiny", coord_augment=bad).validate()
-    from ropekit.train.config import TrainConfig
+    from ropekit.classification.config import TrainConfig
 
     with pytest.raises(ValueError, match="coord"):
-        TrainConfig(coord_augment=list(bad)).validate()
+        TrainConfig.from_dict(dict(coord_augment=list(bad))).validate()
 
 
 def test_cli_option_reaches_the_config():
@@ -162,7 +162,7 @@ def test_cli_option_reaches_the_config():
     p = argparse.ArgumentParser()
     add_train_arguments(p)
     cfg, _, _ = config_from_args(p.parse_args(["--coord-augment", "0.5", "1.25", "2", "--device", "cpu"]))
-    assert cfg.coord_augment == [0.5, 1.25, 2.0]
+    assert cfg.model.vit().coord_augment == [0.5, 1.25, 2.0]
 
 
 @pytest.mark.slow
@@ -170,8 +170,8 @@ def test_cli_option_reaches_the_config():
 @pytest.mark.parametrize("native", [False, True])
 def test_run_records_the_option_and_resumes_bit_exactly(tmp_path, native):
     from ropekit.train import load_checkpoint
-    from ropekit.train.config import TrainConfig
-    from ropekit.train.trainer import train
+    from ropekit.classification.config import TrainConfig
+    from ropekit.classification.trainer import train
 
     def cfg(out):
         kw = dict(data="digits", train_fraction=0.1, model_options=dict(TINY), batch_size=32, epochs=2, lr=3e-3,
@@ -180,7 +180,7 @@ def test_run_records_the_option_and_resumes_bit_exactly(tmp_path, native):
         if native:
             kw.update(pe="circulant", pe_options={"block_size": 8},
                       native_options={"seq_len": 32, "rows": 4, "min_tokens": 1, "max_tokens": 4})
-        return TrainConfig(**kw)
+        return TrainConfig.from_dict(kw)
 
     full = train(cfg(tmp_path / "full"), quiet=True)
     recorded = json.loads((tmp_path / "full" / "config.json").read_text())

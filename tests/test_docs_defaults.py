@@ -32,8 +32,8 @@ def _train_parser():
 def test_the_default_run_the_readme_describes():
     """'`ropekit train` with no options trains the tiny ViT with Cayley-STRING on the 5,000 real MNIST digits ...
     (4,000 train / 1,000 test ...)', ending 'after 12 epochs ... run folder runs/mnist-cayley-tiny-s0-<time>'."""
-    from ropekit.train.config import TrainConfig
-    from ropekit.train.trainer import default_run_dir
+    from ropekit.classification.config import TrainConfig
+    from ropekit.classification.trainer import default_run_dir
 
     text = _flat(README)
     m = re.search(r"`ropekit train` with no options trains the (\w+) ViT with Cayley-STRING on the 5,000 real MNIST "
@@ -41,7 +41,8 @@ def test_the_default_run_the_readme_describes():
     assert m, "the README's default-run sentence moved"
     epochs = int(re.search(r"after (\d+) epochs, [\d.]+ s; run folder runs/mnist-cayley-tiny-s0-<time>", text)[1])
     cfg = TrainConfig()
-    assert (cfg.model, cfg.pe, cfg.data, cfg.epochs, cfg.seed) == (m[1], "cayley", "mnist", epochs, 0)
+    assert (cfg.model.size, cfg.model.vit().pe, cfg.data.name, cfg.optim.epochs, cfg.run.seed) == (m[1], "cayley",
+                                                                                                   "mnist", epochs, 0)
     parser = _train_parser()
     given = vars(parser.parse_args([]))  # the command line adds no default of its own: TrainConfig's apply
     assert not set(given) & {"model", "pe", "data", "epochs", "seed", "log_every"}, given
@@ -89,13 +90,13 @@ def test_pe_sharing_auto_is_what_the_readme_and_presets_say():
     model (one module for the model, one per layer, or one per layer with per-head parameters)."""
     from ropekit.nn import ViTConfig
     from ropekit.nn.vit import PAPER_SHARING
-    from ropekit.train.config import TrainConfig
+    from ropekit.classification.config import TrainConfig
 
     text = _flat(README)
     assert re.search(r'`pe_sharing="auto"` \(the default: each encoding as its paper trained it -- RoPE-Mixed and '
                      r"ComRoPE per layer and head, LieRE one set for the whole model, the STRING variants one per "
                      r"layer shared by the heads, axial RoPE one for the model", text), "README's sharing sentence"
-    assert ViTConfig().pe_sharing == "auto" and TrainConfig().pe_sharing == "auto"
+    assert ViTConfig().pe_sharing == "auto" and TrainConfig().model.vit().pe_sharing == "auto"
     readme = {"mixed": "head", "comrope-ap": "head", "comrope-ld": "head", "liere": "model", "axial": "model",
               **{pe: "layer" for pe in ("cayley", "circulant", "string", "relaxed", "tensor")}}
     table = {}
@@ -130,12 +131,12 @@ def test_model_defaults_the_readme_states():
 
 def test_engine_defaults_the_readme_states():
     """'`--log-every N` steps (default 50)'; '(`ROPEKIT_DIST_TIMEOUT` seconds, default 600)'."""
-    from ropekit.train.config import TrainConfig
+    from ropekit.classification.config import TrainConfig
     from ropekit.train.distributed import DEFAULT_DIST_TIMEOUT_S, DIST_TIMEOUT_ENV
 
     text = _flat(README)
     log_every = int(re.search(r"every `--log-every N` steps \(default (\d+)\)", text)[1])
-    assert TrainConfig().log_every == log_every
+    assert TrainConfig().run.log_every == log_every
     assert vars(_train_parser().parse_args(["--log-every", "7"])) == {"log_every": 7}
     timeout = int(re.search(r"\(`ROPEKIT_DIST_TIMEOUT` seconds, default (\d+)\)", text)[1])
     assert DIST_TIMEOUT_ENV == "ROPEKIT_DIST_TIMEOUT" and DEFAULT_DIST_TIMEOUT_S == timeout
@@ -162,10 +163,10 @@ def test_streamed_folder_image_size_default():
     import inspect
 
     from ropekit.data import streaming
-    from ropekit.train.config import TrainConfig
+    from ropekit.classification.config import TrainConfig
 
     assert "by default at the first image's size, at most 224 px" in _flat(README)
-    assert TrainConfig().image_size is None
+    assert TrainConfig().data.image_size is None
     caps = [p.default for f in vars(streaming).values() if inspect.isfunction(f)
             for name, p in inspect.signature(f).parameters.items() if name == "image_size"
             and isinstance(p.default, int)]
@@ -195,11 +196,11 @@ def test_data_defaults_the_data_page_states():
     import inspect
 
     from ropekit.data import shards
-    from ropekit.train.config import TrainConfig
+    from ropekit.classification.config import TrainConfig
 
     text = _flat((ROOT / "docs" / "data.md").read_text())
     crop_pct = float(re.search(r"`size / crop_pct` \(([\d.]+)\)", text)[1])
-    assert TrainConfig().crop_pct == crop_pct
+    assert TrainConfig().data.crop_pct == crop_pct
     per_shard = int(re.search(r"the converter's default is ([\d,]+) images a shard", text)[1].replace(",", ""))
     sizes = {p.default for f in vars(shards).values() if inspect.isfunction(f)
              for n, p in inspect.signature(f).parameters.items() if n == "shard_size"}

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.train import TrainConfig, evaluate_run, load_checkpoint
-from ropekit.train import config as config_module
+from ropekit.train import load_checkpoint
+from ropekit.classification import TrainConfig, evaluate_run
+from ropekit.classification import config as config_module
 from ropekit.train import upgrade as upgrade_module
 from ropekit.train.upgrade import flatten
-from ropekit.train import engine, trainer
+from ropekit.train import engine
+from ropekit.classification import trainer
 
 TINY = ["--data", "digits", "--train-fraction", "0.1", "--model-opt", "embed_dim=24", "--model-opt", "depth=1",
         "--model-opt", "num_heads=1", "--epochs", "1", "--batch-size", "32", "--no-progress", "--no-tensorboard",
@@ -92,7 +94,7 @@ def test_auto_patch_size_that_does_not_divide_warns():
                                          r"top-left 28x28 pixels"):
         config_module.build_vit_config(TrainConfig(), info)
     with pytest.raises(ValueError, match="not a multiple of the patch size 7"):
-        config_module.build_vit_config(TrainConfig(patch_size=7), info)
+        config_module.build_vit_config(TrainConfig.from_dict(dict(patch_size=7)), info)
 
 
 # ------------------------------------------------------------------------------------------------ resume
@@ -214,7 +216,7 @@ def test_a_run_recorded_flat_resumes_and_is_rewritten_nested(finished, capsys, t
     config = json.loads((run / "config.json").read_text())
     assert set(config["train"]) == {"model", "data", "optim", "run"}
     assert config["train"]["optim"]["epochs"] == 3 and config["resumes"][-1]["changed"] == {"epochs": [2, 3]}
-    assert flatten(config["train"]) == {**TrainConfig.from_dict(flat, strict=False).to_dict(), "epochs": 3,
+    assert flatten(config["train"]) == {**flatten(TrainConfig.from_dict(flat, strict=False).to_nested()), "epochs": 3,
                                         "out": str(run)}
 
 
@@ -234,6 +236,6 @@ def test_unknown_keys_warn_and_renamed_keys_map(finished, tmp_path, monkeypatch)
     assert 0.0 <= res["test_acc"] <= 1.0
     with pytest.warns(UserWarning, match="future_option"):
         cfg = TrainConfig.from_dict(config["train"], source="config.json", strict=False)
-    assert cfg.lr == 1e-3
+    assert cfg.optim.lr == 1e-3
     with pytest.raises(ValueError, match="unknown option.*future_option"):  # the user's own options stay strict
         TrainConfig.from_dict(config["train"], source="options")

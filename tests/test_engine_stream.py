@@ -192,7 +192,8 @@ def test_a_classification_step_reads_nothing_back_either(tmp_path, monkeypatch):
     """The ViT classification task on in-memory digits, coordinate checks deferred (as on an accelerator) and no
     random shift (its offsets are drawn on the host by design): no step reads the device outside the log checks."""
     import ropekit.encodings
-    from ropekit.train import engine, train
+    from ropekit.train import engine
+    from ropekit.classification import train
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_train import tiny_cfg

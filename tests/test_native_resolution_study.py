@@ -13,6 +13,7 @@ import torch
 
 from ropekit.data.native import NativeBatches, NativeOptions, plan_epoch
 from ropekit_studies import run_experiment, study_config
+from ropekit.train.upgrade import flatten
 from ropekit_studies.native_resolution import PAPER_CLAIMS, claim_diffs, parse_grid, scaling_diffs
 from ropekit_studies.recipes import compare_with_committed, recipe
 from ropekit_studies.verdict import judge
@@ -27,10 +28,10 @@ def test_recipe_trains_fixed_and_native_arms_with_the_encodings_asked_for():
     cfg = study_config("native-resolution")
     fixed = cfg.train_config("mixed", 0)
     native = cfg.train_config("mixed", 0, native_resolution=True, native_options=o["native_options"])
-    assert not fixed.native_resolution and native.native_resolution
-    assert native.native_options["hflip"] == 0.0 and native.native_options["aspect"] > 1
-    assert {k for k, v in fixed.to_dict().items() if native.to_dict()[k] != v} == {"native_resolution",
-                                                                                   "native_options"}
+    assert not fixed.data.native_resolution and native.data.native_resolution
+    assert native.data.native_options["hflip"] == 0.0 and native.data.native_options["aspect"] > 1
+    f, n = flatten(fixed.to_nested()), flatten(native.to_nested())
+    assert {k for k, v in f.items() if n[k] != v} == {"native_resolution", "native_options"}
 
 
 @pytest.mark.parametrize("text,want", [("5x10", (5, 10)), (7, (7, 7)), ("12X4", (12, 4)), ([3, 2], (3, 2))])

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ropekit.train import load_checkpoint
-from ropekit.train.config import TrainConfig
-from ropekit.train.trainer import train
+from ropekit.classification.config import TrainConfig
+from ropekit.classification.trainer import train
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
@@ -33,7 +33,7 @@ def _cfg(root, out, **kw):
                 native_options={"seq_len": 32, "rows": 2, "min_tokens": 4, "max_tokens": 16, "token_drop": 0.2},
                 jitter=0.5, log_every=1)
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.from_dict(base)
 
 
 def _state(model):
@@ -66,10 +66,10 @@ def test_native_train_resumes_mid_epoch_bit_exactly(tmp_path, data):
 
 
 def test_native_train_rgbd_in_memory(tmp_path):
-    cfg = TrainConfig(data="rgbd-digits", native_resolution=True, epochs=1, pe="circulant",
+    cfg = TrainConfig.from_dict(dict(data="rgbd-digits", native_resolution=True, epochs=1, pe="circulant",
                       pe_options={"block_size": 8}, model_options={"depth": 1}, out=str(tmp_path / "r"), device="cpu",
                       progress=False, tensorboard=False, data_options={"num_train": 64, "num_test": 32},
-                      native_options={"seq_len": 48, "rows": 4, "min_tokens": 4, "max_tokens": 24})
+                      native_options={"seq_len": 48, "rows": 4, "min_tokens": 4, "max_tokens": 24}))
     res = train(cfg, quiet=True)
     assert np.isfinite(res.final["test_loss"])
 

@@ -8,6 +8,7 @@ import csv
 import pytest
 import torch
 
+from ropekit.train.upgrade import flatten
 from ropekit_studies import run_experiment, study_config
 
 
@@ -15,13 +16,13 @@ def test_comrope_arms_start_from_random_bases_and_the_rest_is_the_protocol():
     paper, rope = study_config("resolution-comrope-paper"), study_config("resolution-comrope")
     assert paper.pes == ["comrope-ap", "comrope-ld", "circulant", "liere", "absolute"]
     for pe in ("comrope-ap", "comrope-ld"):
-        a, b = paper.train_config(pe, 0).to_dict(), rope.train_config(pe, 0).to_dict()
+        a, b = flatten(paper.train_config(pe, 0).to_nested()), flatten(rope.train_config(pe, 0).to_nested())
         assert a["pe_options"] == {"init": "normal", "init_std": 1.0} and b["pe_options"] == {}
         assert a["pe_sharing"] == b["pe_sharing"] == "head"
         # nothing else differs between the two recipes' ComRoPE runs
         assert {k for k in a if a[k] != b[k]} == {"pe_options"}
-    assert paper.train_config("liere", 0).to_dict()["pe_sharing"] == "model"
-    assert paper.train_config("circulant", 0).to_dict()["pe_options"] == {}
+    assert paper.train_config("liere", 0).model.vit().pe_sharing == "model"
+    assert paper.train_config("circulant", 0).model.vit().pe_options == {}
 
 
 def test_the_random_start_differs_from_the_rope_start():

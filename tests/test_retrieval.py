@@ -14,7 +14,7 @@ from ropekit.cli import main
 from ropekit.multimodal import (DualEncoder, RetrievalConfig, RetrievalOptions, recall_ranks, retrieval_recall,
                                 siglip_loss, train_retrieval)
 from ropekit.nn import TextConfig, TextTransformer, VisionTransformer, vit_config
-from ropekit.train import TrainConfig
+from ropekit.classification import TrainConfig
 
 TINY_VIT = dict(embed_dim=24, depth=1, num_heads=2)
 TINY_TEXT = dict(text_width=16, text_depth=1, text_heads=2, embed_dim=16)
@@ -126,10 +126,11 @@ def test_options_are_checked():
 
 def _tiny(tmp_path, pe="cayley", depth_input="auto", epochs=2, name="run"):
     return RetrievalConfig(
-        TrainConfig(data="captioned-scenes", data_options={"num_train": 48, "num_test": 24}, image_size=16,
+        TrainConfig.from_dict(dict(data="captioned-scenes", data_options={"num_train": 48, "num_test": 24},
+                                   image_size=16,
                     patch_size=4, pe=pe, depth_input=depth_input, epochs=epochs, batch_size=16, threads=1,
                     device="cpu", progress=False, tensorboard=False, augment_shift=0, model_options=TINY_VIT,
-                    out=str(tmp_path / name)),
+                    out=str(tmp_path / name))),
         RetrievalOptions(**TINY_TEXT, num_queries=2))
 
 
@@ -182,11 +183,12 @@ def test_training_a_few_steps_writes_the_run_folder(tmp_path):
 
 def load_retrieval_run_of_classification(tmp_path):
     from ropekit.multimodal import load_retrieval_run
-    from ropekit.train import train
+    from ropekit.classification import train
 
-    train(TrainConfig(data="digits", train_fraction=0.05, epochs=1, batch_size=16, image_size=8, patch_size=2,
+    train(TrainConfig.from_dict(dict(data="digits", train_fraction=0.05, epochs=1, batch_size=16, image_size=8,
+                                     patch_size=2,
                       threads=1, device="cpu", progress=False, tensorboard=False, out=str(tmp_path / "cls"),
-                      model_options=dict(embed_dim=8, depth=1, num_heads=1)), quiet=True)
+                      model_options=dict(embed_dim=8, depth=1, num_heads=1))), quiet=True)
     load_retrieval_run(tmp_path / "cls")
 
 

@@ -14,7 +14,9 @@ from ropekit_studies import STUDIES, run_experiment, study_config
 from ropekit_studies import recipes as R
 from ropekit.nn import vit as vit_module
 from ropekit.nn.vit import ViTConfig
-from ropekit.train import TrainConfig, build_vit_config
+from ropekit.classification import DataConfig, OptimConfig, build_vit_config
+from ropekit.classification.config import SECTION_TYPES
+from ropekit.train.upgrade import FLAT_FIELDS, flatten
 
 CASES = [(name, preset) for name in R.RECIPES for preset in R.PRESETS]
 
@@ -45,7 +47,7 @@ def _resolve_all(name: str, preset: str):
     out = {}
     for pe in cfg.pes:
         tcfg = cfg.train_config(pe, cfg.seeds[0])
-        out[pe] = (tcfg.to_dict(), build_vit_config(tcfg, _info(cfg)).to_dict())
+        out[pe] = (flatten(tcfg.to_nested()), build_vit_config(tcfg, _info(cfg)).to_dict())
     return out
 
 
@@ -75,10 +77,16 @@ def _has_sentinel(x) -> bool:
 def test_every_field_comes_from_the_recipe(monkeypatch, name, preset):
     expected = _resolve_all(name, preset)
     # every library default a recipe field could fall back on now reads as a sentinel
-    _patch_defaults(monkeypatch, TrainConfig, R.recipe_fields() | R.PER_RUN_FIELDS)
+    # (TrainConfig's sections now hold the fields: each section's field of a flat name, ViTConfig's own for the
+    # position fields of model.options)
+    wanted = R.recipe_fields() | R.PER_RUN_FIELDS
+    for section, cls in SECTION_TYPES.items():
+        names = {f.name for f in dataclasses.fields(cls)}
+        flat = {{"name": "data", "size": "model", "options": "model_options"}.get(n, n): n for n in names}
+        _patch_defaults(monkeypatch, cls, {flat[n] for n in wanted if n in flat})
     _patch_defaults(monkeypatch, ViTConfig, {f.name for f in dataclasses.fields(ViTConfig)})
     monkeypatch.setattr(vit_module, "VIT_SIZES", {k: {f: SENTINEL for f in v} for k, v in vit_module.VIT_SIZES.items()})
-    assert TrainConfig.__init__.__defaults__ != ()  # the patch is in place
+    assert SENTINEL in DataConfig.__init__.__defaults__ and SENTINEL in OptimConfig.__init__.__defaults__  # in place
     got = _resolve_all(name, preset)
     assert not _has_sentinel(got), f"{name}/{preset}: a field fell back on a library default"
     assert got == expected
@@ -89,7 +97,7 @@ def test_recipe_values_reach_every_run(name, preset):
     r = R.recipe(name, preset)
     cfg = study_config(name, preset=preset)
     for pe in cfg.pes:
-        tcfg = cfg.train_config(pe, cfg.seeds[-1]).to_dict()
+        tcfg = flatten(cfg.train_config(pe, cfg.seeds[-1]).to_nested())
         want = {**r["train"], **r["study"]["pe_overrides"].get(pe, {})}
         assert {k: tcfg[k] for k in want} == json.loads(json.dumps(want)) or \
             {k: tcfg[k] for k in want} == want, (name, preset, pe)
@@ -98,7 +106,7 @@ def test_recipe_values_reach_every_run(name, preset):
 
 
 def test_recipe_fields_cover_both_dataclasses():
-    train_fields = set(TrainConfig.field_names())
+    train_fields = set(FLAT_FIELDS)
     assert R.recipe_fields() | R.RUNTIME_FIELDS | R.PER_RUN_FIELDS >= train_fields
     vit_fields = {f.name for f in dataclasses.fields(ViTConfig)}
     # every ViTConfig field is either the dataset's, carried by TrainConfig, or pinned in model_options
@@ -141,12 +149,13 @@ def test_gpu_preset_is_larger_and_resolves_from_the_cli():
     for name in R.RECIPES:
         cpu, gpu = study_config(name, preset="default"), study_config(name, preset="gpu")
         c, g = cpu.train_config(cpu.pes[0], 0), gpu.train_config(gpu.pes[0], 0)
-        assert g.model_options["embed_dim"] > c.model_options["embed_dim"], name
+        assert g.model.options["embed_dim"] > c.model.options["embed_dim"], name
         # deeper, unless the CPU preset has the GPU preset's 6 blocks already (mqa)
-        assert g.model_options["depth"] > c.model_options["depth"] or c.model_options["depth"] == 6, name
+        assert g.model.options["depth"] > c.model.options["depth"] or c.model.options["depth"] == 6, name
 
         def steps(t):  # optimisation steps (MNIST: 4,000 training images; video: num_train clips)
-            return t.epochs * t.data_options.get("num_train", 4000) * t.train_fraction / t.batch_size
+            return t.optim.epochs * t.data.data_options.get("num_train",
+                                                            4000) * t.data.train_fraction / t.optim.batch_size
 
         assert steps(g) > steps(c) and len(gpu.seeds) >= len(cpu.seeds), name
         args = build_parser("experiment").parse_args(["experiment", name, "--preset", "gpu"])

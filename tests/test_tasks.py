@@ -34,7 +34,7 @@ SMALL_POLICY = dict(vit_overrides={"depth": 1, "patch_size": 8, "embed_dim": 48,
 def test_listing_the_tasks_imports_none_of_their_modules():
     code = ("import sys; from ropekit.train.tasks import task_names; print(task_names()); "
             "print(sorted(m for m in sys.modules if m.startswith(('ropekit.detection', 'ropekit.robot', 'ropekit.multimodal', "
-            "'ropekit.tasks', 'ropekit.train.trainer', 'ropekit.train.native'))))")
+            "'ropekit.tasks', 'ropekit.classification'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == [repr(NAMES), "[]"]
 
@@ -61,23 +61,25 @@ def test_a_task_registered_from_outside_is_listed_and_found(monkeypatch):
 
 def _tiny_config(name: str, tmp_path):
     if name == "classification":
-        from ropekit.train import TrainConfig
+        from ropekit.classification import TrainConfig
 
-        return TrainConfig(data="digits", train_fraction=0.1, batch_size=8, threads=1, device="cpu",
-                           model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0))
+        return TrainConfig.from_dict(dict(data="digits", train_fraction=0.1, batch_size=8, threads=1, device="cpu",
+                           model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0)))
     if name == "native-resolution":
-        from ropekit.train import TrainConfig
+        from ropekit.classification import TrainConfig
 
-        return TrainConfig(data="digits", train_fraction=0.1, native_resolution=True, patch_size=2, threads=1,
+        return TrainConfig.from_dict(dict(data="digits", train_fraction=0.1, native_resolution=True, patch_size=2,
+                                          threads=1,
                            device="cpu", native_options={"seq_len": 48, "rows": 4, "min_tokens": 4, "max_tokens": 16},
-                           model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0))
+                           model_options=dict(embed_dim=24, depth=1, num_heads=1, mlp_ratio=2.0)))
     if name == "retrieval":
         from ropekit.multimodal import RetrievalConfig, RetrievalOptions
-        from ropekit.train import TrainConfig
+        from ropekit.classification import TrainConfig
 
-        return RetrievalConfig(TrainConfig(data="captioned-scenes", data_options={"num_train": 16, "num_test": 8},
+        return RetrievalConfig(TrainConfig.from_dict(dict(data="captioned-scenes", data_options={"num_train": 16,
+                                                                                                 "num_test": 8},
                                            image_size=16, patch_size=4, batch_size=8, threads=1, device="cpu",
-                                           model_options=dict(embed_dim=24, depth=1, num_heads=2)),
+                                           model_options=dict(embed_dim=24, depth=1, num_heads=2))),
                                RetrievalOptions(embed_dim=16, text_width=16, text_depth=1))
     if name == "detection":
         from ropekit.detection.model import detector_config
@@ -125,7 +127,8 @@ def _tiny_config(name: str, tmp_path):
              qpos=rng.normal(size=(n, 14)).astype(np.float32), action=rng.normal(size=(n, 14)).astype(np.float32),
              frame_row=np.arange(n), episode=np.zeros(n, int), step=np.arange(n), episode_length=np.array([n]))
     return AlohaTaskConfig(str(tmp_path / "aloha.npz"),
-                           AlohaPolicyConfig(modality="image", pe="circulant", image_hw=(24, size), **SMALL_POLICY), train)
+                           AlohaPolicyConfig(modality="image", pe="circulant", image_hw=(24, size),
+                                             **SMALL_POLICY), train)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -145,13 +148,17 @@ def test_each_task_builds_from_a_tiny_config_and_its_model_trains_a_step(name, t
     assert grads and any(g is not None and g.abs().sum() > 0 for g in grads)
 
 
-def test_importing_the_engine_imports_no_task_and_its_names_stay_importable():
+def test_importing_the_engine_imports_no_task_and_classification_is_a_task_package():
+    # (until classification moved to ropekit.classification, ropekit.train's facade imported it on first use of its
+    # names; the engine now names no task at all, and the task's names are importable from its own package)
     code = ("import sys, ropekit.train, ropekit.train.engine; "
             "print(sorted(m for m in sys.modules if m.startswith(('ropekit.detection', 'ropekit.robot', "
-            "'ropekit.multimodal', 'ropekit.tasks', 'ropekit.train.trainer', 'ropekit.train.native')))); "
-            "from ropekit.train import train, ClassificationTask, evaluate_run; print(train.__module__)")
+            "'ropekit.multimodal', 'ropekit.tasks', 'ropekit.classification')))); "
+            "print(hasattr(ropekit.train, 'TrainConfig'), hasattr(ropekit.train, 'train')); "
+            "from ropekit.classification import train, ClassificationTask, evaluate_run, TrainConfig; "
+            "print(train.__module__, TrainConfig.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out == ["[]", "ropekit.train.trainer"]
+    assert out == ["[]", "False False", "ropekit.classification.trainer ropekit.classification.config"]
     import ropekit.train
 
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
@@ -186,7 +193,7 @@ def _entry_points(monkeypatch, *extra: SimpleNamespace, installed: bool = True) 
 
 
 def test_ropekit_metadata_replaces_the_builtin_table_and_other_packages_add_to_it(monkeypatch):
-    ours = SimpleNamespace(name="classification", value="ropekit.train.trainer:build_classification_task",
+    ours = SimpleNamespace(name="classification", value="ropekit.classification.trainer:build_classification_task",
                            group="ropekit.tasks", dist=SimpleNamespace(name="ropekit"))
     theirs = SimpleNamespace(name="theirs", value="their_package:build", group="ropekit.tasks",
                              dist=SimpleNamespace(name="their-package"))
@@ -202,7 +209,7 @@ def test_ropekit_metadata_replaces_the_builtin_table_and_other_packages_add_to_i
 USER_TASK = textwrap.dedent('''
     """A task of another package: least squares y = X w of a fixed random problem, in epochs of 4 batches."""
     import torch
-    from ropekit.train import TrainConfig
+    from ropekit.classification import TrainConfig
     from ropekit.train.tasks import register_task
 
     g = torch.Generator().manual_seed(0)
@@ -214,7 +221,7 @@ USER_TASK = textwrap.dedent('''
         name = "least-squares"
 
         def __init__(self, cfg):
-            torch.manual_seed(cfg.seed)
+            torch.manual_seed(cfg.run.seed)
             self.model = torch.nn.Linear(3, 1, bias=False)
 
         def epoch_batches(self, epoch, ctx):

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ropekit.nn import VisionTransformer, vit_config
-from ropekit.train import CheckpointError, TrainConfig, build_optimizer, evaluate_run, load_checkpoint, train
+from ropekit.train import CheckpointError, build_optimizer, load_checkpoint
+from ropekit.classification import TrainConfig, evaluate_run, train
 from ropekit.train.augment import random_shift
 from ropekit.train.checkpoint import atomic_save, load_model_state
 
@@ -25,7 +26,7 @@ def tiny_cfg(out, **kw) -> TrainConfig:
     base = dict(data="digits", train_fraction=0.1, model_options=dict(TINY), batch_size=32, epochs=2, lr=3e-3,
                 eval_batch_size=400, progress=False, tensorboard=False, threads=1, out=str(out), device="cpu")
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.from_dict(base)
 
 
 def _state_equal(a, b):

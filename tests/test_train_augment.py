@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ropekit.train import TrainConfig
+from ropekit.classification import TrainConfig
 from ropekit.train.augment import random_resize
 
 
@@ -24,16 +24,16 @@ def test_random_resize_draws_each_size_and_matches_interpolate():
 
 def test_augment_sizes_validation():
     with pytest.raises(ValueError, match="augment_sizes"):
-        TrainConfig(augment_sizes=[0]).validate()
+        TrainConfig.from_dict(dict(augment_sizes=[0])).validate()
     with pytest.raises(ValueError, match="multiple of the patch size"):
-        TrainConfig(augment_sizes=[22], patch_size=4).validate()
-    assert TrainConfig(augment_sizes=[20, 24], patch_size=4).validate().augment_sizes == [20, 24]
+        TrainConfig.from_dict(dict(augment_sizes=[22], patch_size=4)).validate()
+    assert TrainConfig.from_dict(dict(augment_sizes=[20, 24], patch_size=4)).validate().data.augment_sizes == [20, 24]
 
 
 def test_training_with_scale_augmentation_sees_several_grids(tmp_path, monkeypatch):
     """A short run with normalised coordinates: the model's forward is called on 5x5, 7x7 and 9x9 grids."""
     from ropekit.nn import VisionTransformer
-    from ropekit.train import train
+    from ropekit.classification import train
 
     grids = set()
     orig = VisionTransformer.forward
@@ -44,10 +44,11 @@ def test_training_with_scale_augmentation_sees_several_grids(tmp_path, monkeypat
         return orig(self, x, *a, **k)
 
     monkeypatch.setattr(VisionTransformer, "forward", spy)
-    cfg = TrainConfig(data="digits", pe="mixed", coords="normalized", patch_size=2, image_size=8, epochs=1,
+    cfg = TrainConfig.from_dict(dict(data="digits", pe="mixed", coords="normalized", patch_size=2, image_size=8,
+                                     epochs=1,
                       batch_size=16, train_fraction=0.3, augment_sizes=[6, 8, 10], augment_shift=0,
                       model_options=dict(embed_dim=16, depth=1, num_heads=2), out=str(tmp_path / "run"),
-                      progress=False, tensorboard=False, threads=1)
+                      progress=False, tensorboard=False, threads=1))
     res = train(cfg, quiet=True)
     assert grids == {(6, 6), (8, 8), (10, 10)}
     assert len(res.history) == 1 and 0.0 <= res.history[-1]["test_acc"] <= 1.0

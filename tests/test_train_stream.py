@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from ropekit.cli import main as cli_main
 from ropekit.data.fake import write_fake_image_folder
 from ropekit.data.shards import write_shards
-from ropekit.train import load_checkpoint, train
-from ropekit.train.config import TrainConfig, build_vit_config
+from ropekit.train import load_checkpoint
+from ropekit.classification import train
+from ropekit.classification.config import TrainConfig, build_vit_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train import tiny_cfg  # noqa: E402
@@ -33,7 +34,7 @@ def _stream_cfg(data_root: Path, out: Path, **kw) -> TrainConfig:
                 epochs=2, batch_size=8, lr=2e-3, progress=False, tensorboard=False, threads=1, device="cpu",
                 out=str(out), eval_batch_size=32)
     base.update(kw)
-    return TrainConfig(**base).validate()
+    return TrainConfig.from_dict(base).validate()
 
 
 def _same(a, b):
@@ -66,14 +67,16 @@ def test_deit_preset_resolves_to_the_paper_recipe_with_a_vit_b16(monkeypatch):
         seen["cfg"] = cfg
         raise SystemExit(0)
 
-    monkeypatch.setattr("ropekit.train.trainer.train", fake_train)
+    monkeypatch.setattr("ropekit.classification.trainer.train", fake_train)
     with pytest.raises(SystemExit):
         cli_main(["train", "--preset", "deit-b16", "--data-root", ".", "--batch-size", "2048", "--device", "cpu"])
     cfg = seen["cfg"]
-    assert (cfg.data, cfg.model, cfg.patch_size, cfg.image_size, cfg.epochs) == ("shards", "base", 16, 224, 300)
-    assert cfg.peak_lr == pytest.approx(5e-4 * 2048 / 512)  # the command line's batch, scaled as the paper says
-    assert (cfg.weight_decay, cfg.warmup_epochs, cfg.label_smoothing) == (0.05, 5, 0.1)
-    assert (cfg.mixup_alpha, cfg.cutmix_alpha, cfg.random_erasing, cfg.auto_augment) == (0.8, 1.0, 0.25, "rand-m9-n2")
+    assert (cfg.data.name, cfg.model.size, cfg.model.patch_size, cfg.data.image_size, cfg.optim.epochs) == (
+        "shards", "base", 16, 224, 300)
+    assert cfg.optim.peak_lr == pytest.approx(5e-4 * 2048 / 512)  # the command line's batch, scaled as the paper says
+    assert (cfg.optim.weight_decay, cfg.optim.warmup_epochs, cfg.optim.label_smoothing) == (0.05, 5, 0.1)
+    assert (cfg.data.mixup_alpha, cfg.data.cutmix_alpha, cfg.data.random_erasing, cfg.data.auto_augment) == (
+        0.8, 1.0, 0.25, "rand-m9-n2")
     from ropekit.data import DatasetInfo
 
     vit = build_vit_config(cfg, DatasetInfo("shards", 1000, 3, (224, 224), "image"))
@@ -106,7 +109,7 @@ def _args(argv):
 def test_mixup_cutmix_train_on_soft_targets_with_label_smoothing(tmp_path):
     """In-memory data, opt-in: the loss is the cross-entropy against the mixed one-hot targets, smoothed (the
     streamed runs below train with mixing end to end)."""
-    from ropekit.train.trainer import build_classification_task
+    from ropekit.classification.trainer import build_classification_task
 
     cfg = tiny_cfg(tmp_path / "r", mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1)
     task = build_classification_task(cfg)
@@ -160,7 +163,7 @@ def test_folder_stream_run_stopped_mid_epoch_resumes_bit_exactly(tmp_path):
 def test_streamed_data_errors_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="--data imagefolder reads real images: give their folder with --data-root"):
         train(_stream_cfg(tmp_path, tmp_path / "r").replace(data_root=None), quiet=True)
-    from ropekit.train.trainer import load_data
+    from ropekit.classification.trainer import load_data
 
     # train_fraction applies to folders now: the first round(f * n_c) training images of each class
     cfg = _stream_cfg(_folder(tmp_path / "d", per_class=5), tmp_path / "r2", train_fraction=0.5)

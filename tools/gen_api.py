@@ -32,6 +32,7 @@ MODULES = [
     ("ropekit.fold", "merging a commuting encoding's basis into the q/k projections"),
     ("ropekit.diagnostics", "how far an encoding is from being exactly relative"),
     ("ropekit.train", "the training engine behind `ropekit train`"),
+    ("ropekit.classification", "image, RGB-D and video classification: `TrainConfig`, `train`, `evaluate_run` (`--task classification`)"),
     ("ropekit.multimodal", "image-text retrieval: the SigLIP loss, recall@k, the dual encoder, `--task retrieval`"),
     ("ropekit.coords", "coordinate maps (canonical coordinates for 3-D points)"),
     ("ropekit.kernels", "the fused GPU rotation kernel"),

@@ -305,28 +305,29 @@ def owl_config_from_train(cfg: Any, options: Dict[str, Any]) -> OwlTaskConfig:
     Raises:
         ValueError: another dataset than ``captioned-scenes``, an unknown option (one line, naming the known ones).
     """
-    if cfg.data != "captioned-scenes":
-        raise ValueError(f"the owl task trains on --data captioned-scenes, got {cfg.data!r}")
+    if cfg.data.name != "captioned-scenes":
+        raise ValueError(f"the owl task trains on --data captioned-scenes, got {cfg.data.name!r}")
     bad = sorted(set(options) - set(TASK_OPTIONS))
     if bad:
         raise ValueError(f"unknown --task-opt {', '.join(bad)} for the owl task; known: {', '.join(TASK_OPTIONS)}")
     data_keys = ("num_train", "num_test", "min_objects", "max_objects", "shape_fraction", "seed", "solid")
-    bad = sorted(set(cfg.data_options) - set(data_keys))
+    bad = sorted(set(cfg.data.data_options) - set(data_keys))
     if bad:
         raise ValueError(f"unknown --data-opt {', '.join(bad)} for the owl task; known: {', '.join(data_keys)}")
-    size = cfg.image_size if cfg.image_size is not None else 32
-    if str(cfg.data_options.get("solid", False)).lower() not in ("true", "false", "1", "0"):
-        raise ValueError(f"--data-opt solid must be true or false, got {cfg.data_options['solid']!r}")
+    size = cfg.data.image_size if cfg.data.image_size is not None else 32
+    if str(cfg.data.data_options.get("solid", False)).lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"--data-opt solid must be true or false, got {cfg.data.data_options['solid']!r}")
     data = OwlDataConfig(image_size=int(size if isinstance(size, int) else size[0]),
-                         **{k: cfg.data_options[k] for k in data_keys[:-1] if k in cfg.data_options},
-                         solid=str(cfg.data_options.get("solid", False)).lower() in ("true", "1"),
+                         **{k: cfg.data.data_options[k] for k in data_keys[:-1] if k in cfg.data.data_options},
+                         solid=str(cfg.data.data_options.get("solid", False)).lower() in ("true", "1"),
                          **{k: options[k] for k in ("vocabulary", "min_visible") if k in options})
     if "unseen" in options:
         data.unseen = tuple(w.strip() for w in str(options["unseen"]).split(",") if w.strip())
     elif data.vocabulary == "colour":
         data.unseen = ("purple", "cyan")
-    train = OwlTrainConfig(batch_size=cfg.batch_size, lr=cfg.lr, weight_decay=cfg.weight_decay, min_lr=cfg.min_lr,
-                           grad_clip=cfg.grad_clip, seed=cfg.seed,
+    train = OwlTrainConfig(batch_size=cfg.optim.batch_size, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                           min_lr=cfg.optim.min_lr,
+                           grad_clip=cfg.optim.grad_clip, seed=cfg.run.seed,
                            **{k: options[k] for k in TASK_OPTIONS[6:] if k in options})
     return OwlTaskConfig(init_from=options.get("init_from"), boxes=str(options.get("boxes", "2d")), data=data,
                          train=train, head_hidden=int(options.get("head_hidden", 0)))
@@ -343,10 +344,11 @@ def run_owl_command(cfg: Any, options: Dict[str, Any], *, resume: bool = False, 
     if resume:
         raise ValueError("owl runs are not resumed: start the run again (it takes minutes)")
     ocfg = owl_config_from_train(cfg, options)
-    out = Path(cfg.out or f"runs/owl-{ocfg.boxes}-s{cfg.seed}")
+    out = Path(cfg.run.out or f"runs/owl-{ocfg.boxes}-s{cfg.run.seed}")
     train_set, test_set = load_scenes(ocfg.data)
-    opts = EngineOptions(device=cfg.device, precision=cfg.precision, threads=cfg.threads, progress=cfg.progress,
-                         tensorboard=cfg.tensorboard)
+    opts = EngineOptions(device=cfg.run.device, precision=cfg.run.precision, threads=cfg.run.threads,
+                         progress=cfg.run.progress,
+                         tensorboard=cfg.run.tensorboard)
     model, towers, _ = train_owl(ocfg, train_set, out_dir=out, options=opts)
     metrics = evaluate_owl(model, test_set, towers.tokenize, ocfg.data, ocfg.train)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")

@@ -111,18 +111,19 @@ def towers_from_retrieval(path: Union[str, Path]) -> Towers:
     dual.train()
     return Towers(dual.vision, ProjectedText(dual.text, dual.text_proj), tok, int(dual.text_proj.out_features),
                   "rgbd" if dual.vision.cfg.modality == "rgbd" else "rgb", vision_proj=dual.vision_proj,
-                  source=str(path), colour_stats=_colour_stats(rcfg.train.to_dict()))
+                  source=str(path), colour_stats=_colour_stats(rcfg.train.to_nested()))
 
 
 def _colour_stats(train_config: Dict[str, Any]) -> Optional[Tuple[Sequence[float], Sequence[float]]]:
-    """The per-channel mean and std a ``ropekit train`` run standardised its images with (``None`` without
-    ``normalize``): recomputed by loading its data."""
-    if not train_config.get("normalize", False):
-        return None
-    from ..train.config import TrainConfig
-    from ..train.trainer import load_data
+    """The per-channel mean and std a ``ropekit train`` run (its ``train`` section, any form) standardised its
+    images with (``None`` without ``normalize``): recomputed by loading its data."""
+    from ..classification.config import TrainConfig
+    from ..classification.trainer import load_data
 
-    _, _, info = load_data(TrainConfig.from_dict(train_config, source="the contrastive run", strict=False))
+    tc = TrainConfig.from_dict(train_config, source="the contrastive run", strict=False)
+    if not tc.data.normalize:
+        return None
+    _, _, info = load_data(tc)
     if info.mean is None:
         return None
     return tuple(info.mean)[:3], tuple(info.std)[:3]
@@ -143,20 +144,20 @@ def pretrain_towers(encoding: str, input: str, seed: int, *, data: Dict[str, Any
     standardised (colours in ``[0, 1]``, as the detector reads them).
     """
     from ..multimodal.train import RetrievalConfig, RetrievalOptions, train_retrieval
-    from ..train.config import TrainConfig
+    from ..classification.config import TrainConfig
     from .model import is_rotary
 
     if input not in ("rgb", "rgbd"):
         raise ValueError(f"input must be 'rgb' or 'rgbd'; got {input!r}")
     depth_input = "ignore" if input == "rgb" else ("coord" if is_rotary(encoding) else "channel")
     opts = {k: data[k] for k in ("num_train", "num_test", "min_objects", "max_objects", "shape_fraction")}
-    tc = TrainConfig(data="captioned-scenes", data_options={**opts, "seed": int(data["seed"])},
+    tc = TrainConfig.from_dict(dict(data="captioned-scenes", data_options={**opts, "seed": int(data["seed"])},
                      image_size=int(data["image_size"]), split_seed=int(data["seed"]), normalize=False,
                      model="tiny", patch_size=int(towers["patch_size"]), pe=encoding, depth_input=depth_input,
                      model_options={"embed_dim": towers["width"], "depth": towers["depth"],
                                     "num_heads": towers["heads"], "mlp_ratio": towers["mlp_ratio"]},
                      augment_shift=0, seed=int(seed), out=str(run_dir), device=device, threads=threads or None,
-                     progress=False, tensorboard=False, **schedule)
+                     progress=False, tensorboard=False, **schedule))
     ro = RetrievalOptions(embed_dim=int(towers["embed_dim"]), text_width=int(towers["text_width"]),
                           text_depth=int(towers["text_depth"]), text_heads=int(towers["text_heads"]), num_queries=0)
     result = train_retrieval(RetrievalConfig(tc, ro), quiet=True)

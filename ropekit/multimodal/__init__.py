@@ -1,8 +1,9 @@
 """Image-text models: captioned RGB-D scenes, a text tower and SigLIP contrastive training (the retrieval task).
 
 >>> from ropekit.multimodal import RetrievalConfig, train_retrieval                        # doctest: +SKIP
->>> from ropekit.train import TrainConfig
->>> cfg = RetrievalConfig(TrainConfig(data="captioned-scenes", pe="cayley", epochs=4, out="runs/retrieval"))
+>>> from ropekit.classification import TrainConfig
+>>> cfg = RetrievalConfig(TrainConfig.from_dict({"data.name": "captioned-scenes", "model.pe": "cayley",
+...                                                 "optim.epochs": 4, "run.out": "runs/retrieval"}))
 >>> train_retrieval(cfg).final["mean_recall"]
 
 The data are :mod:`ropekit.data.captioned`, the tokenizer :mod:`ropekit.data.text`, the text tower

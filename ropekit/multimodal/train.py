@@ -3,7 +3,7 @@ tower trained with the SigLIP loss on captioned scenes, evaluated by image<->tex
 
 The loop is the shared engine (:func:`ropekit.train.engine.fit`): DDP, precision, ``torch.compile``, exact resume,
 the run folder and the learning curves come from it. This module supplies the task (:class:`RetrievalTask`), its
-configuration (:class:`RetrievalConfig`: the usual :class:`~ropekit.train.TrainConfig` for the data, the vision
+configuration (:class:`RetrievalConfig`: the usual :class:`~ropekit.classification.TrainConfig` for the data, the vision
 tower and the schedule, plus :class:`RetrievalOptions` for the text tower and the joint space, ``--task-opt
 KEY=VALUE`` on the command line) and :func:`train_retrieval`.
 
@@ -46,12 +46,12 @@ from ..data.text import Tokenizer
 from ..nn import TextConfig, TextTransformer, VisionTransformer
 from ..train import engine
 from ..train.checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
-from ..train.config import TrainConfig, build_vit_config, check_type
+from ..classification.config import TrainConfig, build_vit_config, check_type
 from ..train.distributed import DistContext, init_distributed
 from ..train.engine import seed_everything
 from ..train.run_folder import load_run
 from ..train.tasks import register_task
-from ..train.trainer import default_run_dir, load_data, resolve_threads, resume_changes, schedule_of
+from ..classification.trainer import default_run_dir, load_data, resolve_threads, resume_changes, schedule_of
 from .hard_negatives import depth_hard_negative_accuracy
 from .retrieval import RECALL_KS, DualEncoder, retrieval_recall, siglip_loss
 
@@ -127,7 +127,7 @@ class RetrievalConfig:
     """What builds a :class:`RetrievalTask`: the run's ``TrainConfig`` (data, vision tower, schedule, run) and
     the :class:`RetrievalOptions`."""
 
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(**TASK_DEFAULTS))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig.from_dict(TASK_DEFAULTS))
     options: RetrievalOptions = field(default_factory=RetrievalOptions)
 
 
@@ -168,7 +168,7 @@ class RetrievalTask:
         self.test_ids = tokenizer([test_scenes.captions[i][0] for i in self.test_index])
         self.test_keys = [" ".join(test_scenes.captions[i][0]) for i in self.test_index]
         self.world = ctx.world_size
-        self.per_rank_bs = max(1, tc.batch_size // ctx.world_size)
+        self.per_rank_bs = max(1, tc.optim.batch_size // ctx.world_size)
         n = len(train_scenes)
         self.steps_per_epoch = math.ceil(math.ceil(n / ctx.world_size) / self.per_rank_bs)
 
@@ -176,7 +176,7 @@ class RetrievalTask:
     def epoch_batches(self, epoch: int, ctx: DistContext) -> List[List[Tuple[int, int]]]:
         """This rank's batches of ``(scene, caption)`` pairs: a seeded permutation of the scenes (padded to a
         multiple of the ranks by wrapping round), one caption per scene drawn from ``(seed, epoch)``."""
-        g = torch.Generator().manual_seed(int(self.cfg.train.seed) * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(int(self.cfg.train.run.seed) * 1_000_003 + epoch)
         n = len(self.train_scenes)
         order = torch.randperm(n, generator=g).tolist()
         caps = torch.randint(0, self.train_ids.shape[1], (n,), generator=g).tolist()
@@ -217,7 +217,7 @@ class RetrievalTask:
     def evaluate(self, device: Any) -> Dict[str, float]:
         """Recall@1/5/10 both ways and their mean on the evaluated test pairs, and the depth hard negatives
         (``depth_hn_acc``, ``depth_hn_pairs``: see the module docstring)."""
-        img, txt = self.embed_test(device, self.cfg.train.eval_batch_size)
+        img, txt = self.embed_test(device, self.cfg.train.run.eval_batch_size)
         return {**retrieval_recall(img, txt, self.test_keys), **self.depth_hard_negatives(device)}
 
     def depth_hard_negatives(self, device: Any) -> Dict[str, float]:
@@ -226,7 +226,7 @@ class RetrievalTask:
         idx = torch.as_tensor(self.test_index)
         res = depth_hard_negative_accuracy(self.model, self.tokenizer, self.test_scenes.images[idx].to(device),
                                            [self.test_scenes.captions[i] for i in self.test_index],
-                                           batch_size=self.cfg.train.eval_batch_size)
+                                           batch_size=self.cfg.train.run.eval_batch_size)
         ties = sum(1 for x in res["per_caption"] if x == 0.5)
         return {"depth_hn_acc": res["accuracy"], "depth_hn_pairs": res["n"], "depth_hn_ties": ties}
 
@@ -240,7 +240,7 @@ class RetrievalTask:
                 "lr": info["lr"], "epoch_time": info["epoch_time"] + t_eval, "elapsed_time": info["elapsed"] + t_eval}
 
     def describe(self, row: Dict[str, Any]) -> str:
-        return (f"epoch {row['epoch']}/{self.cfg.train.epochs}  loss {row['train_loss']:.4f}  i2t R@1/5/10 "
+        return (f"epoch {row['epoch']}/{self.cfg.train.optim.epochs}  loss {row['train_loss']:.4f}  i2t R@1/5/10 "
                 f"{row['i2t_r1']:.3f}/{row['i2t_r5']:.3f}/{row['i2t_r10']:.3f}  t2i {row['t2i_r1']:.3f}/"
                 f"{row['t2i_r5']:.3f}/{row['t2i_r10']:.3f}  mean {row['mean_recall']:.4f}  ({row['epoch_time']:.1f}s)")
 
@@ -250,7 +250,7 @@ class RetrievalTask:
         from .plot import plot_queries, plot_retrieval_curves
 
         vit = self.model.vision.cfg
-        plot_retrieval_curves(history, path, title=f"{self.cfg.train.data} retrieval, pe={vit.pe}, depth "
+        plot_retrieval_curves(history, path, title=f"{self.cfg.train.data.name} retrieval, pe={vit.pe}, depth "
                                                    f"{vit.resolved_depth_input or 'none'}")
         if self.cfg.options.num_queries:
             self.plot_queries(Path(path).with_name("queries.png"))
@@ -261,7 +261,7 @@ class RetrievalTask:
         from .plot import plot_queries
 
         num = self.cfg.options.num_queries if num is None else num
-        img, txt = self.embed_test(self.model.logit_scale.device, self.cfg.train.eval_batch_size)
+        img, txt = self.embed_test(self.model.logit_scale.device, self.cfg.train.run.eval_batch_size)
         with_rel = [i for i, k in enumerate(self.test_keys) if " . " in k]
         pick = (with_rel + [i for i in range(len(self.test_keys)) if i not in set(with_rel)])[:num]
         scores = txt[pick] @ img.T  # (Q, N)
@@ -278,8 +278,8 @@ class RetrievalTask:
         final = history[-1] if history else {}
         vit = self.model.vision.cfg
         return {"run_dir": str(self.run_dir) if self.run_dir is not None else None, "task": "retrieval",
-                "data": self.cfg.train.data, "pe": vit.pe, "depth_input": vit.resolved_depth_input,
-                "seed": self.cfg.train.seed, "num_test_pairs": len(self.test_index),
+                "data": self.cfg.train.data.name, "pe": vit.pe, "depth_input": vit.resolved_depth_input,
+                "seed": self.cfg.train.run.seed, "num_test_pairs": len(self.test_index),
                 **{k: final.get(k) for k in METRIC_COLUMNS if k not in ("lr", "epoch_time", "elapsed_time")}}
 
 
@@ -310,16 +310,16 @@ def build_model(cfg: RetrievalConfig, info: Any, vocab_size: int) -> DualEncoder
                train=lambda cfg, options, **kw: run_retrieval_command(cfg, options, **kw))
 def build_retrieval_task(cfg: RetrievalConfig, ctx: Optional[DistContext] = None, *,
                          run_dir: Optional[Path] = None) -> RetrievalTask:
-    """The :class:`RetrievalTask` of ``cfg``: its data loaded (``cfg.train.data``; captions required), its
-    tokenizer and its dual encoder built (seeded by ``cfg.train.seed``, identical on every rank)."""
+    """The :class:`RetrievalTask` of ``cfg``: its data loaded (``cfg.train.data.name``; captions required), its
+    tokenizer and its dual encoder built (seeded by ``cfg.train.run.seed``, identical on every rank)."""
     ctx = ctx or DistContext()
     cfg.train.validate()
     cfg.options.validate()
     train_ds, test_ds, info = load_data(cfg.train)
-    train_scenes = _scenes_of(train_ds, "train", cfg.train.data)
-    test_scenes = _scenes_of(test_ds, "test", cfg.train.data)
+    train_scenes = _scenes_of(train_ds, "train", cfg.train.data.name)
+    test_scenes = _scenes_of(test_ds, "test", cfg.train.data.name)
     tokenizer = Tokenizer(context_length=cfg.options.context_length)
-    seed_everything(cfg.train.seed)
+    seed_everything(cfg.train.run.seed)
     model = build_model(cfg, info, tokenizer.vocab_size)
     return RetrievalTask(cfg, model, train_scenes, test_scenes, tokenizer, ctx, run_dir=run_dir, info=info)
 
@@ -340,7 +340,7 @@ class RetrievalResult:
 def train_retrieval(cfg: RetrievalConfig, *, resume: bool = False, quiet: bool = False,
                     allow_change: Sequence[str] = (),
                     on_step: Optional[Callable[[int], Optional[bool]]] = None) -> RetrievalResult:
-    """Train the dual encoder of ``cfg`` in the run folder ``cfg.train.out`` (default
+    """Train the dual encoder of ``cfg`` in the run folder ``cfg.train.run.out`` (default
     ``runs/<data>-<pe>-<model>-s<seed>-<time>``); see the module docstring for what it holds.
 
     ``resume`` continues the run's checkpoint exactly (the same rules as ``ropekit train --resume``: the options
@@ -350,16 +350,16 @@ def train_retrieval(cfg: RetrievalConfig, *, resume: bool = False, quiet: bool =
 
     Raises:
         ValueError: bad options, data without captions, a folder that already holds a run (without ``resume``);
-        RunLockedError, NonFiniteLossError, SaveError, CheckpointError: as :func:`ropekit.train.train`.
+        RunLockedError, NonFiniteLossError, SaveError, CheckpointError: as :func:`ropekit.classification.train`.
     """
     tc = cfg.train.validate()
     cfg.options.validate()
-    ctx = init_distributed(tc.device)
+    ctx = init_distributed(tc.run.device)
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(resolve_threads(tc.threads, ctx.world_size))
+    torch.set_num_threads(resolve_threads(tc.run.threads, ctx.world_size))
     try:
-        run_dir = Path(tc.out) if tc.out else Path(ctx.gather_objects(str(default_run_dir(tc)))[0])
-        tc = dataclasses.replace(tc, out=str(run_dir))
+        run_dir = Path(tc.run.out) if tc.run.out else Path(ctx.gather_objects(str(default_run_dir(tc)))[0])
+        tc = tc.replace(**{"run.out": str(run_dir)})
         cfg = dataclasses.replace(cfg, train=tc)
         ckpt = None
         changes: Dict[str, Any] = {}
@@ -377,21 +377,23 @@ def train_retrieval(cfg: RetrievalConfig, *, resume: bool = False, quiet: bool =
         schedule = schedule_of(tc, task.steps_per_epoch)
         vit = task.model.vision.cfg
         if ctx.is_main and not quiet:
-            print(f"ropekit train --task retrieval: {tc.data} ({len(task.train_scenes)} train scenes, "
-                  f"{len(task.test_index)} test pairs), ViT-{tc.model} pe={vit.pe} depth "
+            print(f"ropekit train --task retrieval: {tc.data.name} ({len(task.train_scenes)} train scenes, "
+                  f"{len(task.test_index)} test pairs), ViT-{tc.model.size} pe={vit.pe} depth "
                   f"{vit.resolved_depth_input or 'none'}, text tower {cfg.options.text_depth}x"
-                  f"{cfg.options.text_width} ({cfg.options.text_pe}), {tc.epochs} epochs, batch {tc.batch_size}, run "
+                  f"{cfg.options.text_width} ({cfg.options.text_pe}), {tc.optim.epochs} epochs, "
+                  f"batch {tc.optim.batch_size}, run "
                   f"folder {run_dir}" + (f"; resumed with {changes}" if changes else ""), file=sys.stderr)
 
         def fresh_start(c: DistContext) -> None:
-            seed_everything(tc.seed + 1_000_003 * (c.rank + 1))
+            seed_everything(tc.run.seed + 1_000_003 * (c.rank + 1))
 
         config_doc = {"task": "retrieval", "train": tc.to_nested(), "retrieval": cfg.options.to_dict(),
                       "model": vit.to_dict(), "text": task.model.text.cfg.to_dict(),
-                      "data": {"name": tc.data, "num_train": len(task.train_scenes),
+                      "data": {"name": tc.data.name, "num_train": len(task.train_scenes),
                                "num_test_pairs": len(task.test_index)}}
         res = engine.fit(task, engine.FitOptions(
-            schedule, tc.epochs, execution=tc.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
+            schedule, tc.optim.epochs, execution=tc.run.engine_options(), run_dir=run_dir,
+            checkpoint_name=CHECKPOINT_NAME,
             resume=ckpt is not None, ctx=ctx, quiet=quiet, config_doc=config_doc, on_step=on_step,
             checkpoint_extra={"vit_config": vit.to_dict(), "train_config": tc.to_nested(),
                               "retrieval_options": cfg.options.to_dict(), "text_config": task.model.text.cfg.to_dict()},
@@ -432,7 +434,7 @@ def run_retrieval_command(cfg: TrainConfig, task_options: Dict[str, Any], *, res
                           allow_change: Sequence[str] = ()) -> int:
     """``ropekit train --task retrieval``: train, print the final recalls; the exit status."""
     if resume:
-        previous, _ = load_run(cfg.out)
+        previous, _ = load_run(cfg.run.out)
         task_options = {**previous.get("retrieval", {}), **task_options}
     options = RetrievalOptions.from_dict(task_options)
     result = train_retrieval(RetrievalConfig(cfg, options), resume=resume, allow_change=allow_change)

@@ -150,7 +150,7 @@ def _collect(args: Any) -> int:
 
 
 def _train(args: Any) -> int:
-    from ..train.config import parse_key_values
+    from ..classification.config import parse_key_values
     from .demos import load_demos
     from .train import DemoChunks, PolicyTrainConfig, new_policy, train_policy
 

@@ -31,13 +31,16 @@ OPTIM_OPTIONS = ("batch_size", "lr", "min_lr", "weight_decay", "grad_clip", "see
 
 def engine_options(cfg: Any) -> Any:
     """The :class:`~ropekit.train.engine.EngineOptions` of a ``TrainConfig``, its thread count included."""
-    return dataclasses.replace(cfg.engine_options(), threads=cfg.threads)
+    return dataclasses.replace(cfg.run.engine_options(), threads=cfg.run.threads)
 
 
 def given_values(cfg: Any, given: Collection[str], fields: Mapping[str, str]) -> Dict[str, Any]:
     """``{task field: value}`` for each ``TrainConfig`` field of ``fields`` (``TrainConfig`` name -> the task's
     name) that the command line gave (``given``), read from ``cfg``."""
-    return {task: getattr(cfg, ours) for ours, task in fields.items() if ours in given}
+    from ..train.upgrade import flatten
+
+    flat = flatten(cfg.to_nested())
+    return {task: flat[ours] for ours, task in fields.items() if ours in given}
 
 
 def pick(options: Dict[str, Any], config: type, task: str, taken: Mapping[str, str] = {}) -> Dict[str, Any]:
@@ -65,7 +68,7 @@ def refuse_unknown(options: Mapping[str, Any], task: str, known: Collection[str]
 
 def run_folder(cfg: Any, task: str) -> Path:
     """``--out``, or ``runs/<task>-<pe>-s<seed>``."""
-    return Path(cfg.out) if cfg.out else Path("runs") / f"{task}-{cfg.pe}-s{cfg.seed}"
+    return Path(cfg.run.out) if cfg.run.out else Path("runs") / f"{task}-{cfg.model.vit().pe}-s{cfg.run.seed}"
 
 
 def required(options: Dict[str, Any], key: str, task: str, what: str) -> Optional[str]:

@@ -41,7 +41,7 @@ _DEMOS = ("demos", "sim_task", "episodes", "demo_seed", "camera", "fovy", "frame
 def _hw(cfg: Any, given: Collection[str]) -> Tuple[int, int]:
     if "image_size" not in given:
         return AlohaPolicyConfig().image_hw
-    size = cfg.image_size
+    size = cfg.data.image_size
     return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
@@ -62,8 +62,8 @@ def _demos(cfg: Any, options: Dict[str, Any], given: Collection[str], depth: boo
                     seed=int(options.pop("demo_seed", 0)), cameras=(str(options.pop("camera", "top")),),
                     image_hw=_hw(cfg, given), fovy=options.pop("fovy", None), depth=depth,
                     frame_stride=int(options.pop("frame_stride", 2)))
-    demos, where, _ = load_or_collect(dc, options.pop("cache_dir", None), progress=cfg.progress,
-                                      workers=cfg.workers if "workers" in given else 1)
+    demos, where, _ = load_or_collect(dc, options.pop("cache_dir", None), progress=cfg.run.progress,
+                                      workers=cfg.data.workers if "workers" in given else 1)
     return demos, {"demos": str(where), "task": dc.task}
 
 
@@ -87,13 +87,14 @@ def run_aloha(cfg: Any, options: Dict[str, Any], *, resume: bool = False, given:
     fields = {k: v for k, v in model_fields(cfg, given, AlohaPolicyConfig()).items() if k != "image_size"}
     hw = tuple(int(n) for n in demos["rgb"].shape[1:3])
     if "image_size" in given and _hw(cfg, given) != hw:
-        raise ValueError(f"--image-size {cfg.image_size}: the demo set's images are {hw[0]}x{hw[1]}")
+        raise ValueError(f"--image-size {cfg.data.image_size}: the demo set's images are {hw[0]}x{hw[1]}")
     pcfg = AlohaPolicyConfig(**{**fields, **policy_opts, "modality": modality, "image_hw": hw,
-                                **({"depth_scale_init": cfg.depth_scale_init} if "depth_scale_init" in given else {})})
+                                **({"depth_scale_init": cfg.model.vit().depth_scale_init}
+                                   if "depth_scale_init" in given else {})})
     policy = AlohaPolicy(pcfg)
     out = run_folder(cfg, "aloha")
     rows = train_policy(policy, AlohaChunks(demos, pcfg, None if episodes is None else int(episodes)), tc, out,
-                        progress=cfg.progress, extra_config=where, resume=resume, options=engine_options(cfg))
+                        progress=cfg.run.progress, extra_config=where, resume=resume, options=engine_options(cfg))
     print(f"final loss {rows[-1]['loss']:.4f} after {tc.steps} steps; policy saved to {out / 'checkpoint.pt'}"
           if rows else f"policy saved to {out / 'checkpoint.pt'}")
     return 0

@@ -52,12 +52,12 @@ def _scenes(cfg: Any, options: Dict[str, Any], given: Collection[str]) -> Tuple[
         raise ValueError("--task-opt test_scenes needs --task-opt scenes (the training scenes) too")
     from ..detection.scenes import generate_scenes
 
-    size = cfg.image_size if "image_size" in given else 64
+    size = cfg.data.image_size if "image_size" in given else 64
     if isinstance(size, (list, tuple)):
         raise ValueError("--image-size: the detector's scenes are square; give one number")
     seed = int(options.pop("scene_seed", 0))
-    kw = dict(size=int(size), workers=cfg.workers if "workers" in given else 2,
-              cache_dir=str(options.pop("cache_dir", ".cache/scenes")), progress=cfg.progress)
+    kw = dict(size=int(size), workers=cfg.data.workers if "workers" in given else 2,
+              cache_dir=str(options.pop("cache_dir", ".cache/scenes")), progress=cfg.run.progress)
     n_train, n_test = int(options.pop("num_train", 1000)), int(options.pop("num_test", 200))
     return generate_scenes(n_train, seed=seed, **kw), generate_scenes(n_test, seed=seed + 1, **kw) if n_test else None
 
@@ -80,11 +80,13 @@ def run_detection(cfg: Any, options: Dict[str, Any], *, resume: bool = False, gi
     scene_opts = {k: options.pop(k) for k in _SCENES if k in options}
     refuse_unknown(options, "detection", [*_DETECTOR, *_SCENES, *DetTrainConfig.__dataclass_fields__], taken)
     train_set, test_set = _scenes(cfg, scene_opts, given)
-    dcfg = detector_config(cfg.pe, str(detector.pop("input", "rgbd")), size=cfg.model, num_classes=len(CLASS_NAMES),
+    dcfg = detector_config(cfg.model.vit().pe, str(detector.pop("input", "rgbd")), size=cfg.model.size,
+                           num_classes=len(CLASS_NAMES),
                            image_size=int(train_set.rgb.shape[1]),
-                           patch_size=cfg.patch_size if "patch_size" in given else 8,
-                           **({"depth_scale_init": cfg.depth_scale_init} if "depth_scale_init" in given else {}),
-                           **detector, **(dict(cfg.model_options) if "model_options" in given else {}))
+                           patch_size=cfg.model.patch_size if "patch_size" in given else 8,
+                           **({"depth_scale_init": cfg.model.vit().depth_scale_init}
+                              if "depth_scale_init" in given else {}),
+                           **detector, **(cfg.model.extra() if "model_options" in given else {}))
     out = run_folder(cfg, "detection")
     model = new_detector(dcfg, train_set, tc.seed)
     rows = train_detector(model, train_set, tc, out_dir=out, resume=resume, options=engine_options(cfg),

@@ -46,9 +46,9 @@ def model_fields(cfg: Any, given: Collection[str], defaults: Any) -> Dict[str, A
     fields = given_values(cfg, given, MODEL_FIELDS)
     if "image_size" in fields and isinstance(fields["image_size"], (list, tuple)):
         raise ValueError("--image-size: the robot policy sees square images; give one number")
-    overrides = dict(cfg.model_options) if "model_options" in given else {}
+    overrides = cfg.model.extra() if "model_options" in given else {}
     if "patch_size" in given:
-        overrides["patch_size"] = cfg.patch_size
+        overrides["patch_size"] = cfg.model.patch_size
     if overrides:
         fields["vit_overrides"] = {**defaults.vit_overrides, **overrides}
     return fields
@@ -76,17 +76,17 @@ def run_robot(cfg: Any, options: Dict[str, Any], *, resume: bool = False, given:
         raise ValueError("the robot task needs --task-opt demos=FILE (a demo file of `ropekit robot collect`)")
     tc = PolicyTrainConfig(**train)
     demos = load_demos(demos_path)
-    init_from = cfg.init_from if "init_from" in given else None
+    init_from = cfg.model.init_from if "init_from" in given else None
     fields = model_fields(cfg, given, PolicyConfig())
     if init_from is None:
         fields = {"image_size": int(demos["config"].image_size), **fields, **policy_opts}
     elif policy_opts:
         fields.update(policy_opts)
-    scale = cfg.depth_scale_init if "depth_scale_init" in given else None
+    scale = cfg.model.vit().depth_scale_init if "depth_scale_init" in given else None
     policy, fresh = new_policy(modality, fields, init_from, scale)
     out = run_folder(cfg, "robot")
     rows = train_policy(policy, DemoChunks(demos, policy.config, tc.only_successful), tc, out, fit_normalizers=fresh,
-                        progress=cfg.progress, extra_config={"demos": demos_path, "init_from": init_from},
+                        progress=cfg.run.progress, extra_config={"demos": demos_path, "init_from": init_from},
                         resume=resume, options=engine_options(cfg))
     print(f"final loss {rows[-1]['loss']:.4f} after {tc.steps} steps; policy saved to {out / 'checkpoint.pt'}"
           if rows else f"policy saved to {out / 'checkpoint.pt'}")

@@ -1,4 +1,4 @@
-"""``ropekit train`` and ``ropekit eval``: argument parsing on top of :mod:`ropekit.train.trainer`.
+"""``ropekit train`` and ``ropekit eval``: argument parsing on top of :mod:`ropekit.classification.trainer`.
 
 Every option defaults to "not given" (``argparse.SUPPRESS``), so the precedence is simply
 ``TrainConfig`` defaults < the task's defaults < ``--preset`` < ``--config FILE`` < the command line. With
@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from .._errors import CommandError
 
@@ -32,7 +32,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Examples: `ropekit train` (MNIST, ViT-tiny, Cayley-STRING); `ropekit train --pe circulant "
                 "--pe-opt block_size=16 --epochs 5`; `ropekit train --data rgbd-digits --pe mixed`; "
                 "`torchrun --nproc_per_node 2 -m ropekit.cli train` (DDP).")
-    from .recipes import list_recipes
+    from ..classification.recipes import list_recipes
     from .tasks import task_names
 
     g = p.add_argument_group("configuration")
@@ -43,7 +43,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         f"--seed, --threads, logging), their optimiser's and their model's, and --task-opt: "
                         f"demos / scenes files, steps=N ...; see ropekit.tasks")
     g.add_argument("--preset", metavar="NAME", default=S,
-                   help=f"a training recipe to start from ({', '.join(list_recipes())}; see ropekit/train/recipes); "
+                   help=f"a training recipe to start from ({', '.join(list_recipes())}; see ropekit/classification/recipes); "
                         f"--config and command-line options override it")
     g.add_argument("--task-opt", metavar="KEY=VALUE", action="append", default=S,
                    help="an option of the task besides the TrainConfig ones, e.g. text_depth=3 for retrieval "
@@ -52,8 +52,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="YAML or JSON file of options (TrainConfig fields); command-line options override it "
                         "(precedence: defaults < --preset < --config < command line)")
     g.add_argument("--set", metavar="KEY=VALUE", action="append", default=S,
-                   help="set any TrainConfig field, e.g. --set weight_decay=0.1 (repeatable; the same level as the "
-                        "dedicated options: --set lr=0.01 --lr 0.002 is refused)")
+                   help="set any TrainConfig field, by its name or as section.key, e.g. --set weight_decay=0.1 or "
+                        "--set optim.weight_decay=0.1 (repeatable; the same level as the dedicated options: "
+                        "--set lr=0.01 --lr 0.002 is refused)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=S, help="dataset held in memory: mnist (default), digits, moving-digits, "
                                              "rgbd-digits, cifar10, cifar100, mnist-idx; or streamed from disk: "
@@ -181,7 +182,7 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
     ``data_root`` is made absolute (resolved against the current directory) so that the run folder travels.
     """
     from ..encodings import list_pes
-    from .config import DATA_CHANGE, TrainConfig, load_config_file, parse_key_values
+    from ..classification.config import DATA_CHANGE, TrainConfig, load_config_file, parse_key_values
 
     given: Dict[str, Any] = {k: v for k, v in vars(args).items()
                              if k not in ("command", "debug", "task", "task_opt")}
@@ -205,21 +206,32 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
         from .run_folder import load_run
 
         config, _ = load_run(run_dir)
-        base = TrainConfig.from_dict(config.get("train", {}), source=f"{run_dir}/config.json", strict=False).to_dict()
+        from .upgrade import flatten
+
+        base = flatten(TrainConfig.from_dict(config.get("train", {}), source=f"{run_dir}/config.json",
+                                             strict=False).to_nested())
         base["out"] = str(run_dir)
         resume = str(run_dir)
     if preset:
-        from .recipes import load_recipe
+        from ..classification.recipes import load_recipe
 
         base.update(load_recipe(preset))
     if config_file:
         base.update(load_config_file(config_file))
     # the command line: each setting once (a dedicated option, --set, or a --*-opt entry)
     spelled: Dict[str, str] = {k: f"--{k.replace('_', '-')} {_show(v)}" for k, v in given.items()}
-    for key, value in parse_key_values(sets, "--set").items():
+    for key, (value, written) in _set_entries(sets).items():
+        if key == "model_options" and "." in written:  # --set model.depth=4: a --model-opt entry
+            opts = parse_key_values(given.get("model_opt"), "--model-opt")
+            for k, v in value.items():
+                if k in opts and opts[k] != v:
+                    raise CommandError(f"--set {written}={_show(v)} conflicts with --model-opt {k}={_show(opts[k])}; "
+                                       f"give {k} once")
+            given["model_opt"] = [*(given.get("model_opt") or []), *(f"{k}={_show(v)}" for k, v in value.items())]
+            continue
         if key in given and given[key] != value:
-            raise CommandError(f"--set {key}={_show(value)} conflicts with {spelled[key]}; give {key} once")
-        given[key], spelled[key] = value, f"--set {key}={_show(value)}"
+            raise CommandError(f"--set {written}={_show(value)} conflicts with {spelled[key]}; give {key} once")
+        given[key], spelled[key] = value, f"--set {written}={_show(value)}"
     for opt, fld in _KV_OPTIONS.items():
         if opt in given:
             flag = f"--{opt.replace('_', '-')}"
@@ -248,24 +260,40 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
     from ..nn.vit import ABSOLUTE_PES
 
     known_pe = list_pes() + list(ABSOLUTE_PES)
-    if cfg.pe.lower().replace("_", "-") not in known_pe:
-        raise CommandError(f"unknown position encoding {cfg.pe!r}{_did_you_mean(cfg.pe, known_pe)}; known: "
+    if cfg.model.vit().pe.lower().replace("_", "-") not in known_pe:
+        pe = cfg.model.vit().pe
+        raise CommandError(f"unknown position encoding {pe!r}{_did_you_mean(pe, known_pe)}; known: "
                            f"{', '.join(known_pe)}")
     from ..data.streaming import is_stream, list_streams
 
-    data = cfg.data.strip().lower().replace("_", "-")
+    data = cfg.data.name.strip().lower().replace("_", "-")
     if data not in list_datasets() and not is_stream(data):
         known = list_datasets() + list_streams()
-        raise CommandError(f"unknown dataset {cfg.data!r}{_did_you_mean(data, known)}; known: {', '.join(known)}")
-    if cfg.data_root is not None and not Path(cfg.data_root).expanduser().exists():
-        raise FileNotFoundError(f"data root not found: {cfg.data_root}")
+        raise CommandError(f"unknown dataset {cfg.data.name!r}{_did_you_mean(data, known)}; known: {', '.join(known)}")
+    if cfg.data.data_root is not None and not Path(cfg.data.data_root).expanduser().exists():
+        raise FileNotFoundError(f"data root not found: {cfg.data.data_root}")
     import os
 
     from .distributed import resolve_device
 
-    resolve_device(cfg.device, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    resolve_device(cfg.run.device, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     return cfg, bool(resume), allow
+
+
+def _set_entries(sets: Optional[List[str]]) -> Dict[str, Any]:
+    """The ``--set KEY=VALUE`` entries as ``{flat name: (value, KEY as written)}``: ``KEY`` a flat ``TrainConfig``
+    name (``lr``) or ``section.key`` (``optim.lr``, ``data.name``; ``model.NAME`` of another ``ViTConfig`` field is
+    ``model_options``), read by the one converter (:mod:`ropekit.train.upgrade`)."""
+    from ..classification.config import parse_key_values
+    from .upgrade import flatten, undot
+
+    out: Dict[str, Any] = {}
+    for key, value in parse_key_values(sets, "--set").items():
+        flat = flatten(undot({key: value})) if "." in key else {key: value}
+        for name, v in flat.items():
+            out[name] = (v, key)
+    return out
 
 
 def resume_folder(target: Any) -> Path:
@@ -297,14 +325,13 @@ def _show(value: Any) -> str:
 def _check_kv_spelling(flag: str, entries: Dict[str, Any], given: Dict[str, Any], spelled: Dict[str, str]) -> None:
     """A ``--pe-opt`` / ``--model-opt`` entry that is a ``TrainConfig`` setting of its own is refused, pointing to
     the option that sets it (one spelling per setting)."""
-    from .config import TrainConfig, model_fields
+    from ..classification.config import POSITION_FIELDS
 
     if flag == "--pe-opt" and "per_head" in entries:
         raise CommandError("--pe-opt per_head: per-head encoding parameters are asked with --per-head (one spelling "
                            "per setting)")
     if flag == "--model-opt":
-        own = sorted(set(entries) & (set(model_fields()) | {"patch_size", "image_size", "tubelet_size"}))
-        own = [k for k in own if k in TrainConfig.field_names()]
+        own = sorted(set(entries) & {*POSITION_FIELDS, "patch_size", "image_size", "tubelet_size"})
         if own:
             k = own[0]
             raise CommandError(f"--model-opt {k}: {k} is set with --{k.replace('_', '-')} (one spelling per setting)")
@@ -335,12 +362,12 @@ _NOT_FIELDS = ("command", "debug", "task", "task_opt", "resume", "preset", "conf
 def given_fields(args: argparse.Namespace) -> Dict[str, str]:
     """The ``TrainConfig`` fields a ``ropekit train`` command line gives (dedicated options, ``--set``, the
     ``--*-opt`` options, the keys of ``--config FILE``), each with how it was given (e.g. ``--lr``)."""
-    from .config import load_config_file, parse_key_values
+    from ..classification.config import load_config_file
 
     given = vars(args)
     spelled = {_KV_OPTIONS.get(k, k): _FLAGS.get(_KV_OPTIONS.get(k, k), f"--{k.replace('_', '-')}")
                for k in given if k not in _NOT_FIELDS}
-    spelled.update({k: f"--set {k}" for k in parse_key_values(given.get("set"), "--set")})
+    spelled.update({k: f"--set {written}" for k, (_, written) in _set_entries(given.get("set")).items()})
     if given.get("config"):
         spelled.update({k: f"{k} in --config {given['config']}" for k in load_config_file(given["config"])})
     return spelled
@@ -381,7 +408,7 @@ def run_train(args: argparse.Namespace) -> int:
     task = lookup_task(getattr(args, "task", "classification"))
     if task.command is not None:
         raise CommandError(f"task {task.name!r} is trained by `{task.command}`")
-    from .config import parse_key_values
+    from ..classification.config import parse_key_values
 
     task_options = parse_key_values(getattr(args, "task_opt", None), "--task-opt")
     if task.train is None and task_options:
@@ -396,16 +423,17 @@ def run_train(args: argparse.Namespace) -> int:
 
 def fit_registered_task(task: Any, cfg: Any, *, resume: bool = False) -> int:
     """``ropekit train --task NAME`` of a task that registered only its builder: ``task.build(cfg)`` (``cfg``, the
-    ``TrainConfig`` of the command line) trained by the engine for ``cfg.epochs`` epochs with ``cfg``'s optimiser,
-    schedule and execution options in ``cfg.out`` (default ``runs/<task>-s<seed>``); the exit status."""
+    ``TrainConfig`` of the command line) trained by the engine for ``cfg.optim.epochs`` epochs with ``cfg``'s optimiser,
+    schedule and execution options in ``cfg.run.out`` (default ``runs/<task>-s<seed>``); the exit status."""
     from .distributed import DistContext
     from .engine import FitOptions, fit
-    from .trainer import schedule_of
+    from ..classification.trainer import schedule_of
 
-    out = Path(cfg.out) if cfg.out else Path("runs") / f"{task.name}-s{cfg.seed}"
+    out = Path(cfg.run.out) if cfg.run.out else Path("runs") / f"{task.name}-s{cfg.run.seed}"
     built = task.build(cfg)
     steps = getattr(built, "steps_per_epoch", None) or len(built.epoch_batches(0, DistContext()))
-    res = fit(built, FitOptions(schedule_of(cfg, steps), cfg.epochs, execution=cfg.engine_options(), run_dir=out,
+    res = fit(built, FitOptions(schedule_of(cfg, steps), cfg.optim.epochs, execution=cfg.run.engine_options(),
+                                run_dir=out,
                                 resume=resume, config_doc={"task": task.name, "train": cfg.to_nested()}))
     if res.interrupted:
         print(f"interrupted; checkpoint saved in {out}. Continue with: ropekit train --task {task.name} --resume "
@@ -421,12 +449,12 @@ def train_classification(cfg: Any, task_options: Dict[str, Any], *, resume: bool
                          **_: Any) -> int:
     """``ropekit train`` of the classification task (and ``--task native-resolution``): the exit status."""
     if task_options:
-        name = "native-resolution" if cfg.native_resolution else "classification"
+        name = "native-resolution" if cfg.data.native_resolution else "classification"
         raise CommandError(f"task {name!r} takes no --task-opt")
     if resume and _finished(cfg, allow_change):
         return 0
-    from .config import plural
-    from .trainer import train
+    from ..classification.config import plural
+    from ..classification.trainer import train
 
     result = train(cfg, resume=resume, allow_change=allow_change)
     if not result.is_main:
@@ -445,25 +473,25 @@ def train_classification(cfg: Any, task_options: Dict[str, Any], *, resume: bool
 
 
 def _finished(cfg: Any, allow: Any = ()) -> bool:
-    """Whether the run ``--resume`` names has already done its ``cfg.epochs`` epochs; if so says so on stderr
+    """Whether the run ``--resume`` names has already done its ``cfg.optim.epochs`` epochs; if so says so on stderr
     (with its final accuracy and how to train longer). Options that differ from the run's are refused first, as
     for any resume."""
     from .checkpoint import CHECKPOINT_NAME
-    from .config import DATA_CHANGE, plural
+    from ..classification.config import DATA_CHANGE, plural
     from .run_folder import load_run
-    from .trainer import resume_changes
+    from ..classification.trainer import resume_changes
 
-    run = Path(cfg.out)
+    run = Path(cfg.run.out)
     if not (run / CHECKPOINT_NAME).is_file():
         return False
     config, ckpt = load_run(run)
     done = int(ckpt.get("epoch", 0))
-    if done != cfg.epochs or int(ckpt.get("step_in_epoch", 0)):
+    if done != cfg.optim.epochs or int(ckpt.get("step_in_epoch", 0)):
         return False
     resume_changes(config.get("train") or ckpt.get("train_config", {}), cfg, [a for a in allow if a != DATA_CHANGE])
     history = ckpt.get("history") or [{}]
     acc = history[-1].get("test_acc")
-    print(f"ropekit train: run {run} already finished ({plural(done, 'epoch')} of {cfg.epochs}"
+    print(f"ropekit train: run {run} already finished ({plural(done, 'epoch')} of {cfg.optim.epochs}"
           f"{f', test accuracy {acc:.4f}' if isinstance(acc, float) else ''}); nothing to do. To train longer: "
           f"ropekit train --resume {run} --epochs {done + 1} --allow-change epochs", file=sys.stderr)
     return True
@@ -498,7 +526,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if target.is_file() and target.suffix.lower() in (".json", ".yaml", ".yml", ".csv", ".png"):
         raise CommandError(f"{args.run_dir} is a file of the run, not a checkpoint: give the run folder "
                            f"({target.parent}) or its checkpoint.pt")
-    from .trainer import evaluate_run
+    from ..classification.trainer import evaluate_run
 
     res = evaluate_run(args.run_dir, image_size=args.image_size, offset_std=args.offset_std, seed=args.seed,
                        batch_size=args.batch_size, device=args.device, data=args.data, data_root=args.data_root)

@@ -62,8 +62,8 @@ TASKS: Dict[str, TaskSpec] = {}
 #: ropekit's own entries of :data:`ENTRY_POINT_GROUP`, the same as its ``pyproject.toml`` declares: used when
 #: ropekit's installed metadata predates the group (an editable install made before it was added).
 BUILTIN_ENTRY_POINTS: Dict[str, str] = {
-    "classification": "ropekit.train.trainer:build_classification_task",
-    "native-resolution": "ropekit.train.native:build_native_task",
+    "classification": "ropekit.classification.trainer:build_classification_task",
+    "native-resolution": "ropekit.classification.native:build_native_task",
     "detection": "ropekit.tasks.detection:build_detection_task",
     "robot": "ropekit.tasks.robot:build_policy_task",
     "aloha": "ropekit.tasks.aloha:build_aloha_task",

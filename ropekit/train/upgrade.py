@@ -30,8 +30,8 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 from ..nn.vit import ViTConfig
 
-__all__ = ["SECTIONS", "NESTED_NAMES", "RENAMED", "ADDED", "ADDED_MODEL", "upgrade_config", "upgrade_architecture",
-           "nest", "flatten", "is_nested"]
+__all__ = ["SECTIONS", "NESTED_NAMES", "RENAMED", "ADDED", "ADDED_MODEL", "FLAT_FIELDS", "upgrade_config",
+           "upgrade_architecture", "nest", "flatten", "is_nested", "undot"]
 
 #: The ``TrainConfig`` fields of each section, in order. ``model`` holds besides them ``options``
 #: (``TrainConfig.model_options``: any other ``ViTConfig`` field), whose fields it also accepts by their own names.
@@ -66,6 +66,11 @@ ADDED: Dict[str, Any] = {
 #: (``num_kv_heads=None``: multi-head attention; ``coord_augment`` off). ``coord_augment`` is also a ``TrainConfig``
 #: field, so only a whole backbone (one that states ``coords``) records it; a recipe's ``model_options`` never does.
 ADDED_MODEL: Dict[str, Any] = {"num_kv_heads": None, "coord_augment": [0.0, 1.0, 1.0]}
+
+#: Every flat name a ``train`` section has had (the fields of the flat ``TrainConfig`` of ropekit <= 0.1, which
+#: ``config.json`` files, checkpoints and ``--set`` / ``--config`` still accept): each section's, then
+#: ``model_options``.
+FLAT_FIELDS: Tuple[str, ...] = (*(n for names in SECTIONS.values() for n in names), "model_options")
 
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 _VIT_FIELDS = frozenset(f.name for f in dataclasses.fields(ViTConfig))
@@ -130,6 +135,24 @@ def flatten(nested: Mapping[str, Any]) -> Dict[str, Any]:
     return flat
 
 
+def undot(d: Mapping[str, Any]) -> Dict[str, Any]:
+    """``{"optim.lr": 0.1, "model.options.depth": 4, "seed": 1}`` -> ``{"optim": {"lr": 0.1}, "model": {"options":
+    {"depth": 4}}, "seed": 1}``: keys spelled ``section.key`` (``--set optim.lr=0.1``) join their section (a
+    section also given as a mapping is merged into; other keys are kept as they are)."""
+    dotted = {k: v for k, v in d.items() if "." in str(k) and str(k).partition(".")[0] in SECTIONS}
+    out: Dict[str, Any] = {k: copy.deepcopy(v) for k, v in d.items() if k not in dotted}
+    for key, value in dotted.items():
+        head, _, rest = key.partition(".")
+        node = out.setdefault(head, {})
+        *parents, last = rest.split(".")
+        for part in parents:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else node
+        if not isinstance(node, dict):
+            raise ValueError(f"{key}: {key.rpartition('.')[0]} is a value, not a section")
+        node[last] = copy.deepcopy(value)
+    return out
+
+
 def upgrade_config(d: Mapping[str, Any], *, fill: bool = True) -> Dict[str, Any]:
     """Any recorded form of a ``train`` section -> the current nested form (left unchanged: a new dict).
 
@@ -142,7 +165,12 @@ def upgrade_config(d: Mapping[str, Any], *, fill: bool = True) -> Dict[str, Any]
         ``{"model": {...}, "data": {...}, "optim": {...}, "run": {...}}`` plus, at the top level, any key that is no
         field (for the reader to refuse or ignore).
     """
-    flat = flatten(d) if is_nested(d) else dict(d)
+    if any("." in str(k) for k in d):
+        d = undot(d)
+    if is_nested(d):
+        flat = flatten(d)
+    else:
+        flat = dict(d)
     for old, new in RENAMED.items():
         if old in flat and new not in flat:
             flat[new] = flat.pop(old)

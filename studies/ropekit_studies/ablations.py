@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ropekit.train import build_vit_config
+from ropekit.classification import build_vit_config
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, predict
 from .registry import register_study

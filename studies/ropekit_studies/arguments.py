@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List
 
-from ropekit.train.config import parse_key_values
+from ropekit.classification.config import parse_key_values
 from .registry import STUDIES
 
 __all__ = ["add_arguments", "overrides", "OPTION_FIELDS", "STUDY_OPTIONS"]

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ropekit.nn.coords import COORD_MODES
-from ropekit.train import TrainConfig
+from ropekit.classification import TrainConfig
 from .report import StudyWriter, pe_label
 from .runs import Progress, RunCache, RunRecord, memo_data
 from .settings import ExperimentConfig
@@ -33,8 +33,8 @@ class StudyResult:
 
 
 def run_label(tcfg: TrainConfig, extra: str = "") -> str:
-    name = pe_label(tcfg.pe)
-    return f"{name}{' ' + extra if extra else ''} s{tcfg.seed}"
+    name = pe_label(tcfg.model.vit().pe)
+    return f"{name}{' ' + extra if extra else ''} s{tcfg.run.seed}"
 
 
 def coord_arms(encodings: Sequence[str], coord_modes: Optional[Sequence[str]]

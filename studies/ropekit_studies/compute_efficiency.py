@@ -50,7 +50,7 @@ def run_compute_efficiency(cfg: ExperimentConfig, out: Any,
                 tcfg = cfg.train_config(pe, seed)
                 tcfg = tcfg.replace(epochs=e, warmup_epochs=cfg.warmup_epochs * e / cfg.epochs)
                 rec = ctx.run(tcfg, f"{pe_label(pe)} {e} epochs s{seed}")
-                rows.append({"pe": pe, "seed": seed, "epochs": e, "warmup_epochs": tcfg.warmup_epochs,
+                rows.append({"pe": pe, "seed": seed, "epochs": e, "warmup_epochs": tcfg.optim.warmup_epochs,
                              "test_acc": rec.final.get("test_acc"), "train_acc": rec.final.get("train_acc"),
                              "test_loss": rec.final.get("test_loss")})
                 ctx.advance(f"{pe} {e} s{seed}")

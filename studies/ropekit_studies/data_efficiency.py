@@ -78,9 +78,10 @@ def run_data_efficiency(cfg: ExperimentConfig, out: Any, fractions: Optional[Seq
                         sched = equal_step_schedule(cfg.epochs, cfg.warmup_epochs, cfg.batch_size, n_full, n_train)
                         tcfg = tcfg.replace(epochs=sched["epochs"], warmup_epochs=sched["warmup_epochs"])
                     rec = ctx.run(tcfg, f"{pe_label(pe)} {frac:g} {budget} s{seed}")
-                    steps = tcfg.epochs * math.ceil(n_train / tcfg.batch_size)
+                    steps = tcfg.optim.epochs * math.ceil(n_train / tcfg.optim.batch_size)
                     row = {"budget": budget, "pe": pe, "seed": seed, "fraction": frac,
-                           "train_fraction": tcfg.train_fraction, "train_examples": n_train, "epochs": tcfg.epochs,
+                           "train_fraction": tcfg.data.train_fraction, "train_examples": n_train,
+                           "epochs": tcfg.optim.epochs,
                            "steps": steps, "test_acc": rec.final.get("test_acc"),
                            "train_acc": rec.final.get("train_acc"), "test_loss": rec.final.get("test_loss")}
                     if budget == "epochs":

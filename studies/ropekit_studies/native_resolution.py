@@ -123,7 +123,7 @@ def run_native_resolution(cfg: ExperimentConfig, out: Any, grids: Optional[Seque
     ctx = StudyContext("native-resolution", cfg, out, total=len(arms) * len(cfg.seeds))
     probe = cfg.train_config(pes[0], cfg.seeds[0])
     x0, y0, info = ctx.test_data(probe)
-    patch = int(probe.patch_size or 4)
+    patch = int(probe.model.patch_size or 4)
     train_grid = (int(info.image_size[0]) // patch, int(info.image_size[1]) // patch)
     grids = [int(g) for g in (grids or [4, 7, 10, 12, 14, 21, 28])]
     aspect_grids = [str(g) for g in (aspect_grids or [])]

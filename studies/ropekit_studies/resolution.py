@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from ropekit.train.config import auto_patch_size
+from ropekit.classification.config import auto_patch_size
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, background_value, mean_loss, pad_or_crop, predict, token_grid
 from .registry import register_study
@@ -112,7 +112,7 @@ def _resolution(name: str, cfg: ExperimentConfig, out: Any, sizes: Optional[Sequ
     _, _, info = ctx.test_data(probe)
     train_size = int(info.image_size[0])
     rows: List[Dict[str, Any]] = []
-    train_patch = probe.patch_size or auto_patch_size(info.image_size)  # as the trainer resolves it
+    train_patch = probe.model.patch_size or auto_patch_size(info.image_size)  # as the trainer resolves it
     aug = [int(v) for v in scale_sizes] if scale_sizes else [train_size + k * train_patch for k in (-1, 0, 1)]
     patch = None
     for pe, enc, cm in variants:
@@ -139,7 +139,7 @@ def _resolution(name: str, cfg: ExperimentConfig, out: Any, sizes: Optional[Sequ
                     logits = predict(model, x, batch_size=cfg.eval_batch_size)
                     grid = token_grid(model, x.shape[1:])
                     rows.append({"mode": mode, "pe": pe, "encoding": enc, "coords": cm, "seed": seed,
-                                 "train_sizes": " ".join(map(str, tcfg.augment_sizes)) or str(train_size),
+                                 "train_sizes": " ".join(map(str, tcfg.data.augment_sizes)) or str(train_size),
                                  "image_size": size,
                                  "grid": "x".join(map(str, grid)), "num_tokens": int(_prod(grid)),
                                  "train_size": train_size, "test_acc": accuracy(logits, y),

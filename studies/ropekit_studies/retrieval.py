@@ -134,7 +134,7 @@ def _train_run(r: Dict[str, Any], arm: str, seed: int, run_dir: Path, threads: O
                device: str) -> Dict[str, Any]:
     """Train (or read back, or resume) one run; its ``summary.json`` and ``metrics.csv`` rows."""
     from ropekit.multimodal import RetrievalConfig, RetrievalOptions, train_retrieval
-    from ropekit.train import TrainConfig
+    from ropekit.classification import TrainConfig
     from ropekit.train.metrics import read_metrics_csv
     from ropekit.train.upgrade import flatten, upgrade_config
 

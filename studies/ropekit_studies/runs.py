@@ -1,6 +1,6 @@
 """Trained runs, cached by a hash of their resolved configuration, and the two progress bars of a study.
 
-A run is identified by the SHA-256 of its resolved configuration: the :class:`~ropekit.train.TrainConfig`
+A run is identified by the SHA-256 of its resolved configuration: the :class:`~ropekit.classification.TrainConfig`
 without the runtime-only fields (run folder, progress bar, TensorBoard, threads, device, evaluation batch
 size), the resolved :class:`~ropekit.nn.ViTConfig` built from it, and the ropekit version. Encoding options
 equal to the encoding's defaults are dropped first, so ``{"block_size": 8}`` and ``{}`` for ComRoPE name the
@@ -27,7 +27,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from ropekit import __version__
 from ropekit.encodings.registry import PE_REGISTRY
 from ropekit.nn.vit import ViTConfig, VisionTransformer
-from ropekit.train import TrainConfig, build_vit_config, load_data, load_run, train
+from ropekit.train import load_run
+from ropekit.classification import TrainConfig, build_vit_config, load_data, train
+from ropekit.train.upgrade import flatten
 from ropekit.train.checkpoint import CHECKPOINT_NAME, load_model_state
 from ropekit.train.metrics import read_metrics_csv
 
@@ -50,21 +52,22 @@ def canonical_pe_options(pe: str, options: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _canonical(cfg: TrainConfig) -> TrainConfig:
-    pe = cfg.pe.lower().replace("_", "-")
-    return cfg.replace(pe=pe, pe_options=canonical_pe_options(pe, dict(cfg.pe_options)))
+    pe = cfg.model.vit().pe.lower().replace("_", "-")
+    return cfg.replace(pe=pe, pe_options=canonical_pe_options(pe, dict(cfg.model.vit().pe_options)))
 
 
 def _data_key(cfg: TrainConfig, image_size: Any = None) -> str:
-    size = image_size if image_size is not None else cfg.image_size
-    return json.dumps([cfg.data, cfg.data_root, size, cfg.split_seed, cfg.normalize, cfg.data_options,
-                       cfg.train_fraction], sort_keys=True, default=str)
+    size = image_size if image_size is not None else cfg.data.image_size
+    return json.dumps([cfg.data.name, cfg.data.data_root, size, cfg.data.split_seed, cfg.data.normalize,
+                       cfg.data.data_options,
+                       cfg.data.train_fraction], sort_keys=True, default=str)
 
 
 _DATA_MEMO: Dict[str, Tuple[Any, Any, Any]] = {}
 
 
 def memo_data(cfg: TrainConfig, image_size: Any = None) -> Tuple[Any, Any, Any]:
-    """``ropekit.train.load_data(cfg, image_size)``, memoised for the process (datasets are read-only here)."""
+    """``ropekit.classification.load_data(cfg, image_size)``, memoised for the process (datasets are read-only here)."""
     key = _data_key(cfg, image_size)
     if key not in _DATA_MEMO:
         if len(_DATA_MEMO) > 16:
@@ -78,7 +81,7 @@ def run_key(cfg: TrainConfig) -> Tuple[str, Dict[str, Any]]:
     cfg = _canonical(cfg)
     _, _, info = memo_data(cfg)
     vit = build_vit_config(cfg, info).to_dict()
-    train_doc = {k: v for k, v in cfg.to_dict().items() if k not in RUNTIME_FIELDS}
+    train_doc = {k: v for k, v in flatten(cfg.to_nested()).items() if k not in RUNTIME_FIELDS}
     doc = {"train": train_doc, "model": vit, "ropekit": __version__}
     text = json.dumps(doc, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16], doc
@@ -118,7 +121,7 @@ class RunRecord:
     def describe(self) -> Dict[str, Any]:
         """What the outputs record about this run (no absolute paths); ``machine`` is where it was trained
         (:func:`ropekit._platform.numerics_fingerprint`; ``None`` for a run trained before summaries recorded it)."""
-        doc = {k: v for k, v in self.config.to_dict().items() if k not in RUNTIME_FIELDS}
+        doc = {k: v for k, v in flatten(self.config.to_nested()).items() if k not in RUNTIME_FIELDS}
         return {"key": self.key, "label": self.label, "run": self.run_dir.name, "cached": self.cached,
                 "wall_time": self.summary.get("wall_time"), "num_params": self.summary.get("num_params"),
                 "machine": self.summary.get("machine"), "train_config": doc}
@@ -212,7 +215,7 @@ class RunCache:
 
     def run_dir(self, cfg: TrainConfig) -> Path:
         key, _ = run_key(cfg)
-        return self.root / f"{cfg.data}-{cfg.pe}-s{cfg.seed}-{key}"
+        return self.root / f"{cfg.data.name}-{cfg.model.vit().pe}-s{cfg.run.seed}-{key}"
 
     @staticmethod
     def _complete(run_dir: Path, epochs: int) -> Optional[Dict[str, Any]]:
@@ -233,13 +236,13 @@ class RunCache:
         key, doc = run_key(cfg)
         if key in self._records:
             return self._records[key]
-        run_dir = self.root / f"{cfg.data}-{cfg.pe}-s{cfg.seed}-{key}"
-        label = label or f"{cfg.pe} s{cfg.seed}"
-        summary = self._complete(run_dir, cfg.epochs)
+        run_dir = self.root / f"{cfg.data.name}-{cfg.model.vit().pe}-s{cfg.run.seed}-{key}"
+        label = label or f"{cfg.model.vit().pe} s{cfg.run.seed}"
+        summary = self._complete(run_dir, cfg.optim.epochs)
         cached = summary is not None
         if summary is None:
             with _RunLock(run_dir.with_name(run_dir.name + ".lock")):
-                summary = self._complete(run_dir, cfg.epochs)  # another process may have finished it meanwhile
+                summary = self._complete(run_dir, cfg.optim.epochs)  # another process may have finished it meanwhile
                 cached = summary is not None
                 if summary is None:
                     summary = self._train(cfg, run_dir, label, doc)
@@ -251,10 +254,10 @@ class RunCache:
 
     def _train(self, cfg: TrainConfig, run_dir: Path, label: str, doc: Dict[str, Any]) -> Dict[str, Any]:
         train_ds, _, _ = memo_data(cfg)
-        steps = math.ceil(len(train_ds) / cfg.batch_size)
+        steps = math.ceil(len(train_ds) / cfg.optim.batch_size)
         resume = (run_dir / CHECKPOINT_NAME).is_file()
         run_cfg = cfg.replace(out=str(run_dir), progress=False, tensorboard=False, threads=self.threads)
-        bar = self.progress.run_bar(cfg.epochs * steps, f"train {label}") if self.progress else None
+        bar = self.progress.run_bar(cfg.optim.epochs * steps, f"train {label}") if self.progress else None
 
         def on_step(global_step: int) -> None:
             if bar is not None:

@@ -113,7 +113,7 @@ def _scale(name: str, cfg: ExperimentConfig, out: Any, arms: Optional[Sequence[A
         for pe in pes:
             for seed in cfg.seeds:
                 tcfg = cfg.train_config(pe, seed)
-                tcfg = tcfg.replace(model_options={**tcfg.model_options, **size, "depth": depth}, epochs=epochs)
+                tcfg = tcfg.replace(model_options={**tcfg.model.extra(), **size, "depth": depth}, epochs=epochs)
                 rec = ctx.run(tcfg, f"{pe_label(pe)} {wtag}{depth}x{epochs} s{seed}")
                 f = rec.final
                 rows.append({"arm": arm, "width": width or embed_dim, "depth": depth, "epochs": epochs, "pe": pe,

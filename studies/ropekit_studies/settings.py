@@ -2,7 +2,7 @@
 
 Every study trains the *same* backbone for each encoding in ``pes`` and each seed in ``seeds``; only the
 encoding (or, in ``ablations``, one option of it) changes. :meth:`ExperimentConfig.train_config` turns the
-experiment settings into the :class:`ropekit.train.TrainConfig` of one run; runs are cached by a hash of that
+experiment settings into the :class:`ropekit.classification.TrainConfig` of one run; runs are cached by a hash of that
 resolved configuration (see :mod:`ropekit_studies.runs`), so studies that need the same model share it.
 
 The studies take their settings from pinned recipes (:mod:`ropekit_studies.recipes`: ``default`` for a
@@ -17,7 +17,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ropekit.train import TrainConfig
+from ropekit.classification import TrainConfig
+from ropekit.train.upgrade import FLAT_FIELDS
 
 __all__ = ["ExperimentConfig", "DEFAULT_PES", "QUICK_PES", "SCALE_PES", "quick_config", "default_config",
            "shared_train_fields"]
@@ -120,7 +121,7 @@ class ExperimentConfig:
 def shared_train_fields() -> List[str]:
     """The ``ExperimentConfig`` fields that are ``TrainConfig`` fields too, and are copied into every run's
     configuration (all but the runtime-only ``threads`` and ``progress``, which the run cache sets)."""
-    train = set(TrainConfig.field_names())
+    train = set(FLAT_FIELDS)
     return [f.name for f in dataclasses.fields(ExperimentConfig) if f.name in train
             and f.name not in ("threads", "progress")]
 

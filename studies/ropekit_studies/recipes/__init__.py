@@ -1,7 +1,7 @@
 """Pinned recipes: the complete training recipe of every study and preset, written out field by field.
 
 A study's results must stay reproducible when a library default changes, so no run of a study inherits a
-default of :class:`~ropekit.train.TrainConfig` or :class:`~ropekit.nn.ViTConfig`. Each recipe states every
+default of :class:`~ropekit.classification.TrainConfig` or :class:`~ropekit.nn.ViTConfig`. Each recipe states every
 field that changes what is learned:
 
 * ``train`` -- every ``TrainConfig`` field except the runtime ones (:data:`RUNTIME_FIELDS`: run folder, device,
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ropekit.nn.vit import PAPER_SHARING, ViTConfig
-from ropekit.train import TrainConfig
-from ropekit.train.upgrade import ADDED, flatten, upgrade_architecture, upgrade_config
+from ropekit.classification import DataConfig
+from ropekit.train.upgrade import ADDED, FLAT_FIELDS, flatten, upgrade_architecture, upgrade_config
 from ..arguments import OPTION_FIELDS, STUDY_OPTIONS, add_arguments
 from ..registry import STUDIES
 from ..settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
@@ -63,13 +63,13 @@ _STUDY_KEYS = {"pes", "seeds", "eval_limit", "pe_overrides", "options"}
 def architecture_fields() -> Set[str]:
     """``ViTConfig`` fields a recipe must pin in ``model_options``: all but the dataset's and those
     ``TrainConfig`` carries itself (``tubelet_size`` included: it is passed on only for video)."""
-    train = set(TrainConfig.field_names()) - {"tubelet_size"}
+    train = set(FLAT_FIELDS) - {"tubelet_size"}
     return {f.name for f in dataclasses.fields(ViTConfig)} - DATA_FIELDS - train
 
 
 def recipe_fields() -> Set[str]:
     """``TrainConfig`` fields a recipe's ``train`` section must hold."""
-    return set(TrainConfig.field_names()) - RUNTIME_FIELDS - PER_RUN_FIELDS
+    return set(FLAT_FIELDS) - RUNTIME_FIELDS - PER_RUN_FIELDS
 
 
 def preset_copy(recipes: Dict[str, Dict[str, Any]], preset: str, check: Any, what: str) -> Dict[str, Any]:
@@ -149,9 +149,7 @@ def arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_path
 
 #: The streamed-data fields (augmentation, evaluation crop, loader processes) at their defaults: the studies train
 #: on in-memory sets, which refuse any other value.
-_STREAM_DEFAULTS = {k: TrainConfig.__dataclass_fields__[k].default_factory()  # type: ignore[misc]
-                    if callable(TrainConfig.__dataclass_fields__[k].default_factory)
-                    else TrainConfig.__dataclass_fields__[k].default for k in TrainConfig.STREAM_ONLY}
+_STREAM_DEFAULTS = {k: getattr(DataConfig(), k) for k in DataConfig.STREAM_ONLY}
 
 
 def _mnist(**changes: Any) -> Dict[str, Any]:
@@ -447,7 +445,7 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
     import argparse
     import shlex
 
-    from ropekit.train.config import parse_key_values
+    from ropekit.classification.config import parse_key_values
 
     words = shlex.split(command or "")
     if words[:2] != ["ropekit", "experiment"]:

@@ -46,15 +46,16 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from ..encodings.counting import count_parameters
 from ..nn.vit import ViTConfig, VisionTransformer
-from . import engine
-from .augment import random_resize, random_shift
-from .engine import seed_everything
-from .checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
+from ..train import engine
+from ..train.augment import random_resize, random_shift
+from ..train.engine import seed_everything
+from ..train.checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
 from .config import DATA_CHANGE, TrainConfig, build_vit_config, is_folder, is_streamed_data, plural
-from .distributed import DistContext, init_distributed, resolve_device
-from .metrics import METRIC_COLUMNS, plot_curves
-from .run_folder import load_run
-from .tasks import register_task
+from ..train.distributed import DistContext, init_distributed, resolve_device
+from ..train.metrics import METRIC_COLUMNS, plot_curves
+from ..train.run_folder import load_run
+from ..train.tasks import register_task
+from ..train.upgrade import flatten
 
 __all__ = ["TrainResult", "ClassificationTask", "train", "evaluate", "evaluate_run", "load_data", "build_model",
            "default_run_dir", "fetch_batch", "random_shift", "load_run"]
@@ -81,27 +82,28 @@ class TrainResult:
 
 
 def is_streamed(cfg: TrainConfig) -> bool:
-    """Whether ``cfg.data`` is decoded as it is read (``imagefolder``, ``shards``) rather than held in memory."""
-    return is_streamed_data(cfg.data)
+    """Whether ``cfg.data.name`` is decoded as it is read (``imagefolder``, ``shards``) rather than held in memory."""
+    return is_streamed_data(cfg.data.name)
 
 
 def load_data(cfg: TrainConfig, image_size: Any = None) -> Tuple[Dataset, Dataset, Any]:
-    """``(train_ds, test_ds, info)`` for ``cfg`` (``image_size`` overrides ``cfg.image_size``).
+    """``(train_ds, test_ds, info)`` for ``cfg`` (``image_size`` overrides ``cfg.data.image_size``).
 
     Streamed data (:func:`is_streamed`) gives two streams for :func:`ropekit.data.streaming.make_loader` with the
     training transform of ``cfg`` (random resized crop, flip, auto augment, random erasing) and the evaluation one
     (resize to ``size / crop_pct``, centre crop); ``image_size`` defaults to :func:`default_image_size` there (an
     image folder: its first image's shorter side, at most 224; shards: 224).
     """
-    size = image_size if image_size is not None else cfg.image_size
+    size = image_size if image_size is not None else cfg.data.image_size
     if is_streamed(cfg):
         return _open_stream(cfg, default_image_size(cfg) if size is None else size)
     from ..data import load_dataset
 
-    train_ds, test_ds, info = load_dataset(cfg.data, root=cfg.data_root, image_size=size, split_seed=cfg.split_seed,
-                                           normalize=cfg.normalize, **cfg.data_options)
-    if cfg.train_fraction < 1.0:
-        train_ds = _stratified_subset(train_ds, cfg.train_fraction)
+    train_ds, test_ds, info = load_dataset(cfg.data.name, root=cfg.data.data_root, image_size=size,
+                                           split_seed=cfg.data.split_seed,
+                                           normalize=cfg.data.normalize, **cfg.data.data_options)
+    if cfg.data.train_fraction < 1.0:
+        train_ds = _stratified_subset(train_ds, cfg.data.train_fraction)
     return train_ds, test_ds, info
 
 
@@ -110,14 +112,14 @@ MAX_DEFAULT_SIZE = 224
 
 
 def default_image_size(cfg: TrainConfig) -> Tuple[int, int]:
-    """The image size of streamed data when ``cfg.image_size`` is not given, one policy for every folder: the
+    """The image size of streamed data when ``cfg.data.image_size`` is not given, one policy for every folder: the
     shorter side of the folder's first image (sorted class, sorted file), at most :data:`MAX_DEFAULT_SIZE`, square;
     shards: :data:`MAX_DEFAULT_SIZE`."""
     from ..data.streaming import first_image_size
 
-    if not is_folder(cfg.data) or cfg.data_root is None:
+    if not is_folder(cfg.data.name) or cfg.data.data_root is None:
         return (MAX_DEFAULT_SIZE, MAX_DEFAULT_SIZE)
-    hw = first_image_size(cfg.data_root)
+    hw = first_image_size(cfg.data.data_root)
     side = min(min(hw), MAX_DEFAULT_SIZE) if hw is not None else MAX_DEFAULT_SIZE
     return (side, side)
 
@@ -127,23 +129,25 @@ def _open_stream(cfg: TrainConfig, size: Any, *, whole: bool = False) -> Tuple[D
     train/val layout), for evaluating a run on a separate folder."""
     from ..data.streaming import open_stream
 
-    if cfg.data_root is None:
-        raise ValueError(f"--data {cfg.data} reads real images: give their folder with --data-root")
-    if cfg.train_fraction < 1.0 and not is_folder(cfg.data):
+    if cfg.data.data_root is None:
+        raise ValueError(f"--data {cfg.data.name} reads real images: give their folder with --data-root")
+    if cfg.data.train_fraction < 1.0 and not is_folder(cfg.data.name):
         raise ValueError("train_fraction applies to image folders and the in-memory data sets, not to shards")
-    plain = {} if cfg.normalize else {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)}
-    options = {**plain, **cfg.data_options}
-    train_ds, test_ds, info = open_stream(cfg.data, cfg.data_root, image_size=size, split_seed=cfg.split_seed,
-                                          auto_augment=cfg.auto_augment, random_erasing=cfg.random_erasing,
-                                          scale=tuple(cfg.crop_scale), ratio=tuple(cfg.crop_ratio), hflip=cfg.hflip,
-                                          crop_pct=cfg.crop_pct, **options)
-    if whole and is_folder(cfg.data) and test_ds.root == train_ds.root:  # (a folder split in two: take all of it)
+    plain = {} if cfg.data.normalize else {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)}
+    options = {**plain, **cfg.data.data_options}
+    train_ds, test_ds, info = open_stream(cfg.data.name, cfg.data.data_root, image_size=size,
+                                          split_seed=cfg.data.split_seed,
+                                          auto_augment=cfg.data.auto_augment, random_erasing=cfg.data.random_erasing,
+                                          scale=tuple(cfg.data.crop_scale), ratio=tuple(cfg.data.crop_ratio),
+                                          hflip=cfg.data.hflip,
+                                          crop_pct=cfg.data.crop_pct, **options)
+    if whole and is_folder(cfg.data.name) and test_ds.root == train_ds.root:  # (a folder split in two: take all of it)
         from ..data.streaming import ImageFolderStream
 
         test_ds = ImageFolderStream(test_ds.root, test_ds.transform, classes=test_ds.classes,
                                     skip_corrupt=test_ds.skip_corrupt)
-    if cfg.train_fraction < 1.0:
-        keep = _stratified_index(torch.as_tensor(train_ds.labels), cfg.train_fraction)
+    if cfg.data.train_fraction < 1.0:
+        keep = _stratified_index(torch.as_tensor(train_ds.labels), cfg.data.train_fraction)
         train_ds = train_ds.subset(keep.tolist())
     return train_ds, test_ds, info
 
@@ -194,9 +198,9 @@ def build_model(cfg: TrainConfig, info: Any) -> Tuple[VisionTransformer, ViTConf
 
 def schedule_of(cfg: TrainConfig, steps_per_epoch: int) -> engine.Schedule:
     """The optimiser settings and warm-up + cosine schedule of ``cfg`` for epochs of ``steps_per_epoch`` steps."""
-    return engine.Schedule(lr=cfg.peak_lr, total_steps=max(1, cfg.epochs * steps_per_epoch),
-                           warmup_steps=int(round(cfg.warmup_epochs * steps_per_epoch)), min_lr=cfg.min_lr,
-                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
+    return engine.Schedule(lr=cfg.optim.peak_lr, total_steps=max(1, cfg.optim.epochs * steps_per_epoch),
+                           warmup_steps=int(round(cfg.optim.warmup_epochs * steps_per_epoch)), min_lr=cfg.optim.min_lr,
+                           weight_decay=cfg.optim.weight_decay, grad_clip=cfg.optim.grad_clip)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -312,11 +316,11 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
     if offset_std > 0:
         g = torch.Generator().manual_seed(int(seed))
         offsets = torch.randn(len(test_ds), model.coord_dim, generator=g) * float(offset_std)  # (N_test, c)
-    res = evaluate(model, test_ds, batch_size=batch_size or tcfg.eval_batch_size, device=dev, offsets=offsets,
-                   workers=tcfg.workers)
+    res = evaluate(model, test_ds, batch_size=batch_size or tcfg.run.eval_batch_size, device=dev, offsets=offsets,
+                   workers=tcfg.data.workers)
     return {
-        "run_dir": str(run_dir), "checkpoint": ckpt["path"], "epoch": int(ckpt.get("epoch", 0)), "data": tcfg.data,
-        "data_root": tcfg.data_root, "pe": vit_cfg.pe, "image_size": list(info.image_size),
+        "run_dir": str(run_dir), "checkpoint": ckpt["path"], "epoch": int(ckpt.get("epoch", 0)), "data": tcfg.data.name,
+        "data_root": tcfg.data.data_root, "pe": vit_cfg.pe, "image_size": list(info.image_size),
         "offset_std": float(offset_std), "seed": int(seed), "coord_dim": model.coord_dim,
         "test_acc": res["test_acc"], "test_loss": res["test_loss"], "num_examples": res["num_examples"],
     }
@@ -324,7 +328,7 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
 
 def _check_same_task(info: Any, vit_cfg: ViTConfig, trained: Dict[str, Any], tcfg: TrainConfig) -> None:
     """One-line ``ValueError`` when the data ``info`` describes cannot be scored by a model of ``vit_cfg``."""
-    where = tcfg.data_root or tcfg.data
+    where = tcfg.data.data_root or tcfg.data.name
     if int(info.num_classes) != int(vit_cfg.num_classes):
         raise ValueError(f"{where} has {info.num_classes} classes; the run's model was trained on "
                          f"{vit_cfg.num_classes}")
@@ -343,7 +347,7 @@ def _check_same_task(info: Any, vit_cfg: ViTConfig, trained: Dict[str, Any], tcf
 
 def default_run_dir(cfg: TrainConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{cfg.data}-{cfg.pe}-{cfg.model}-s{cfg.seed}-{stamp}"
+    return Path("runs") / f"{cfg.data.name}-{cfg.model.vit().pe}-{cfg.model.size}-s{cfg.run.seed}-{stamp}"
 
 
 def _log(msg: str, ctx: DistContext, quiet: bool = False) -> None:
@@ -379,8 +383,8 @@ def resume_changes(old: Dict[str, Any], new: TrainConfig, allow: Sequence[str] =
         ValueError: a difference that is not allowed -- listing every difference, and saying which ones
             ``allow`` (``--allow-change``) could admit.
     """
-    base = TrainConfig.from_dict(old, source="the run's config", strict=False).to_dict()
-    cur = new.to_dict()
+    base = flatten(TrainConfig.from_dict(old, source="the run's config", strict=False).to_nested())
+    cur = flatten(new.to_nested())
     changed = {k: (base[k], cur[k]) for k in cur if k not in RESUME_FREE and base.get(k) != cur[k]}
     bad_allow = sorted(set(allow) - set(RESUME_CHANGEABLE))
     if bad_allow:
@@ -406,7 +410,7 @@ class ClassificationTask:
     Batches of in-memory data: this rank's ``DistributedSampler`` order of the epoch (a function of ``(seed,
     epoch)``), cut into ``batch_size / world_size`` indices; the random shift augmentation draws from the global
     torch RNG. Streamed data: this rank's part of the epoch from :func:`ropekit.data.streaming.make_loader`
-    (``cfg.workers`` processes, pinned memory on CUDA), decoded and augmented in the loader, restarted at the
+    (``cfg.data.workers`` processes, pinned memory on CUDA), decoded and augmented in the loader, restarted at the
     checkpoint's batch on resume. MixUp / CutMix (``mixup_alpha``, ``cutmix_alpha``) apply to either on the
     device and draw from the global torch RNG. ``info`` describes the data (:func:`load_data`'s third value).
     """
@@ -419,23 +423,23 @@ class ClassificationTask:
         self.cfg, self.model, self.train_ds, self.test_ds = cfg, model, train_ds, test_ds
         self.label, self.quiet, self.run_dir, self.info = label, quiet, run_dir, info
         modality = getattr(getattr(model, "cfg", None), "modality", "image")
-        if cfg.augment_sizes and modality != "image":
+        if cfg.data.augment_sizes and modality != "image":
             raise ValueError(f"augment_sizes (scale augmentation) works on images only; this data is {modality}")
-        self.per_rank_bs = max(1, cfg.batch_size // ctx.world_size)
+        self.per_rank_bs = max(1, cfg.optim.batch_size // ctx.world_size)
         self.streamed = _is_stream_dataset(train_ds)
         self.mix = _mixing(cfg, int(getattr(getattr(model, "cfg", None), "num_classes", 0) or 0), modality)
         if self.streamed:
             from ..data.streaming import make_loader
 
-            self.loader = make_loader(train_ds, batch_size=self.per_rank_bs, seed=cfg.seed, rank=ctx.rank,
-                                      world_size=ctx.world_size, num_workers=cfg.workers,
-                                      pin_memory=ctx.device.type == "cuda", persistent_workers=cfg.workers > 0,
+            self.loader = make_loader(train_ds, batch_size=self.per_rank_bs, seed=cfg.run.seed, rank=ctx.rank,
+                                      world_size=ctx.world_size, num_workers=cfg.data.workers,
+                                      pin_memory=ctx.device.type == "cuda", persistent_workers=cfg.data.workers > 0,
                                       drop_last=True)
             self.loader.warn = False  # (the count goes into the epoch's row and log line)
             self.steps_per_epoch = len(self.loader)
             return
         self.sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                          seed=cfg.seed, drop_last=False)
+                                          seed=cfg.run.seed, drop_last=False)
         self.steps_per_epoch = math.ceil(len(self.sampler) / self.per_rank_bs)
 
     def epoch_batches(self, epoch: int, ctx: DistContext) -> Union[List[List[int]], engine.StreamedEpoch]:
@@ -451,14 +455,14 @@ class ClassificationTask:
             x, y = batch  # (decoded and augmented by the loader)
         else:
             x, y = fetch_batch(self.train_ds, batch)
-            x = random_shift(x, self.cfg.augment_shift)
-        x = random_resize(x, self.cfg.augment_sizes)
+            x = random_shift(x, self.cfg.data.augment_shift)
+        x = random_resize(x, self.cfg.data.augment_sizes)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         target = y
         if self.mix is not None:
             x, target = self.mix(x, y)  # (B, num_classes) mixed one-hot targets
         logits = model(x)
-        loss = F.cross_entropy(logits.float(), target, label_smoothing=self.cfg.label_smoothing)
+        loss = F.cross_entropy(logits.float(), target, label_smoothing=self.cfg.optim.label_smoothing)
         top = target.argmax(-1) if target.dim() > 1 else y
         n = y.shape[0]  # (sums stay on the device: the engine reads them once per log interval)
         return loss, {"loss_sum": loss.detach().double() * n, "correct": (logits.argmax(-1) == top).sum(), "count": n}
@@ -468,8 +472,8 @@ class ClassificationTask:
         loss_sum, correct, count, skipped = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("correct", 0.0),
                                                                 sums.get("count", 0.0), skipped])
         t0 = time.time()
-        ev = evaluate(self.model, self.test_ds, batch_size=self.cfg.eval_batch_size, device=ctx.device, ctx=ctx,
-                      workers=self.cfg.workers)
+        ev = evaluate(self.model, self.test_ds, batch_size=self.cfg.run.eval_batch_size, device=ctx.device, ctx=ctx,
+                      workers=self.cfg.data.workers)
         t_eval = time.time() - t0  # (the epoch's time includes its evaluation)
         row = {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
                "test_loss": ev["test_loss"], "test_acc": ev["test_acc"], "lr": info["lr"],
@@ -481,25 +485,25 @@ class ClassificationTask:
     @property
     def skips(self) -> bool:
         """Whether unreadable files are skipped (and counted per split): ``skip_corrupt`` of streamed data."""
-        return self.streamed and bool(self.cfg.data_options.get("skip_corrupt", False))
+        return self.streamed and bool(self.cfg.data.data_options.get("skip_corrupt", False))
 
     def describe(self, row: Dict[str, Any]) -> str:
         skipped = (f"  skipped unreadable: {row['train_skipped']} train, {row['test_skipped']} test"
                    if row.get("train_skipped") or row.get("test_skipped") else "")
-        return (f"epoch {row['epoch']}/{self.cfg.epochs}  train loss {row['train_loss']:.4f} acc "
+        return (f"epoch {row['epoch']}/{self.cfg.optim.epochs}  train loss {row['train_loss']:.4f} acc "
                 f"{row['train_acc']:.4f}  test loss {row['test_loss']:.4f} acc {row['test_acc']:.4f}  "
                 f"({row['epoch_time']:.1f}s){skipped}")
 
     def plot(self, history: List[Dict[str, Any]], path: Path) -> None:
-        plot_curves(history, path, title=f"{self.cfg.data} ViT-{self.cfg.model} pe={self.label}")
+        plot_curves(history, path, title=f"{self.cfg.data.name} ViT-{self.cfg.model.size} pe={self.label}")
 
     def summary(self, history: List[Dict[str, Any]]) -> Dict[str, Any]:
         """The run's identity and final metrics; the engine adds epochs, wall time, parameters and machine."""
         vit_cfg = self.model.cfg  # (the VisionTransformer that build_model made)
         final = history[-1] if history else {}
-        out = {"run_dir": str(self.run_dir) if self.run_dir is not None else None, "data": self.cfg.data,
-               "model": self.cfg.model, "pe": vit_cfg.pe,
-               "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None, "seed": self.cfg.seed,
+        out = {"run_dir": str(self.run_dir) if self.run_dir is not None else None, "data": self.cfg.data.name,
+               "model": self.cfg.model.size, "pe": vit_cfg.pe,
+               "depth_input": vit_cfg.depth_input if vit_cfg.modality == "rgbd" else None, "seed": self.cfg.run.seed,
                **{k: final.get(k) for k in ("train_loss", "train_acc", "test_loss", "test_acc")}}
         if self.skips:  # unreadable files left out, per split (the training count summed over the epochs)
             out["skipped"] = {"train": int(sum(r.get("train_skipped", 0) for r in history)),
@@ -509,14 +513,14 @@ class ClassificationTask:
 
 def _mixing(cfg: TrainConfig, num_classes: int, modality: str) -> Optional[Callable[[Tensor, Tensor], Any]]:
     """torchvision's MixUp / CutMix of ``cfg`` (one of the two per batch when both are on), or ``None``."""
-    if cfg.mixup_alpha <= 0 and cfg.cutmix_alpha <= 0:
+    if cfg.data.mixup_alpha <= 0 and cfg.data.cutmix_alpha <= 0:
         return None
     if modality == "video":
         raise ValueError("mixup_alpha / cutmix_alpha mix (B, C, H, W) image batches; this data is video")
     from torchvision.transforms import v2
 
-    mixes = ([v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes)] if cfg.mixup_alpha > 0 else []) + \
-            ([v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes)] if cfg.cutmix_alpha > 0 else [])
+    mixes = ([v2.MixUp(alpha=cfg.data.mixup_alpha, num_classes=num_classes)] if cfg.data.mixup_alpha > 0 else []) + \
+            ([v2.CutMix(alpha=cfg.data.cutmix_alpha, num_classes=num_classes)] if cfg.data.cutmix_alpha > 0 else [])
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
 
 
@@ -524,15 +528,15 @@ def _mixing(cfg: TrainConfig, num_classes: int, modality: str) -> Optional[Calla
                config=TrainConfig, train="ropekit.train.commands:train_classification")
 def build_classification_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *,
                               run_dir: Optional[Path] = None, quiet: bool = False) -> ClassificationTask:
-    """The :class:`ClassificationTask` of ``cfg``: its data loaded and its ViT built (seeded by ``cfg.seed``,
+    """The :class:`ClassificationTask` of ``cfg``: its data loaded and its ViT built (seeded by ``cfg.run.seed``,
     identical on every rank); ``ctx``: this process's place in the run (default: one process on the CPU)."""
     ctx = ctx or DistContext()
-    if cfg.native_resolution:  # packed batches at each image's own aspect ratio (ropekit.train.native)
-        from .tasks import lookup_task
+    if cfg.data.native_resolution:  # packed batches at each image's own aspect ratio (ropekit.classification.native)
+        from ..train.tasks import lookup_task
 
         return lookup_task("native-resolution").build(cfg, ctx, run_dir=run_dir, quiet=quiet)
     train_ds, test_ds, info = load_data(cfg)
-    seed_everything(cfg.seed)  # model initialisation: identical on every rank
+    seed_everything(cfg.run.seed)  # model initialisation: identical on every rank
     model, vit_cfg = build_model(cfg, info)
     label = f"{vit_cfg.pe}" + (f", depth as {vit_cfg.depth_input}" if vit_cfg.modality == "rgbd" else "")
     return ClassificationTask(cfg, model, train_ds, test_ds, ctx, label, quiet, run_dir=run_dir, info=info)
@@ -543,13 +547,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, on_step: Optional[StepCallb
     """Train a ViT as ``cfg`` says; see the module docstring for the run folder.
 
     Args:
-        cfg: the resolved configuration (``cfg.out`` is the run folder).
+        cfg: the resolved configuration (``cfg.run.out`` is the run folder).
         resume: continue from ``<out>/checkpoint.pt``; ``cfg`` must equal the run's saved configuration except
             for the options in ``RESUME_FREE`` and, when named in ``allow_change``, those in ``RESUME_CHANGEABLE``
             (more epochs stretch the cosine schedule to the new total; what ran is recorded in ``config.json``).
         on_step: called after every optimiser step with the global step; returning ``True`` stops the run
             like Ctrl-C does (a checkpoint is saved mid-epoch).
-        quiet: no log lines (the progress bar follows ``cfg.progress``).
+        quiet: no log lines (the progress bar follows ``cfg.run.progress``).
         allow_change: option names that may differ from the run's when resuming.
 
     Raises:
@@ -558,16 +562,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, on_step: Optional[StepCallb
         SaveError: a checkpoint could not be written.
     """
     cfg.validate()
-    ctx = init_distributed(cfg.device)
+    ctx = init_distributed(cfg.run.device)
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(resolve_threads(cfg.threads, ctx.world_size))
+    torch.set_num_threads(resolve_threads(cfg.run.threads, ctx.world_size))
     lock = None
     try:
-        run_dir = Path(cfg.out) if cfg.out else default_run_dir(cfg)
-        if not cfg.out:
+        run_dir = Path(cfg.run.out) if cfg.run.out else default_run_dir(cfg)
+        if not cfg.run.out:
             # every rank must agree on the default folder name: rank 0 picks it
             run_dir = Path(ctx.gather_objects(str(run_dir))[0])
-            cfg = dataclasses.replace(cfg, out=str(run_dir))
+            cfg = cfg.replace(**{"run.out": str(run_dir)})
         if ctx.is_main:
             existed = run_dir.exists()
             lock = engine.RunLock(run_dir).acquire()  # before the data loads: a second run refuses at once
@@ -611,8 +615,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
         previous_config, _ = load_run(run_dir)
         changes = resume_changes(previous_config.get("train") or ckpt.get("train_config", {}), cfg,
                                  [a for a in allow_change if a != DATA_CHANGE])
-        if "epochs" in changes and cfg.epochs < int(ckpt["epoch"]):
-            raise ValueError(f"--epochs {cfg.epochs}: the run has already done {int(ckpt['epoch'])} epochs")
+        if "epochs" in changes and cfg.optim.epochs < int(ckpt["epoch"]):
+            raise ValueError(f"--epochs {cfg.optim.epochs}: the run has already done {int(ckpt['epoch'])} epochs")
     elif ckpt_path.exists():
         raise ValueError(f"run folder {run_dir} already holds a checkpoint; continue it with --resume or choose "
                          f"another --out")
@@ -621,10 +625,10 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
     model, vit_cfg, info, train_ds, test_ds = task.model, task.model.cfg, task.info, task.train_ds, task.test_ds
     if ckpt is not None:  # (checked here, before anything is said or written; the engine restores the rest)
         load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
-    if cfg.init_from and ckpt is None:
-        from .finetune import init_from_checkpoint
+    if cfg.model.init_from and ckpt is None:
+        from ..train.finetune import init_from_checkpoint
 
-        _log(init_from_checkpoint(model, load_checkpoint(cfg.init_from)), ctx, quiet)
+        _log(init_from_checkpoint(model, load_checkpoint(cfg.model.init_from)), ctx, quiet)
 
     fingerprint = data_fingerprint(train_ds, test_ds)
     data_changed = check_same_data(previous_config.get("data") or {}, fingerprint, len(train_ds), len(test_ds),
@@ -647,13 +651,15 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
             _log(f"resuming on changed data ({len(train_ds)} train / {len(test_ds)} test; --allow-data-change, "
                  f"recorded in config.json)", ctx, quiet)
         if "epochs" in changes:
-            old_cfg = dataclasses.replace(cfg, epochs=int(changes["epochs"][0]))
+            old_cfg = cfg.replace(**{"optim.epochs": int(changes["epochs"][0])})
             old = schedule_of(old_cfg, task.steps_per_epoch)
-            f_old = engine.warmup_cosine(old.total_steps, old.warmup_steps, cfg.min_lr / cfg.peak_lr)
-            f_new = engine.warmup_cosine(schedule.total_steps, schedule.warmup_steps, cfg.min_lr / cfg.peak_lr)
+            f_old = engine.warmup_cosine(old.total_steps, old.warmup_steps, cfg.optim.min_lr / cfg.optim.peak_lr)
+            f_new = engine.warmup_cosine(schedule.total_steps, schedule.warmup_steps,
+                                         cfg.optim.min_lr / cfg.optim.peak_lr)
             entry["schedule"] = (f"cosine decay stretched from {old.total_steps} to {schedule.total_steps} steps: "
-                                 f"the learning rate at step {step0 + 1} is {cfg.peak_lr * f_new(step0):.3g} instead of "
-                                 f"{cfg.peak_lr * f_old(step0):.3g}")
+                                 f"the learning rate at step {step0 + 1} is "
+                                 f"{cfg.optim.peak_lr * f_new(step0):.3g} instead of "
+                                 f"{cfg.optim.peak_lr * f_old(step0):.3g}")
             _log(f"epochs {changes['epochs'][0]} -> {changes['epochs'][1]}: {entry['schedule']}", ctx, quiet)
         resumes.append(entry)
         for k, (a, b) in changes.items():
@@ -666,15 +672,16 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
     _log(start_line(cfg, vit_cfg, info, len(train_ds), len(test_ds), n_params, ctx, run_dir), ctx, quiet)
 
     def fresh_start(c: DistContext) -> None:
-        seed_everything(cfg.seed + 1_000_003 * (c.rank + 1))  # per-rank stream for jitter/augmentation/dropout
+        seed_everything(cfg.run.seed + 1_000_003 * (c.rank + 1))  # per-rank stream for jitter/augmentation/dropout
 
     res = engine.fit(task, engine.FitOptions(
-        schedule, cfg.epochs, execution=cfg.engine_options(), run_dir=run_dir, checkpoint_name=CHECKPOINT_NAME,
+        schedule, cfg.optim.epochs, execution=cfg.run.engine_options(), run_dir=run_dir,
+        checkpoint_name=CHECKPOINT_NAME,
         resume=ckpt is not None, ctx=ctx, on_step=on_step, quiet=quiet, config_doc=config_doc,
         checkpoint_extra={"vit_config": vit_cfg.to_dict(), "train_config": cfg.to_nested()},
         metric_columns=METRIC_COLUMNS + (("train_skipped", "test_skipped") if task.skips else ()),
-        fresh_start=fresh_start, log_every=cfg.log_every,
-        checkpoint_every=cfg.checkpoint_every))
+        fresh_start=fresh_start, log_every=cfg.run.log_every,
+        checkpoint_every=cfg.run.checkpoint_every))
     history = res.history
     final = dict(history[-1]) if history else {}
     return TrainResult(run_dir=run_dir, history=history, interrupted=res.interrupted, wall_time=res.wall_time,
@@ -741,17 +748,18 @@ def start_line(cfg: TrainConfig, vit_cfg: ViTConfig, info: Any, n_train: int, n_
     tokens = (h // p) * (w // p)
     if vit_cfg.modality == "video":
         tokens *= max(1, int(vit_cfg.num_frames or 1) // int(vit_cfg.tubelet_size or 1))
-    where = f" {cfg.data_root}" if cfg.data_root else ""
-    size_note = "" if cfg.image_size is not None or not is_streamed(cfg) else " (default)"
+    where = f" {cfg.data.data_root}" if cfg.data.data_root else ""
+    size_note = "" if cfg.data.image_size is not None or not is_streamed(cfg) else " (default)"
     resolved = vit_cfg.resolved() if hasattr(vit_cfg, "resolved") else vit_cfg
     sharing = resolved.pe_sharing + (", per head" if resolved.per_head else "")
     pe = vit_cfg.pe + (f" ({sharing})" if vit_cfg.rotary is not None else "")
-    return (f"ropekit train: {cfg.data}{where} ({n_train} train / {n_test} test, {info.kind}), {h}x{w} px"
-            f"{size_note}, patch {p}, {tokens} tokens/image, ViT-{cfg.model} {n_params / 1e6:.2f}M params, pe={pe}"
+    return (f"ropekit train: {cfg.data.name}{where} ({n_train} train / {n_test} test, {info.kind}), {h}x{w} px"
+            f"{size_note}, patch {p}, {tokens} tokens/image, ViT-{cfg.model.size} {n_params / 1e6:.2f}M params, pe={pe}"
             f"{f', depth as {vit_cfg.depth_input}' if vit_cfg.modality == 'rgbd' else ''}, "
-            f"{plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}"
+            f"{plural(cfg.optim.epochs, 'epoch')}, batch {cfg.optim.batch_size}"
             f"{f' over {ctx.world_size} processes' if ctx.enabled else ''}"
-            f"{f', {cfg.precision}' if cfg.precision != 'fp32' else ''}{', compiled' if cfg.compile else ''}"
+            f"{f', {cfg.run.precision}' if cfg.run.precision != 'fp32' else ''}"
+            f"{', compiled' if cfg.run.compile else ''}"
             f", run folder {run_dir}")
 
 

@@ -29,11 +29,11 @@ from torch.utils.data import Dataset
 
 from ..data.native import NativeLoader, NativeOptions
 from ..nn.packing import PackedBatch
-from . import engine
+from ..train import engine
 from .config import TrainConfig
-from .distributed import DistContext
-from .engine import seed_everything
-from .tasks import register_task
+from ..train.distributed import DistContext
+from ..train.engine import seed_everything
+from ..train.tasks import register_task
 from .trainer import ClassificationTask, build_model
 
 __all__ = ["NativeClassificationTask", "build_native_task", "native_sources", "native_options"]
@@ -44,7 +44,7 @@ _OPTION_KEYS = {f.name for f in dataclasses.fields(NativeOptions)} - {"patch_siz
 
 
 def _check_option_keys(cfg: TrainConfig) -> None:
-    bad = sorted(set(cfg.native_options) - _OPTION_KEYS)
+    bad = sorted(set(cfg.data.native_options) - _OPTION_KEYS)
     if bad:
         raise ValueError(f"native_options: unknown key(s) {', '.join(bad)}; known: {', '.join(sorted(_OPTION_KEYS))}")
 
@@ -52,13 +52,13 @@ def _check_option_keys(cfg: TrainConfig) -> None:
 def native_options(cfg: TrainConfig, patch_size: int, depth: bool) -> NativeOptions:
     """The loader options of ``cfg`` (``native_options``), with the model's patch size."""
     _check_option_keys(cfg)
-    return NativeOptions(patch_size=patch_size, depth=depth, **cfg.native_options)
+    return NativeOptions(patch_size=patch_size, depth=depth, **cfg.data.native_options)
 
 
 def _nominal_size(cfg: TrainConfig) -> Tuple[int, int]:
     """The square image size the model is built for (it sizes no table: any grid is accepted)."""
-    tokens = cfg.native_options.get("max_tokens") or cfg.native_options.get("seq_len", 256)
-    size = (cfg.patch_size or 16) * max(1, math.isqrt(int(tokens)))
+    tokens = cfg.data.native_options.get("max_tokens") or cfg.data.native_options.get("seq_len", 256)
+    size = (cfg.model.patch_size or 16) * max(1, math.isqrt(int(tokens)))
     return size, size
 
 
@@ -67,19 +67,19 @@ def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
     docstring)."""
     from ..data import DatasetInfo
 
-    data = cfg.data.strip().lower().replace("_", "-")
+    data = cfg.data.name.strip().lower().replace("_", "-")
     if data in FOLDER_DATA:
         from ..data.streaming import ImageFolderStream
 
-        if cfg.data_root is None:
-            raise ValueError(f"--native-resolution with --data {cfg.data} needs --data-root")
-        root = Path(cfg.data_root).expanduser()
+        if cfg.data.data_root is None:
+            raise ValueError(f"--native-resolution with --data {cfg.data.name} needs --data-root")
+        root = Path(cfg.data.data_root).expanduser()
         if (root / "train").is_dir() and (root / "val").is_dir():
             train = ImageFolderStream(root / "train")
             test = ImageFolderStream(root / "val", classes=train.classes)
         else:
             full = ImageFolderStream(root)
-            order = np.random.default_rng(cfg.split_seed).permutation(len(full))
+            order = np.random.default_rng(cfg.data.split_seed).permutation(len(full))
             held = max(1, len(full) // 10)
             test, train = full.subset(np.sort(order[:held])), full.subset(np.sort(order[held:]))
         info = DatasetInfo(name=data, num_classes=len(train.classes), in_chans=3, image_size=_nominal_size(cfg),
@@ -88,15 +88,16 @@ def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
     if data in SHARD_DATA:
         from ..data.shard_source import ShardSource
 
-        if cfg.data_root is None:
-            raise ValueError(f"--native-resolution with --data {cfg.data} needs --data-root (the directory of "
+        if cfg.data.data_root is None:
+            raise ValueError(f"--native-resolution with --data {cfg.data.name} needs --data-root (the directory of "
                              "shards.json)")
-        train = ShardSource(cfg.data_root, split="train", workers=cfg.workers)
-        test = ShardSource(cfg.data_root, split="val", workers=cfg.workers)
+        train = ShardSource(cfg.data.data_root, split="train", workers=cfg.data.workers)
+        test = ShardSource(cfg.data.data_root, split="val", workers=cfg.data.workers)
         if not train.classes or len(train.classes) < 2:
-            raise ValueError(f"shards {cfg.data_root}: the manifest must name at least 2 classes")
+            raise ValueError(f"shards {cfg.data.data_root}: the manifest must name at least 2 classes")
         if test.depth != train.depth:
-            raise ValueError(f"shards {cfg.data_root}: the train split {'has' if train.depth else 'has no'} depth, "
+            raise ValueError(f"shards {cfg.data.data_root}: the train split "
+                             f"{'has' if train.depth else 'has no'} depth, "
                              f"the val split {'has' if test.depth else 'has no'}")
         info = DatasetInfo(name="shards", num_classes=len(train.classes), in_chans=3,
                            image_size=_nominal_size(cfg), kind="rgbd" if train.depth else "image",
@@ -104,15 +105,16 @@ def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
         return train, test, info
     from ..data import load_dataset
 
-    train, test, info = load_dataset(cfg.data, root=cfg.data_root, image_size=cfg.image_size,
-                                     split_seed=cfg.split_seed, normalize=cfg.normalize, **cfg.data_options)
+    train, test, info = load_dataset(cfg.data.name, root=cfg.data.data_root, image_size=cfg.data.image_size,
+                                     split_seed=cfg.data.split_seed, normalize=cfg.data.normalize,
+                                     **cfg.data.data_options)
     if info.kind == "video":
         raise ValueError("--native-resolution packs images and RGB-D images, not video")
     return train, test, info
 
 
 class NativeClassificationTask(ClassificationTask):
-    """Classification on packed native-resolution batches: :class:`~ropekit.train.trainer.ClassificationTask`'s
+    """Classification on packed native-resolution batches: :class:`~ropekit.classification.trainer.ClassificationTask`'s
     metrics, plots and summary; batches from :class:`~ropekit.data.native.NativeLoader` (a training epoch has a
     fixed number of batches, a pure function of ``(seed, epoch, rank)``, restarted at the checkpoint's batch on
     resume); the model takes a :class:`~ropekit.nn.packing.PackedBatch` (``VisionTransformer.forward``)."""
@@ -126,10 +128,10 @@ class NativeClassificationTask(ClassificationTask):
         self.label, self.quiet, self.run_dir, self.info, self.opts = label, quiet, run_dir, info, opts
         self.streamed, self.mix = True, None
         pin = ctx.device.type == "cuda"
-        self.loader = NativeLoader(train_ds, opts, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
-                                   num_workers=cfg.workers, pin_memory=pin)
-        self.eval_loader = NativeLoader(test_ds, opts, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
-                                        train=False, num_workers=cfg.workers, pin_memory=pin)
+        self.loader = NativeLoader(train_ds, opts, seed=cfg.run.seed, rank=ctx.rank, world_size=ctx.world_size,
+                                   num_workers=cfg.data.workers, pin_memory=pin)
+        self.eval_loader = NativeLoader(test_ds, opts, seed=cfg.run.seed, rank=ctx.rank, world_size=ctx.world_size,
+                                        train=False, num_workers=cfg.data.workers, pin_memory=pin)
         self.steps_per_epoch = self.loader.steps()
 
     def epoch_batches(self, epoch: int, ctx: DistContext) -> engine.StreamedEpoch:
@@ -139,7 +141,7 @@ class NativeClassificationTask(ClassificationTask):
         batch = batch.to(device)
         y = batch.labels
         logits = model(batch)  # (I, K): one row per packed image
-        loss = F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.label_smoothing)
+        loss = F.cross_entropy(logits.float(), y, label_smoothing=self.cfg.optim.label_smoothing)
         n = y.shape[0]
         return loss, {"loss_sum": loss.detach().double() * n, "correct": (logits.argmax(-1) == y).sum(), "count": n}
 
@@ -178,19 +180,19 @@ class NativeClassificationTask(ClassificationTask):
                train="ropekit.train.commands:train_classification")
 def build_native_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *, run_dir: Optional[Path] = None,
                       quiet: bool = False) -> NativeClassificationTask:
-    """The native-resolution task of ``cfg`` (data sources opened, ViT built and seeded by ``cfg.seed``)."""
+    """The native-resolution task of ``cfg`` (data sources opened, ViT built and seeded by ``cfg.run.seed``)."""
     ctx = ctx or DistContext()
-    if cfg.ape != "none" or cfg.pe in ("absolute", "sincos"):
+    if cfg.model.vit().ape != "none" or cfg.model.vit().pe in ("absolute", "sincos"):
         raise ValueError("--native-resolution packs images of different grids: use a rotary encoding without an "
                          "absolute embedding")
-    if cfg.augment_sizes or cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
+    if cfg.data.augment_sizes or cfg.data.mixup_alpha > 0 or cfg.data.cutmix_alpha > 0:
         raise ValueError("--native-resolution samples resolutions itself; augment_sizes, mixup and cutmix do not "
                          "apply to packed batches")
     _check_option_keys(cfg)  # (before any data is read)
     train_ds, test_ds, info = native_sources(cfg)
-    if cfg.patch_size is None and cfg.data.strip().lower().replace("_", "-") in FOLDER_DATA + SHARD_DATA:
-        cfg = dataclasses.replace(cfg, patch_size=16)
-    seed_everything(cfg.seed)
+    if cfg.model.patch_size is None and cfg.data.name.strip().lower().replace("_", "-") in FOLDER_DATA + SHARD_DATA:
+        cfg = cfg.replace(**{"model.patch_size": 16})
+    seed_everything(cfg.run.seed)
     model, vit_cfg = build_model(cfg, info)
     opts = native_options(cfg, vit_cfg.patch_size, info.kind == "rgbd")
     label = f"{vit_cfg.pe}, native resolution" + (f", depth as {vit_cfg.depth_input}" if info.kind == "rgbd" else "")
