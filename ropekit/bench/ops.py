@@ -54,16 +54,18 @@ def count_step_ops(step: Callable[[], None]) -> Dict[str, int]:
 
 @contextlib.contextmanager
 def _device_form() -> Iterator[None]:
-    """The rotation's backward reductions batched and the coordinate check deferred, as on an accelerator."""
+    """The rotation's backward reductions batched, the folded weights merged for all layers at once and the
+    coordinate check deferred, as on an accelerator."""
+    from ..encodings import fold
     from ..encodings.ops import rotation
     from ..encodings.ops.validation import set_coord_validation
 
-    loop, previous = rotation.LOOP_MIN_BYTES, set_coord_validation("deferred")
-    rotation.LOOP_MIN_BYTES = 1 << 62
+    loop, merge, previous = rotation.LOOP_MIN_BYTES, fold.MERGE_BY_LAYER_DEVICES, set_coord_validation("deferred")
+    rotation.LOOP_MIN_BYTES, fold.MERGE_BY_LAYER_DEVICES = 1 << 62, ()
     try:
         yield
     finally:
-        rotation.LOOP_MIN_BYTES = loop
+        rotation.LOOP_MIN_BYTES, fold.MERGE_BY_LAYER_DEVICES = loop, merge
         set_coord_validation(previous)
 
 

@@ -412,10 +412,16 @@ class _MergeQKRows(torch.autograd.Function):
         return (g_p, None, None, *g_tensors)
 
 
+#: Device types on which :func:`fold_qkv_weights` merges layer by layer (outside ``torch.compile``); on the others
+#: (an accelerator) the stacked form's few launches for all layers matter more than its copies. ``ropekit bench
+#: --ops`` empties it to count a step as a GPU runs it.
+MERGE_BY_LAYER_DEVICES: Tuple[str, ...] = ("cpu",)
+
+
 def _merge_by_layer(device: torch.device) -> bool:
-    """Whether :func:`fold_qkv_weights` merges layer by layer (:class:`_MergeQKRows`): on the CPU, outside
-    ``torch.compile``. On a GPU the stacked form's few launches for all layers matter more than its copies."""
-    return device.type == "cpu" and not torch.compiler.is_compiling()
+    """Whether :func:`fold_qkv_weights` merges layer by layer (:class:`_MergeQKRows`): on a device type of
+    :data:`MERGE_BY_LAYER_DEVICES`, outside ``torch.compile``."""
+    return not torch.compiler.is_compiling() and device.type in MERGE_BY_LAYER_DEVICES
 
 
 def _head_bases(bases: Tensor, layer: int, num_heads: int) -> Tensor:
