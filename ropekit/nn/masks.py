@@ -84,9 +84,11 @@ class VarlenSegments(NamedTuple):
         cu_seqlens: ``(B (S + 1) + 1,)`` int32, where each sequence starts in the gathered layout: per row its ``S``
             segments, then its padding (segment ``-1``) as one more sequence; empty ones have length 0.
         max_seqlen: a bound on the longest sequence (the row length ``N`` unless given exactly).
-        segment_ids: ``(B, N)``, for the SDPA fallback of ``mode="auto"``.
+        segment_ids: ``(B, N)``, the segments laid out.
         mode: ``"varlen"`` (the kernel, else an error) or ``"auto"`` (the kernel where :func:`varlen_usable`, else
-            SDPA with :func:`segment_mask`).
+            SDPA with :attr:`fallback_mask`).
+        fallback_mask: ``(B, 1, N, N)`` bool, :func:`segment_mask` of ``segment_ids`` for the SDPA fallback of
+            ``mode="auto"``, built once for every layer (``None`` in ``mode="varlen"``).
     """
 
     order: Tensor
@@ -95,6 +97,7 @@ class VarlenSegments(NamedTuple):
     max_seqlen: int
     segment_ids: Tensor
     mode: str = "varlen"
+    fallback_mask: Optional[Tensor] = None
 
 
 def varlen_segments(segment_ids: Tensor, num_segments: int, *, max_seqlen: Optional[int] = None,
@@ -127,7 +130,8 @@ def varlen_segments(segment_ids: Tensor, num_segments: int, *, max_seqlen: Optio
     starts = torch.arange(b * (num_segments + 1) + 1, device=seg.device)  # (B (S + 1) + 1,)
     cu = torch.searchsorted(ordered, starts).to(torch.int32)
     bound = n if max_seqlen is None else int(max_seqlen)
-    return VarlenSegments(order, inverse, cu, bound, segment_ids, mode)
+    fallback = segment_mask(segment_ids) if mode == "auto" else None
+    return VarlenSegments(order, inverse, cu, bound, segment_ids, mode, fallback)
 
 
 class VarlenKernel(NamedTuple):
@@ -280,7 +284,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Union[Tensor, Any], 
     the varlen kernel then run on ``v`` zero-padded to their width."""
     if isinstance(mask, VarlenSegments):
         if mask.mode == "auto" and not varlen_usable(q, dropout_p):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=segment_mask(mask.segment_ids).to(q.device),
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.fallback_mask,
                                                   dropout_p=dropout_p, scale=scale)
         return varlen_attention(q, k, v, mask, dropout_p=dropout_p, scale=scale)
     if is_block_mask(mask):
