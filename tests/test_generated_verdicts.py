@@ -290,17 +290,18 @@ def test_the_video_side_check_readings_match_their_csvs():
         assert text in page, text
 
 
-def test_the_resolution_comrope_paired_table_matches_its_csv():
-    """docs/results/resolution-comrope/README.md's paired table (between its markers) is what the CSV gives: the
-    30 cells one Holm family, every null with its MDE."""
+@pytest.mark.parametrize("study,nulls,trends", [("resolution-comrope", 19, 11), ("resolution-comrope-paper", 20, 16)])
+def test_the_resolution_comrope_paired_table_matches_its_csv(study, nulls, trends):
+    """docs/results/<study>/README.md's paired table (between its markers) is what the CSV gives: the cells one
+    Holm family (30 and 36), every null with its MDE."""
     from ropekit_studies.resolution_paired import render_folder
 
-    folder = RESULTS / "resolution-comrope"
+    folder = RESULTS / study
     committed = (folder / "README.md").read_text()
     assert render_folder(folder) == committed, "regenerate: python -m ropekit_studies.resolution_paired " \
-                                               "docs/results/resolution-comrope"
+                                               f"docs/results/{study}"
     table = committed.split("<!-- paired:begin -->")[1].split("<!-- paired:end -->")[0]
-    assert table.count(" null (MDE ") == table.count(" null") == 19 and table.count(" trend") == 11
+    assert table.count(" null (MDE ") == table.count(" null") == nulls and table.count(" trend") == trends
 
 
 def test_the_paired_size_table_reads_signs_seeds_and_gaps():

@@ -24,7 +24,8 @@ COMMITTED = ["classify", "shuffle", "offset", "resolution", "data-efficiency", "
              "exact-vs-relaxed-depth6", "ablations-depth6", "classify-depth6", "offset-depth6", "detect3d", "robot",
              "gpu/classify", "retrieval", "owl", "mqa", "resolution-comrope", "classify-normalized", "scale-width", "compute-efficiency-depth6",
              "video-normalized", "robot-ood",
-             "data-efficiency-depth6-liere", "retrieval-depth-quick", "native-resolution", "retrieval-depth"]
+             "data-efficiency-depth6-liere", "retrieval-depth-quick", "native-resolution", "retrieval-depth",
+             "resolution-comrope-paper"]
 
 
 @pytest.mark.parametrize("study", COMMITTED)
