@@ -213,6 +213,16 @@ def test_compare_with_committed_on_quick_output(tmp_path, monkeypatch):
     doc["command"] = "ropekit experiment classify --quick --model-opt nonsense=3"
     (out / "config.json").write_text(json.dumps(doc))
     assert any("--model-opt nonsense are not architecture fields" in d for d in R.compare_with_committed(out))
+    # a run records its encoding options as its key hashes them, without the encoding's defaults: a recipe that
+    # states a default value explicitly (ComRoPE's init_std=1) is what the run trained; another value is not
+    doc["command"] = "ropekit experiment classify --quick"
+    (out / "config.json").write_text(json.dumps(doc))
+    monkeypatch.setitem(R.RECIPES["classify"]["quick"]["study"], "pe_overrides",
+                        {"mixed": {"pe_options": {"base": 100.0}}})  # the default
+    assert not [d for d in R.compare_with_committed(out) if "run " in d]
+    monkeypatch.setitem(R.RECIPES["classify"]["quick"]["study"], "pe_overrides",
+                        {"mixed": {"pe_options": {"base": 10000.0}}})
+    assert [d for d in R.compare_with_committed(out) if "pe_options = {}, recipe {'base': 10000.0}" in d]
     # a results folder written before recipes were pinned says so
     (out / "config.json").write_text(json.dumps({"study": "classify", "runs": []}))
     assert "no study/preset recorded" in R.compare_with_committed(out)[0]

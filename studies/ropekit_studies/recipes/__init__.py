@@ -36,6 +36,7 @@ from ropekit.classification import DataConfig
 from ropekit.train.upgrade import ADDED, FLAT_FIELDS, flatten, upgrade_architecture, upgrade_config
 from ..arguments import OPTION_FIELDS, STUDY_OPTIONS, add_arguments
 from ..registry import STUDIES
+from ..runs import canonical_pe_options
 from ..settings import DEFAULT_PES, QUICK_PES, SCALE_PES, ExperimentConfig
 
 __all__ = ["PRESETS", "RECIPES", "RUNTIME_FIELDS",
@@ -548,6 +549,8 @@ def compare_with_committed(study_dir: Any, extra_args: Sequence[str] = ()) -> Li
         if "model_options" in tc:  # a run that predates a later architecture field trained with its value
             tc["model_options"] = upgrade_architecture(tc["model_options"])
         expected = {**base, **now["study"]["pe_overrides"].get(tc.get("pe"), {})}
+        if isinstance(expected.get("pe_options"), dict):  # a run records them as its key hashes them: no defaults
+            expected["pe_options"] = canonical_pe_options(str(tc.get("pe", "")), expected["pe_options"])
         for k, v in expected.items():
             if k in varies and (STUDIES[name].varies_overrides
                                 or k not in now["study"]["pe_overrides"].get(tc.get("pe"), {})):
