@@ -374,6 +374,12 @@ def rotate_angles(x: Tensor, theta: Tensor, cos: Tensor | None = None, sin: Tens
     return rotate_pairs(x, torch.cos(theta).to(x.dtype), torch.sin(theta).to(x.dtype), pairs)
 
 
+def _transform_prefix(head: Tensor, prefix: Tensor) -> Tensor:
+    """The prefix tokens ``head`` ``(..., P0, d)`` transformed by a folded encoding's ``prefix`` ``(Hp, d, d)``
+    (``basis_change``), in ``head``'s dtype -- the one place both rotation paths apply it."""
+    return basis_change(head, prefix if prefix.dtype == head.dtype else prefix.to(head.dtype))
+
+
 def _rotate_tokens(x: Tensor, table: tuple, num_prefix_tokens: int, pairs: str,
                    prefix: Tensor | None = None) -> Tensor:
     """Rotate ``x`` ``(..., B, H, N, d)`` after its prefix tokens, math in the table's dtype, output in ``x``'s;
@@ -391,7 +397,7 @@ def _rotate_tokens(x: Tensor, table: tuple, num_prefix_tokens: int, pairs: str,
             return y
         head = x[..., :num_prefix_tokens, :]  # (..., B, H, P0, d)
         if prefix is not None:
-            head = basis_change(head, prefix if prefix.dtype == head.dtype else prefix.to(head.dtype))
+            head = _transform_prefix(head, prefix)
         return torch.cat((head, y), dim=-2)
 
 
@@ -531,7 +537,7 @@ def rotate_qk(qk: Tensor, coords: Tensor, freqs: Tensor, *, table: tuple | None 
     if kernel is not None:
         if prefix is not None and num_prefix_tokens:
             p0 = num_prefix_tokens
-            qk = torch.cat([basis_change(qk[..., :p0, :], prefix.to(qk.dtype)), qk[..., p0:, :]], dim=-2)
+            qk = torch.cat([_transform_prefix(qk[..., :p0, :], prefix), qk[..., p0:, :]], dim=-2)
         q, k = qk.unbind(0)
         return apply_frequency_rope(q, k, coords, freqs, num_prefix_tokens=num_prefix_tokens, pairs=pairs,
                                     backend=backend, validate=validate)
