@@ -283,6 +283,9 @@ def test_rgbd_folder_bad_depth_is_named(tmp_path):
     (folder / "b" / "002.depth.npy").unlink()
     with pytest.raises(DataFileError, match=r"002.png: has no depth map 002.depth.npy beside it"):
         stream[i]
+    bad = check_data(folder)["bad"]  # the check names it as the readers do
+    assert len(bad) == 1 and bad[0].endswith("002.png: has no depth map 002.depth.npy beside it (the folder's first "
+                                             "image has one, so every image needs one)")
     _ramp_folder(tmp_path / "tv" / "train")
     for p in _ramp_folder(tmp_path / "tv" / "val").rglob("*.depth.npy"):
         p.unlink()

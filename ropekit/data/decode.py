@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ._common import DataFileError, PathLike
 
-__all__ = ["decode_rgb", "decode_image", "decode_depth", "depth_path", "DEPTH_KEY"]
+__all__ = ["decode_rgb", "decode_image", "decode_depth", "depth_path", "read_depth_beside", "DEPTH_KEY"]
 
 #: The sample entry (and the file suffix beside an image) that holds an RGB-D sample's depth map: ``<key>.depth.npy``.
 DEPTH_KEY = "depth.npy"
@@ -165,3 +165,19 @@ def depth_path(image: PathLike) -> Path:
     """The depth map beside an image of an RGB-D folder: ``a/b/0001.png`` → ``a/b/0001.depth.npy``."""
     image = Path(image)
     return image.with_name(image.stem + "." + DEPTH_KEY)
+
+
+def read_depth_beside(image: PathLike, shape: Tuple[int, int]) -> Tuple[bytes, Tensor]:
+    """The depth map beside ``image`` in an RGB-D folder (:func:`depth_path`), checked against the image's
+    ``(H, W)``: its file bytes (to copy as they are) and :func:`decode_depth`'s float32 ``(1, H, W)``.
+
+    Raises:
+        DataFileError: no depth map beside the image (in a folder whose first image has one, every image needs
+            one), or one :func:`decode_depth` refuses; one line naming it.
+    """
+    path = depth_path(image)
+    if not path.is_file():
+        raise DataFileError(image, f"has no depth map {path.name} beside it (the folder's first image has one, so "
+                                   "every image needs one)")
+    data = path.read_bytes()
+    return data, decode_depth(data, name=str(path), shape=shape)

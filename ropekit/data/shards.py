@@ -26,7 +26,7 @@ import torch
 
 from .._optional import require
 from ._common import DataFileError, PathLike, stratified_split
-from .decode import DEPTH_KEY, decode_depth, decode_image, depth_path
+from .decode import DEPTH_KEY, decode_depth, decode_image, depth_path, read_depth_beside
 from .shard_stream import IMAGE_KEYS, MANIFEST_NAME, ShardStream, read_manifest, shard_label
 from .streaming import scan_image_folder
 
@@ -97,17 +97,11 @@ def _folder_sample(path: Path, key: str, label: int, rgbd: bool, first: str,
     ext = path.suffix.lower().lstrip(".")
     ext = "jpg" if ext == "jpeg" else ext
     sample = {"__key__": key, ext: path.read_bytes(), "cls": str(label)}
-    dpath = depth_path(path)
     if rgbd:
-        if not dpath.is_file():
-            raise DataFileError(path, f"has no depth map {dpath.name} beside it (the folder's first image has one, "
-                                      "so every image needs one)")
-        data = dpath.read_bytes()
-        decode_depth(data, name=str(dpath), shape=(height, width))  # checked, then copied as it is
-        sample[DEPTH_KEY] = data
-    elif dpath.is_file():
-        raise DataFileError(dpath, f"a depth map, but the folder's first image ({first}) has none: give every "
-                                   "image a depth map or none")
+        sample[DEPTH_KEY] = read_depth_beside(path, (height, width))[0]  # checked, then copied as it is
+    elif depth_path(path).is_file():
+        raise DataFileError(depth_path(path), f"a depth map, but the folder's first image ({first}) has none: give "
+                                              "every image a depth map or none")
     return sample
 
 
@@ -332,7 +326,7 @@ def check_data(path: PathLike, *, progress: Progress = None) -> Dict[str, Any]:
                 try:
                     img = decode_image(root / f)
                     if rgbd:
-                        decode_depth(depth_path(root / f), shape=tuple(img.shape[-2:]))
+                        read_depth_beside(root / f, tuple(img.shape[-2:]))
                 except DataFileError as e:
                     bad.append(str(e))
                 checked += 1

@@ -59,7 +59,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ._common import SKIP_HINT, DataFileError, DatasetInfo, PathLike, SizeLike, as_size, canonical_name, \
     stratified_split
-from .decode import decode_depth, decode_image, decode_rgb, depth_path
+from .decode import decode_image, decode_rgb, depth_path, read_depth_beside
 from .readers import IMAGE_EXTENSIONS
 from .shard_stream import MANIFEST_NAME, EpochPlan, ShardStream, read_manifest
 from .worker import WorkerFailure, collate_samples, failed_in_worker, mix_seed, sample_rng
@@ -257,11 +257,7 @@ class ImageFolderStream(Dataset):
 
     def _depth(self, index: int, shape: Tuple[int, int]) -> Tensor:
         """Image ``index``'s depth map, float32 ``(1, H, W)``."""
-        path = depth_path(self.path(index))
-        if not path.is_file():
-            raise DataFileError(self.path(index), f"has no depth map {path.name} beside it (the folder's first image "
-                                                  "has one, so every image needs one)")
-        return decode_depth(path, shape=shape)
+        return read_depth_beside(self.path(index), shape)[1]
 
     def subset(self, indices: Sequence[int], transform: Optional[Callable[[Any], Any]] = None) -> "ImageFolderStream":
         """The samples ``indices`` (in that order) as a new stream, with ``transform`` (default: this one's)."""
