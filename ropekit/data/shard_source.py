@@ -22,7 +22,6 @@ Shape legend: ``H, W`` an image's size.
 from __future__ import annotations
 
 import os
-import re
 import tarfile
 from collections import OrderedDict
 from pathlib import Path
@@ -43,25 +42,17 @@ __all__ = ["ShardSource", "DEPTH_KEY", "OPEN_SHARDS"]
 #: Shard files a process keeps open at once (least recently used closed first).
 OPEN_SHARDS = 16
 
-_META = re.compile(r"__[^/]*__($|/)")
-
-
 def _index_shard(path: Path, count: Optional[int], num_classes: Optional[int]) -> Dict[str, np.ndarray]:
     """The index of one shard: per sample (in tar order) ``image`` (offset, size), ``depth`` (offset, size; -1 when
     absent), ``ext`` (index into :data:`IMAGE_KEYS`), ``label``, and ``key`` (bytes)."""
-    from webdataset.tariterators import base_plus_ext
-
-    from .shard_stream import shard_label
+    from .shard_stream import shard_label, tar_entries
 
     rows: List[Dict[str, Any]] = []
     size = path.stat().st_size
     try:
         with tarfile.open(path, "r:") as tf:
             last: Optional[str] = None
-            for m in tf:
-                if not m.isreg() or _META.match(m.name):
-                    continue
-                key, ext = base_plus_ext(m.name)
+            for m, key, ext in tar_entries(tf):
                 if key is None:
                     continue
                 if key != last:

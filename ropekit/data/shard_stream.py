@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -25,7 +27,10 @@ from .readers import IMAGE_EXTENSIONS
 from .worker import collate_samples, failed_in_worker, mix_seed, sample_rng
 
 __all__ = ["MANIFEST_NAME", "IMAGE_KEYS", "read_manifest", "resolve_shards", "EpochPlan", "plan_epoch", "ShardStream",
-           "shard_label", "first_sample_entries"]
+           "shard_label", "first_sample_entries", "tar_entries"]
+
+#: Tar members that are not samples (WebDataset's ``__*__`` meta files).
+_META = re.compile(r"__[^/]*__($|/)")
 
 #: The manifest ``ropekit data convert`` writes beside the shards.
 MANIFEST_NAME = "shards.json"
@@ -59,18 +64,22 @@ def read_manifest(path: PathLike) -> Dict[str, Any]:
     return m
 
 
-def _count_tar(path: Path) -> int:
-    """Samples of a tar as WebDataset groups them: runs of consecutive files with the same key (the name up to
-    the first dot of its last component), meta files ``__*__`` left out."""
-    import re
-    import tarfile
-
+def tar_entries(tf: Any) -> Iterator[Tuple[Any, Optional[str], str]]:
+    """``(member, key, ext)`` of each regular file of an open tar, in order, as WebDataset names them (``key`` the
+    name up to the first dot of its last component, ``None`` where it has none); meta files ``__*__`` left out."""
     from webdataset.tariterators import base_plus_ext
 
+    for m in tf:
+        if m.isreg() and not _META.match(m.name):
+            key, ext = base_plus_ext(m.name)
+            yield m, key, ext
+
+
+def _count_tar(path: Path) -> int:
+    """Samples of a tar as WebDataset groups them: runs of consecutive files with the same key (:func:`tar_entries`)."""
     try:
         with tarfile.open(path, "r:*") as tf:
-            keys = [base_plus_ext(m.name)[0] for m in tf.getmembers()
-                    if m.isreg() and not re.match(r"__[^/]*__($|/)", m.name)]
+            keys = [key for _, key, _ in tar_entries(tf)]
     except (tarfile.TarError, OSError, EOFError) as e:
         raise DataFileError(path, f"not a readable tar shard ({type(e).__name__}: {e})") from None
     return sum(1 for i, k in enumerate(keys) if k is not None and (i == 0 or k != keys[i - 1]))
@@ -79,19 +88,11 @@ def _count_tar(path: Path) -> int:
 def first_sample_entries(path: PathLike) -> List[str]:
     """The entry names (``"png"``, ``"cls"``, ``"depth.npy"``, ...) of the first sample of a tar shard, read from
     the tar headers up to the second sample (nothing decoded); ``[]`` for an empty shard."""
-    import re
-    import tarfile
-
-    from webdataset.tariterators import base_plus_ext
-
     first: Optional[str] = None
     exts: List[str] = []
     try:
         with tarfile.open(path, "r:*") as tf:
-            for m in tf:
-                if not m.isreg() or re.match(r"__[^/]*__($|/)", m.name):
-                    continue
-                key, ext = base_plus_ext(m.name)
+            for _, key, ext in tar_entries(tf):
                 if key is None:
                     continue
                 if first is not None and key != first:
