@@ -11,7 +11,7 @@ attend to each other only, so no row of the mask is empty and no softmax sees on
   one sequence per segment, ``cu_seqlens`` marking where each begins, and only the blocks of each segment computed.
   It runs on CUDA in float16 / bfloat16 through PyTorch's ``torch.nn.attention.varlen.varlen_attn`` or, where that
   is missing, flash-attn's ``flash_attn_varlen_func`` (:func:`varlen_function`). Built on the device without host
-  synchronisation: the gather order is a stable ``argsort`` of ``(row, segment)``, the lengths an ``index_add``, and
+  synchronisation: the gather order is a stable sort of ``(row, segment)``, the starts a ``searchsorted`` in it, and
   the kernel's ``max_seqlen`` (a host integer) is bounded by the row length ``N`` known from the shape instead of
   read back as the longest segment (which would need a ``.item()``); the bound only sizes the kernel's launch grid
   (blocks past a segment's end return at once), so results are the same. Encodings are applied to q and k before
