@@ -86,7 +86,7 @@ class of the **nearest** object (a classification that needs depth), with the ca
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -94,7 +94,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import (DataRequest, DatasetInfo, DatasetSplits, SizeLike, TensorImageDataset, as_size,
+from ._common import (DataRequest, DatasetInfo, DatasetSplits, TensorImageDataset, as_size,
                       register_dataset, stratified_split)
 from .builtin import load_mnist5k
 

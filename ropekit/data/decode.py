@@ -167,6 +167,12 @@ def depth_path(image: PathLike) -> Path:
     return image.with_name(image.stem + "." + DEPTH_KEY)
 
 
+def has_depth_beside(image: PathLike) -> bool:
+    """Whether ``image`` has its depth map beside it (:func:`depth_path`). A folder is RGB-D when its first image
+    (sorted class folder, sorted file) has one; then every image needs one, and without it none may have one."""
+    return depth_path(image).is_file()
+
+
 def read_depth_beside(image: PathLike, shape: Tuple[int, int]) -> Tuple[bytes, Tensor]:
     """The depth map beside ``image`` in an RGB-D folder (:func:`depth_path`), checked against the image's
     ``(H, W)``: its file bytes (to copy as they are) and :func:`decode_depth`'s float32 ``(1, H, W)``.

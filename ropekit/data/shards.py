@@ -26,7 +26,7 @@ import torch
 
 from .._optional import require
 from ._common import DataFileError, PathLike, stratified_split
-from .decode import DEPTH_KEY, decode_depth, decode_image, depth_path, read_depth_beside
+from .decode import DEPTH_KEY, decode_depth, decode_image, depth_path, has_depth_beside, read_depth_beside
 from .shard_stream import IMAGE_KEYS, MANIFEST_NAME, ShardStream, read_manifest, shard_label
 from .streaming import scan_image_folder
 
@@ -99,7 +99,7 @@ def _folder_sample(path: Path, key: str, label: int, rgbd: bool, first: str,
     sample = {"__key__": key, ext: path.read_bytes(), "cls": str(label)}
     if rgbd:
         sample[DEPTH_KEY] = read_depth_beside(path, (height, width))[0]  # checked, then copied as it is
-    elif depth_path(path).is_file():
+    elif has_depth_beside(path):
         raise DataFileError(depth_path(path), f"a depth map, but the folder's first image ({first}) has none: give "
                                               "every image a depth map or none")
     return sample
@@ -146,7 +146,7 @@ def write_shards(
     folder, out = Path(folder).expanduser(), Path(out).expanduser()
     classes, splits = _splits_of(folder, val_fraction, split_seed)
     first_root, first_files, _ = next(iter(splits.values()))
-    rgbd = depth_path(first_root / first_files[0]).is_file()
+    rgbd = has_depth_beside(first_root / first_files[0])
     out.mkdir(parents=True, exist_ok=True)
     manifest: Dict[str, Any] = {"format": "ropekit-shards", "version": 1, "classes": classes,
                                 "source": str(folder), "shard_size": shard_size, "depth": rgbd, "splits": {},
@@ -321,7 +321,7 @@ def check_data(path: PathLike, *, progress: Progress = None) -> Dict[str, Any]:
         roots = [path / "train", path / "val"] if "train" in rec["splits"] else [path]
         for root in roots:
             files, _, _, _ = scan_image_folder(root, classes=rec["classes"], allow_empty=True)
-            rgbd = bool(files) and depth_path(root / files[0]).is_file()
+            rgbd = bool(files) and has_depth_beside(root / files[0])
             for f in files:
                 try:
                     img = decode_image(root / f)

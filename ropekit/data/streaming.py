@@ -59,7 +59,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ._common import SKIP_HINT, DataFileError, DatasetInfo, PathLike, SizeLike, as_size, canonical_name, \
     stratified_split
-from .decode import decode_image, decode_rgb, depth_path, read_depth_beside
+from .decode import decode_image, decode_rgb, has_depth_beside, read_depth_beside
 from .readers import IMAGE_EXTENSIONS
 from .shard_stream import MANIFEST_NAME, EpochPlan, ShardStream, read_manifest
 from .worker import WorkerFailure, collate_samples, failed_in_worker, mix_seed, sample_rng
@@ -229,7 +229,7 @@ class ImageFolderStream(Dataset):
         self.classes: List[str] = list(classes)  # type: ignore[arg-type]
         self._files = np.asarray([os.fsencode(f) for f in files], dtype=bytes)  # (N,) fixed-width bytes
         self.labels = np.asarray(labels, dtype=np.int64)
-        self.depth = bool(len(files)) and depth_path(self.root / files[0]).is_file()
+        self.depth = bool(len(files)) and has_depth_beside(self.root / files[0])
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])

@@ -52,8 +52,9 @@ def canonical_pe_options(pe: str, options: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _canonical(cfg: TrainConfig) -> TrainConfig:
-    pe = cfg.model.vit().pe.lower().replace("_", "-")
-    return cfg.replace(pe=pe, pe_options=canonical_pe_options(pe, dict(cfg.model.vit().pe_options)))
+    vit = cfg.model.vit()
+    pe = vit.pe.lower().replace("_", "-")
+    return cfg.replace(pe=pe, pe_options=canonical_pe_options(pe, dict(vit.pe_options)))
 
 
 def _data_key(cfg: TrainConfig, image_size: Any = None) -> str:

@@ -169,7 +169,7 @@ class _ScaledBlockExpm(torch.autograd.Function):
         b = k.shape[-1]
         wide = wide_dtype(k.device)
         q, mu_wide = skew_real_schur(k.to(wide))  # (Hp, nb, b, b), (Hp, nb, h)
-        q, mu = q.to(k.dtype), mu_wide.to(k.dtype)
+        q = q.to(k.dtype)
         st = s.permute(1, 3, 0, 2).reshape(hp, nb, bs * m, 1)  # (Hp, nb, T, 1), T = Bs * M coordinates
         theta = st.to(wide) * mu_wide.unsqueeze(-2)  # (Hp, nb, T, h): float64, exact at any coordinate scale
         cs = torch.cat((torch.cos(theta), torch.sin(theta)), dim=-1).to(k.dtype)  # (Hp, nb, T, 2h)

@@ -495,7 +495,7 @@ class _RealSchur(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gq: Tensor | None, gmu: Tensor | None):
         q, mu = ctx.saved_tensors
-        b, h = q.shape[-1], mu.shape[-1]
+        h = mu.shape[-1]
         jm = q.new_tensor([[0.0, -1.0], [1.0, 0.0]])
         gm = q.new_zeros(*q.shape[:-2], h, 2, h, 2)  # gradient on M = Q^T K Q, in 2x2 blocks (n, m)
         if gq is not None:
