@@ -204,6 +204,13 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert "unknown position encoding" in capsys.readouterr().err
     assert main(["experiment", "offset", "--quick", "--fractions", "0.5", "--out", str(tmp_path / "y")]) == 2
     assert "takes no option --fractions" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse's usage error, one line naming the list it could not read
+        main(["experiment", "classify", "--quick", "--seeds", "0,a"])
+    err = capsys.readouterr().err
+    assert "--seeds: expected comma-separated integers, got '0,a'" in err and "_ints" not in err
+    with pytest.raises(SystemExit):
+        main(["experiment", "offset", "--quick", "--rhos", "0.5,x"])
+    assert "--rhos: expected comma-separated numbers, got '0.5,x'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------

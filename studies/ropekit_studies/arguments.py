@@ -22,12 +22,19 @@ def _list(text: str) -> List[str]:
     return [t for t in text.replace(",", " ").split() if t]
 
 
+def _numbers(text: str, kind: type, what: str) -> list:
+    try:
+        return [kind(t) for t in _list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+
+
 def _floats(text: str) -> List[float]:
-    return [float(t) for t in _list(text)]
+    return _numbers(text, float, "numbers")
 
 
 def _ints(text: str) -> List[int]:
-    return [int(t) for t in _list(text)]
+    return _numbers(text, int, "integers")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
