@@ -84,6 +84,52 @@ def test_evaluate_run_offsets_and_resolution(run_dir):
     assert bigger["image_size"] == [12, 12] and 0.0 <= bigger["test_acc"] <= 1.0
 
 
+def test_evaluate_run_with_resolution_scaling_equals_the_rescaled_spectrum(tmp_path):
+    """`ropekit eval --image-size 16 --scaling pi` on a run trained at 8 px (4x4 patches): position interpolation with
+    s = 2 is the model whose learned Cayley frequencies are halved, evaluated at 16 px as it is (the reference
+    rescales the checkpoint's parameter; nothing of the scaling module is used)."""
+    run_dir = tmp_path / "run"
+    train(tiny_cfg(run_dir, train_fraction=0.5, epochs=3), quiet=True)  # a model whose logits depend on positions
+    scaled = evaluate_run(run_dir, image_size=16, scaling="pi")
+    assert scaled["scaling"] == "pi" and scaled["scale"] == [2.0, 2.0] and scaled["train_extent"] == [4.0, 4.0]
+    ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    keys = [k for k in ckpt["model"] if k.endswith("freq_param")]
+    assert keys
+    for k in keys:
+        ckpt["model"][k] = ckpt["model"][k] * 0.5
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    ref = evaluate_run(tmp_path / "checkpoint.pt", image_size=16)
+    assert scaled["test_acc"] == pytest.approx(ref["test_acc"], abs=1.0 / scaled["num_examples"])
+    # halving a frequency is exact in floating point, so only the order of the angle products could differ
+    assert scaled["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-6)
+    plain = evaluate_run(run_dir, image_size=16)  # without the scaling: a different model, by far more than 1e-6
+    assert plain["scaling"] == "none" and abs(plain["test_loss"] - ref["test_loss"]) > 1e-4 * ref["test_loss"]
+    # at or below the training size every method is the identity (s = max(1, g / L) = 1)
+    same = evaluate_run(run_dir, scaling="yarn")
+    assert same["scale"] == [1.0, 1.0] and same["test_loss"] == pytest.approx(evaluate_run(run_dir)["test_loss"],
+                                                                              rel=1e-6)
+
+
+def test_resolution_scaling_refuses_what_it_cannot_scale(tmp_path):
+    from ropekit.classification.trainer import eval_scaling, training_extent
+    from ropekit.nn import ViTConfig
+
+    with pytest.raises(ValueError, match="unknown scaling method 'bogus'"):
+        eval_scaling("bogus", ViTConfig(image_size=(8, 8), patch_size=2), tiny_cfg(tmp_path), 16)
+    with pytest.raises(ValueError, match="normalized coordinates"):
+        eval_scaling("pi", ViTConfig(coords="normalized"), tiny_cfg(tmp_path), 16)
+    # a native-resolution run's extent: the side of a square at its largest token budget
+    native = tiny_cfg(tmp_path, native_resolution=True, native_options={"seq_len": 100, "max_tokens": 64})
+    assert training_extent(ViTConfig(patch_size=2), native) == (8.0, 8.0)
+    rgbd = eval_scaling("yarn", ViTConfig(modality="rgbd", in_chans=4, pe="cayley", image_size=(8, 12), patch_size=2),
+                        tiny_cfg(tmp_path), (16, 12))
+    assert rgbd.scale == [2.0, 1.0, 1.0] and rgbd.train_extent == [4.0, 6.0, 1.0]  # (y, x, z): depth left as it is
+    ape = tmp_path / "ape"
+    train(tiny_cfg(ape, pe="absolute", epochs=1), quiet=True)
+    with pytest.raises(ValueError, match=r"encoding \(absolute\) has none"):
+        evaluate_run(ape, image_size=16, scaling="pi")
+
+
 # ------------------------------------------------------------------------------------------------ resume
 
 

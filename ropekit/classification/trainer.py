@@ -274,11 +274,54 @@ def _is_stream_dataset(ds: Any) -> bool:
     return isinstance(ds, (ImageFolderStream, ShardStream))
 
 
+def training_extent(vit_cfg: ViTConfig, tcfg: TrainConfig) -> Tuple[float, float]:
+    """The training extent ``(L_y, L_x)`` of a run in patches (grid coordinates), which resolution scaling measures
+    a test grid against: the training grid of a fixed-size run; for a native-resolution run, the side of a square
+    at its largest token budget (``max_tokens``, else ``seq_len``), the largest image it saw in training."""
+    if tcfg.data.native_resolution:
+        from .native import native_options
+
+        opts = native_options(tcfg, vit_cfg.patch_size, depth=vit_cfg.modality == "rgbd")
+        side = math.sqrt(opts.max_tokens if opts.max_tokens is not None else opts.seq_len)
+        return side, side
+    h, w = vit_cfg.image_size if isinstance(vit_cfg.image_size, (tuple, list)) else (vit_cfg.image_size,) * 2
+    return int(h) / vit_cfg.patch_size, int(w) / vit_cfg.patch_size
+
+
+def eval_scaling(method: str, vit_cfg: ViTConfig, tcfg: TrainConfig, image_size: Any) -> Any:
+    """The :class:`~ropekit.encodings.scaling.ResolutionScaling` that evaluates a run's model at ``image_size``
+    pixels (an int or ``(H, W)``) with ``method``: per image axis ``s = max(1, g / L)`` (``g`` the test grid,
+    ``L`` :func:`training_extent`), ``s = 1`` on a depth or time axis.
+
+    Raises:
+        ValueError: an unknown method, or a model on normalised coordinates (their extent is 1 at every
+            resolution, so there is nothing to scale); one line.
+    """
+    from ..encodings.scaling import ResolutionScaling
+
+    if vit_cfg.coords != "grid":
+        raise ValueError(f"resolution scaling acts on grid coordinates; this run's model uses {vit_cfg.coords} "
+                         f"coordinates, whose extent is the same at every resolution (nothing to scale)")
+    h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+    ly, lx = training_extent(vit_cfg, tcfg)
+    scale = [max(1.0, h / vit_cfg.patch_size / ly), max(1.0, w / vit_cfg.patch_size / lx)]
+    extent = [ly, lx]
+    if vit_cfg.modality == "video":  # (t, y, x)
+        scale, extent = [1.0] + scale, [1.0] + extent
+    elif vit_cfg.depth_as_coord:  # (y, x, z)
+        scale, extent = scale + [1.0], extent + [1.0]
+    return ResolutionScaling(method, scale=scale, train_extent=extent)
+
+
 def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: float = 0.0, seed: int = 0,
                  batch_size: Optional[int] = None, device: str = "auto", data: Optional[str] = None,
-                 data_root: Optional[str] = None) -> Dict[str, Any]:
+                 data_root: Optional[str] = None, scaling: Optional[str] = None) -> Dict[str, Any]:
     """Evaluate a run's checkpoint on its test set, optionally at another resolution and with one random
     global coordinate offset per image drawn from ``N(0, offset_std^2 I)`` (seeded by ``seed``).
+
+    ``scaling``: a resolution-scaling method (``"pi"``, ``"ntk"``, ``"yarn"``, ``"cap"``; ``ropekit.encodings.scaling``)
+    applied to the model's commuting encodings for the evaluation (:func:`eval_scaling`); ``None`` or ``"none"``:
+    the encodings as trained.
 
     ``data`` / ``data_root``: evaluate on another data set or folder instead (an image folder: every image in it,
     or its ``val/`` in the train/val layout; another data set: its test split), at the run's image size unless
@@ -286,7 +329,8 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
     working directory.
 
     Raises:
-        ValueError: the other data's classes (count or names) or channels differ from the model's (one line).
+        ValueError: the other data's classes (count or names) or channels differ from the model's, or ``scaling``
+            cannot apply (see :func:`eval_scaling`; an encoding without a RoPE form); one line.
     """
     config, ckpt = load_run(run_dir)
     tcfg = TrainConfig.from_dict(config.get("train", {}), source="config.json", strict=False)
@@ -306,6 +350,14 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
     dev = resolve_device(device)
     model.to(dev)
     size = image_size if image_size is not None else list(vit_cfg.image_size)
+    scaled = None
+    if scaling not in (None, "none"):
+        from ..encodings.scaling import apply_resolution_scaling
+
+        scaled = eval_scaling(scaling, vit_cfg, tcfg, size)
+        if not apply_resolution_scaling(model, scaled):
+            raise ValueError(f"resolution scaling acts on a commuting rotary encoding's RoPE form; this run's "
+                             f"encoding ({vit_cfg.pe}) has none")
     if other and is_streamed(tcfg):
         _, test_ds, info = _open_stream(tcfg, size, whole=True)
     else:
@@ -322,6 +374,8 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
         "run_dir": str(run_dir), "checkpoint": ckpt["path"], "epoch": int(ckpt.get("epoch", 0)), "data": tcfg.data.name,
         "data_root": tcfg.data.data_root, "pe": vit_cfg.pe, "image_size": list(info.image_size),
         "offset_std": float(offset_std), "seed": int(seed), "coord_dim": model.coord_dim,
+        "scaling": scaled.method if scaled else "none", "scale": list(scaled.scale) if scaled else None,
+        "train_extent": list(scaled.train_extent) if scaled else None,
         "test_acc": res["test_acc"], "test_loss": res["test_loss"], "num_examples": res["num_examples"],
     }
 

@@ -501,6 +501,10 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by `ropekit train` (or a checkpoint file)")
     p.add_argument("--image-size", type=int, metavar="N", default=None,
                    help="evaluate at N x N pixels (more or fewer patches; absolute embeddings are resized)")
+    p.add_argument("--scaling", default="none", choices=["none", "pi", "ntk", "yarn", "cap"],
+                   help="resolution scaling of the encoding's frequencies for a larger --image-size: position "
+                        "interpolation (pi), NTK-aware (ntk), YaRN (yarn) or a low-frequency cap (cap); commuting "
+                        "rotary encodings on grid coordinates, learned spectra included (docs/native-resolution.md)")
     p.add_argument("--offset-std", type=float, metavar="S", default=0.0,
                    help="add one random global coordinate offset per image, drawn from N(0, S^2 I) (coordinate units)")
     p.add_argument("--seed", type=int, default=0, help="seed of the offsets")
@@ -529,12 +533,15 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..classification.trainer import evaluate_run
 
     res = evaluate_run(args.run_dir, image_size=args.image_size, offset_std=args.offset_std, seed=args.seed,
-                       batch_size=args.batch_size, device=args.device, data=args.data, data_root=args.data_root)
+                       batch_size=args.batch_size, device=args.device, data=args.data, data_root=args.data_root,
+                       scaling=args.scaling)
     if args.json:
         print(json.dumps(res))
     else:
         h, w = res["image_size"]
         on = f"{res['data_root'] or res['data']}: " if args.data or args.data_root else ""
+        scaled = "" if res["scaling"] == "none" else \
+            f", scaling {res['scaling']} (s {max(res['scale']):.3g})"
         print(f"{on}test_acc {res['test_acc']:.4f}  test_loss {res['test_loss']:.4f}  ({res['num_examples']} examples, "
-              f"{h}x{w} pixels, offset std {res['offset_std']:g}, pe {res['pe']}, epoch {res['epoch']})")
+              f"{h}x{w} pixels, offset std {res['offset_std']:g}, pe {res['pe']}{scaled}, epoch {res['epoch']})")
     return 0
