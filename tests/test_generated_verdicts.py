@@ -28,6 +28,8 @@ def test_claims_page_matches_the_csvs():
     assert _words(committed) == _words(fresh), "regenerate: python -m ropekit_studies.claims docs/results"
     assert committed == fresh, "regenerate: python -m ropekit_studies.claims docs/results"
     assert len(_words(fresh)) >= 4 * 17  # four classification folders of 17 claims each, and retrieval's
+    native = fresh.split("## native-resolution", 1)[1]  # recomputed from native-resolution.csv by the study's code
+    assert len(_words(native)) == 9 + 8  # the papers' 9 claims and 4 methods x 2 trainings
 
 
 def test_retrieval_table_matches_its_csv():

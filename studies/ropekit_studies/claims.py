@@ -3,7 +3,8 @@
 and the verdict of the one rule (:mod:`ropekit_studies.verdict`), the claims of a folder read as one Holm
 family; for every retrieval folder (:data:`RETRIEVAL_FOLDERS`) the study's recall claims
 (:func:`ropekit_studies.retrieval.comparisons`), the power of its STRING-against-RoPE pair and the depth
-hard negatives per arm against chance (:func:`ropekit_studies.retrieval.hard_negatives`).
+hard negatives per arm against chance (:func:`ropekit_studies.retrieval.hard_negatives`); for the native-resolution
+folder (:data:`NATIVE_FOLDERS`) the papers' claims and the scaling methods, recomputed from its CSV.
 
 Command line (from the repository root; ``--check`` exits 1 when the committed page differs)::
 
@@ -23,7 +24,7 @@ from .recipes import STUDY_CLAIMS
 from .report import pe_label
 from .verdict import RULE, judge
 
-__all__ = ["CLASSIFY_FOLDERS", "RETRIEVAL_FOLDERS", "read_runs", "read_retrieval_rows", "classify_claims",
+__all__ = ["CLASSIFY_FOLDERS", "RETRIEVAL_FOLDERS", "NATIVE_FOLDERS", "read_runs", "read_retrieval_rows", "classify_claims",
            "render_claims", "main"]
 
 #: (heading, CSV files whose rows are pooled by seed, what the folder is), relative to docs/results.
@@ -74,6 +75,15 @@ def _pm(x: float) -> str:
     return f"{x:+.4f}"
 
 
+def _verdict_cells(v: Any) -> str:
+    """``n | mean ± sd | 95 % interval | Holm p | verdict`` of a :class:`~ropekit_studies.verdict.Verdict`."""
+    word = f"**{v.label}**" + (f" (MDE {v.mde:.4f})" if v.word == "null" else "")
+    sd = "–" if v.n < 2 else f"{v.sd:.4f}"
+    iv = "–" if v.n < 2 else f"[{_pm(v.low95)}, {_pm(v.high95)}]"
+    ph = "–" if v.n < 2 else f"{v.p_holm:.3f}"
+    return f"{v.n} | {_pm(v.mean)} ± {sd} | {iv} | {ph} | {word}"
+
+
 def _classify_section(heading: str, files: Sequence[str], what: str, root: Path) -> List[str]:
     runs = read_runs([root / f for f in files])
     if not runs:
@@ -85,13 +95,48 @@ def _classify_section(heading: str, files: Sequence[str], what: str, root: Path)
              "| claim (first − second) | paper | n | mean ± sd | 95 % interval | Holm p | verdict |",
              "|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
-        v = r["verdict"]
-        word = f"**{v.label}**" + (f" (MDE {v.mde:.4f})" if v.word == "null" else "")
-        sd = "–" if v.n < 2 else f"{v.sd:.4f}"
-        iv = "–" if v.n < 2 else f"[{_pm(v.low95)}, {_pm(v.high95)}]"
-        ph = "–" if v.n < 2 else f"{v.p_holm:.3f}"
-        lines.append(f"| {pe_label(r['first'])} − {pe_label(r['second'])} | {r['paper']} | {v.n} | "
-                     f"{_pm(v.mean)} ± {sd} | {iv} | {ph} | {word} |")
+        lines.append(f"| {pe_label(r['first'])} − {pe_label(r['second'])} | {r['paper']} | "
+                     f"{_verdict_cells(r['verdict'])} |")
+    return lines + [""]
+
+
+#: The native-resolution study's folders, relative to docs/results, and what each is.
+NATIVE_FOLDERS: Tuple[Tuple[str, str], ...] = (
+    ("native-resolution", "MNIST, 2 blocks, CPU recipe: fixed-size (7x7 patches) against native-resolution "
+                          "training (packed, token budgets 16..100, aspect ratios stretched up to 2x), evaluated "
+                          "at 4x4..28x28 and four other aspect ratios"),
+)
+
+
+def _native_section(root: Path, folder: str, what: str) -> List[str]:
+    """The native-resolution claims of a folder, recomputed from its CSV with the study's own functions
+    (:func:`ropekit_studies.native_resolution.claim_diffs` and ``scaling_diffs``): the papers' claims and the
+    scaling methods, two Holm families."""
+    from .native_resolution import claim_diffs, scaling_diffs
+
+    path = root / folder / "native-resolution.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as fh:
+        rows = [{**r, "seed": int(r["seed"]), "grid_h": int(r["grid_h"]), "grid_w": int(r["grid_w"]),
+                 "scale": float(r["scale"]), "test_acc": float(r["test_acc"])} for r in csv.DictReader(fh)]
+    if not rows:
+        return []
+    seeds = sorted({r["seed"] for r in rows})
+    pes = list(dict.fromkeys(r["pe"] for r in rows))
+    trainings = list(dict.fromkeys(r["training"] for r in rows))
+    scalings = list(dict.fromkeys(r["scaling"] for r in rows))
+    th, tw = (int(v) for v in next(r["train_grid"] for r in rows if r["training"] == "fixed").split("x"))
+    diffs, signs, paper = claim_diffs(rows, pes, seeds, (th, tw))
+    sdiffs = scaling_diffs(rows, seeds, trainings, scalings)
+    lines = [f"## {folder}", "", f"{what}; test accuracy, paired by seed; seeds {_seed_ranges(seeds)}. The papers' "
+             f"claims ({len(diffs)}, one Holm family), then each scaling method against none beyond the training "
+             f"extent, mean over the rotary encodings ({len(sdiffs)}, a second family).", "",
+             "| claim (first − second) | paper | n | mean ± sd | 95 % interval | Holm p | verdict |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for family, ds, sg in ((paper, diffs, signs), ({}, sdiffs, {k: 1 for k in sdiffs})):
+        for key, v in (judge(ds, sg) if ds else {}).items():
+            lines.append(f"| {key} | {family.get(key, '–')} | {_verdict_cells(v)} |")
     return lines + [""]
 
 
@@ -209,6 +254,8 @@ def render_claims(root: Path) -> str:
         lines += _classify_section(heading, files, what, root)
     for folder, what in RETRIEVAL_FOLDERS:
         lines += _retrieval_section(root, folder, what)
+    for folder, what in NATIVE_FOLDERS:
+        lines += _native_section(root, folder, what)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
