@@ -279,9 +279,10 @@ def training_extent(vit_cfg: ViTConfig, tcfg: TrainConfig) -> Tuple[float, float
     a test grid against: the training grid of a fixed-size run; for a native-resolution run, the side of a square
     at its largest token budget (``max_tokens``, else ``seq_len``), the largest image it saw in training."""
     if tcfg.data.native_resolution:
-        from .native import native_options
+        from ..data.native import NativeOptions  # the run's options were checked when it trained
 
-        opts = native_options(tcfg, vit_cfg.patch_size, depth=vit_cfg.modality == "rgbd")
+        opts = NativeOptions(patch_size=vit_cfg.patch_size, depth=vit_cfg.modality == "rgbd",
+                             **tcfg.data.native_options)
         side = math.sqrt(opts.max_tokens if opts.max_tokens is not None else opts.seq_len)
         return side, side
     h, w = vit_cfg.image_size if isinstance(vit_cfg.image_size, (tuple, list)) else (vit_cfg.image_size,) * 2
