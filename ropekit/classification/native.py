@@ -57,8 +57,8 @@ def native_options(cfg: TrainConfig, patch_size: int, depth: bool) -> NativeOpti
 
 def _nominal_size(cfg: TrainConfig) -> Tuple[int, int]:
     """The square image size the model is built for (it sizes no table: any grid is accepted)."""
-    tokens = cfg.data.native_options.get("max_tokens") or cfg.data.native_options.get("seq_len", 256)
-    size = (cfg.model.patch_size or 16) * max(1, math.isqrt(int(tokens)))
+    patch = cfg.model.patch_size or 16
+    size = patch * max(1, math.isqrt(native_options(cfg, patch, depth=False).max_image_tokens))
     return size, size
 
 

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, DistributedSampler
 
 from ..encodings.counting import count_parameters
+from ..encodings.scaling import ResolutionScaling, apply_resolution_scaling
 from ..nn.vit import ViTConfig, VisionTransformer
 from ..train import engine
 from ..train.augment import random_resize, random_shift
@@ -283,13 +284,13 @@ def training_extent(vit_cfg: ViTConfig, tcfg: TrainConfig) -> Tuple[float, float
 
         opts = NativeOptions(patch_size=vit_cfg.patch_size, depth=vit_cfg.modality == "rgbd",
                              **tcfg.data.native_options)
-        side = math.sqrt(opts.max_tokens if opts.max_tokens is not None else opts.seq_len)
+        side = math.sqrt(opts.max_image_tokens)
         return side, side
-    h, w = vit_cfg.image_size if isinstance(vit_cfg.image_size, (tuple, list)) else (vit_cfg.image_size,) * 2
-    return int(h) / vit_cfg.patch_size, int(w) / vit_cfg.patch_size
+    h, w = vit_cfg.image_size
+    return h / vit_cfg.patch_size, w / vit_cfg.patch_size
 
 
-def eval_scaling(method: str, vit_cfg: ViTConfig, tcfg: TrainConfig, image_size: Any) -> Any:
+def eval_scaling(method: str, vit_cfg: ViTConfig, tcfg: TrainConfig, image_size: Any) -> ResolutionScaling:
     """The :class:`~ropekit.encodings.scaling.ResolutionScaling` that evaluates a run's model at ``image_size``
     pixels (an int or ``(H, W)``) with ``method``: per image axis ``s = max(1, g / L)`` (``g`` the test grid,
     ``L`` :func:`training_extent`), ``s = 1`` on a depth or time axis.
@@ -298,8 +299,6 @@ def eval_scaling(method: str, vit_cfg: ViTConfig, tcfg: TrainConfig, image_size:
         ValueError: an unknown method, or a model on normalised coordinates (their extent is 1 at every
             resolution, so there is nothing to scale); one line.
     """
-    from ..encodings.scaling import ResolutionScaling
-
     if vit_cfg.coords != "grid":
         raise ValueError(f"resolution scaling acts on grid coordinates; this run's model uses {vit_cfg.coords} "
                          f"coordinates, whose extent is the same at every resolution (nothing to scale)")
@@ -353,8 +352,6 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
     size = image_size if image_size is not None else list(vit_cfg.image_size)
     scaled = None
     if scaling not in (None, "none"):
-        from ..encodings.scaling import apply_resolution_scaling
-
         scaled = eval_scaling(scaling, vit_cfg, tcfg, size)
         if not apply_resolution_scaling(model, scaled):
             raise ValueError(f"resolution scaling acts on a commuting rotary encoding's RoPE form; this run's "

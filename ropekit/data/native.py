@@ -87,7 +87,7 @@ class NativeOptions:
     std: Tuple[float, ...] = IMAGENET_STD
 
     def __post_init__(self) -> None:
-        hi = self.max_tokens if self.max_tokens is not None else self.seq_len
+        hi = self.max_image_tokens
         for name, v in (("patch_size", self.patch_size), ("seq_len", self.seq_len), ("rows", self.rows),
                         ("min_tokens", self.min_tokens), ("max_tokens", hi)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -109,10 +109,10 @@ NATIVE_FOLDERS: Tuple[Tuple[str, str], ...] = (
 
 
 def _native_section(root: Path, folder: str, what: str) -> List[str]:
-    """The native-resolution claims of a folder, recomputed from its CSV with the study's own functions
-    (:func:`ropekit_studies.native_resolution.claim_diffs` and ``scaling_diffs``): the papers' claims and the
-    scaling methods, two Holm families."""
-    from .native_resolution import claim_diffs, scaling_diffs
+    """The native-resolution claims of a folder, recomputed from its CSV with the study's own reading
+    (:func:`ropekit_studies.native_resolution.native_verdicts`): the papers' claims and the scaling methods, two
+    Holm families."""
+    from .native_resolution import native_verdicts
 
     path = root / folder / "native-resolution.csv"
     if not path.is_file():
@@ -127,15 +127,14 @@ def _native_section(root: Path, folder: str, what: str) -> List[str]:
     trainings = list(dict.fromkeys(r["training"] for r in rows))
     scalings = list(dict.fromkeys(r["scaling"] for r in rows))
     th, tw = (int(v) for v in next(r["train_grid"] for r in rows if r["training"] == "fixed").split("x"))
-    diffs, signs, paper = claim_diffs(rows, pes, seeds, (th, tw))
-    sdiffs = scaling_diffs(rows, seeds, trainings, scalings)
+    verdicts, paper, sverdicts = native_verdicts(rows, pes, seeds, (th, tw), trainings, scalings)
     lines = [f"## {folder}", "", f"{what}; test accuracy, paired by seed; seeds {_seed_ranges(seeds)}. The papers' "
-             f"claims ({len(diffs)}, one Holm family), then each scaling method against none beyond the training "
-             f"extent, mean over the rotary encodings ({len(sdiffs)}, a second family).", "",
+             f"claims ({len(verdicts)}, one Holm family), then each scaling method against none beyond the training "
+             f"extent, mean over the rotary encodings ({len(sverdicts)}, a second family).", "",
              "| claim (first − second) | paper | n | mean ± sd | 95 % interval | Holm p | verdict |",
              "|---|---|---:|---:|---:|---:|---|"]
-    for family, ds, sg in ((paper, diffs, signs), ({}, sdiffs, {k: 1 for k in sdiffs})):
-        for key, v in (judge(ds, sg) if ds else {}).items():
+    for family, vs in ((paper, verdicts), ({}, sverdicts)):
+        for key, v in vs.items():
             lines.append(f"| {key} | {family.get(key, '–')} | {_verdict_cells(v)} |")
     return lines + [""]
 

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from ropekit.encodings.scaling import SCALING_METHODS, ResolutionScaling, apply_resolution_scaling, \
     remove_resolution_scaling
+from ropekit.classification.trainer import training_extent
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, predict
 from .registry import register_study
@@ -55,7 +56,7 @@ from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotli
 from .settings import ExperimentConfig
 from .verdict import RULE, judge
 
-__all__ = ["run_native_resolution", "NATIVE_PES", "TRAININGS", "PAPER_CLAIMS", "parse_grid"]
+__all__ = ["run_native_resolution", "NATIVE_PES", "TRAININGS", "PAPER_CLAIMS", "parse_grid", "native_verdicts"]
 
 #: The encodings the study compares (APE: fixed-size arm only).
 NATIVE_PES = ("absolute", "axial", "mixed", "cayley", "circulant", "comrope-ld")
@@ -129,18 +130,17 @@ def run_native_resolution(cfg: ExperimentConfig, out: Any, grids: Optional[Seque
     aspect_grids = [str(g) for g in (aspect_grids or [])]
     shapes = [parse_grid(g) for g in grids] + [parse_grid(g) for g in aspect_grids]
     shapes = list(dict.fromkeys(shapes))
-    max_tokens = int(native_options.get("max_tokens") or native_options.get("seq_len") or 256)
     rows: List[Dict[str, Any]] = []
     for training, pe in arms:
         for seed in cfg.seeds:
             if training == "native":
                 tcfg = cfg.train_config(pe, seed, native_resolution=True, native_options=native_options)
-                extent = math.sqrt(max_tokens)
             else:
                 tcfg = cfg.train_config(pe, seed)
-                extent = float(max(train_grid))
             rec = ctx.run(tcfg, f"{pe_label(pe)} ({training}) s{seed}")
             model = rec.model()
+            # the side of the training grid, or of a square at the native run's largest token budget
+            extent = float(max(training_extent(model.cfg, tcfg))) if training == "native" else float(max(train_grid))
             for shape in shapes:
                 x = _resize(x0, (shape[0] * patch, shape[1] * patch))
                 scale = [max(1.0, g / extent) for g in shape]
@@ -224,12 +224,19 @@ def scaling_diffs(rows: Sequence[Dict[str, Any]], seeds: Sequence[int], training
     return out
 
 
-def _verdict_rows(diffs: Dict[str, List[float]], signs: Dict[str, int], paper: Dict[str, str]) -> List[List[str]]:
-    verdicts = judge(diffs, signs) if diffs else {}
-    out = []
-    for key, v in verdicts.items():
-        out.append([key, paper.get(key, "-"), str(v.n), f"{v.mean:+.3f}", v.word])
-    return out
+def native_verdicts(rows: Sequence[Dict[str, Any]], pes: Sequence[str], seeds: Sequence[int],
+                    train_grid: Tuple[int, int], trainings: Sequence[str],
+                    scalings: Sequence[str]) -> Tuple[Dict[str, Any], Dict[str, str], Dict[str, Any]]:
+    """The study's two Holm families read by the one rule: ``(claims, paper, scaling)``, the papers' claims
+    (:func:`claim_diffs`) and each scaling method against none (:func:`scaling_diffs`, claimed positive), as
+    ``{claim: Verdict}``, and the paper's words per claim."""
+    diffs, signs, paper = claim_diffs(rows, pes, seeds, train_grid)
+    sdiffs = scaling_diffs(rows, seeds, trainings, scalings)
+    return (judge(diffs, signs) if diffs else {}), paper, (judge(sdiffs, {k: 1 for k in sdiffs}) if sdiffs else {})
+
+
+def _verdict_rows(verdicts: Dict[str, Any], paper: Dict[str, str]) -> List[List[str]]:
+    return [[key, paper.get(key, "-"), str(v.n), f"{v.mean:+.3f}", v.word] for key, v in verdicts.items()]
 
 
 def _report(ctx: StudyContext, cfg: ExperimentConfig, rows: List[Dict[str, Any]], pes: Sequence[str],
@@ -247,12 +254,11 @@ def _report(ctx: StudyContext, cfg: ExperimentConfig, rows: List[Dict[str, Any]]
                 if (training, pe, method, names[0]) in stats:
                     table_rows.append([training, pe_label(pe), method]
                                       + [fmt_pm(stats[(training, pe, method, g)], 3) for g in names])
-    diffs, signs, paper = claim_diffs(rows, pes, cfg.seeds, train_grid)
-    sdiffs = scaling_diffs(rows, cfg.seeds, trainings, scalings)
+    verdicts, paper, sverdicts = native_verdicts(rows, pes, cfg.seeds, train_grid, trainings, scalings)
     claims_table = markdown_table(["claim (first − second)", "paper", "n", "mean", "verdict"],
-                                  _verdict_rows(diffs, signs, paper))
+                                  _verdict_rows(verdicts, paper))
     scaling_table = markdown_table(["method − none", "paper", "n", "mean", "verdict"],
-                                   _verdict_rows(sdiffs, {k: 1 for k in sdiffs}, {}))
+                                   _verdict_rows(sverdicts, {}))
     native_text = ", ".join(f"{k}={v}" for k, v in sorted(options["native_options"].items())) or "defaults"
     table = "\n".join([
         f"**Native resolution** — test accuracy at each evaluation grid (patches of {patch} px; training grid {tg}), "
@@ -282,8 +288,6 @@ def _report(ctx: StudyContext, cfg: ExperimentConfig, rows: List[Dict[str, Any]]
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"Native resolution: {headline(cfg)}")
     fig.tight_layout()
-    verdicts = judge(diffs, signs) if diffs else {}
-    sverdicts = judge(sdiffs, {k: 1 for k in sdiffs}) if sdiffs else {}
     summary = {"claims": {k: {**v.as_dict(), "paper": paper[k]} for k, v in verdicts.items()},
                "scaling": {k: v.as_dict() for k, v in sverdicts.items()},
                "accuracy": {"/".join(k): v for k, v in stats.items()}}
