@@ -21,7 +21,8 @@ from torch import Tensor
 
 from ._common import DataFileError, PathLike
 
-__all__ = ["decode_rgb", "decode_image", "decode_depth", "depth_path", "has_depth_beside", "read_depth_beside", "DEPTH_KEY"]
+__all__ = ["decode_rgb", "decode_image", "decode_depth", "depth_path", "has_depth_beside", "read_depth_beside",
+           "DEPTH_KEY"]
 
 #: The sample entry (and the file suffix beside an image) that holds an RGB-D sample's depth map: ``<key>.depth.npy``.
 DEPTH_KEY = "depth.npy"

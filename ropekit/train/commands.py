@@ -504,7 +504,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scaling", default="none", metavar="METHOD",
                    help="resolution scaling of the encoding's frequencies for a larger --image-size: position "
                         "interpolation (pi), NTK-aware (ntk), YaRN (yarn) or a low-frequency cap (cap); commuting "
-                        "rotary encodings on grid coordinates, learned spectra included (docs/native-resolution.md); default none")
+                        "rotary encodings on grid coordinates, learned spectra included (docs/native-resolution.md); "
+                        "default none")
     p.add_argument("--offset-std", type=float, metavar="S", default=0.0,
                    help="add one random global coordinate offset per image, drawn from N(0, S^2 I) (coordinate units)")
     p.add_argument("--seed", type=int, default=0, help="seed of the offsets")

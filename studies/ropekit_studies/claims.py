@@ -24,7 +24,8 @@ from .recipes import STUDY_CLAIMS
 from .report import pe_label
 from .verdict import RULE, judge
 
-__all__ = ["CLASSIFY_FOLDERS", "RETRIEVAL_FOLDERS", "NATIVE_FOLDERS", "read_runs", "read_retrieval_rows", "classify_claims",
+__all__ = ["CLASSIFY_FOLDERS", "RETRIEVAL_FOLDERS", "NATIVE_FOLDERS", "read_runs", "read_retrieval_rows",
+           "classify_claims",
            "render_claims", "main"]
 
 #: (heading, CSV files whose rows are pooled by seed, what the folder is), relative to docs/results.
