@@ -25,8 +25,7 @@ from .report import pe_label
 from .verdict import RULE, judge
 
 __all__ = ["CLASSIFY_FOLDERS", "RETRIEVAL_FOLDERS", "NATIVE_FOLDERS", "read_runs", "read_retrieval_rows",
-           "classify_claims",
-           "render_claims", "main"]
+           "classify_claims", "render_claims", "main"]
 
 #: (heading, CSV files whose rows are pooled by seed, what the folder is), relative to docs/results.
 CLASSIFY_FOLDERS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
