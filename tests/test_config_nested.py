@@ -64,7 +64,8 @@ def test_added_fields_are_what_old_runs_trained_with():
     for name, value in ADDED.items():
         assert defaults[name] == value, name
     vit = ViTConfig().to_dict()
-    assert {k: vit[k] for k in ADDED_MODEL} == {"num_kv_heads": None, "coord_augment": (0.0, 1.0, 1.0)}
+    assert {k: vit[k] for k in ADDED_MODEL} == {"num_kv_heads": None, "coord_augment": (0.0, 1.0, 1.0),
+                                                "resolution_scaling": {}}
     # a recorded run lacking them loads with them; a user's options lacking them are left to the defaults
     old = {k: v for k, v in defaults.items() if k not in ADDED}
     assert flatten(upgrade_config(old)) == defaults
@@ -141,9 +142,9 @@ def test_section_that_is_not_a_mapping():
 
 
 def test_upgrade_architecture():
-    assert upgrade_architecture({"depth": 2}) == {"num_kv_heads": None, "depth": 2}
+    assert upgrade_architecture({"depth": 2}) == {"num_kv_heads": None, "resolution_scaling": {}, "depth": 2}
     assert upgrade_architecture({"coords": "grid", "num_kv_heads": 1}) == {
-        "num_kv_heads": 1, "coord_augment": [0.0, 1.0, 1.0], "coords": "grid"}
+        "num_kv_heads": 1, "coord_augment": [0.0, 1.0, 1.0], "resolution_scaling": {}, "coords": "grid"}
 
 
 def _command(argv):

@@ -34,6 +34,7 @@ Shape legend: ``Hp`` heads owning parameters, ``c`` coordinate dimension, ``P = 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -204,6 +205,35 @@ class ResolutionScaling:
                                                       and self.attention_factor > 0):
             raise ValueError(f"attention_factor must be finite and positive, got {self.attention_factor}")
 
+    def to_dict(self) -> dict:
+        """The fields as JSON values (what ``ViTConfig.resolution_scaling`` records); ``from_dict`` reads it."""
+        def plain(v: Any) -> Any:
+            if isinstance(v, Tensor):
+                v = v.tolist()
+            return [float(x) for x in v] if isinstance(v, (list, tuple)) else (None if v is None else float(v))
+
+        return {"method": self.method, "scale": plain(self.scale), "train_extent": plain(self.train_extent),
+                "alpha": float(self.alpha), "beta": float(self.beta),
+                "attention_factor": plain(self.attention_factor), "margin": float(self.margin)}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "resolution_scaling") -> "ResolutionScaling":
+        """Build from a mapping of the fields (``to_dict``'s; missing ones at their defaults).
+
+        Raises:
+            ValueError: not a mapping, an unknown field or a bad value (one line, prefixed by ``source``).
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"{source} must be a mapping of ResolutionScaling fields, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from None
+
     def factor(self) -> float:
         """The factor on q and k (logits times its square)."""
         if self.attention_factor is not None:
@@ -235,6 +265,18 @@ class _ScaledState(NamedTuple):
     form: RoPEForm  # the scaled form, basis without the attention factor
     factor: float
     coords: Tensor
+
+
+def _drop_inner_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    inner = prefix + "inner."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_inner_prefix(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    inner = prefix + "inner."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 class ScaledEncoding(PositionEncoding):
@@ -270,6 +312,10 @@ class ScaledEncoding(PositionEncoding):
         self.backend = pe.backend
         self.inner = pe
         self.scaling = scaling
+        # the state dict holds the wrapped encoding's tensors under its own names: a scaled model's checkpoint
+        # loads into the unscaled model and back (the scaling is a transform, it has no tensors of its own)
+        self.register_state_dict_post_hook(_drop_inner_prefix)
+        self.register_load_state_dict_pre_hook(_add_inner_prefix)
 
     def param_dtype(self) -> torch.dtype:
         """The wrapped encoding's parameter dtype."""

@@ -31,6 +31,7 @@ from ..coords.augment import augment_leading_axes, check_coord_augment
 from ..encodings import PositionEncoding, create_pe, list_pes
 from ..encodings.registry import RegistryView
 from ..encodings.prepared import prepare_layers
+from ..encodings.scaling import ResolutionScaling, ScaledEncoding
 from ..encodings.ops.validation import check_finite
 from .attention import Attention, PreparedPE
 from .coords import COORD_MODES, centroid, grid_coords, jitter_coords, patch_units
@@ -123,6 +124,12 @@ class ViTConfig:
             as an input channel *and* as the third coordinate -- the STRING paper's ViTD), ``"ignore"``
             (an RGB ViT), or ``"auto"``: ``"coord"`` with a rotary encoding, ``"channel"`` without.
         depth_scale_init: initial ``a`` of ``z = a * depth + b`` (1: from scratch; 0: fine-tuning a 2-D model).
+    Resolution:
+        resolution_scaling: the fields of a ``ropekit.encodings.scaling.ResolutionScaling`` (``method``, ``scale``,
+            ``train_extent``, ...): every encoding is wrapped in a ``ScaledEncoding`` applying that method to its
+            RoPE form -- a model fine-tuned or evaluated at another resolution than it was trained at. ``{}``
+            (default): none. The wrapped encodings keep their parameters' names, so a checkpoint loads into the
+            model with or without the scaling. Needs grid coordinates and an encoding with a RoPE form.
     """
 
     num_classes: int = 10
@@ -153,6 +160,7 @@ class ViTConfig:
     coord_augment: Tuple[float, float, float] = (0.0, 1.0, 1.0)
     depth_input: str = "auto"
     depth_scale_init: float = 1.0
+    resolution_scaling: Dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -230,6 +238,13 @@ class ViTConfig:
                              f"no coordinate path (use depth_input='channel')")
         if self.rotary is None and self.pe_options:
             raise ValueError(f"pe={self.pe!r} takes no encoding options, got {sorted(self.pe_options)}")
+        if self.resolution_scaling:
+            ResolutionScaling.from_dict(dict(self.resolution_scaling))
+            if self.rotary is None:
+                raise ValueError(f"resolution_scaling acts on a rotary encoding's frequencies; pe={self.pe!r} has none")
+            if self.coords != "grid":
+                raise ValueError(f"resolution_scaling acts on grid coordinates; coords={self.coords!r} has the same "
+                                 f"extent at every resolution (nothing to scale)")
         return self
 
     def resolved(self) -> "ViTConfig":
@@ -238,6 +253,8 @@ class ViTConfig:
         changes: Dict[str, Any] = {"image_size": tuple(int(s) for s in self.image_size),
                                    "pe": self.pe.lower().replace("_", "-")}
         changes["coord_augment"] = check_coord_augment(self.coord_augment)
+        if self.resolution_scaling:  # every field stated, as JSON values
+            changes["resolution_scaling"] = ResolutionScaling.from_dict(dict(self.resolution_scaling)).to_dict()
         if self.modality == "rgbd":
             changes["depth_input"] = self.resolved_depth_input
         sharing = self.pe_sharing
@@ -364,6 +381,16 @@ def build_encodings(cfg: ViTConfig, coord_dim: int) -> List[Optional[PositionEnc
 
     def make() -> PositionEncoding:
         return create_pe(name, head_dim=cfg.head_dim, coord_dim=coord_dim, num_heads=cfg.num_heads, **options)
+
+    if cfg.resolution_scaling:
+        plain = make
+        scaling = ResolutionScaling.from_dict(dict(cfg.resolution_scaling))
+
+        def make() -> PositionEncoding:
+            pe = plain()
+            if pe.rope_kind is None or not pe.is_rotation:
+                raise ValueError(f"resolution_scaling acts on a RoPE form; {name} with these options has none")
+            return ScaledEncoding(pe, scaling)
 
     if sharing == "model":
         pe = make()

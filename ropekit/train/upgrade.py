@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 from ..nn.vit import ViTConfig
 
@@ -63,9 +63,10 @@ ADDED: Dict[str, Any] = {
 }
 
 #: ``ViTConfig`` fields added after committed architectures were recorded whole, with the value they trained with
-#: (``num_kv_heads=None``: multi-head attention; ``coord_augment`` off). ``coord_augment`` is also a ``TrainConfig``
-#: field, so only a whole backbone (one that states ``coords``) records it; a recipe's ``model_options`` never does.
-ADDED_MODEL: Dict[str, Any] = {"num_kv_heads": None, "coord_augment": [0.0, 1.0, 1.0]}
+#: (``num_kv_heads=None``: multi-head attention; ``coord_augment`` off; ``resolution_scaling`` none).
+#: ``coord_augment`` is also a ``TrainConfig`` field, so only a whole backbone (one that states ``coords``) records
+#: it; a recipe's ``model_options`` never does.
+ADDED_MODEL: Dict[str, Any] = {"num_kv_heads": None, "coord_augment": [0.0, 1.0, 1.0], "resolution_scaling": {}}
 
 #: Every flat name a ``train`` section has had (the fields of the flat ``TrainConfig`` of ropekit <= 0.1, which
 #: ``config.json`` files, checkpoints and ``--set`` / ``--config`` still accept): each section's, then

@@ -134,7 +134,8 @@ VIDEO_PES = ["none", "absolute", "axial", "mixed", "cayley", "circulant", "liere
 #: The architecture fields every recipe shares (each preset adds its width, depth, heads, MLP ratio and drop-path
 #: rate). A field added to ``ViTConfig`` is stated here once (and in ``ropekit.train.upgrade.ADDED_MODEL`` with the
 #: value committed recipes that predate it trained with).
-_ARCH = dict(qkv_bias=True, drop_rate=0.0, attn_drop_rate=0.0, pe_fold_train=True, num_kv_heads=None)
+_ARCH = dict(qkv_bias=True, drop_rate=0.0, attn_drop_rate=0.0, pe_fold_train=True, num_kv_heads=None,
+             resolution_scaling={})
 
 
 def arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_path_rate: float = 0.0,
@@ -145,7 +146,8 @@ def arch(embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, drop_path
     if unknown:
         raise ValueError(f"arch: {', '.join(unknown)} are not fields of _ARCH")
     return dict(embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
-                drop_path_rate=drop_path_rate, tubelet_size=tubelet_size, **{**_ARCH, **changes})
+                drop_path_rate=drop_path_rate, tubelet_size=tubelet_size,
+                **copy.deepcopy({**_ARCH, **changes}))
 
 
 #: The streamed-data fields (augmentation, evaluation crop, loader processes) at their defaults: the studies train

@@ -77,7 +77,7 @@ def _backbone(**changes: Any) -> Dict[str, Any]:
     b = dict(patch_size=8, tubelet_size=2, embed_dim=96, depth=4, num_heads=2, mlp_ratio=2.0, qkv_bias=True,
              drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0, pe_sharing="model", per_head=False,
              pe_fold_train=True, ape="none", cls="none", coords="grid", jitter=0.0,
-             coord_augment=[0.0, 1.0, 1.0], num_kv_heads=None)
+             coord_augment=[0.0, 1.0, 1.0], num_kv_heads=None, resolution_scaling={})
     b.update(changes)
     return b
 
