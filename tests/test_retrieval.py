@@ -222,6 +222,12 @@ def test_data_without_captions_is_refused(tmp_path):
     cfg.train = cfg.train.replace(data="rgbd-digits", data_options={"num_train": 8, "num_test": 4})
     with pytest.raises(ValueError, match="retrieval needs captioned data"):
         train_retrieval(cfg, quiet=True)
+    # a checkpoint to start from would be recorded and not read: refused before anything loads
+    cfg = _tiny(tmp_path, name="from")
+    cfg.train = cfg.train.replace(init_from=str(tmp_path / "some-run"))
+    with pytest.raises(ValueError, match="retrieval task trains both towers .* reads no checkpoint"):
+        train_retrieval(cfg, quiet=True)
+    assert not (tmp_path / "from" / "config.json").exists()
 
 
 def test_the_command_line(tmp_path, capsys):

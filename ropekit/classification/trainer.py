@@ -193,7 +193,16 @@ def fetch_batch(ds: Dataset, index: Sequence[int]) -> Tuple[Tensor, Tensor]:
 
 
 def build_model(cfg: TrainConfig, info: Any) -> Tuple[VisionTransformer, ViTConfig]:
-    vit_cfg = build_vit_config(cfg, info)
+    """The ViT of ``cfg`` on data described by ``info`` (:func:`build_vit_config`), with a fine-tuning
+    resolution scaling resolved (:func:`fine_tune_scaling`)."""
+    raw = cfg.model.options.get("resolution_scaling") or {}
+    if raw and "scale" not in raw:
+        without = {k: v for k, v in cfg.model.options.items() if k != "resolution_scaling"}
+        plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, options=without))
+        vit_cfg = build_vit_config(plain, info)
+        vit_cfg = dataclasses.replace(vit_cfg, resolution_scaling=fine_tune_scaling(raw, vit_cfg, cfg)).resolved()
+    else:
+        vit_cfg = build_vit_config(cfg, info)
     return VisionTransformer(vit_cfg), vit_cfg
 
 
@@ -290,27 +299,78 @@ def training_extent(vit_cfg: ViTConfig, tcfg: TrainConfig) -> Tuple[float, float
     return h / vit_cfg.patch_size, w / vit_cfg.patch_size
 
 
+def original_extent(vit_cfg: ViTConfig, tcfg: TrainConfig) -> Tuple[float, float]:
+    """The extent ``(L_y, L_x)`` in patches that a run's encodings were first trained at: the ``train_extent``
+    its model's ``resolution_scaling`` records (a run fine-tuned with a scaling), else :func:`training_extent`.
+
+    Raises:
+        ValueError: a recorded scaling without ``train_extent`` (one line).
+    """
+    recorded = vit_cfg.resolution_scaling
+    if not recorded:
+        return training_extent(vit_cfg, tcfg)
+    extent = recorded.get("train_extent")
+    if extent is None:
+        raise ValueError(f"this model carries resolution_scaling {recorded.get('method')!r} without train_extent, so "
+                         f"the extent its encodings were trained at is unknown")
+    if not isinstance(extent, (list, tuple)):
+        return float(extent), float(extent)
+    image_axes = extent[1:3] if vit_cfg.modality == "video" else extent[:2]  # (t, y, x) / (y, x[, z])
+    return float(image_axes[0]), float(image_axes[1])
+
+
+def _scaling_to(method: str, vit_cfg: ViTConfig, grid: Tuple[float, float], extent: Tuple[float, float],
+                **options: Any) -> ResolutionScaling:
+    """``method`` from a training extent ``(L_y, L_x)`` to a grid ``(g_y, g_x)`` (patches): per image axis
+    ``s = max(1, g / L)``, ``s = 1`` on a depth or time axis."""
+    if vit_cfg.coords != "grid":
+        raise ValueError(f"resolution scaling acts on grid coordinates; this run's model uses {vit_cfg.coords} "
+                         f"coordinates, whose extent is the same at every resolution (nothing to scale)")
+    scale = [max(1.0, g / ell) for g, ell in zip(grid, extent)]
+    ext = [float(ell) for ell in extent]
+    if vit_cfg.modality == "video":  # (t, y, x)
+        scale, ext = [1.0] + scale, [1.0] + ext
+    elif vit_cfg.depth_as_coord:  # (y, x, z)
+        scale, ext = scale + [1.0], ext + [1.0]
+    return ResolutionScaling.from_dict({**options, "method": method, "scale": scale, "train_extent": ext},
+                                       source="resolution scaling")
+
+
 def eval_scaling(method: str, vit_cfg: ViTConfig, tcfg: TrainConfig, image_size: Any) -> ResolutionScaling:
     """The :class:`~ropekit.encodings.scaling.ResolutionScaling` that evaluates a run's model at ``image_size``
     pixels (an int or ``(H, W)``) with ``method``: per image axis ``s = max(1, g / L)`` (``g`` the test grid,
-    ``L`` :func:`training_extent`), ``s = 1`` on a depth or time axis.
+    ``L`` :func:`original_extent`: for a run fine-tuned with a scaling, the extent before it, so the method
+    replaces the recorded one), ``s = 1`` on a depth or time axis.
 
     Raises:
         ValueError: an unknown method, or a model on normalised coordinates (their extent is 1 at every
             resolution, so there is nothing to scale); one line.
     """
-    if vit_cfg.coords != "grid":
-        raise ValueError(f"resolution scaling acts on grid coordinates; this run's model uses {vit_cfg.coords} "
-                         f"coordinates, whose extent is the same at every resolution (nothing to scale)")
     h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-    ly, lx = training_extent(vit_cfg, tcfg)
-    scale = [max(1.0, h / vit_cfg.patch_size / ly), max(1.0, w / vit_cfg.patch_size / lx)]
-    extent = [ly, lx]
-    if vit_cfg.modality == "video":  # (t, y, x)
-        scale, extent = [1.0] + scale, [1.0] + extent
-    elif vit_cfg.depth_as_coord:  # (y, x, z)
-        scale, extent = scale + [1.0], extent + [1.0]
-    return ResolutionScaling(method, scale=scale, train_extent=extent)
+    p = vit_cfg.patch_size
+    return _scaling_to(method, vit_cfg, (h / p, w / p), original_extent(vit_cfg, tcfg))
+
+
+def fine_tune_scaling(requested: Dict[str, Any], vit_cfg: ViTConfig, tcfg: TrainConfig) -> Dict[str, Any]:
+    """The resolved ``resolution_scaling`` of a fine-tuning run that asks for one by method only
+    (``{"method": "pi"}``, what ``ropekit train --scaling pi`` records before the run starts): measured from the
+    extent the ``init_from`` run's encodings were trained at (:func:`original_extent`) to this run's
+    (:func:`training_extent` of ``vit_cfg``, the model without the scaling). Other fields of ``requested``
+    (``alpha``, ``beta``, ...) are kept.
+
+    Raises:
+        ValueError: no ``init_from``, or a scaling that cannot apply (one line).
+    """
+    method = requested.get("method")
+    if not tcfg.model.init_from:
+        raise ValueError(f"resolution scaling {method!r} without a scale fine-tunes another run at a new resolution: "
+                         f"name it with --init-from RUN (or give the scale)")
+    config, ckpt = load_run(tcfg.model.init_from)
+    src_tcfg = TrainConfig.from_dict(config.get("train", {}), source=f"{tcfg.model.init_from}", strict=False)
+    src_vit = ViTConfig.from_dict(ckpt["vit_config"], source=f"checkpoint {ckpt['path']}", strict=False)
+    options = {k: v for k, v in requested.items() if k != "method"}
+    return _scaling_to(str(method), vit_cfg, training_extent(vit_cfg, tcfg), original_extent(src_vit, src_tcfg),
+                       **options).to_dict()
 
 
 def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: float = 0.0, seed: int = 0,
@@ -372,10 +432,23 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
         "run_dir": str(run_dir), "checkpoint": ckpt["path"], "epoch": int(ckpt.get("epoch", 0)), "data": tcfg.data.name,
         "data_root": tcfg.data.data_root, "pe": vit_cfg.pe, "image_size": list(info.image_size),
         "offset_std": float(offset_std), "seed": int(seed), "coord_dim": model.coord_dim,
-        "scaling": scaled.method if scaled else "none", "scale": list(scaled.scale) if scaled else None,
-        "train_extent": list(scaled.train_extent) if scaled else None,
+        **_scaling_report(scaled, vit_cfg),
         "test_acc": res["test_acc"], "test_loss": res["test_loss"], "num_examples": res["num_examples"],
     }
+
+
+def _scaling_report(scaled: Optional[ResolutionScaling], vit_cfg: ViTConfig) -> Dict[str, Any]:
+    """``scaling``, ``scale`` and ``train_extent`` of an evaluation: the method asked for, else the one the model
+    carries (a run fine-tuned with a scaling), else ``"none"``."""
+    fields = scaled.to_dict() if scaled is not None else dict(vit_cfg.resolution_scaling)
+    if not fields:
+        return {"scaling": "none", "scale": None, "train_extent": None}
+
+    def listed(v: Any) -> Any:
+        return v if v is None or isinstance(v, list) else [v] * vit_cfg.coord_dim
+
+    return {"scaling": fields["method"], "scale": listed(fields["scale"]),
+            "train_extent": listed(fields["train_extent"])}
 
 
 def _check_same_task(info: Any, vit_cfg: ViTConfig, trained: Dict[str, Any], tcfg: TrainConfig) -> None:
@@ -675,6 +748,9 @@ def _train(cfg: TrainConfig, ctx: DistContext, run_dir: Path, *, resume: bool, o
 
     task = build_classification_task(cfg, ctx, run_dir=run_dir, quiet=quiet)
     model, vit_cfg, info, train_ds, test_ds = task.model, task.model.cfg, task.info, task.train_ds, task.test_ds
+    if cfg.model.options.get("resolution_scaling", {}) != vit_cfg.resolution_scaling:
+        # a scaling asked for by method (--scaling) is recorded resolved: a resume needs no init_from run
+        cfg = cfg.replace(model_options={"resolution_scaling": vit_cfg.resolution_scaling})
     if ckpt is not None:  # (checked here, before anything is said or written; the engine restores the rest)
         load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
     if cfg.model.init_from and ckpt is None:

@@ -247,7 +247,7 @@ class RetrievalTask:
     # ------------------------------------------------------------------ outputs
     def plot(self, history: List[Dict[str, Any]], path: Path) -> None:
         """``curves.png`` (loss and recalls) and, beside it, ``queries.png`` (a few test captions, top-5 images)."""
-        from .plot import plot_queries, plot_retrieval_curves
+        from .plot import plot_retrieval_curves
 
         vit = self.model.vision.cfg
         plot_retrieval_curves(history, path, title=f"{self.cfg.train.data.name} retrieval, pe={vit.pe}, depth "
@@ -315,6 +315,9 @@ def build_retrieval_task(cfg: RetrievalConfig, ctx: Optional[DistContext] = None
     ctx = ctx or DistContext()
     cfg.train.validate()
     cfg.options.validate()
+    if cfg.train.model.init_from:  # (it would be recorded and not read)
+        raise ValueError(f"--init-from {cfg.train.model.init_from}: the retrieval task trains both towers from their "
+                         f"initialisation and reads no checkpoint into them")
     train_ds, test_ds, info = load_data(cfg.train)
     train_scenes = _scenes_of(train_ds, "train", cfg.train.data.name)
     test_scenes = _scenes_of(test_ds, "test", cfg.train.data.name)

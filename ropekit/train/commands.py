@@ -130,6 +130,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model-opt", metavar="KEY=VALUE", action="append", default=S,
                    help="any ViTConfig field, e.g. embed_dim=128 or depth=4 (repeatable)")
     m.add_argument("--init-from", metavar="CKPT", default=S, help="initialise matching weights from a checkpoint")
+    m.add_argument("--scaling", metavar="METHOD", default=S,
+                   help="with --init-from at a larger image size: fine-tune with the encodings' frequencies scaled "
+                        "from the extent the source run trained at to this run's, by pi (position interpolation), "
+                        "ntk, yarn or cap (recorded in the run: evaluation and resume keep it)")
     o = p.add_argument_group("optimisation")
     o.add_argument("--epochs", type=int, default=S, help="epochs (default 12)")
     o.add_argument("--batch-size", type=int, default=S, help="global batch size (default 32)")
@@ -232,6 +236,16 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
         if key in given and given[key] != value:
             raise CommandError(f"--set {written}={_show(value)} conflicts with {spelled[key]}; give {key} once")
         given[key], spelled[key] = value, f"--set {written}={_show(value)}"
+    if "scaling" in given:  # --scaling METHOD: model_options.resolution_scaling, its scale found when the data are
+        method = str(given.pop("scaling"))
+        from ..encodings.scaling import SCALING_METHODS
+
+        if method not in SCALING_METHODS or method == "none":
+            raise CommandError(f"--scaling {method}: unknown method; known: "
+                               f"{', '.join(m for m in SCALING_METHODS if m != 'none')}")
+        if "resolution_scaling" in parse_key_values(given.get("model_opt"), "--model-opt"):
+            raise CommandError("--scaling conflicts with --model-opt resolution_scaling; give one of them")
+        given["model_opt"] = [*(given.get("model_opt") or []), "resolution_scaling=" + json.dumps({"method": method})]
     for opt, fld in _KV_OPTIONS.items():
         if opt in given:
             flag = f"--{opt.replace('_', '-')}"
@@ -254,6 +268,10 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
     if merged.get("data_root") is not None and (not resume or "data_root" in given):
         merged["data_root"] = str(Path(merged["data_root"]).expanduser().resolve())
     cfg = TrainConfig.from_dict(merged, source="options")
+    scaling = cfg.model.options.get("resolution_scaling") or {}
+    if scaling and "scale" not in scaling and not cfg.model.init_from and not resume:
+        raise CommandError(f"--scaling {scaling.get('method')} scales from the resolution another run trained at to "
+                           f"this run's: name that run with --init-from RUN")
 
     # cheap name checks before any data is loaded
     from ..data import list_datasets
@@ -505,7 +523,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="resolution scaling of the encoding's frequencies for a larger --image-size: position "
                         "interpolation (pi), NTK-aware (ntk), YaRN (yarn) or a low-frequency cap (cap); commuting "
                         "rotary encodings on grid coordinates, learned spectra included (docs/native-resolution.md); "
-                        "default none")
+                        "s is measured from the size the encodings first trained at (for a run fine-tuned with "
+                        "train --scaling, its source's), and replaces a scaling the run carries; default none: the "
+                        "run's model as it is")
     p.add_argument("--offset-std", type=float, metavar="S", default=0.0,
                    help="add one random global coordinate offset per image, drawn from N(0, S^2 I) (coordinate units)")
     p.add_argument("--seed", type=int, default=0, help="seed of the offsets")
