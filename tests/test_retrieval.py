@@ -228,6 +228,14 @@ def test_data_without_captions_is_refused(tmp_path):
     with pytest.raises(ValueError, match="retrieval task trains both towers .* reads no checkpoint"):
         train_retrieval(cfg, quiet=True)
     assert not (tmp_path / "from" / "config.json").exists()
+    # as would classification's augmentation, mixing, smoothing and packing: named, before anything is written
+    for change, flag in (({"mixup_alpha": 0.2}, "--mixup"), ({"label_smoothing": 0.1}, "--label-smoothing"),
+                         ({"native_resolution": True}, "--native-resolution")):
+        cfg = _tiny(tmp_path, name="unread")
+        cfg.train = cfg.train.replace(**change)
+        with pytest.raises(ValueError, match=f"^{flag}: classification options the retrieval task does not read"):
+            train_retrieval(cfg, quiet=True)
+        assert not (tmp_path / "unread" / "config.json").exists()
 
 
 def test_the_command_line(tmp_path, capsys):
@@ -244,6 +252,10 @@ def test_the_command_line(tmp_path, capsys):
     assert not (out / "queries.png").exists()
     assert main(["train", "--task", "retrieval", "--task-opt", "bogus=1", "--out", str(tmp_path / "x")]) == 2
     assert "bogus" in capsys.readouterr().err
+    # the command line's task default does not shift images; a shift given there would not be read
+    assert main(["train", "--task", "retrieval", "--augment-shift", "2", "--out", str(tmp_path / "y")]) == 2
+    assert "--augment-shift: classification options the retrieval task does not read" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
     assert main(["train", "--task-opt", "text_width=8", "--out", str(tmp_path / "y")]) == 2
     assert "takes no --task-opt" in capsys.readouterr().err
 

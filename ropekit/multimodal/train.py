@@ -305,6 +305,22 @@ def build_model(cfg: RetrievalConfig, info: Any, vocab_size: int) -> DualEncoder
                        o.logit_scale_init, o.logit_bias_init)
 
 
+def _refuse_classification_only(tc: TrainConfig, shift: bool = False) -> None:
+    """One-line ``ValueError`` naming the ``TrainConfig`` fields only classification reads that ``tc`` sets
+    (they would be recorded and not read); ``shift``: ``augment_shift`` too (the command line, whose task default
+    is 0; ``TrainConfig``'s own is classification's 1)."""
+    d, o = tc.data, tc.optim
+    fields = [("augment_sizes", list(d.augment_sizes), []), ("--mixup", d.mixup_alpha, 0.0),
+              ("--cutmix", d.cutmix_alpha, 0.0), ("--label-smoothing", o.label_smoothing, 0.0),
+              ("--native-resolution", d.native_resolution, False), ("--native-opt", dict(d.native_options), {})]
+    if shift:
+        fields.insert(0, ("--augment-shift", d.augment_shift, TASK_DEFAULTS["augment_shift"]))
+    unread = [flag for flag, value, off in fields if value != off]
+    if unread:
+        raise ValueError(f"{', '.join(unread)}: classification options the retrieval task does not read (its images "
+                         f"are not shifted, mixed or packed; its loss is SigLIP's)")
+
+
 @register_task("retrieval", "image-text retrieval: a ViT / ViTD and a text tower trained with the SigLIP loss on "
                             "captioned RGB-D scenes", config=RetrievalConfig, defaults=TASK_DEFAULTS,
                train=lambda cfg, options, **kw: run_retrieval_command(cfg, options, **kw))
@@ -318,6 +334,7 @@ def build_retrieval_task(cfg: RetrievalConfig, ctx: Optional[DistContext] = None
     if cfg.train.model.init_from:  # (it would be recorded and not read)
         raise ValueError(f"--init-from {cfg.train.model.init_from}: the retrieval task trains both towers from their "
                          f"initialisation and reads no checkpoint into them")
+    _refuse_classification_only(cfg.train)
     train_ds, test_ds, info = load_data(cfg.train)
     train_scenes = _scenes_of(train_ds, "train", cfg.train.data.name)
     test_scenes = _scenes_of(test_ds, "test", cfg.train.data.name)
@@ -440,6 +457,7 @@ def run_retrieval_command(cfg: TrainConfig, task_options: Dict[str, Any], *, res
         previous, _ = load_run(cfg.run.out)
         task_options = {**previous.get("retrieval", {}), **task_options}
     options = RetrievalOptions.from_dict(task_options)
+    _refuse_classification_only(cfg, shift=True)
     result = train_retrieval(RetrievalConfig(cfg, options), resume=resume, allow_change=allow_change)
     if not result.is_main:
         return 130 if result.interrupted else 0
