@@ -91,3 +91,9 @@ def test_native_errors(tmp_path):
         train(_cfg(root, tmp_path / "x", native_options={"seq": 3}), quiet=True)
     with pytest.raises(ValueError, match="absolute"):
         train(_cfg(root, tmp_path / "y", pe="absolute"), quiet=True)
+    # options of fixed-size batches that packing would record and not read: refused, nothing written
+    for change, words in (({"mixup_alpha": 0.2}, "augment_sizes, mixup and cutmix do not apply"),
+                          ({"augment_shift": 3}, "--augment-shift 3: packed images are not shifted")):
+        with pytest.raises(ValueError, match=words):
+            train(_cfg(root, tmp_path / "w", **change), quiet=True)
+        assert not (tmp_path / "w").exists()

@@ -36,6 +36,8 @@ from ..train.engine import seed_everything
 from ..train.tasks import register_task
 from .trainer import ClassificationTask, build_model
 
+_DEFAULT_SHIFT = TrainConfig().data.augment_shift
+
 __all__ = ["NativeClassificationTask", "build_native_task", "native_sources", "native_options"]
 
 FOLDER_DATA = ("folder-stream", "imagefolder")
@@ -188,6 +190,9 @@ def build_native_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *, ru
     if cfg.data.augment_sizes or cfg.data.mixup_alpha > 0 or cfg.data.cutmix_alpha > 0:
         raise ValueError("--native-resolution samples resolutions itself; augment_sizes, mixup and cutmix do not "
                          "apply to packed batches")
+    if cfg.data.augment_shift not in (0, _DEFAULT_SHIFT):  # (the default is classification's; never read here)
+        raise ValueError(f"--augment-shift {cfg.data.augment_shift}: packed images are not shifted in pixels "
+                         f"(--coord-augment augments their coordinates)")
     _check_option_keys(cfg)  # (before any data is read)
     train_ds, test_ds, info = native_sources(cfg)
     if cfg.model.patch_size is None and cfg.data.name.strip().lower().replace("_", "-") in FOLDER_DATA + SHARD_DATA:
