@@ -156,6 +156,16 @@ def test_bad_settings_are_refused(bad):
         TrainConfig.from_dict(dict(coord_augment=list(bad))).validate()
 
 
+@pytest.mark.parametrize("pe", ["absolute", "sincos", "none"])
+def test_coordinate_noise_without_a_rotary_encoding_is_refused(pe):
+    """Jitter and coordinate augmentation move the rotary encoding's coordinates; a model without one has none, so
+    the option would be recorded and do nothing: a one-line error instead."""
+    for option, word in ((dict(jitter=0.5), "jitter"), (dict(coord_augment=(1.0, 1.0, 1.0)), "coord_augment")):
+        with pytest.raises(ValueError, match=f"^{word} moves the coordinates of a rotary encoding; pe='{pe}' has none"):
+            vit_config("tiny", pe=pe, **option).validate()
+    vit_config("tiny", pe="cayley", jitter=0.5, coord_augment=(1.0, 1.0, 1.0)).validate()
+
+
 def test_cli_option_reaches_the_config():
     from ropekit.train.commands import add_train_arguments, config_from_args
 

@@ -112,7 +112,8 @@ class ViTConfig:
             it; CLS-patch logits then depend on absolute coordinates) or ``"centroid"`` (the CLS token is given
             the centroid of the patch coordinates, so offset invariance is kept).
         coords: ``"grid"`` (integer patch indices) or ``"normalized"`` (centres in ``[0, 1]``).
-        jitter: position jitter sigma in patches (training only; 0 disables).
+        jitter: position jitter sigma in patches (training only; 0 disables). Like ``coord_augment``, it moves the
+            rotary encoding's coordinates, so a model without one refuses it.
         coord_augment: ``(shift, jitter, rescale)`` coordinate augmentation in training, as DINOv3 and timm's
             NaFlexViT: per image a uniform shift in ``[-shift, shift]`` per axis, a log-uniform per-axis scale in
             ``[1/jitter, jitter]`` and a log-uniform global scale in ``[1/rescale, rescale]`` of the patch
@@ -233,6 +234,10 @@ class ViTConfig:
         if self.jitter < 0:
             raise ValueError(f"jitter must be >= 0, got {self.jitter}")
         check_coord_augment(self.coord_augment)
+        if self.rotary is None and (self.jitter > 0 or tuple(float(v) for v in self.coord_augment) != (0.0, 1.0, 1.0)):
+            what = "jitter" if self.jitter > 0 else "coord_augment"
+            raise ValueError(f"{what} moves the coordinates of a rotary encoding; pe={self.pe!r} has none, so it "
+                             f"would do nothing")
         if self.depth_as_coord and self.rotary is None:
             raise ValueError(f"depth_input={self.resolved_depth_input!r} needs a rotary encoding; pe={self.pe!r} has "
                              f"no coordinate path (use depth_input='channel')")
