@@ -128,6 +128,8 @@ def test_resolution_scaling_refuses_what_it_cannot_scale(tmp_path):
     train(tiny_cfg(ape, pe="absolute", epochs=1), quiet=True)
     with pytest.raises(ValueError, match=r"encoding \(absolute\) has none"):
         evaluate_run(ape, image_size=16, scaling="pi")
+    with pytest.raises(ValueError, match=r"--offset-std shifts the coordinates .* \(pe absolute\) has none"):
+        evaluate_run(ape, offset_std=2.0)  # (it reads no coordinates: the offset would be reported, not applied)
 
 
 # ------------------------------------------------------------------------------------------------ resume

@@ -395,6 +395,9 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
     config, ckpt = load_run(run_dir)
     tcfg = TrainConfig.from_dict(config.get("train", {}), source="config.json", strict=False)
     vit_cfg = ViTConfig.from_dict(ckpt["vit_config"], source=f"checkpoint {ckpt['path']}", strict=False)
+    if offset_std > 0 and vit_cfg.rotary is None:  # (the model reads no coordinates: the offset would do nothing)
+        raise ValueError(f"--offset-std shifts the coordinates of a rotary encoding; this run's model (pe "
+                         f"{vit_cfg.pe}) has none")
     other = data is not None or data_root is not None
     if other:
         changes: Dict[str, Any] = {}
