@@ -127,7 +127,7 @@ STUDY_OPTIONS = (
                                 "21,28: 0.5x..4x a 7x7 training grid)"),
     ("--aspect-grids", _list, "aspect_grids", "native-resolution: non-square evaluation grids HxW (e.g. 5x10,10x5)"),
     ("--scalings", _list, "scalings", "native-resolution: resolution-scaling methods evaluated besides none "
-                                      "(pi, ntk, yarn, cap)"),
+                                      "(pi, ntk, yarn, cap); resolution-finetune: the methods fine-tuned with"),
     ("--trainings", _list, "trainings", "native-resolution: fixed and/or native (packed, mixed aspect ratios)"),
     ("--scale-sizes", _ints, "scale_sizes", "resolution: training image sizes of the normalized+scale convention"),
     ("--epoch-budgets", _ints, "epoch_budgets", "compute-efficiency: training lengths in epochs, each a separate "

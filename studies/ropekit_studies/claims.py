@@ -4,7 +4,8 @@ and the verdict of the one rule (:mod:`ropekit_studies.verdict`), the claims of 
 family; for every retrieval folder (:data:`RETRIEVAL_FOLDERS`) the study's recall claims
 (:func:`ropekit_studies.retrieval.comparisons`), the power of its STRING-against-RoPE pair and the depth
 hard negatives per arm against chance (:func:`ropekit_studies.retrieval.hard_negatives`); for the native-resolution
-folder (:data:`NATIVE_FOLDERS`) the papers' claims and the scaling methods, recomputed from its CSV.
+folder (:data:`NATIVE_FOLDERS`) the papers' claims and the scaling methods, and for the resolution-finetune folder
+(:data:`FINETUNE_FOLDERS`) the fine-tuning claims, recomputed from their CSVs.
 
 Command line (from the repository root; ``--check`` exits 1 when the committed page differs)::
 
@@ -24,8 +25,8 @@ from .recipes import STUDY_CLAIMS
 from .report import pe_label
 from .verdict import RULE, judge
 
-__all__ = ["CLASSIFY_FOLDERS", "RETRIEVAL_FOLDERS", "NATIVE_FOLDERS", "read_runs", "read_retrieval_rows",
-           "classify_claims", "render_claims", "main"]
+__all__ = ["CLASSIFY_FOLDERS", "RETRIEVAL_FOLDERS", "NATIVE_FOLDERS", "FINETUNE_FOLDERS", "read_runs",
+           "read_retrieval_rows", "classify_claims", "render_claims", "main"]
 
 #: (heading, CSV files whose rows are pooled by seed, what the folder is), relative to docs/results.
 CLASSIFY_FOLDERS: Tuple[Tuple[str, Tuple[str, ...], str], ...] = (
@@ -136,6 +137,36 @@ def _native_section(root: Path, folder: str, what: str) -> List[str]:
     for family, vs in ((paper, verdicts), ({}, sverdicts)):
         for key, v in vs.items():
             lines.append(f"| {key} | {family.get(key, '–')} | {_verdict_cells(v)} |")
+    return lines + [""]
+
+
+#: The resolution-finetune study's folders, relative to docs/results, and what each is.
+FINETUNE_FOLDERS: Tuple[Tuple[str, str], ...] = (
+    ("resolution-finetune", "MNIST, 2 blocks, CPU recipe: the classification's runs (7x7 patches) fine-tuned for "
+                            "one epoch at 56 px (14x14) with no scaling, position interpolation or YaRN in place"),
+)
+
+
+def _finetune_section(root: Path, folder: str, what: str) -> List[str]:
+    """The resolution-finetune claims of a folder, recomputed from its CSV with the study's own reading
+    (:func:`ropekit_studies.resolution_finetune.finetune_verdicts`), one Holm family."""
+    from .resolution_finetune import finetune_verdicts
+
+    path = root / folder / "resolution-finetune.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as fh:
+        rows = [{**r, "seed": int(r["seed"]), "test_acc": float(r["test_acc"])} for r in csv.DictReader(fh)]
+    if not rows:
+        return []
+    seeds = sorted({r["seed"] for r in rows})
+    verdicts, paper = finetune_verdicts(rows, list(dict.fromkeys(r["pe"] for r in rows)), seeds)
+    lines = [f"## {folder}", "", f"{what}; test accuracy at 56 px after fine-tuning, paired by seed; seeds "
+             f"{_seed_ranges(seeds)}; {len(verdicts)} claims, one Holm family.", "",
+             "| claim (first − second) | paper | n | mean ± sd | 95 % interval | Holm p | verdict |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for key, v in verdicts.items():
+        lines.append(f"| {key} | {paper[key]} | {_verdict_cells(v)} |")
     return lines + [""]
 
 
@@ -255,6 +286,8 @@ def render_claims(root: Path) -> str:
         lines += _retrieval_section(root, folder, what)
     for folder, what in NATIVE_FOLDERS:
         lines += _native_section(root, folder, what)
+    for folder, what in FINETUNE_FOLDERS:
+        lines += _finetune_section(root, folder, what)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

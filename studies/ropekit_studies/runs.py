@@ -13,6 +13,7 @@ resumed; concurrent processes that need the same run wait on a lock file instead
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -77,13 +78,27 @@ def memo_data(cfg: TrainConfig, image_size: Any = None) -> Tuple[Any, Any, Any]:
     return _DATA_MEMO[key]
 
 
+def _train_doc(cfg: TrainConfig) -> Dict[str, Any]:
+    """The ``TrainConfig`` fields that decide what a run learns; a run it starts from (``init_from``, a run folder
+    of the cache, named by its key) by its folder name, so that neither the hash nor the outputs hold the cache's
+    absolute path."""
+    doc = {k: v for k, v in flatten(cfg.to_nested()).items() if k not in RUNTIME_FIELDS}
+    if doc.get("init_from"):
+        doc["init_from"] = Path(str(doc["init_from"])).name
+    return doc
+
+
 def run_key(cfg: TrainConfig) -> Tuple[str, Dict[str, Any]]:
     """``(hash16, document)``: the hash of the resolved configuration and the document it hashes."""
     cfg = _canonical(cfg)
     _, _, info = memo_data(cfg)
-    vit = build_vit_config(cfg, info).to_dict()
-    train_doc = {k: v for k, v in flatten(cfg.to_nested()).items() if k not in RUNTIME_FIELDS}
-    doc = {"train": train_doc, "model": vit, "ropekit": __version__}
+    scaling = cfg.model.options.get("resolution_scaling") or {}
+    if scaling and "scale" not in scaling:  # resolved against init_from when the run builds its model; the train
+        options = {k: v for k, v in cfg.model.options.items() if k != "resolution_scaling"}  # section names it
+        vit = build_vit_config(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, options=options)), info)
+    else:
+        vit = build_vit_config(cfg, info)
+    doc = {"train": _train_doc(cfg), "model": vit.to_dict(), "ropekit": __version__}
     text = json.dumps(doc, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16], doc
 
@@ -122,7 +137,7 @@ class RunRecord:
     def describe(self) -> Dict[str, Any]:
         """What the outputs record about this run (no absolute paths); ``machine`` is where it was trained
         (:func:`ropekit._platform.numerics_fingerprint`; ``None`` for a run trained before summaries recorded it)."""
-        doc = {k: v for k, v in flatten(self.config.to_nested()).items() if k not in RUNTIME_FIELDS}
+        doc = _train_doc(self.config)
         return {"key": self.key, "label": self.label, "run": self.run_dir.name, "cached": self.cached,
                 "wall_time": self.summary.get("wall_time"), "num_params": self.summary.get("num_params"),
                 "machine": self.summary.get("machine"), "train_config": doc}

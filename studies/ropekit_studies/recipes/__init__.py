@@ -298,6 +298,9 @@ _NATIVE_OPTIONS = {
 _NATIVE_STUDY = dict(grids=[4, 7, 10, 12, 14, 21, 28], aspect_grids=["5x10", "10x5", "4x12", "12x4"],
                      scalings=["none", "pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"])
 _NATIVE_PES = ["absolute", "axial", "mixed", "cayley", "circulant", "comrope-ld"]
+#: Fine-tuning at 2x for one epoch at a quarter of the classification's peak learning rate, no warm-up.
+_FINETUNE_STUDY = dict(scalings=["none", "pi", "yarn"], factor=2, finetune_epochs=1, finetune_lr=5e-4)
+_FINETUNE_PES = ["axial", "mixed", "cayley", "circulant", "comrope-ld"]
 
 RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
     "classify": _presets(_study(DEFAULT_PES, CLASSIFY_SEEDS), _study(DEFAULT_PES, GPU_SEEDS),
@@ -397,6 +400,12 @@ RECIPES: Dict[str, Dict[str, Dict[str, Any]]] = {
         _study(["absolute", "mixed", "comrope-ld"], [0], 200, grids=[4, 7, 12, 28], aspect_grids=["5x10"],
                scalings=["none", "pi", "ntk", "yarn", "cap"], trainings=["fixed", "native"],
                native_options=_NATIVE_OPTIONS["quick"])),
+    # fine-tuning at twice the size (ropekit_studies.resolution_finetune): the classification's recipe and runs,
+    # then one epoch at 56 px from each with no scaling, position interpolation or YaRN in place
+    "resolution-finetune": _presets(
+        _study(_FINETUNE_PES, CLASSIFY_SEEDS, None, **_FINETUNE_STUDY),
+        _study(_FINETUNE_PES, GPU_SEEDS, None, **_FINETUNE_STUDY),
+        _study(["mixed", "cayley"], [0], 200, **_FINETUNE_STUDY)),
     "mqa": {"default": {"train": _mnist(model_options=arch(embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0,
                                                             num_kv_heads=1)),
                         "study": _study(["mixed", "cayley"], SEEDS, pe_overrides=_MQA_SHARING)},
