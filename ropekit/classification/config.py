@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "check_type", "load_config_file",
            "parse_key_values", "parse_value",
-           "build_vit_config", "auto_patch_size", "POSITION_FIELDS", "SECTION_TYPES"]
+           "build_vit_config", "split_pending_scaling", "auto_patch_size", "POSITION_FIELDS", "SECTION_TYPES"]
 
 
 #: The ``ViTConfig`` fields that the ``model`` section states by name (the position encoding and its inputs):
@@ -569,6 +569,18 @@ def auto_patch_size(image_size) -> int:
         if side >= least:
             return p
     return 1
+
+
+def split_pending_scaling(cfg: TrainConfig) -> Tuple[TrainConfig, Dict[str, Any]]:
+    """``(cfg without it, the request)`` when ``cfg`` asks for a resolution scaling by method only
+    (``model_options.resolution_scaling`` without a ``scale``, e.g. ``{"method": "pi"}``: what ``ropekit train
+    --scaling`` records before the run starts; its scale is found against ``init_from`` when the model is built);
+    else ``(cfg, {})``."""
+    request = cfg.model.options.get("resolution_scaling") or {}
+    if not request or "scale" in request:
+        return cfg, {}
+    options = {k: v for k, v in cfg.model.options.items() if k != "resolution_scaling"}
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, options=options)), dict(request)
 
 
 def build_vit_config(cfg: TrainConfig, info: Any) -> ViTConfig:

@@ -51,10 +51,11 @@ from ..train import engine
 from ..train.augment import random_resize, random_shift
 from ..train.engine import seed_everything
 from ..train.checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
-from .config import DATA_CHANGE, TrainConfig, build_vit_config, is_folder, is_streamed_data, plural
+from .config import DATA_CHANGE, TrainConfig, build_vit_config, is_folder, is_streamed_data, plural, \
+    split_pending_scaling
 from ..train.distributed import DistContext, init_distributed, resolve_device
 from ..train.metrics import METRIC_COLUMNS, plot_curves
-from ..train.run_folder import load_run
+from ..train.run_folder import load_run, load_run_config
 from ..train.tasks import register_task
 from ..train.upgrade import flatten
 
@@ -195,14 +196,10 @@ def fetch_batch(ds: Dataset, index: Sequence[int]) -> Tuple[Tensor, Tensor]:
 def build_model(cfg: TrainConfig, info: Any) -> Tuple[VisionTransformer, ViTConfig]:
     """The ViT of ``cfg`` on data described by ``info`` (:func:`build_vit_config`), with a fine-tuning
     resolution scaling resolved (:func:`fine_tune_scaling`)."""
-    raw = cfg.model.options.get("resolution_scaling") or {}
-    if raw and "scale" not in raw:
-        without = {k: v for k, v in cfg.model.options.items() if k != "resolution_scaling"}
-        plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, options=without))
-        vit_cfg = build_vit_config(plain, info)
-        vit_cfg = dataclasses.replace(vit_cfg, resolution_scaling=fine_tune_scaling(raw, vit_cfg, cfg)).resolved()
-    else:
-        vit_cfg = build_vit_config(cfg, info)
+    plain, request = split_pending_scaling(cfg)
+    vit_cfg = build_vit_config(plain, info)
+    if request:
+        vit_cfg = dataclasses.replace(vit_cfg, resolution_scaling=fine_tune_scaling(request, vit_cfg, cfg)).resolved()
     return VisionTransformer(vit_cfg), vit_cfg
 
 
@@ -365,9 +362,9 @@ def fine_tune_scaling(requested: Dict[str, Any], vit_cfg: ViTConfig, tcfg: Train
     if not tcfg.model.init_from:
         raise ValueError(f"resolution scaling {method!r} without a scale fine-tunes another run at a new resolution: "
                          f"name it with --init-from RUN (or give the scale)")
-    config, ckpt = load_run(tcfg.model.init_from)
+    config = load_run_config(tcfg.model.init_from)  # (its weights are read by init_from_checkpoint)
     src_tcfg = TrainConfig.from_dict(config.get("train", {}), source=f"{tcfg.model.init_from}", strict=False)
-    src_vit = ViTConfig.from_dict(ckpt["vit_config"], source=f"checkpoint {ckpt['path']}", strict=False)
+    src_vit = ViTConfig.from_dict(config["model"], source=f"{tcfg.model.init_from}", strict=False)
     options = {k: v for k, v in requested.items() if k != "method"}
     return _scaling_to(str(method), vit_cfg, training_extent(vit_cfg, tcfg), original_extent(src_vit, src_tcfg),
                        **options).to_dict()

@@ -186,7 +186,8 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
     ``data_root`` is made absolute (resolved against the current directory) so that the run folder travels.
     """
     from ..encodings import list_pes
-    from ..classification.config import DATA_CHANGE, TrainConfig, load_config_file, parse_key_values
+    from ..classification.config import DATA_CHANGE, TrainConfig, load_config_file, parse_key_values, \
+        split_pending_scaling
 
     given: Dict[str, Any] = {k: v for k, v in vars(args).items()
                              if k not in ("command", "debug", "task", "task_opt")}
@@ -268,9 +269,9 @@ def config_from_args(args: argparse.Namespace, defaults: Optional[Dict[str, Any]
     if merged.get("data_root") is not None and (not resume or "data_root" in given):
         merged["data_root"] = str(Path(merged["data_root"]).expanduser().resolve())
     cfg = TrainConfig.from_dict(merged, source="options")
-    scaling = cfg.model.options.get("resolution_scaling") or {}
-    if scaling and "scale" not in scaling and not cfg.model.init_from and not resume:
-        raise CommandError(f"--scaling {scaling.get('method')} scales from the resolution another run trained at to "
+    _, request = split_pending_scaling(cfg)
+    if request and not cfg.model.init_from and not resume:
+        raise CommandError(f"--scaling {request.get('method')} scales from the resolution another run trained at to "
                            f"this run's: name that run with --init-from RUN")
 
     # cheap name checks before any data is loaded

@@ -21,8 +21,8 @@ import torch
 from .checkpoint import CheckpointError, load_checkpoint
 from .._io import TEMP_GLOB, atomic_write
 
-__all__ = ["load_run", "SaveError", "RunLockedError", "versions", "RunLock", "safe_write", "remove_stale_temporaries",
-           "write_json"]
+__all__ = ["load_run", "load_run_config", "SaveError", "RunLockedError", "versions", "RunLock", "safe_write",
+           "remove_stale_temporaries", "write_json"]
 
 
 def load_run(run_dir: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -44,15 +44,35 @@ def load_run(run_dir: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     cfg_path = run / "config.json"
     ckpt = load_checkpoint(run)
     if cfg_path.is_file():
-        try:
-            config = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_path} is not valid JSON ({e.msg})") from None
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{cfg_path} does not hold a mapping")
+        config = _read_config(cfg_path)
     else:
         config = {"train": ckpt.get("train_config", {}), "model": ckpt.get("vit_config", {})}
     return config, ckpt
+
+
+def load_run_config(run_dir: Any) -> Dict[str, Any]:
+    """The ``config`` of :func:`load_run` without loading the weights when the folder's ``config.json`` holds the
+    model's configuration (``"model"``).
+
+    Raises:
+        as :func:`load_run`.
+    """
+    run = Path(run_dir).expanduser()
+    if run.is_dir() and (run / "config.json").is_file():
+        config = _read_config(run / "config.json")
+        if "model" in config:
+            return config
+    return load_run(run)[0]
+
+
+def _read_config(path: Path) -> Dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e.msg})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} does not hold a mapping")
+    return config
 
 
 class SaveError(CheckpointError):

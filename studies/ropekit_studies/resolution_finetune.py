@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ropekit.classification.trainer import eval_scaling
-from ropekit.encodings.scaling import apply_resolution_scaling, remove_resolution_scaling
+from ropekit.encodings.scaling import SCALING_METHODS, apply_resolution_scaling, remove_resolution_scaling
 from .common import StudyContext, StudyResult, headline
 from .evaluation import accuracy, predict
 from .registry import register_study
@@ -38,12 +38,10 @@ from .report import aggregate, fmt_pm, markdown_table, pe_label, setup_matplotli
 from .settings import ExperimentConfig
 from .verdict import RULE, judge
 
-__all__ = ["run_resolution_finetune", "FINETUNE_PES", "FINETUNE_METHODS", "finetune_verdicts"]
+__all__ = ["run_resolution_finetune", "FINETUNE_PES", "finetune_verdicts"]
 
 #: The encodings the study fine-tunes (every one has a RoPE form; APE's table has no frequencies to scale).
 FINETUNE_PES = ("axial", "mixed", "cayley", "circulant", "comrope-ld")
-#: The methods a fine-tuning run may carry (``none``: the frequencies as trained).
-FINETUNE_METHODS = ("none", "pi", "ntk", "yarn", "cap")
 
 #: The papers' claims: (first method, second method, the paper's words and numbers), each claimed positive.
 PAPER_CLAIMS: Tuple[Tuple[str, str, str], ...] = (
@@ -66,9 +64,9 @@ def run_resolution_finetune(cfg: ExperimentConfig, out: Any, scalings: Optional[
     method of ``scalings`` (module docstring)."""
     pes = cfg.pe_list(FINETUNE_PES)
     methods = list(scalings or ("none", "pi", "yarn"))
-    bad = sorted(set(methods) - set(FINETUNE_METHODS))
+    bad = sorted(set(methods) - set(SCALING_METHODS))  # (none: the frequencies as trained)
     if bad:
-        raise ValueError(f"unknown scaling method(s) {', '.join(bad)}; known: {', '.join(FINETUNE_METHODS)}")
+        raise ValueError(f"unknown scaling method(s) {', '.join(bad)}; known: {', '.join(SCALING_METHODS)}")
     if "none" not in methods:
         methods = ["none"] + methods
     if int(factor) < 2:

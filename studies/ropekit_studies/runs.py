@@ -13,7 +13,6 @@ resumed; concurrent processes that need the same run wait on a lock file instead
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
 import json
@@ -30,6 +29,7 @@ from ropekit.encodings.registry import PE_REGISTRY
 from ropekit.nn.vit import ViTConfig, VisionTransformer
 from ropekit.train import load_run
 from ropekit.classification import TrainConfig, build_vit_config, load_data, train
+from ropekit.classification.config import split_pending_scaling
 from ropekit.train.upgrade import flatten
 from ropekit.train.checkpoint import CHECKPOINT_NAME, load_model_state
 from ropekit.train.metrics import read_metrics_csv
@@ -92,13 +92,8 @@ def run_key(cfg: TrainConfig) -> Tuple[str, Dict[str, Any]]:
     """``(hash16, document)``: the hash of the resolved configuration and the document it hashes."""
     cfg = _canonical(cfg)
     _, _, info = memo_data(cfg)
-    scaling = cfg.model.options.get("resolution_scaling") or {}
-    if scaling and "scale" not in scaling:  # resolved against init_from when the run builds its model; the train
-        options = {k: v for k, v in cfg.model.options.items() if k != "resolution_scaling"}  # section names it
-        vit = build_vit_config(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, options=options)), info)
-    else:
-        vit = build_vit_config(cfg, info)
-    doc = {"train": _train_doc(cfg), "model": vit.to_dict(), "ropekit": __version__}
+    plain, _ = split_pending_scaling(cfg)  # (a scaling asked for by method: its train section names it)
+    doc = {"train": _train_doc(cfg), "model": build_vit_config(plain, info).to_dict(), "ropekit": __version__}
     text = json.dumps(doc, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16], doc
 
