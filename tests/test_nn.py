@@ -126,6 +126,20 @@ def test_sizes_and_config_validation():
     assert ViTConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_image_size_an_int_is_a_square_and_a_bad_one_a_one_line_error():
+    """``image_size=224`` (timm's ``img_size``) means ``(224, 224)``; numpy integers read as Python ones; an empty,
+    one-axis, fractional or non-positive size is refused in one line before any module is built."""
+    np = pytest.importorskip("numpy")
+    assert ViTConfig(image_size=32).image_size == (32, 32) == ViTConfig(image_size=[np.int64(32), 32]).image_size
+    model = VisionTransformer(ViTConfig(image_size=32, pe="cayley", depth=1, embed_dim=24, num_heads=2))
+    assert model.cfg.image_size == (32, 32) and model(torch.randn(2, 1, 32, 32)).shape == (2, 10)
+    cfg = ViTConfig(image_size=32)
+    assert ViTConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["image_size"] == [32, 32]
+    for bad in [(28,), (0, 28), (28, -4), (28.5, 28), 28.5, "28", True, ()]:
+        with pytest.raises(ValueError, match="image_size must be a positive int"):
+            VisionTransformer(ViTConfig(image_size=bad))
+
+
 def test_pe_sharing_model_layer_head():
     shared = VisionTransformer(tiny(pe="mixed", depth=3, pe_sharing="model"))  # default for mixed: per head
     assert len(shared.encodings) == 1 and shared.blocks[0].attn.pe is shared.blocks[2].attn.pe

@@ -86,3 +86,27 @@ def test_quick_preset_end_to_end_on_tiny_sizes(tmp_path):
     recorded = json.loads((tmp_path / "cache" / pi[0]["run"] / "config.json").read_text())
     assert recorded["model"]["resolution_scaling"]["scale"] == [2.0, 2.0]
     assert flatten(recorded["train"])["image_size"] == 56
+
+
+def test_a_factor_given_on_the_recorded_command_is_the_variant_the_folder_is_compared_with(tmp_path):
+    """A single-valued study option on the recorded command (``--factor 4``) replaces the recipe's value when a
+    committed folder is compared with what its command trains now: the folder must have run with it."""
+    from pathlib import Path
+
+    from ropekit_studies.arguments import OPTION_FIELDS
+    from ropekit_studies.recipes import compare_with_committed
+
+    assert "factor" in OPTION_FIELDS
+    doc = json.loads((Path(__file__).parents[1] / "docs/results/resolution-finetune/config.json").read_text())
+    folder = tmp_path / "rf"
+    folder.mkdir()
+
+    def compare(command_tail, factor):
+        d = dict(doc, command=doc["command"] + command_tail, options=dict(doc["options"], factor=factor))
+        (folder / "config.json").write_text(json.dumps(d))
+        return compare_with_committed(folder)
+
+    assert compare("", 2) == []
+    assert compare(" --factor 4", 4) == []
+    assert compare(" --factor 4", 2) == ["resolution-finetune: option factor: committed 2, recipe 4"]
+    assert compare("", 4) == ["resolution-finetune: option factor: committed 4, recipe 2"]

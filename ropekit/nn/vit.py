@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -79,7 +80,8 @@ class ViTConfig:
     Data shape:
         num_classes: ``K`` (``0``: no head, ``forward`` returns pooled features).
         in_chans: colour channels ``C`` (RGB-D: without the depth channel).
-        image_size: ``(H, W)`` of training images -- only sizes the learned APE table; any size is accepted.
+        image_size: ``(H, W)`` of training images (an ``int`` means a square) -- only sizes the learned APE table;
+            any size is accepted.
         modality: ``"image"``, ``"rgbd"`` or ``"video"``.
         num_frames: ``T`` of training clips (video; sizes the learned APE table).
     Backbone:
@@ -208,6 +210,14 @@ class ViTConfig:
             return "coord" if self.rotary is not None else "channel"
         return self.depth_input
 
+    def __post_init__(self) -> None:
+        size = self.image_size
+        if isinstance(size, numbers.Real) and not isinstance(size, bool):
+            size = (size, size)  # timm's img_size=224: a square
+        if isinstance(size, (list, tuple)):  # (numpy integers as Python ones; anything else left to validate)
+            size = tuple(int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v for v in size)
+        self.image_size = size
+
     def validate(self) -> "ViTConfig":
         """Raise ``ValueError`` (one line, naming the accepted values) on an inconsistent configuration."""
         def one_of(what: str, value: Any, allowed: Sequence[str]) -> None:
@@ -231,6 +241,10 @@ class ViTConfig:
                              f"num_heads={self.num_heads}")
         if self.depth < 1 or self.patch_size < 1 or self.tubelet_size < 1:
             raise ValueError("depth, patch_size and tubelet_size must be >= 1")
+        size = self.image_size
+        if not (isinstance(size, tuple) and len(size) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)):
+            raise ValueError(f"image_size must be a positive int or (H, W) of positive ints; got {size!r}")
         if self.jitter < 0:
             raise ValueError(f"jitter must be >= 0, got {self.jitter}")
         check_coord_augment(self.coord_augment)

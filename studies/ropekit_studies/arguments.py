@@ -108,6 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="verify: compare this study folder, re-run before (e.g. a kept --out), instead of training")
     s.add_argument("--canvas-pad", type=int, metavar="PATCHES", default=S,
                    help="exact-vs-relaxed: background border of the evaluation canvas, in patches per side (default 2)")
+    s.add_argument("--factor", type=int, metavar="N", default=S,
+                   help="resolution-finetune: the fine-tuning image size over the training size (default 2)")
 
 
 #: The options of single studies: (flag, parser of the comma list, namespace name, help).
@@ -161,7 +163,7 @@ STUDY_OPTIONS = (
 _CFG_FIELDS = ("cache_dir", "pes", "seeds", "data", "data_root", "image_size", "train_fraction", "model",
                "patch_size", "tubelet_size", "epochs", "batch_size", "lr", "weight_decay", "warmup_epochs",
                "augment_shift", "eval_limit", "threads", "progress")
-OPTION_FIELDS = tuple(dest for _, _, dest, _ in STUDY_OPTIONS) + ("canvas_pad",)
+OPTION_FIELDS = tuple(dest for _, _, dest, _ in STUDY_OPTIONS) + ("canvas_pad", "factor")
 
 
 def overrides(args: argparse.Namespace) -> Dict[str, Any]:

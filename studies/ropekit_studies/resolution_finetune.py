@@ -53,8 +53,8 @@ PAPER_CLAIMS: Tuple[Tuple[str, str, str], ...] = (
 )
 
 
-@register_study("resolution-finetune", "fine-tuning at twice the training size with no scaling, position "
-                "interpolation or YaRN kept in place, for axial RoPE and the learned spectra",
+@register_study("resolution-finetune", "fine-tuning at twice (--factor) the training size with no scaling, "
+                "position interpolation or YaRN kept in place, for axial RoPE and the learned spectra",
                 options=("scalings", "factor", "finetune_epochs", "finetune_lr"),
                 varies=("image_size", "init_from", "epochs", "lr", "warmup_epochs", "model_options"))
 def run_resolution_finetune(cfg: ExperimentConfig, out: Any, scalings: Optional[Sequence[str]] = None,

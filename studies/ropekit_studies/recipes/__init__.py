@@ -453,7 +453,8 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
     """What a recorded ``ropekit experiment`` command chose on top of its preset's recipe: the encodings
     (``pes``) and seeds of ``--pe`` and ``--seeds`` (a subset of the recipe's lists, e.g. the seeds a lent GPU had
     time for), the architecture fields of ``--model-opt`` (``model_options``, e.g. a deeper backbone) and the
-    list-valued study options given on the command line (``options``, e.g. ``--groups sharing``)."""
+    study options given on the command line (``options``: lists, e.g. ``--groups sharing``, and single values,
+    e.g. ``--factor 4``)."""
     import argparse
     import shlex
 
@@ -470,8 +471,9 @@ def _selection(command: Optional[str]) -> Dict[str, Any]:
                            if flag in given}
     if "model_opt" in given:
         out["model_options"] = parse_key_values(given["model_opt"], "--model-opt")
-    options = {dest: list(given[dest]) for dest in OPTION_FIELDS if isinstance(given.get(dest), list)}
-    if options:  # e.g. --groups sharing --sharing-pe mixed,cayley: a part of the ablations
+    options = {dest: (list(given[dest]) if isinstance(given[dest], list) else given[dest])
+               for dest in OPTION_FIELDS if dest in given}
+    if options:  # e.g. --groups sharing --sharing-pe mixed,cayley: a part of the ablations; --factor 4: a variant
         out["options"] = options
     return out
 
@@ -485,7 +487,8 @@ def compare_with_committed(study_dir: Any, extra_args: Sequence[str] = ()) -> Li
     through ``ropekit.train.upgrade``: a field added since counts at the value it trained with). Encodings and seeds the
     recorded command chose with ``--pe`` / ``--seeds`` replace the recipe's lists (an error unless they are among
     them), as do list-valued study options it gave (``--groups``, ``--sharing-pe``, ...: a part of the study;
-    an error unless a subset of the recipe's list, or where the recipe states no such list), and its
+    an error unless a subset of the recipe's list, or where the recipe states no such list), single-valued ones
+    it gave (``--factor``, ``--canvas-pad``: a variant of the study), and its
     ``--model-opt`` fields the recipe's architecture fields. detect3d and robot folders are
     compared by their study's own ``compare`` (:class:`~ropekit_studies.registry.Study`), as are ALOHA folders
     (one study's or a merge's, recognised by their ``ropekit robot aloha`` command or ``merged`` parts): each
@@ -533,8 +536,10 @@ def compare_with_committed(study_dir: Any, extra_args: Sequence[str] = ()) -> Li
             now["study"][key] = values
     options = now["study"].pop("options")  # the outputs record the options the study resolved ...
     flags = {dest: flag for flag, _, dest, _ in STUDY_OPTIONS}
-    for key, values in narrowed.items():  # ... of which a list the command gave narrows the recipe's list
-        if narrows(flags.get(key, key), values, options.get(key)):
+    for key, values in narrowed.items():  # ... of which a list the command gave narrows the recipe's list,
+        if not isinstance(values, list):  # and a single value it gave replaces the recipe's
+            options[key] = values
+        elif narrows(flags.get(key, key), values, options.get(key)):
             options[key] = values
     now, options = json.loads(json.dumps(now)), json.loads(json.dumps(options))
     committed = copy.deepcopy(doc.get("recipe") or {})
