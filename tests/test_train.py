@@ -82,6 +82,12 @@ def test_evaluate_run_offsets_and_resolution(run_dir):
     assert shifted["test_loss"] == pytest.approx(plain["test_loss"], abs=1e-5)
     bigger = evaluate_run(run_dir, image_size=12)
     assert bigger["image_size"] == [12, 12] and 0.0 <= bigger["test_acc"] <= 1.0
+    # a size the model's patches do not tile is refused as training refuses it (patches of 2 px here)
+    with pytest.raises(ValueError, match=r"image size 13 is not a multiple of the model's patch size 2 .* use "
+                                         r"--image-size 12 or 14$"):
+        evaluate_run(run_dir, image_size=13)
+    with pytest.raises(ValueError, match=r"the last 1 pixels would be cut off\): use --image-size 2$"):
+        evaluate_run(run_dir, image_size=1)
 
 
 def test_evaluate_run_with_resolution_scaling_equals_the_rescaled_spectrum(tmp_path):

@@ -386,12 +386,19 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
     working directory.
 
     Raises:
-        ValueError: the other data's classes (count or names) or channels differ from the model's, or ``scaling``
-            cannot apply (see :func:`eval_scaling`; an encoding without a RoPE form); one line.
+        ValueError: the other data's classes (count or names) or channels differ from the model's, ``scaling``
+            cannot apply (see :func:`eval_scaling`; an encoding without a RoPE form), or ``image_size`` is not a
+            multiple of the model's patch size; one line.
     """
     config, ckpt = load_run(run_dir)
     tcfg = TrainConfig.from_dict(config.get("train", {}), source="config.json", strict=False)
     vit_cfg = ViTConfig.from_dict(ckpt["vit_config"], source=f"checkpoint {ckpt['path']}", strict=False)
+    patch = int(vit_cfg.patch_size)
+    if image_size is not None and int(image_size) % patch:  # (train refuses such a size too)
+        lo, hi = int(image_size) - int(image_size) % patch, int(image_size) - int(image_size) % patch + patch
+        raise ValueError(f"image size {image_size} is not a multiple of the model's patch size {patch} (the last "
+                         f"{int(image_size) % patch} pixels would be cut off): use --image-size "
+                         f"{f'{lo} or {hi}' if lo else hi}")
     if offset_std > 0 and vit_cfg.rotary is None:  # (the model reads no coordinates: the offset would do nothing)
         raise ValueError(f"--offset-std shifts the coordinates of a rotary encoding; this run's model (pe "
                          f"{vit_cfg.pe}) has none")
