@@ -209,8 +209,8 @@ def _resolve(target: Target) -> Callable:
 
 
 #: Reported as one line (checkpoint errors are ``ValueError`` subclasses).
-USER_ERRORS = (CommandError, MissingDependency, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-               PermissionError)
+USER_ERRORS = (CommandError, MissingDependency, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
+               IsADirectoryError, PermissionError)
 
 
 def _one_line(e: BaseException) -> str:

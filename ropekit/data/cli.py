@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     conv.add_argument("--split-seed", type=int, default=0, help="seed of that split and of the sample order")
     conv.add_argument("--skip-corrupt", action="store_true", help="leave out files that are not images")
     conv.add_argument("--image-size", type=int, default=None, help="image side of a generated data set")
+    conv.add_argument("--overwrite", action="store_true",
+                      help="replace an earlier conversion in OUT (otherwise OUT must be empty)")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     fake = sub.add_parser("make-fake", help="write a folder of generated JPEG images (class = shape and colour)")
     fake.add_argument("folder", help="output directory")
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> Optional[int]:
 
         data = load_dataset(args.folder, image_size=args.image_size, split_seed=args.split_seed)
         m = _with_bar(len(data[0]) + len(data[1]), "convert", args.no_progress, lambda up: write_dataset_shards(
-            data, args.out, shard_size=args.shard_size, seed=args.split_seed, progress=up))
+            data, args.out, shard_size=args.shard_size, seed=args.split_seed, overwrite=args.overwrite, progress=up))
         parts = [f"{split}: {s['count']} samples in {len(s['shards'])} shards" for split, s in m["splits"].items()]
         print(f"{args.out}: " + "; ".join(parts) + f" (RGB-D); manifest {Path(args.out) / 'shards.json'}")
         return 0
@@ -139,7 +141,7 @@ def run(args: argparse.Namespace) -> Optional[int]:
         total = sum(s["samples"] for s in describe_data(args.folder)["splits"].values())
         m = _with_bar(total, "convert", args.no_progress, lambda up: write_shards(
             args.folder, args.out, shard_size=args.shard_size, val_fraction=args.val_fraction,
-            split_seed=args.split_seed, skip_corrupt=args.skip_corrupt, progress=up))
+            split_seed=args.split_seed, skip_corrupt=args.skip_corrupt, overwrite=args.overwrite, progress=up))
         parts = [f"{split}: {s['count']} samples in {len(s['shards'])} shards" for split, s in m["splits"].items()]
         print(f"{args.out}: " + "; ".join(parts) + (" (RGB-D)" if m["depth"] else "")
               + f"; manifest {Path(args.out) / 'shards.json'}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -24,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .._io import atomic_write
 from .._optional import require
 from ._common import DataFileError, PathLike, stratified_split
 from .decode import DEPTH_KEY, decode_depth, decode_image, depth_path, has_depth_beside, read_depth_beside
@@ -48,6 +50,37 @@ def _splits_of(folder: Path, val_fraction: float, split_seed: int) -> Tuple[List
     pick = lambda idx: [files[i] for i in np.sort(idx)]  # noqa: E731
     return classes, {"train": (folder, pick(tr), labels[np.sort(tr)]),
                      "val": (folder, pick(te), labels[np.sort(te)])}
+
+
+#: The files a conversion writes besides the manifest (and atomic_write's temporary manifests).
+_SHARD_FILE = re.compile(r"^((train|val)-\d{6}\.tar|\." + re.escape(MANIFEST_NAME) + r"\.tmp-.*)$")
+
+
+def _prepare_out(out: Path, overwrite: bool, source: Optional[Path] = None) -> None:
+    """Make ``out`` an empty folder for a conversion, or refuse in one line.
+
+    ``out`` may hold nothing but an earlier conversion's manifest and shards, which are deleted, the manifest first
+    (a conversion cut short is never read back as the earlier, complete one); a complete conversion (one with its
+    manifest) only with ``overwrite``. ``source``: the folder converted, which ``out`` must not be or lie in.
+    """
+    if source is not None:
+        src, dst = source.resolve(), out.resolve()
+        if dst == src or src in dst.parents:
+            raise ValueError(f"{out} is the folder it converts ({source}) or inside it: write the shards elsewhere")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file; the shards are written into a folder")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    others = [e for e in entries if e != MANIFEST_NAME and not _SHARD_FILE.match(e)]
+    if others:
+        raise FileExistsError(f"{out} is not empty ({len(entries)} entries, first {others[0]}): choose an empty "
+                              f"folder (--overwrite replaces an earlier conversion's shards only)")
+    if MANIFEST_NAME in entries and not overwrite:  # (shards without one: a conversion cut short, replaced)
+        raise FileExistsError(f"{out} holds the shards of an earlier conversion: pass --overwrite to replace them, "
+                              f"or choose an empty folder")
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    for e in entries:
+        (out / e).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 class _SplitWriter:
@@ -113,6 +146,7 @@ def write_shards(
     val_fraction: float = 0.2,
     split_seed: int = 0,
     skip_corrupt: bool = False,
+    overwrite: bool = False,
     progress: Progress = None,
 ) -> Dict[str, Any]:
     """Write ``folder``'s images as tar shards of ``shard_size`` samples and the manifest ``shards.json``.
@@ -125,12 +159,13 @@ def write_shards(
     Args:
         folder: ``root/<class>/<image>`` (then ``val_fraction`` of each class, chosen by ``split_seed``, goes to
             the ``val`` split; 0 writes ``train`` only) or ``root/train/<class>/...`` with ``root/val/...``.
-        out: output directory (created).
+        out: output directory (created; it must be empty, and not inside ``folder``).
         shard_size: samples per shard (the last shard of a split may hold fewer).
         val_fraction, split_seed: the stratified split of a flat folder.
         skip_corrupt: leave out files Pillow cannot identify (counted in the manifest's ``skipped``) instead of
             stopping with an error naming the first. Only the header is checked here (the bytes are copied, not
             decoded); ``ropekit data check`` decodes every image.
+        overwrite: replace an earlier conversion in ``out`` (its manifest and shards; nothing else is deleted).
         progress: called with 1 after each sample.
 
     Returns:
@@ -139,6 +174,8 @@ def write_shards(
     Raises:
         DataFileError: an unreadable image (without ``skip_corrupt``), a missing or malformed depth map in an RGB-D
             folder, or a depth map beside an image of a folder whose first image has none; one line naming it.
+        FileExistsError: ``out`` is not empty (without ``overwrite``), or holds other files than shards.
+        ValueError: ``out`` is ``folder`` or inside it.
     """
     wds = require("webdataset", "train", "writing WebDataset shards")
     if shard_size < 1:
@@ -147,7 +184,7 @@ def write_shards(
     classes, splits = _splits_of(folder, val_fraction, split_seed)
     first_root, first_files, _ = next(iter(splits.values()))
     rgbd = has_depth_beside(first_root / first_files[0])
-    out.mkdir(parents=True, exist_ok=True)
+    _prepare_out(out, overwrite, folder)
     manifest: Dict[str, Any] = {"format": "ropekit-shards", "version": 1, "classes": classes,
                                 "source": str(folder), "shard_size": shard_size, "depth": rgbd, "splits": {},
                                 "skipped": []}
@@ -166,7 +203,7 @@ def write_shards(
                     progress(1)
         finally:  # (a shard left open would be flushed into a closed file later)
             manifest["splits"][split] = writer.close()
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    atomic_write(out / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -176,6 +213,7 @@ def write_dataset_shards(
     *,
     shard_size: int = 1000,
     seed: int = 0,
+    overwrite: bool = False,
     progress: Progress = None,
 ) -> Dict[str, Any]:
     """Write an in-memory RGB-D data set (``load_dataset("rgbd-digits")``, ``"captioned-scenes"``) as RGB-D tar
@@ -189,9 +227,10 @@ def write_dataset_shards(
     Args:
         data: ``(train, test, info)`` as :func:`ropekit.data.load_dataset` returns it (without ``normalize``);
             ``info.kind`` must be ``"rgbd"``.
-        out: output directory (created).
+        out: output directory (created; it must be empty).
         shard_size: samples per shard.
         seed: of the sample order.
+        overwrite: replace an earlier conversion in ``out`` (as :func:`write_shards`).
         progress: called with 1 after each sample.
 
     Returns:
@@ -199,6 +238,7 @@ def write_dataset_shards(
 
     Raises:
         ValueError: not an RGB-D data set, or RGB values outside [0, 1] or not finite (one line).
+        FileExistsError: ``out`` is not empty (without ``overwrite``), or holds other files than shards.
     """
     wds = require("webdataset", "train", "writing WebDataset shards")
     from PIL import Image
@@ -211,7 +251,7 @@ def write_dataset_shards(
         raise ValueError(f"data set {name!r} is of kind {info.kind!r}; shards are written from RGB-D data sets "
                          f"(kind 'rgbd') or from an image folder")
     out = Path(out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    _prepare_out(out, overwrite)
     manifest: Dict[str, Any] = {
         "format": "ropekit-shards", "version": 1, "source": f"dataset {name}", "image_size": list(info.image_size),
         "classes": list(info.class_names) if info.class_names else [str(k) for k in range(info.num_classes)],
@@ -234,7 +274,7 @@ def write_dataset_shards(
             if progress is not None:
                 progress(1)
         manifest["splits"][split] = writer.close()
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    atomic_write(out / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
