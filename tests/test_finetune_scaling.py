@@ -130,6 +130,15 @@ def test_fine_tune_with_interpolation_starts_as_the_source_with_halved_frequenci
     recorded = json.loads((tmp_path / "ft" / "config.json").read_text())
     assert recorded["model"]["resolution_scaling"]["scale"] == [2.0, 2.0]
     assert recorded["train"]["model"]["options"]["resolution_scaling"]["scale"] == [2.0, 2.0]
+    # resumed with the options it started with (as a study resumes it, or the same command with --resume): the
+    # method asked for is the scaling it resolved; another method, or another field of it, is a change
+    from ropekit.classification.trainer import resume_changes
+
+    assert resume_changes(recorded["train"], cfg) == {}
+    for other in ({"method": "yarn"}, {"method": "pi", "margin": 0.5}):
+        changed = cfg.replace(model_options={**cfg.model.options, "resolution_scaling": other})
+        with pytest.raises(ValueError, match="options differ from the run's: model_options"):
+            resume_changes(recorded["train"], changed)
     shutil.rmtree(src)
     again, resume, _ = config_from_args(_args(["--resume", str(tmp_path / "ft")]))
     done = train(again, resume=resume, quiet=True)

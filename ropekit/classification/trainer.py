@@ -517,6 +517,11 @@ def resume_changes(old: Dict[str, Any], new: TrainConfig, allow: Sequence[str] =
     """
     base = flatten(TrainConfig.from_dict(old, source="the run's config", strict=False).to_nested())
     cur = flatten(new.to_nested())
+    _, request = split_pending_scaling(new)
+    recorded = dict((base.get("model_options") or {}).get("resolution_scaling") or {})
+    if request and recorded and all(recorded.get(k) == v for k, v in request.items()):
+        # a scaling asked for by method (``--scaling pi``) is the one the run resolved and recorded when it started
+        cur["model_options"] = {**cur["model_options"], "resolution_scaling": recorded}
     changed = {k: (base[k], cur[k]) for k in cur if k not in RESUME_FREE and base.get(k) != cur[k]}
     bad_allow = sorted(set(allow) - set(RESUME_CHANGEABLE))
     if bad_allow:
