@@ -281,7 +281,7 @@ def test_every_checkpoint_loader_warns_about_unknown_vit_keys(tmp_path, monkeypa
     from ropekit_studies.runs import RunRecord
     from ropekit.train.finetune import init_from_checkpoint, load_source_model
     from ropekit.train import load_checkpoint
-    from ropekit.classification import trainer
+    from ropekit.classification import evaluation
 
     path, model = _checkpoint(tmp_path, {"newer_option": 1})
     x = torch.randn(2, 1, 8, 8)
@@ -305,9 +305,9 @@ def test_every_checkpoint_loader_warns_about_unknown_vit_keys(tmp_path, monkeypa
     def stop(*a, **kw):
         raise Stop
 
-    monkeypatch.setattr(trainer, "load_data", stop)  # ropekit eval: the model is built before the data load
+    monkeypatch.setattr(evaluation, "load_data", stop)  # ropekit eval: the model is built before the data load
     with pytest.warns(UserWarning, match="newer_option"), pytest.raises(Stop):
-        trainer.evaluate_run(path, device="cpu")
+        evaluation.evaluate_run(path, device="cpu")
 
 
 # ----------------------------------------------------------------------------- second derivatives on the kernels

@@ -21,6 +21,7 @@ import torch
 from ropekit.cli import main
 from ropekit.train import engine
 from ropekit.classification import trainer
+from ropekit.classification import evaluation
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model-opt", "embed_dim=16", "--model-opt", "depth=1", "--model-opt", "num_heads=1", "--epochs", "1",
@@ -122,7 +123,7 @@ def test_eval_on_another_folder_and_mismatches_refused(trained, capsys, monkeypa
     from ropekit.nn import ViTConfig
 
     with pytest.raises(ValueError, match="has 1-channel images; the run's model takes 3"):
-        trainer._check_same_task(DatasetInfo("x", 2, 1, (32, 32), "image"), ViTConfig(num_classes=2, in_chans=3),
+        evaluation._check_same_task(DatasetInfo("x", 2, 1, (32, 32), "image"), ViTConfig(num_classes=2, in_chans=3),
                                  {}, trainer.TrainConfig.from_dict(dict(data="digits")))
 
 

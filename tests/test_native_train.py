@@ -97,3 +97,37 @@ def test_native_errors(tmp_path):
         with pytest.raises(ValueError, match=words):
             train(_cfg(root, tmp_path / "w", **change), quiet=True)
         assert not (tmp_path / "w").exists()
+
+
+def test_native_run_evaluates_as_it_trained_on_the_images_a_fixed_size_run_holds_out(tmp_path):
+    """A flat folder: the native-resolution run holds out the same stratified images as the fixed-size reader
+    (``folder_splits``; before, packing held out another, unstratified 10 %, so ``ropekit eval`` scored training
+    images), honours ``test_fraction``, and ``ropekit eval RUN`` reproduces the run's last evaluation (packed at
+    ``eval_tokens``) instead of scoring square crops; options packing never reads are refused."""
+    from ropekit.classification.native import native_sources
+    from ropekit.classification import evaluate_run
+    from ropekit.data.streaming import open_stream
+
+    flat = _folder(tmp_path / "data") / "train"  # 16 images, 8 per class
+    out = tmp_path / "run"
+    res = train(_cfg(flat, out, epochs=1), quiet=True)
+    _, held, _ = native_sources(_cfg(flat, out, epochs=1))
+    _, val, _ = open_stream("imagefolder", flat, image_size=16)
+    assert len(held) == len(val) == 4 and sorted(held._files.tolist()) == sorted(val._files.tolist())
+    assert sorted(held.labels.tolist()) == [0, 0, 1, 1]  # stratified: 2 of each class's 8
+    _, half, _ = native_sources(_cfg(flat, out, data_options={"test_fraction": 0.5}))
+    assert len(half) == 8
+
+    ev = evaluate_run(out)
+    last = res.history[-1]
+    assert ev["image_size"] is None and ev["native_tokens"] == 16 and ev["num_examples"] == 4
+    assert ev["test_loss"] == pytest.approx(last["test_loss"], rel=1e-6) and ev["test_acc"] == last["test_acc"]
+    square = evaluate_run(out, image_size=16)  # one size, the fixed-size pipeline: another evaluation
+    assert square["image_size"] == [16, 16] and square["native_tokens"] is None and square["num_examples"] == 4
+    with pytest.raises(ValueError, match="evaluated packed"):
+        evaluate_run(out, offset_std=1.0)
+    for change, words in (({"hflip": 0.2}, "hflip are the fixed-size pipeline's transforms"),
+                          ({"data_options": {"mean": [0.5, 0.5, 0.5]}}, "data_options mean are not read")):
+        with pytest.raises(ValueError, match=words):
+            train(_cfg(flat, tmp_path / "w", **change), quiet=True)
+        assert not (tmp_path / "w").exists()

@@ -12,8 +12,9 @@ A run's configuration (:class:`TrainConfig`) has four sections: ``model`` (:clas
 of older versions (docs/configuration.md).
 
 Modules: ``config`` (the configuration and :func:`build_vit_config`), ``trainer``
-(:class:`ClassificationTask`, :func:`train`, :func:`evaluate`, :func:`evaluate_run`, :func:`load_data`),
-``native`` (packed native-resolution batches) and ``recipes`` (the ``--preset`` training recipes, YAML files).
+(:class:`ClassificationTask`, :func:`train`, :func:`evaluate`, :func:`load_data`), ``evaluation``
+(:func:`evaluate_run`, behind ``ropekit eval``), ``native`` (packed native-resolution batches) and ``recipes`` (the
+``--preset`` training recipes, YAML files).
 """
 
 from .._optional import require_extra as _require_extra
@@ -21,7 +22,8 @@ from .._optional import require_extra as _require_extra
 _require_extra("train", "ropekit.classification")  # before the submodules import what it installs
 
 from .config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, build_vit_config
-from .trainer import ClassificationTask, TrainResult, evaluate, evaluate_run, load_data, train
+from .trainer import ClassificationTask, TrainResult, evaluate, load_data, train
+from .evaluation import evaluate_run
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "TrainResult", "train", "evaluate",
            "evaluate_run", "load_data", "build_vit_config", "ClassificationTask"]

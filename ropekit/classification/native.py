@@ -3,7 +3,9 @@ batches of images at their own aspect ratio and a sampled resolution (:mod:`rope
 :mod:`ropekit.nn.packing`), with the engine, run folder, checkpoints and resume of ordinary classification.
 
 Data: ``--data folder-stream`` or ``--data imagefolder`` with ``--data-root`` (``root/train`` and ``root/val``
-when both exist, else a seeded 10 % of ``root`` held out), read file by file in ``--workers`` processes;
+when both exist, else ``test_fraction`` -- 0.2, ``--data-opt test_fraction=F`` -- of each class of ``root`` held
+out: the images a fixed-size run of the folder holds out, :func:`ropekit.data.streaming.folder_splits`), read file
+by file in ``--workers`` processes;
 ``--data shards`` with ``--data-root`` the directory of ``shards.json`` (``ropekit data convert`` writes it; its
 ``train`` and ``val`` splits), read sample by sample through an in-memory index of the tars
 (:class:`~ropekit.data.shard_source.ShardSource`; RGB-D when the samples carry ``depth.npy``); or any in-memory
@@ -21,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -38,7 +39,8 @@ from .trainer import ClassificationTask, build_model
 
 _DEFAULT_SHIFT = TrainConfig().data.augment_shift
 
-__all__ = ["NativeClassificationTask", "build_native_task", "native_sources", "native_options"]
+__all__ = ["NativeClassificationTask", "build_native_task", "native_sources", "native_options", "evaluate_packed",
+           "evaluate_native_run"]
 
 FOLDER_DATA = ("folder-stream", "imagefolder")
 SHARD_DATA = ("shards", "wds")
@@ -49,6 +51,25 @@ def _check_option_keys(cfg: TrainConfig) -> None:
     bad = sorted(set(cfg.data.native_options) - _OPTION_KEYS)
     if bad:
         raise ValueError(f"native_options: unknown key(s) {', '.join(bad)}; known: {', '.join(sorted(_OPTION_KEYS))}")
+
+
+def _check_unread_data_options(cfg: TrainConfig) -> None:
+    """One-line ``ValueError`` naming the fixed-size pipeline's options ``cfg`` sets that packed batches never read
+    (they would be recorded and not applied): its transforms, and the streamed data's ``data_options`` besides
+    ``test_fraction`` (of a flat folder)."""
+    from .config import DataConfig
+
+    d, default = cfg.data, DataConfig()
+    unread = [n for n in DataConfig.STREAM_ONLY if n != "workers" and getattr(d, n) != getattr(default, n)]
+    if unread:
+        raise ValueError(f"--native-resolution: {', '.join(unread)} are the fixed-size pipeline's transforms; packed "
+                         f"images are resized to their sampled grid and flipped with --native-opt hflip=P")
+    name = d.name.strip().lower().replace("_", "-")
+    keep = ("test_fraction",) if name in FOLDER_DATA else ()
+    unread = sorted(k for k in d.data_options if k not in keep)
+    if unread and name in FOLDER_DATA + SHARD_DATA:
+        raise ValueError(f"--native-resolution: data_options {', '.join(unread)} are not read by the packing loader"
+                         f"{' (it reads test_fraction)' if keep else ''}")
 
 
 def native_options(cfg: TrainConfig, patch_size: int, depth: bool) -> NativeOptions:
@@ -71,19 +92,12 @@ def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
 
     data = cfg.data.name.strip().lower().replace("_", "-")
     if data in FOLDER_DATA:
-        from ..data.streaming import ImageFolderStream
+        from ..data.streaming import folder_splits
 
         if cfg.data.data_root is None:
             raise ValueError(f"--native-resolution with --data {cfg.data.name} needs --data-root")
-        root = Path(cfg.data.data_root).expanduser()
-        if (root / "train").is_dir() and (root / "val").is_dir():
-            train = ImageFolderStream(root / "train")
-            test = ImageFolderStream(root / "val", classes=train.classes)
-        else:
-            full = ImageFolderStream(root)
-            order = np.random.default_rng(cfg.data.split_seed).permutation(len(full))
-            held = max(1, len(full) // 10)
-            test, train = full.subset(np.sort(order[:held])), full.subset(np.sort(order[held:]))
+        train, test = folder_splits(cfg.data.data_root, split_seed=cfg.data.split_seed,
+                                    **{k: v for k, v in cfg.data.data_options.items() if k == "test_fraction"})
         info = DatasetInfo(name=data, num_classes=len(train.classes), in_chans=3, image_size=_nominal_size(cfg),
                            kind="rgbd" if train.depth else "image", class_names=tuple(train.classes))
         return train, test, info
@@ -147,23 +161,9 @@ class NativeClassificationTask(ClassificationTask):
         n = y.shape[0]
         return loss, {"loss_sum": loss.detach().double() * n, "correct": (logits.argmax(-1) == y).sum(), "count": n}
 
-    @torch.no_grad()
     def evaluate(self, device: torch.device, ctx: DistContext) -> Dict[str, float]:
         """Loss and accuracy on the test images, each at ``eval_tokens`` with its aspect ratio, packed."""
-        model = self.model
-        was = model.training
-        model.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=device)
-        for batch in self.eval_loader.set_epoch(0):
-            batch = batch.to(device)
-            logits = model(batch)
-            sums += torch.stack([F.cross_entropy(logits.float(), batch.labels, reduction="sum").double(),
-                                 (logits.argmax(-1) == batch.labels).sum().double(),
-                                 torch.tensor(float(batch.labels.numel()), dtype=torch.float64, device=device)])
-        loss_sum, correct, count = ctx.all_reduce_sum(sums.tolist())
-        model.train(was)
-        count = max(count, 1.0)
-        return {"test_loss": loss_sum / count, "test_acc": correct / count, "num_examples": int(count)}
+        return evaluate_packed(self.model, self.eval_loader, device, ctx)
 
     def epoch_row(self, epoch: int, sums: Dict[str, float], info: Dict[str, Any], ctx: DistContext) -> Dict[str, Any]:
         loss_sum, correct, count = ctx.all_reduce_sum([sums.get("loss_sum", 0.0), sums.get("correct", 0.0),
@@ -174,6 +174,35 @@ class NativeClassificationTask(ClassificationTask):
         return {"epoch": epoch + 1, "train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
                 "test_loss": ev["test_loss"], "test_acc": ev["test_acc"], "lr": info["lr"],
                 "epoch_time": info["epoch_time"] + t_eval, "elapsed_time": info["elapsed"] + t_eval}
+
+
+@torch.no_grad()
+def evaluate_packed(model: nn.Module, loader: NativeLoader, device: torch.device,
+                    ctx: Optional[DistContext] = None) -> Dict[str, float]:
+    """``test_loss``, ``test_acc`` and ``num_examples`` of ``model`` on ``loader``'s packed evaluation batches
+    (summed over the ranks of ``ctx``); the model's training mode is restored."""
+    was = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for batch in loader.set_epoch(0):
+        batch = batch.to(device)
+        logits = model(batch)  # (I, K)
+        sums += torch.stack([F.cross_entropy(logits.float(), batch.labels, reduction="sum").double(),
+                             (logits.argmax(-1) == batch.labels).sum().double(),
+                             torch.tensor(float(batch.labels.numel()), dtype=torch.float64, device=device)])
+    loss_sum, correct, count = (ctx or DistContext()).all_reduce_sum(sums.tolist())
+    model.train(was)
+    count = max(count, 1.0)
+    return {"test_loss": loss_sum / count, "test_acc": correct / count, "num_examples": int(count)}
+
+
+def evaluate_native_run(model: nn.Module, cfg: TrainConfig, patch_size: int, device: torch.device) -> Dict[str, Any]:
+    """A native-resolution run's own evaluation of ``model``: its test images packed, each at ``eval_tokens`` with
+    its aspect ratio, as the run evaluated them after every epoch (:func:`evaluate_packed`, plus ``eval_tokens``)."""
+    _, test_ds, info = native_sources(cfg)
+    opts = native_options(cfg, patch_size, info.kind == "rgbd")
+    loader = NativeLoader(test_ds, opts, seed=cfg.run.seed, train=False, num_workers=cfg.data.workers)
+    return {**evaluate_packed(model, loader, device), "eval_tokens": opts.eval_image_tokens}
 
 
 @register_task("native-resolution", "classification on packed batches of images at their own aspect ratio "
@@ -193,6 +222,7 @@ def build_native_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *, ru
     if cfg.data.augment_shift not in (0, _DEFAULT_SHIFT):  # (the default is classification's; never read here)
         raise ValueError(f"--augment-shift {cfg.data.augment_shift}: packed images are not shifted in pixels "
                          f"(--coord-augment augments their coordinates)")
+    _check_unread_data_options(cfg)
     _check_option_keys(cfg)  # (before any data is read)
     train_ds, test_ds, info = native_sources(cfg)
     if cfg.model.patch_size is None and cfg.data.name.strip().lower().replace("_", "-") in FOLDER_DATA + SHARD_DATA:

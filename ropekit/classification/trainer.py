@@ -1,4 +1,4 @@
-"""Image / RGB-D / video classification behind ``ropekit train`` and the evaluation behind ``ropekit eval``.
+"""Image / RGB-D / video classification behind ``ropekit train`` (``ropekit eval``: :mod:`.evaluation`).
 
 The loop itself is the shared engine (:func:`ropekit.train.engine.fit`); this module supplies the task
 (:class:`ClassificationTask`: data, ViT, cross-entropy, per-epoch evaluation), the resume rules and the run folder.
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, DistributedSampler
 
 from ..encodings.counting import count_parameters
-from ..encodings.scaling import ResolutionScaling, apply_resolution_scaling
+from ..encodings.scaling import ResolutionScaling
 from ..nn.vit import ViTConfig, VisionTransformer
 from ..train import engine
 from ..train.augment import random_resize, random_shift
@@ -53,13 +53,13 @@ from ..train.engine import seed_everything
 from ..train.checkpoint import CHECKPOINT_NAME, load_checkpoint, load_model_state
 from .config import DATA_CHANGE, TrainConfig, build_vit_config, is_folder, is_streamed_data, plural, \
     split_pending_scaling
-from ..train.distributed import DistContext, init_distributed, resolve_device
+from ..train.distributed import DistContext, init_distributed
 from ..train.metrics import METRIC_COLUMNS, plot_curves
 from ..train.run_folder import load_run, load_run_config
 from ..train.tasks import register_task
 from ..train.upgrade import flatten
 
-__all__ = ["TrainResult", "ClassificationTask", "train", "evaluate", "evaluate_run", "load_data", "build_model",
+__all__ = ["TrainResult", "ClassificationTask", "train", "evaluate", "load_data", "build_model",
            "default_run_dir", "fetch_batch", "random_shift", "load_run"]
 
 StepCallback = Callable[[int], Optional[bool]]
@@ -98,7 +98,7 @@ def load_data(cfg: TrainConfig, image_size: Any = None) -> Tuple[Dataset, Datase
     """
     size = image_size if image_size is not None else cfg.data.image_size
     if is_streamed(cfg):
-        return _open_stream(cfg, default_image_size(cfg) if size is None else size)
+        return open_streamed_data(cfg, default_image_size(cfg) if size is None else size)
     from ..data import load_dataset
 
     train_ds, test_ds, info = load_dataset(cfg.data.name, root=cfg.data.data_root, image_size=size,
@@ -126,7 +126,7 @@ def default_image_size(cfg: TrainConfig) -> Tuple[int, int]:
     return (side, side)
 
 
-def _open_stream(cfg: TrainConfig, size: Any, *, whole: bool = False) -> Tuple[Dataset, Dataset, Any]:
+def open_streamed_data(cfg: TrainConfig, size: Any, *, whole: bool = False) -> Tuple[Dataset, Dataset, Any]:
     """The streams of ``cfg``; ``whole``: the test stream holds every image of the folder (its ``val/`` in the
     train/val layout), for evaluating a run on a separate folder."""
     from ..data.streaming import open_stream
@@ -368,108 +368,6 @@ def fine_tune_scaling(requested: Dict[str, Any], vit_cfg: ViTConfig, tcfg: Train
     options = {k: v for k, v in requested.items() if k != "method"}
     return _scaling_to(str(method), vit_cfg, training_extent(vit_cfg, tcfg), original_extent(src_vit, src_tcfg),
                        **options).to_dict()
-
-
-def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: float = 0.0, seed: int = 0,
-                 batch_size: Optional[int] = None, device: str = "auto", data: Optional[str] = None,
-                 data_root: Optional[str] = None, scaling: Optional[str] = None) -> Dict[str, Any]:
-    """Evaluate a run's checkpoint on its test set, optionally at another resolution and with one random
-    global coordinate offset per image drawn from ``N(0, offset_std^2 I)`` (seeded by ``seed``).
-
-    ``scaling``: a resolution-scaling method (``"pi"``, ``"ntk"``, ``"yarn"``, ``"cap"``; ``ropekit.encodings.scaling``)
-    applied to the model's commuting encodings for the evaluation (:func:`eval_scaling`); ``None`` or ``"none"``:
-    the encodings as trained.
-
-    ``data`` / ``data_root``: evaluate on another data set or folder instead (an image folder: every image in it,
-    or its ``val/`` in the train/val layout; another data set: its test split), at the run's image size unless
-    ``image_size`` is given. The run's recorded ``data_root`` is absolute, so a run folder evaluates from any
-    working directory.
-
-    Raises:
-        ValueError: the other data's classes (count or names) or channels differ from the model's, ``scaling``
-            cannot apply (see :func:`eval_scaling`; an encoding without a RoPE form), or ``image_size`` is not a
-            multiple of the model's patch size; one line.
-    """
-    config, ckpt = load_run(run_dir)
-    tcfg = TrainConfig.from_dict(config.get("train", {}), source="config.json", strict=False)
-    vit_cfg = ViTConfig.from_dict(ckpt["vit_config"], source=f"checkpoint {ckpt['path']}", strict=False)
-    patch = int(vit_cfg.patch_size)
-    if image_size is not None and int(image_size) % patch:  # (train refuses such a size too)
-        lo, hi = int(image_size) - int(image_size) % patch, int(image_size) - int(image_size) % patch + patch
-        raise ValueError(f"image size {image_size} is not a multiple of the model's patch size {patch} (the last "
-                         f"{int(image_size) % patch} pixels would be cut off): use --image-size "
-                         f"{f'{lo} or {hi}' if lo else hi}")
-    if offset_std > 0 and vit_cfg.rotary is None:  # (the model reads no coordinates: the offset would do nothing)
-        raise ValueError(f"--offset-std shifts the coordinates of a rotary encoding; this run's model (pe "
-                         f"{vit_cfg.pe}) has none")
-    other = data is not None or data_root is not None
-    if other:
-        changes: Dict[str, Any] = {}
-        if data is not None:
-            changes["data"] = data
-        if data_root is not None:
-            changes["data_root"] = str(Path(data_root).expanduser().resolve())
-            if not Path(changes["data_root"]).exists():
-                raise FileNotFoundError(f"data root not found: {data_root}")
-        tcfg = tcfg.replace(**changes, train_fraction=1.0)
-    model = VisionTransformer(vit_cfg)
-    load_model_state(model, ckpt["model"], source=f"checkpoint {ckpt['path']}")
-    dev = resolve_device(device)
-    model.to(dev)
-    size = image_size if image_size is not None else list(vit_cfg.image_size)
-    scaled = None
-    if scaling not in (None, "none"):
-        scaled = eval_scaling(scaling, vit_cfg, tcfg, size)
-        if not apply_resolution_scaling(model, scaled):
-            raise ValueError(f"resolution scaling acts on a commuting rotary encoding's RoPE form; this run's "
-                             f"encoding ({vit_cfg.pe}) has none")
-    if other and is_streamed(tcfg):
-        _, test_ds, info = _open_stream(tcfg, size, whole=True)
-    else:
-        _, test_ds, info = load_data(tcfg, image_size=size)
-    if other:
-        _check_same_task(info, vit_cfg, config.get("data") or {}, tcfg)
-    offsets = None
-    if offset_std > 0:
-        g = torch.Generator().manual_seed(int(seed))
-        offsets = torch.randn(len(test_ds), model.coord_dim, generator=g) * float(offset_std)  # (N_test, c)
-    res = evaluate(model, test_ds, batch_size=batch_size or tcfg.run.eval_batch_size, device=dev, offsets=offsets,
-                   workers=tcfg.data.workers)
-    return {
-        "run_dir": str(run_dir), "checkpoint": ckpt["path"], "epoch": int(ckpt.get("epoch", 0)), "data": tcfg.data.name,
-        "data_root": tcfg.data.data_root, "pe": vit_cfg.pe, "image_size": list(info.image_size),
-        "offset_std": float(offset_std), "seed": int(seed), "coord_dim": model.coord_dim,
-        **_scaling_report(scaled, vit_cfg),
-        "test_acc": res["test_acc"], "test_loss": res["test_loss"], "num_examples": res["num_examples"],
-    }
-
-
-def _scaling_report(scaled: Optional[ResolutionScaling], vit_cfg: ViTConfig) -> Dict[str, Any]:
-    """``scaling``, ``scale`` and ``train_extent`` of an evaluation: the method asked for, else the one the model
-    carries (a run fine-tuned with a scaling), else ``"none"``."""
-    fields = scaled.to_dict() if scaled is not None else dict(vit_cfg.resolution_scaling)
-    if not fields:
-        return {"scaling": "none", "scale": None, "train_extent": None}
-
-    def listed(v: Any) -> Any:
-        return v if v is None or isinstance(v, list) else [v] * vit_cfg.coord_dim
-
-    return {"scaling": fields["method"], "scale": listed(fields["scale"]),
-            "train_extent": listed(fields["train_extent"])}
-
-
-def _check_same_task(info: Any, vit_cfg: ViTConfig, trained: Dict[str, Any], tcfg: TrainConfig) -> None:
-    """One-line ``ValueError`` when the data ``info`` describes cannot be scored by a model of ``vit_cfg``."""
-    where = tcfg.data.data_root or tcfg.data.name
-    if int(info.num_classes) != int(vit_cfg.num_classes):
-        raise ValueError(f"{where} has {info.num_classes} classes; the run's model was trained on "
-                         f"{vit_cfg.num_classes}")
-    if int(info.in_chans) != int(vit_cfg.in_chans):
-        raise ValueError(f"{where} has {info.in_chans}-channel images; the run's model takes {vit_cfg.in_chans}")
-    names, had = list(getattr(info, "class_names", None) or []), list(trained.get("class_names") or [])
-    if names and had and names != had:
-        diff = next(f"{a!r} where the run had {b!r}" for a, b in zip(names, had) if a != b)
-        raise ValueError(f"{where}: its classes differ from the run's ({diff}); labels would not match")
 
 
 # ---------------------------------------------------------------------------------------------------------

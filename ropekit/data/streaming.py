@@ -74,6 +74,7 @@ __all__ = [
     "read_manifest",
     "StreamLoader",
     "make_loader",
+    "folder_splits",
     "open_stream",
     "list_streams",
     "is_stream",
@@ -481,6 +482,22 @@ def is_stream(name: str) -> bool:
     return canonical_name(name) in ("folder-stream", "imagefolder-stream", "shards", "wds")
 
 
+def folder_splits(root: PathLike, *, test_fraction: float = 0.2, split_seed: int = 0,
+                  skip_corrupt: bool = False) -> Tuple[ImageFolderStream, ImageFolderStream]:
+    """The training and validation images of a folder, without transforms: ``root/train`` and ``root/val`` as they
+    are (the ImageNet layout), or a flat ``root/<class>/<image>`` split stratified by ``split_seed`` with
+    ``test_fraction`` of each class held out (:func:`ropekit.data.stratified_split`). Every reader of a folder
+    (fixed-size, native resolution, evaluation) holds out the same images."""
+    root = Path(root).expanduser()
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        train = ImageFolderStream(root / "train", skip_corrupt=skip_corrupt)
+        return train, ImageFolderStream(root / "val", classes=train.classes, skip_corrupt=skip_corrupt,
+                                        allow_empty=True)
+    full = ImageFolderStream(root, None, skip_corrupt=skip_corrupt)
+    tr, te = stratified_split(full.labels, test_fraction, split_seed)
+    return full.subset(np.sort(tr)), full.subset(np.sort(te))
+
+
 def open_stream(
     name: str,
     root: PathLike,
@@ -544,15 +561,10 @@ def open_stream(
         val: Any = ShardStream(root_p, split="val", skip_corrupt=skip_corrupt)
         classes = train.classes or []
         num_classes = len(classes) if classes else None
-    elif (root_p / "train").is_dir() and (root_p / "val").is_dir():
-        train = ImageFolderStream(root_p / "train", skip_corrupt=skip_corrupt)
-        val = ImageFolderStream(root_p / "val", classes=train.classes, skip_corrupt=skip_corrupt, allow_empty=True)
-        classes, num_classes = train.classes, len(train.classes)
     else:
-        full = ImageFolderStream(root_p, None, skip_corrupt=skip_corrupt)
-        tr, te = stratified_split(full.labels, test_fraction, split_seed)
-        train, val = full.subset(np.sort(tr)), full.subset(np.sort(te))
-        classes, num_classes = full.classes, len(full.classes)
+        train, val = folder_splits(root_p, test_fraction=test_fraction, split_seed=split_seed,
+                                   skip_corrupt=skip_corrupt)
+        classes, num_classes = train.classes, len(train.classes)
     rgbd = bool(train.depth)
     if len(val) and bool(val.depth) != rgbd:
         raise ValueError(f"{root_p}: the training images {'have' if rgbd else 'have no'} depth maps, the validation "

@@ -552,7 +552,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if target.is_file() and target.suffix.lower() in (".json", ".yaml", ".yml", ".csv", ".png"):
         raise CommandError(f"{args.run_dir} is a file of the run, not a checkpoint: give the run folder "
                            f"({target.parent}) or its checkpoint.pt")
-    from ..classification.trainer import evaluate_run
+    from ..classification.evaluation import evaluate_run
 
     res = evaluate_run(args.run_dir, image_size=args.image_size, offset_std=args.offset_std, seed=args.seed,
                        batch_size=args.batch_size, device=args.device, data=args.data, data_root=args.data_root,
@@ -560,10 +560,13 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        h, w = res["image_size"]
+        if res["image_size"] is None:  # a native-resolution run, packed as it trained
+            at = f"packed at native resolution, up to {res['native_tokens']} tokens per image"
+        else:
+            at = "x".join(map(str, res["image_size"])) + " pixels"
         on = f"{res['data_root'] or res['data']}: " if args.data or args.data_root else ""
         scaled = "" if res["scaling"] == "none" else \
             f", scaling {res['scaling']} (s {max(res['scale']):.3g})"
         print(f"{on}test_acc {res['test_acc']:.4f}  test_loss {res['test_loss']:.4f}  ({res['num_examples']} examples, "
-              f"{h}x{w} pixels, offset std {res['offset_std']:g}, pe {res['pe']}{scaled}, epoch {res['epoch']})")
+              f"{at}, offset std {res['offset_std']:g}, pe {res['pe']}{scaled}, epoch {res['epoch']})")
     return 0
