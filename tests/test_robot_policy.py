@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -279,3 +280,25 @@ def test_auxiliary_loss_is_the_weighted_target_regression():
     torch.testing.assert_close(at_estimate, base)
     with pytest.raises(ValueError, match="no auxiliary head"):
         plain.aux_position(images, state)
+
+
+def test_robot_commands_refuse_missing_and_foreign_files_in_one_line(tmp_path, capsys):
+    """``ropekit robot train --demos`` with no file, a JSON, a single array or another archive, and ``ropekit robot
+    eval`` of a folder without a policy: one line each, before any worker starts (no numpy words about pickles)."""
+    from ropekit.cli import main
+
+    np.save(tmp_path / "array.npy", np.zeros(3))
+    np.savez(tmp_path / "other.npz", a=np.zeros(2))
+    (tmp_path / "notes.json").write_text("{}")
+    cases = [(tmp_path / "missing.npz", "no demonstrations at .*ropekit robot collect"),
+             (tmp_path / "notes.json", "not a demonstrations file.*not an .npz archive"),
+             (tmp_path / "array.npy", "not a demonstrations file.*a single .npy array"),
+             (tmp_path / "other.npz", "not a demonstrations file of `ropekit robot collect`$")]
+    for path, words in cases:
+        assert main(["robot", "train", "--demos", str(path), "--out", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and re.search(words, err) and "pickle" not in err, err
+    assert not (tmp_path / "run").exists()
+    assert main(["robot", "eval", str(tmp_path), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert "no policy checkpoint at" in captured.err and "evaluate" not in captured.err.split("error:")[0]

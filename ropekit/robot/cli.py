@@ -179,7 +179,10 @@ def _train(args: Any) -> int:
 
 def _eval(args: Any) -> int:
     from .evaluate import evaluate_run, format_rate, map_jobs
+    from .train import load_policy
 
+    for run in args.runs:  # (a missing or foreign checkpoint: one line before any worker starts)
+        load_policy(run)
     jobs = [(Path(r).name, str(r), c, args.episodes, args.seed, {"max_steps": args.max_steps})
             for r in args.runs for c in args.conditions]
     rows = map_jobs(evaluate_run, jobs, args.workers, not args.no_progress, "evaluate")

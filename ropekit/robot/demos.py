@@ -258,8 +258,24 @@ def collect_demos(
 
 
 def load_demos(path: Union[str, os.PathLike]) -> Dict[str, Any]:
-    """Load a file written by :func:`collect_demos`; ``config`` is decoded to a :class:`PickConfig`."""
-    with np.load(path, allow_pickle=False) as z:
+    """Load a file written by :func:`collect_demos`; ``config`` is decoded to a :class:`PickConfig`.
+
+    Raises:
+        FileNotFoundError: no such file (one line: how to record one).
+        ValueError: a file that is not such a recording.
+    """
+    if not Path(path).expanduser().is_file():
+        raise FileNotFoundError(f"no demonstrations at {path} (record them with `ropekit robot collect --out FILE`)")
+    what = f"{path} is not a demonstrations file of `ropekit robot collect`"
+    try:
+        z = np.load(Path(path).expanduser(), allow_pickle=False)
+    except (ValueError, OSError) as e:  # (not an .npz: numpy's words are about pickles)
+        raise ValueError(f"{what} (not an .npz archive)") from e
+    if not hasattr(z, "files"):
+        raise ValueError(f"{what} (a single .npy array)")
+    with z:
+        if "config_json" not in z.files or "expert_json" not in z.files:
+            raise ValueError(what)
         data: Dict[str, Any] = {k: z[k] for k in z.files}
     cfg = json.loads(str(data.pop("config_json")))
     for k, v in cfg.items():  # JSON turns tuples into lists
