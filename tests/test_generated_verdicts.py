@@ -28,9 +28,11 @@ def test_claims_page_matches_the_csvs():
     assert _words(committed) == _words(fresh), "regenerate: python -m ropekit_studies.claims docs/results"
     assert committed == fresh, "regenerate: python -m ropekit_studies.claims docs/results"
     assert len(_words(fresh)) >= 4 * 17  # four classification folders of 17 claims each, and retrieval's
-    native, finetune = fresh.split("## native-resolution", 1)[1].split("## resolution-finetune", 1)
+    native, finetune = fresh.split("## native-resolution", 1)[1].split("## resolution-finetune\n", 1)
+    finetune, finetune4 = finetune.split("## resolution-finetune-4x\n", 1)
     assert len(_words(native)) == 9 + 8  # the papers' 9 claims and 4 methods x 2 trainings (from the study's CSV)
     assert len(_words(finetune)) == 3 * 5  # pi - none, yarn - none, yarn - pi for five encodings
+    assert len(_words(finetune4)) == 3 * 4  # the same at 4x for four
 
 
 def test_retrieval_table_matches_its_csv():

@@ -25,7 +25,7 @@ COMMITTED = ["classify", "shuffle", "offset", "resolution", "data-efficiency", "
              "gpu/classify", "retrieval", "owl", "mqa", "resolution-comrope", "classify-normalized", "scale-width", "compute-efficiency-depth6",
              "video-normalized", "robot-ood",
              "data-efficiency-depth6-liere", "retrieval-depth-quick", "native-resolution", "retrieval-depth",
-             "resolution-comrope-paper", "resolution-finetune"]
+             "resolution-comrope-paper", "resolution-finetune", "resolution-finetune-4x"]
 
 
 @pytest.mark.parametrize("study", COMMITTED)

@@ -144,6 +144,8 @@ def _native_section(root: Path, folder: str, what: str) -> List[str]:
 FINETUNE_FOLDERS: Tuple[Tuple[str, str], ...] = (
     ("resolution-finetune", "MNIST, 2 blocks, CPU recipe: the classification's runs (7x7 patches) fine-tuned for "
                             "one epoch at 56 px (14x14) with no scaling, position interpolation or YaRN in place"),
+    ("resolution-finetune-4x", "the same runs of four encodings (axial, RoPE-Mixed, Cayley, Circulant) fine-tuned "
+                               "for one epoch at four times the size, 112 px (28x28), `--factor 4`"),
 )
 
 
@@ -161,7 +163,8 @@ def _finetune_section(root: Path, folder: str, what: str) -> List[str]:
         return []
     seeds = sorted({r["seed"] for r in rows})
     verdicts, paper = finetune_verdicts(rows, list(dict.fromkeys(r["pe"] for r in rows)), seeds)
-    lines = [f"## {folder}", "", f"{what}; test accuracy at 56 px after fine-tuning, paired by seed; seeds "
+    size = rows[0].get("image_size") or "the fine-tuning size"
+    lines = [f"## {folder}", "", f"{what}; test accuracy at {size} px after fine-tuning, paired by seed; seeds "
              f"{_seed_ranges(seeds)}; {len(verdicts)} claims, one Holm family.", "",
              "| claim (first − second) | paper | n | mean ± sd | 95 % interval | Holm p | verdict |",
              "|---|---|---:|---:|---:|---:|---|"]
