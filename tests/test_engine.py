@@ -327,13 +327,14 @@ def test_train_package_exports_its_public_names_only():
 
     import ropekit.classification as task
     import ropekit.train as package
-    from ropekit.classification import config, trainer
+    from ropekit.classification import config, evaluation, trainer
 
     for pkg in (package, task):
         names = {n for n, v in vars(pkg).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)}
         assert names == set(pkg.__all__), pkg.__name__
     assert len(package.__all__) == 16 and len(task.__all__) == 12  # (with the 4 sections of TrainConfig)
     assert not set(package.__all__) & set(task.__all__)
-    assert all(getattr(task, n) is getattr(config if n in config.__all__ else trainer, n) for n in task.__all__)
+    home = {n: m for m in (config, evaluation, trainer) for n in m.__all__}
+    assert all(getattr(task, n) is getattr(home[n], n) for n in task.__all__)
     assert task.TrainConfig is config.TrainConfig and task.train is trainer.train
     assert package.build_optimizer is engine.build_optimizer
