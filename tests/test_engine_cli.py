@@ -52,6 +52,8 @@ def finished(tmp_path_factory):
     (["--warmup-epochs", "-3"], "warmup_epochs must be a finite number >= 0, got -3.0"),
     (["--grad-clip", "nan"], "grad_clip must be a finite number >= 0, got nan"),
     (["--image-size", "10", "--patch-size", "4"], "image size 10 is not a multiple of the patch size 4"),
+    (["--image-size", "3", "--patch-size", "4"], "the last 3 pixels would be cut off): use --image-size 4, or a patch "
+                                                "size that divides 3 (3)"),
     (["--set", "seed=two"], "seed must be an integer, got 'two'"),
     (["--precision", "bf16", "--compile", "maybe"], "unknown torch.compile backend 'maybe'; known:"),
     (["--set", "compile=3"], "compile must be true or false or a string, got 3"),

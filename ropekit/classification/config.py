@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "RunConfig", "check_type", "load_config_file",
            "parse_key_values", "parse_value",
-           "build_vit_config", "split_pending_scaling", "auto_patch_size", "POSITION_FIELDS", "SECTION_TYPES"]
+           "build_vit_config", "split_pending_scaling", "not_divisible", "auto_patch_size", "POSITION_FIELDS", "SECTION_TYPES"]
 
 
 #: The ``ViTConfig`` fields that the ``model`` section states by name (the position encoding and its inputs):
@@ -322,7 +322,7 @@ class TrainConfig:
         if m.patch_size is not None:
             bad_sizes = [v for v in d.augment_sizes if v % m.patch_size]
             if bad_sizes:
-                raise ValueError("augment_sizes: " + _not_divisible(bad_sizes[0], m.patch_size))
+                raise ValueError("augment_sizes: " + not_divisible(bad_sizes[0], m.patch_size))
         for name in ("hflip", "random_erasing"):
             if not 0.0 <= getattr(d, name) <= 1.0:
                 raise ValueError(f"{name} is a probability in [0, 1], got {getattr(d, name)}")
@@ -364,7 +364,7 @@ class TrainConfig:
             if m.patch_size is not None:
                 bad_sizes = [v for v in sizes if v % m.patch_size]
                 if bad_sizes:
-                    raise ValueError(_not_divisible(bad_sizes[0], m.patch_size))
+                    raise ValueError(not_divisible(bad_sizes[0], m.patch_size))
         for name, value in (("pe_options", vit.pe_options), ("data_options", d.data_options),
                             ("model_options", m.options), ("native_options", d.native_options)):
             if not isinstance(value, dict):
@@ -418,12 +418,17 @@ def _default(f: "dataclasses.Field[Any]") -> Any:
 _FIELD_TYPES = {name: typing.get_type_hints(typ) for name, typ in SECTION_TYPES.items()}
 
 
-def _not_divisible(size: int, patch: int) -> str:
+def not_divisible(size: int, patch: int, *, model_patch: bool = False) -> str:
+    """The one-line message for an image ``size`` that ``patch`` does not tile: the nearest sizes that it does, and
+    (unless ``model_patch``: a trained model's patch size, which cannot change) the patch sizes that tile ``size``."""
     lo, hi = size - size % patch, size - size % patch + patch
+    whose = "the model's patch size" if model_patch else "the patch size"
+    text = (f"image size {size} is not a multiple of {whose} {patch} (the last {size % patch} pixels would be cut "
+            f"off): use --image-size {f'{lo} or {hi}' if lo else hi}")
+    if model_patch:
+        return text
     divisors = [p for p in range(1, min(size, 32) + 1) if size % p == 0 and p > 1]
-    return (f"image size {size} is not a multiple of the patch size {patch} (the last {size % patch} pixels would "
-            f"be cut off): use --image-size {lo if lo else hi} or {hi}, or a patch size that divides {size} "
-            f"({', '.join(map(str, divisors)) or 'none'})")
+    return f"{text}, or a patch size that divides {size} ({', '.join(map(str, divisors)) or 'none'})"
 
 
 def check_type(name: str, value: Any, hint: Any, source: str = "options") -> None:
@@ -597,7 +602,7 @@ def build_vit_config(cfg: TrainConfig, info: Any) -> ViTConfig:
     patch = m.patch_size or auto_patch_size(image_size)
     bad = [v for v in image_size if v % patch]
     if bad and m.patch_size:
-        raise ValueError(_not_divisible(bad[0], patch))
+        raise ValueError(not_divisible(bad[0], patch))
     if bad:
         warnings.warn(f"image size {'x'.join(map(str, image_size))} is not a multiple of the automatic patch size "
                       f"{patch}: the model uses the top-left {'x'.join(str(v - v % patch) for v in image_size)} "

@@ -14,7 +14,7 @@ from ..nn.vit import ViTConfig, VisionTransformer
 from ..train.checkpoint import load_model_state
 from ..train.distributed import resolve_device
 from ..train.run_folder import load_run
-from .config import TrainConfig
+from .config import TrainConfig, not_divisible
 from .native import evaluate_native_run
 from .trainer import eval_scaling, evaluate, is_streamed, load_data, open_streamed_data
 
@@ -51,14 +51,15 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
     vit_cfg = ViTConfig.from_dict(ckpt["vit_config"], source=f"checkpoint {ckpt['path']}", strict=False)
     patch = int(vit_cfg.patch_size)
     if image_size is not None and int(image_size) % patch:  # (train refuses such a size too)
-        lo, hi = int(image_size) - int(image_size) % patch, int(image_size) - int(image_size) % patch + patch
-        raise ValueError(f"image size {image_size} is not a multiple of the model's patch size {patch} (the last "
-                         f"{int(image_size) % patch} pixels would be cut off): use --image-size "
-                         f"{f'{lo} or {hi}' if lo else hi}")
+        raise ValueError(not_divisible(int(image_size), patch, model_patch=True))
     if offset_std > 0 and vit_cfg.rotary is None:  # (the model reads no coordinates: the offset would do nothing)
         raise ValueError(f"--offset-std shifts the coordinates of a rotary encoding; this run's model (pe "
                          f"{vit_cfg.pe}) has none")
     other = data is not None or data_root is not None
+    packed = tcfg.data.native_resolution and image_size is None and not other  # as the run evaluated itself
+    if packed and offset_std > 0:
+        raise ValueError("--offset-std: a native-resolution run is evaluated packed, each image at its own grid; "
+                         "give --image-size to evaluate it at one size with offsets")
     if other:
         changes: Dict[str, Any] = {}
         if data is not None:
@@ -79,16 +80,13 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
         if not apply_resolution_scaling(model, scaled):
             raise ValueError(f"resolution scaling acts on a commuting rotary encoding's RoPE form; this run's "
                              f"encoding ({vit_cfg.pe}) has none")
-    base = {"run_dir": str(run_dir), "checkpoint": ckpt["path"], "epoch": int(ckpt.get("epoch", 0)),
-            "data": tcfg.data.name, "data_root": tcfg.data.data_root, "pe": vit_cfg.pe}
-    if tcfg.data.native_resolution and image_size is None and not other:  # packed, as the run evaluated itself
-        if offset_std > 0:
-            raise ValueError("--offset-std: a native-resolution run is evaluated packed, each image at its own "
-                             "grid; give --image-size to evaluate it at one size with offsets")
+    report = {"run_dir": str(run_dir), "checkpoint": ckpt["path"], "epoch": int(ckpt.get("epoch", 0)),
+              "data": tcfg.data.name, "data_root": tcfg.data.data_root, "pe": vit_cfg.pe,
+              "offset_std": float(offset_std), "seed": int(seed), "coord_dim": model.coord_dim,
+              **_scaling_report(scaled, vit_cfg)}
+    if packed:
         res = evaluate_native_run(model, tcfg, patch, dev)
-        return {**base, "image_size": None, "native_tokens": res["eval_tokens"], "offset_std": 0.0,
-                "seed": int(seed), "coord_dim": model.coord_dim, **_scaling_report(scaled, vit_cfg),
-                "test_acc": res["test_acc"], "test_loss": res["test_loss"], "num_examples": res["num_examples"]}
+        return {**report, "image_size": None, "native_tokens": res["eval_tokens"], **_scores(res)}
     if other and is_streamed(tcfg):
         _, test_ds, info = open_streamed_data(tcfg, size, whole=True)
     else:
@@ -101,12 +99,11 @@ def evaluate_run(run_dir: Any, *, image_size: Optional[int] = None, offset_std: 
         offsets = torch.randn(len(test_ds), model.coord_dim, generator=g) * float(offset_std)  # (N_test, c)
     res = evaluate(model, test_ds, batch_size=batch_size or tcfg.run.eval_batch_size, device=dev, offsets=offsets,
                    workers=tcfg.data.workers)
-    return {
-        **base, "image_size": list(info.image_size), "native_tokens": None,
-        "offset_std": float(offset_std), "seed": int(seed), "coord_dim": model.coord_dim,
-        **_scaling_report(scaled, vit_cfg),
-        "test_acc": res["test_acc"], "test_loss": res["test_loss"], "num_examples": res["num_examples"],
-    }
+    return {**report, "image_size": list(info.image_size), "native_tokens": None, **_scores(res)}
+
+
+def _scores(res: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: res[k] for k in ("test_acc", "test_loss", "num_examples")}
 
 
 def _scaling_report(scaled: Optional[ResolutionScaling], vit_cfg: ViTConfig) -> Dict[str, Any]:

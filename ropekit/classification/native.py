@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from ..data._common import canonical_name
 from ..data.native import NativeLoader, NativeOptions
 from ..nn.packing import PackedBatch
 from ..train import engine
@@ -64,7 +65,7 @@ def _check_unread_data_options(cfg: TrainConfig) -> None:
     if unread:
         raise ValueError(f"--native-resolution: {', '.join(unread)} are the fixed-size pipeline's transforms; packed "
                          f"images are resized to their sampled grid and flipped with --native-opt hflip=P")
-    name = d.name.strip().lower().replace("_", "-")
+    name = canonical_name(d.name)
     keep = ("test_fraction",) if name in FOLDER_DATA else ()
     unread = sorted(k for k in d.data_options if k not in keep)
     if unread and name in FOLDER_DATA + SHARD_DATA:
@@ -90,7 +91,7 @@ def native_sources(cfg: TrainConfig) -> Tuple[Dataset, Dataset, Any]:
     docstring)."""
     from ..data import DatasetInfo
 
-    data = cfg.data.name.strip().lower().replace("_", "-")
+    data = canonical_name(cfg.data.name)
     if data in FOLDER_DATA:
         from ..data.streaming import folder_splits
 
@@ -225,7 +226,7 @@ def build_native_task(cfg: TrainConfig, ctx: Optional[DistContext] = None, *, ru
     _check_unread_data_options(cfg)
     _check_option_keys(cfg)  # (before any data is read)
     train_ds, test_ds, info = native_sources(cfg)
-    if cfg.model.patch_size is None and cfg.data.name.strip().lower().replace("_", "-") in FOLDER_DATA + SHARD_DATA:
+    if cfg.model.patch_size is None and canonical_name(cfg.data.name) in FOLDER_DATA + SHARD_DATA:
         cfg = cfg.replace(**{"model.patch_size": 16})
     seed_everything(cfg.run.seed)
     model, vit_cfg = build_model(cfg, info)

@@ -264,11 +264,12 @@ def load_demos(path: Union[str, os.PathLike]) -> Dict[str, Any]:
         FileNotFoundError: no such file (one line: how to record one).
         ValueError: a file that is not such a recording.
     """
-    if not Path(path).expanduser().is_file():
+    file = Path(path).expanduser()
+    if not file.is_file():
         raise FileNotFoundError(f"no demonstrations at {path} (record them with `ropekit robot collect --out FILE`)")
     what = f"{path} is not a demonstrations file of `ropekit robot collect`"
     try:
-        z = np.load(Path(path).expanduser(), allow_pickle=False)
+        z = np.load(file, allow_pickle=False)
     except (ValueError, OSError) as e:  # (not an .npz: numpy's words are about pickles)
         raise ValueError(f"{what} (not an .npz archive)") from e
     if not hasattr(z, "files"):
